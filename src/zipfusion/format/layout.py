@@ -1,0 +1,102 @@
+"""Sizes and index maps of the KV page format (docs/format.md, sections 1 and 3).
+
+Everything that knows *where* a value or a block lives is here, so that the CPU reference
+codec, the Triton codec kernels and the attention kernel agree by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAGE_TOKENS = 16          # tokens per KV page
+BLOCK_VALUES = 512        # values per block
+GROUP_VALUES = 8          # values restored together (one 8-byte + one 4-byte load)
+COMPRESSED_BLOCK_BYTES = 768
+RAW_BLOCK_BYTES = 1024
+RAW_MARK = 0xFF           # metadata byte of a block stored raw
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte geometry of one page for a given number of KV heads and head dim."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"head_dim={self.head_dim} is not supported by the page format; "
+                f"use one of {SUPPORTED_HEAD_DIMS}")
+        if not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 1:
+            raise ValueError(f"num_kv_heads must be a positive int, got {self.num_kv_heads!r}")
+
+    @property
+    def blocks_per_head(self) -> int:
+        """nb: blocks of 512 values per head for K (and as many for V)."""
+        return PAGE_TOKENS * self.head_dim // BLOCK_VALUES
+
+    @property
+    def tokens_per_v_block(self) -> int:
+        return BLOCK_VALUES // self.head_dim
+
+    @property
+    def record_bytes(self) -> int:
+        """M: metadata bytes per (head, K or V): a u32 offset + one byte per block, padded to 8."""
+        return 8 * -(-(4 + self.blocks_per_head) // 8)
+
+    @property
+    def header_bytes(self) -> int:
+        return 2 * self.num_kv_heads * self.record_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in a page, K and V of all heads."""
+        return 2 * self.num_kv_heads * self.blocks_per_head
+
+    @property
+    def open_page_bytes(self) -> int:
+        """Size of an uncompressed page [2, 16, H, D] bf16."""
+        return 2 * PAGE_TOKENS * self.num_kv_heads * self.head_dim * 2
+
+    @property
+    def min_page_bytes(self) -> int:
+        return self.header_bytes + self.num_blocks * COMPRESSED_BLOCK_BYTES
+
+    @property
+    def max_page_bytes(self) -> int:
+        return self.header_bytes + self.num_blocks * RAW_BLOCK_BYTES
+
+    def page_bytes(self, num_compressed_blocks: int) -> int:
+        n_raw = self.num_blocks - num_compressed_blocks
+        return (self.header_bytes + num_compressed_blocks * COMPRESSED_BLOCK_BYTES
+                + n_raw * RAW_BLOCK_BYTES)
+
+
+def to_blocks(pages: torch.Tensor) -> torch.Tensor:
+    """[P, 2, 16, H, D] -> [P, H, 2, nb, 512] in format order (head, K/V, block, value).
+
+    K blocks are channel-grouped (16 tokens x 32 channels, token-major), V blocks are
+    token-grouped (512/D tokens x D channels, token-major).
+    """
+    P, two, T, H, D = pages.shape
+    nb = T * D // BLOCK_VALUES
+    k = pages[:, 0]                                     # [P, T, H, D]
+    k = k.reshape(P, T, H, nb, 32).permute(0, 2, 3, 1, 4).reshape(P, H, nb, BLOCK_VALUES)
+    v = pages[:, 1]
+    v = v.reshape(P, nb, T // nb, H, D).permute(0, 3, 1, 2, 4).reshape(P, H, nb, BLOCK_VALUES)
+    return torch.stack([k, v], dim=2)
+
+
+def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_blocks`: [P, H, 2, nb, 512] -> [P, 2, 16, H, D]."""
+    P, H, two, nb, n = blocks.shape
+    D = nb * BLOCK_VALUES // PAGE_TOKENS
+    k = blocks[:, :, 0].reshape(P, H, nb, PAGE_TOKENS, 32).permute(0, 3, 1, 2, 4)
+    k = k.reshape(P, PAGE_TOKENS, H, D)
+    v = blocks[:, :, 1].reshape(P, H, nb, PAGE_TOKENS // nb, D).permute(0, 2, 3, 1, 4)
+    v = v.reshape(P, PAGE_TOKENS, H, D)
+    return torch.stack([k, v], dim=1)

@@ -1,0 +1,217 @@
+"""Reference codec in plain torch (CPU or CUDA): the definition the kernels are checked against.
+
+The steps follow docs/format.md: split a page into blocks, pick each block's base, pack low
+bytes and 4-bit codes, lay the blocks out behind the metadata. All arithmetic is on integers,
+so decoding gives back every bit pattern exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, GROUP_VALUES, RAW_BLOCK_BYTES,
+                     RAW_MARK, PageLayout, from_blocks, to_blocks)
+
+
+class CorruptPageError(ValueError):
+    """A compressed page whose metadata does not describe a valid page."""
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """bf16 tensor -> its 16-bit patterns as int32 in 0..65535."""
+    return x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def block_base_half(bits: torch.Tensor) -> torch.Tensor:
+    """bits [..., 512] (int32) -> b/2 for compressible blocks, RAW_MARK for raw ones (int32)."""
+    e = (bits >> 7) & 0xFF
+    b = e.amin(-1) & ~1
+    ok = e.amax(-1) <= b + 15
+    return torch.where(ok, b >> 1, torch.full_like(b, RAW_MARK))
+
+
+def encode_blocks(bits: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor:
+    """Block bodies, [..., 1024] uint8; a compressed block uses the first 768 bytes."""
+    lo = bits & 0xFF
+    s = bits >> 15
+    d = ((((bits >> 7) & 0xFF) - 2 * base_half[..., None]) >> 1).clamp(0, 7)
+    s = s.unflatten(-1, (-1, GROUP_VALUES))
+    d = d.unflatten(-1, (-1, GROUP_VALUES))
+    codes = (s[..., :4] << 7) | (s[..., 4:] << 6) | (d[..., 4:] << 3) | d[..., :4]
+    compressed = torch.cat([lo, codes.flatten(-2)], dim=-1).to(torch.uint8)
+    compressed = torch.nn.functional.pad(compressed, (0, RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES))
+    raw = bits.to(torch.int16).contiguous().view(torch.uint8)   # little-endian words
+    is_raw = (base_half == RAW_MARK)[..., None]
+    return torch.where(is_raw, raw, compressed)
+
+
+def decode_blocks(bodies: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_blocks`: bodies [..., 1024] uint8 -> bits [..., 512] int32."""
+    b = bodies.to(torch.int32)
+    raw = b[..., 0::2] | (b[..., 1::2] << 8)
+    lo = b[..., :BLOCK_VALUES]
+    codes = b[..., BLOCK_VALUES:COMPRESSED_BLOCK_BYTES].unflatten(-1, (-1, 4))
+    half = base_half[..., None, None].clamp(max=127)
+    hi_first = (codes & 0x87) + half                                  # values 0..3 of a group
+    hi_last = (((codes << 1) & 0x80) | ((codes >> 3) & 0x07)) + half  # values 4..7
+    hi = torch.cat([hi_first, hi_last], dim=-1).flatten(-2)
+    compressed = (hi << 8) | lo
+    return torch.where((base_half == RAW_MARK)[..., None], raw, compressed)
+
+
+# --------------------------------------------------------------------------------------------
+# Pages
+# --------------------------------------------------------------------------------------------
+
+def _check_pages(pages: torch.Tensor) -> PageLayout:
+    if not isinstance(pages, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor of bfloat16 KV pages, got {type(pages).__name__}")
+    if pages.dtype != torch.bfloat16:
+        raise TypeError(f"KV pages must be torch.bfloat16 (the format is BF16-only), got {pages.dtype}; "
+                        "convert with .to(torch.bfloat16) or run without KV compression")
+    if pages.dim() != 5 or pages.shape[1] != 2 or pages.shape[2] != 16:
+        raise ValueError("expected pages of shape [num_pages, 2, 16, num_kv_heads, head_dim] "
+                         f"(K then V, 16 tokens), got {list(pages.shape)}")
+    if not pages.is_contiguous():
+        raise ValueError("KV pages must be contiguous; call .contiguous() first")
+    return PageLayout(int(pages.shape[3]), int(pages.shape[4]))
+
+
+def analyze_pages(pages: torch.Tensor) -> torch.Tensor:
+    """Per-block b/2 or RAW_MARK, [P, H, 2, nb] int32 (what the metadata will say)."""
+    _check_pages(pages)
+    return block_base_half(_bits(to_blocks(pages)))
+
+
+def page_sizes(pages: torch.Tensor) -> torch.Tensor:
+    """Encoded size in bytes of each page, [P] int64, without encoding."""
+    layout = _check_pages(pages)
+    base_half = analyze_pages(pages)
+    n_compressed = (base_half != RAW_MARK).flatten(1).sum(1).to(torch.int64)
+    return layout.page_bytes(0) - n_compressed * (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)
+
+
+def _block_starts(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """Byte offset of every block from its page's start, [P, NB] int64 (format order)."""
+    sizes = torch.where(base_half.flatten(1) == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
+    sizes = sizes.to(torch.int64)
+    return layout.header_bytes + torch.cumsum(sizes, 1) - sizes
+
+
+def _headers(base_half: torch.Tensor, starts: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """Metadata bytes [P, header_bytes] uint8."""
+    P, H, _, nb = base_half.shape
+    first = starts.view(P, H, 2, nb)[..., 0]                               # [P, H, 2]
+    offset_bytes = torch.stack([(first >> (8 * i)) & 0xFF for i in range(4)], -1)
+    pad = layout.record_bytes - 4 - nb
+    records = torch.cat([offset_bytes, base_half.to(torch.int64),
+                         offset_bytes.new_zeros(P, H, 2, pad)], -1)
+    return records.reshape(P, layout.header_bytes).to(torch.uint8)
+
+
+def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch.Tensor) -> torch.Tensor:
+    """Encode pages [P, 2, 16, H, D] into the uint8 buffer ``out`` at byte offsets ``dst_offsets``.
+
+    Returns each page's encoded size ([P] int64). ``out`` must have room: use
+    :func:`page_sizes` to size the destinations first.
+    """
+    layout = _check_pages(pages)
+    bits = _bits(to_blocks(pages))
+    base_half = block_base_half(bits)
+    bodies = encode_blocks(bits, base_half)
+    P = pages.shape[0]
+    starts = _block_starts(base_half, layout)
+    sizes = torch.where(base_half.flatten(1) == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
+    total = layout.header_bytes + sizes.sum(1).to(torch.int64)
+    dst = dst_offsets.to(device=out.device, dtype=torch.int64).view(P, 1)
+    if P and int((dst.view(-1) + total.to(dst.device)).max()) > out.numel():
+        raise ValueError("destination buffer too small for the encoded pages")
+    hdr_idx = dst + torch.arange(layout.header_bytes, device=out.device)
+    out[hdr_idx.flatten()] = _headers(base_half, starts, layout).flatten().to(out.device)
+    pos = torch.arange(RAW_BLOCK_BYTES, device=pages.device)
+    keep = pos < sizes[..., None]                                          # [P, NB, 1024]
+    idx = dst.to(pages.device)[..., None] + starts[..., None] + pos
+    out[idx[keep].to(out.device)] = bodies.flatten(1, 3)[keep].to(out.device)
+    return total
+
+
+def encode_page(kv: torch.Tensor) -> torch.Tensor:
+    """One page [2, 16, H, D] bf16 -> 1-D uint8 tensor (metadata + blocks), same device."""
+    if isinstance(kv, torch.Tensor) and kv.dim() != 4:
+        raise ValueError(f"expected one page of shape [2, 16, num_kv_heads, head_dim], got {list(kv.shape)}")
+    pages = kv[None] if isinstance(kv, torch.Tensor) else kv
+    size = int(page_sizes(pages)[0])
+    out = torch.empty(size, dtype=torch.uint8, device=kv.device)
+    encode_pages_into(pages, out, torch.zeros(1, dtype=torch.int64))
+    return out
+
+
+def read_headers(buf: torch.Tensor, offsets: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parse and check the metadata of pages at ``offsets`` in ``buf``.
+
+    Returns (base_half [P, H, 2, nb] int32, block starts [P, NB] int64). Raises CorruptPageError
+    when a record is malformed or a page would extend past the buffer.
+    """
+    P = offsets.numel()
+    H, nb, M = layout.num_kv_heads, layout.blocks_per_head, layout.record_bytes
+    offsets = offsets.to(device=buf.device, dtype=torch.int64).view(P, 1)
+    if P and (int(offsets.min()) < 0 or int(offsets.max()) + layout.header_bytes > buf.numel()):
+        raise CorruptPageError("page location outside the buffer")
+    hdr = buf[offsets + torch.arange(layout.header_bytes, device=buf.device)].to(torch.int64)
+    rec = hdr.view(P, H, 2, M)
+    base_half = rec[..., 4:4 + nb]
+    if bool(((base_half > 127) & (base_half != RAW_MARK)).any()):
+        raise CorruptPageError("metadata holds a block byte that is neither b/2 (0..127) nor 0xFF (raw)")
+    if bool((rec[..., 4 + nb:] != 0).any()):
+        raise CorruptPageError("metadata padding bytes are not zero")
+    first = rec[..., 0] | (rec[..., 1] << 8) | (rec[..., 2] << 16) | (rec[..., 3] << 24)
+    starts = _block_starts(base_half, layout)
+    if not torch.equal(first, starts.view(P, H, 2, nb)[..., 0]):
+        raise CorruptPageError("metadata block offsets are not contiguous after the header")
+    return base_half.to(torch.int32), starts
+
+
+def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int, head_dim: int,
+                 sizes: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode the pages at byte ``offsets`` of ``buf`` -> [P, 2, 16, H, D] bf16 on buf's device.
+
+    If ``sizes`` is given, each page must end exactly there (CorruptPageError otherwise).
+    """
+    layout = PageLayout(num_kv_heads, head_dim)
+    _check_buffer(buf)
+    base_half, starts = read_headers(buf, offsets, layout)
+    P = offsets.numel()
+    block_sizes = torch.where(base_half.flatten(1) == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
+    ends = starts[:, -1] + block_sizes[:, -1] if P else starts.new_zeros(0)
+    offs = offsets.to(device=buf.device, dtype=torch.int64).view(P)
+    if P and int((offs + ends).max()) > buf.numel():
+        raise CorruptPageError("page metadata describes blocks past the end of the buffer")
+    if sizes is not None and not torch.equal(ends, sizes.to(ends)):
+        raise CorruptPageError("page metadata does not match the page's length")
+    pos = torch.arange(RAW_BLOCK_BYTES, device=buf.device)
+    idx = (offs[:, None, None] + starts[..., None] + pos).clamp(max=max(buf.numel() - 1, 0))
+    bodies = buf[idx].view(P, layout.num_kv_heads, 2, layout.blocks_per_head, RAW_BLOCK_BYTES)
+    bits = decode_blocks(bodies, base_half)
+    return from_blocks(bits.to(torch.int16).view(torch.bfloat16))
+
+
+def decode_page(buf: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """1-D uint8 page -> [2, 16, H, D] bf16, bitwise equal to what was encoded."""
+    _check_buffer(buf)
+    offsets = torch.zeros(1, dtype=torch.int64, device=buf.device)
+    sizes = torch.full((1,), buf.numel(), dtype=torch.int64)
+    return decode_pages(buf, offsets, num_kv_heads, head_dim, sizes=sizes)[0]
+
+
+def _check_buffer(buf: torch.Tensor) -> None:
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"expected a uint8 torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise TypeError(f"compressed pages live in a 1-D torch.uint8 tensor, got {buf.dtype} "
+                        f"with shape {list(buf.shape)}")
+    if not buf.is_contiguous():
+        raise ValueError("the compressed buffer must be contiguous")
