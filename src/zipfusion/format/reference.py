@@ -141,8 +141,9 @@ def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch
 
 def encode_page(kv: torch.Tensor) -> torch.Tensor:
     """One page [2, 16, H, D] bf16 -> 1-D uint8 tensor (metadata + blocks), same device."""
-    if isinstance(kv, torch.Tensor) and kv.dim() != 4:
-        raise ValueError(f"expected one page of shape [2, 16, num_kv_heads, head_dim], got {list(kv.shape)}")
+    if isinstance(kv, torch.Tensor) and (kv.dim() != 4 or kv.shape[:2] != (2, 16)):
+        raise ValueError("expected one page of shape [2, 16, num_kv_heads, head_dim] (K then V, "
+                         f"16 tokens), got {list(kv.shape)}")
     pages = kv[None] if isinstance(kv, torch.Tensor) else kv
     size = int(page_sizes(pages)[0])
     out = torch.empty(size, dtype=torch.uint8, device=kv.device)

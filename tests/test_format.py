@@ -1,0 +1,245 @@
+"""The page format's reference codec: bit-exact for every pattern, the block rule, the bytes."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
+from zipfusion.format import (RAW_MARK, CorruptPageError, PageLayout, analyze_pages, decode_page,
+                              decode_pages, encode_page, encode_pages_into, from_blocks, page_sizes,
+                              to_blocks)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def bits(x):
+    return x.view(torch.int16)
+
+
+def pages_from_block_bits(block_bits, num_kv_heads=1, head_dim=128):
+    """[n_blocks, 512] int patterns -> pages whose blocks, in format order, are those blocks."""
+    layout = PageLayout(num_kv_heads, head_dim)
+    per_page = layout.num_blocks
+    n = block_bits.shape[0]
+    pad = (-n) % per_page
+    if pad:   # fill the last page by repeating blocks
+        block_bits = torch.cat([block_bits, block_bits[torch.arange(pad) % n]])
+    x = block_bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x.view(-1, num_kv_heads, 2, layout.blocks_per_head, 512)
+    return from_blocks(x).contiguous()
+
+
+def roundtrip_batch(pages, device="cpu"):
+    pages = pages.to(device)
+    sizes = page_sizes(pages)
+    # scatter the pages in a buffer, in reverse order and with gaps
+    gaps = 16 * torch.arange(1, len(sizes) + 1)
+    ends = torch.cumsum(sizes.flip(0) + gaps, 0)
+    offsets = (ends - sizes.flip(0)).flip(0)
+    buf = torch.full((int(ends[-1]) + 64,), 0xAB, dtype=torch.uint8, device=device)
+    written = encode_pages_into(pages, buf, offsets)
+    assert torch.equal(written.cpu(), sizes.cpu())
+    out = decode_pages(buf, offsets, pages.shape[3], pages.shape[4], sizes=sizes)
+    assert torch.equal(bits(out).cpu(), bits(pages).cpu())
+    return out
+
+
+ALL_PATTERNS = torch.arange(65536, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_pattern_in_compressible_blocks(device):
+    # blocks of 512 consecutive patterns span at most 4 exponents: every block compresses
+    pages = pages_from_block_bits(ALL_PATTERNS.view(-1, 512))
+    assert bool((analyze_pages(pages) != RAW_MARK).all())
+    roundtrip_batch(pages, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_pattern_at_the_largest_offset(device):
+    # one block per exponent e: its 256 patterns (both signs, all fractions) next to fillers
+    # with exponent f = (e - 14) & ~1, so the patterns sit at d = 7 (the top of the code range)
+    blocks = []
+    for e in range(256):
+        pats = torch.arange(256, dtype=torch.int32)
+        sign, frac = pats >> 7, pats & 0x7F
+        values = (sign << 15) | (e << 7) | frac
+        f = max(e - 14, 0) & ~1
+        fill = (f << 7) | torch.arange(256, dtype=torch.int32) % 128
+        blocks.append(torch.cat([values, fill]))
+    pages = pages_from_block_bits(torch.stack(blocks))
+    base = analyze_pages(pages).flatten()[:256]
+    assert bool((base != RAW_MARK).all())
+    roundtrip_batch(pages, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_pattern_in_raw_blocks(device):
+    g = torch.Generator().manual_seed(1)
+    shuffled = ALL_PATTERNS[torch.randperm(65536, generator=g)]
+    pages = pages_from_block_bits(shuffled.view(-1, 512))
+    assert bool((analyze_pages(pages) == RAW_MARK).all())
+    roundtrip_batch(pages, device)
+
+
+@pytest.mark.parametrize("lo,hi,compressible", [
+    (120, 135, True),    # span 15 from an even base
+    (120, 136, False),   # span 16
+    (120, 137, False),   # span 17
+    (121, 135, True),    # odd minimum: b = 120, max = b + 15
+    (121, 136, False),   # span 15 from an odd minimum still exceeds b + 15
+    (0, 15, True),       # zeros / subnormals with small normals
+    (0, 16, False),      # a zero next to exponent 16
+    (240, 255, True),    # inf / NaN next to huge normals
+    (239, 255, False),
+])
+def test_exponent_span_rule(lo, hi, compressible):
+    g = torch.Generator().manual_seed(lo * 1000 + hi)
+    e = torch.randint(lo, hi + 1, (512,), generator=g)
+    e[0], e[1] = lo, hi
+    pattern = (torch.randint(0, 2, (512,), generator=g) << 15) | (e << 7) | torch.randint(0, 128, (512,), generator=g)
+    pages = pages_from_block_bits(pattern[None])
+    assert (int(analyze_pages(pages).flatten()[0]) != RAW_MARK) == compressible
+    roundtrip_batch(pages)
+
+
+@pytest.mark.parametrize("value", [0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7FC1, 0xFFFF, 0x3F80, 0xBF80])
+def test_all_equal_blocks(value):
+    # +0, -0, subnormals, +-inf, NaNs with payloads, +-1
+    pages = pages_from_block_bits(torch.full((1, 512), value, dtype=torch.int32))
+    assert int(analyze_pages(pages).flatten()[0]) != RAW_MARK
+    out = roundtrip_batch(pages)
+    assert int(bits(out).flatten()[0]) & 0xFFFF == value
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads", [1, 3, 8])
+def test_realistic_kv_roundtrip(device, head_dim, heads):
+    pages = realistic_pages(6, heads, head_dim, seed=head_dim + heads)
+    roundtrip_batch(pages, device)
+    for page in pages:
+        buf = encode_page(page.to(device))
+        assert buf.device.type == device and buf.dtype == torch.uint8 and buf.dim() == 1
+        assert torch.equal(bits(decode_page(buf, heads, head_dim)).cpu(), bits(page))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_sizes_follow_the_compressible_fraction(fraction):
+    layout = PageLayout(8, 128)
+    pages = pages_with_fraction(4, 8, 128, fraction)
+    compressed = int((analyze_pages(pages) != RAW_MARK).sum())
+    assert compressed == round(fraction * 4 * layout.num_blocks)
+    assert int(page_sizes(pages).sum()) == 4 * layout.page_bytes(0) - compressed * 256
+    roundtrip_batch(pages)
+
+
+def test_block_grouping_maps():
+    # K block j = channels 32j..32j+31 of all tokens; V block j = tokens 4j..4j+3 (D = 128)
+    x = torch.arange(2 * 16 * 2 * 128, dtype=torch.float32).view(1, 2, 16, 2, 128)
+    blocks = to_blocks(x)
+    assert blocks.shape == (1, 2, 2, 4, 512)
+    assert torch.equal(blocks[0, 1, 0, 2].view(16, 32), x[0, 0, :, 1, 64:96])
+    assert torch.equal(blocks[0, 1, 1, 3].view(4, 128), x[0, 1, 12:16, 1, :])
+    assert torch.equal(from_blocks(blocks), x)
+
+
+def test_worked_example():
+    # docs/format.md section 4: K block 0 of head 0 has exponents 120..133
+    page = torch.full((2, 16, 1, 128), 0x3C00, dtype=torch.int32)      # exponent 120
+    page[0, 0, 0, 2] = 0x4280                                          # exponent 133
+    page[0, 0, 0, 0] = 0xBF95                                          # v = 0
+    page[0, 0, 0, 4] = 0xC123                                          # v = 4
+    kv = page.to(torch.int16).view(torch.bfloat16)
+    buf = encode_page(kv)
+    assert buf[:5].tolist() == [0x10, 0x00, 0x00, 0x00, 60]          # offset 16, b/2 = 60
+    assert buf[16 + 0] == 0x95 and buf[16 + 4] == 0x23                  # low bytes untouched
+    assert buf[16 + 512] == 0xEB                                        # the code byte of the example
+    v_offset = int.from_bytes(bytes(buf[8:12].tolist()), "little")
+    assert v_offset == 16 + 4 * 768
+    assert buf.numel() == 16 + 8 * 768
+    assert torch.equal(bits(decode_page(buf, 1, 128)), bits(kv))
+
+
+# ------------------------------------------------------------------------------ hypothesis
+
+@st.composite
+def structured_pages(draw):
+    heads = draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([64, 128, 256]))
+    n = 2 * 16 * heads * head_dim
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    base = draw(st.integers(0, 255))
+    span = draw(st.integers(0, 20))
+    e = (base + torch.randint(0, span + 1, (n,), generator=g)).clamp(max=255)
+    sign = torch.randint(0, 2, (n,), generator=g)
+    frac = torch.randint(0, 128, (n,), generator=g)
+    pattern = (sign << 15) | (e << 7) | frac
+    return pattern.to(torch.int16).view(torch.bfloat16).view(2, 16, heads, head_dim)
+
+
+@settings(max_examples=60, deadline=None)
+@given(structured_pages())
+def test_property_roundtrip_and_rule(kv):
+    heads, head_dim = kv.shape[2], kv.shape[3]
+    buf = encode_page(kv)
+    assert torch.equal(bits(decode_page(buf, heads, head_dim)), bits(kv))
+    e = (to_blocks(kv[None]).view(torch.int16).to(torch.int32) >> 7) & 0xFF
+    b = e.amin(-1) & ~1
+    expect = torch.where(e.amax(-1) <= b + 15, b // 2, RAW_MARK)
+    assert torch.equal(analyze_pages(kv[None]), expect)
+    n_c = int((expect != RAW_MARK).sum())
+    assert buf.numel() == PageLayout(heads, head_dim).page_bytes(n_c)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+def test_bad_inputs_are_named():
+    kv = realistic_pages(1, 2, 128)[0]
+    with pytest.raises(TypeError, match="bfloat16"):
+        encode_page(kv.float())
+    with pytest.raises(ValueError, match=r"\[2, 16, num_kv_heads, head_dim\]"):
+        encode_page(kv[:, :8])
+    with pytest.raises(ValueError, match="head_dim=96"):
+        encode_page(torch.zeros(2, 16, 2, 96, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        encode_page(kv.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        encode_page(kv.tolist())
+    buf = encode_page(kv)
+    with pytest.raises(TypeError, match="uint8"):
+        decode_page(buf.to(torch.int8), 2, 128)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_page(buf, 2, 100)
+
+
+def corrupt(buf, index, value):
+    out = buf.clone()
+    out[index] = value
+    return out
+
+
+def test_corrupt_metadata_is_detected_not_read_past():
+    kv = pages_with_fraction(1, 2, 128, 0.5)[0]
+    buf = encode_page(kv)
+    base = analyze_pages(kv[None]).flatten()
+    raw_byte = 4 + int((base[:4] == RAW_MARK).nonzero()[0]) if bool((base[:4] == RAW_MARK).any()) else None
+    cases = {
+        "bad block byte": corrupt(buf, 4, 0x80),
+        "bad offset": corrupt(buf, 0, int(buf[0]) + 16),
+        "truncated": buf[:-100].clone(),
+        "extended": torch.cat([buf, torch.zeros(16, dtype=torch.uint8)]),
+    }
+    if raw_byte is not None:   # a raw block relabelled as compressed changes the page length
+        cases["raw relabelled"] = corrupt(buf, raw_byte, 60)
+    for name, bad in cases.items():
+        with pytest.raises(CorruptPageError):
+            decode_page(bad, 2, 128)
+    # D = 64: records carry 2 padding bytes, which must stay zero
+    buf64 = encode_page(pages_with_fraction(1, 1, 64, 1.0)[0])
+    with pytest.raises(CorruptPageError, match="padding"):
+        decode_page(corrupt(buf64, 7, 1), 1, 64)
+    # a header that claims more bytes than the arena holds
+    with pytest.raises(CorruptPageError):
+        decode_pages(buf, torch.tensor([buf.numel() - 8]), 2, 128)
