@@ -1,0 +1,25 @@
+"""The README's quick start and CI stay in step."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quick_start_commands():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)
+
+
+def test_readme_has_two_quick_start_commands():
+    commands = quick_start_commands()
+    assert len(commands) == 2
+    assert commands[0].strip().endswith("zipfusion demo")
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = quick_start_commands()[1].strip()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_command in ci
