@@ -1,0 +1,39 @@
+"""The analyzer's numbers agree with the codec's."""
+
+import pytest
+import torch
+
+from zipfusion.analysis.kv_stats import analyze_kv
+from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
+from zipfusion.format import RAW_MARK, analyze_pages, page_sizes
+
+
+def as_layer(pages):  # [P, 2, 16, H, D] -> K, V as [tokens, H, D]
+    P, _, T, H, D = pages.shape
+    kv = pages.transpose(0, 1).reshape(2, P * T, H, D)
+    return kv[0], kv[1]
+
+
+def test_report_matches_codec(tmp_path):
+    layers = [realistic_pages(20, 2, 128, seed=s) for s in range(3)] + [pages_with_fraction(20, 2, 128, 0.5)]
+    report = analyze_kv([as_layer(p) for p in layers])
+    for stats, pages in zip(report.layers, layers):
+        base = analyze_pages(pages)
+        assert stats.key_fraction == pytest.approx(float((base[:, :, 0] != RAW_MARK).float().mean()))
+        assert stats.value_fraction == pytest.approx(float((base[:, :, 1] != RAW_MARK).float().mean()))
+        assert stats.compressed_bytes == int(page_sizes(pages).sum())
+    assert report.layers[3].key_fraction + report.layers[3].value_fraction == pytest.approx(1.0)
+    assert 0.75 < report.size_ratio < 1.0
+    assert "compressible blocks" in report.render()
+    report.plot(str(tmp_path / "kv.png"))
+    assert (tmp_path / "kv.png").stat().st_size > 1000
+
+
+def test_partial_page_is_left_out_and_bad_input_named():
+    k, v = as_layer(realistic_pages(2, 1, 64))
+    report = analyze_kv([(k[:40], v[:40])])
+    assert report.pages == 2
+    with pytest.raises(ValueError, match="one full page"):
+        analyze_kv([(k[:10], v[:10])])
+    with pytest.raises(TypeError, match="bfloat16"):
+        analyze_kv([(k.float(), v.float())])
