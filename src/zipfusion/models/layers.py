@@ -1,0 +1,144 @@
+"""Building blocks: RMSNorm, rotary embedding, tensor-parallel-ready linear layers.
+
+Linear layers follow the Megatron split. A *column-parallel* layer keeps rows
+``rank·n/tp .. (rank+1)·n/tp`` of every fused output part (q|k|v, gate|up) and needs no
+communication; a *row-parallel* layer keeps the matching input columns and all-reduces its
+partial sums. Each parameter has a ``weight_loader(param, loaded, shard)`` that cuts the full
+checkpoint tensor down to this rank's part, so the loader stays the same at any TP size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import RopeConfig
+from .parallel import tp
+
+
+class RMSNorm(nn.Module):
+    """y = w · x / sqrt(mean(x²) + eps), statistics in fp32 (as in transformers)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ (+ b) with W's output rows split over ranks; ``output_sizes`` fuses several
+    projections (q|k|v or gate|up) into one GEMM, each part split separately."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        super().__init__()
+        t = tp()
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [_divide(n, t.size, "output size") for n in output_sizes]
+        self.in_features = in_features
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
+        self.weight.weight_loader = self.weight_loader
+        self.weight.num_parts = len(output_sizes)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)))
+            self.bias.weight_loader = self.weight_loader
+            self.bias.num_parts = len(output_sizes)
+        else:
+            self.bias = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        t = tp()
+        size = self.local_sizes[shard]
+        if loaded.shape[0] != self.output_sizes[shard] or (param.dim() == 2 and loaded.shape[1] != self.in_features):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit part {shard} "
+                             f"({self.output_sizes[shard]} x {self.in_features})")
+        start = sum(self.local_sizes[:shard])
+        param.data[start:start + size].copy_(loaded[t.rank * size:(t.rank + 1) * size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_ranks x_r W_rᵀ (+ b): W's input columns split over ranks, partial sums all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        t = tp()
+        self.in_features, self.out_features = in_features, out_features
+        self.local_in = _divide(in_features, t.size, "input size")
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if param.dim() == 1:
+            param.data.copy_(loaded)
+            return
+        if tuple(loaded.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                             f"({self.out_features} x {self.in_features})")
+        r = tp().rank
+        param.data.copy_(loaded[:, r * self.local_in:(r + 1) * self.local_in])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp().all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies θ^(-2i/D), i < D/2, with llama3 / linear scaling (fp32).
+
+    llama3: wavelengths λ = 2π/f longer than L/low are divided by ``factor``, shorter than
+    L/high are kept, and in between f is blended: (1-s)·f/factor + s·f with
+    s = (L/λ - low)/(high - low), L = original_max_position_embeddings.
+    """
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type != "llama3":
+        return inv
+    L, lo, hi, factor = (rope.original_max_position_embeddings, rope.low_freq_factor,
+                         rope.high_freq_factor, rope.factor)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > L / lo, inv / factor, inv)
+    smooth = (L / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < L / hi) * ~(wavelen > L / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate q and k by position: x·cos + rotate_half(x)·sin, half-split (Llama/Qwen) layout."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, D/2] fp32
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D]; cos/sin [T, D]."""
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos[:, None, :] + rot * sin[:, None, :]

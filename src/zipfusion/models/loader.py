@@ -1,0 +1,166 @@
+"""Finding, loading and randomly initialising models.
+
+A model is named by a checkpoint folder (config.json + *.safetensors, sharded with
+``model.safetensors.index.json`` or not), by ``"demo"`` (the tiny model shipped in
+``zipfusion/models/demo``) or by a shipped config with random weights
+(``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``; see :data:`RANDOM_MODELS`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig, load_config
+from .llama import STACKED, CausalLM
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEMO_DIR = PACKAGE_DIR / "demo"
+CONFIG_DIR = PACKAGE_DIR / "configs"
+RANDOM_MODELS = {
+    "llama-3.1-8b-random": CONFIG_DIR / "llama-3.1-8b.json",
+    "qwen3-8b-random": CONFIG_DIR / "qwen3-8b.json",
+}
+INIT_STD = 0.02
+
+
+@dataclass
+class ModelSource:
+    name: str
+    config_path: Path
+    weights_dir: Path | None        # None: random weights
+    tokenizer_dir: Path | None
+
+
+def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
+    """Name or path -> where config, weights and tokenizer are. ``load_format="random"``
+    ignores any weights and initialises randomly from the config."""
+    if load_format not in ("auto", "safetensors", "random"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'random', got {load_format!r}")
+    name = str(model)
+    if name == "demo":
+        if not (DEMO_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the demo model is missing from the package ({DEMO_DIR}); "
+                                    "reinstall zipfusion")
+        path = DEMO_DIR
+    elif name.lower() in RANDOM_MODELS:
+        return ModelSource(name.lower(), RANDOM_MODELS[name.lower()], None, None)
+    else:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model {name!r}: no such folder; pass a checkpoint folder (config.json + *.safetensors), "
+                f"'demo', or one of {sorted(RANDOM_MODELS)}")
+    if path.is_file():
+        if path.name.endswith(".json"):
+            return ModelSource(name, path, None, None)
+        raise ValueError(f"model {name!r} is a file; pass the checkpoint folder instead")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json")
+    has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if load_format == "random":
+        return ModelSource(name, path / "config.json", None, path if has_tok else None)
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model folder {path} has no *.safetensors weights "
+                                "(pass load_format='random' for random weights)")
+    return ModelSource(name, path / "config.json", path, path if has_tok else None)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's weight files: those the index names, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard(s) that are missing: {missing}")
+        return [folder / f for f in files]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
+def _target(name: str) -> tuple[str, int]:
+    for frag, (fused, part) in STACKED.items():
+        if f".{frag}." in name:
+            return name.replace(frag, fused), part
+    return name, 0
+
+
+def load_weights(model: CausalLM, folder: Path) -> None:
+    """Fill ``model`` from the safetensors in ``folder``; every parameter must be found."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    done: set[tuple[str, int]] = set()
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb" in name:
+                    continue
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue                                   # tied: embed_tokens is the head
+                target, part = _target(name)
+                if target not in params:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
+                param = params[target]
+                loaded = f.get_tensor(name).to(param.dtype)
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    loader(param, loaded.to(param.device), part)
+                else:
+                    if tuple(loaded.shape) != tuple(param.shape):
+                        raise ValueError(f"{file.name}: {name} has shape {tuple(loaded.shape)}, "
+                                         f"expected {tuple(param.shape)}")
+                    param.data.copy_(loaded)
+                done.add((target, part))
+    missing = []
+    for pname, p in params.items():
+        parts = getattr(p, "num_parts", 1)
+        missing += [f"{pname}[{i}]" if parts > 1 else pname for i in range(parts) if (pname, i) not in done]
+    if missing:
+        raise ValueError(f"checkpoint {folder} lacks weights for: {missing[:8]}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD) -> None:
+    """Normal(0, std) for matrices and embeddings, ones for norms, zeros for biases."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                seed: int = 0) -> CausalLM:
+    """Construct the model on ``device`` in ``dtype`` and load or randomly initialise its weights."""
+    if isinstance(source, str):
+        source = resolve_model(source)
+    cfg = load_config(source.config_path)
+    with torch.device(device):
+        model = CausalLM(cfg)
+    model.to(dtype=dtype)
+    model.rotary.inv_freq = model.rotary.inv_freq.float()        # rope frequencies stay fp32
+    if source.weights_dir is None:
+        random_init(model, seed=seed)
+    else:
+        load_weights(model, source.weights_dir)
+    return model.eval().requires_grad_(False)
+
+
+def model_config(source: ModelSource | str) -> ModelConfig:
+    if isinstance(source, str):
+        source = resolve_model(source)
+    return load_config(source.config_path)

@@ -1,0 +1,56 @@
+"""Tokenizer loading: transformers' AutoTokenizer when the folder has a tokenizer_config.json
+(chat template included), else a bare tokenizer.json through the ``tokenizers`` library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Tokenizer:
+    """encode / decode / chat template over either backend."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        self._hf = None
+        self._tok = None
+        if (folder / "tokenizer_config.json").is_file():
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise ImportError("loading this tokenizer needs transformers: pip install 'zipfusion[models]'") from None
+            self._hf = AutoTokenizer.from_pretrained(str(folder))
+        elif (folder / "tokenizer.json").is_file():
+            try:
+                from tokenizers import Tokenizer as RawTokenizer
+            except ImportError:
+                raise ImportError("loading this tokenizer needs tokenizers: pip install 'zipfusion[models]'") from None
+            self._tok = RawTokenizer.from_file(str(folder / "tokenizer.json"))
+        else:
+            raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {folder}")
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"prompt must be a str, got {type(text).__name__}")
+        if self._hf is not None:
+            return list(self._hf.encode(text))
+        return list(self._tok.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple:
+        if self._hf is not None and self._hf.eos_token_id is not None:
+            return (int(self._hf.eos_token_id),)
+        return ()
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._hf is None or not getattr(self._hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def load_tokenizer(folder: str | Path | None) -> Tokenizer | None:
+    return None if folder is None else Tokenizer(folder)
