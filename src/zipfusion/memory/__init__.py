@@ -1,0 +1,13 @@
+"""The KV memory manager: arena, chunk pool, open groups, packed space, page table.
+
+``KVCacheManager`` is the entry point (docs/design.md, "Memory manager"); ``Admission`` gives
+the scheduler its admission numbers; ``MemoryExhausted`` is the preemption signal.
+"""
+
+from .admission import Admission, RunningRequest, pages_for_tokens
+from .errors import MemoryExhausted
+from .manager import KVCacheManager
+from .stats import LayerStats, MemoryStats
+
+__all__ = ["Admission", "KVCacheManager", "LayerStats", "MemoryExhausted", "MemoryStats",
+           "RunningRequest", "pages_for_tokens"]

@@ -1,0 +1,99 @@
+"""The chunk pool: free fixed-size chunks of the arena that any layer may take.
+
+The arena is cut into ``num_chunks`` chunks of ``chunk_bytes``. A chunk is either in a pool
+(free), *pending* (freed by a layer while kernels enqueued before the free may still read it),
+or owned by a layer (an open-page group chunk or a packed chunk of compressed pages).
+
+Shared mode: one pool for all layers (a chunk freed by layer 3 can serve layer 17).
+Static mode (``shared=False``, the "no pool" baseline): chunk ``c`` belongs for ever to layer
+``c // (num_chunks // num_layers)``; leftover chunks are never used.
+
+Reads in flight: on CUDA, ``release`` records an event on the current stream; the chunk only
+re-enters its pool once that event has completed (``event.query()``), so a kernel that was
+enqueued before the free and still reads the chunk cannot see another layer's bytes. When a
+pool is empty and chunks are pending, ``take`` waits for the oldest pending event. On CPU (and
+for the accounting-only ``meta`` device) chunks return at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class ChunkPool:
+    def __init__(self, num_chunks: int, num_layers: int, shared: bool, device: torch.device):
+        self.num_chunks = num_chunks
+        self.num_layers = num_layers
+        self.shared = shared
+        self.device = torch.device(device)
+        self.num_pools = 1 if shared else num_layers
+        if shared:
+            ranges = [range(num_chunks)]
+        else:
+            per = num_chunks // num_layers
+            ranges = [range(layer * per, (layer + 1) * per) for layer in range(num_layers)]
+        # stacks: pop() gives the lowest chunk index first (keeps the arena's low end busy)
+        self._free = [list(reversed(r)) for r in ranges]
+        self.chunks_per_pool = [len(r) for r in ranges]
+        self._pending: deque = deque()          # (chunk, pool, event)
+        self._pending_count = [0] * self.num_pools
+
+    def pool_of(self, layer: int) -> int:
+        return 0 if self.shared else layer
+
+    def available(self, pool: int) -> int:
+        """Chunks this pool can hand out (free now or once pending reads finish)."""
+        return len(self._free[pool]) + self._pending_count[pool]
+
+    def free_now(self, pool: int) -> int:
+        return len(self._free[pool])
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _collect(self, wait_for_pool: int | None = None) -> None:
+        """Move pending chunks whose event completed back to their pool.
+
+        With ``wait_for_pool`` set and that pool empty, wait for its oldest pending chunk.
+        """
+        while self._pending:
+            chunk, pool, event = self._pending[0]
+            done = event is None or event.query()
+            if not done and wait_for_pool is not None and pool == wait_for_pool \
+                    and not self._free[wait_for_pool]:
+                event.synchronize()
+                done = True
+            if not done:
+                break
+            self._pending.popleft()
+            self._pending_count[pool] -= 1
+            self._free[pool].append(chunk)
+
+    def take(self, pool: int) -> int:
+        """A free chunk of ``pool``. The caller checked ``available(pool) > 0``."""
+        if not self._free[pool]:
+            self._collect(wait_for_pool=pool)
+        if not self._free[pool]:
+            # pending chunks of this pool sit behind other pools' events in the queue
+            for i, (chunk, p, event) in enumerate(self._pending):
+                if p == pool:
+                    if event is not None:
+                        event.synchronize()
+                    del self._pending[i]
+                    self._pending_count[pool] -= 1
+                    return chunk
+            raise AssertionError("ChunkPool.take called on an empty pool (caller must check)")
+        return self._free[pool].pop()
+
+    def release(self, chunk: int, pool: int) -> None:
+        """Give a fully free chunk back; on CUDA it waits for reads already enqueued."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._pending.append((chunk, pool, event))
+            self._pending_count[pool] += 1
+            self._collect()
+        else:
+            self._free[pool].append(chunk)

@@ -1,0 +1,57 @@
+"""Which codec compresses full open pages in the arena: the one dispatch point.
+
+On CUDA, ``zipfusion.format.triton_codec`` (``analyze_open_pages`` / ``compress_open_pages``)
+if it imports; otherwise (CPU, or no Triton codec) the torch reference: gather the open pages
+as ``[P, 2, 16, H, D]`` bf16, ``page_sizes`` and ``encode_pages_into``. Both write identical
+bytes (the format's contract), so the rest of the manager does not care which one ran.
+
+Two steps, because the manager must know the sizes before it can choose destinations:
+``analyze(...) -> (state, sizes)`` then ``encode(..., state, dst_offsets)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..format import PageLayout, encode_pages_into, page_sizes
+
+try:                                          # written by a colleague; optional on CPU
+    from ..format.triton_codec import analyze_open_pages, compress_open_pages
+except ImportError:                           # pragma: no cover - depends on the tree
+    analyze_open_pages = compress_open_pages = None
+
+
+def _use_triton(arena: torch.Tensor) -> bool:
+    return arena.device.type == "cuda" and analyze_open_pages is not None
+
+
+def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """Copies of the open pages at byte ``src_offsets`` -> [P, 2, 16, H, D] bf16."""
+    nbytes = layout.open_page_bytes
+    idx = src_offsets.to(arena.device)[:, None] + torch.arange(nbytes, device=arena.device)
+    pages = arena[idx.reshape(-1)].view(torch.bfloat16)
+    return pages.view(-1, 2, 16, layout.num_kv_heads, layout.head_dim)
+
+
+def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout):
+    """Encoded size of each open page at ``src_offsets`` -> (codec state, sizes np.int64 [P])."""
+    src = torch.from_numpy(np.ascontiguousarray(src_offsets, dtype=np.int64)).to(arena.device)
+    if _use_triton(arena):
+        base_half, sizes = analyze_open_pages(arena, src, layout, validate=False)
+        return ("triton", src, base_half), sizes.cpu().numpy()
+    pages = gather_open_pages(arena, src, layout)
+    return ("torch", src, pages), page_sizes(pages).cpu().numpy()
+
+
+def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray, layout: PageLayout) -> None:
+    """Write the compressed pages ``keep`` (indices into the analyzed batch) at ``dst_offsets``."""
+    if len(keep) == 0:
+        return
+    kind, src, payload = state
+    keep_t = torch.from_numpy(np.ascontiguousarray(keep, dtype=np.int64)).to(arena.device)
+    dst = torch.from_numpy(np.ascontiguousarray(dst_offsets, dtype=np.int64)).to(arena.device)
+    if kind == "triton":
+        compress_open_pages(arena, src[keep_t], payload[keep_t].contiguous(), dst, layout, validate=False)
+    else:
+        encode_pages_into(payload[keep_t].contiguous(), arena, dst)
