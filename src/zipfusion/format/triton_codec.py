@@ -1,0 +1,502 @@
+"""Triton kernels of the page format (docs/format.md): analyze, compress and decompress pages.
+
+All three work on pages living in the KV arena, a 1-D ``torch.uint8`` tensor (docs/design.md):
+
+* :func:`analyze_open_pages` reads full open pages ``[2, 16, H, D]`` bf16 and returns each
+  block's metadata byte (``b/2`` or ``0xFF``) and each page's encoded size;
+* :func:`compress_open_pages` writes the compressed pages (metadata + block bodies) at the given
+  destinations in the same arena, byte-identical to ``reference.encode_pages_into``;
+* :func:`decompress_pages` turns compressed pages back into ``[P, 2, 16, H, D]`` bf16,
+  bit-identical to ``reference.decode_pages``.
+
+How the work is cut
+-------------------
+One program handles one (page, KV head): both roles (K, V), each as a tile ``[nb, 64, 4]`` of
+32-bit words = ``nb`` blocks x 64 groups x 4 words (a group is 8 values = 8 consecutive channels
+of one token = 16 bytes, one vector load). Every thread owns whole groups, so all the bit work
+below is register-local integer arithmetic on 32-bit words holding two BF16 values each::
+
+    word w_k of a group = value 2k (bits 0..15) | value 2k+1 (bits 16..31),   k = 0..3
+
+Encoding a group (compressible block with base ``b``, ``bh = b/2``), per word, lane-wise on the
+two 16-bit halves (no lane can borrow from the other, see below)::
+
+    hi   = (w >> 8) & 0x00FF00FF            high bytes   s·128 + (e >> 1)
+    d    = (hi & 0x007F007F) - bh·0x00010001   (e >> 1) - b/2 = (e - b) >> 1, in 0..7 since b is
+                                               even, b <= e and e <= b + 15
+    s    = (hi >> 7) & 0x00010001
+    code byte j (from w_k holding values j, j+1 and w_{k+2} holding values j+4, j+5):
+         s[j] << 7 | s[j+4] << 6 | d[j+4] << 3 | d[j]
+    lo_0123 = low bytes of w_0, w_1;  lo_4567 = low bytes of w_2, w_3
+
+Decoding restores four high bytes with one add (docs/format.md section 2)::
+
+    hi_0123 = (c & 0x87878787) + bh·0x01010101
+    hi_4567 = ((c << 1) & 0x80808080 | (c >> 3) & 0x07070707) + bh·0x01010101
+
+and re-interleaves low and high bytes into the four words of the group. Raw blocks are copied
+word for word. Which blocks are raw is uniform per block, so it becomes a per-block mask on the
+loads/stores (both paths are computed, the stores are predicated).
+
+Trust: the kernels trust metadata written by our encoder. ``decompress_pages(...,
+validate=True)`` (the default) checks every page's metadata with the reference parser
+(``reference.read_headers``) before launching; with ``validate=False`` a corrupt page can make
+the kernel read garbage or out of bounds. Argument dtypes, shapes, devices and offset alignment
+are always checked.
+
+On CPU tensors the kernels run under the Triton interpreter (slow: tests only), whether or not
+``TRITON_INTERPRET=1`` was set before Triton was imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
+from . import reference
+
+__all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
+
+_ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design.md)
+
+
+# --------------------------------------------------------------------------------------------
+# Index maps (jit helpers shared by the three kernels)
+# --------------------------------------------------------------------------------------------
+
+# Reductions: tl.reduce with triton.language's own combine functions, passed explicitly. The
+# Triton interpreter recognises these objects and reduces with numpy (fast); tl.sum/tl.min/
+# tl.max would not run under the interpreter copy of this module (see _kernel) when Triton was
+# imported without TRITON_INTERPRET=1, and our own combine functions would be reduced element
+# by element in Python (slow). On the GPU this is exactly what tl.sum/tl.min/tl.max compile to.
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _minr(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)
+
+
+@triton.jit
+def _maxr(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _group_index(NB: tl.constexpr):
+    """j [NB,1,1], g [1,64,1], k [1,1,4]: block, group of 8 values, word inside the group."""
+    j = tl.arange(0, NB)[:, None, None]
+    g = tl.arange(0, 64)[None, :, None]
+    k = tl.arange(0, 4)[None, None, :]
+    return j, g, k
+
+
+@triton.jit
+def _open_word_offsets(R: tl.constexpr, h, H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
+    """Word offsets, from the open page's start, of the tile [NB, 64, 4] of head h, role R.
+
+    Open page: bf16 [2, 16, H, D], so token t of (R, h) starts at word ((R·16 + t)·H + h)·D/2.
+    K block j (channel-grouped): value v = t·32 + c − 32j, group g = v/8 -> token t = g/4,
+      channels 32j + 8(g%4) .. +7 -> words 16j + 4(g%4) + k.
+    V block j (token-grouped, tpb = 512/D tokens): v = (t − tpb·j)·D + c, group g -> token
+      t = tpb·j + g/(D/8), channels 8(g % (D/8)) .. +7 -> words 4(g % (D/8)) + k.
+    """
+    j, g, k = _group_index(NB)
+    if R == 0:
+        t = g // 4
+        cw = 16 * j + 4 * (g % 4) + k
+    else:
+        t = (512 // D) * j + g // (D // 8)
+        cw = 4 * (g % (D // 8)) + k
+    return (R * 16 + t) * (H * D // 2) + h * (D // 2) + cw
+
+
+@triton.jit
+def _block_starts(bh_row_ptr, R: tl.constexpr, h, HEADER: tl.constexpr, NB: tl.constexpr,
+                  NBP: tl.constexpr, NBP2: tl.constexpr):
+    """Byte offsets from the page start of blocks (h, R, 0..NB-1), [NB] int32.
+
+    start(i) = HEADER + Σ_{i' < i} size(i'), size = 768 (b/2 byte) or 1024 (0xFF), blocks in
+    format order i = (h·2 + R)·NB + j. Computed as a masked row sum over the page's NBP bytes.
+    """
+    i = tl.arange(0, NBP2)
+    bh_all = tl.load(bh_row_ptr + i, mask=i < NBP, other=RAW_MARK_C).to(tl.int32)
+    size = tl.where(i < NBP, tl.where(bh_all == RAW_MARK_C, 1024, 768), 0)
+    mine = (h * 2 + R) * NB + tl.arange(0, NB)
+    before = i[None, :] < mine[:, None]                                 # [NB, NBP2]
+    return HEADER + _sum(tl.where(before, size[None, :], 0), axis=1)
+
+
+RAW_MARK_C = tl.constexpr(RAW_MARK)
+
+
+# --------------------------------------------------------------------------------------------
+# Analyze: per-block base and per-page size
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _analyze_kernel(arena_ptr, src_ptr, base_half_ptr, sizes_ptr,
+                    H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
+    """Program (p, h): for K and V of head h of page p, each block's b/2 (or 0xFF), and
+    atomically adds the blocks' encoded sizes to sizes[p] (which starts at the header size).
+
+    Exponent of each half of a word: e = (w >> 7) & 0xFF and (w >> 23) & 0xFF.
+    b = min(e) & ~1; compressible iff max(e) <= b + 15; metadata byte b/2 or 0xFF.
+    """
+    pid = tl.program_id(0)
+    p = pid // H
+    h = pid % H
+    words = arena_ptr.to(tl.pointer_type(tl.int32))
+    src_w = tl.multiple_of(tl.load(src_ptr + p) // 4, 4)               # 16-byte aligned
+    page = words + src_w
+    nbytes = 0
+    for R in tl.static_range(2):
+        w = tl.load(page + _open_word_offsets(R, h, H, D, NB)).to(tl.uint32, bitcast=True)
+        e_lo = (w >> 7) & 0xFF
+        e_hi = (w >> 23) & 0xFF
+        mn = _minr(_minr(tl.minimum(e_lo, e_hi), axis=2), axis=1)   # [NB]
+        mx = _maxr(_maxr(tl.maximum(e_lo, e_hi), axis=2), axis=1)
+        b = mn & 0xFE
+        ok = mx <= b + 15
+        bh = tl.where(ok, b >> 1, RAW_MARK_C)
+        j = tl.arange(0, NB)
+        tl.store(base_half_ptr + p.to(tl.int64) * (2 * H * NB) + (h * 2 + R) * NB + j,
+                 bh.to(tl.uint8))
+        nbytes += _sum(tl.where(ok, 768, 1024), axis=0)
+    tl.atomic_add(sizes_ptr + p, nbytes.to(tl.int64))
+
+
+# --------------------------------------------------------------------------------------------
+# Compress
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _lo16(w):
+    """Low bytes of the two values of a word, packed into 16 bits: lo(v0) | lo(v1) << 8."""
+    return (w & 0xFF) | ((w >> 8) & 0xFF00)
+
+
+@triton.jit
+def _code16(wa, wb, bh):
+    """Code bytes of the value pairs (wa: values j, j+1; wb: values j+4, j+5) -> 16 bits.
+
+    Lane-wise on the 16-bit halves: hi = high byte, d = (hi & 0x7F) − b/2 in 0..7, s = hi >> 7;
+    code = s[j] << 7 | s[j+4] << 6 | d[j+4] << 3 | d[j], then the two lanes' bytes packed.
+    The subtraction cannot borrow across lanes because (hi & 0x7F) >= b/2 in every lane of a
+    compressible block (raw blocks' codes are never stored).
+    """
+    bh2 = bh * 0x00010001
+    ha = (wa >> 8) & 0x00FF00FF
+    hb = (wb >> 8) & 0x00FF00FF
+    da = (ha & 0x007F007F) - bh2
+    db = (hb & 0x007F007F) - bh2
+    c = da | (db << 3) | (((hb >> 7) & 0x00010001) << 6) | (((ha >> 7) & 0x00010001) << 7)
+    return (c & 0xFF) | ((c >> 8) & 0xFF00)
+
+
+@triton.jit
+def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr,
+                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
+                     NBP2: tl.constexpr):
+    """Program (p, h): writes the metadata records and block bodies of head h of page p."""
+    pid = tl.program_id(0)
+    p = pid // H
+    h = pid % H
+    NBP: tl.constexpr = 2 * H * NB
+    HEADER: tl.constexpr = 2 * H * M
+    words = arena_ptr.to(tl.pointer_type(tl.int32))
+    src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
+    dst = words + tl.multiple_of(tl.load(dst_ptr + p) // 4, 4)
+    bh_row = base_half_ptr + p.to(tl.int64) * NBP
+    j, g, k = _group_index(NB)
+    for R in tl.static_range(2):
+        start = _block_starts(bh_row, R, h, HEADER, NB, NBP, NBP2)            # [NB] bytes
+        bh = tl.load(bh_row + (h * 2 + R) * NB + tl.arange(0, NB)).to(tl.uint32)
+        # metadata record (M bytes = M/4 words): start of block 0, then b/2 bytes, zero pad
+        q = tl.arange(0, M // 4)
+        jj = tl.arange(0, NB)
+        packed = _sum(tl.where((jj[None, :] // 4) == (q[:, None] - 1),
+                                 bh[None, :] << (8 * (jj[None, :] % 4)), 0), axis=1)
+        first = _sum(tl.where(jj == 0, start, 0), axis=0)
+        record = tl.where(q == 0, first.to(tl.uint32), packed)
+        tl.store(dst + (h * 2 + R) * (M // 4) + q, record.to(tl.int32, bitcast=True))
+
+        w = tl.load(src + _open_word_offsets(R, h, H, D, NB))           # [NB, 64, 4] int32
+        start_w1 = tl.multiple_of(start // 4, 4)                        # blocks 16-aligned
+        start_w = start_w1[:, None, None]
+        raw1 = bh == RAW_MARK_C
+        is_raw = raw1[:, None, None]
+        # raw block: the 512 words as they are, group g at word 4g
+        tl.store(dst + start_w + 4 * g + k, w, mask=is_raw)
+        # compressed block: 2 words of low bytes at word 2g, 1 code word at word 128 + g
+        u = w.to(tl.uint32, bitcast=True)
+        w02, w13 = tl.split(tl.reshape(u, (NB, 64, 2, 2)))   # [.., i, o] = w_{2i+o}
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+        lo_0123 = _lo16(w0) | (_lo16(w1) << 16)
+        lo_4567 = _lo16(w2) | (_lo16(w3) << 16)
+        bhc = bh[:, None]
+        code = _code16(w0, w2, bhc) | (_code16(w1, w3, bhc) << 16)
+        lo = tl.join(lo_0123, lo_4567).to(tl.int32, bitcast=True)      # [NB, 64, 2]
+        m = tl.arange(0, 2)[None, None, :]
+        tl.store(dst + start_w + 2 * g + m, lo, mask=~is_raw)
+        tl.store(dst + start_w1[:, None] + 128 + tl.arange(0, 64)[None, :],
+                 code.to(tl.int32, bitcast=True), mask=~raw1[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Decompress
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _word(lo, hi, SHIFT: tl.constexpr):
+    """BF16 pair from bytes SHIFT/8 and SHIFT/8+1 of lo and hi: lo_a | hi_a<<8 | lo_b<<16 | hi_b<<24."""
+    a_lo = (lo >> SHIFT) & 0xFF
+    a_hi = (hi >> SHIFT) & 0xFF
+    b_lo = (lo >> (SHIFT + 8)) & 0xFF
+    b_hi = (hi >> (SHIFT + 8)) & 0xFF
+    return a_lo | (a_hi << 8) | (b_lo << 16) | (b_hi << 24)
+
+
+@triton.jit
+def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
+                       H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
+    """Program (p, h): decodes K and V of head h of compressed page p into out[p]."""
+    pid = tl.program_id(0)
+    p = pid // H
+    h = pid % H
+    off = tl.load(offsets_ptr + p)
+    words = arena_ptr.to(tl.pointer_type(tl.int32))
+    page_w = words + tl.multiple_of(off // 4, 4)
+    out = out_ptr.to(tl.pointer_type(tl.int32)) + p.to(tl.int64) * (16 * H * D)
+    j, g, k = _group_index(NB)
+    jj = tl.arange(0, NB)
+    for R in tl.static_range(2):
+        rec = (h * 2 + R) * M
+        first = tl.load(page_w + rec // 4)                                # u32 offset of block 0
+        bh = tl.load(arena_ptr + off + rec + 4 + jj).to(tl.uint32)       # [NB] b/2 or 0xFF
+        size = tl.where(bh == RAW_MARK_C, 1024, 768)
+        start = first + _sum(tl.where(jj[None, :] < jj[:, None], size[None, :], 0), axis=1)
+        start_w1 = tl.multiple_of(start // 4, 4)
+        start_w = start_w1[:, None, None]
+        raw1 = bh == RAW_MARK_C
+        is_raw = raw1[:, None, None]
+        raw = tl.load(page_w + start_w + 4 * g + k, mask=is_raw, other=0)
+        m = tl.arange(0, 2)[None, None, :]
+        lo = tl.load(page_w + start_w + 2 * g + m, mask=~is_raw, other=0).to(tl.uint32, bitcast=True)
+        c = tl.load(page_w + start_w1[:, None] + 128 + tl.arange(0, 64)[None, :],
+                    mask=~raw1[:, None], other=0).to(tl.uint32, bitcast=True)
+        # one add restores four high bytes; b/2 + d <= 127 so no byte carries into the next
+        base4 = (bh & 0x7F)[:, None] * 0x01010101
+        hi_0123 = (c & 0x87878787) + base4
+        hi_4567 = (((c << 1) & 0x80808080) | ((c >> 3) & 0x07070707)) + base4
+        lo_0123, lo_4567 = tl.split(lo)
+        y0 = _word(lo_0123, hi_0123, 0)
+        y1 = _word(lo_0123, hi_0123, 16)
+        y2 = _word(lo_4567, hi_4567, 0)
+        y3 = _word(lo_4567, hi_4567, 16)
+        y = tl.reshape(tl.join(tl.join(y0, y2), tl.join(y1, y3)), (NB, 64, 4))   # w0..w3
+        val = tl.where(is_raw, raw, y.to(tl.int32, bitcast=True))
+        tl.store(out + _open_word_offsets(R, h, H, D, NB), val)
+
+
+# --------------------------------------------------------------------------------------------
+# Python wrappers: checks, then one launch each
+# --------------------------------------------------------------------------------------------
+
+def _kernel(name: str, device: torch.device):
+    """The kernel ``name`` for tensors on ``device``.
+
+    CUDA: the compiled kernel. CPU: the kernel under the Triton interpreter. Whether
+    ``triton.jit`` interprets is fixed when a function is decorated (TRITON_INTERPRET at import
+    time), so if this module was imported without it, a second copy of the module is loaded with
+    TRITON_INTERPRET=1 for CPU tensors.
+    """
+    kernel = globals()[name]
+    compiled = isinstance(kernel, triton.runtime.jit.JITFunction)
+    if device.type == "cuda":
+        if not compiled:
+            raise RuntimeError("the Triton codec kernels were created in interpreter mode "
+                               "(TRITON_INTERPRET=1) and cannot run on CUDA tensors; unset "
+                               "TRITON_INTERPRET to use the GPU")
+        return kernel
+    if not compiled:
+        return kernel
+    return getattr(_interpreter_copy(), name)
+
+
+_INTERPRETER_COPY = []
+
+
+def _interpreter_copy():
+    if not _INTERPRETER_COPY:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(__package__ + "._triton_codec_interpreted",
+                                                      __file__)
+        module = importlib.util.module_from_spec(spec)
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+        _INTERPRETER_COPY.append(module)
+    return _INTERPRETER_COPY[0]
+
+
+def _check_layout(layout) -> PageLayout:
+    if not isinstance(layout, PageLayout):
+        raise TypeError(f"layout must be a zipfusion.format.PageLayout, got {type(layout).__name__}")
+    return layout
+
+
+def _check_arena(arena) -> torch.device:
+    if not isinstance(arena, torch.Tensor):
+        raise TypeError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
+    if arena.dtype != torch.uint8 or arena.dim() != 1:
+        raise TypeError("arena must be a 1-D torch.uint8 tensor (docs/design.md), got "
+                        f"{arena.dtype} with shape {list(arena.shape)}")
+    if not arena.is_contiguous():
+        raise ValueError("arena must be contiguous")
+    if arena.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"arena must live on a CUDA device (or the CPU, for the Triton "
+                         f"interpreter), got {arena.device}")
+    if arena.data_ptr() % _ALIGN:
+        raise ValueError("arena's first byte must be 16-byte aligned; allocate it with torch.empty "
+                         "and do not pass an unaligned slice")
+    return arena.device
+
+
+def _check_offsets(name: str, offsets, device: torch.device, length: int | None = None,
+                   arena_bytes: int | None = None, page_bytes=None, validate: bool = True) -> torch.Tensor:
+    """Offsets must be a 1-D int64 tensor on the arena's device, 16-aligned, pages inside the arena."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.int64 tensor of byte offsets, got {type(offsets).__name__}")
+    if offsets.dtype != torch.int64 or offsets.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D torch.int64 tensor, got {offsets.dtype} with shape "
+                        f"{list(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device} but the arena is on {device}; "
+                         f"move it with .to(arena.device)")
+    if length is not None and offsets.numel() != length:
+        raise ValueError(f"{name} has {offsets.numel()} entries, expected {length} (one per page)")
+    offsets = offsets.contiguous()
+    if validate and offsets.numel():
+        end = offsets + page_bytes if page_bytes is not None else offsets
+        bad = (offsets % _ALIGN != 0) | (offsets < 0) | (end > arena_bytes)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            o = int(offsets[i])
+            why = ("is not a multiple of 16" if o % _ALIGN else
+                   "puts the page outside the arena")
+            raise ValueError(f"{name}[{i}] = {o} {why} (arena of {arena_bytes} bytes); pages "
+                             f"start at 16-byte aligned offsets inside the arena")
+    return offsets
+
+
+def analyze_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: PageLayout,
+                       *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Analyze full open pages at ``src_offsets`` (bytes) of ``arena``.
+
+    Returns ``(base_half [P, NB] uint8, sizes [P] int64)``: every block's metadata byte in
+    format order (head, K/V, block) -- ``b/2`` for a compressible block, ``0xFF`` for a raw one --
+    and every page's encoded size in bytes. ``validate=False`` skips the value checks of the
+    offsets (a device sync); dtypes, shapes and devices are always checked.
+    """
+    layout = _check_layout(layout)
+    device = _check_arena(arena)
+    src = _check_offsets("src_offsets", src_offsets, device, arena_bytes=arena.numel(),
+                         page_bytes=layout.open_page_bytes, validate=validate)
+    P, H, D, nb = src.numel(), layout.num_kv_heads, layout.head_dim, layout.blocks_per_head
+    base_half = torch.empty(P, layout.num_blocks, dtype=torch.uint8, device=device)
+    sizes = torch.full((P,), layout.header_bytes, dtype=torch.int64, device=device)
+    if P:
+        kernel = _kernel("_analyze_kernel", device)
+        kernel[(P * H,)](arena, src, base_half, sizes, H=H, D=D, NB=nb, num_warps=4)
+    return base_half, sizes
+
+
+def _encoded_sizes(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    n_raw = (base_half == RAW_MARK).sum(1)
+    return layout.min_page_bytes + n_raw * (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)
+
+
+def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_half: torch.Tensor,
+                        dst_offsets: torch.Tensor, layout: PageLayout, *, validate: bool = True) -> None:
+    """Write the compressed form of the open pages at ``src_offsets`` to ``dst_offsets``.
+
+    ``base_half`` is what :func:`analyze_open_pages` returned for these pages. The destination
+    ranges must not overlap the sources or each other (the memory manager guarantees it; not
+    checked). The bytes equal ``reference.encode_pages_into``. ``validate=False`` skips the
+    value checks (offset alignment/range, metadata bytes), which need a device sync.
+    """
+    layout = _check_layout(layout)
+    device = _check_arena(arena)
+    if not isinstance(base_half, torch.Tensor):
+        raise TypeError(f"base_half must be a torch.uint8 tensor, got {type(base_half).__name__}")
+    P = base_half.shape[0] if base_half.dim() == 2 else -1
+    if base_half.dtype != torch.uint8 or base_half.dim() != 2 or base_half.shape[1] != layout.num_blocks:
+        raise ValueError(f"base_half must be uint8 [P, {layout.num_blocks}] (from analyze_open_pages "
+                         f"with the same layout), got {base_half.dtype} {list(base_half.shape)}")
+    if base_half.device != device:
+        raise ValueError(f"base_half is on {base_half.device} but the arena is on {device}")
+    base_half = base_half.contiguous()
+    src = _check_offsets("src_offsets", src_offsets, device, length=P, arena_bytes=arena.numel(),
+                         page_bytes=layout.open_page_bytes, validate=validate)
+    if validate and P and bool(((base_half > 127) & (base_half != RAW_MARK)).any()):
+        raise ValueError("base_half holds bytes that are neither b/2 (0..127) nor 0xFF; pass the "
+                         "base_half returned by analyze_open_pages")
+    sizes = _encoded_sizes(base_half, layout) if validate else None
+    dst = _check_offsets("dst_offsets", dst_offsets, device, length=P, arena_bytes=arena.numel(),
+                         page_bytes=sizes, validate=validate)
+    if P == 0:
+        return
+    H, D, nb = layout.num_kv_heads, layout.head_dim, layout.blocks_per_head
+    kernel = _kernel("_compress_kernel", device)
+    kernel[(P * H,)](arena, src, dst, base_half, H=H, D=D, NB=nb, M=layout.record_bytes,
+                     NBP2=triton.next_power_of_2(layout.num_blocks), num_warps=4)
+
+
+def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLayout,
+                     out: torch.Tensor | None = None, *, validate: bool = True) -> torch.Tensor:
+    """Decode the compressed pages at ``offsets`` of ``arena`` -> ``[P, 2, 16, H, D]`` bf16.
+
+    With ``validate=True`` every page's metadata is checked first (``reference.read_headers``,
+    raising ``CorruptPageError``) and the pages must end inside the arena; with
+    ``validate=False`` the kernel trusts the metadata (pages written by our encoder).
+    """
+    layout = _check_layout(layout)
+    device = _check_arena(arena)
+    off = _check_offsets("offsets", offsets, device, arena_bytes=arena.numel(),
+                         page_bytes=layout.min_page_bytes if validate else None, validate=validate)
+    P, H, D = off.numel(), layout.num_kv_heads, layout.head_dim
+    shape = (P, 2, 16, H, D)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    elif not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != shape:
+        raise ValueError(f"out must be a bfloat16 tensor of shape {list(shape)}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+    elif out.device != device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous and on the arena's device {device}")
+    if P == 0:
+        return out
+    if validate:
+        base_half, starts = reference.read_headers(arena, off, layout)
+        last = base_half.flatten(1)[:, -1]
+        ends = off + starts[:, -1] + torch.where(last == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
+        if bool((ends > arena.numel()).any()):
+            raise reference.CorruptPageError("page metadata describes blocks past the end of the arena")
+    kernel = _kernel("_decompress_kernel", device)
+    kernel[(P * H,)](arena, off, out, H=H, D=D, NB=layout.blocks_per_head, M=layout.record_bytes,
+                     num_warps=4)
+    return out
