@@ -1,0 +1,13 @@
+"""Paged decode attention over the zipfusion KV arena.
+
+``decode_attention`` (fused: reads open and compressed pages, restores BF16 in registers),
+``decode_attention_twin`` (same kernel over open pages only), ``decode_attention_unfused``
+(decompress the pages, then the twin) and ``reference_decode_attention`` (torch, float64).
+"""
+
+from .decode_attention import decode_attention, decode_attention_twin, default_num_splits
+from .reference import reference_decode_attention
+from .unfused import UnfusedPlan, decode_attention_unfused, plan_unfused
+
+__all__ = ["decode_attention", "decode_attention_twin", "decode_attention_unfused",
+           "plan_unfused", "UnfusedPlan", "default_num_splits", "reference_decode_attention"]

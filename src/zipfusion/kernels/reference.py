@@ -1,0 +1,94 @@
+"""Torch reference for paged decode attention over the arena (float64 math, any device).
+
+Reads pages exactly as the kernels must: ``page_loc & 1`` = open page stored as
+``[2, 16, H, D]`` bf16, else a compressed page decoded with the format's reference codec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..format.layout import PAGE_TOKENS, PageLayout
+from ..format.reference import decode_pages
+
+
+def gather_request_kv(arena: torch.Tensor, page_loc_layer: torch.Tensor, page_ids: torch.Tensor,
+                      layout: PageLayout) -> torch.Tensor:
+    """The pages ``page_ids`` of one layer as [n, 2, 16, H, D] bf16 (open or decoded)."""
+    H, D = layout.num_kv_heads, layout.head_dim
+    loc = page_loc_layer[page_ids.to(torch.int64)].cpu()
+    pages = torch.empty(len(page_ids), 2, PAGE_TOKENS, H, D, dtype=torch.bfloat16,
+                        device=arena.device)
+    is_open = (loc & 1) == 1
+    n = layout.open_page_bytes
+    for i in torch.nonzero(is_open).flatten().tolist():
+        start = int(loc[i]) - 1
+        pages[i] = arena[start:start + n].view(torch.bfloat16).view(2, PAGE_TOKENS, H, D)
+    comp = torch.nonzero(~is_open).flatten()
+    if comp.numel():
+        pages[comp.to(pages.device)] = decode_pages(arena, loc[comp].to(arena.device), H, D)
+    return pages
+
+
+def reference_decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout,
+                               sm_scale, out=None, *, out_dtype=torch.bfloat16):
+    """softmax(sm_scale · q Kᵀ) V per request and query head, in float64.
+
+    Same inputs as :func:`zipfusion.kernels.decode_attention`. Returns ``out_dtype``
+    (bf16 by default; pass torch.float64 to compare kernels against the exact result).
+    """
+    B, Hq, D = q.shape
+    H = layout.num_kv_heads
+    G = Hq // H
+    res = torch.empty(B, Hq, D, dtype=torch.float64, device=q.device)
+    lens = context_lens.cpu().tolist()
+    for b in range(B):
+        L = int(lens[b])
+        n = -(-L // PAGE_TOKENS)
+        kv = gather_request_kv(arena, page_loc_layer, block_table[b, :n], layout)
+        kv = kv.to(torch.float64).transpose(0, 1).reshape(2, n * PAGE_TOKENS, H, D)[:, :L]
+        k, v = kv[0], kv[1]                                           # [L, H, D]
+        qb = q[b].to(torch.float64).view(H, G, D)
+        s = torch.einsum("hgd,lhd->hgl", qb, k) * sm_scale
+        res[b] = torch.einsum("hgl,lhd->hgd", torch.softmax(s, -1), v).reshape(Hq, D)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res.to(out_dtype)
+
+
+def build_arena(pages: torch.Tensor, compressed: torch.Tensor, *, seed: int = 0,
+                gap_bytes: int = 64, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay pages [P, 2, 16, H, D] out in a fresh arena, in a random order with random gaps.
+
+    ``compressed[i]`` (bool) stores page i compressed (reference encoder), else open. Returns
+    (arena uint8, page_loc int64 [P]: offset for compressed pages, offset | 1 for open ones).
+    Gaps are filled with random bytes so that a kernel reading outside a page shows.
+    """
+    from ..format.reference import encode_pages_into, page_sizes
+    device = device if device is not None else pages.device
+    P, _, _, H, D = pages.shape
+    layout = PageLayout(H, D)
+    g = torch.Generator().manual_seed(seed)
+    compressed = compressed.to(torch.bool).cpu()
+    sizes = torch.full((P,), layout.open_page_bytes, dtype=torch.int64)
+    if bool(compressed.any()):
+        sizes[compressed] = page_sizes(pages[compressed.to(pages.device)]).cpu()
+    order = torch.randperm(P, generator=g)
+    gaps = torch.randint(0, gap_bytes // 16 + 1, (P,), generator=g) * 16
+    loc = torch.empty(P, dtype=torch.int64)
+    pos = 0
+    for i in order.tolist():
+        pos += int(gaps[i])
+        loc[i] = pos
+        pos += int(sizes[i])
+    arena = torch.randint(0, 256, (pos + 16,), generator=g, dtype=torch.uint8).to(device)
+    comp_idx = torch.nonzero(compressed).flatten()
+    if comp_idx.numel():
+        encode_pages_into(pages[comp_idx.to(pages.device)].to(device), arena,
+                          loc[comp_idx].to(device))
+    for i in torch.nonzero(~compressed).flatten().tolist():
+        n = layout.open_page_bytes
+        arena[int(loc[i]):int(loc[i]) + n] = pages[i].contiguous().view(-1).view(torch.uint8).to(device)
+    page_loc = torch.where(compressed, loc, loc | 1).to(device)
+    return arena, page_loc
