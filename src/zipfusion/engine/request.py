@@ -1,0 +1,90 @@
+"""Per-request state and the finished output."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+PAGE_TOKENS = 16
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A prompt being served. ``tokens`` = prompt + generated so far; the K/V of the first
+    ``num_computed`` of them is in the request's pages (page ``i`` = tokens 16i..16i+15)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_sealed_pages: int = 0          # full pages already handed to the memory manager to compress
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    text: str = ""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Tokens before the last one still lack K/V (a prompt, or everything after a preemption);
+        otherwise the next step is a decode step feeding the last token."""
+        return self.num_computed < self.num_tokens - 1
+
+    def pages_needed(self, upto_tokens: int) -> int:
+        """New pages needed to hold K/V of the first ``upto_tokens`` tokens."""
+        return max(0, -(-upto_tokens // PAGE_TOKENS) - len(self.pages))
+
+
+@dataclass
+class CompletionOutput:
+    """One prompt's result: generated ``text`` and ``token_ids``; ``finish_reason`` is
+    "stop" (end-of-sequence token or stop string) or "length" (max_tokens / context limit)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """vLLM-shaped output: ``outputs[0]`` is the completion; ``.text`` and ``.token_ids`` are
+    shortcuts to it."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_preemptions: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids

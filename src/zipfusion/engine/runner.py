@@ -1,0 +1,152 @@
+"""The model runner: turns a scheduled step into one forward pass and returns logits.
+
+Prefill: the chunk's K/V are written into the request's pages, and its queries attend (torch
+SDPA, causal) over the K/V of earlier chunks -- read back from the pages, decompressed if
+sealed -- followed by the chunk's own. Decode: every request feeds its last token; K/V go into
+the open page, then the cache's decode attention (the fused kernel on CUDA) reads all pages.
+On CUDA, decode runs as a captured CUDA graph per batch-size bucket; padding rows write into
+and read from one scratch page.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models import CausalLM
+from .kv_cache import KVCache, default_sm_scale
+from .request import PAGE_TOKENS, Request
+from .scheduler import PrefillChunk
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache, max_model_len: int, max_num_seqs: int,
+                 use_cuda_graphs: bool = True):
+        self.model = model
+        self.cache = cache
+        cfg = model.config
+        self.device = next(model.parameters()).device
+        self.sm_scale = default_sm_scale(cfg.head_dim)
+        self.max_pages_per_req = -(-max_model_len // PAGE_TOKENS)
+        self.max_num_seqs = max_num_seqs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self._scratch: list[int] = []
+
+    # -- prefill ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Run the chunks; logits [n, V] fp32 at the last token of each chunk (all chunks, in order)."""
+        dev = self.device
+        ids, pos, pages, slots, lens = [], [], [], [], []
+        for ch in chunks:
+            r = ch.request
+            p = list(range(ch.start, ch.start + ch.length))
+            ids += r.tokens[ch.start:ch.start + ch.length]
+            pos += p
+            pages += [r.pages[i // PAGE_TOKENS] for i in p]
+            slots += [i % PAGE_TOKENS for i in p]
+            lens.append(ch.length)
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        input_ids, positions, page_ids, slot_ids = t(ids), t(pos), t(pages), t(slots)
+
+        def attention(layer, q, k, v):
+            self.cache.write(layer, page_ids, slot_ids, k, v)
+            outs, off = [], 0
+            for ch in chunks:
+                n = ch.length
+                qi, ki, vi = q[off:off + n], k[off:off + n], v[off:off + n]
+                if ch.start:
+                    kp, vp = self.cache.gather_tokens(layer, ch.request.pages, ch.start)
+                    ki, vi = torch.cat([kp.to(ki.dtype), ki]), torch.cat([vp.to(vi.dtype), vi])
+                outs.append(self._causal_sdpa(qi, ki, vi, ch.start))
+                off += n
+            return torch.cat(outs)
+
+        hidden = self.model(input_ids, positions, attention)
+        last = torch.tensor(lens, device=dev).cumsum(0) - 1
+        return self.model.compute_logits(hidden[last])
+
+    def _causal_sdpa(self, q, k, v, start):
+        """q [n, Hq, D] at positions start..start+n-1; k, v [start+n, H, D]. Query i sees keys j <= start+i."""
+        n, total = q.shape[0], k.shape[0]
+        mask = None
+        if start:
+            mask = torch.arange(total, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, is_causal=mask is None, scale=self.sm_scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o.transpose(0, 1)
+
+    # -- decode -----------------------------------------------------------------------------
+    def _decode_inputs(self, reqs: list[Request], bs: int):
+        """Host-built decode inputs, padded to ``bs`` rows with the scratch page."""
+        W = self.max_pages_per_req
+        scratch = self._scratch[0] if self._scratch else 0
+        ids = [r.tokens[-1] for r in reqs] + [0] * (bs - len(reqs))
+        pos = [r.num_computed for r in reqs] + [0] * (bs - len(reqs))
+        table = torch.full((bs, W), scratch, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            if len(r.pages) > W:
+                raise ValueError(f"request {r.request_id} has {len(r.pages)} pages > max_model_len allows ({W})")
+            table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        pos_t = torch.tensor(pos, dtype=torch.int64)
+        page_ids = table[torch.arange(bs), pos_t // PAGE_TOKENS].to(torch.int64)
+        return dict(input_ids=torch.tensor(ids, dtype=torch.int64), positions=pos_t, page_ids=page_ids,
+                    slots=pos_t % PAGE_TOKENS, block_table=table, context_lens=(pos_t + 1).to(torch.int32))
+
+    def _decode_forward(self, b: dict) -> torch.Tensor:
+        def attention(layer, q, k, v):
+            self.cache.write(layer, b["page_ids"], b["slots"], k, v)
+            return self.cache.decode_attention(layer, q, b["block_table"], b["context_lens"], self.sm_scale)
+        hidden = self.model(b["input_ids"], b["positions"], attention)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def decode(self, reqs: list[Request]) -> torch.Tensor:
+        """One decode step for ``reqs``; logits [len(reqs), V] fp32."""
+        n = len(reqs)
+        bucket = next((b for b in sorted(self.graphs) if b >= n), None)
+        if bucket is None:
+            b = {k: v.to(self.device, non_blocking=True) for k, v in self._decode_inputs(reqs, n).items()}
+            return self._decode_forward(b)
+        host = self._decode_inputs(reqs, bucket)
+        for k, v in host.items():
+            self._static[k][:bucket].copy_(v, non_blocking=True)
+        self.graphs[bucket].replay()
+        return self._static_logits[bucket][:n]
+
+    # -- CUDA graphs ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_batch: int | None = None) -> list[int]:
+        """Capture the decode step for every bucket up to ``max_batch``; returns the buckets."""
+        if not self.use_cuda_graphs:
+            return []
+        max_batch = min(max_batch or self.max_num_seqs, self.max_num_seqs)
+        buckets = [b for b in GRAPH_BUCKETS if b <= max_batch]
+        if not buckets:
+            return []
+        if not self._scratch:
+            self._scratch = self.cache.alloc(1)
+        top = buckets[-1]
+        host = self._decode_inputs([], top)
+        self._static = {k: v.to(self.device) for k, v in host.items()}
+        self._static_logits = {}
+        pool = None
+        for bs in reversed(buckets):
+            b = {k: v[:bs] for k, v in self._static.items()}
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._decode_forward(b)                 # warm up: compile kernels, autotune
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._static_logits[bs] = self._decode_forward(b)
+            pool = g.pool()
+            self.graphs[bs] = g
+        torch.cuda.synchronize()
+        return buckets
