@@ -97,3 +97,19 @@ class ChunkPool:
             self._collect()
         else:
             self._free[pool].append(chunk)
+
+
+def groups_available(free_chunks: list[int], num_layers: int, reserve: int) -> int:
+    """How many open groups (one chunk in every layer) the pools can give, keeping ``reserve``
+    chunks per layer.
+
+    ``free_chunks`` has one entry for a shared pool (any chunk serves any layer: a group takes
+    ``num_layers`` of them) or one entry per layer (static ownership: a group takes one chunk
+    of each layer, so the tightest layer decides).
+    """
+    if len(free_chunks) == 1 and num_layers > 1 or num_layers == 1:
+        return max(0, (sum(free_chunks) - reserve * num_layers) // num_layers)
+    if len(free_chunks) != num_layers:
+        raise ValueError(f"free_chunks needs 1 (shared pool) or {num_layers} (one per layer) "
+                         f"entries, got {len(free_chunks)}")
+    return max(0, min(free_chunks) - reserve)

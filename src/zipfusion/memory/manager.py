@@ -34,7 +34,7 @@ import torch
 from ..format import PageLayout, decode_pages
 from ..format.layout import COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES
 from . import codec
-from .chunks import ChunkPool
+from .chunks import ChunkPool, groups_available
 from .copy import move_ranges
 from .errors import MemoryExhausted
 from .open_pages import OpenGroups
@@ -109,9 +109,9 @@ class KVCacheManager:
         L = self.num_layers
         reclaim = self.packed.reclaimable_bound() if include_compaction else np.zeros(L, np.int64)
         if self.pool.shared:
-            avail = self.pool.available(0) + int(reclaim.sum()) - self.reserve * L
-            return max(0, avail // L)
-        return max(0, min(self.pool.available(l) + int(reclaim[l]) - self.reserve for l in range(L)))
+            return groups_available([self.pool.available(0) + int(reclaim.sum())], L, self.reserve)
+        return groups_available([self.pool.available(l) + int(reclaim[l]) for l in range(L)], L,
+                                self.reserve)
 
     def capacity_new_pages(self, include_compaction: bool = True) -> int:
         """New open pages that fit in every layer at once (pool and compaction included)."""

@@ -1,0 +1,302 @@
+"""KVCacheManager: capacity, the pool, compression, compaction, page table, bad input (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zipfusion.analysis.synthetic import pages_with_fraction
+from zipfusion.format import PageLayout, decode_pages
+from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
+from zipfusion.memory.chunks import groups_available
+
+LAYOUT = PageLayout(1, 64)                 # open page 4096 bytes, smallest compressed 3088
+OPEN = LAYOUT.open_page_bytes
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16)
+
+
+def fill(m: KVCacheManager, ids, fractions, seed=0):
+    """Write pages with a given compressible fraction per layer; returns {(layer, id): page}."""
+    written = {}
+    for layer, frac in enumerate(fractions):
+        pages = pages_with_fraction(len(ids), LAYOUT.num_kv_heads, LAYOUT.head_dim, frac,
+                                    seed=seed * 100 + layer)
+        for i, pid in enumerate(ids):
+            m.open_page(layer, pid).copy_(pages[i])
+            written[layer, pid] = pages[i].clone()
+    return written
+
+
+def assert_contents(m: KVCacheManager, written):
+    for (layer, pid), page in written.items():
+        got = m.read_pages(layer, [pid])[0]
+        assert torch.equal(bits(got), bits(page)), (layer, pid, m.page_state(pid))
+
+
+def snapshot(m: KVCacheManager):
+    return (m.page_loc.clone(), m.capacity_new_pages(), m.open.num_free_slots,
+            [m.pool.available(p) for p in range(m.pool.num_pools)], m._state.copy())
+
+
+def assert_same(a, b):
+    assert torch.equal(a[0], b[0]) and a[1:4] == b[1:4] and np.array_equal(a[4], b[4])
+
+
+# ------------------------------------------------------------------------------ write-up example
+def test_writeup_example_in_units():
+    """Two layers own 100 units each; existing pages take 20 and 60; a new page needs 4 units in
+    each layer. One chunk = 4 units = one open page, so free chunks are 20 and 10."""
+    unit_chunk = 4
+    free = [(100 - 20) // unit_chunk, (100 - 60) // unit_chunk]
+    assert groups_available(free, num_layers=2, reserve=0) == 10            # static: no pool
+    assert groups_available([sum(free)], num_layers=2, reserve=0) == 15     # shared pool
+    # counting a new page at its compressed size (3 units) would promise 120 / (2 * 3) = 20 pages
+    assert (sum(free) * unit_chunk) // (2 * 3) == 20 > 15
+
+
+def _two_layer(shared: bool) -> tuple[KVCacheManager, dict, list[int]]:
+    """Layer 0 compresses every block, layer 1 none: 40 stored pages take 8 vs 10 chunks."""
+    chunk = 4 * OPEN                                     # 4 open pages or 5 compressed ones
+    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk,
+                       shared_pool=shared, reserve_chunks=0)
+    ids = m.alloc_pages(40)
+    written = fill(m, ids, [1.0, 0.0])
+    m.compress_pages(ids)
+    assert [len(m.packed.chunks[l]) for l in range(2)] == [8, 10]
+    return m, written, ids
+
+
+@pytest.mark.parametrize("shared, expect", [(False, 8), (True, 12)])
+def test_two_layer_example_real_bytes(shared, expect):
+    m, written, _ = _two_layer(shared)
+    # static: layer 1 has 2 free chunks (8 pages) while layer 0 has 4; shared: 6 chunks, 3 groups
+    assert m.capacity_new_pages() == expect
+    new = m.alloc_pages(expect)
+    written.update(fill(m, new, [0.5, 0.5], seed=7))
+    with pytest.raises(MemoryExhausted):
+        m.alloc_pages(1)
+    assert_contents(m, written)
+
+
+def test_compressed_size_sizing_over_admits():
+    m, _, _ = _two_layer(shared=True)
+    free_bytes = m.pool.available(0) * m.chunk_bytes
+    naive = free_bytes // (LAYOUT.min_page_bytes + OPEN)      # new pages at compressed size
+    assert naive > m.capacity_new_pages()
+    before = snapshot(m)
+    with pytest.raises(MemoryExhausted) as e:
+        m.alloc_pages(naive)
+    assert e.value.needed == naive and e.value.available == 12
+    assert_same(before, snapshot(m))
+
+
+# ------------------------------------------------------------------------------ page table
+def test_page_loc_encoding_and_round_trip():
+    m = KVCacheManager(3, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    assert m.page_loc.dtype == torch.int64 and m.page_loc.shape == (3, m.max_pages)
+    assert m.arena.dtype == torch.uint8 and m.arena.dim() == 1
+    ids = m.alloc_pages(6)
+    loc = m.page_loc[:, ids]
+    assert bool(((loc & 1) == 1).all()) and bool(((loc & ~1) % 16 == 0).all())
+    written = fill(m, ids, [1.0, 0.8, 0.0])
+    m.compress_pages(ids[:4])
+    loc = m.page_loc[:, ids]
+    assert bool((loc[:2, :4] & 1 == 0).all())          # compressed
+    assert bool((loc[2, :4] & 1 == 1).all())           # all-raw pages are kept in open form
+    assert bool((loc[:, 4:] & 1 == 1).all())           # still open
+    # compressed entries decode with the format's own decoder, straight from the arena
+    got = decode_pages(m.arena, loc[0, :4], 1, 64)
+    assert torch.equal(bits(got), bits(torch.stack([written[0, p] for p in ids[:4]])))
+    assert_contents(m, written)
+    m.free_pages(ids[1:3])
+    assert bool((m.page_loc[:, ids[1:3]] == -1).all())
+    assert m.page_state(ids[1]) == "free" and m.page_state(ids[0]) == "compressed"
+
+
+def test_stats_report_layers():
+    m, _, _ = _two_layer(shared=True)
+    s = m.stats()
+    assert s.stored_pages == 40 and s.open_pages == 0
+    assert s.layers[0].compressible_fraction == 1.0 and s.layers[1].compressible_fraction == 0.0
+    assert s.layers[0].compressed_bytes == 40 * LAYOUT.min_page_bytes
+    assert s.layers[1].compressed_bytes == 40 * OPEN
+    assert 0 <= s.layers[0].fragmentation < 1
+    assert s.stored_ratio == pytest.approx((LAYOUT.min_page_bytes + OPEN) / (2 * OPEN))
+
+
+# ------------------------------------------------------------------------------ pool
+def test_freed_chunk_returns_to_pool_and_serves_other_layer():
+    m, written, ids = _two_layer(shared=True)
+    pool_before = m.pool.available(0)
+    m.free_pages(ids[:20])                 # first 20 pages: layer 0 chunks 0-3, layer 1 chunks 0-4
+    assert m.pool.available(0) == pool_before + 4 + 5
+    for pid in ids[:20]:
+        del written[0, pid], written[1, pid]
+    assert_contents(m, written)
+    assert m.capacity_new_pages() == 4 * ((pool_before + 9) // 2)
+
+
+def test_all_memory_reusable_after_everything_is_freed():
+    m, _, ids = _two_layer(shared=True)
+    empty = KVCacheManager(2, LAYOUT, budget_bytes=24 * 4 * OPEN, chunk_bytes=4 * OPEN,
+                           reserve_chunks=0).capacity_new_pages()
+    m.free_pages(ids)
+    assert m.capacity_new_pages() == empty == 48
+    assert m.alloc_pages(48) and m.capacity_new_pages() == 0
+
+
+# ------------------------------------------------------------------------------ compaction
+def test_compaction_moves_bytes_exactly_and_frees_chunks():
+    chunk = 4 * OPEN
+    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    ids = m.alloc_pages(40)
+    written = fill(m, ids, [1.0, 0.6])
+    m.compress_pages(ids)
+    m.free_pages(ids[::2])                 # holes everywhere, no chunk empties
+    for pid in ids[::2]:
+        del written[0, pid], written[1, pid]
+    held = [len(m.packed.chunks[l]) for l in range(2)]
+    pool = m.pool.available(0)
+    cap_before = m.capacity_new_pages(include_compaction=False)
+    assert m.capacity_new_pages() > cap_before         # capacity counts what compaction frees
+    freed = m.compact()
+    assert freed > 0 and m.pool.available(0) == pool + freed
+    assert sum(len(m.packed.chunks[l]) for l in range(2)) == sum(held) - freed
+    assert m.stats().pages_moved > 0
+    assert_contents(m, written)
+    # packed pages never overlap and stay inside their chunks
+    for layer in range(2):
+        live = [p for p in ids[1::2]]
+        starts = (m.page_loc[layer, live] & ~1).numpy()
+        ends = starts + m._size[layer, live]
+        o = np.argsort(starts)
+        assert (starts[o][1:] >= ends[o][:-1]).all()
+        assert ((starts // chunk) == ((ends - 1) // chunk)).all()
+
+
+def test_alloc_compacts_when_the_pool_is_short():
+    chunk = 4 * OPEN
+    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    ids = m.alloc_pages(m.capacity_new_pages())
+    written = fill(m, ids, [1.0, 1.0])
+    m.compress_pages(ids)
+    m.free_pages(ids[1::2])
+    for pid in ids[1::2]:
+        del written[0, pid], written[1, pid]
+    cap = m.capacity_new_pages()
+    assert cap > m.capacity_new_pages(include_compaction=False)
+    new = m.alloc_pages(cap)               # must compact to fit
+    assert m.compactions > 0
+    written.update(fill(m, new, [0.3, 0.9], seed=3))
+    assert_contents(m, written)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_budget_too_small():
+    with pytest.raises(ValueError, match="too small"):
+        KVCacheManager(4, LAYOUT, budget_bytes=4 * OPEN * 11, chunk_bytes=4 * OPEN)  # needs 12
+    with pytest.raises(ValueError, match="hold at least one open page"):
+        KVCacheManager(2, LAYOUT, budget_bytes=1 << 20, chunk_bytes=OPEN // 2)
+    with pytest.raises(TypeError):
+        KVCacheManager(2, (1, 64), budget_bytes=1 << 20, chunk_bytes=OPEN)
+    KVCacheManager(4, LAYOUT, budget_bytes=4 * OPEN * 12, chunk_bytes=4 * OPEN)
+
+
+def test_bad_ids_and_double_free_leave_state_unchanged():
+    m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    ids = m.alloc_pages(3)
+    fill(m, ids, [1.0, 1.0])
+    m.compress_pages(ids[:1])
+    m.free_pages([ids[2]])
+    before = snapshot(m)
+    cases = [
+        (m.free_pages, [ids[2]], "not allocated"),                  # double free
+        (m.free_pages, [ids[0], ids[2]], "not allocated"),          # partly bad: nothing freed
+        (m.free_pages, [m.max_pages], "does not exist"),
+        (m.free_pages, [-1], "does not exist"),
+        (m.free_pages, [ids[0], ids[0]], "repeat"),
+        (m.compress_pages, [ids[0]], "already compressed"),
+        (m.compress_pages, [ids[2]], "not allocated"),
+        (m.alloc_pages, -1, "non-negative"),
+    ]
+    for fn, arg, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn(arg)
+        assert_same(before, snapshot(m))
+    with pytest.raises(TypeError):
+        m.free_pages(["a"])
+    with pytest.raises(ValueError, match="does not exist"):
+        m.open_page(2, ids[1])
+    with pytest.raises(ValueError, match="sizes="):
+        m.compress_pages([ids[1]], sizes=np.full((2, 1), OPEN))
+    assert_same(before, snapshot(m))
+
+
+def test_memory_exhausted_leaves_state_unchanged():
+    m = KVCacheManager(2, LAYOUT, budget_bytes=8 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    cap = m.capacity_new_pages()
+    assert cap == 4 * (8 // 2 - 2)
+    m.alloc_pages(cap - 1)
+    before = snapshot(m)
+    with pytest.raises(MemoryExhausted, match="preempt"):
+        m.alloc_pages(2)
+    assert_same(before, snapshot(m))
+
+
+# ------------------------------------------------------------------------------ meta / admission
+def test_meta_device_accounting():
+    L8B = PageLayout(8, 128)
+    m = KVCacheManager(32, L8B, budget_bytes=4 << 30, device="meta")
+    cap = m.capacity_new_pages()
+    ids = m.alloc_pages(512)
+    assert m.capacity_new_pages() == cap - 512
+    m.compress_pages(ids, sizes=np.full((32, 512), L8B.min_page_bytes))
+    assert m.capacity_new_pages() > cap - 512
+    assert m.observed_ratio() == pytest.approx(L8B.min_page_bytes / L8B.open_page_bytes)
+    with pytest.raises(ValueError, match="sizes"):
+        m.compress_pages(m.alloc_pages(1))
+    with pytest.raises(ValueError, match="page sizes"):
+        m.compress_pages(m.alloc_pages(1), sizes=np.full((32, 1), 100))
+
+
+def test_admission_conservative_and_estimate():
+    chunk = 4 * OPEN
+    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    adm = Admission(m)
+    cap = m.capacity_new_pages()                    # 4 * (40 // 2 - 1) = 76
+    assert cap == 76
+    # a request of 60 pages (+1 margin) fits alone; a second one does not while it runs
+    assert adm.can_admit(16 * 59 + 1, 15)
+    running = [RunningRequest(pages_held=10, total_tokens=16 * 60)]
+    assert adm.reserved_pages(running) == 50 + 1
+    assert not adm.can_admit(16 * 25, 0, running)          # 25 + 1 > 76 - 51
+    assert adm.can_admit(16 * 24, 0, running)              # 24 + 1 <= 25
+    ids = m.alloc_pages(40)
+    fill(m, ids, [1.0, 1.0])
+    m.compress_pages(ids)
+    est = Admission(m, mode="estimate")
+    assert est.ratio() == pytest.approx(LAYOUT.min_page_bytes / OPEN)
+    assert est.reserved_pages(running) < adm.reserved_pages(running)
+    with pytest.raises(ValueError):
+        Admission(m, mode="sglang")
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_round_trip_and_pending_chunks():
+    chunk = 4 * OPEN
+    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, device="cuda", chunk_bytes=chunk)
+    ids = m.alloc_pages(8)
+    written = {k: v.cuda() for k, v in fill(m, ids, [1.0, 0.5]).items()}
+    m.compress_pages(ids)
+    assert m.page_loc.device.type == "cuda"
+    assert torch.equal(m.page_loc.cpu(), torch.from_numpy(m._loc))
+    assert_contents(m, written)
+    m.free_pages(ids)
+    torch.cuda.synchronize()
+    assert m.capacity_new_pages() == 4 * (24 // 2 - 2)
+    assert m.alloc_pages(m.capacity_new_pages())
