@@ -42,6 +42,7 @@ fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wro
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -59,15 +60,44 @@ def _interpreting() -> bool:
     return not isinstance(_decode_attention_kernel, triton.runtime.jit.JITFunction)
 
 
-def _check_device(device: torch.device) -> None:
+_INTERPRETED = []
+
+
+def _kernels(device: torch.device):
+    """(attention kernel, merge kernel, interpreted?) for tensors on ``device``.
+
+    Whether ``triton.jit`` interprets is fixed when this module is imported (TRITON_INTERPRET);
+    for CPU tensors in a compiled import, a second copy of the module is loaded in interpreter
+    mode.
+    """
     interp = _interpreting()
-    if device.type == "cuda" and interp:
-        raise RuntimeError("zipfusion.kernels was imported with TRITON_INTERPRET=1 and cannot run "
-                           "on CUDA tensors; unset TRITON_INTERPRET before importing it")
-    if device.type != "cuda" and not interp:
-        raise ValueError(f"the attention kernels need CUDA tensors (got {device}); on the CPU set "
-                         "TRITON_INTERPRET=1 before importing triton, or use "
-                         "reference_decode_attention")
+    if device.type == "cuda":
+        if interp:
+            raise RuntimeError("zipfusion.kernels was imported with TRITON_INTERPRET=1 and cannot "
+                               "run on CUDA tensors; unset TRITON_INTERPRET before importing it")
+        return _decode_attention_kernel, _merge_kernel, False
+    if device.type != "cpu":
+        raise ValueError(f"the attention kernels run on CUDA (or on the CPU through the Triton "
+                         f"interpreter), got tensors on {device}")
+    if interp:
+        return _decode_attention_kernel, _merge_kernel, True
+    if not _INTERPRETED:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(__package__ + "._decode_attention_interp",
+                                                      __file__)
+        module = importlib.util.module_from_spec(spec)
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+        _INTERPRETED.append(module)
+    m = _INTERPRETED[0]
+    return m._decode_attention_kernel, m._merge_kernel, True
 
 
 # ------------------------------------------------------------------------------------------
@@ -249,9 +279,9 @@ def _tile_step(p0, q, m_i, l_i, acc, arena32, arena16, page_loc_ptr, bt_ptr, b, 
 @triton.jit
 def _decode_attention_kernel(
         q_ptr, arena32, arena16, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qk_scale, stride_bt, pages_per_split,
+        qk_scale, stride_bt, pages_per_split, num_splits,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-        TP: tl.constexpr, NUM_SPLITS: tl.constexpr, MODE: tl.constexpr,
+        TP: tl.constexpr, SINGLE: tl.constexpr, MODE: tl.constexpr,
         USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -290,12 +320,12 @@ def _decode_attention_kernel(
                                        H, D, MODE, USE_ASM, FP32_DOT)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if NUM_SPLITS == 1:
+    if SINGLE:
         tl.store(out_ptr + q_rows[:, None] * D + d[None, :], o.to(tl.bfloat16),
                  mask=(g < G)[:, None])
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        part = q_rows * NUM_SPLITS + s
+        part = q_rows * num_splits + s
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=(g < G)[:, None])
         tl.store(part_lse_ptr + part, lse, mask=g < G)
 
@@ -410,9 +440,9 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages
 
 
 def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
-            num_splits, tile_pages, num_warps, validate):
+            num_splits, tile_pages, num_warps, validate, use_asm=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
-    _check_device(arena.device)
+    attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if validate:
         _check_ids(arena, page_loc_layer, block_table, context_lens, layout, mode == MODE_TWIN)
     B, Hq, D = q.shape
@@ -423,7 +453,6 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         out = torch.empty_like(q)
     if B == 0:
         return out
-    interp = _interpreting()
     TP = tile_pages or (1 if interp else 2)
     max_pages = block_table.shape[1]
     S = num_splits or default_num_splits(B, H, max_pages, TP, q.device)
@@ -438,29 +467,30 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
-    _decode_attention_kernel[(B, H, S)](
+    attn_kernel[(B, H, S)](
         q, arena32, arena16, page_loc_layer, block_table, context_lens, out, part_o, part_lse,
-        float(sm_scale) * LOG2E, block_table.stride(0), pps,
-        H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, NUM_SPLITS=S,
-        MODE=mode, USE_ASM=not interp, FP32_DOT=interp, num_warps=num_warps or 4)
+        float(sm_scale) * LOG2E, block_table.stride(0), pps, S,
+        H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, SINGLE=S == 1,
+        MODE=mode, USE_ASM=(not interp) if use_asm is None else use_asm, FP32_DOT=interp, num_warps=num_warps or 4)
     if S > 1:
-        _merge_kernel[(B * Hq,)](part_o, part_lse, out, NUM_SPLITS=S,
+        merge_kernel[(B * Hq,)](part_o, part_lse, out, NUM_SPLITS=S,
                                  S_PAD=triton.next_power_of_2(S), D=D, num_warps=4)
     return out
 
 
 def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                      out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                     validate=True):
+                     validate=True, use_asm=None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
     [B, max_pages_per_request]; context_lens int32 [B] -> [B, Hq, D] bf16 (written into ``out``
     if given). ``validate`` checks ids and locations (one device sync; pass False inside CUDA
-    graphs). ``num_splits``, ``tile_pages``, ``num_warps`` override the tuning defaults.
+    graphs). ``num_splits``, ``tile_pages``, ``num_warps`` override the tuning defaults;
+    ``use_asm=False`` uses the pure-Triton byte interleave instead of ``prmt`` (for timing).
     """
     return _launch(MODE_FUSED, q, arena, page_loc_layer, block_table, context_lens, layout,
-                   sm_scale, out, num_splits, tile_pages, num_warps, validate)
+                   sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,

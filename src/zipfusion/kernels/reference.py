@@ -58,37 +58,38 @@ def reference_decode_attention(q, arena, page_loc_layer, block_table, context_le
 
 
 def build_arena(pages: torch.Tensor, compressed: torch.Tensor, *, seed: int = 0,
-                gap_bytes: int = 64, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+                gap_bytes: int = 64, device=None, chunk: int = 1024
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lay pages [P, 2, 16, H, D] out in a fresh arena, in a random order with random gaps.
 
     ``compressed[i]`` (bool) stores page i compressed (reference encoder), else open. Returns
     (arena uint8, page_loc int64 [P]: offset for compressed pages, offset | 1 for open ones).
-    Gaps are filled with random bytes so that a kernel reading outside a page shows.
+    Gaps and unused bytes hold random bytes, so that a kernel reading outside a page shows.
     """
     from ..format.reference import encode_pages_into, page_sizes
-    device = device if device is not None else pages.device
+    device = torch.device(device) if device is not None else pages.device
     P, _, _, H, D = pages.shape
     layout = PageLayout(H, D)
     g = torch.Generator().manual_seed(seed)
     compressed = compressed.to(torch.bool).cpu()
     sizes = torch.full((P,), layout.open_page_bytes, dtype=torch.int64)
-    if bool(compressed.any()):
-        sizes[compressed] = page_sizes(pages[compressed.to(pages.device)]).cpu()
+    comp_idx = torch.nonzero(compressed).flatten()
+    for c in comp_idx.split(chunk):
+        sizes[c] = page_sizes(pages[c.to(pages.device)].to(device)).cpu()
     order = torch.randperm(P, generator=g)
     gaps = torch.randint(0, gap_bytes // 16 + 1, (P,), generator=g) * 16
+    ends = torch.cumsum(gaps[order] + sizes[order], 0)
     loc = torch.empty(P, dtype=torch.int64)
-    pos = 0
-    for i in order.tolist():
-        pos += int(gaps[i])
-        loc[i] = pos
-        pos += int(sizes[i])
-    arena = torch.randint(0, 256, (pos + 16,), generator=g, dtype=torch.uint8).to(device)
-    comp_idx = torch.nonzero(compressed).flatten()
-    if comp_idx.numel():
-        encode_pages_into(pages[comp_idx.to(pages.device)].to(device), arena,
-                          loc[comp_idx].to(device))
-    for i in torch.nonzero(~compressed).flatten().tolist():
-        n = layout.open_page_bytes
-        arena[int(loc[i]):int(loc[i]) + n] = pages[i].contiguous().view(-1).view(torch.uint8).to(device)
+    loc[order] = ends - sizes[order]
+    total = int(ends[-1]) + 16 if P else 16
+    dg = torch.Generator(device=device).manual_seed(seed)
+    arena = torch.randint(0, 256, (total,), generator=dg, dtype=torch.uint8, device=device)
+    for c in comp_idx.split(chunk):
+        encode_pages_into(pages[c.to(pages.device)].to(device), arena, loc[c].to(device))
+    n = layout.open_page_bytes
+    for c in torch.nonzero(~compressed).flatten().split(max(1, chunk // 8)):
+        idx = loc[c].to(device)[:, None] + torch.arange(n, device=device)
+        arena[idx.flatten()] = pages[c.to(pages.device)].to(device).contiguous().view(
+            torch.uint8).flatten()
     page_loc = torch.where(compressed, loc, loc | 1).to(device)
     return arena, page_loc

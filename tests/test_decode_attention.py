@@ -1,0 +1,222 @@
+"""Paged decode attention: fused (compressed pages), twin (open pages), unfused, vs float64.
+
+CPU tests run the Triton kernels under TRITON_INTERPRET=1 at small sizes; the large shapes
+(batch up to 64, contexts up to 32768) run only where a CUDA GPU is present.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported: CPU interpreter
+
+import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages  # noqa: E402
+from zipfusion.format import PageLayout  # noqa: E402
+from zipfusion.kernels import (decode_attention, decode_attention_twin,  # noqa: E402
+                               decode_attention_unfused, reference_decode_attention)
+from zipfusion.kernels.reference import build_arena  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_case(contexts, H, G, D, kind, seed, device=DEV):
+    """Pages for requests of the given context lengths, their arenas and tables.
+
+    kind: 'compressible' (every block compressible), 'raw' (none), 'mixed' (realistic KV:
+    roughly half the blocks compressible, outlier channels, zeros). Full pages are
+    compressed in ``arena_c`` (except ~1/4 left open when ``kind == 'mixed'``, as a lazy memory
+    manager would), the last partial page is open; ``arena_o`` holds the same pages all open.
+    Pages are placed in random order with random gaps; page ids are shuffled.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = [-(-L // 16) for L in contexts]
+    P = sum(n_pages) + 3                                    # a few pages nobody uses
+    if kind == "compressible":
+        pages = pages_with_fraction(P, H, D, 1.0, seed=seed)
+    elif kind == "raw":
+        pages = pages_with_fraction(P, H, D, 0.0, seed=seed)
+    else:
+        pages = realistic_pages(P, H, D, seed=seed)
+    ids = torch.randperm(P, generator=gen)
+    width = max(n_pages) + 2
+    bt = torch.randint(0, P, (len(contexts), width), generator=gen, dtype=torch.int32)
+    compressed = torch.ones(P, dtype=torch.bool)
+    k = 0
+    for b, (L, n) in enumerate(zip(contexts, n_pages)):
+        bt[b, :n] = ids[k:k + n].to(torch.int32)
+        if L % 16:
+            compressed[ids[k + n - 1]] = False
+        k += n
+    if kind == "mixed":
+        compressed &= torch.rand(P, generator=gen) > 0.25
+    arena_c, loc_c = build_arena(pages, compressed, seed=seed + 1, device=device)
+    arena_o, loc_o = build_arena(pages, torch.zeros(P, dtype=torch.bool), seed=seed + 2,
+                                 device=device)
+    q = torch.randn(len(contexts), H * G, D, generator=gen).to(torch.bfloat16).to(device)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    return dict(q=q, arena_c=arena_c, loc_c=loc_c, arena_o=arena_o, loc_o=loc_o,
+                bt=bt.to(device), lens=lens, layout=PageLayout(H, D), scale=D ** -0.5)
+
+
+def poisoned(q):
+    return torch.full_like(q, float("nan"))
+
+
+def check_case(c, num_splits=None, tile_pages=None, unfused=True):
+    args = (c["bt"], c["lens"], c["layout"], c["scale"])
+    kw = dict(num_splits=num_splits, tile_pages=tile_pages)
+    out_c = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, out=poisoned(c["q"]), **kw)
+    assert not torch.isnan(out_c).any(), "some outputs were not written"
+    ref = reference_decode_attention(c["q"], c["arena_c"], c["loc_c"], *args,
+                                     out_dtype=torch.float64)
+    rel = ((out_c.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, f"relative error {rel:.3g} vs float64 reference"
+    worst = ((out_c.double() - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-6)).max()
+    assert worst < 5e-2, f"a head's max error is {worst:.3g} of its max |ref|"
+    # same values read from open pages: bit-identical, fused and twin
+    out_o = decode_attention(c["q"], c["arena_o"], c["loc_o"], *args, out=poisoned(c["q"]), **kw)
+    out_t = decode_attention_twin(c["q"], c["arena_o"], c["loc_o"], *args,
+                                  out=poisoned(c["q"]), **kw)
+    assert torch.equal(out_c, out_o), "compressed and open pages give different bits"
+    assert torch.equal(out_c, out_t), "fused kernel and its twin give different bits"
+    if unfused:
+        out_u = decode_attention_unfused(c["q"], c["arena_c"], c["loc_c"], *args,
+                                         out=poisoned(c["q"]), **kw)
+        assert torch.equal(out_c, out_u), "unfused baseline differs from the twin"
+    return rel
+
+
+# ------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: small shapes
+# ------------------------------------------------------------------------------------------
+
+SMALL = [
+    # contexts, H, G, kind, tile_pages, num_splits
+    ([1], 2, 4, "mixed", 1, None),
+    ([15, 16, 17], 1, 8, "compressible", 1, None),
+    ([17, 40, 1, 33, 16, 5, 64], 1, 1, "raw", 2, None),
+    ([48, 31], 2, 4, "mixed", 2, 2),
+    ([70], 1, 4, "compressible", 2, 3),
+]
+
+
+@pytest.mark.parametrize("contexts,H,G,kind,tp,splits", SMALL)
+def test_small_cases(contexts, H, G, kind, tp, splits):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))             # fresh inputs every run
+    check_case(make_case(contexts, H, G, 128, kind, seed), num_splits=splits, tile_pages=tp)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_other_head_dims(D):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    check_case(make_case([20, 32], 1, 4, D, "mixed", seed), tile_pages=1, unfused=False)
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from(["mixed", "compressible", "raw"]), st.integers(0, 2**20))
+def test_hypothesis_random_shapes(contexts, G, kind, seed):
+    check_case(make_case(contexts, 1, G, 128, kind, seed), tile_pages=1, unfused=False)
+
+
+def test_single_split_equals_multi_split_closely():
+    c = make_case([64], 1, 4, 128, "mixed", 7)
+    args = (c["q"], c["arena_c"], c["loc_c"], c["bt"], c["lens"], c["layout"], c["scale"])
+    a = decode_attention(*args, num_splits=1, tile_pages=1)
+    b = decode_attention(*args, num_splits=4, tile_pages=1)
+    assert (a.double() - b.double()).abs().max() < 2e-2
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small():
+    return make_case([20, 7], 1, 4, 128, "mixed", 3)
+
+
+def _call(c, fn=decode_attention, **over):
+    a = dict(q=c["q"], arena=c["arena_c"], page_loc_layer=c["loc_c"], block_table=c["bt"],
+             context_lens=c["lens"], layout=c["layout"], sm_scale=c["scale"])
+    a.update(over)
+    return fn(**a)
+
+
+def test_bad_dtypes_and_shapes(small):
+    c = small
+    with pytest.raises(TypeError, match="bfloat16"):
+        _call(c, q=c["q"].float())
+    with pytest.raises(ValueError, match="num_q_heads"):
+        _call(c, q=c["q"][:, :, :64])
+    with pytest.raises(TypeError, match="uint8"):
+        _call(c, arena=c["arena_c"].view(torch.int8))
+    with pytest.raises(TypeError, match="int64"):
+        _call(c, page_loc_layer=c["loc_c"].int())
+    with pytest.raises(TypeError, match="int32"):
+        _call(c, block_table=c["bt"].long())
+    with pytest.raises(TypeError, match="context_lens"):
+        _call(c, context_lens=c["lens"][:1])
+    with pytest.raises(ValueError, match="sm_scale"):
+        _call(c, sm_scale=float("nan"))
+    with pytest.raises(TypeError, match="PageLayout"):
+        _call(c, layout=(1, 128))
+    with pytest.raises(ValueError, match="out must be"):
+        _call(c, out=torch.empty(2, 4, 64, dtype=torch.bfloat16, device=c["q"].device))
+
+
+def test_bad_ids(small):
+    c = small
+    bt = c["bt"].clone()
+    bt[0, 0] = c["loc_c"].numel()
+    with pytest.raises(ValueError, match="page ids"):
+        _call(c, block_table=bt)
+    with pytest.raises(ValueError, match="context_lens"):
+        _call(c, context_lens=torch.zeros_like(c["lens"]))
+    with pytest.raises(ValueError, match="context_lens"):
+        _call(c, context_lens=torch.full_like(c["lens"], 16 * c["bt"].shape[1] + 1))
+    loc = c["loc_c"].clone()
+    loc[c["bt"][0, 0].long()] = -1
+    with pytest.raises(ValueError, match="no page"):
+        _call(c, page_loc_layer=loc)
+    loc = c["loc_c"].clone()
+    loc[c["bt"][1, 0].long()] &= ~1                          # request 1 (7 tokens): partial page
+    with pytest.raises(ValueError, match="partial page"):
+        _call(c, page_loc_layer=loc)
+    with pytest.raises(ValueError, match="open pages only"):
+        _call(c, fn=decode_attention_twin)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the large shapes
+# ------------------------------------------------------------------------------------------
+
+LARGE = [
+    # contexts, G, kind
+    ([32768], 4, "mixed"),
+    ([1, 15, 16, 17, 1000, 8192, 333], 8, "mixed"),
+    ([8192] * 32, 4, "compressible"),
+    ([1000] * 64, 1, "raw"),
+    ([1000, 17, 16, 15, 1] * 6 + [8192, 32768], 8, "compressible"),
+    ([4000] * 64, 4, "mixed"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("contexts,G,kind", LARGE)
+def test_large_cases_gpu(contexts, G, kind):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    check_case(make_case(contexts, 8, G, 128, kind, seed))
+
+
+@gpu
+@pytest.mark.parametrize("tp,splits", [(1, None), (4, None), (2, 1), (2, 16)])
+def test_tilings_gpu(tp, splits):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    check_case(make_case([3000, 17, 8192], 8, 4, 128, "mixed", seed), num_splits=splits,
+               tile_pages=tp, unfused=False)
