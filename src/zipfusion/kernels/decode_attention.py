@@ -61,6 +61,7 @@ def _interpreting() -> bool:
 
 
 _INTERPRETED = []
+LAST_COMPILED = {}     # mode -> the last launched compiled kernel (registers, spills)
 
 
 def _kernels(device: torch.device):
@@ -467,7 +468,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
-    attn_kernel[(B, H, S)](
+    LAST_COMPILED[mode] = attn_kernel[(B, H, S)](
         q, arena32, arena16, page_loc_layer, block_table, context_lens, out, part_o, part_lse,
         float(sm_scale) * LOG2E, block_table.stride(0), pps, S,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, SINGLE=S == 1,

@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""Decode-attention benchmark: FlashInfer vs our twin, fused and unfused kernels (GPU only).
+
+Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with
+an exact fraction of compressible blocks (zipfusion.analysis.synthetic.pages_with_fraction).
+Every request's pages are scattered (random page ids); all full pages are compressed for the
+fused and unfused kernels; the twin and FlashInfer read the same values from open pages.
+Inputs are rotated over several copies so that no timed call finds its data in L2. Each
+kernel is timed as a CUDA graph of many calls (median over replays).
+
+    python3 benchmarks/attention.py --quick            # batch 32, 8K, fractions 1.0/0.8/0.5/0.0
+    python3 benchmarks/attention.py --tune             # kernel variants at batch 32, 8K
+    python3 benchmarks/attention.py --full --out DIR   # the whole sweep -> DIR/attention.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction  # noqa: E402
+from zipfusion.format import PageLayout, encode_pages_into, page_sizes  # noqa: E402
+from zipfusion.kernels import (decode_attention, decode_attention_twin,  # noqa: E402
+                               decode_attention_unfused, plan_unfused)
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+LAYOUT = PageLayout(HKV, D)
+POOL = 1024                   # distinct pages per fraction; the arena repeats them
+ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
+DEV = torch.device("cuda")
+
+
+def copy_ceiling(nbytes=2 << 30):
+    """Device-to-device copy bandwidth, bytes read + written per second (median of 20)."""
+    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ts = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * nbytes / statistics.median(ts)
+
+
+def time_calls(fn, n_sets, reps=15, min_inner=10):
+    """Median seconds per call of fn(i) (i cycles over the input copies), as a CUDA graph."""
+    n_inner = max(min_inner, n_sets)
+    n_inner = -(-n_inner // n_sets) * n_sets
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(3, n_inner)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n_inner):
+                fn(i)
+        run, how = g.replay, "graph"
+    except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
+        print(f"  (graph capture failed: {type(e).__name__}: {e}; timing eager launches)")
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(n_inner):
+                fn(i)
+        how = "eager"
+    run()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3 / n_inner)
+    return statistics.median(ts), (max(ts) - min(ts)), how
+
+
+class Pool:
+    """POOL distinct pages with a given compressible fraction, open and encoded."""
+
+    def __init__(self, fraction, seed):
+        self.pages = pages_with_fraction(POOL, HKV, D, fraction, seed=seed).to(DEV)
+        self.fraction = compressible_fraction(self.pages[:64].cpu())
+        self.sizes = page_sizes(self.pages)                         # [POOL] int64
+        self.offsets = torch.cumsum(self.sizes, 0) - self.sizes
+        self.buf = torch.empty(int(self.sizes.sum()), dtype=torch.uint8, device=DEV)
+        encode_pages_into(self.pages, self.buf, self.offsets)
+
+
+class Case:
+    """B requests of ctx tokens: open caches (FlashInfer/twin) and compressed arenas (fused)."""
+
+    def __init__(self, pool: Pool, B, ctx, seed=0):
+        self.B, self.ctx = B, ctx
+        npr = -(-ctx // PS)
+        P = B * npr
+        reps = -(-P // POOL)
+        idx = torch.arange(P, device=DEV) % POOL
+        self.open_bytes = P * LAYOUT.open_page_bytes
+        self.sets = max(1, min(64, -(-ROTATE_BYTES // self.open_bytes)))
+        # open caches: [sets, P, 2, 16, H, D] (FlashInfer's NHD paged layout)
+        self.kv = pool.pages[idx].unsqueeze(0).repeat(self.sets, 1, 1, 1, 1, 1)
+        self.loc_o = torch.arange(P, device=DEV, dtype=torch.int64) * LAYOUT.open_page_bytes | 1
+        # compressed arenas: page i = pool page i % POOL, packed back to back
+        arena = pool.buf.repeat(reps)
+        sizes = pool.sizes[idx]
+        self.loc_c = torch.cumsum(sizes, 0) - sizes
+        self.comp_bytes = int(sizes.sum())
+        arena = arena[:self.comp_bytes]
+        self.arena_c = arena.unsqueeze(0).repeat(self.sets, 1)
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.bt = torch.randperm(P, generator=g).view(B, npr).to(torch.int32).to(DEV)
+        self.lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+        self.q = torch.randn(B, HQ, D, generator=g).to(torch.bfloat16).to(DEV)
+        self.out = torch.empty_like(self.q)
+        self.P = P
+        self.plan = None
+
+    def arena_o(self, i):
+        return self.kv[i % self.sets].view(-1).view(torch.uint8)
+
+    def run_twin(self, i, **kw):
+        return decode_attention_twin(self.q, self.arena_o(i), self.loc_o, self.bt, self.lens,
+                                     LAYOUT, D ** -0.5, self.out, validate=False, **kw)
+
+    def run_fused(self, i, **kw):
+        return decode_attention(self.q, self.arena_c[i % self.sets], self.loc_c, self.bt,
+                                self.lens, LAYOUT, D ** -0.5, self.out, validate=False, **kw)
+
+    def run_unfused(self, i, **kw):
+        if self.plan is None:
+            self.plan = plan_unfused(self.arena_c[0], self.loc_c, LAYOUT)
+        return decode_attention_unfused(self.q, self.arena_c[i % self.sets], self.loc_c,
+                                        self.bt, self.lens, LAYOUT, D ** -0.5, self.out,
+                                        plan=self.plan, validate=False, **kw)
+
+
+class FlashInfer:
+    def __init__(self):
+        import flashinfer
+        self.fi = flashinfer
+        self.version = flashinfer.__version__
+        self.ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+
+    def prepare(self, case: Case):
+        w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.ws, "NHD", use_tensor_cores=True,
+                                                       backend="fa2")
+        npr = case.bt.shape[1]
+        indptr = torch.arange(case.B + 1, device=DEV, dtype=torch.int32) * npr
+        last = torch.full((case.B,), case.ctx - (npr - 1) * PS, dtype=torch.int32, device=DEV)
+        w.plan(indptr, case.bt.flatten().contiguous(), last, HQ, HKV, D, PS,
+               pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16)
+        out = torch.empty_like(case.q)
+
+        def run(i):
+            return w.run(case.q, case.kv[i % case.sets], out=out)
+        return run
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling):
+    """Times and checks one case; returns records."""
+    recs = []
+    outs = {}
+    ref = None
+    if fi is not None:
+        run = fi.prepare(case)
+        ref = run(0).clone()
+        t, spread, how = time_calls(run, case.sets)
+        recs.append(dict(kernel="flashinfer", median_ms=t * 1e3, spread_ms=spread * 1e3,
+                         bytes_read=case.open_bytes, timing=how))
+    for name in kernels:
+        fn = getattr(case, "run_" + name)
+        o = fn(0, **cfg).clone()
+        outs[name] = o
+        t, spread, how = time_calls(lambda i: fn(i, **cfg), case.sets)
+        nbytes = dict(twin=case.open_bytes, fused=case.comp_bytes,
+                      unfused=case.comp_bytes + case.open_bytes)[name]
+        r = dict(kernel=name, median_ms=t * 1e3, spread_ms=spread * 1e3, bytes_read=nbytes,
+                 timing=how)
+        if name == "unfused":
+            r["bytes_written"] = case.open_bytes
+        if ref is not None:
+            r["rel_err_vs_flashinfer"] = rel(o, ref)
+        recs.append(r)
+    if "twin" in outs and "fused" in outs:
+        same = bool(torch.equal(outs["twin"], outs["fused"]))
+        for r in recs:
+            if r["kernel"] == "fused":
+                r["bit_identical_to_twin"] = same
+    fi_ms = recs[0]["median_ms"] if fi is not None else None
+    for r in recs:
+        r.update(batch=case.B, context=case.ctx)
+        moved = r["bytes_read"] + r.get("bytes_written", 0)
+        r["achieved_GBps"] = moved / (r["median_ms"] / 1e3) / 1e9
+        r["fraction_of_copy_ceiling"] = r["achieved_GBps"] * 1e9 / ceiling
+        if fi_ms:
+            r["speedup_vs_flashinfer"] = fi_ms / r["median_ms"]
+    return recs
+
+
+def fmt(recs):
+    lines = []
+    for r in recs:
+        lines.append(f"{r['kernel']:>10} B={r['batch']:<3} ctx={r['context']:<6} "
+                     f"f={r['compressible_fraction']:.2f} {r['median_ms']:8.4f} ms "
+                     f"(±{r['spread_ms']:.4f}) {r['achieved_GBps']:7.0f} GB/s "
+                     f"x{r.get('speedup_vs_flashinfer', float('nan')):.3f} "
+                     f"{r.get('variant', '')} "
+                     f"{'bitEQ' if r.get('bit_identical_to_twin') else ''}"
+                     f"{'BIT-MISMATCH' if r.get('bit_identical_to_twin') is False else ''} "
+                     f"err={r.get('rel_err_vs_flashinfer', float('nan')):.2g}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_true")
+    mode.add_argument("--tune", action="store_true")
+    mode.add_argument("--full", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--tile-pages", type=int, default=None)
+    ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--num-splits", type=int, default=None)
+    args = ap.parse_args()
+    cfg = dict(tile_pages=args.tile_pages, num_warps=args.num_warps, num_splits=args.num_splits)
+
+    t_start = time.time()
+    props = torch.cuda.get_device_properties(0)
+    import triton
+    info = dict(device=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
+                torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python3 " + " ".join(sys.argv))
+    ceiling = copy_ceiling()
+    info["copy_ceiling_GBps"] = ceiling / 1e9
+    print(f"{info['device']} torch {info['torch']} triton {info['triton']} "
+          f"copy ceiling {ceiling / 1e9:.0f} GB/s (read+write)")
+    fi = None
+    if not args.no_flashinfer:
+        t0 = time.time()
+        fi = FlashInfer()
+        info["flashinfer"] = fi.version
+        print(f"flashinfer {fi.version} import {time.time() - t0:.1f}s")
+
+    if args.full:
+        batches, contexts, fractions = [1, 8, 32, 64], [2048, 8192, 32768], [1.0, 0.8, 0.5]
+    else:
+        batches, contexts, fractions = [32], [8192], [1.0, 0.8, 0.5, 0.0]
+    pools = {f: Pool(f, seed=int(f * 100) + 1) for f in fractions}
+    records = []
+    for f in fractions:
+        for B in batches:
+            for ctx in contexts:
+                case = Case(pools[f], B, ctx, seed=B * 7 + ctx)
+                if args.tune:
+                    recs = tune_case(case, fi, ceiling)
+                else:
+                    recs = measure_case(case, fi, ["twin", "fused", "unfused"], cfg, ceiling)
+                for r in recs:
+                    r["compressible_fraction"] = pools[f].fraction
+                    r["compressible_fraction_nominal"] = f
+                print(fmt(recs), flush=True)
+                records += recs
+                del case
+                torch.cuda.empty_cache()
+    info["seconds"] = time.time() - t_start
+    os.makedirs(args.out, exist_ok=True)
+    name = "attention" if args.full else ("attention_tune" if args.tune else "attention_quick")
+    with open(os.path.join(args.out, name + ".json"), "w") as fh:
+        json.dump(records, fh, indent=1)
+    with open(os.path.join(args.out, name + "_info.json"), "w") as fh:
+        json.dump(info, fh, indent=1)
+    if args.full:
+        write_md(records, info, os.path.join(args.out, "attention.md"))
+        plot(records, os.path.join(args.out, "attention.png"))
+    print(summary(records))
+
+
+def tune_case(case, fi, ceiling):
+    """Variants of the fused kernel and the twin at one case (tile pages, warps, splits, prmt)."""
+    recs = measure_case(case, fi, [], {}, ceiling) if fi is not None else []
+    variants = []
+    for tp in (1, 2, 4):
+        for nw in (4, 8):
+            variants.append(dict(tile_pages=tp, num_warps=nw))
+    variants.append(dict(tile_pages=2, num_warps=4, use_asm=False))
+    for s in (1, 2, 4, 8, 16):
+        variants.append(dict(tile_pages=2, num_warps=4, num_splits=s))
+    fi_ms = recs[0]["median_ms"] if recs else None
+    for name in ("twin", "fused"):
+        for v in variants:
+            if name == "twin" and ("use_asm" in v or "num_splits" in v):
+                continue
+            fn = getattr(case, "run_" + name)
+            t, spread, how = time_calls(lambda i: fn(i, **v), case.sets)
+            nbytes = case.open_bytes if name == "twin" else case.comp_bytes
+            da = sys.modules["zipfusion.kernels.decode_attention"]
+            ck = da.LAST_COMPILED.get(da.MODE_TWIN if name == "twin" else da.MODE_FUSED)
+            v = dict(v, regs=getattr(ck, "n_regs", None), spills=getattr(ck, "n_spills", None))
+            r = dict(kernel=name, variant=json.dumps(v), median_ms=t * 1e3,
+                     spread_ms=spread * 1e3, bytes_read=nbytes, batch=case.B,
+                     context=case.ctx, timing=how)
+            r["achieved_GBps"] = nbytes / t / 1e9
+            if fi_ms:
+                r["speedup_vs_flashinfer"] = fi_ms / r["median_ms"]
+            recs.append(r)
+    return recs
+
+
+def summary(records):
+    lines = ["", "| kernel | batch | context | compressible | median ms | GB/s | x FlashInfer |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        lines.append(f"| {r['kernel']} {r.get('variant', '')} | {r['batch']} | {r['context']} | "
+                     f"{r['compressible_fraction']:.2f} | {r['median_ms']:.4f} | "
+                     f"{r['achieved_GBps']:.0f} | {r.get('speedup_vs_flashinfer', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+def write_md(records, info, path):
+    by = {}
+    for r in records:
+        by.setdefault((r["compressible_fraction_nominal"], r["batch"], r["context"]), {})[r["kernel"]] = r
+    lines = [
+        "# Decode attention: fused (compressed KV) vs FlashInfer, twin and unfused",
+        "",
+        f"Device: {info['device']} ({info['sms']} SMs); torch {info['torch']}, triton "
+        f"{info['triton']}, FlashInfer {info.get('flashinfer', 'n/a')} "
+        "(BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True, fa2); "
+        f"date {info['date']}.",
+        f"Command: `{info['command']}`. Copy ceiling (device-to-device copy, read+write): "
+        f"{info['copy_ceiling_GBps']:.0f} GB/s.",
+        "",
+        "Llama-3.1-8B attention: 32 query heads, 8 KV heads, head_dim 128, page size 16, "
+        "bf16; every request has the same context, pages scattered in random order; all pages "
+        "compressed for fused/unfused. Each time is the median per call over 15 replays of a "
+        "CUDA graph of >= 10 calls rotating over copies of the inputs (>= 512 MB touched, "
+        "so L2 does not hold them). GB/s = bytes read (+ written, unfused) / time. "
+        "Compressible = measured fraction of 512-value blocks that compress.",
+        "",
+        "| compressible | batch | context | FlashInfer ms | twin ms | fused ms | unfused ms | "
+        "fused GB/s | fused x FI | twin x FI | fused x twin | unfused x FI | bit-identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key in sorted(by, key=lambda k: (-k[0], k[1], k[2])):
+        k = by[key]
+        fi, tw, fu, un = (k.get(n) for n in ("flashinfer", "twin", "fused", "unfused"))
+        ms = lambda r: f"{r['median_ms']:.4f}" if r else "-"  # noqa: E731
+        lines.append(
+            f"| {fu['compressible_fraction']:.2f} | {key[1]} | {key[2]} | {ms(fi)} | {ms(tw)} | "
+            f"{ms(fu)} | {ms(un)} | {fu['achieved_GBps']:.0f} | "
+            f"{fu.get('speedup_vs_flashinfer', math.nan):.3f} | "
+            f"{tw.get('speedup_vs_flashinfer', math.nan):.3f} | "
+            f"{tw['median_ms'] / fu['median_ms']:.3f} | "
+            f"{un.get('speedup_vs_flashinfer', math.nan):.3f} | "
+            f"{fu.get('bit_identical_to_twin')} |")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fracs = sorted({r["compressible_fraction_nominal"] for r in records}, reverse=True)
+    fig, axes = plt.subplots(1, len(fracs), figsize=(6 * len(fracs), 4.5), sharey=True)
+    axes = [axes] if len(fracs) == 1 else axes
+    for ax, f in zip(axes, fracs):
+        rs = [r for r in records if r["compressible_fraction_nominal"] == f]
+        keys = sorted({(r["batch"], r["context"]) for r in rs})
+        x = range(len(keys))
+        for j, name in enumerate(["twin", "fused", "unfused"]):
+            ys = [next((r.get("speedup_vs_flashinfer", 0) for r in rs if r["kernel"] == name
+                        and (r["batch"], r["context"]) == k), 0) for k in keys]
+            ax.bar([i + (j - 1) * 0.27 for i in x], ys, width=0.27, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([f"B{b}\n{c // 1024}K" for b, c in keys], fontsize=8)
+        ax.set_title(f"{f:.0%} of blocks compressible")
+        ax.set_ylabel("speedup vs FlashInfer (tensor cores)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
