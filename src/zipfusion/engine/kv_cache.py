@@ -42,6 +42,7 @@ def torch_decode_attention(q, gather, block_table, context_lens, sm_scale):
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * sm_scale
     valid = torch.arange(max_pages * PAGE_TOKENS, device=q.device)[None, :] < lens[:, None]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)           # unwritten slots may hold NaN bits
     out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v)
     return out.reshape(B, Hq, D).to(q.dtype)
 
@@ -58,7 +59,7 @@ class KVCache:
 
     def alloc(self, n: int) -> list[int]: ...
     def free(self, ids: list[int]) -> None: ...
-    def seal(self, ids: list[int]) -> None: """Full pages: compress them (if this cache compresses)."""
+    def seal(self, ids: list[int]) -> list[int]: """Full pages: compress them if this cache compresses; returns ids left open."""
     def capacity_new_pages(self) -> int: ...
     def write(self, layer, page_ids, slots, k, v) -> None: ...
     def gather(self, layer: int, page_ids: torch.Tensor) -> torch.Tensor: ...
@@ -117,8 +118,16 @@ class ArenaKVCache(KVCache):
             self.manager.free_pages(list(ids))
 
     def seal(self, ids):
-        if ids and self.compress:
+        """Compress full pages; returns the ids left open because compressed space ran out
+        (they stay readable as open pages; the scheduler retries them next step)."""
+        if not ids or not self.compress:
+            return []
+        from ..memory import MemoryExhausted
+        try:
             self.manager.compress_pages(list(ids))
+            return []
+        except MemoryExhausted:
+            return [i for i in ids if self.manager.page_state(i) == "open"]
 
     def capacity_new_pages(self):
         return int(self.manager.capacity_new_pages())
@@ -197,7 +206,7 @@ class DenseKVCache(KVCache):
         self._free.extend(ids)
 
     def seal(self, ids):
-        pass
+        return []
 
     def capacity_new_pages(self):
         return len(self._free)

@@ -76,6 +76,7 @@ class LLMEngine:
         self.graph_buckets = self.runner.capture_cuda_graphs() if not enforce_eager else []
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
+        self.record_logits = False          # tests: keep every sampled row's logits on the request
 
     def _default_kv_gb(self) -> float:
         if self.device.type == "cuda":
@@ -119,6 +120,9 @@ class LLMEngine:
         finished = []
         if reqs:
             tokens = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+            if self.record_logits:
+                for r, row in zip(reqs, logits):
+                    r.logits.append(row.detach().cpu().clone())
             for r, t in zip(reqs, tokens):
                 r.output_ids.append(int(t))
                 reason = self._check_stop(r)

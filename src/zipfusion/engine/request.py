@@ -37,6 +37,7 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     text: str = ""
+    logits: list = field(default_factory=list, repr=False)   # filled only when the engine records them
 
     @property
     def tokens(self) -> list[int]:

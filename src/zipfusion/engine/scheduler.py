@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._unsealed: set[int] = set()       # full pages left open when compressed space ran out
 
     def add(self, req: Request) -> None:
         if len(req.prompt_ids) == 0:
@@ -145,8 +146,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
         self.running.remove(req)
-        self.cache.free(req.pages)
-        req.pages, req.num_computed, req.num_sealed_pages = [], 0, 0
+        self._free_pages(req)
+        req.num_computed, req.num_sealed_pages = 0, 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -156,18 +157,22 @@ class Scheduler:
     # -- after a step -----------------------------------------------------------------------
     def seal_full_pages(self, reqs) -> None:
         """Hand every page that just filled up to the cache for compression (one call)."""
-        ids = []
+        ids = [i for i in self._unsealed]
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
             if full > r.num_sealed_pages:
                 ids += r.pages[r.num_sealed_pages:full]
                 r.num_sealed_pages = full
-        self.cache.seal(ids)
+        self._unsealed = set(self.cache.seal(ids))
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
+        self._free_pages(req)
+
+    def _free_pages(self, req: Request) -> None:
+        self._unsealed.difference_update(req.pages)
         self.cache.free(req.pages)
         req.pages = []

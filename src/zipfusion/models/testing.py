@@ -43,3 +43,16 @@ def save_tiny_checkpoint(folder: str | Path, arch: str = "llama", seed: int = 0,
         raw["rope_scaling"] = params if params.get("rope_type", "default") != "default" else None
         path.write_text(json.dumps(raw, indent=2))
     return model
+
+
+def save_word_tokenizer(folder: str | Path, vocab_size: int = 256) -> None:
+    """A word-level tokenizer.json: token i is the word ``w{i}``; text is words split by spaces.
+    Token 2 (``</s>``) is the end-of-sequence token of :data:`TINY`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    vocab["</s>"] = vocab.pop("w2")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(Path(folder) / "tokenizer.json"))

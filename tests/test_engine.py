@@ -1,0 +1,168 @@
+"""Engine end to end on CPU: greedy tokens equal transformers', compression on/off identical
+(token ids and logits), chunked prefill, preemption by recompute, stop conditions, errors."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from zipfusion.engine import LLM, SamplingParams  # noqa: E402
+from zipfusion.engine.scheduler import KVCacheTooSmall  # noqa: E402
+from zipfusion.models.testing import save_tiny_checkpoint, save_word_tokenizer  # noqa: E402
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, kw in {"llama": dict(arch="llama"),
+                     "llama-rope-scaled-legacy": dict(arch="llama", legacy_rope=True, rope_scaling=LLAMA3_SCALING,
+                                                      rope_theta=500000.0, seed=1),
+                     "qwen3-tied": dict(arch="qwen3", tie_word_embeddings=True, seed=2)}.items():
+        hf = save_tiny_checkpoint(root / name, **kw)
+        save_word_tokenizer(root / name)
+        out[name] = (root / name, hf)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-rope-scaled-legacy", "qwen3-tied"])
+def test_greedy_tokens_equal_transformers_generate(ckpts, name):
+    path, hf = ckpts[name]
+    # 40-token prefill budget: the 50-token prompt is prefilled in two chunks
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_compression=False, max_num_batched_tokens=40)
+    ps = prompts(0, [50, 3, 21])
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
+    for p, o in zip(ps, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert o.token_ids == ref
+        assert o.outputs[0].finish_reason == "length"
+
+
+
+
+@pytest.mark.parametrize("lengths", [[37], [40, 5, 17, 64]], ids=["batch1", "mixed"])
+def test_compression_on_off_identical_tokens_and_logits(ckpts, lengths):
+    path, _ = ckpts["llama"]
+    ps = prompts(1, lengths)
+    res = {}
+    for compress in (True, False):
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=compress, kv_memory_gb=0.03,
+                  max_num_batched_tokens=48)
+        llm.engine.record_logits = True
+        reqs = [llm.engine.add_request(p, GREEDY) for p in ps]
+        while llm.engine.scheduler.has_work():
+            llm.engine.step()
+        res[compress] = (reqs, llm.kv_stats())
+    (on, stats_on), (off, stats_off) = res[True], res[False]
+    # compression really happened and decode read compressed pages
+    assert stats_on["stored_pages"] > 0 and stats_on["stored_ratio"] < 1.0
+    assert stats_off["stored_pages"] == 0
+    for a, b in zip(on, off):
+        assert a.output_ids == b.output_ids
+        assert len(a.logits) == len(b.logits) == GREEDY.max_tokens
+        for la, lb in zip(a.logits, b.logits):
+            assert torch.equal(la, lb)
+
+
+def test_preemption_by_recompute_gives_same_tokens(ckpts):
+    path, _ = ckpts["llama"]
+    ps = prompts(2, [30, 30, 30, 30])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    big = LLM(str(path), dtype="float32", device="cpu", kv_compression=False)
+    ref = big.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    page_bytes = 2 * 2 * 16 * 2 * 64 * 4                     # layers x K,V x tokens x heads x dim x fp32
+    small = LLM(str(path), dtype="float32", device="cpu", kv_compression=False,
+                kv_memory_gb=10 * page_bytes / 2**30)        # 10 pages: all four fit only while prefilling
+    outs = small.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == small.engine.scheduler.num_preemptions
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_arena_preemption_completes(ckpts):
+    path, _ = ckpts["llama"]
+    ps = prompts(3, [30, 30, 30, 30, 30, 30])
+    open_page = 2 * 16 * 2 * 64 * 2
+    chunk = 2 * open_page
+    # 2 layers x (1 open chunk + 2 compression reserve) + 4 chunks to share
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True,
+              kv_memory_gb=(2 * 3 + 4) * chunk / 2**30, chunk_bytes=chunk)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert all(len(o.token_ids) == 24 for o in outs)
+    assert llm.engine.cache.stats()["pages_in_use"] == 0       # everything freed at the end
+
+
+def test_stop_conditions(ckpts):
+    path, _ = ckpts["llama"]
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_compression=False)
+    p = "w5 w9 w13 w200"
+    full = llm.generate(p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    ids = full.token_ids
+    assert full.text == " ".join("</s>" if t == 2 else f"w{t}" for t in ids if t != 2)
+    k = next(i for i in range(3, 10) if ids[i] not in ids[:i])   # a token first seen at step k
+    # stop token id: output ends with it
+    o = llm.generate(p, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[k]]), use_tqdm=False)[0]
+    assert o.token_ids == ids[:k + 1] and o.outputs[0].finish_reason == "stop" and o.outputs[0].stop_reason == ids[k]
+    # stop string: text ends before it
+    word = f"w{ids[k]}"
+    o = llm.generate(p, SamplingParams(temperature=0, max_tokens=10, stop=[" " + word]), use_tqdm=False)[0]
+    assert o.outputs[0].finish_reason == "stop" and o.text == " ".join(f"w{t}" for t in ids[:k])
+    # eos (made to be that token) stops unless ignore_eos
+    llm.engine.eos_token_ids = {ids[k]}
+    o = llm.generate(p, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert o.token_ids == ids[:k + 1] and o.outputs[0].finish_reason == "stop"
+    o = llm.generate(p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    assert o.token_ids == ids and o.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_independent_of_batch(ckpts):
+    path, _ = ckpts["qwen3-tied"]
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_compression=False)
+    ps = prompts(4, [9, 14, 20])
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123, max_tokens=10, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": ps[0]}, sp, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batch = llm.generate([{"prompt_token_ids": p} for p in ps], [sp, others, others], use_tqdm=False)
+    assert batch[0].token_ids == alone
+    other_seed = llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=50, seed=124, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    assert other_seed.token_ids != alone
+
+
+def test_bad_input_is_named(ckpts, tmp_path):
+    path, _ = ckpts["llama"]
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(str(path), dtype="float32", device="cpu", kv_compression=True)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(path), dtype="int8", device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cpu'"):
+            LLM(str(path), device="cuda")
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_compression=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate({"prompt_token_ids": [1, 999]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 sampling params"):
+        llm.generate(["w1", "w2", "w3"], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt"):
+        llm.generate([3.5], use_tqdm=False)
+    tiny = LLM(str(path), dtype="float32", device="cpu", kv_compression=False, kv_memory_gb=2 * 2 * 16 * 2 * 64 * 4 * 2 / 2**30)
+    with pytest.raises(KVCacheTooSmall, match="kv_memory_gb"):
+        tiny.generate({"prompt_token_ids": list(range(3, 60))}, GREEDY, use_tqdm=False)
+    save_tiny_checkpoint(tmp_path)                                  # no tokenizer
+    with pytest.raises(ValueError, match="no tokenizer"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", kv_compression=False).generate("hello", use_tqdm=False)
