@@ -37,3 +37,23 @@ def test_partial_page_is_left_out_and_bad_input_named():
         analyze_kv([(k[:10], v[:10])])
     with pytest.raises(TypeError, match="bfloat16"):
         analyze_kv([(k.float(), v.float())])
+
+
+def test_analyze_the_demo_model(tmp_path):
+    from zipfusion.analysis.model_kv import analyze_model, capture_kv
+    from zipfusion.models import build_model
+    report = analyze_model("demo", progress=False)
+    cfg = build_model("demo").config
+    assert len(report.layers) == cfg.num_hidden_layers
+    assert report.num_kv_heads == cfg.num_key_value_heads and report.head_dim == cfg.head_dim
+    assert report.pages >= 4
+    assert 0.75 <= report.size_ratio <= 1.01
+    # the captured K matches the model's own projection for layer 0 at position 0 (no rope there)
+    net = build_model("demo")
+    ids = torch.tensor([5, 6, 7])
+    k0, _ = capture_kv(net, ids)[0]
+    x = net.model.layers[0].input_layernorm(net.model.embed_tokens(ids))
+    qkv = net.model.layers[0].self_attn.qkv_proj(x)
+    q_size = cfg.num_attention_heads * cfg.head_dim
+    k_ref = qkv[:, q_size:q_size + cfg.num_key_value_heads * cfg.head_dim].reshape(3, -1, cfg.head_dim)
+    assert torch.equal(k0[0].view(torch.int16), k_ref[0].to(torch.bfloat16).view(torch.int16))

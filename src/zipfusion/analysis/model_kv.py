@@ -1,0 +1,78 @@
+"""Run a model over text and report how well the KV it writes compresses.
+
+The model runs one causal forward pass per text (BF16, no cache); a capturing attention
+callable keeps every layer's rotated K and V. :func:`zipfusion.analysis.kv_stats.analyze_kv`
+then applies the format's block rule to the full pages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models import build_model, load_tokenizer, resolve_model
+from .kv_stats import KVReport, analyze_kv
+
+# Used when no text is given: English prose, a list, and Python code, so that the numbers are
+# not those of one kind of text.
+SAMPLE_TEXT = """\
+The KV cache of a language model holds, for every token already seen, the keys and values that
+attention reads at each later step. During decoding with long contexts, reading it dominates
+the time of every step, and its size decides how many requests fit on one GPU at once.
+
+Shopping list for the week: apples, flour, two dozen eggs, olive oil, rice, lentils, coffee,
+tomatoes, a loaf of bread, cheese, and something for the cat.
+
+def merge_sorted(a, b):
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+
+In the spring the river rose over its banks, and the village moved its market to the hill,
+where it stayed for the rest of the season. Nobody complained; the view was better.
+"""
+
+
+@torch.inference_mode()
+def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward pass over ``input_ids`` [T]; returns each layer's (K, V), [T, H, D] bf16."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    scale = model.config.head_dim ** -0.5
+
+    def attention(layer, q, k, v):
+        captured[layer] = (k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu())
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return o.transpose(0, 1)
+
+    positions = torch.arange(input_ids.numel(), device=input_ids.device)
+    model(input_ids, positions, attention)
+    return [captured[i] for i in range(len(captured))]
+
+
+def analyze_model(model: str, texts: list[str] | None = None, *, device: str = "cpu",
+                  max_tokens: int = 4096, load_format: str = "auto", progress: bool = True) -> KVReport:
+    """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`)."""
+    source = resolve_model(model, load_format)
+    tokenizer = load_tokenizer(source.tokenizer_dir)
+    if tokenizer is None:
+        raise ValueError(f"model {model!r} has no tokenizer, so text cannot be fed to it; "
+                         "analyse a checkpoint folder that has tokenizer.json")
+    texts = texts or [SAMPLE_TEXT]
+    net = build_model(source, dtype=torch.bfloat16, device=device)
+    per_layer: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    from tqdm.auto import tqdm
+    for text in tqdm(texts, desc="Running the model", unit="text", disable=not progress or len(texts) < 2):
+        ids = tokenizer.encode(text)[:max_tokens]
+        if len(ids) < 16:
+            raise ValueError(f"a text of {len(ids)} tokens fills no 16-token page; give longer texts")
+        layers = capture_kv(net, torch.tensor(ids, device=device))
+        per_layer.append(layers)
+    merged = [(torch.cat([t[i][0][: t[i][0].shape[0] // 16 * 16] for t in per_layer]),
+               torch.cat([t[i][1][: t[i][1].shape[0] // 16 * 16] for t in per_layer]))
+              for i in range(len(per_layer[0]))]
+    return analyze_kv(merged)
