@@ -63,6 +63,9 @@ __all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
 
 _ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design.md)
 
+# Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
+NUM_WARPS = {"analyze": 4, "compress": 4, "decompress": 4}
+
 
 # --------------------------------------------------------------------------------------------
 # Index maps (jit helpers shared by the three kernels)
@@ -119,19 +122,20 @@ def _open_word_offsets(R: tl.constexpr, h, H: tl.constexpr, D: tl.constexpr, NB:
 
 
 @triton.jit
-def _block_starts(bh_row_ptr, R: tl.constexpr, h, HEADER: tl.constexpr, NB: tl.constexpr,
-                  NBP: tl.constexpr, NBP2: tl.constexpr):
-    """Byte offsets from the page start of blocks (h, R, 0..NB-1), [NB] int32.
+def _record_starts(first, bh_ptr, NB: tl.constexpr):
+    """Byte offsets from the page start of the NB blocks of one record, [NB] int32, and their
+    metadata bytes [NB] uint32.
 
-    start(i) = HEADER + Σ_{i' < i} size(i'), size = 768 (b/2 byte) or 1024 (0xFF), blocks in
-    format order i = (h·2 + R)·NB + j. Computed as a masked row sum over the page's NBP bytes.
+    start(j) = first + Σ_{i < j} size(i), size = 768 for a b/2 byte, 1024 for 0xFF. NB <= 8, so
+    the prefix sum is NB-1 scalar terms (uniform scalar loads; no cross-thread reduction).
     """
-    i = tl.arange(0, NBP2)
-    bh_all = tl.load(bh_row_ptr + i, mask=i < NBP, other=RAW_MARK_C).to(tl.int32)
-    size = tl.where(i < NBP, tl.where(bh_all == RAW_MARK_C, 1024, 768), 0)
-    mine = (h * 2 + R) * NB + tl.arange(0, NB)
-    before = i[None, :] < mine[:, None]                                 # [NB, NBP2]
-    return HEADER + _sum(tl.where(before, size[None, :], 0), axis=1)
+    jj = tl.arange(0, NB)
+    start = first + 0 * jj
+    for i in tl.static_range(NB - 1):
+        size_i = tl.where(tl.load(bh_ptr + i) == RAW_MARK_C, 1024, 768)
+        start += tl.where(jj > i, size_i, 0)
+    bh = tl.load(bh_ptr + jj).to(tl.uint32)
+    return start, bh
 
 
 RAW_MARK_C = tl.constexpr(RAW_MARK)
@@ -202,31 +206,34 @@ def _code16(wa, wb, bh):
 
 
 @triton.jit
-def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr,
-                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
-                     NBP2: tl.constexpr):
-    """Program (p, h): writes the metadata records and block bodies of head h of page p."""
+def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, first_ptr,
+                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
+    """Program (p, h): writes the metadata records and block bodies of head h of page p.
+
+    first_ptr [P, 2H] int32: byte offset of block 0 of each (head, role) record from the page
+    start (an exclusive prefix sum over the page's blocks, computed by the wrapper in torch).
+    """
     pid = tl.program_id(0)
     p = pid // H
     h = pid % H
-    NBP: tl.constexpr = 2 * H * NB
-    HEADER: tl.constexpr = 2 * H * M
     words = arena_ptr.to(tl.pointer_type(tl.int32))
     src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
     dst = words + tl.multiple_of(tl.load(dst_ptr + p) // 4, 4)
-    bh_row = base_half_ptr + p.to(tl.int64) * NBP
     j, g, k = _group_index(NB)
     for R in tl.static_range(2):
-        start = _block_starts(bh_row, R, h, HEADER, NB, NBP, NBP2)            # [NB] bytes
-        bh = tl.load(bh_row + (h * 2 + R) * NB + tl.arange(0, NB)).to(tl.uint32)
-        # metadata record (M bytes = M/4 words): start of block 0, then b/2 bytes, zero pad
-        q = tl.arange(0, M // 4)
-        jj = tl.arange(0, NB)
-        packed = _sum(tl.where((jj[None, :] // 4) == (q[:, None] - 1),
-                                 bh[None, :] << (8 * (jj[None, :] % 4)), 0), axis=1)
-        first = _sum(tl.where(jj == 0, start, 0), axis=0)
-        record = tl.where(q == 0, first.to(tl.uint32), packed)
-        tl.store(dst + (h * 2 + R) * (M // 4) + q, record.to(tl.int32, bitcast=True))
+        rec = h * 2 + R
+        bh_ptr = base_half_ptr + p.to(tl.int64) * (2 * H * NB) + rec * NB
+        first = tl.load(first_ptr + p.to(tl.int64) * (2 * H) + rec)
+        start, bh = _record_starts(first, bh_ptr, NB)                   # [NB] bytes, [NB]
+        # metadata record, M/4 words: u32 offset of block 0, then the NB bytes b/2|0xFF
+        # little-endian 4 to a word, zero padding
+        tl.store(dst + rec * (M // 4), first)
+        for q in tl.static_range(1, M // 4):
+            word = 0
+            for i in tl.static_range(4):
+                if 4 * (q - 1) + i < NB:
+                    word = word | (tl.load(bh_ptr + 4 * (q - 1) + i).to(tl.int32) << (8 * i))
+            tl.store(dst + rec * (M // 4) + q, word)
 
         w = tl.load(src + _open_word_offsets(R, h, H, D, NB))           # [NB, 64, 4] int32
         start_w1 = tl.multiple_of(start // 4, 4)                        # blocks 16-aligned
@@ -247,8 +254,10 @@ def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr,
         lo = tl.join(lo_0123, lo_4567).to(tl.int32, bitcast=True)      # [NB, 64, 2]
         m = tl.arange(0, 2)[None, None, :]
         tl.store(dst + start_w + 2 * g + m, lo, mask=~is_raw)
-        tl.store(dst + start_w1[:, None] + 128 + tl.arange(0, 64)[None, :],
-                 code.to(tl.int32, bitcast=True), mask=~raw1[:, None])
+        # (contiguity hint 1: one 4-byte store per thread in the layout the code words were
+        # computed in, instead of moving them between threads for 8-byte stores)
+        code_off = tl.max_contiguous(start_w1[:, None] + 128 + tl.arange(0, 64)[None, :], [1, 1])
+        tl.store(dst + code_off, code.to(tl.int32, bitcast=True), mask=~raw1[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,34 +286,37 @@ def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
     page_w = words + tl.multiple_of(off // 4, 4)
     out = out_ptr.to(tl.pointer_type(tl.int32)) + p.to(tl.int64) * (16 * H * D)
     j, g, k = _group_index(NB)
-    jj = tl.arange(0, NB)
     for R in tl.static_range(2):
         rec = (h * 2 + R) * M
         first = tl.load(page_w + rec // 4)                                # u32 offset of block 0
-        bh = tl.load(arena_ptr + off + rec + 4 + jj).to(tl.uint32)       # [NB] b/2 or 0xFF
-        size = tl.where(bh == RAW_MARK_C, 1024, 768)
-        start = first + _sum(tl.where(jj[None, :] < jj[:, None], size[None, :], 0), axis=1)
+        start, bh = _record_starts(first, arena_ptr + off + rec + 4, NB)  # b/2 or 0xFF bytes
         start_w1 = tl.multiple_of(start // 4, 4)
         start_w = start_w1[:, None, None]
         raw1 = bh == RAW_MARK_C
         is_raw = raw1[:, None, None]
         raw = tl.load(page_w + start_w + 4 * g + k, mask=is_raw, other=0)
-        m = tl.arange(0, 2)[None, None, :]
-        lo = tl.load(page_w + start_w + 2 * g + m, mask=~is_raw, other=0).to(tl.uint32, bitcast=True)
-        c = tl.load(page_w + start_w1[:, None] + 128 + tl.arange(0, 64)[None, :],
-                    mask=~raw1[:, None], other=0).to(tl.uint32, bitcast=True)
+        # Every tensor below has the tile's shape [NB, 64, 4] and the same register layout
+        # (a thread owns the 4 words of a group), so no data moves between threads: each
+        # thread loads the 16 bytes that hold its group's code word (codes of groups
+        # 4(g/4) .. +3) and the 16 bytes that hold its two low-byte words (groups 2(g/2), +1),
+        # then picks its own words with an in-thread select-and-sum over the 4 lanes.
+        cw4 = tl.load(page_w + start_w + 128 + 4 * (g // 4) + k, mask=~is_raw, other=0)
+        lw4 = tl.load(page_w + start_w + 4 * (g // 2) + k, mask=~is_raw, other=0)
+        c = _sum(tl.where(k == g % 4, cw4, 0), axis=2)[:, :, None].to(tl.uint32, bitcast=True)
+        lo_a = _sum(tl.where(k == 2 * (g % 2), lw4, 0), axis=2)[:, :, None]       # values 0..3
+        lo_b = _sum(tl.where(k == 2 * (g % 2) + 1, lw4, 0), axis=2)[:, :, None]   # values 4..7
+        lo = tl.where(k < 2, lo_a, lo_b).to(tl.uint32, bitcast=True)    # word k: lo word k//2
         # one add restores four high bytes; b/2 + d <= 127 so no byte carries into the next
-        base4 = (bh & 0x7F)[:, None] * 0x01010101
+        base4 = (bh & 0x7F)[:, None, None] * 0x01010101
         hi_0123 = (c & 0x87878787) + base4
         hi_4567 = (((c << 1) & 0x80808080) | ((c >> 3) & 0x07070707)) + base4
-        lo_0123, lo_4567 = tl.split(lo)
-        y0 = _word(lo_0123, hi_0123, 0)
-        y1 = _word(lo_0123, hi_0123, 16)
-        y2 = _word(lo_4567, hi_4567, 0)
-        y3 = _word(lo_4567, hi_4567, 16)
-        y = tl.reshape(tl.join(tl.join(y0, y2), tl.join(y1, y3)), (NB, 64, 4))   # w0..w3
-        val = tl.where(is_raw, raw, y.to(tl.int32, bitcast=True))
-        tl.store(out + _open_word_offsets(R, h, H, D, NB), val)
+        hi = tl.where(k < 2, hi_0123, hi_4567)          # words 0,1: values 0..3; words 2,3: 4..7
+        sh = 16 * (k % 2)                                # word k takes bytes 2(k%2), 2(k%2)+1
+        y = (((lo >> sh) & 0xFF) | (((hi >> sh) & 0xFF) << 8)
+             | (((lo >> (sh + 8)) & 0xFF) << 16) | (((hi >> (sh + 8)) & 0xFF) << 24))
+        dst = out + _open_word_offsets(R, h, H, D, NB)
+        tl.store(dst, raw, mask=is_raw)
+        tl.store(dst, y.to(tl.int32, bitcast=True), mask=~is_raw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,7 +434,8 @@ def analyze_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: P
     sizes = torch.full((P,), layout.header_bytes, dtype=torch.int64, device=device)
     if P:
         kernel = _kernel("_analyze_kernel", device)
-        kernel[(P * H,)](arena, src, base_half, sizes, H=H, D=D, NB=nb, num_warps=4)
+        kernel[(P * H,)](arena, src, base_half, sizes, H=H, D=D, NB=nb,
+                         num_warps=NUM_WARPS["analyze"])
     return base_half, sizes
 
 
@@ -462,9 +475,20 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     if P == 0:
         return
     H, D, nb = layout.num_kv_heads, layout.head_dim, layout.blocks_per_head
+    first = _record_first_offsets(base_half, layout)
     kernel = _kernel("_compress_kernel", device)
-    kernel[(P * H,)](arena, src, dst, base_half, H=H, D=D, NB=nb, M=layout.record_bytes,
-                     NBP2=triton.next_power_of_2(layout.num_blocks), num_warps=4)
+    kernel[(P * H,)](arena, src, dst, base_half, first, H=H, D=D, NB=nb, M=layout.record_bytes,
+                     num_warps=NUM_WARPS["compress"])
+
+
+def _record_first_offsets(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """[P, 2H] int32: byte offset of block 0 of every (head, role) record from its page start,
+    header + the sizes of all blocks before it (format order)."""
+    P, nb = base_half.shape[0], layout.blocks_per_head
+    raw = (base_half == RAW_MARK).view(P, -1, nb).sum(2, dtype=torch.int32)          # [P, 2H]
+    record_bytes = nb * COMPRESSED_BLOCK_BYTES + raw * (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)
+    return (layout.header_bytes + torch.cumsum(record_bytes, 1, dtype=torch.int32)
+            - record_bytes).contiguous()
 
 
 def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLayout,
@@ -498,5 +522,5 @@ def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLay
             raise reference.CorruptPageError("page metadata describes blocks past the end of the arena")
     kernel = _kernel("_decompress_kernel", device)
     kernel[(P * H,)](arena, off, out, H=H, D=D, NB=layout.blocks_per_head, M=layout.record_bytes,
-                     num_warps=4)
+                     num_warps=NUM_WARPS["decompress"])
     return out
