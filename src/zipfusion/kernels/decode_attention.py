@@ -51,8 +51,8 @@ import triton.language as tl
 from ..format.layout import PAGE_TOKENS, PageLayout
 
 LOG2E = 1.4426950408889634
-MODE_TWIN = 0     # open pages only, tile loaded as bf16
-MODE_FUSED = 1    # open or compressed pages, tile restored from 32-bit words
+MODE_TWIN = 0     # open pages only
+MODE_FUSED = 1    # open or compressed pages
 
 
 def _interpreting() -> bool:
@@ -102,134 +102,241 @@ def _kernels(device: torch.device):
 
 
 # ------------------------------------------------------------------------------------------
-# Restoring 32-bit words of bf16 pairs
+# Restoring groups of 8 values
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _pair01(lo, hi, USE_ASM: tl.constexpr):
-    """Bytes (lo0, hi0, lo1, hi1): bf16 values 0 and 1 of four, as one 32-bit word."""
+def _interleave(lo0, lo1, h0, h1, USE_ASM: tl.constexpr):
+    """Words of bf16 pairs w_k = bytes (lo_2k, hi_2k, lo_2k+1, hi_2k+1), k = 0..3, of a group.
+
+    lo0/lo1: low bytes of values 0..3 / 4..7; h0/h1: their high bytes (uint32 tiles).
+    """
     if USE_ASM:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r", [lo, hi],
-                                         dtype=tl.uint32, is_pure=True, pack=1)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $4, $6, 0x5140; prmt.b32 $1, $4, $6, 0x7362; "
+            "prmt.b32 $2, $5, $7, 0x5140; prmt.b32 $3, $5, $7, 0x7362;",
+            "=r,=r,=r,=r,r,r,r,r", [lo0, lo1, h0, h1],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
     else:
-        return (lo & 0xFF) | ((hi & 0xFF) << 8) | ((lo & 0xFF00) << 8) | ((hi & 0xFF00) << 16)
+        w0 = (lo0 & 0xFF) | ((h0 & 0xFF) << 8) | ((lo0 & 0xFF00) << 8) | ((h0 & 0xFF00) << 16)
+        w1 = ((lo0 >> 16) & 0xFF) | ((h0 >> 8) & 0xFF00) | ((lo0 >> 8) & 0xFF0000) \
+            | (h0 & 0xFF000000)
+        w2 = (lo1 & 0xFF) | ((h1 & 0xFF) << 8) | ((lo1 & 0xFF00) << 8) | ((h1 & 0xFF00) << 16)
+        w3 = ((lo1 >> 16) & 0xFF) | ((h1 >> 8) & 0xFF00) | ((lo1 >> 8) & 0xFF0000) \
+            | (h1 & 0xFF000000)
+    return w0, w1, w2, w3
 
 
 @triton.jit
-def _pair23(lo, hi, USE_ASM: tl.constexpr):
-    """Bytes (lo2, hi2, lo3, hi3): bf16 values 2 and 3 of four, as one 32-bit word."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7362;", "=r,r,r", [lo, hi],
-                                         dtype=tl.uint32, is_pure=True, pack=1)
+def _group_words(arena32, lo_off, code_off, plain_off, hb, packed, valid,
+                 COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr):
+    """The four words of bf16 pairs of every group (row, g): [R, NG] tiles w0..w3.
+
+    Word k of group g holds channels 8g+2k (low half) and 8g+2k+1 (high half). Plain groups
+    (open page or raw block) are 4 words at ``plain_off``; compressed ones are 2 words of low
+    bytes at ``lo_off`` and one code word at ``code_off`` (docs/format.md section 2)::
+
+        h0 = (code & 0x87878787) + hb                                 high bytes, values 0..3
+        h1 = ((code << 1) & 0x80808080 | (code >> 3) & 0x07070707) + hb        values 4..7
+        w_k = interleave(lo, h)                                       (prmt on the GPU)
+    """
+    R: tl.constexpr = plain_off.shape[0]
+    NG: tl.constexpr = plain_off.shape[1]
+    plain_off = tl.multiple_of(plain_off, [4, 4])
+    if COMPRESSED:
+        pm = valid & (packed == 0)
     else:
-        return ((lo >> 16) & 0xFF) | ((hi >> 8) & 0xFF00) | (lo & 0xFF000000) >> 8 \
-            | (hi & 0xFF000000)
+        pm = valid
+    p4 = tl.load(arena32 + plain_off[:, :, None] + tl.arange(0, 4)[None, None, :],
+                 mask=pm[:, :, None], other=0).to(tl.uint32, bitcast=True)
+    p_even, p_odd = tl.split(tl.reshape(p4, (R, NG, 2, 2)))       # words (0, 2) and (1, 3)
+    p0, p2 = tl.split(p_even)
+    p1, p3 = tl.split(p_odd)
+    if COMPRESSED:
+        cm = valid & packed
+        lo_off = tl.multiple_of(lo_off, [2, 2])
+        lo = tl.load(arena32 + lo_off[:, :, None] + tl.arange(0, 2)[None, None, :],
+                     mask=cm[:, :, None], other=0).to(tl.uint32, bitcast=True)
+        lo0, lo1 = tl.split(lo)
+        code = tl.load(arena32 + code_off, mask=cm, other=0).to(tl.uint32, bitcast=True)
+        h0 = (code & 0x87878787) + hb
+        h1 = (((code << 1) & 0x80808080) | ((code >> 3) & 0x07070707)) + hb
+        r0, r1, r2, r3 = _interleave(lo0, lo1, h0, h1, USE_ASM)
+        p0 = tl.where(packed, r0, p0)
+        p1 = tl.where(packed, r1, p1)
+        p2 = tl.where(packed, r2, p2)
+        p3 = tl.where(packed, r3, p3)
+    return p0, p1, p2, p3
 
 
 @triton.jit
-def _restore_words(arena32, lo_w, code_w, plain_w, hb, packed, valid,
-                   C: tl.constexpr, USE_ASM: tl.constexpr):
-    """Words of bf16 pairs for items of ``8·C`` values (C groups of 8 consecutive channels).
-
-    All index inputs are [R, NI, 1] tensors (one item per row and block): word offsets into the
-    arena of the item's low bytes (``2C`` words), codes (``C`` words) and plain bf16 words
-    (``4C`` words, used for open pages and raw blocks), ``hb = (b/2)·0x01010101``, whether the
-    item is compressed, whether the row is a real token. Returns uint32 [R, NI, 4C]: word ``w``
-    holds channels ``2w`` (low half) and ``2w + 1`` (high half) of the item.
-    """
-    R: tl.constexpr = lo_w.shape[0]
-    NI: tl.constexpr = lo_w.shape[1]
-    pm = valid & packed
-    code = tl.load(arena32 + code_w + tl.arange(0, C)[None, None, :], mask=pm, other=0)
-    lo = tl.load(arena32 + lo_w + tl.arange(0, 2 * C)[None, None, :], mask=pm, other=0)
-    plain = tl.load(arena32 + plain_w + tl.arange(0, 4 * C)[None, None, :],
-                    mask=valid & (packed == 0), other=0)
-    code = code.to(tl.uint32, bitcast=True)
-    lo = lo.to(tl.uint32, bitcast=True)
-    plain = plain.to(tl.uint32, bitcast=True)
-    # high bytes of values 0..3 and 4..7 of each group: four at a time, no carries (b/2+d <= 127)
-    hi_a = (code & 0x87878787) + hb
-    hi_b = (((code << 1) & 0x80808080) | ((code >> 3) & 0x07070707)) + hb
-    hi = tl.reshape(tl.join(hi_a, hi_b), (R, NI, 2 * C))       # same word order as lo
-    pairs = tl.join(_pair01(lo, hi, USE_ASM), _pair23(lo, hi, USE_ASM))
-    restored = tl.reshape(pairs, (R, NI, 4 * C))               # word w = channels 2w, 2w+1
-    return tl.where(packed, restored, plain)
+def _halves(w):
+    """uint32 tile of bf16 pairs -> (low-half bf16 tile, high-half bf16 tile)."""
+    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
-def _words_to_bf16(words):
-    """uint32 [R, NI, W] of bf16 pairs -> bf16 [R, NI·2W] in channel order."""
-    R: tl.constexpr = words.shape[0]
-    NI: tl.constexpr = words.shape[1]
-    W: tl.constexpr = words.shape[2]
-    lo = words.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (words >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (R, NI * 2 * W))
+def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+    """acc + a·b with fp32 accumulation (fp32 operands under the interpreter)."""
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _block_bases(arena32, rec_w, cmask, base, NB: tl.constexpr):
-    """Per row, for one (head, K or V) record: block byte starts, b/2 bytes and raw flags [R, NB].
-
-    Record (docs/format.md section 3): u32 offset of block 0, then one byte per block
-    (b/2, or 0xFF for raw). Block j starts at ``base + offset + 768·j + 256·(raw blocks before j)``.
-    """
-    j = tl.arange(0, NB)[None, :]
-    first = tl.load(arena32 + rec_w, mask=cmask, other=0).to(tl.int64)
-    bw = tl.load(arena32 + rec_w[:, None] + 1 + j // 4, mask=cmask[:, None], other=0)
-    half = (bw >> (8 * (j % 4))) & 0xFF
-    raw = (half == 0xFF).to(tl.int32)
-    raw_before = tl.cumsum(raw, axis=1) - raw
-    start = base[:, None] + first[:, None] + 768 * j + 256 * raw_before.to(tl.int64)
-    return start, half, raw
+def _role_bytes(hw0, hw1, NB: tl.constexpr):
+    """Per row: the packed count of raw blocks before each block j (4 bits per j), [R] int32."""
+    cum = tl.zeros_like(hw0)
+    rb = tl.zeros_like(hw0)
+    for j in tl.static_range(NB):
+        if j < 4:
+            byte = (hw0 >> (8 * j)) & 0xFF
+        else:
+            byte = (hw1 >> (8 * (j - 4))) & 0xFF
+        cum = cum | (rb << (4 * j))
+        rb = rb + (byte == 0xFF).to(tl.int32)
+    return cum
 
 
 @triton.jit
-def _restore_kv(arena32, base, is_open, in_range, valid, t, h, H: tl.constexpr, D: tl.constexpr,
-                USE_ASM: tl.constexpr):
-    """K and V tiles [R, D] bf16 of head ``h`` for token rows ``t`` of pages at byte ``base``.
+def _select_byte(hw0, hw1, j, NB: tl.constexpr):
+    if NB > 4:
+        return tl.where(j < 4, hw0 >> (8 * (j % 4)), hw1 >> (8 * (j % 4))) & 0xFF
+    else:
+        return (hw0 >> (8 * j)) & 0xFF
 
-    Rows of open pages (``is_open``) read the [2, 16, H, D] layout; rows of compressed pages
-    read the page's records and blocks. Rows that are not ``valid`` give zeros.
-    """
-    NB: tl.constexpr = D // 32            # blocks per head and role
-    TPB: tl.constexpr = 512 // D          # tokens per V block
-    REC_W: tl.constexpr = 2 if D <= 128 else 4   # record size in 32-bit words
-    cmask = in_range & (is_open == 0)
-    open_w = base // 4                               # open page, in 32-bit words
-    rec_w = base // 4 + h * (2 * REC_W)              # K record; V record follows
-    jj = tl.arange(0, NB)[None, :]
-    # K: item = (token row, block j) = 32 channels of one token
-    k_start, k_half, k_raw = _block_bases(arena32, rec_w, cmask, base, NB)
-    k_packed = (k_raw == 0) & cmask[:, None]
-    k_lo = k_start // 4 + 8 * t[:, None]
-    k_code = k_start // 4 + 128 + 4 * t[:, None]
-    k_plain = tl.where(is_open[:, None], open_w[:, None] + ((t * H + h) * D)[:, None] // 2
-                       + 16 * jj, k_start // 4 + 16 * t[:, None])
-    k_hb = k_half.to(tl.uint32) * 0x01010101
-    k_words = _restore_words(arena32, k_lo[:, :, None], k_code[:, :, None],
-                             k_plain[:, :, None], k_hb[:, :, None],
-                             k_packed[:, :, None], valid[:, None, None], 4, USE_ASM)
-    k = _words_to_bf16(k_words)                      # [R, D]
-    # V: item = one token row (all D channels) inside block t // TPB
-    v_start, v_half, v_raw = _block_bases(arena32, rec_w + REC_W, cmask, base, NB)
-    sel = jj == (t // TPB)[:, None]
-    v_start = tl.sum(tl.where(sel, v_start, 0), axis=1)
-    v_half = tl.sum(tl.where(sel, v_half, 0), axis=1)
-    v_raw = tl.sum(tl.where(sel, v_raw, 0), axis=1)
-    v_packed = (v_raw == 0) & cmask
-    tr = t % TPB
-    v_lo = v_start // 4 + tr * (D // 4)
-    v_code = v_start // 4 + 128 + tr * (D // 8)
-    v_plain = tl.where(is_open, open_w + ((16 + t) * H + h) * D // 2,
-                       v_start // 4 + tr * (D // 2))
-    v_hb = v_half.to(tl.uint32) * 0x01010101
-    v_words = _restore_words(arena32, v_lo[:, None, None], v_code[:, None, None],
-                             v_plain[:, None, None], v_hb[:, None, None],
-                             v_packed[:, None, None], valid[:, None, None],
-                             D // 8, USE_ASM)
-    v = _words_to_bf16(v_words)                      # [R, D]
-    return k, v
+
+@triton.jit
+def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
+               D: tl.constexpr, COMPRESSED: tl.constexpr):
+    """Per token row of the tile starting at page p0: the page location and, for compressed
+    pages, the K and V records of head h (block-0 offset and b/2 bytes)."""
+    REC_W: tl.constexpr = 2 if D <= 128 else 4
+    page = p0 + slot
+    in_range = page < p_end
+    pid = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page, mask=in_range, other=0)
+    loc = tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1)
+    if COMPRESSED:
+        cm = in_range & ((loc & 1) == 0)
+        rec = (loc - (loc & 1)) // 4 + h * (2 * REC_W)
+        kf = tl.load(arena32 + rec, mask=cm, other=0)
+        kh0 = tl.load(arena32 + rec + 1, mask=cm, other=0)
+        vf = tl.load(arena32 + rec + REC_W, mask=cm, other=0)
+        vh0 = tl.load(arena32 + rec + REC_W + 1, mask=cm, other=0)
+        if D > 128:
+            kh1 = tl.load(arena32 + rec + 2, mask=cm, other=0)
+            vh1 = tl.load(arena32 + rec + REC_W + 2, mask=cm, other=0)
+        else:
+            kh1 = tl.zeros_like(kh0)
+            vh1 = tl.zeros_like(vh0)
+    else:
+        kf = tl.zeros_like(pid)
+        kh0 = kf
+        kh1 = kf
+        vf = kf
+        vh0 = kf
+        vh1 = kf
+    return loc, kf, kh0, kh1, vf, vh0, vh1
+
+
+@triton.jit
+def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+          m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
+          loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale,
+          H: tl.constexpr, D: tl.constexpr, COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr,
+          FP32_DOT: tl.constexpr):
+    """One tile of TP pages (R token rows): restore K and V as 8 bf16 tiles [R, D/8] each
+    (channel sets 8g + c, c = 0..7), then one online-softmax update of the 8 accumulators."""
+    NB: tl.constexpr = D // 32
+    NG: tl.constexpr = D // 8
+    TPB: tl.constexpr = 512 // D
+    page = p0 + slot
+    valid = (page < p_end) & (page * 16 + t < ctx)
+    is_open = (loc & 1) != 0
+    base_w = (loc - (loc & 1)) // 4                      # page start, in 32-bit words
+    g = tl.arange(0, NG)[None, :]
+    tt = t[:, None]
+    # ---- K: group (t, g) lies in block j = g // 4, group t·4 + g % 4 of that block
+    k_open = base_w[:, None] + (tt * H + h) * (D // 2) + 4 * g
+    if COMPRESSED:
+        j = g // 4
+        cum = _role_bytes(kh0, kh1, NB)
+        byte = _select_byte(kh0[:, None], kh1[:, None], j, NB)
+        blk = base_w[:, None] + (kf[:, None] + 768 * j + 256 * ((cum[:, None] >> (4 * j)) & 0xF)) // 4
+        gi = g % 4
+        k_lo = blk + 8 * tt + 2 * gi
+        k_code = blk + 128 + 4 * tt + gi
+        k_plain = tl.where(is_open[:, None], k_open, blk + 16 * tt + 4 * gi)
+        k_packed = (byte != 0xFF) & (is_open[:, None] == 0)
+        k_hb = byte.to(tl.uint32) * 0x01010101
+    else:
+        k_lo = k_open
+        k_code = k_open
+        k_plain = k_open
+        k_packed = k_open < 0
+        k_hb = k_open.to(tl.uint32)
+    kv_valid = valid[:, None] & (g >= 0)
+    w0, w1, w2, w3 = _group_words(arena32, k_lo, k_code, k_plain, k_hb, k_packed, kv_valid,
+                                  COMPRESSED, USE_ASM)
+    kE0, kO0 = _halves(w0)
+    kE1, kO1 = _halves(w1)
+    kE2, kO2 = _halves(w2)
+    kE3, kO3 = _halves(w3)
+    # S = q Kᵀ over the 8 channel sets   [G_PAD, R]
+    qk = tl.zeros([qE0.shape[0], t.shape[0]], tl.float32)
+    qk = _dot(qE0, tl.trans(kE0), qk, FP32_DOT)
+    qk = _dot(qO0, tl.trans(kO0), qk, FP32_DOT)
+    qk = _dot(qE1, tl.trans(kE1), qk, FP32_DOT)
+    qk = _dot(qO1, tl.trans(kO1), qk, FP32_DOT)
+    qk = _dot(qE2, tl.trans(kE2), qk, FP32_DOT)
+    qk = _dot(qO2, tl.trans(kO2), qk, FP32_DOT)
+    qk = _dot(qE3, tl.trans(kE3), qk, FP32_DOT)
+    qk = _dot(qO3, tl.trans(kO3), qk, FP32_DOT)
+    # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
+    v_open = base_w[:, None] + ((16 + tt) * H + h) * (D // 2) + 4 * g
+    if COMPRESSED:
+        jv = t // TPB
+        cumv = _role_bytes(vh0, vh1, NB)
+        bytev = _select_byte(vh0, vh1, jv, NB)
+        blkv = base_w + (vf + 768 * jv + 256 * ((cumv >> (4 * jv)) & 0xF)) // 4
+        tr = (t % TPB)[:, None]
+        v_lo = blkv[:, None] + tr * (D // 4) + 2 * g
+        v_code = blkv[:, None] + 128 + tr * (D // 8) + g
+        v_plain = tl.where(is_open[:, None], v_open, blkv[:, None] + tr * (D // 2) + 4 * g)
+        v_packed = ((bytev != 0xFF) & (is_open == 0))[:, None] & (g >= 0)
+        v_hb = (bytev.to(tl.uint32) * 0x01010101)[:, None] + tl.zeros_like(g).to(tl.uint32)
+    else:
+        v_lo = v_open
+        v_code = v_open
+        v_plain = v_open
+        v_packed = v_open < 0
+        v_hb = v_open.to(tl.uint32)
+    u0, u1, u2, u3 = _group_words(arena32, v_lo, v_code, v_plain, v_hb, v_packed, kv_valid,
+                                  COMPRESSED, USE_ASM)
+    vE0, vO0 = _halves(u0)
+    vE1, vO1 = _halves(u1)
+    vE2, vO2 = _halves(u2)
+    vE3, vO3 = _halves(u3)
+    # online softmax in base 2
+    qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = p.to(tl.bfloat16)
+    al = alpha[:, None]
+    aE0 = _dot(pb, vE0, aE0 * al, FP32_DOT)
+    aO0 = _dot(pb, vO0, aO0 * al, FP32_DOT)
+    aE1 = _dot(pb, vE1, aE1 * al, FP32_DOT)
+    aO1 = _dot(pb, vO1, aO1 * al, FP32_DOT)
+    aE2 = _dot(pb, vE2, aE2 * al, FP32_DOT)
+    aO2 = _dot(pb, vO2, aO2 * al, FP32_DOT)
+    aE3 = _dot(pb, vE3, aE3 * al, FP32_DOT)
+    aO3 = _dot(pb, vO3, aO3 * al, FP32_DOT)
+    return m_new, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3
 
 
 # ------------------------------------------------------------------------------------------
@@ -237,98 +344,103 @@ def _restore_kv(arena32, base, is_open, in_range, valid, t, h, H: tl.constexpr, 
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _tile_step(p0, q, m_i, l_i, acc, arena32, arena16, page_loc_ptr, bt_ptr, b, h, ctx, p_end,
-               t, slot, d, qk_scale, stride_bt, H: tl.constexpr, D: tl.constexpr,
-               MODE: tl.constexpr, USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr):
-    """One tile of TP pages: load (or restore) K and V, then one online-softmax update."""
-    page = p0 + slot
-    in_range = page < p_end
-    valid = in_range & (page * 16 + t < ctx)
-    pid = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page, mask=in_range, other=0)
-    loc = tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1)
-    is_open = (loc & 1) != 0
-    base = loc - (loc & 1)                               # byte offset of the page
-    if MODE == 0:
-        # twin: open pages only, bf16 tiles straight from [2, 16, H, D]
-        k_off = base // 2 + (t * H + h) * D
-        v_off = base // 2 + ((16 + t) * H + h) * D
-        k = tl.load(arena16 + k_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(arena16 + v_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        k, v = _restore_kv(arena32, base, is_open, in_range, valid, t, h, H, D, USE_ASM)
-
-    # S = q Kᵀ · sm_scale · log2(e)   [G_PAD, R]
-    if FP32_DOT:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-    # online softmax in base 2
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    # acc = acc·alpha + P V   [G_PAD, D]
-    if FP32_DOT:
-        pv = tl.dot(p.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
-    else:
-        pv = tl.dot(p.to(tl.bfloat16), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+def _store_out(ptr, rows, g, a, l_i, c: tl.constexpr, D: tl.constexpr, mask, TO_BF16: tl.constexpr):
+    """Channel set c (channels 8g + c) of the normalized output."""
+    o = a / tl.maximum(l_i, 1e-30)[:, None]
+    if TO_BF16:
+        o = o.to(tl.bfloat16)
+    tl.store(ptr + rows[:, None] * D + 8 * g[None, :] + c, o, mask=mask)
 
 
 @triton.jit
 def _decode_attention_kernel(
-        q_ptr, arena32, arena16, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        q_ptr, arena32, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, stride_bt, pages_per_split, num_splits,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-        TP: tl.constexpr, SINGLE: tl.constexpr, MODE: tl.constexpr,
+        TP: tl.constexpr, SINGLE: tl.constexpr, COMPRESSED: tl.constexpr,
         USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     R: tl.constexpr = TP * 16
+    NG: tl.constexpr = D // 8
 
     ctx = tl.load(ctx_ptr + b)
     n_pages = (ctx + 15) // 16
     p_begin = s * pages_per_split
     p_end = tl.minimum(p_begin + pages_per_split, n_pages)
 
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
-    q_rows = (b * H * G + h * G + g).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+    gq = tl.arange(0, G_PAD)
+    g = tl.arange(0, NG)
+    q_rows = (b * H * G + h * G + gq).to(tl.int64)
+    qmask = (gq < G)[:, None]
+    qp = q_ptr + q_rows[:, None] * D + 8 * g[None, :]
+    qE0 = tl.load(qp + 0, mask=qmask, other=0.0)
+    qO0 = tl.load(qp + 1, mask=qmask, other=0.0)
+    qE1 = tl.load(qp + 2, mask=qmask, other=0.0)
+    qO1 = tl.load(qp + 3, mask=qmask, other=0.0)
+    qE2 = tl.load(qp + 4, mask=qmask, other=0.0)
+    qO2 = tl.load(qp + 5, mask=qmask, other=0.0)
+    qE3 = tl.load(qp + 6, mask=qmask, other=0.0)
+    qO3 = tl.load(qp + 7, mask=qmask, other=0.0)
 
     r = tl.arange(0, R)
     t = r % 16                      # token inside its page
     slot = r // 16                  # page inside the tile
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    aE0 = tl.zeros([G_PAD, NG], tl.float32)
+    aE1 = aE0
+    aE2 = aE0
+    aE3 = aE0
+    aO0 = aE0
+    aO1 = aE0
+    aO2 = aE0
+    aO3 = aE0
 
+    # the page locations and records of the next tile are loaded one tile ahead
+    loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
+                                                 p_begin, slot, p_end, h, D, COMPRESSED)
     if FP32_DOT:
         # interpreter: its scalars are 1-element arrays, which range() does not take
         p0 = p_begin
         while p0 < p_end:
-            m_i, l_i, acc = _tile_step(p0, q, m_i, l_i, acc, arena32, arena16, page_loc_ptr,
-                                       bt_ptr, b, h, ctx, p_end, t, slot, d, qk_scale, stride_bt,
-                                       H, D, MODE, USE_ASM, FP32_DOT)
+            nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1 = _load_meta(
+                arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0 + TP, slot, p_end, h, D,
+                COMPRESSED)
+            m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
+                p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
+                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT)
+            loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
             p0 += TP
     else:
         for p0 in range(p_begin, p_end, TP):
-            m_i, l_i, acc = _tile_step(p0, q, m_i, l_i, acc, arena32, arena16, page_loc_ptr,
-                                       bt_ptr, b, h, ctx, p_end, t, slot, d, qk_scale, stride_bt,
-                                       H, D, MODE, USE_ASM, FP32_DOT)
+            nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1 = _load_meta(
+                arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0 + TP, slot, p_end, h, D,
+                COMPRESSED)
+            m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
+                p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
+                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT)
+            loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
 
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SINGLE:
-        tl.store(out_ptr + q_rows[:, None] * D + d[None, :], o.to(tl.bfloat16),
-                 mask=(g < G)[:, None])
+        dst = out_ptr
+        rows = q_rows
     else:
+        dst = part_o_ptr
+        rows = q_rows * num_splits + s
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        part = q_rows * num_splits + s
-        tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=(g < G)[:, None])
-        tl.store(part_lse_ptr + part, lse, mask=g < G)
+        tl.store(part_lse_ptr + rows, lse, mask=gq < G)
+    _store_out(dst, rows, g, aE0, l_i, 0, D, qmask, SINGLE)
+    _store_out(dst, rows, g, aO0, l_i, 1, D, qmask, SINGLE)
+    _store_out(dst, rows, g, aE1, l_i, 2, D, qmask, SINGLE)
+    _store_out(dst, rows, g, aO1, l_i, 3, D, qmask, SINGLE)
+    _store_out(dst, rows, g, aE2, l_i, 4, D, qmask, SINGLE)
+    _store_out(dst, rows, g, aO2, l_i, 5, D, qmask, SINGLE)
+    _store_out(dst, rows, g, aE3, l_i, 6, D, qmask, SINGLE)
+    _store_out(dst, rows, g, aO3, l_i, 7, D, qmask, SINGLE)
 
 
 @triton.jit
@@ -462,17 +574,17 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
     S = -(-max_pages // pps)
     n4 = arena.numel() // 4 * 4
     arena32 = arena[:n4].view(torch.int32)
-    arena16 = arena[:n4].view(torch.bfloat16)
     if S > 1:
         part_o = torch.empty(B * Hq * S * D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
     LAST_COMPILED[mode] = attn_kernel[(B, H, S)](
-        q, arena32, arena16, page_loc_layer, block_table, context_lens, out, part_o, part_lse,
+        q, arena32, page_loc_layer, block_table, context_lens, out, part_o, part_lse,
         float(sm_scale) * LOG2E, block_table.stride(0), pps, S,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, SINGLE=S == 1,
-        MODE=mode, USE_ASM=(not interp) if use_asm is None else use_asm, FP32_DOT=interp, num_warps=num_warps or 4)
+        COMPRESSED=mode == MODE_FUSED, USE_ASM=(not interp) if use_asm is None else use_asm,
+        FP32_DOT=interp, num_warps=num_warps or 4)
     if S > 1:
         merge_kernel[(B * Hq,)](part_o, part_lse, out, NUM_SPLITS=S,
                                  S_PAD=triton.next_power_of_2(S), D=D, num_warps=4)
