@@ -97,8 +97,8 @@ class ArenaKVCache(KVCache):
         self._use_kernel = False
         if self.device.type == "cuda":
             try:
-                from ..kernels import decode_attention  # noqa: F401
-                self._use_kernel = True
+                from .. import kernels
+                self._use_kernel = hasattr(kernels, "decode_attention")
             except ImportError:
                 self._use_kernel = False
 
