@@ -84,7 +84,7 @@ class ArenaKVCache(KVCache):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = PageLayout(num_kv_heads, head_dim)
         self.dtype, self.device, self.compress = torch.bfloat16, torch.device(device), compress
-        manager_kwargs.setdefault("chunk_bytes", 16 * self.layout.open_page_bytes)
+        manager_kwargs.setdefault("chunk_bytes", min(2 << 20, 64 * self.layout.open_page_bytes))
         self.manager = KVCacheManager(num_layers, self.layout, int(budget_bytes), self.device,
                                       compression=compress, **manager_kwargs)
         H, D = num_kv_heads, head_dim

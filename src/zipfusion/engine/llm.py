@@ -46,7 +46,7 @@ class LLMEngine:
     def __init__(self, model: str = "demo", *, kv_compression: bool = True, kv_memory_gb: float | None = None,
                  dtype="bfloat16", device="cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
-                 enforce_eager: bool = False, chunk_bytes: int | None = None):
+                 enforce_eager: bool = False, chunk_bytes: int | None = None, prebuilt_model=None):
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
         if kv_compression and self.dtype != torch.bfloat16:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
@@ -57,7 +57,10 @@ class LLMEngine:
         self.config = model_config(self.source)
         cfg = self.config
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 32768))
-        self.model = build_model(self.source, dtype=self.dtype, device=self.device, seed=seed)
+        if prebuilt_model is not None:        # benchmarks: one set of 8B weights for several engines
+            self.model = prebuilt_model
+        else:
+            self.model = build_model(self.source, dtype=self.dtype, device=self.device, seed=seed)
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         self.eos_token_ids = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         budget = int((kv_memory_gb if kv_memory_gb is not None else self._default_kv_gb()) * 2**30)
@@ -81,7 +84,7 @@ class LLMEngine:
     def _default_kv_gb(self) -> float:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return 0.85 * free / 2**30
+            return max(0.5, 0.85 * free / 2**30 - 4.0)      # 4 GiB left for activations and graphs
         return 0.25
 
     # -- requests ---------------------------------------------------------------------------

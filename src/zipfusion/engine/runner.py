@@ -10,6 +10,7 @@ and read from one scratch page.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -85,17 +86,19 @@ class ModelRunner:
         """Host-built decode inputs, padded to ``bs`` rows with the scratch page."""
         W = self.max_pages_per_req
         scratch = self._scratch[0] if self._scratch else 0
-        ids = [r.tokens[-1] for r in reqs] + [0] * (bs - len(reqs))
-        pos = [r.num_computed for r in reqs] + [0] * (bs - len(reqs))
-        table = torch.full((bs, W), scratch, dtype=torch.int32)
+        table = np.full((bs, W), scratch, dtype=np.int32)
+        pos = np.zeros(bs, dtype=np.int64)
+        ids = np.zeros(bs, dtype=np.int64)
         for i, r in enumerate(reqs):
             if len(r.pages) > W:
                 raise ValueError(f"request {r.request_id} has {len(r.pages)} pages > max_model_len allows ({W})")
-            table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        page_ids = table[torch.arange(bs), pos_t // PAGE_TOKENS].to(torch.int64)
-        return dict(input_ids=torch.tensor(ids, dtype=torch.int64), positions=pos_t, page_ids=page_ids,
-                    slots=pos_t % PAGE_TOKENS, block_table=table, context_lens=(pos_t + 1).to(torch.int32))
+            table[i, :len(r.pages)] = r.pages
+            pos[i] = r.num_computed
+            ids[i] = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
+        page_ids = table[np.arange(bs), pos // PAGE_TOKENS].astype(np.int64)
+        t = torch.from_numpy
+        return dict(input_ids=t(ids), positions=t(pos), page_ids=t(page_ids), slots=t(pos % PAGE_TOKENS),
+                    block_table=t(table), context_lens=t((pos + 1).astype(np.int32)))
 
     def _decode_forward(self, b: dict) -> torch.Tensor:
         def attention(layer, q, k, v):
@@ -120,12 +123,13 @@ class ModelRunner:
 
     # -- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_cuda_graphs(self, max_batch: int | None = None) -> list[int]:
-        """Capture the decode step for every bucket up to ``max_batch``; returns the buckets."""
+    def capture_cuda_graphs(self, max_batch: int | None = None, sizes: list[int] | None = None) -> list[int]:
+        """Capture the decode step for every bucket up to ``max_batch`` (or exactly ``sizes``);
+        returns the batch sizes captured. A step of n requests replays the smallest one >= n."""
         if not self.use_cuda_graphs:
             return []
         max_batch = min(max_batch or self.max_num_seqs, self.max_num_seqs)
-        buckets = [b for b in GRAPH_BUCKETS if b <= max_batch]
+        buckets = sorted(set(sizes)) if sizes else [b for b in GRAPH_BUCKETS if b <= max_batch]
         if not buckets:
             return []
         if not self._scratch:
