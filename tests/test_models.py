@@ -152,3 +152,11 @@ def test_random_weights_from_checkpoint_config(tmp_path):
     m = build_model(src, dtype=torch.float32)
     w = m.model.layers[0].mlp.gate_up_proj.weight
     assert abs(float(w.std()) - 0.02) < 0.002
+
+
+def test_bf16_model_keeps_fp32_rope_frequencies(tmp_path):
+    save_tiny_checkpoint(tmp_path, rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)
+    m = build_model(str(tmp_path), dtype=torch.bfloat16)
+    assert m.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    assert m.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(m.rotary.inv_freq, rope_inv_freq(64, load_config(tmp_path).rope))

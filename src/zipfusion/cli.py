@@ -61,10 +61,21 @@ def cmd_generate(args) -> int:
 
 
 def run_demo(max_tokens: int = 48, prompts: list[str] | None = None, kv_memory_gb: float = 0.02,
-             echo=print, format_pages: int = 256) -> dict:
+             echo=print) -> dict:
     """The model half of ``zipfusion demo``: the embedded model on CPU, compressed and not."""
+    import torch
+
     import zipfusion
     prompts = prompts or DEMO_PROMPTS
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, 2))      # a 3-layer model: more threads only add overhead
+    try:
+        return _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo) -> dict:
     sp = zipfusion.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     results = {}
     for compress in (True, False):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig, load_config
+from .layers import rope_inv_freq
 from .llama import STACKED, CausalLM
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -152,7 +153,8 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
     with torch.device(device):
         model = CausalLM(cfg)
     model.to(dtype=dtype)
-    model.rotary.inv_freq = model.rotary.inv_freq.float()        # rope frequencies stay fp32
+    # rope frequencies stay fp32 (recomputed: .to(dtype) has rounded the buffer)
+    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
     if source.weights_dir is None:
         random_init(model, seed=seed)
     else:
