@@ -1,0 +1,341 @@
+"""Throughput of the Triton page codec (analyze, compress, decompress) on GBs of open KV pages.
+
+Fills an arena with open pages of Llama-3.1-8B shape (8 KV heads x 128) -- a pool of distinct
+synthetic pages repeated to the requested size -- and times, with triton.testing.do_bench
+(medians, L2 flushed between runs):
+
+* analyze     analyze_open_pages over all pages (reads every page once);
+* compress    compress_open_pages (reads every page again, writes the compressed pages);
+* a+c         analyze, destinations by a device-side prefix sum, compress: what compressing
+              a batch of full pages costs end to end (no host sync);
+* decompress  decompress_pages into a [P, 2, 16, H, D] bf16 tensor;
+* chunked a+c analyze and compress alternating on chunks of pages small enough to stay in L2,
+              so the compress pass re-reads them from L2 (one CUDA graph, destinations
+              precomputed) -- an experiment on how far a fused pipeline could go.
+
+Rates are GB/s (1e9 bytes) of original BF16 pages. Every configuration is checked in the same
+run against the torch reference: metadata and sizes of every page, the compressed bytes of
+every page, and the decompressed pages. Also measured: a plain device-to-device copy of the
+same bytes (the bandwidth ceiling).
+
+    PYTHONPATH=src python benchmarks/codec.py --out benchmarks/results      # on a CUDA GPU
+    PYTHONPATH=src python benchmarks/codec.py --check-only --gib 0.001     # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction, realistic_pages
+from zipfusion.format import PageLayout, analyze_pages, encode_pages_into, page_sizes
+from zipfusion.format import triton_codec as tc
+
+GB = 1e9
+
+
+def make_pool(dataset: str, n: int, H: int, D: int) -> torch.Tensor:
+    if dataset == "realistic":
+        return realistic_pages(n, H, D, seed=0)
+    return pages_with_fraction(n, H, D, float(dataset), seed=0)
+
+
+class Bench:
+    """One arena with P open pages (the pool repeated) followed by room for the compressed ones."""
+
+    def __init__(self, pool: torch.Tensor, num_pages: int, device: str):
+        n, _, _, H, D = pool.shape
+        assert num_pages % n == 0
+        self.layout = L = PageLayout(H, D)
+        self.P, self.n = num_pages, n
+        self.src_bytes = num_pages * L.open_page_bytes
+        self.arena = torch.empty(self.src_bytes + num_pages * L.max_page_bytes + 4096,
+                                 dtype=torch.uint8, device=device)
+        pool_bytes = pool.to(device).contiguous().view(-1).view(torch.uint8)
+        self.arena[:self.src_bytes].view(num_pages // n, -1).copy_(pool_bytes.expand(num_pages // n, -1))
+        self.src = torch.arange(num_pages, dtype=torch.int64, device=device) * L.open_page_bytes
+        # reference, computed on the pool: metadata, sizes, the pool's compressed bytes laid out
+        # back to back (the compressed region of the arena is that, repeated)
+        pool_d = pool.to(device)
+        self.ref_base_half = analyze_pages(pool_d).flatten(1).to(torch.uint8)
+        self.ref_sizes = page_sizes(pool_d)
+        pool_dst = torch.cumsum(self.ref_sizes, 0) - self.ref_sizes
+        self.pool_total = int(self.ref_sizes.sum())
+        self.ref_bytes = torch.zeros(self.pool_total, dtype=torch.uint8, device=device)
+        encode_pages_into(pool_d, self.ref_bytes, pool_dst)
+        sizes = self.ref_sizes.repeat(num_pages // n)
+        self.compressed_bytes = int(sizes.sum())
+        self.dst = self.src_bytes + torch.cumsum(sizes, 0) - sizes
+        self.fraction = compressible_fraction(pool)
+        self.out = torch.empty((num_pages, 2, 16, H, D), dtype=torch.bfloat16, device=device)
+
+    # -- the operations timed ------------------------------------------------------------------
+    def analyze(self, src=None):
+        return tc.analyze_open_pages(self.arena, self.src if src is None else src, self.layout,
+                                     validate=False)
+
+    def compress(self, base_half):
+        tc.compress_open_pages(self.arena, self.src, base_half, self.dst, self.layout, validate=False)
+
+    def analyze_compress(self, validate=False):
+        base_half, sizes = tc.analyze_open_pages(self.arena, self.src, self.layout, validate=validate)
+        dst = self.src_bytes + torch.cumsum(sizes, 0) - sizes
+        tc.compress_open_pages(self.arena, self.src, base_half, dst, self.layout, validate=validate)
+
+    def decompress(self):
+        return tc.decompress_pages(self.arena, self.dst, self.layout, out=self.out, validate=False)
+
+    def chunked_graph(self, chunk: int):
+        """CUDA graph: for each chunk of pages, analyze then compress (pages still in L2)."""
+        def body():
+            for c in range(0, self.P, chunk):
+                src = self.src[c:c + chunk]
+                base_half, _ = tc.analyze_open_pages(self.arena, src, self.layout, validate=False)
+                tc.compress_open_pages(self.arena, src, base_half, self.dst[c:c + chunk],
+                                       self.layout, validate=False)
+        body()                                   # compile + warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return graph
+
+    # -- checks ---------------------------------------------------------------------------------
+    def clear_compressed(self):
+        self.arena[self.src_bytes:].fill_(0xAB)
+
+    def check_analysis(self, base_half, sizes):
+        reps = self.P // self.n
+        assert torch.equal(base_half.view(reps, self.n, -1), self.ref_base_half.expand(reps, -1, -1)), \
+            "analyze: metadata bytes differ from the reference"
+        assert torch.equal(sizes.view(reps, self.n), self.ref_sizes.expand(reps, -1)), \
+            "analyze: sizes differ from the reference"
+
+    def check_compressed(self):
+        reps = self.P // self.n
+        region = self.arena[self.src_bytes:self.src_bytes + reps * self.pool_total].view(reps, -1)
+        assert bool((region == self.ref_bytes).all()), "compress: bytes differ from the reference"
+        assert bool((self.arena[self.src_bytes + reps * self.pool_total:] == 0xAB).all()), \
+            "compress: wrote past the compressed pages"
+
+    def check_decompressed(self):
+        assert torch.equal(self.out.view(-1).view(torch.uint8), self.arena[:self.src_bytes]), \
+            "decompress: pages differ from the originals"
+
+
+def timer(device: str, warmup_ms: int, rep_ms: int):
+    if device == "cuda":
+        import triton.testing
+
+        def median_ms(fn):
+            return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    else:
+        def median_ms(fn):            # CPU smoke run: one wall-clock call, not a measurement
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+    return median_ms
+
+
+def run_dataset(dataset, args, device, median_ms, warps_sweep):
+    pool = make_pool(dataset, args.pool, args.heads, args.head_dim)
+    b = Bench(pool, args.pages, device)
+    row = {"dataset": dataset, "compressible_fraction": b.fraction, "pages": b.P,
+           "original_bytes": b.src_bytes, "compressed_bytes": b.compressed_bytes,
+           "ratio": b.src_bytes / b.compressed_bytes}
+
+    # correctness of the whole arena, then timings
+    b.clear_compressed()
+    base_half, sizes = b.analyze()
+    b.check_analysis(base_half, sizes)
+    b.compress(base_half)
+    b.check_compressed()
+    b.out.fill_(float("nan"))
+    b.decompress()
+    b.check_decompressed()
+    b.clear_compressed()
+    b.analyze_compress()
+    b.check_compressed()
+    row["checked"] = "metadata, sizes, compressed bytes and decompressed values of every page"
+
+    ms = {}
+    ms["analyze"] = median_ms(b.analyze)
+    ms["compress"] = median_ms(lambda: b.compress(base_half))
+    ms["analyze+compress"] = median_ms(b.analyze_compress)
+    ms["decompress"] = median_ms(b.decompress)
+    if dataset == "realistic":
+        ms["analyze+compress (validate=True)"] = median_ms(lambda: b.analyze_compress(validate=True))
+        dst = b.out.view(-1).view(torch.uint8)
+        ms["copy (same bytes, device to device)"] = median_ms(lambda: dst.copy_(b.arena[:b.src_bytes]))
+    if device == "cuda" and args.chunk:
+        for chunk in args.chunk:
+            key = f"chunked analyze+compress ({chunk} pages/chunk, CUDA graph)"
+            try:
+                b.clear_compressed()
+                graph = b.chunked_graph(chunk)
+                b.clear_compressed()
+                graph.replay()
+                b.check_compressed()
+                ms[key] = median_ms(graph.replay)
+                del graph
+            except Exception as e:  # an experiment: report, keep the run going
+                row.setdefault("errors", {})[key] = repr(e)[:300]
+    row["median_ms"] = ms
+    row["GBps_original"] = {k: b.src_bytes / GB / (v / 1e3) for k, v in ms.items()}
+    moved = {"analyze": b.src_bytes, "compress": b.src_bytes + b.compressed_bytes,
+             "decompress": b.compressed_bytes + b.src_bytes,
+             "copy (same bytes, device to device)": 2 * b.src_bytes}
+    row["GBps_moved"] = {k: moved[k] / GB / (ms[k] / 1e3) for k in moved if k in ms}
+
+    if warps_sweep:
+        sweep = {}
+        default = dict(tc.NUM_WARPS)
+        for w in warps_sweep:
+            tc.NUM_WARPS.update(analyze=w, compress=w, decompress=w)
+            b.clear_compressed()
+            bh, sz = b.analyze()
+            b.check_analysis(bh, sz)
+            b.compress(bh)
+            b.check_compressed()
+            b.out.fill_(float("nan"))
+            b.decompress()
+            b.check_decompressed()
+            sweep[w] = {"analyze": median_ms(b.analyze), "compress": median_ms(lambda: b.compress(bh)),
+                        "decompress": median_ms(b.decompress)}
+        tc.NUM_WARPS.update(default)
+        row["num_warps_sweep_ms"] = sweep
+    del b
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown(result) -> str:
+    env = result["env"]
+    lines = [
+        "## Codec kernels (analyze / compress / decompress)", "",
+        f"- device: {env['device']}; torch {env['torch']}, triton {env['triton']}, python {env['python']}",
+        f"- date: {env['date']}",
+        f"- command: `{env['command']}`",
+        f"- data: {result['pages']} open pages of {result['heads']} KV heads x {result['head_dim']} "
+        f"({result['original_GB']:.2f} GB of BF16), a pool of {result['pool']} distinct synthetic "
+        "pages repeated; medians of triton.testing.do_bench (L2 flushed between runs), validate=False "
+        "unless stated; every page's metadata, compressed bytes and decompressed values were "
+        "checked against the torch reference in the same run.",
+        "- GB/s = original BF16 bytes / time.", "",
+    ]
+    ops = ["analyze", "compress", "analyze+compress", "decompress"]
+    chunk_keys = sorted({k for r in result["rows"] for k in r["median_ms"] if k.startswith("chunked")})
+    header = "| data | compressible blocks | ratio | " + " | ".join(ops + chunk_keys) + " |"
+    lines += [header, "|" + " --- |" * (3 + len(ops) + len(chunk_keys))]
+    for r in result["rows"]:
+        cells = []
+        for k in ops + chunk_keys:
+            if k in r["median_ms"]:
+                cells.append(f"{r['GBps_original'][k]:.0f} GB/s ({r['median_ms'][k]:.2f} ms)")
+            else:
+                cells.append("-")
+        name = r["dataset"] if r["dataset"] == "realistic" else f"{float(r['dataset']):.0%} compressible"
+        lines.append(f"| {name} | {r['compressible_fraction']:.1%} | {r['ratio']:.3f} | " + " | ".join(cells) + " |")
+    real = next((r for r in result["rows"] if r["dataset"] == "realistic"), None)
+    if real:
+        lines.append("")
+        for k in ("copy (same bytes, device to device)", "analyze+compress (validate=True)"):
+            if k in real["median_ms"]:
+                lines.append(f"- {k}: {real['median_ms'][k]:.2f} ms")
+        for k, v in real.get("GBps_moved", {}).items():
+            lines.append(f"- bytes moved by {k} (read + written) / time: {v:.0f} GB/s")
+        if "num_warps_sweep_ms" in real:
+            lines.append("- num_warps sweep (realistic, ms): " + "; ".join(
+                f"{w} warps: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items())
+                for w, d in real["num_warps_sweep_ms"].items()))
+    for r in result["rows"]:
+        for k, e in r.get("errors", {}).items():
+            lines.append(f"- {r['dataset']}: {k} failed: {e}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    keys = ["analyze", "compress", "analyze+compress", "decompress"]
+    keys += sorted({k for r in rows for k in r["median_ms"] if k.startswith("chunked")})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(keys)
+    for i, k in enumerate(keys):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r["GBps_original"].get(k, 0) for r in rows], width, label=k)
+    ax.axhline(2000, color="k", ls="--", lw=1, label="goal: compression 2 TB/s")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['dataset']}\n({r['compressible_fraction']:.0%} blocks)" for r in rows])
+    ax.set_ylabel("GB/s of original BF16")
+    ax.set_title(f"zipfusion codec, {result['original_GB']:.1f} GB of pages, {result['env']['device']}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=8.0, help="GiB of open pages (default 8)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--pool", type=int, default=1024, help="distinct pages, repeated")
+    ap.add_argument("--datasets", default="realistic,1.0,0.8,0.5")
+    ap.add_argument("--warps", default="2,4,8", help="num_warps values to sweep on realistic data")
+    ap.add_argument("--chunk", default="256,1024", help="pages per chunk for the chunked experiment")
+    ap.add_argument("--warmup-ms", type=int, default=50)
+    ap.add_argument("--rep-ms", type=int, default=300)
+    ap.add_argument("--check-only", action="store_true", help="CPU smoke run (Triton interpreter)")
+    ap.add_argument("--out", default=None, help="folder for codec.json / codec.md / codec.png")
+    args = ap.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() and not args.check_only else "cpu"
+    if device == "cpu" and not args.check_only:
+        sys.exit("no CUDA GPU: run with --check-only for a CPU smoke run")
+    layout = PageLayout(args.heads, args.head_dim)
+    args.pool = max(1, min(args.pool, int(args.gib * 2**30 // layout.open_page_bytes)))
+    args.pages = max(1, int(args.gib * 2**30 // layout.open_page_bytes)) // args.pool * args.pool
+    args.chunk = [int(c) for c in args.chunk.split(",") if c] if args.chunk else []
+    warps = [int(w) for w in args.warps.split(",") if w] if device == "cuda" else []
+    median_ms = timer(device, args.warmup_ms, args.rep_ms)
+
+    import triton
+    env = {"device": torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)",
+           "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": "PYTHONPATH=src python benchmarks/codec.py " + " ".join(sys.argv[1:])}
+    result = {"env": env, "pages": args.pages, "heads": args.heads, "head_dim": args.head_dim,
+              "pool": args.pool, "original_GB": args.pages * layout.open_page_bytes / GB, "rows": []}
+    for ds in args.datasets.split(","):
+        t = time.time()
+        row = run_dataset(ds, args, device, median_ms, warps if ds == "realistic" else None)
+        result["rows"].append(row)
+        print(f"[{ds}] done in {time.time() - t:.1f} s: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in row["GBps_original"].items()), flush=True)
+    md = markdown(result)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "codec.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "codec.md"), "w") as f:
+            f.write(md)
+        try:
+            plot(result, os.path.join(args.out, "codec.png"))
+        except ImportError as e:
+            print(f"no plot: {e}")
+
+
+if __name__ == "__main__":
+    main()
