@@ -68,7 +68,7 @@ def run_demo(max_tokens: int = 48, prompts: list[str] | None = None, kv_memory_g
     import zipfusion
     prompts = prompts or DEMO_PROMPTS
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(threads, 2))      # a 3-layer model: more threads only add overhead
+    torch.set_num_threads(1)      # a 3-layer model: more threads only add overhead (and contend)
     try:
         return _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo)
     finally:
@@ -83,7 +83,7 @@ def _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo) -> dict:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         results[compress] = (outs, llm.kv_stats(), time.perf_counter() - t0, llm)
-    (on, st_on, t_on, llm), (off, st_off, t_off, _) = results[True], results[False]
+    (on, st_on, t_on, llm), (off, _, t_off, _) = results[True], results[False]
     cfg = llm.engine.config
     identical = [a.token_ids for a in on] == [b.token_ids for b in off]
     echo(f"\nDemo model ({cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads x {cfg.head_dim}, "
