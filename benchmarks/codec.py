@@ -211,9 +211,6 @@ def run_dataset(dataset, args, device, median_ms, warps_sweep):
                         "decompress": median_ms(b.decompress)}
         tc.NUM_WARPS.update(default)
         row["num_warps_sweep_ms"] = sweep
-    del b
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -321,6 +318,8 @@ def main():
         t = time.time()
         row = run_dataset(ds, args, device, median_ms, warps if ds == "realistic" else None)
         result["rows"].append(row)
+        if device == "cuda":
+            torch.cuda.empty_cache()      # the dataset's arena is gone with run_dataset's frame
         print(f"[{ds}] done in {time.time() - t:.1f} s: "
               + ", ".join(f"{k} {v:.0f}" for k, v in row["GBps_original"].items()), flush=True)
     md = markdown(result)
