@@ -170,6 +170,14 @@ def _group_words(arena32, lo_off, code_off, plain_off, hb, packed, valid,
 
 
 @triton.jit
+def _natural_words(w0, w1, w2, w3):
+    """Group words [R, NG] x 4 -> [R, 4·NG] in channel order (word i = channels 2i, 2i+1)."""
+    R: tl.constexpr = w0.shape[0]
+    NG: tl.constexpr = w0.shape[1]
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (R, 4 * NG))
+
+
+@triton.jit
 def _halves(w):
     """uint32 tile of bf16 pairs -> (low-half bf16 tile, high-half bf16 tile)."""
     lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -247,7 +255,7 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
           m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
           loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale,
           H: tl.constexpr, D: tl.constexpr, COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr,
-          FP32_DOT: tl.constexpr):
+          FP32_DOT: tl.constexpr, CHSETS: tl.constexpr):
     """One tile of TP pages (R token rows): restore K and V as 8 bf16 tiles [R, D/8] each
     (channel sets 8g + c, c = 0..7), then one online-softmax update of the 8 accumulators."""
     NB: tl.constexpr = D // 32
@@ -281,20 +289,32 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
     kv_valid = valid[:, None] & (g >= 0)
     w0, w1, w2, w3 = _group_words(arena32, k_lo, k_code, k_plain, k_hb, k_packed, kv_valid,
                                   COMPRESSED, USE_ASM)
-    kE0, kO0 = _halves(w0)
-    kE1, kO1 = _halves(w1)
-    kE2, kO2 = _halves(w2)
-    kE3, kO3 = _halves(w3)
-    # S = q Kᵀ over the 8 channel sets   [G_PAD, R]
     qk = tl.zeros([qE0.shape[0], t.shape[0]], tl.float32)
-    qk = _dot(qE0, tl.trans(kE0), qk, FP32_DOT)
-    qk = _dot(qO0, tl.trans(kO0), qk, FP32_DOT)
-    qk = _dot(qE1, tl.trans(kE1), qk, FP32_DOT)
-    qk = _dot(qO1, tl.trans(kO1), qk, FP32_DOT)
-    qk = _dot(qE2, tl.trans(kE2), qk, FP32_DOT)
-    qk = _dot(qO2, tl.trans(kO2), qk, FP32_DOT)
-    qk = _dot(qE3, tl.trans(kE3), qk, FP32_DOT)
-    qk = _dot(qO3, tl.trans(kO3), qk, FP32_DOT)
+    if CHSETS == 8:
+        # 8 tiles [R, D/8]: channels 8g + c
+        kE0, kO0 = _halves(w0)
+        kE1, kO1 = _halves(w1)
+        kE2, kO2 = _halves(w2)
+        kE3, kO3 = _halves(w3)
+        qk = _dot(qE0, tl.trans(kE0), qk, FP32_DOT)
+        qk = _dot(qO0, tl.trans(kO0), qk, FP32_DOT)
+        qk = _dot(qE1, tl.trans(kE1), qk, FP32_DOT)
+        qk = _dot(qO1, tl.trans(kO1), qk, FP32_DOT)
+        qk = _dot(qE2, tl.trans(kE2), qk, FP32_DOT)
+        qk = _dot(qO2, tl.trans(kO2), qk, FP32_DOT)
+        qk = _dot(qE3, tl.trans(kE3), qk, FP32_DOT)
+        qk = _dot(qO3, tl.trans(kO3), qk, FP32_DOT)
+    else:
+        kw = _natural_words(w0, w1, w2, w3)                 # [R, D/2]: channels 2i, 2i+1
+        kE, kO = _halves(kw)
+        if CHSETS == 2:
+            # even and odd channels: 2 tiles [R, D/2]
+            qk = _dot(qE0, tl.trans(kE), qk, FP32_DOT)
+            qk = _dot(qO0, tl.trans(kO), qk, FP32_DOT)
+        else:
+            # one tile [R, D] in channel order
+            k = tl.reshape(tl.join(kE, kO), (kE.shape[0], 2 * kE.shape[1]))
+            qk = _dot(qE0, tl.trans(k), qk, FP32_DOT)
     # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
     v_open = base_w[:, None] + ((16 + tt) * H + h) * (D // 2) + 4 * g
     if COMPRESSED:
@@ -316,10 +336,6 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
         v_hb = v_open.to(tl.uint32)
     u0, u1, u2, u3 = _group_words(arena32, v_lo, v_code, v_plain, v_hb, v_packed, kv_valid,
                                   COMPRESSED, USE_ASM)
-    vE0, vO0 = _halves(u0)
-    vE1, vO1 = _halves(u1)
-    vE2, vO2 = _halves(u2)
-    vE3, vO3 = _halves(u3)
     # online softmax in base 2
     qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -328,14 +344,28 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
     l_i = l_i * alpha + tl.sum(p, axis=1)
     pb = p.to(tl.bfloat16)
     al = alpha[:, None]
-    aE0 = _dot(pb, vE0, aE0 * al, FP32_DOT)
-    aO0 = _dot(pb, vO0, aO0 * al, FP32_DOT)
-    aE1 = _dot(pb, vE1, aE1 * al, FP32_DOT)
-    aO1 = _dot(pb, vO1, aO1 * al, FP32_DOT)
-    aE2 = _dot(pb, vE2, aE2 * al, FP32_DOT)
-    aO2 = _dot(pb, vO2, aO2 * al, FP32_DOT)
-    aE3 = _dot(pb, vE3, aE3 * al, FP32_DOT)
-    aO3 = _dot(pb, vO3, aO3 * al, FP32_DOT)
+    if CHSETS == 8:
+        vE0, vO0 = _halves(u0)
+        vE1, vO1 = _halves(u1)
+        vE2, vO2 = _halves(u2)
+        vE3, vO3 = _halves(u3)
+        aE0 = _dot(pb, vE0, aE0 * al, FP32_DOT)
+        aO0 = _dot(pb, vO0, aO0 * al, FP32_DOT)
+        aE1 = _dot(pb, vE1, aE1 * al, FP32_DOT)
+        aO1 = _dot(pb, vO1, aO1 * al, FP32_DOT)
+        aE2 = _dot(pb, vE2, aE2 * al, FP32_DOT)
+        aO2 = _dot(pb, vO2, aO2 * al, FP32_DOT)
+        aE3 = _dot(pb, vE3, aE3 * al, FP32_DOT)
+        aO3 = _dot(pb, vO3, aO3 * al, FP32_DOT)
+    else:
+        vw = _natural_words(u0, u1, u2, u3)
+        vE, vO = _halves(vw)
+        if CHSETS == 2:
+            aE0 = _dot(pb, vE, aE0 * al, FP32_DOT)
+            aO0 = _dot(pb, vO, aO0 * al, FP32_DOT)
+        else:
+            v = tl.reshape(tl.join(vE, vO), (vE.shape[0], 2 * vE.shape[1]))
+            aE0 = _dot(pb, v, aE0 * al, FP32_DOT)
     return m_new, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3
 
 
@@ -344,12 +374,20 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _store_out(ptr, rows, g, a, l_i, c: tl.constexpr, D: tl.constexpr, mask, TO_BF16: tl.constexpr):
-    """Channel set c (channels 8g + c) of the normalized output."""
+def _store_out(ptr, rows, a, l_i, STRIDE: tl.constexpr, OFF: tl.constexpr, D: tl.constexpr,
+               mask, TO_BF16: tl.constexpr):
+    """Output channels STRIDE·i + OFF from the accumulator a [G_PAD, D / STRIDE], normalized."""
     o = a / tl.maximum(l_i, 1e-30)[:, None]
     if TO_BF16:
         o = o.to(tl.bfloat16)
-    tl.store(ptr + rows[:, None] * D + 8 * g[None, :] + c, o, mask=mask)
+    i = tl.arange(0, D // STRIDE)
+    tl.store(ptr + rows[:, None] * D + STRIDE * i[None, :] + OFF, o, mask=mask)
+
+
+@triton.jit
+def _load_q(q_ptr, rows, STRIDE: tl.constexpr, OFF: tl.constexpr, D: tl.constexpr, mask):
+    i = tl.arange(0, D // STRIDE)
+    return tl.load(q_ptr + rows[:, None] * D + STRIDE * i[None, :] + OFF, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -358,7 +396,7 @@ def _decode_attention_kernel(
         qk_scale, stride_bt, pages_per_split, num_splits,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         TP: tl.constexpr, SINGLE: tl.constexpr, COMPRESSED: tl.constexpr,
-        USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr):
+        USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr, CHSETS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -374,22 +412,36 @@ def _decode_attention_kernel(
     g = tl.arange(0, NG)
     q_rows = (b * H * G + h * G + gq).to(tl.int64)
     qmask = (gq < G)[:, None]
-    qp = q_ptr + q_rows[:, None] * D + 8 * g[None, :]
-    qE0 = tl.load(qp + 0, mask=qmask, other=0.0)
-    qO0 = tl.load(qp + 1, mask=qmask, other=0.0)
-    qE1 = tl.load(qp + 2, mask=qmask, other=0.0)
-    qO1 = tl.load(qp + 3, mask=qmask, other=0.0)
-    qE2 = tl.load(qp + 4, mask=qmask, other=0.0)
-    qO2 = tl.load(qp + 5, mask=qmask, other=0.0)
-    qE3 = tl.load(qp + 6, mask=qmask, other=0.0)
-    qO3 = tl.load(qp + 7, mask=qmask, other=0.0)
+    W: tl.constexpr = D // CHSETS           # accumulator width per channel set
+    if CHSETS == 8:
+        qE0 = _load_q(q_ptr, q_rows, 8, 0, D, qmask)
+        qO0 = _load_q(q_ptr, q_rows, 8, 1, D, qmask)
+        qE1 = _load_q(q_ptr, q_rows, 8, 2, D, qmask)
+        qO1 = _load_q(q_ptr, q_rows, 8, 3, D, qmask)
+        qE2 = _load_q(q_ptr, q_rows, 8, 4, D, qmask)
+        qO2 = _load_q(q_ptr, q_rows, 8, 5, D, qmask)
+        qE3 = _load_q(q_ptr, q_rows, 8, 6, D, qmask)
+        qO3 = _load_q(q_ptr, q_rows, 8, 7, D, qmask)
+    else:
+        if CHSETS == 2:
+            qE0 = _load_q(q_ptr, q_rows, 2, 0, D, qmask)
+            qO0 = _load_q(q_ptr, q_rows, 2, 1, D, qmask)
+        else:
+            qE0 = _load_q(q_ptr, q_rows, 1, 0, D, qmask)
+            qO0 = qE0
+        qE1 = qE0
+        qE2 = qE0
+        qE3 = qE0
+        qO1 = qE0
+        qO2 = qE0
+        qO3 = qE0
 
     r = tl.arange(0, R)
     t = r % 16                      # token inside its page
     slot = r // 16                  # page inside the tile
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    aE0 = tl.zeros([G_PAD, NG], tl.float32)
+    aE0 = tl.zeros([G_PAD, W], tl.float32)
     aE1 = aE0
     aE2 = aE0
     aE3 = aE0
@@ -411,7 +463,8 @@ def _decode_attention_kernel(
             m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
                 p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
                 m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
-                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT)
+                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT,
+                CHSETS)
             loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
             p0 += TP
     else:
@@ -422,7 +475,8 @@ def _decode_attention_kernel(
             m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
                 p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
                 m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
-                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT)
+                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT,
+                CHSETS)
             loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
 
     if SINGLE:
@@ -433,14 +487,20 @@ def _decode_attention_kernel(
         rows = q_rows * num_splits + s
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + rows, lse, mask=gq < G)
-    _store_out(dst, rows, g, aE0, l_i, 0, D, qmask, SINGLE)
-    _store_out(dst, rows, g, aO0, l_i, 1, D, qmask, SINGLE)
-    _store_out(dst, rows, g, aE1, l_i, 2, D, qmask, SINGLE)
-    _store_out(dst, rows, g, aO1, l_i, 3, D, qmask, SINGLE)
-    _store_out(dst, rows, g, aE2, l_i, 4, D, qmask, SINGLE)
-    _store_out(dst, rows, g, aO2, l_i, 5, D, qmask, SINGLE)
-    _store_out(dst, rows, g, aE3, l_i, 6, D, qmask, SINGLE)
-    _store_out(dst, rows, g, aO3, l_i, 7, D, qmask, SINGLE)
+    if CHSETS == 8:
+        _store_out(dst, rows, aE0, l_i, 8, 0, D, qmask, SINGLE)
+        _store_out(dst, rows, aO0, l_i, 8, 1, D, qmask, SINGLE)
+        _store_out(dst, rows, aE1, l_i, 8, 2, D, qmask, SINGLE)
+        _store_out(dst, rows, aO1, l_i, 8, 3, D, qmask, SINGLE)
+        _store_out(dst, rows, aE2, l_i, 8, 4, D, qmask, SINGLE)
+        _store_out(dst, rows, aO2, l_i, 8, 5, D, qmask, SINGLE)
+        _store_out(dst, rows, aE3, l_i, 8, 6, D, qmask, SINGLE)
+        _store_out(dst, rows, aO3, l_i, 8, 7, D, qmask, SINGLE)
+    elif CHSETS == 2:
+        _store_out(dst, rows, aE0, l_i, 2, 0, D, qmask, SINGLE)
+        _store_out(dst, rows, aO0, l_i, 2, 1, D, qmask, SINGLE)
+    else:
+        _store_out(dst, rows, aE0, l_i, 1, 0, D, qmask, SINGLE)
 
 
 @triton.jit
@@ -553,7 +613,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages
 
 
 def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
-            num_splits, tile_pages, num_warps, validate, use_asm=None):
+            num_splits, tile_pages, num_warps, validate, use_asm=None, chsets=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if validate:
@@ -584,7 +644,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         float(sm_scale) * LOG2E, block_table.stride(0), pps, S,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, SINGLE=S == 1,
         COMPRESSED=mode == MODE_FUSED, USE_ASM=(not interp) if use_asm is None else use_asm,
-        FP32_DOT=interp, num_warps=num_warps or 4)
+        FP32_DOT=interp, CHSETS=chsets or 1, num_warps=num_warps or 4)
     if S > 1:
         merge_kernel[(B * Hq,)](part_o, part_lse, out, NUM_SPLITS=S,
                                  S_PAD=triton.next_power_of_2(S), D=D, num_warps=4)
@@ -593,7 +653,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
 
 def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                      out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                     validate=True, use_asm=None):
+                     validate=True, use_asm=None, chsets=None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
@@ -603,12 +663,12 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     ``use_asm=False`` uses the pure-Triton byte interleave instead of ``prmt`` (for timing).
     """
     return _launch(MODE_FUSED, q, arena, page_loc_layer, block_table, context_lens, layout,
-                   sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm)
+                   sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm, chsets)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                           out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                          validate=True):
+                          validate=True, chsets=None):
     """The uncompressed twin: same tiling and arithmetic, every page must be open."""
     return _launch(MODE_TWIN, q, arena, page_loc_layer, block_table, context_lens, layout,
-                   sm_scale, out, num_splits, tile_pages, num_warps, validate)
+                   sm_scale, out, num_splits, tile_pages, num_warps, validate, None, chsets)
