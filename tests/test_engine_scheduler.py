@@ -1,0 +1,107 @@
+"""Scheduler on a fake page pool: chunked prefill budget, admission by capacity, max_num_seqs,
+decode page growth, preemption of the newest request, sealing of full pages."""
+
+import pytest
+
+from zipfusion.engine.request import Request, Status
+from zipfusion.engine.sampling import SamplingParams
+from zipfusion.engine.scheduler import KVCacheTooSmall, Scheduler
+
+
+class FakeCache:
+    def __init__(self, pages):
+        self.free_ids = list(range(pages))
+        self.sealed = []
+
+    def alloc(self, n):
+        assert n <= len(self.free_ids), "scheduler allocated beyond capacity"
+        out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        return out
+
+    def free(self, ids):
+        self.free_ids += list(ids)
+
+    def seal(self, ids):
+        self.sealed += list(ids)
+        return []
+
+    def capacity_new_pages(self):
+        return len(self.free_ids)
+
+
+def req(i, n):
+    return Request(i, list(range(3, 3 + n)), SamplingParams(temperature=0), arrival=i)
+
+
+def advance(sched, out):
+    """What the engine does after a step: count computed tokens, append a token when sampled."""
+    for ch in out.prefill:
+        ch.request.num_computed += ch.length
+        if ch.completes:
+            ch.request.output_ids.append(7)
+    for r in out.decode:
+        r.num_computed += 1
+        r.output_ids.append(7)
+    sched.seal_full_pages([c.request for c in out.prefill] + out.decode)
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    cache = FakeCache(100)
+    s = Scheduler(cache, max_num_batched_tokens=32)
+    a, b = req(0, 50), req(1, 10)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(c.request.request_id, c.start, c.length) for c in out.prefill] == [(0, 0, 32)]
+    advance(s, out)
+    out = s.schedule()
+    assert [(c.request.request_id, c.start, c.length) for c in out.prefill] == [(0, 32, 18), (1, 0, 10)]
+    assert out.prefill[0].completes and out.prefill[1].completes
+    advance(s, out)
+    out = s.schedule()
+    assert out.decode == [a, b] and not out.prefill
+    assert len(a.pages) == 4 and len(b.pages) == 1                 # 51 and 11 tokens
+    assert cache.sealed == a.pages[:3]                             # 48 of a's tokens are in full pages
+
+
+def test_admission_waits_for_capacity_and_max_num_seqs():
+    cache = FakeCache(4)
+    s = Scheduler(cache, max_num_seqs=2, max_num_batched_tokens=1000)
+    for i in range(3):
+        s.add(req(i, 20))                                          # 2 pages each
+    out = s.schedule()
+    assert [c.request.request_id for c in out.prefill] == [0, 1]   # max_num_seqs
+    assert len(s.waiting) == 1 and cache.capacity_new_pages() == 0
+
+
+def test_decode_preempts_the_newest_and_recomputes():
+    cache = FakeCache(4)
+    s = Scheduler(cache, max_num_batched_tokens=1000)
+    a, b = req(0, 32), req(1, 31)                                   # 2 pages each, all memory
+    s.add(a)
+    s.add(b)
+    advance(s, s.schedule())
+    out = s.schedule()                                             # a needs a 3rd page for token 32
+    assert out.preempted == [b] and out.decode == [a]
+    assert b.status == Status.WAITING and b.pages == [] and b.num_computed == 0 and b.num_preemptions == 1
+    assert list(s.waiting) == [b]
+    advance(s, out)
+    s.finish(a, "length")
+    out = s.schedule()                                             # b comes back: prompt + its token
+    assert [(c.request.request_id, c.start, c.length) for c in out.prefill] == [(1, 0, 32)]
+
+
+def test_one_request_larger_than_memory_is_an_error():
+    s = Scheduler(FakeCache(2), max_num_batched_tokens=1000)
+    s.add(req(0, 40))
+    out = s.schedule()                                             # the first 32 tokens fit
+    assert out.prefill[0].length == 32
+    advance(s, out)
+    with pytest.raises(KVCacheTooSmall, match="kv_memory_gb"):
+        s.schedule()
+
+
+def test_prompt_longer_than_max_model_len_is_refused():
+    s = Scheduler(FakeCache(10), max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add(req(0, 64))
