@@ -613,7 +613,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages
 
 
 def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
-            num_splits, tile_pages, num_warps, validate, use_asm=None, chsets=None):
+            num_splits, tile_pages, num_warps, validate, use_asm=None, chsets=None,
+            num_stages=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if validate:
@@ -644,7 +645,8 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         float(sm_scale) * LOG2E, block_table.stride(0), pps, S,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, SINGLE=S == 1,
         COMPRESSED=mode == MODE_FUSED, USE_ASM=(not interp) if use_asm is None else use_asm,
-        FP32_DOT=interp, CHSETS=chsets or 1, num_warps=num_warps or 4)
+        FP32_DOT=interp, CHSETS=chsets or 1, num_warps=num_warps or 4,
+        **({} if num_stages is None else dict(num_stages=num_stages)))
     if S > 1:
         merge_kernel[(B * Hq,)](part_o, part_lse, out, NUM_SPLITS=S,
                                  S_PAD=triton.next_power_of_2(S), D=D, num_warps=4)
@@ -653,7 +655,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
 
 def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                      out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                     validate=True, use_asm=None, chsets=None):
+                     validate=True, use_asm=None, chsets=None, num_stages=None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
@@ -663,12 +665,14 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     ``use_asm=False`` uses the pure-Triton byte interleave instead of ``prmt`` (for timing).
     """
     return _launch(MODE_FUSED, q, arena, page_loc_layer, block_table, context_lens, layout,
-                   sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm, chsets)
+                   sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm, chsets,
+                   num_stages)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                           out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                          validate=True, chsets=None):
+                          validate=True, chsets=None, num_stages=None):
     """The uncompressed twin: same tiling and arithmetic, every page must be open."""
     return _launch(MODE_TWIN, q, arena, page_loc_layer, block_table, context_lens, layout,
-                   sm_scale, out, num_splits, tile_pages, num_warps, validate, None, chsets)
+                   sm_scale, out, num_splits, tile_pages, num_warps, validate, None, chsets,
+                   num_stages)
