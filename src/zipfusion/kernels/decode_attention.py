@@ -128,37 +128,48 @@ def _interleave(lo0, lo1, h0, h1, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_words(arena32, lo_off, code_off, plain_off, hb, packed, valid,
-                 COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr):
-    """The four words of bf16 pairs of every group (row, g): [R, NG] tiles w0..w3.
-
-    Word k of group g holds channels 8g+2k (low half) and 8g+2k+1 (high half). Plain groups
-    (open page or raw block) are 4 words at ``plain_off``; compressed ones are 2 words of low
-    bytes at ``lo_off`` and one code word at ``code_off`` (docs/format.md section 2)::
-
-        h0 = (code & 0x87878787) + hb                                 high bytes, values 0..3
-        h1 = ((code << 1) & 0x80808080 | (code >> 3) & 0x07070707) + hb        values 4..7
-        w_k = interleave(lo, h)                                       (prmt on the GPU)
-    """
-    R: tl.constexpr = plain_off.shape[0]
-    NG: tl.constexpr = plain_off.shape[1]
+def _group_load(arena32, lo_off, code_off, plain_off, packed, valid, COMPRESSED: tl.constexpr):
+    """Loads for the groups (row, g) of a tile: plain words [R, NG, 4] (open page or raw
+    block), and for compressed groups low-byte words [R, NG, 2] and code words [R, NG]."""
     plain_off = tl.multiple_of(plain_off, [4, 4])
     if COMPRESSED:
         pm = valid & (packed == 0)
     else:
         pm = valid
     p4 = tl.load(arena32 + plain_off[:, :, None] + tl.arange(0, 4)[None, None, :],
-                 mask=pm[:, :, None], other=0).to(tl.uint32, bitcast=True)
-    p_even, p_odd = tl.split(tl.reshape(p4, (R, NG, 2, 2)))       # words (0, 2) and (1, 3)
-    p0, p2 = tl.split(p_even)
-    p1, p3 = tl.split(p_odd)
+                 mask=pm[:, :, None], other=0)
     if COMPRESSED:
         cm = valid & packed
         lo_off = tl.multiple_of(lo_off, [2, 2])
         lo = tl.load(arena32 + lo_off[:, :, None] + tl.arange(0, 2)[None, None, :],
-                     mask=cm[:, :, None], other=0).to(tl.uint32, bitcast=True)
-        lo0, lo1 = tl.split(lo)
-        code = tl.load(arena32 + code_off, mask=cm, other=0).to(tl.uint32, bitcast=True)
+                     mask=cm[:, :, None], other=0)
+        code = tl.load(arena32 + code_off, mask=cm, other=0)
+    else:
+        lo = p4
+        code = p4
+    return p4, lo, code
+
+
+@triton.jit
+def _group_restore(p4, lo, code, hb, packed, COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr):
+    """The four words of bf16 pairs of every group (row, g): [R, NG] tiles w0..w3.
+
+    Word k of group g holds channels 8g+2k (low half) and 8g+2k+1 (high half). Compressed
+    groups (docs/format.md section 2)::
+
+        h0 = (code & 0x87878787) + hb                                 high bytes, values 0..3
+        h1 = ((code << 1) & 0x80808080 | (code >> 3) & 0x07070707) + hb        values 4..7
+        w_k = interleave(lo, h)                                       (prmt on the GPU)
+    """
+    R: tl.constexpr = p4.shape[0]
+    NG: tl.constexpr = p4.shape[1]
+    p4 = p4.to(tl.uint32, bitcast=True)
+    p_even, p_odd = tl.split(tl.reshape(p4, (R, NG, 2, 2)))       # words (0, 2) and (1, 3)
+    p0, p2 = tl.split(p_even)
+    p1, p3 = tl.split(p_odd)
+    if COMPRESSED:
+        lo0, lo1 = tl.split(lo.to(tl.uint32, bitcast=True))
+        code = code.to(tl.uint32, bitcast=True)
         h0 = (code & 0x87878787) + hb
         h1 = (((code << 1) & 0x80808080) | ((code >> 3) & 0x07070707)) + hb
         r0, r1, r2, r3 = _interleave(lo0, lo1, h0, h1, USE_ASM)
@@ -251,13 +262,9 @@ def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
 
 
 @triton.jit
-def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
-          m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
-          loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale,
-          H: tl.constexpr, D: tl.constexpr, COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr,
-          FP32_DOT: tl.constexpr, CHSETS: tl.constexpr):
-    """One tile of TP pages (R token rows): restore K and V as 8 bf16 tiles [R, D/8] each
-    (channel sets 8g + c, c = 0..7), then one online-softmax update of the 8 accumulators."""
+def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1,
+               H: tl.constexpr, D: tl.constexpr, COMPRESSED: tl.constexpr):
+    """Addresses and loads of one tile of TP pages (R token rows), K and V of head h."""
     NB: tl.constexpr = D // 32
     NG: tl.constexpr = D // 8
     TPB: tl.constexpr = 512 // D
@@ -287,8 +294,42 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
         k_packed = k_open < 0
         k_hb = k_open.to(tl.uint32)
     kv_valid = valid[:, None] & (g >= 0)
-    w0, w1, w2, w3 = _group_words(arena32, k_lo, k_code, k_plain, k_hb, k_packed, kv_valid,
-                                  COMPRESSED, USE_ASM)
+    # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
+    v_open = base_w[:, None] + ((16 + tt) * H + h) * (D // 2) + 4 * g
+    if COMPRESSED:
+        jv = t // TPB
+        cumv = _role_bytes(vh0, vh1, NB)
+        bytev = _select_byte(vh0, vh1, jv, NB)
+        blkv = base_w + (vf + 768 * jv + 256 * ((cumv >> (4 * jv)) & 0xF)) // 4
+        tr = (t % TPB)[:, None]
+        v_lo = blkv[:, None] + tr * (D // 4) + 2 * g
+        v_code = blkv[:, None] + 128 + tr * (D // 8) + g
+        v_plain = tl.where(is_open[:, None], v_open, blkv[:, None] + tr * (D // 2) + 4 * g)
+        v_packed = ((bytev != 0xFF) & (is_open == 0))[:, None] & (g >= 0)
+        v_hb = (bytev.to(tl.uint32) * 0x01010101)[:, None] + tl.zeros_like(g).to(tl.uint32)
+    else:
+        v_lo = v_open
+        v_code = v_open
+        v_plain = v_open
+        v_packed = v_open < 0
+        v_hb = v_open.to(tl.uint32)
+    k_p4, k_lo, k_code = _group_load(arena32, k_lo, k_code, k_plain, k_packed, kv_valid,
+                                     COMPRESSED)
+    v_p4, v_lo, v_code = _group_load(arena32, v_lo, v_code, v_plain, v_packed, kv_valid,
+                                     COMPRESSED)
+    return valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed
+
+
+@triton.jit
+def _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed,
+                  t, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                  m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3, qk_scale,
+                  COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr,
+                  CHSETS: tl.constexpr):
+    """Restore K and V of a loaded tile, S = q·Kᵀ, one online-softmax update of the
+    accumulators. CHSETS = 8: eight [R, D/8] tiles (channels 8g + c); 2: even / odd channels
+    [R, D/2]; 1: one [R, D] tile in channel order."""
+    w0, w1, w2, w3 = _group_restore(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, USE_ASM)
     qk = tl.zeros([qE0.shape[0], t.shape[0]], tl.float32)
     if CHSETS == 8:
         # 8 tiles [R, D/8]: channels 8g + c
@@ -315,27 +356,7 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
             # one tile [R, D] in channel order
             k = tl.reshape(tl.join(kE, kO), (kE.shape[0], 2 * kE.shape[1]))
             qk = _dot(qE0, tl.trans(k), qk, FP32_DOT)
-    # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
-    v_open = base_w[:, None] + ((16 + tt) * H + h) * (D // 2) + 4 * g
-    if COMPRESSED:
-        jv = t // TPB
-        cumv = _role_bytes(vh0, vh1, NB)
-        bytev = _select_byte(vh0, vh1, jv, NB)
-        blkv = base_w + (vf + 768 * jv + 256 * ((cumv >> (4 * jv)) & 0xF)) // 4
-        tr = (t % TPB)[:, None]
-        v_lo = blkv[:, None] + tr * (D // 4) + 2 * g
-        v_code = blkv[:, None] + 128 + tr * (D // 8) + g
-        v_plain = tl.where(is_open[:, None], v_open, blkv[:, None] + tr * (D // 2) + 4 * g)
-        v_packed = ((bytev != 0xFF) & (is_open == 0))[:, None] & (g >= 0)
-        v_hb = (bytev.to(tl.uint32) * 0x01010101)[:, None] + tl.zeros_like(g).to(tl.uint32)
-    else:
-        v_lo = v_open
-        v_code = v_open
-        v_plain = v_open
-        v_packed = v_open < 0
-        v_hb = v_open.to(tl.uint32)
-    u0, u1, u2, u3 = _group_words(arena32, v_lo, v_code, v_plain, v_hb, v_packed, kv_valid,
-                                  COMPRESSED, USE_ASM)
+    u0, u1, u2, u3 = _group_restore(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, USE_ASM)
     # online softmax in base 2
     qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -369,6 +390,23 @@ def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2
     return m_new, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3
 
 
+
+
+@triton.jit
+def _tile(p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+          m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
+          loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale,
+          H: tl.constexpr, D: tl.constexpr, COMPRESSED: tl.constexpr, USE_ASM: tl.constexpr,
+          FP32_DOT: tl.constexpr, CHSETS: tl.constexpr):
+    """Load and compute one tile (no data prefetch)."""
+    valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = _tile_load(
+        p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1, H, D, COMPRESSED)
+    return _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb,
+                         v_packed, t, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                         m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3, qk_scale,
+                         COMPRESSED, USE_ASM, FP32_DOT, CHSETS)
+
+
 # ------------------------------------------------------------------------------------------
 # The attention kernel
 # ------------------------------------------------------------------------------------------
@@ -396,7 +434,8 @@ def _decode_attention_kernel(
         qk_scale, stride_bt, pages_per_split, num_splits,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         TP: tl.constexpr, SINGLE: tl.constexpr, COMPRESSED: tl.constexpr,
-        USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr, CHSETS: tl.constexpr):
+        USE_ASM: tl.constexpr, FP32_DOT: tl.constexpr, CHSETS: tl.constexpr,
+        PREFETCH: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -453,31 +492,69 @@ def _decode_attention_kernel(
     # the page locations and records of the next tile are loaded one tile ahead
     loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
                                                  p_begin, slot, p_end, h, D, COMPRESSED)
-    if FP32_DOT:
-        # interpreter: its scalars are 1-element arrays, which range() does not take
-        p0 = p_begin
-        while p0 < p_end:
-            nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1 = _load_meta(
-                arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0 + TP, slot, p_end, h, D,
-                COMPRESSED)
-            m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
-                p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
-                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
-                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT,
-                CHSETS)
-            loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
-            p0 += TP
+    if PREFETCH:
+        # software pipeline: the K/V loads of tile i+1 and the records of tile i+2 are issued
+        # before tile i is computed, so memory latency overlaps the restore and the dots
+        d_valid, dk_p4, dk_lo, dk_code, dk_hb, dk_packed, dv_p4, dv_lo, dv_code, dv_hb, \
+            dv_packed = _tile_load(p_begin, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1,
+                                   vf, vh0, vh1, H, D, COMPRESSED)
+        loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b,
+                                                     stride_bt, p_begin + TP, slot, p_end, h, D,
+                                                     COMPRESSED)
+        if FP32_DOT:
+            p0 = p_begin
+            while p0 < p_end:
+                d_next = _tile_load(p0 + TP, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf,
+                                    vh0, vh1, H, D, COMPRESSED)
+                loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
+                                                             p0 + 2 * TP, slot, p_end, h, D, COMPRESSED)
+                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile_compute(
+                    d_valid, dk_p4, dk_lo, dk_code, dk_hb, dk_packed, dv_p4, dv_lo, dv_code, dv_hb,
+                    dv_packed, t, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                    m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3, qk_scale,
+                    COMPRESSED, USE_ASM, FP32_DOT, CHSETS)
+                d_valid, dk_p4, dk_lo, dk_code, dk_hb, dk_packed, dv_p4, dv_lo, dv_code, dv_hb, \
+                    dv_packed = d_next
+                p0 += TP
+        else:
+            for p0 in range(p_begin, p_end, TP):
+                d_next = _tile_load(p0 + TP, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf,
+                                    vh0, vh1, H, D, COMPRESSED)
+                loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
+                                                             p0 + 2 * TP, slot, p_end, h, D, COMPRESSED)
+                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile_compute(
+                    d_valid, dk_p4, dk_lo, dk_code, dk_hb, dk_packed, dv_p4, dv_lo, dv_code, dv_hb,
+                    dv_packed, t, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                    m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3, qk_scale,
+                    COMPRESSED, USE_ASM, FP32_DOT, CHSETS)
+                d_valid, dk_p4, dk_lo, dk_code, dk_hb, dk_packed, dv_p4, dv_lo, dv_code, dv_hb, \
+                    dv_packed = d_next
     else:
-        for p0 in range(p_begin, p_end, TP):
-            nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1 = _load_meta(
-                arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0 + TP, slot, p_end, h, D,
-                COMPRESSED)
-            m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
-                p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
-                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
-                loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT,
-                CHSETS)
-            loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
+        if FP32_DOT:
+            # interpreter: its scalars are 1-element arrays, which range() does not take
+            p0 = p_begin
+            while p0 < p_end:
+                nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1 = _load_meta(
+                    arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0 + TP, slot, p_end, h, D,
+                    COMPRESSED)
+                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
+                    p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                    m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
+                    loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT,
+                    CHSETS)
+                loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
+                p0 += TP
+        else:
+            for p0 in range(p_begin, p_end, TP):
+                nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1 = _load_meta(
+                    arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0 + TP, slot, p_end, h, D,
+                    COMPRESSED)
+                m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3 = _tile(
+                    p0, ctx, p_end, t, slot, h, arena32, qE0, qE1, qE2, qE3, qO0, qO1, qO2, qO3,
+                    m_i, l_i, aE0, aE1, aE2, aE3, aO0, aO1, aO2, aO3,
+                    loc, kf, kh0, kh1, vf, vh0, vh1, qk_scale, H, D, COMPRESSED, USE_ASM, FP32_DOT,
+                    CHSETS)
+                loc, kf, kh0, kh1, vf, vh0, vh1 = nloc, nkf, nkh0, nkh1, nvf, nvh0, nvh1
 
     if SINGLE:
         dst = out_ptr
@@ -614,7 +691,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages
 
 def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
             num_splits, tile_pages, num_warps, validate, use_asm=None, chsets=None,
-            num_stages=None):
+            num_stages=None, prefetch=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if validate:
@@ -645,7 +722,8 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         float(sm_scale) * LOG2E, block_table.stride(0), pps, S,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, SINGLE=S == 1,
         COMPRESSED=mode == MODE_FUSED, USE_ASM=(not interp) if use_asm is None else use_asm,
-        FP32_DOT=interp, CHSETS=chsets or 1, num_warps=num_warps or 4,
+        FP32_DOT=interp, CHSETS=chsets or 1, PREFETCH=True if prefetch is None else prefetch,
+        num_warps=num_warps or 4,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     if S > 1:
         merge_kernel[(B * Hq,)](part_o, part_lse, out, NUM_SPLITS=S,
@@ -655,7 +733,8 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
 
 def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                      out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                     validate=True, use_asm=None, chsets=None, num_stages=None):
+                     validate=True, use_asm=None, chsets=None, num_stages=None,
+                     prefetch=None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
@@ -666,13 +745,13 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     """
     return _launch(MODE_FUSED, q, arena, page_loc_layer, block_table, context_lens, layout,
                    sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm, chsets,
-                   num_stages)
+                   num_stages, prefetch)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                           out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                          validate=True, chsets=None, num_stages=None):
+                          validate=True, chsets=None, num_stages=None, prefetch=None):
     """The uncompressed twin: same tiling and arithmetic, every page must be open."""
     return _launch(MODE_TWIN, q, arena, page_loc_layer, block_table, context_lens, layout,
                    sm_scale, out, num_splits, tile_pages, num_warps, validate, None, chsets,
-                   num_stages)
+                   num_stages, prefetch)
