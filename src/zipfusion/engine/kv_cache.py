@@ -79,7 +79,11 @@ class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
-                 device, compress: bool = True, **manager_kwargs):
+                 device, compress: bool = True, attention_backend: str = "auto", **manager_kwargs):
+        """``attention_backend``: "kernel" (the Triton kernels; on CPU tensors they run in the
+        interpreter, slowly), "torch" (fp32 torch over gathered pages), "auto" (kernel on CUDA)."""
+        if attention_backend not in ("auto", "kernel", "torch"):
+            raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'torch', got {attention_backend!r}")
         from ..memory import KVCacheManager
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = PageLayout(num_kv_heads, head_dim)
@@ -94,13 +98,8 @@ class ArenaKVCache(KVCache):
         c = torch.arange(D, device=self.device).view(1, 1, 1, D)
         self._rhc = (r * PAGE_TOKENS * H + h) * D + c            # [2, 1, H, D] (+ t·H·D per slot)
         self._page_elems = torch.arange(2 * PAGE_TOKENS * H * D, device=self.device)
-        self._use_kernel = False
-        if self.device.type == "cuda":
-            try:
-                from .. import kernels
-                self._use_kernel = hasattr(kernels, "decode_attention")
-            except ImportError:
-                self._use_kernel = False
+        self._use_kernel = attention_backend == "kernel" or (
+            attention_backend == "auto" and self.device.type == "cuda")
 
     @property
     def arena(self) -> torch.Tensor:

@@ -46,7 +46,8 @@ class LLMEngine:
     def __init__(self, model: str = "demo", *, kv_compression: bool = True, kv_memory_gb: float | None = None,
                  dtype="bfloat16", device="cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
-                 enforce_eager: bool = False, chunk_bytes: int | None = None, prebuilt_model=None):
+                 enforce_eager: bool = False, chunk_bytes: int | None = None, prebuilt_model=None,
+                 attention_backend: str = "auto"):
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
         if kv_compression and self.dtype != torch.bfloat16:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
@@ -68,7 +69,8 @@ class LLMEngine:
         L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         if self.dtype == torch.bfloat16:
             kw = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
-            self.cache = ArenaKVCache(L, H, D, budget, self.device, compress=kv_compression, **kw)
+            self.cache = ArenaKVCache(L, H, D, budget, self.device, compress=kv_compression,
+                                      attention_backend=attention_backend, **kw)
         else:
             self.cache = DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype),
                                       self.dtype, self.device)
