@@ -59,12 +59,13 @@ import triton.language as tl
 from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
 from . import reference
 
-__all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
+__all__ = ["analyze_open_pages", "compress_open_pages", "compress_open_pages_into_region",
+           "decompress_pages"]
 
 _ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design.md)
 
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
-NUM_WARPS = {"analyze": 4, "compress": 4, "decompress": 4}
+NUM_WARPS = {"analyze": 4, "compress": 4, "decompress": 4, "fused": 4}
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,35 +147,40 @@ RAW_MARK_C = tl.constexpr(RAW_MARK)
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _tile_bases(w):
+    """Tile [NB, 64, 4] of words -> per-block metadata byte b/2 or 0xFF [NB], and the tile's
+    encoded bytes (scalar).
+
+    Exponent of each half of a word: e = (w >> 7) & 0xFF and (w >> 23) & 0xFF.
+    b = min(e) & ~1; compressible iff max(e) <= b + 15; 768 bytes if so, else 1024.
+    """
+    u = w.to(tl.uint32, bitcast=True)
+    e_lo = (u >> 7) & 0xFF
+    e_hi = (u >> 23) & 0xFF
+    mn = _minr(_minr(tl.minimum(e_lo, e_hi), axis=2), axis=1)          # [NB]
+    mx = _maxr(_maxr(tl.maximum(e_lo, e_hi), axis=2), axis=1)
+    b = mn & 0xFE
+    ok = mx <= b + 15
+    return tl.where(ok, b >> 1, RAW_MARK_C), _sum(tl.where(ok, 768, 1024), axis=0)
+
+
+@triton.jit
 def _analyze_kernel(arena_ptr, src_ptr, base_half_ptr, sizes_ptr,
                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
     """Program (p, h): for K and V of head h of page p, each block's b/2 (or 0xFF), and
-    atomically adds the blocks' encoded sizes to sizes[p] (which starts at the header size).
-
-    Exponent of each half of a word: e = (w >> 7) & 0xFF and (w >> 23) & 0xFF.
-    b = min(e) & ~1; compressible iff max(e) <= b + 15; metadata byte b/2 or 0xFF.
-    """
+    atomically adds the blocks' encoded sizes to sizes[p] (which starts at the header size)."""
     pid = tl.program_id(0)
     p = pid // H
     h = pid % H
     words = arena_ptr.to(tl.pointer_type(tl.int32))
-    src_w = tl.multiple_of(tl.load(src_ptr + p) // 4, 4)               # 16-byte aligned
-    page = words + src_w
+    page = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)        # 16-byte aligned
     nbytes = 0
     for R in tl.static_range(2):
-        w = tl.load(page + _open_word_offsets(R, h, H, D, NB)).to(tl.uint32, bitcast=True)
-        e_lo = (w >> 7) & 0xFF
-        e_hi = (w >> 23) & 0xFF
-        mn = _minr(_minr(tl.minimum(e_lo, e_hi), axis=2), axis=1)   # [NB]
-        mx = _maxr(_maxr(tl.maximum(e_lo, e_hi), axis=2), axis=1)
-        b = mn & 0xFE
-        ok = mx <= b + 15
-        bh = tl.where(ok, b >> 1, RAW_MARK_C)
-        j = tl.arange(0, NB)
-        tl.store(base_half_ptr + p.to(tl.int64) * (2 * H * NB) + (h * 2 + R) * NB + j,
-                 bh.to(tl.uint8))
-        nbytes += _sum(tl.where(ok, 768, 1024), axis=0)
-    tl.atomic_add(sizes_ptr + p, nbytes.to(tl.int64))
+        bh, tile_bytes = _tile_bases(tl.load(page + _open_word_offsets(R, h, H, D, NB)))
+        tl.store(base_half_ptr + p.to(tl.int64) * (2 * H * NB) + (h * 2 + R) * NB
+                 + tl.arange(0, NB), bh.to(tl.uint8))
+        nbytes += tile_bytes
+    tl.atomic_add(sizes_ptr + p, nbytes.to(tl.int64), sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +212,50 @@ def _code16(wa, wb, bh):
 
 
 @triton.jit
+def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
+                   D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
+    """Write record (h, R) of a compressed page at word pointer dst: its M metadata bytes and
+    its NB block bodies, from the open page at word pointer src. bh_ptr: the record's NB
+    metadata bytes; first: byte offset of its block 0 from the page start."""
+    j, g, k = _group_index(NB)
+    rec = h * 2 + R
+    start, bh = _record_starts(first, bh_ptr, NB)                       # [NB] bytes, [NB]
+    # metadata record, M/4 words: u32 offset of block 0, then the NB bytes b/2|0xFF
+    # little-endian 4 to a word, zero padding
+    tl.store(dst + rec * (M // 4), first)
+    for q in tl.static_range(1, M // 4):
+        word = 0
+        for i in tl.static_range(4):
+            if 4 * (q - 1) + i < NB:
+                word = word | (tl.load(bh_ptr + 4 * (q - 1) + i).to(tl.int32) << (8 * i))
+        tl.store(dst + rec * (M // 4) + q, word)
+
+    w = tl.load(src + _open_word_offsets(R, h, H, D, NB))               # [NB, 64, 4] int32
+    start_w1 = tl.multiple_of(start // 4, 4)                            # blocks 16-aligned
+    start_w = start_w1[:, None, None]
+    raw1 = bh == RAW_MARK_C
+    is_raw = raw1[:, None, None]
+    # raw block: the 512 words as they are, group g at word 4g
+    tl.store(dst + start_w + 4 * g + k, w, mask=is_raw)
+    # compressed block: 2 words of low bytes at word 2g, 1 code word at word 128 + g
+    u = w.to(tl.uint32, bitcast=True)
+    w02, w13 = tl.split(tl.reshape(u, (NB, 64, 2, 2)))   # [.., i, o] = w_{2i+o}
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    lo_0123 = _lo16(w0) | (_lo16(w1) << 16)
+    lo_4567 = _lo16(w2) | (_lo16(w3) << 16)
+    bhc = bh[:, None]
+    code = _code16(w0, w2, bhc) | (_code16(w1, w3, bhc) << 16)
+    lo = tl.join(lo_0123, lo_4567).to(tl.int32, bitcast=True)          # [NB, 64, 2]
+    m = tl.arange(0, 2)[None, None, :]
+    tl.store(dst + start_w + 2 * g + m, lo, mask=~is_raw)
+    # (contiguity hint 1: one 4-byte store per thread in the layout the code words were
+    # computed in, instead of moving them between threads for 8-byte stores)
+    code_off = tl.max_contiguous(start_w1[:, None] + 128 + tl.arange(0, 64)[None, :], [1, 1])
+    tl.store(dst + code_off, code.to(tl.int32, bitcast=True), mask=~raw1[:, None])
+
+
+@triton.jit
 def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, first_ptr,
                      H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
     """Program (p, h): writes the metadata records and block bodies of head h of page p.
@@ -219,45 +269,54 @@ def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, first_ptr,
     words = arena_ptr.to(tl.pointer_type(tl.int32))
     src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
     dst = words + tl.multiple_of(tl.load(dst_ptr + p) // 4, 4)
-    j, g, k = _group_index(NB)
     for R in tl.static_range(2):
         rec = h * 2 + R
-        bh_ptr = base_half_ptr + p.to(tl.int64) * (2 * H * NB) + rec * NB
         first = tl.load(first_ptr + p.to(tl.int64) * (2 * H) + rec)
-        start, bh = _record_starts(first, bh_ptr, NB)                   # [NB] bytes, [NB]
-        # metadata record, M/4 words: u32 offset of block 0, then the NB bytes b/2|0xFF
-        # little-endian 4 to a word, zero padding
-        tl.store(dst + rec * (M // 4), first)
-        for q in tl.static_range(1, M // 4):
-            word = 0
-            for i in tl.static_range(4):
-                if 4 * (q - 1) + i < NB:
-                    word = word | (tl.load(bh_ptr + 4 * (q - 1) + i).to(tl.int32) << (8 * i))
-            tl.store(dst + rec * (M // 4) + q, word)
+        _encode_record(src, dst, base_half_ptr + p.to(tl.int64) * (2 * H * NB) + rec * NB,
+                       first, R, h, H, D, NB, M)
 
-        w = tl.load(src + _open_word_offsets(R, h, H, D, NB))           # [NB, 64, 4] int32
-        start_w1 = tl.multiple_of(start // 4, 4)                        # blocks 16-aligned
-        start_w = start_w1[:, None, None]
-        raw1 = bh == RAW_MARK_C
-        is_raw = raw1[:, None, None]
-        # raw block: the 512 words as they are, group g at word 4g
-        tl.store(dst + start_w + 4 * g + k, w, mask=is_raw)
-        # compressed block: 2 words of low bytes at word 2g, 1 code word at word 128 + g
-        u = w.to(tl.uint32, bitcast=True)
-        w02, w13 = tl.split(tl.reshape(u, (NB, 64, 2, 2)))   # [.., i, o] = w_{2i+o}
-        w0, w2 = tl.split(w02)
-        w1, w3 = tl.split(w13)
-        lo_0123 = _lo16(w0) | (_lo16(w1) << 16)
-        lo_4567 = _lo16(w2) | (_lo16(w3) << 16)
-        bhc = bh[:, None]
-        code = _code16(w0, w2, bhc) | (_code16(w1, w3, bhc) << 16)
-        lo = tl.join(lo_0123, lo_4567).to(tl.int32, bitcast=True)      # [NB, 64, 2]
-        m = tl.arange(0, 2)[None, None, :]
-        tl.store(dst + start_w + 2 * g + m, lo, mask=~is_raw)
-        # (contiguity hint 1: one 4-byte store per thread in the layout the code words were
-        # computed in, instead of moving them between threads for 8-byte stores)
-        code_off = tl.max_contiguous(start_w1[:, None] + 128 + tl.arange(0, 64)[None, :], [1, 1])
-        tl.store(dst + code_off, code.to(tl.int32, bitcast=True), mask=~raw1[:, None])
+
+# --------------------------------------------------------------------------------------------
+# Fused one-pass compression: analyze, allocate, compress (one program per page)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _compress_fused_kernel(arena_ptr, src_ptr, dst_ptr, sizes_ptr, base_half_ptr, cursor_ptr,
+                           region_start, region_bytes,
+                           H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
+    """Program p: compress page p into the region [region_start, region_start + region_bytes).
+
+    1. analyze every (head, role) tile: metadata bytes -> base_half[p], page size;
+    2. take the page's place with one atomic add on the region cursor (bytes used so far);
+       if the page does not fit, dst[p] = -1 and nothing is written;
+    3. encode every record; the tiles are read a second time, from L2 (read moments ago), so
+       HBM sees each open page once. Records' first blocks: running sum of record sizes.
+    """
+    p = tl.program_id(0)
+    HEADER: tl.constexpr = 2 * H * M
+    words = arena_ptr.to(tl.pointer_type(tl.int32))
+    src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
+    bh_row = base_half_ptr + p.to(tl.int64) * (2 * H * NB)
+    size = HEADER
+    for h in range(H):
+        for R in tl.static_range(2):
+            bh, tile_bytes = _tile_bases(tl.load(src + _open_word_offsets(R, h, H, D, NB)))
+            tl.store(bh_row + (h * 2 + R) * NB + tl.arange(0, NB), bh.to(tl.uint8))
+            size += tile_bytes
+    off = tl.atomic_add(cursor_ptr, size.to(tl.int64), sem="relaxed")
+    fits = off + size <= region_bytes
+    tl.store(sizes_ptr + p, size.to(tl.int64))
+    tl.store(dst_ptr + p, tl.where(fits, region_start + off, -1))
+    tl.debug_barrier()                        # base_half[p] written above, read by all threads
+    if fits:
+        dst = words + tl.multiple_of((region_start + off) // 4, 4)
+        first = HEADER
+        for h in range(H):
+            for R in tl.static_range(2):
+                bh_ptr = bh_row + (h * 2 + R) * NB
+                _encode_record(src, dst, bh_ptr, first, R, h, H, D, NB, M)
+                for i in tl.static_range(NB):
+                    first += tl.where(tl.load(bh_ptr + i) == RAW_MARK_C, 1024, 768)
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,6 +538,47 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     kernel = _kernel("_compress_kernel", device)
     kernel[(P * H,)](arena, src, dst, base_half, first, H=H, D=D, NB=nb, M=layout.record_bytes,
                      num_warps=NUM_WARPS["compress"])
+
+
+def compress_open_pages_into_region(arena: torch.Tensor, src_offsets: torch.Tensor,
+                                    layout: PageLayout, region_start: int, region_bytes: int,
+                                    *, validate: bool = True
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Analyze and compress open pages in one pass, packing them into a free arena region.
+
+    Each page takes its place in ``[region_start, region_start + region_bytes)`` with an atomic
+    add on a cursor, so the pages are packed back to back (16-aligned, no gaps) but **in no
+    fixed order**. A page that no longer fits is not written and gets ``dst_offsets = -1``
+    (once the region is full, every later page fails too: retry those pages elsewhere).
+    The region must not overlap the sources (not checked).
+
+    Returns ``(dst_offsets [P] int64, sizes [P] int64, base_half [P, NB] uint8)``; the bytes of
+    every written page equal ``reference.encode_pages_into``. One HBM read of every open page
+    instead of two (:func:`analyze_open_pages` + :func:`compress_open_pages`).
+    """
+    layout = _check_layout(layout)
+    device = _check_arena(arena)
+    for name, value in (("region_start", region_start), ("region_bytes", region_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TypeError(f"{name} must be a non-negative int (bytes), got {value!r}")
+    if region_start % _ALIGN:
+        raise ValueError(f"region_start = {region_start} is not a multiple of 16")
+    if region_start + region_bytes > arena.numel():
+        raise ValueError(f"region [{region_start}, {region_start + region_bytes}) extends past the "
+                         f"arena of {arena.numel()} bytes")
+    src = _check_offsets("src_offsets", src_offsets, device, arena_bytes=arena.numel(),
+                         page_bytes=layout.open_page_bytes, validate=validate)
+    P = src.numel()
+    dst = torch.full((P,), -1, dtype=torch.int64, device=device)
+    sizes = torch.empty(P, dtype=torch.int64, device=device)
+    base_half = torch.empty(P, layout.num_blocks, dtype=torch.uint8, device=device)
+    if P:
+        cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        kernel = _kernel("_compress_fused_kernel", device)
+        kernel[(P,)](arena, src, dst, sizes, base_half, cursor, region_start, region_bytes,
+                     H=layout.num_kv_heads, D=layout.head_dim, NB=layout.blocks_per_head,
+                     M=layout.record_bytes, num_warps=NUM_WARPS["fused"])
+    return dst, sizes, base_half
 
 
 def _record_first_offsets(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
