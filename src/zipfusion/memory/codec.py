@@ -29,8 +29,13 @@ def _use_triton(arena: torch.Tensor) -> bool:
 def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     """Copies of the open pages at byte ``src_offsets`` -> [P, 2, 16, H, D] bf16."""
     nbytes = layout.open_page_bytes
-    idx = src_offsets.to(arena.device)[:, None] + torch.arange(nbytes, device=arena.device)
-    pages = arena[idx.reshape(-1)].view(torch.bfloat16)
+    if src_offsets.numel() <= 64:         # few pages: slices beat an index tensor of P*nbytes
+        locs = src_offsets.tolist()
+        pages = torch.cat([arena[s:s + nbytes] for s in locs]) if locs else arena[:0]
+        pages = pages.view(torch.bfloat16)
+    else:
+        idx = src_offsets.to(arena.device)[:, None] + torch.arange(nbytes, device=arena.device)
+        pages = arena[idx.reshape(-1)].view(torch.bfloat16)
     return pages.view(-1, 2, 16, layout.num_kv_heads, layout.head_dim)
 
 

@@ -272,8 +272,7 @@ class KVCacheManager:
             sizes = flat.reshape(L, k)
         as_open = sizes >= open_bytes                   # not smaller: store in open form
         stored = np.where(as_open, open_bytes, sizes)
-        need = self.packed.chunks_needed(stored)
-        self._make_room_for_packing(need)
+        self._make_room_for_packing(stored)
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)))
         if state is not None:
             flat_open = as_open.reshape(-1)
@@ -291,8 +290,10 @@ class KVCacheManager:
             self._release_group(chunks)
         self._sync(ids)
 
-    def _make_room_for_packing(self, need: np.ndarray) -> None:
-        """Ensure each layer can take ``need[layer]`` fresh chunks (reserve may be used)."""
+    def _make_room_for_packing(self, stored: np.ndarray) -> None:
+        """Ensure every layer can take the fresh chunks that placing ``stored`` [L, k] needs
+        (the reserve may be used). Compaction moves fill pointers, so the need is recomputed."""
+        need = self.packed.chunks_needed(stored)
         if not need.any():
             return
         if self.pool.shared:
@@ -300,6 +301,7 @@ class KVCacheManager:
                 return
             for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
                 self._compact_layer(layer)
+                need = self.packed.chunks_needed(stored)
                 if self.pool.available(0) >= need.sum():
                     return
             short = int(need.sum()), self.pool.available(0)
@@ -308,6 +310,7 @@ class KVCacheManager:
             for layer in np.nonzero(need)[0].tolist():
                 if self.pool.available(layer) < need[layer]:
                     self._compact_layer(layer)
+                    need = self.packed.chunks_needed(stored)
                 if self.pool.available(layer) < need[layer]:
                     short = int(need[layer]), self.pool.available(layer)
             if short is None:
