@@ -8,14 +8,14 @@ synthetic pages repeated to the requested size -- and times, with triton.testing
 * compress    compress_open_pages (reads every page again, writes the compressed pages);
 * a+c         analyze, destinations by a device-side prefix sum, compress: what compressing
               a batch of full pages costs end to end (no host sync);
-* decompress  decompress_pages into a [P, 2, 16, H, D] bf16 tensor;
-* chunked a+c analyze and compress alternating on chunks of pages small enough to stay in L2,
-              so the compress pass re-reads them from L2 (one CUDA graph, destinations
-              precomputed) -- an experiment on how far a fused pipeline could go.
+* one-pass    compress_open_pages_into_region: analyze, place (atomic cursor) and compress in
+              one kernel, one HBM read of every page (pages packed in no fixed order);
+* decompress  decompress_pages into a [P, 2, 16, H, D] bf16 tensor.
 
 Rates are GB/s (1e9 bytes) of original BF16 pages. Every configuration is checked in the same
 run against the torch reference: metadata and sizes of every page, the compressed bytes of
-every page, and the decompressed pages. Also measured: a plain device-to-device copy of the
+every page (one-pass: of a random sample of pages, plus every page's metadata and values
+decoded back), and the decompressed pages. Also measured: a plain device-to-device copy of the
 same bytes (the bandwidth ceiling).
 
     PYTHONPATH=src python benchmarks/codec.py --out benchmarks/results      # on a CUDA GPU
@@ -92,20 +92,9 @@ class Bench:
     def decompress(self):
         return tc.decompress_pages(self.arena, self.dst, self.layout, out=self.out, validate=False)
 
-    def chunked_graph(self, chunk: int):
-        """CUDA graph: for each chunk of pages, analyze then compress (pages still in L2)."""
-        def body():
-            for c in range(0, self.P, chunk):
-                src = self.src[c:c + chunk]
-                base_half, _ = tc.analyze_open_pages(self.arena, src, self.layout, validate=False)
-                tc.compress_open_pages(self.arena, src, base_half, self.dst[c:c + chunk],
-                                       self.layout, validate=False)
-        body()                                   # compile + warm up outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        return graph
+    def one_pass(self):
+        return tc.compress_open_pages_into_region(self.arena, self.src, self.layout, self.src_bytes,
+                                                  self.arena.numel() - self.src_bytes, validate=False)
 
     # -- checks ---------------------------------------------------------------------------------
     def clear_compressed(self):
@@ -124,6 +113,24 @@ class Bench:
         assert bool((region == self.ref_bytes).all()), "compress: bytes differ from the reference"
         assert bool((self.arena[self.src_bytes + reps * self.pool_total:] == 0xAB).all()), \
             "compress: wrote past the compressed pages"
+
+    def check_one_pass(self, dst, sizes, base_half, sample=8192, seed=0):
+        self.check_analysis(base_half, sizes)
+        assert bool((dst >= 0).all()), "one-pass: a page did not fit"
+        order = dst.argsort()
+        starts, lens = dst[order], sizes[order]
+        assert int(starts[0]) == self.src_bytes and torch.equal(starts[1:], (starts + lens)[:-1]), \
+            "one-pass: pages not packed from the region start"
+        pool_dst = (torch.cumsum(self.ref_sizes, 0) - self.ref_sizes).tolist()
+        g = torch.Generator().manual_seed(seed)
+        dst_h, sizes_h = dst.tolist(), sizes.tolist()
+        for i in torch.randperm(self.P, generator=g)[:sample].tolist():
+            ref = self.ref_bytes[pool_dst[i % self.n]:pool_dst[i % self.n] + sizes_h[i]]
+            assert torch.equal(self.arena[dst_h[i]:dst_h[i] + sizes_h[i]], ref), \
+                f"one-pass: page {i} differs from the reference"
+        self.out.fill_(float("nan"))
+        tc.decompress_pages(self.arena, dst, self.layout, out=self.out, validate=True)
+        self.check_decompressed()
 
     def check_decompressed(self):
         assert torch.equal(self.out.view(-1).view(torch.uint8), self.arena[:self.src_bytes]), \
@@ -174,23 +181,15 @@ def run_dataset(dataset, args, device, median_ms, warps_sweep):
         ms["analyze+compress (validate=True)"] = median_ms(lambda: b.analyze_compress(validate=True))
         dst = b.out.view(-1).view(torch.uint8)
         ms["copy (same bytes, device to device)"] = median_ms(lambda: dst.copy_(b.arena[:b.src_bytes]))
-    if device == "cuda" and args.chunk:
-        for chunk in args.chunk:
-            key = f"chunked analyze+compress ({chunk} pages/chunk, CUDA graph)"
-            try:
-                b.clear_compressed()
-                graph = b.chunked_graph(chunk)
-                b.clear_compressed()
-                graph.replay()
-                b.check_compressed()
-                ms[key] = median_ms(graph.replay)
-                del graph
-            except Exception as e:  # an experiment: report, keep the run going
-                row.setdefault("errors", {})[key] = repr(e)[:300]
+    b.clear_compressed()
+    dst, sizes, bh = b.one_pass()
+    b.check_one_pass(dst, sizes, bh)
+    ms["one-pass"] = median_ms(b.one_pass)
     row["median_ms"] = ms
     row["GBps_original"] = {k: b.src_bytes / GB / (v / 1e3) for k, v in ms.items()}
     moved = {"analyze": b.src_bytes, "compress": b.src_bytes + b.compressed_bytes,
              "decompress": b.compressed_bytes + b.src_bytes,
+             "one-pass": b.src_bytes + b.compressed_bytes,
              "copy (same bytes, device to device)": 2 * b.src_bytes}
     row["GBps_moved"] = {k: moved[k] / GB / (ms[k] / 1e3) for k in moved if k in ms}
 
@@ -198,7 +197,7 @@ def run_dataset(dataset, args, device, median_ms, warps_sweep):
         sweep = {}
         default = dict(tc.NUM_WARPS)
         for w in warps_sweep:
-            tc.NUM_WARPS.update(analyze=w, compress=w, decompress=w)
+            tc.NUM_WARPS.update(analyze=w, compress=w, decompress=w, fused=w)
             b.clear_compressed()
             bh, sz = b.analyze()
             b.check_analysis(bh, sz)
@@ -209,6 +208,9 @@ def run_dataset(dataset, args, device, median_ms, warps_sweep):
             b.check_decompressed()
             sweep[w] = {"analyze": median_ms(b.analyze), "compress": median_ms(lambda: b.compress(bh)),
                         "decompress": median_ms(b.decompress)}
+            b.clear_compressed()
+            b.check_one_pass(*b.one_pass(), sample=256, seed=w)
+            sweep[w]["one-pass"] = median_ms(b.one_pass)
         tc.NUM_WARPS.update(default)
         row["num_warps_sweep_ms"] = sweep
     return row
@@ -228,13 +230,12 @@ def markdown(result) -> str:
         "checked against the torch reference in the same run.",
         "- GB/s = original BF16 bytes / time.", "",
     ]
-    ops = ["analyze", "compress", "analyze+compress", "decompress"]
-    chunk_keys = sorted({k for r in result["rows"] for k in r["median_ms"] if k.startswith("chunked")})
-    header = "| data | compressible blocks | ratio | " + " | ".join(ops + chunk_keys) + " |"
-    lines += [header, "|" + " --- |" * (3 + len(ops) + len(chunk_keys))]
+    ops = ["analyze", "compress", "analyze+compress", "one-pass", "decompress"]
+    header = "| data | compressible blocks | ratio | " + " | ".join(ops) + " |"
+    lines += [header, "|" + " --- |" * (3 + len(ops))]
     for r in result["rows"]:
         cells = []
-        for k in ops + chunk_keys:
+        for k in ops:
             if k in r["median_ms"]:
                 cells.append(f"{r['GBps_original'][k]:.0f} GB/s ({r['median_ms'][k]:.2f} ms)")
             else:
@@ -253,9 +254,6 @@ def markdown(result) -> str:
             lines.append("- num_warps sweep (realistic, ms): " + "; ".join(
                 f"{w} warps: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items())
                 for w, d in real["num_warps_sweep_ms"].items()))
-    for r in result["rows"]:
-        for k, e in r.get("errors", {}).items():
-            lines.append(f"- {r['dataset']}: {k} failed: {e}")
     return "\n".join(lines) + "\n"
 
 
@@ -264,8 +262,7 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = result["rows"]
-    keys = ["analyze", "compress", "analyze+compress", "decompress"]
-    keys += sorted({k for r in rows for k in r["median_ms"] if k.startswith("chunked")})
+    keys = ["analyze", "compress", "analyze+compress", "one-pass", "decompress"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(keys)
     for i, k in enumerate(keys):
@@ -289,7 +286,6 @@ def main():
     ap.add_argument("--pool", type=int, default=1024, help="distinct pages, repeated")
     ap.add_argument("--datasets", default="realistic,1.0,0.8,0.5")
     ap.add_argument("--warps", default="2,4,8", help="num_warps values to sweep on realistic data")
-    ap.add_argument("--chunk", default="256,1024", help="pages per chunk for the chunked experiment")
     ap.add_argument("--warmup-ms", type=int, default=50)
     ap.add_argument("--rep-ms", type=int, default=300)
     ap.add_argument("--check-only", action="store_true", help="CPU smoke run (Triton interpreter)")
@@ -302,7 +298,6 @@ def main():
     layout = PageLayout(args.heads, args.head_dim)
     args.pool = max(1, min(args.pool, int(args.gib * 2**30 // layout.open_page_bytes)))
     args.pages = max(1, int(args.gib * 2**30 // layout.open_page_bytes)) // args.pool * args.pool
-    args.chunk = [int(c) for c in args.chunk.split(",") if c] if args.chunk else []
     warps = [int(w) for w in args.warps.split(",") if w] if device == "cuda" else []
     median_ms = timer(device, args.warmup_ms, args.rep_ms)
 

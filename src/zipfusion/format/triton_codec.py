@@ -65,7 +65,7 @@ __all__ = ["analyze_open_pages", "compress_open_pages", "compress_open_pages_int
 _ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design.md)
 
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
-NUM_WARPS = {"analyze": 4, "compress": 4, "decompress": 4, "fused": 4}
+NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4, "fused": 4}
 
 
 # --------------------------------------------------------------------------------------------
