@@ -35,6 +35,11 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._scratch: list[int] = []
+        from ..models.layers import FUSED_OPS_ON_CUDA
+        from .kv_cache import ArenaKVCache
+        # rope + K/V store in one Triton kernel: CUDA arena caches (tests force it on the CPU)
+        self.fused_rope_store = (FUSED_OPS_ON_CUDA and self.device.type == "cuda"
+                                 and isinstance(cache, ArenaKVCache))
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -102,8 +107,18 @@ class ModelRunner:
 
     def _decode_forward(self, b: dict) -> torch.Tensor:
         def attention(layer, q, k, v):
-            self.cache.write(layer, b["page_ids"], b["slots"], k, v)
+            if k is not None:                           # else fused_rope_store wrote them
+                self.cache.write(layer, b["page_ids"], b["slots"], k, v)
             return self.cache.decode_attention(layer, q, b["block_table"], b["context_lens"], self.sm_scale)
+        if self.fused_rope_store:
+            cfg = self.model.config
+            from ..models.fused import rope_and_store
+
+            def fused_rope_store(layer, qkv, cos, sin):
+                return rope_and_store(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                      cfg.head_dim, self.cache.arena, self.cache.page_loc[layer],
+                                      b["page_ids"], b["slots"])
+            attention.fused_rope_store = fused_rope_store
         hidden = self.model(b["input_ids"], b["positions"], attention)
         return self.model.compute_logits(hidden)
 

@@ -19,6 +19,10 @@ from .config import RopeConfig
 from .parallel import tp
 
 
+# Triton kernels (models/fused.py) for RMSNorm, SiLU-and-mul and rope + K/V store on CUDA tensors
+FUSED_OPS_ON_CUDA = True
+
+
 class RMSNorm(nn.Module):
     """y = w · x / sqrt(mean(x²) + eps), statistics in fp32 (as in transformers)."""
 
@@ -28,6 +32,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and FUSED_OPS_ON_CUDA:
+            from .fused import rmsnorm
+            return rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from .layers import FUSED_OPS_ON_CUDA, ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from .parallel import tp
 
 # checkpoint name fragment -> (our fused parameter's fragment, part index)
@@ -25,6 +25,9 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
+# attention(layer, q, k, v) -> o. If it has a ``fused_rope_store(layer, qkv, cos, sin) -> q``
+# attribute, the model hands it the raw qkv projection instead (it rotates q, k and stores k, v)
+# and then calls attention(layer, q, None, None).
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -48,7 +51,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attention: AttentionFn):
         T = x.shape[0]
         qs, ks = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([qs, ks, ks], dim=-1)
+        qkv = self.qkv_proj(x)
+        rope_store = getattr(attention, "fused_rope_store", None)
+        if rope_store is not None and self.q_norm is None:
+            # one kernel rotates q and k and writes k, v into the KV cache (engine decode on CUDA)
+            q = rope_store(self.layer, qkv, cos, sin)
+            o = attention(self.layer, q, None, None)
+            return self.o_proj(o.reshape(T, qs))
+        q, k, v = qkv.split([qs, ks, ks], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -67,7 +77,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and FUSED_OPS_ON_CUDA:
+            from .fused import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
