@@ -173,3 +173,24 @@ def test_bad_input_is_named(ckpts, tmp_path):
     save_tiny_checkpoint(tmp_path)                                  # no tokenizer
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM(str(tmp_path), dtype="float32", device="cpu", kv_compression=False).generate("hello", use_tqdm=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model", ["demo", "llama"])
+def test_gpu_compression_on_off_identical_with_cuda_graphs(ckpts, model):
+    path = "demo" if model == "demo" else str(ckpts["llama"][0])
+    ps = prompts(5, [300, 7, 45, 129])
+    res = {}
+    for compress in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_compression=compress, kv_memory_gb=0.2,
+                  max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024)
+        assert llm.engine.graph_buckets                            # decode runs as CUDA graphs
+        llm.engine.record_logits = True
+        reqs = [llm.engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in ps]
+        while llm.engine.scheduler.has_work():
+            llm.engine.step()
+        res[compress] = (reqs, llm.kv_stats())
+    assert res[True][1]["stored_pages"] > 0
+    for a, b in zip(res[True][0], res[False][0]):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

@@ -135,8 +135,11 @@ class LLMEngine:
                     finished.append((r, reason))
         self.scheduler.seal_full_pages(stepped)
         self._note_kv_stats()
+        for r in out.preempted:
+            self.runner.forget(r.request_id)
         for r, reason in finished:
             self.scheduler.finish(r, reason)
+            self.runner.forget(r.request_id)
         return [r for r, _ in finished]
 
     def _check_stop(self, r: Request) -> str | None:

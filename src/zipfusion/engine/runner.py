@@ -35,6 +35,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._scratch: list[int] = []
+        self._rows: dict[int, np.ndarray] = {}        # request id -> its page ids (host block-table row)
         from ..models.layers import FUSED_OPS_ON_CUDA
         from .kv_cache import ArenaKVCache
         # rope + K/V store in one Triton kernel: CUDA arena caches (tests force it on the CPU)
@@ -95,15 +96,23 @@ class ModelRunner:
         pos = np.zeros(bs, dtype=np.int64)
         ids = np.zeros(bs, dtype=np.int64)
         for i, r in enumerate(reqs):
-            if len(r.pages) > W:
-                raise ValueError(f"request {r.request_id} has {len(r.pages)} pages > max_model_len allows ({W})")
-            table[i, :len(r.pages)] = r.pages
+            n = len(r.pages)
+            if n > W:
+                raise ValueError(f"request {r.request_id} has {n} pages > max_model_len allows ({W})")
+            row = self._rows.get(r.request_id)
+            if row is None or len(row) != n or (n and row[-1] != r.pages[-1]):
+                row = self._rows[r.request_id] = np.asarray(r.pages, dtype=np.int32)   # pages changed
+            table[i, :n] = row
             pos[i] = r.num_computed
             ids[i] = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
         page_ids = table[np.arange(bs), pos // PAGE_TOKENS].astype(np.int64)
         t = torch.from_numpy
         return dict(input_ids=t(ids), positions=t(pos), page_ids=t(page_ids), slots=t(pos % PAGE_TOKENS),
                     block_table=t(table), context_lens=t((pos + 1).astype(np.int32)))
+
+    def forget(self, request_id: int) -> None:
+        """Drop the cached block-table row of a finished or preempted request."""
+        self._rows.pop(request_id, None)
 
     def _decode_forward(self, b: dict) -> torch.Tensor:
         def attention(layer, q, k, v):
