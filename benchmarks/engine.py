@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -90,7 +91,9 @@ def exactness(model_name, dev, prebuilt=None, lengths=(700, 100, 333), max_token
             eng.step()
         runs[name] = (reqs, llm.kv_stats(), eng.graph_buckets)
         del llm, eng
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     on, off, eager = runs["compressed"][0], runs["uncompressed"][0], runs["compressed-eager"][0]
     same_tokens = all(a.output_ids == b.output_ids for a, b in zip(on, off))
     same_logits = all(torch.equal(x, y) for a, b in zip(on, off) for x, y in zip(a.logits, b.logits))
@@ -196,7 +199,8 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
         log(f"  compress={compress} batch={b}: step {step * 1e3:.2f} ms, replay {replay * 1e3:.2f} ms")
     info = dict(compress=compress, max_batch=n_max, fill_s=fill_s, capture_s=capture_s,
                 stored_ratio=st["stored_ratio"], kv_bytes_per_request=kv_full_per_req, rows=rows)
-    del runner, cache
+    del runner, cache, reqs
+    gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return info
