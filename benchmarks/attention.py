@@ -394,7 +394,7 @@ def write_md(records, info, path):
         f"date {info['date']}.",
         f"Command: `{info['command']}`. Copy ceiling (device-to-device copy, read+write): "
         f"{info['copy_ceiling_GBps']:.0f} GB/s. Kernel config (picked by the same run's tuning "
-        f"at batch 32 / 8K / 100%, see attention_tune.json): `{info.get('chosen_config')}`.",
+        f"at batch 32 / 8K / 100%; the variants are in attention_notes.md): `{info.get('chosen_config')}`.",
         "",
         "Llama-3.1-8B attention: 32 query heads, 8 KV heads, head_dim 128, page size 16, "
         "bf16; every request has the same context, pages scattered in random order; all pages "

@@ -96,39 +96,39 @@ def check_case(c, num_splits=None, tile_pages=None, unfused=True):
 # ------------------------------------------------------------------------------------------
 
 SMALL = [
-    # contexts, H, G, kind, tile_pages, num_splits
-    ([1], 2, 4, "mixed", 1, None),
-    ([15, 16, 17], 1, 8, "compressible", 1, None),
-    ([17, 40, 1, 33, 16, 5, 64], 1, 1, "raw", 2, None),
-    ([48, 31], 2, 4, "mixed", 2, 2),
-    ([70], 1, 4, "compressible", 2, 3),
+    # contexts, H, G, kind, tile_pages, num_splits, also the unfused baseline
+    ([1, 17], 1, 4, "mixed", 1, None, True),
+    ([15, 16], 1, 8, "compressible", 1, None, False),
+    ([33, 5], 1, 1, "raw", 2, None, False),
+    ([33], 2, 4, "mixed", 1, 2, False),
 ]
 
 
-@pytest.mark.parametrize("contexts,H,G,kind,tp,splits", SMALL)
-def test_small_cases(contexts, H, G, kind, tp, splits):
+@pytest.mark.parametrize("contexts,H,G,kind,tp,splits,unfused", SMALL)
+def test_small_cases(contexts, H, G, kind, tp, splits, unfused):
     seed = int(torch.randint(0, 2**31 - 1, (1,)))             # fresh inputs every run
-    check_case(make_case(contexts, H, G, 128, kind, seed), num_splits=splits, tile_pages=tp)
+    check_case(make_case(contexts, H, G, 128, kind, seed), num_splits=splits, tile_pages=tp,
+               unfused=unfused)
 
 
 @pytest.mark.parametrize("D", [64, 256])
 def test_other_head_dims(D):
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
-    check_case(make_case([20, 32], 1, 4, D, "mixed", seed), tile_pages=1, unfused=False)
+    check_case(make_case([20], 1, 4, D, "mixed", seed), tile_pages=1, unfused=False)
 
 
-@settings(max_examples=3, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.sampled_from([1, 2, 4, 8]),
+@settings(max_examples=2, deadline=None)
+@given(st.lists(st.integers(1, 24), min_size=1, max_size=2), st.sampled_from([1, 2, 4, 8]),
        st.sampled_from(["mixed", "compressible", "raw"]), st.integers(0, 2**20))
 def test_hypothesis_random_shapes(contexts, G, kind, seed):
     check_case(make_case(contexts, 1, G, 128, kind, seed), tile_pages=1, unfused=False)
 
 
 def test_single_split_equals_multi_split_closely():
-    c = make_case([64], 1, 4, 128, "mixed", 7)
+    c = make_case([40], 1, 4, 128, "mixed", 7)
     args = (c["q"], c["arena_c"], c["loc_c"], c["bt"], c["lens"], c["layout"], c["scale"])
     a = decode_attention(*args, num_splits=1, tile_pages=1)
-    b = decode_attention(*args, num_splits=4, tile_pages=1)
+    b = decode_attention(*args, num_splits=3, tile_pages=1)
     assert (a.double() - b.double()).abs().max() < 2e-2
 
 

@@ -8,32 +8,34 @@ registers -- nothing decompressed is written to global memory -- and runs flash-
 Work split (flash decoding). Program ``(b, h, s)`` takes request ``b``, KV head ``h`` and the
 ``s``-th slice of that request's pages; it serves all ``G = Hq / H`` query heads of the group at
 once (the GQA group is the M dimension of the tensor-core dots, padded to 16). Per tile of
-``TP`` pages (``R = 16·TP`` token rows) it computes, with ``q`` pre-scaled by
-``sm_scale·log2(e)`` so that ``exp2`` can be used::
+``TP`` pages (``R = 16·TP`` token rows), with ``c = sm_scale·log2(e)``::
 
-    S   = q · Kᵀ                          [G, R]   (bf16 operands, fp32 accumulate)
+    S   = c · q Kᵀ                        [G, R]   (bf16 operands, fp32 accumulate)
     m'  = max(m, rowmax S)
     P   = 2^(S - m')                      masked tokens -> 0
     l   = l · 2^(m - m') + rowsum P
     acc = acc · 2^(m - m') + P_bf16 · V   [G, D]
 
 At the end a slice stores ``o = acc / l`` and ``lse = m + log2 l``; a merge kernel combines the
-slices: ``out = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M)``, ``M = max_s lse_s``.
+slices: ``out = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M)``, ``M = max_s lse_s``. The loads are
+software-pipelined by hand: the K/V words of tile i+1 and the page locations and records of
+tile i+2 are issued before tile i is computed.
 
-Restoring a compressed block (docs/format.md section 2). A group of 8 values (8 consecutive
-channels of one token) is two 32-bit words of low bytes ``lo_0123, lo_4567`` and one word ``w``
-of 4-bit codes. Four high bytes at a time::
+Restoring a compressed block (docs/format.md section 2). Work is per *group*: 8 consecutive
+channels of one token, i.e. two 32-bit words of low bytes ``lo_0123, lo_4567`` and one word
+``w`` of 4-bit codes. Four high bytes at a time::
 
     hi_0123 = (w & 0x87878787) + (b/2)·0x01010101
     hi_4567 = ((w << 1) & 0x80808080 | (w >> 3) & 0x07070707) + (b/2)·0x01010101
 
-and byte interleaving (``prmt`` selectors 0x5140 and 0x7362) makes bf16 pairs
-``(lo_0, hi_0, lo_1, hi_1)`` = channels (c, c+1) as one 32-bit word, exactly the word an open
-page or a raw block holds at that place. So every source -- open page, raw block, compressed
-block -- yields the same tile of 32-bit words, split into the same bf16 tile: the arithmetic
-after that point is shared, and the output is bit-identical whether a page is open or
-compressed. The uncompressed *twin* (``decode_attention_twin``) is the same kernel with the
-tile loaded straight as bf16 from open pages (same tile, same dots, same order).
+and byte interleaving (``prmt`` selectors 0x5140 and 0x7362) makes four words of bf16 pairs
+``(lo_2k, hi_2k, lo_2k+1, hi_2k+1)`` = channels (2k, 2k+1), exactly the words an open page or
+a raw block holds at that place. Every source -- open page, raw block, compressed block --
+thus yields the same words, which are put back in channel order and split into the same bf16
+tile (``CHSETS`` = 1: one [R, D] tile; 2: even/odd channel tiles [R, D/2]; 8: channel sets
+[R, D/8]). The arithmetic after that point is shared, so the output is bit-identical whether
+a page is open or compressed; the uncompressed *twin* (``decode_attention_twin``) is the same
+kernel compiled with ``COMPRESSED=False`` (plain words only) and gives the same bits too.
 
 Under ``TRITON_INTERPRET=1`` (CPU) ``prmt`` is replaced by shifts and masks, and the dots run on
 fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
@@ -51,8 +53,8 @@ import triton.language as tl
 from ..format.layout import PAGE_TOKENS, PageLayout
 
 LOG2E = 1.4426950408889634
-MODE_TWIN = 0     # open pages only
-MODE_FUSED = 1    # open or compressed pages
+MODE_TWIN = 0     # open pages only (COMPRESSED=False)
+MODE_FUSED = 1    # open or compressed pages (COMPRESSED=True)
 
 
 def _interpreting() -> bool:
@@ -724,7 +726,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         COMPRESSED=mode == MODE_FUSED, USE_ASM=(not interp) if use_asm is None else use_asm,
         FP32_DOT=interp, CHSETS=chsets or 1, PREFETCH=True if prefetch is None else prefetch,
         num_warps=num_warps or 4,
-        **({} if num_stages is None else dict(num_stages=num_stages)))
+        num_stages=num_stages or 1)
     if S > 1:
         merge_kernel[(B * Hq,)](part_o, part_lse, out, NUM_SPLITS=S,
                                  S_PAD=triton.next_power_of_2(S), D=D, num_warps=4)
