@@ -395,9 +395,12 @@ def test_cuda_fractions_large(fraction):
 
 
 @needs_cuda
+@pytest.mark.parametrize("programs_per_sm", [0, 1])
 @pytest.mark.parametrize("slack", [0, 4096, -20000])
-def test_cuda_into_region_large(slack):
-    ok = check_into_region(realistic_pages(200, 8, 128, seed=16), "cuda", region_slack=slack, seed=17)
+def test_cuda_into_region_large(slack, programs_per_sm, monkeypatch):
+    import zipfusion.format.triton_codec as tc
+    monkeypatch.setattr(tc, "FUSED_PROGRAMS_PER_SM", programs_per_sm)   # 1: persistent grid
+    ok = check_into_region(realistic_pages(300, 8, 128, seed=16), "cuda", region_slack=slack, seed=17)
     assert bool(ok.all()) == (slack >= 0)
 
 

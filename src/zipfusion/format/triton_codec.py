@@ -66,6 +66,8 @@ _ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design
 
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
 NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4, "fused": 4}
+# Programs per SM of the one-pass kernel (0: one program per page).
+FUSED_PROGRAMS_PER_SM = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,20 +283,18 @@ def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, first_ptr,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _compress_fused_kernel(arena_ptr, src_ptr, dst_ptr, sizes_ptr, base_half_ptr, cursor_ptr,
-                           region_start, region_bytes,
-                           H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
-    """Program p: compress page p into the region [region_start, region_start + region_bytes).
+def _compress_fused_page(p, words, src_ptr, dst_ptr, sizes_ptr, base_half_ptr, cursor_ptr,
+                         region_start, region_bytes,
+                         H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
+    """Compress page p into the region [region_start, region_start + region_bytes).
 
     1. analyze every (head, role) tile: metadata bytes -> base_half[p], page size;
     2. take the page's place with one atomic add on the region cursor (bytes used so far);
        if the page does not fit, dst[p] = -1 and nothing is written;
-    3. encode every record; the tiles are read a second time, from L2 (read moments ago), so
-       HBM sees each open page once. Records' first blocks: running sum of record sizes.
+    3. encode every record; the tiles are read a second time, from L2 if the page is still
+       there. Records' first blocks: running sum of record sizes.
     """
-    p = tl.program_id(0)
     HEADER: tl.constexpr = 2 * H * M
-    words = arena_ptr.to(tl.pointer_type(tl.int32))
     src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
     bh_row = base_half_ptr + p.to(tl.int64) * (2 * H * NB)
     size = HEADER
@@ -317,6 +317,26 @@ def _compress_fused_kernel(arena_ptr, src_ptr, dst_ptr, sizes_ptr, base_half_ptr
                 _encode_record(src, dst, bh_ptr, first, R, h, H, D, NB, M)
                 for i in tl.static_range(NB):
                     first += tl.where(tl.load(bh_ptr + i) == RAW_MARK_C, 1024, 768)
+
+
+@triton.jit
+def _compress_fused_kernel(arena_ptr, src_ptr, dst_ptr, sizes_ptr, base_half_ptr, cursor_ptr,
+                           num_pages, num_programs, iters, region_start, region_bytes,
+                           H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
+                           PERSISTENT: tl.constexpr):
+    """One program per page, or (PERSISTENT) a fixed grid whose program i compresses pages
+    i, i + num_programs, ... (iters = ceil(num_pages / num_programs)): fewer pages in flight,
+    so that a page is still in L2 when it is read the second time."""
+    words = arena_ptr.to(tl.pointer_type(tl.int32))
+    if PERSISTENT:
+        for it in range(iters):
+            p = tl.program_id(0) + it * num_programs
+            if p < num_pages:
+                _compress_fused_page(p, words, src_ptr, dst_ptr, sizes_ptr, base_half_ptr,
+                                     cursor_ptr, region_start, region_bytes, H, D, NB, M)
+    else:
+        _compress_fused_page(tl.program_id(0), words, src_ptr, dst_ptr, sizes_ptr, base_half_ptr,
+                             cursor_ptr, region_start, region_bytes, H, D, NB, M)
 
 
 # --------------------------------------------------------------------------------------------
@@ -575,9 +595,14 @@ def compress_open_pages_into_region(arena: torch.Tensor, src_offsets: torch.Tens
     if P:
         cursor = torch.zeros(1, dtype=torch.int64, device=device)
         kernel = _kernel("_compress_fused_kernel", device)
-        kernel[(P,)](arena, src, dst, sizes, base_half, cursor, region_start, region_bytes,
-                     H=layout.num_kv_heads, D=layout.head_dim, NB=layout.blocks_per_head,
-                     M=layout.record_bytes, num_warps=NUM_WARPS["fused"])
+        grid = P
+        if device.type == "cuda" and FUSED_PROGRAMS_PER_SM > 0:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            grid = min(P, sms * FUSED_PROGRAMS_PER_SM)
+        kernel[(grid,)](arena, src, dst, sizes, base_half, cursor, P, grid, triton.cdiv(P, grid),
+                        region_start, region_bytes,
+                        H=layout.num_kv_heads, D=layout.head_dim, NB=layout.blocks_per_head,
+                        M=layout.record_bytes, PERSISTENT=grid < P, num_warps=NUM_WARPS["fused"])
     return dst, sizes, base_half
 
 
