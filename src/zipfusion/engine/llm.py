@@ -75,12 +75,14 @@ class LLMEngine:
             self.cache = DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype),
                                       self.dtype, self.device)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        # CUDA graphs need the arena path (the dense cache's torch attention has dynamic shapes)
         self.runner = ModelRunner(self.model, self.cache, self.max_model_len, max_num_seqs,
-                                  use_cuda_graphs=not enforce_eager)
+                                  use_cuda_graphs=not enforce_eager and isinstance(self.cache, ArenaKVCache))
         self.sampler = Sampler(self.device, seed)
-        self.graph_buckets = self.runner.capture_cuda_graphs() if not enforce_eager else []
+        self.graph_buckets = self.runner.capture_cuda_graphs()
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
+        self._peak_pages = -1
         self.record_logits = False          # tests: keep every sampled row's logits on the request
 
     def _default_kv_gb(self) -> float:
@@ -133,8 +135,8 @@ class LLMEngine:
                 reason = self._check_stop(r)
                 if reason:
                     finished.append((r, reason))
-        self.scheduler.seal_full_pages(stepped)
-        self._note_kv_stats()
+        sealed = self.scheduler.seal_full_pages(stepped)
+        self._note_kv_stats(sealed)
         for r in out.preempted:
             self.runner.forget(r.request_id)
         for r, reason in finished:
@@ -164,10 +166,13 @@ class LLMEngine:
             return "length"
         return None
 
-    def _note_kv_stats(self) -> None:
-        s = self.cache.stats()
-        if self.peak_kv_stats is None or s["pages_in_use"] >= self.peak_kv_stats["pages_in_use"]:
-            self.peak_kv_stats = s
+    def _note_kv_stats(self, sealed: int) -> None:
+        """Keep the cache's numbers from the step with the most pages in use, taken again when
+        pages were compressed (cheap test first: the manager's stats walk its tables)."""
+        pages = sum(len(r.pages) for r in self.scheduler.running)
+        if self.peak_kv_stats is None or pages > self._peak_pages or (sealed and pages == self._peak_pages):
+            self._peak_pages = pages
+            self.peak_kv_stats = self.cache.stats()
 
     def output_of(self, r: Request, prompt: str | None) -> RequestOutput:
         text = r.text

@@ -155,8 +155,9 @@ class Scheduler:
         return req
 
     # -- after a step -----------------------------------------------------------------------
-    def seal_full_pages(self, reqs) -> None:
-        """Hand every page that just filled up to the cache for compression (one call)."""
+    def seal_full_pages(self, reqs) -> int:
+        """Hand every page that just filled up to the cache for compression (one call);
+        returns how many pages were handed over."""
         ids = [i for i in self._unsealed]
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
@@ -164,6 +165,7 @@ class Scheduler:
                 ids += r.pages[r.num_sealed_pages:full]
                 r.num_sealed_pages = full
         self._unsealed = set(self.cache.seal(ids))
+        return len(ids)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
