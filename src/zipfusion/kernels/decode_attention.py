@@ -104,6 +104,32 @@ def _kernels(device: torch.device):
 
 
 # ------------------------------------------------------------------------------------------
+# Reductions and fills written with builtins only: the standard-library ones are @jit
+# functions, which a second, interpreted copy of this module (CPU tensors in a compiled
+# import, see _kernels) cannot call.
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _larger)
+
+
+# ------------------------------------------------------------------------------------------
 # Restoring groups of 8 values
 # ------------------------------------------------------------------------------------------
 
@@ -210,8 +236,8 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 @triton.jit
 def _role_bytes(hw0, hw1, NB: tl.constexpr):
     """Per row: the packed count of raw blocks before each block j (4 bits per j), [R] int32."""
-    cum = tl.zeros_like(hw0)
-    rb = tl.zeros_like(hw0)
+    cum = tl.full(hw0.shape, 0, hw0.dtype)
+    rb = tl.full(hw0.shape, 0, hw0.dtype)
     for j in tl.static_range(NB):
         if j < 4:
             byte = (hw0 >> (8 * j)) & 0xFF
@@ -251,10 +277,10 @@ def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
             kh1 = tl.load(arena32 + rec + 2, mask=cm, other=0)
             vh1 = tl.load(arena32 + rec + REC_W + 2, mask=cm, other=0)
         else:
-            kh1 = tl.zeros_like(kh0)
-            vh1 = tl.zeros_like(vh0)
+            kh1 = tl.full(kh0.shape, 0, kh0.dtype)
+            vh1 = tl.full(vh0.shape, 0, vh0.dtype)
     else:
-        kf = tl.zeros_like(pid)
+        kf = tl.full(pid.shape, 0, pid.dtype)
         kh0 = kf
         kh1 = kf
         vf = kf
@@ -308,7 +334,7 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
         v_code = blkv[:, None] + 128 + tr * (D // 8) + g
         v_plain = tl.where(is_open[:, None], v_open, blkv[:, None] + tr * (D // 2) + 4 * g)
         v_packed = ((bytev != 0xFF) & (is_open == 0))[:, None] & (g >= 0)
-        v_hb = (bytev.to(tl.uint32) * 0x01010101)[:, None] + tl.zeros_like(g).to(tl.uint32)
+        v_hb = (bytev.to(tl.uint32) * 0x01010101)[:, None] + tl.full(g.shape, 0, tl.uint32)
     else:
         v_lo = v_open
         v_code = v_open
@@ -332,7 +358,7 @@ def _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code,
     accumulators. CHSETS = 8: eight [R, D/8] tiles (channels 8g + c); 2: even / odd channels
     [R, D/2]; 1: one [R, D] tile in channel order."""
     w0, w1, w2, w3 = _group_restore(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, USE_ASM)
-    qk = tl.zeros([qE0.shape[0], t.shape[0]], tl.float32)
+    qk = tl.full([qE0.shape[0], t.shape[0]], 0.0, tl.float32)
     if CHSETS == 8:
         # 8 tiles [R, D/8]: channels 8g + c
         kE0, kO0 = _halves(w0)
@@ -361,10 +387,10 @@ def _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code,
     u0, u1, u2, u3 = _group_restore(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, USE_ASM)
     # online softmax in base 2
     qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_new = tl.maximum(m_i, _max(qk, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + _sum(p, axis=1)
     pb = p.to(tl.bfloat16)
     al = alpha[:, None]
     if CHSETS == 8:
@@ -481,8 +507,8 @@ def _decode_attention_kernel(
     t = r % 16                      # token inside its page
     slot = r // 16                  # page inside the tile
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    aE0 = tl.zeros([G_PAD, W], tl.float32)
+    l_i = tl.full([G_PAD], 0.0, tl.float32)
+    aE0 = tl.full([G_PAD, W], 0.0, tl.float32)
     aE1 = aE0
     aE2 = aE0
     aE3 = aE0
@@ -590,11 +616,11 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr,
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D)
     lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    mx = tl.max(lse, axis=0)
+    mx = _max(lse, axis=0)
     w = tl.exp2(lse - mx)
     o = tl.load(part_o_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :],
                 mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    res = _sum(w[:, None] * o, axis=0) / _sum(w, axis=0)
     tl.store(out_ptr + row * D + d, res.to(tl.bfloat16))
 
 
