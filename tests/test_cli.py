@@ -50,3 +50,14 @@ def test_demo_model_compressed_equals_uncompressed():
     assert res["identical"]
     assert res["stats"]["stored_pages"] > 0 and res["stats"]["stored_ratio"] < 1
     assert any("identical: yes" in line for line in lines)
+
+
+@pytest.mark.skipif(not (DEMO_DIR / "model.safetensors").is_file(), reason="demo model not in the package")
+def test_generate_with_chat_template_on_the_demo_model(capsys):
+    assert main(["generate", "--model", "demo", "--prompt", "Who made the heaven?", "--chat", "--device", "cpu",
+                 "--max-tokens", "8", "--seed", "3", "--temperature", "0.7"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and "tokens in" in out.err
+    from zipfusion.models import Tokenizer
+    chat = Tokenizer(DEMO_DIR).apply_chat_template([{"role": "user", "content": "Who made the heaven?"}])
+    assert chat.endswith("Assistant:") and "User: Who made the heaven?" in chat
