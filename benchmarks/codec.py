@@ -286,6 +286,9 @@ def plot(result, path):
         xs = [j + i * width for j in range(len(rows))]
         ax.bar(xs, [r["GBps_original"].get(k, 0) for r in rows], width, label=k)
     ax.axhline(2000, color="k", ls="--", lw=1, label="goal: compression 2 TB/s")
+    copy = next((r["GBps_original"][k] for r in rows for k in r["GBps_original"] if k.startswith("copy")), None)
+    if copy:
+        ax.axhline(copy, color="gray", ls=":", lw=1, label="plain copy of the pages")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
     ax.set_xticklabels([f"{r['dataset']}\n({r['compressible_fraction']:.0%} blocks)" for r in rows])
     ax.set_ylabel("GB/s of original BF16")
