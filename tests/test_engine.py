@@ -112,6 +112,23 @@ def test_arena_preemption_completes(ckpts):
     assert llm.engine.cache.stats()["pages_in_use"] == 0       # everything freed at the end
 
 
+def test_conservative_admission_avoids_preemption(ckpts):
+    path, _ = ckpts["llama"]
+    ps = prompts(3, [20, 20, 20, 20])
+    open_page = 2 * 16 * 2 * 64 * 2
+    chunk = 2 * open_page
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for admission in ("optimistic", "conservative"):
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, admission=admission,
+                  kv_memory_gb=(2 * 3 + 3) * chunk / 2**30, chunk_bytes=chunk)
+        outs[admission] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp,
+                                                             use_tqdm=False)]
+        preempted = llm.engine.scheduler.num_preemptions
+        assert (preempted > 0) if admission == "optimistic" else (preempted == 0)
+    assert outs["optimistic"] == outs["conservative"]
+
+
 def test_stop_conditions(ckpts):
     path, _ = ckpts["llama"]
     llm = LLM(str(path), dtype="float32", device="cpu", kv_compression=False)

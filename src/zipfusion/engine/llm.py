@@ -47,7 +47,7 @@ class LLMEngine:
                  dtype="bfloat16", device="cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
                  enforce_eager: bool = False, chunk_bytes: int | None = None, prebuilt_model=None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", admission: str = "optimistic"):
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
         if kv_compression and self.dtype != torch.bfloat16:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
@@ -74,7 +74,16 @@ class LLMEngine:
         else:
             self.cache = DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype),
                                       self.dtype, self.device)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        if admission not in ("optimistic", "conservative", "estimate"):
+            raise ValueError(f"admission must be 'optimistic', 'conservative' or 'estimate', got {admission!r}")
+        policy = None
+        if admission != "optimistic":
+            if not isinstance(self.cache, ArenaKVCache):
+                raise ValueError(f"admission={admission!r} needs the bfloat16 arena cache")
+            from ..memory import Admission
+            policy = Admission(self.cache.manager, mode=admission)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                   admission=policy)
         # CUDA graphs need the arena path (the dense cache's torch attention has dynamic shapes)
         self.runner = ModelRunner(self.model, self.cache, self.max_model_len, max_num_seqs,
                                   use_cuda_graphs=not enforce_eager and isinstance(self.cache, ArenaKVCache))

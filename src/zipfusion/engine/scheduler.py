@@ -47,13 +47,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, admission=None):
+        """``admission``: None admits whatever fits now and preempts when memory runs out
+        (vLLM's way); or an object with ``can_admit(prompt_tokens, max_new_tokens, running)``
+        (``zipfusion.memory.Admission``: reserve room for every running request's remaining
+        tokens, "conservative" at open size or "estimate" at the observed compression ratio)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.admission = admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -108,6 +113,8 @@ class Scheduler:
             admitted = req.status == Status.RUNNING
             if not admitted and len(self.running) >= self.max_num_seqs:
                 break
+            if not admitted and self.admission is not None and self.running and not self._can_admit(req):
+                break
             todo = req.num_tokens - req.num_computed
             n = min(todo, budget)
             # fit the chunk into the pages we may still take
@@ -125,6 +132,16 @@ class Scheduler:
                 self.running.append(req)
             out.prefill.append(PrefillChunk(req, req.num_computed, n))
             budget -= n
+
+    def _max_tokens(self, r: Request) -> int:
+        """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
+        mt = r.params.max_tokens
+        return min(self.max_model_len, r.num_tokens + (mt - len(r.output_ids) if mt else self.max_model_len))
+
+    def _can_admit(self, req: Request) -> bool:
+        from ..memory import RunningRequest
+        running = [RunningRequest(len(r.pages), self._max_tokens(r)) for r in self.running]
+        return self.admission.can_admit(req.num_tokens, self._max_tokens(req) - req.num_tokens, running)
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
         while True:
