@@ -57,3 +57,14 @@ def test_analyze_the_demo_model(tmp_path):
     q_size = cfg.num_attention_heads * cfg.head_dim
     k_ref = qkv[:, q_size:q_size + cfg.num_key_value_heads * cfg.head_dim].reshape(3, -1, cfg.head_dim)
     assert torch.equal(k0[0].view(torch.int16), k_ref[0].to(torch.bfloat16).view(torch.int16))
+
+
+def test_cli_analyze(tmp_path, capsys):
+    from zipfusion.cli import main
+    text = tmp_path / "t.txt"
+    text.write_text("And the earth was without form, and void; and darkness was upon the face of the deep. " * 6)
+    assert main(["analyze", "--model", "demo", "--device", "cpu", "--text", str(text),
+                 "--plot", str(tmp_path / "kv.png")]) == 0
+    out = capsys.readouterr().out
+    assert "compressible blocks" in out and (tmp_path / "kv.png").is_file()
+    assert main(["analyze", "--model", "demo", "--text", str(tmp_path / "missing.txt")]) == 2

@@ -1,7 +1,9 @@
-"""Command line: ``zipfusion generate`` and ``zipfusion demo``.
+"""Command line: ``zipfusion generate``, ``demo``, ``serve`` and ``analyze``.
 
     zipfusion generate --model demo --prompt "In the beginning" --max-tokens 40 --device cpu
     zipfusion demo
+    zipfusion serve --model PATH --port 8000
+    zipfusion analyze --model PATH --text corpus.txt --plot kv.png
 """
 
 from __future__ import annotations
@@ -115,6 +117,35 @@ def cmd_demo(args) -> int:
     return 0 if res["identical"] else 1
 
 
+def cmd_serve(args) -> int:
+    from .server import serve
+    serve(args.model, host=args.host, port=args.port, kv_compression=args.kv_compression,
+          kv_memory_gb=args.kv_memory_gb, dtype=args.dtype, device=args.device or _default_device(),
+          max_model_len=args.max_model_len, load_format=args.load_format, enforce_eager=args.enforce_eager)
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from pathlib import Path
+
+    from .analysis.model_kv import analyze_model
+    texts = None
+    if args.text:
+        texts = []
+        for name in args.text:
+            path = Path(name)
+            if not path.is_file():
+                raise FileNotFoundError(f"--text {name}: no such file")
+            texts.append(path.read_text(errors="replace"))
+    report = analyze_model(args.model, texts, device=args.device or _default_device(),
+                           max_tokens=args.max_tokens, load_format=args.load_format)
+    print(report.render())
+    if args.plot:
+        report.plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zipfusion", description="LLM inference with a losslessly compressed KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="compress synthetic KV, then generate with the embedded model on CPU")
     d.add_argument("--max-tokens", type=int, default=48)
     d.set_defaults(func=cmd_demo)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs zipfusion[server])")
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+    a = sub.add_parser("analyze", help="how well a model's KV compresses, per layer")
+    a.add_argument("--model", default="demo", help="checkpoint folder (with tokenizer) or 'demo'")
+    a.add_argument("--text", action="append", help="a text file to run the model on (repeatable); "
+                   "default: a built-in sample of prose, a list and code")
+    a.add_argument("--max-tokens", type=int, default=4096, help="tokens per text")
+    a.add_argument("--device", default=None)
+    a.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
+    a.add_argument("--plot", default=None, help="write a PNG of the per-layer numbers here")
+    a.set_defaults(func=cmd_analyze)
     return parser
 
 
