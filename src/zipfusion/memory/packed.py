@@ -35,58 +35,80 @@ class PackedSpace:
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
 
     # ---------------------------------------------------------------- placement
+    def _split(self, sizes: np.ndarray):
+        """Vectorised next fit when each layer needs at most one fresh chunk.
+
+        Returns (start [L], cs [L, n] end offsets in the fill chunk, j [L] first page that
+        overflows the fill chunk (n if none), rest [L, n] end offsets in the fresh chunk,
+        simple [L] True where one fresh chunk is enough).
+        """
+        C = self.chunk_bytes
+        n = sizes.shape[1]
+        start = np.where(self.fill_chunk >= 0, self.fill_ptr, C)
+        cs = start[:, None] + np.cumsum(sizes, axis=1)
+        over = cs > C
+        j = np.where(over.any(1), over.argmax(1), n)
+        before = np.take_along_axis(np.concatenate([start[:, None], cs], axis=1), j[:, None], 1)
+        rest = cs - before                       # valid for pages >= j
+        simple = rest[:, -1] <= C
+        return start, cs, j, rest, simple
+
     def chunks_needed(self, sizes: np.ndarray) -> np.ndarray:
         """New chunks each layer needs to place ``sizes`` [L, n] (no state change)."""
         L, n = sizes.shape
-        need = np.zeros(L, dtype=np.int64)
         if n == 0:
-            return need
-        C = self.chunk_bytes
-        start = np.where(self.fill_chunk >= 0, self.fill_ptr, C)
-        fits = start + sizes.sum(1) <= C
-        for layer in np.nonzero(~fits)[0].tolist():
-            ptr, k = int(start[layer]), 0
-            for s in sizes[layer].tolist():
-                if ptr + s > C:
-                    ptr, k = 0, k + 1
-                ptr += s
-            need[layer] = k
+            return np.zeros(L, dtype=np.int64)
+        start, _, j, _, simple = self._split(sizes)
+        need = (j < n).astype(np.int64)
+        for layer in np.nonzero(~simple)[0].tolist():
+            need[layer] = len(_next_fit(sizes[layer].tolist(), int(start[layer]), self.chunk_bytes)) - 1
         return need
 
     def place(self, sizes: np.ndarray, take_chunk) -> np.ndarray:
         """Bump-allocate pages of ``sizes`` [L, n]; returns byte offsets [L, n].
 
         ``take_chunk(layer)`` gives a fresh chunk (the caller checked ``chunks_needed``).
-        Fast path: all of a layer's pages fit in its fill chunk's tail -> one cumsum.
+        Vectorised over layers: pages before a layer's first overflow go to its fill chunk's
+        tail (cumsum), the others to one fresh chunk (cumsum again); a layer needing more than
+        one fresh chunk (batches larger than a chunk) takes the general next-fit loop.
         """
         L, n = sizes.shape
         C = self.chunk_bytes
         out = np.empty((L, n), dtype=np.int64)
         if n == 0:
             return out
-        start = np.where(self.fill_chunk >= 0, self.fill_ptr, C)
-        ends = start[:, None] + np.cumsum(sizes, axis=1)
-        fits = ends[:, -1] <= C
-        if fits.any():
-            base = self.fill_chunk * C
-            out[fits] = (base[:, None] + ends - sizes)[fits]
-            chunks = np.broadcast_to(self.fill_chunk[:, None], (L, n))[fits]
-            np.add.at(self.live_bytes, chunks, sizes[fits])
-            np.add.at(self.live_pages, chunks, 1)
-            self.fill_ptr[fits] = ends[fits, -1]
-            self.layer_live[fits] += sizes[fits].sum(1)
-        for layer in np.nonzero(~fits)[0].tolist():
-            for i, s in enumerate(sizes[layer].tolist()):
-                if self.fill_chunk[layer] < 0 or self.fill_ptr[layer] + s > C:
-                    c = take_chunk(layer)
-                    self.chunks[layer].add(c)
-                    self.fill_chunk[layer], self.fill_ptr[layer] = c, 0
-                c = int(self.fill_chunk[layer])
-                out[layer, i] = c * C + int(self.fill_ptr[layer])
-                self.fill_ptr[layer] += s
-                self.live_bytes[c] += s
-                self.live_pages[c] += 1
-                self.layer_live[layer] += s
+        start, cs, j, rest, simple = self._split(sizes)
+        col = np.arange(n)[None, :]
+        in_tail = col < j[:, None]
+        new_chunk = np.full(L, -1, dtype=np.int64)
+        for layer in np.nonzero(simple & (j < n))[0].tolist():
+            c = take_chunk(layer)
+            self.chunks[layer].add(c)
+            new_chunk[layer] = c
+        chunk = np.where(in_tail, self.fill_chunk[:, None], new_chunk[:, None])
+        out[:] = np.where(in_tail, self.fill_chunk[:, None] * C + cs - sizes,
+                          new_chunk[:, None] * C + rest - sizes)
+        ok = simple[:, None] & np.ones((1, n), dtype=bool)
+        np.add.at(self.live_bytes, chunk[ok], sizes[ok])
+        np.add.at(self.live_pages, chunk[ok], 1)
+        moved = simple & (j < n)
+        self.fill_ptr[simple] = np.where(moved, rest[:, -1], cs[:, -1])[simple]
+        self.fill_chunk[moved] = new_chunk[moved]
+        self.layer_live[simple] += sizes[simple].sum(1)
+        for layer in np.nonzero(~simple)[0].tolist():       # general next fit
+            row = sizes[layer].tolist()
+            chunk_id, ptr = int(self.fill_chunk[layer]), int(start[layer])
+            for k, (i, e) in enumerate(_next_fit(row, ptr, C)):
+                if k:
+                    chunk_id, ptr = take_chunk(layer), 0
+                    self.chunks[layer].add(chunk_id)
+                for q in range(i, e):
+                    out[layer, q] = chunk_id * C + ptr
+                    ptr += row[q]
+                self.live_bytes[chunk_id] += sum(row[i:e])
+                self.live_pages[chunk_id] += e - i
+            self.fill_chunk[layer], self.fill_ptr[layer] = chunk_id, ptr
+            self.layer_live[layer] += sum(row)
         return out
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
@@ -161,3 +183,19 @@ class PackedSpace:
         np.add.at(self.live_pages, chunks, 1)
         self.chunks[layer] = set(kept)
         self.fill_chunk[layer], self.fill_ptr[layer] = fill_chunk, fill_ptr
+
+
+def _next_fit(row: list[int], ptr: int, C: int) -> list[tuple[int, int]]:
+    """Next fit of pages ``row`` starting at ``ptr`` in the current chunk.
+
+    Returns segments (i, j): pages i..j-1 go to the current chunk for the first segment (it
+    may be empty), then one fresh chunk per further segment.
+    """
+    segs, i = [], 0
+    for q, size in enumerate(row):
+        if ptr + size > C:
+            segs.append((i, q))
+            i, ptr = q, 0
+        ptr += size
+    segs.append((i, len(row)))
+    return segs
