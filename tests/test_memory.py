@@ -309,3 +309,56 @@ def test_cuda_round_trip_and_pending_chunks():
     torch.cuda.synchronize()
     assert m.capacity_new_pages() == 4 * (24 // 2 - 2)
     assert m.alloc_pages(m.capacity_new_pages())
+
+
+def test_estimate_admission_can_over_admit_and_preemption_recovers():
+    """Estimate mode trusts the observed ratio; incompressible data then exhausts memory: the
+    scheduler gets MemoryExhausted (nothing changed, nothing corrupted) and preempts."""
+    chunk = 4 * OPEN
+    m = KVCacheManager(2, LAYOUT, budget_bytes=16 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    old = m.alloc_pages(5)
+    written = fill(m, old, [1.0, 1.0])
+    m.compress_pages(old)                                  # observed ratio ~0.75
+    est, cons = Admission(m, mode="estimate"), Admission(m)
+    tokens = 16 * 26
+    assert est.can_admit(tokens, 0) and not cons.can_admit(tokens, 0)
+    mine, hit = [], False
+    raw = pages_with_fraction(26, 1, 64, 0.0, seed=5)
+    for i in range(26):                                    # page by page, compressed when full
+        try:
+            mine += m.alloc_pages(1)
+        except MemoryExhausted:
+            hit = True
+            break
+        for layer in range(2):
+            m.open_page(layer, mine[-1]).copy_(raw[i])
+            written[layer, mine[-1]] = raw[i]
+        m.compress_pages([mine[-1]])
+    assert hit
+    assert_contents(m, written)
+    m.free_pages(mine)                                     # preempt the newest request
+    assert m.capacity_new_pages() >= 26 - len(mine)
+    assert_contents(m, {k: v for k, v in written.items() if k[1] in old})
+
+
+def test_packed_place_general_next_fit_matches_reference():
+    from zipfusion.memory.packed import PackedSpace
+    rng = np.random.default_rng(0)
+    C = 10 * 1024
+    ps = PackedSpace(3, 64, C, max_page_bytes=4096)
+    free = list(range(63, -1, -1))
+    for _ in range(6):
+        sizes = rng.integers(1, 257, size=(3, 9)) * 16          # up to 4096 bytes, 9 pages
+        need = ps.chunks_needed(sizes)
+        taken = []
+        before = (ps.fill_chunk.copy(), ps.fill_ptr.copy())
+        out = ps.place(sizes, lambda layer: taken.append(layer) or free.pop())
+        assert np.bincount(taken, minlength=3).tolist() == need.tolist()
+        for layer in range(3):                                   # reference next fit
+            c, ptr = int(before[0][layer]), int(before[1][layer]) if before[0][layer] >= 0 else C
+            for q, s in enumerate(sizes[layer].tolist()):
+                if ptr + s > C:
+                    c, ptr = int(out[layer, q]) // C, 0
+                assert out[layer, q] == c * C + ptr
+                ptr += s
+    assert ps.layer_live.tolist() == [int(ps.live_bytes[list(ps.chunks[l])].sum()) for l in range(3)]
