@@ -1,9 +1,10 @@
 """The lossless BF16 KV page format (docs/format.md).
 
 ``encode_page`` / ``decode_page`` work on one page; ``page_sizes``, ``encode_pages_into`` and
-``decode_pages`` are the batched forms the memory manager uses. On CUDA tensors the batched
-forms run the Triton kernels of :mod:`zipfusion.format.triton_codec`; the torch reference in
-:mod:`zipfusion.format.reference` defines the bytes and runs everywhere.
+``decode_pages`` are batched forms. They are the torch reference
+(:mod:`zipfusion.format.reference`), which defines the bytes and runs on any device; the
+Triton kernels of :mod:`zipfusion.format.triton_codec` produce the same bytes on the GPU, and
+the memory manager picks between the two (:mod:`zipfusion.memory.codec`).
 """
 
 from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, RAW_BLOCK_BYTES, RAW_MARK,
