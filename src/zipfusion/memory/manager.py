@@ -323,38 +323,28 @@ class KVCacheManager:
     def compact(self, layers: Iterable[int] | None = None) -> int:
         """Repack compressed pages so that chunks with holes return to the pool.
 
-        Moves page bytes bit-exactly and updates ``page_loc``; returns the chunks freed. By
-        default compacts every layer with at least one chunk to gain.
+        Moves page bytes bit-exactly and updates ``page_loc``; returns the chunks freed. Only
+        chunks with at least a page's worth of free bytes are repacked, and only in layers
+        where that frees a chunk. Default: every layer.
         """
-        if layers is None:
-            layers = [l for l in range(self.num_layers) if self._gain(l) > 0]
-        freed = 0
+        layers = range(self.num_layers) if layers is None else list(layers)
         for layer in layers:
-            if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
-                raise ValueError(f"compact: layer {layer!r} does not exist (0..{self.num_layers - 1})")
-            freed += self._compact_layer(int(layer))
-        return freed
-
-    def _gain(self, layer: int) -> int:
-        """Chunks an exact repack of ``layer`` would free (no state change)."""
-        ids = np.nonzero(self._state == STORED)[0]
-        if ids.size == 0:
-            return len(self.packed.chunks[layer])
-        _, _, _, freed, _, _ = self.packed.plan_repack(layer, self._loc[layer, ids] & ~1, self._size[layer, ids])
-        return len(freed)
+            self._check_layer(layer)
+        return sum(self._compact_layer(int(layer)) for layer in layers)
 
     def _compact_layer(self, layer: int) -> int:
-        ids = np.nonzero(self._state == STORED)[0]
-        if not self.packed.chunks[layer]:
+        if self.packed.held[layer] < 2:
             return 0
+        ids = np.nonzero(self._state == STORED)[0]
         locs = self._loc[layer, ids] & ~1
         sizes = self._size[layer, ids]
-        order, new_locs, kept, freed, fill_chunk, fill_ptr = self.packed.plan_repack(layer, locs, sizes)
-        if not freed:                     # nothing to gain: leave the pages where they are
+        plan = self.packed.plan_repack(layer, locs, sizes)
+        if plan is None:                  # nothing to gain: leave the pages where they are
             return 0
+        order, new_locs, kept, freed, fill_chunk, fill_ptr = plan
         moved = order[new_locs[order] != locs[order]]
         move_ranges(self.arena, locs[moved], new_locs[moved], sizes[moved], self.compaction_batch_bytes)
-        self.packed.apply_repack(layer, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
+        self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
         self._loc[layer, ids] = new_locs | (self._loc[layer, ids] & 1)
         for c in freed:
             self.pool.release(c, self.pool.pool_of(layer))

@@ -31,6 +31,7 @@ class PackedSpace:
         self.live_pages = np.zeros(num_chunks, dtype=np.int64)
         self.chunks: list[set[int]] = [set() for _ in range(num_layers)]
         self.layer_live = np.zeros(num_layers, dtype=np.int64)
+        self.held = np.zeros(num_layers, dtype=np.int64)        # len(self.chunks[layer])
         self.fill_chunk = np.full(num_layers, -1, dtype=np.int64)
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
 
@@ -84,6 +85,7 @@ class PackedSpace:
         for layer in np.nonzero(simple & (j < n))[0].tolist():
             c = take_chunk(layer)
             self.chunks[layer].add(c)
+            self.held[layer] += 1
             new_chunk[layer] = c
         chunk = np.where(in_tail, self.fill_chunk[:, None], new_chunk[:, None])
         out[:] = np.where(in_tail, self.fill_chunk[:, None] * C + cs - sizes,
@@ -102,6 +104,7 @@ class PackedSpace:
                 if k:
                     chunk_id, ptr = take_chunk(layer), 0
                     self.chunks[layer].add(chunk_id)
+                    self.held[layer] += 1
                 for q in range(i, e):
                     out[layer, q] = chunk_id * C + ptr
                     ptr += row[q]
@@ -124,6 +127,7 @@ class PackedSpace:
         for layer, c in set(zip(layers.ravel().tolist(), chunks.ravel().tolist())):
             if self.live_pages[c] == 0:
                 self.chunks[layer].discard(c)
+                self.held[layer] -= 1
                 if self.fill_chunk[layer] == c:
                     self.fill_chunk[layer], self.fill_ptr[layer] = -1, 0
                 emptied.append((layer, c))
@@ -133,27 +137,42 @@ class PackedSpace:
     def reclaimable_bound(self) -> np.ndarray:
         """Chunks per layer that compaction is sure to free (next-fit bound), [L]."""
         per_chunk = self.chunk_bytes - self.max_page_bytes
-        held = np.array([len(s) for s in self.chunks], dtype=np.int64)
         if per_chunk <= 0:           # one page per chunk: nothing to gain from packing
             return np.zeros(self.num_layers, dtype=np.int64)
         needed = -(-self.layer_live // per_chunk)
-        return np.maximum(held - needed, 0)
+        return np.maximum(self.held - needed, 0)
+
+    def victims(self, layer: int) -> np.ndarray:
+        """The layer's chunks with at least one page's worth of free bytes (holes or tail).
+
+        Only these are repacked; every other chunk is more than ``chunk - max_page`` full, so
+        the next-fit bound of ``reclaimable_bound`` still holds for the whole layer.
+        """
+        ch = np.fromiter(self.chunks[layer], dtype=np.int64, count=len(self.chunks[layer]))
+        return ch[self.chunk_bytes - self.live_bytes[ch] >= self.max_page_bytes]
 
     def plan_repack(self, layer: int, locs: np.ndarray, sizes: np.ndarray):
-        """Next-fit layout of the layer's pages (byte offsets ``locs``, ``sizes``).
+        """Next-fit layout of the pages in the layer's victim chunks.
 
-        Returns (order, new_locs, kept_chunks, freed_chunks, fill_chunk, fill_ptr): ``order``
-        is the copy order (indices into ``locs``), ``new_locs[i]`` the new offset of page i.
+        ``locs``/``sizes``: byte offsets and sizes of all the layer's stored pages. Returns
+        None when there is nothing to gain, else (order, new_locs, kept, freed, fill_chunk,
+        fill_ptr): ``order`` is the copy order (indices into ``locs``, pages that may move),
+        ``new_locs`` every page's new offset, ``kept``/``freed`` the victim chunks still used /
+        now empty, and the new fill pointer.
         """
         C = self.chunk_bytes
-        chunk_of = locs // C
-        ranked = sorted(self.chunks[layer], key=lambda c: (-int(self.live_bytes[c]), c))
-        rank = {c: r for r, c in enumerate(ranked)}
-        page_rank = np.array([rank[c] for c in chunk_of.tolist()], dtype=np.int64)
-        order = np.lexsort((locs, page_rank))
+        vic = self.victims(layer)
+        if len(vic) < 2:
+            return None
+        ranked = vic[np.lexsort((vic, -self.live_bytes[vic]))]           # densest first
+        rank_of = np.full(len(self.live_bytes), -1, dtype=np.int64)
+        rank_of[ranked] = np.arange(len(ranked))
+        page_rank = rank_of[locs // C]
+        sel = np.nonzero(page_rank >= 0)[0]
+        order = sel[np.lexsort((locs[sel], page_rank[sel]))]
         s = sizes[order]
         new = np.empty(len(order), dtype=np.int64)
-        # next fit, one destination chunk per iteration: pages i..j-1 fill chunk `r`
+        # next fit, one destination chunk per iteration: pages i..j-1 fill chunk ranked[r]
         csum = np.concatenate([[0], np.cumsum(s)])
         i, r = 0, 0
         while i < len(order):
@@ -161,27 +180,30 @@ class PackedSpace:
             j = max(j, i + 1)
             new[i:j] = ranked[r] * C + (csum[i:j] - csum[i])
             i, r = j, r + 1
-        used = r
-        new_locs = np.empty_like(new)
+        if r == len(ranked):
+            return None                                                # no chunk would empty
+        new_locs = locs.copy()
         new_locs[order] = new
-        kept = ranked[:used]
-        freed = ranked[used:]
-        if used:
-            last = order[-1]
-            fill_chunk, fill_ptr = ranked[used - 1], int(new_locs[last] - ranked[used - 1] * C + sizes[last])
-        else:
-            fill_chunk, fill_ptr = -1, 0
+        kept, freed = ranked[:r].tolist(), ranked[r:].tolist()
+        fill_chunk, fill_ptr = int(self.fill_chunk[layer]), int(self.fill_ptr[layer])
+        if fill_chunk < 0 or rank_of[fill_chunk] >= 0:                 # the fill chunk was repacked
+            if r:
+                last = order[-1]
+                fill_chunk, fill_ptr = kept[-1], int(new_locs[last] - kept[-1] * C + sizes[last])
+            else:
+                fill_chunk, fill_ptr = -1, 0
         return order, new_locs, kept, freed, fill_chunk, fill_ptr
 
-    def apply_repack(self, layer: int, new_locs: np.ndarray, sizes: np.ndarray, kept, freed,
-                     fill_chunk: int, fill_ptr: int) -> None:
-        for c in list(kept) + list(freed):
-            self.live_bytes[c] = 0
-            self.live_pages[c] = 0
-        chunks = new_locs // self.chunk_bytes
-        np.add.at(self.live_bytes, chunks, sizes)
+    def apply_repack(self, layer: int, order: np.ndarray, new_locs: np.ndarray, sizes: np.ndarray,
+                     kept, freed, fill_chunk: int, fill_ptr: int) -> None:
+        victims = kept + freed
+        self.live_bytes[victims] = 0
+        self.live_pages[victims] = 0
+        chunks = new_locs[order] // self.chunk_bytes
+        np.add.at(self.live_bytes, chunks, sizes[order])
         np.add.at(self.live_pages, chunks, 1)
-        self.chunks[layer] = set(kept)
+        self.chunks[layer].difference_update(freed)
+        self.held[layer] -= len(freed)
         self.fill_chunk[layer], self.fill_ptr[layer] = fill_chunk, fill_ptr
 
 
