@@ -21,7 +21,14 @@ layer for compression (compressed space is allocated before the open slots are f
 short: the scheduler's signal to preempt its newest request.
 
 Device: "cuda" (Triton codec when importable), "cpu" (torch reference codec), or "meta":
-accounting only, no bytes (benchmarks); then ``compress_pages`` needs the encoded ``sizes``.
+accounting only, no bytes (benchmarks); then ``compress_pages`` needs the encoded ``sizes``
+and ``page_loc`` lives on the CPU. On CPU ``page_loc`` shares memory with the host copy; on
+CUDA the touched columns are copied after each call (the kernels read the device table).
+
+Reads in flight: freed chunks reach another layer only after a CUDA event recorded at the
+free has completed (chunks.py). Compaction and compression copy on the current stream, so
+kernels enqueued earlier on that stream read the old bytes before they move; a caller using
+several streams must order them against the current one.
 """
 
 from __future__ import annotations
@@ -369,7 +376,7 @@ class KVCacheManager:
         """Contents [n, 2, 16, H, D] bf16 of pages, open or compressed (decoded)."""
         self._check_layer(layer)
         ids = self._check_ids(ids, None, "read_pages")
-        H, D, n = self.layout.num_kv_heads, self.layout.head_dim, self.layout.open_page_bytes
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
         out = torch.empty(ids.size, 2, 16, H, D, dtype=torch.bfloat16, device=self.device)
         loc = self._loc[layer, ids]
         is_open = (loc & 1) == 1
