@@ -359,7 +359,7 @@ class KVCacheManager:
         self.bytes_moved += int(sizes[moved].sum())
         self.compactions += 1
         if moved.size and self.device.type not in ("cpu", "meta"):
-            self.page_loc[layer].copy_(torch.from_numpy(self._loc[layer]))
+            self.page_loc[layer].copy_(torch.from_numpy(self._loc[layer]).pin_memory(), non_blocking=True)
         return len(freed)
 
     # ================================================================== page data
@@ -400,8 +400,11 @@ class KVCacheManager:
         """Mirror host page_loc columns to the device table (CPU/meta share memory)."""
         if self.device.type in ("cpu", "meta") or ids.size == 0:
             return
-        cols = torch.from_numpy(ids).to(self.device)
-        self.page_loc[:, cols] = torch.from_numpy(np.ascontiguousarray(self._loc[:, ids])).to(self.device)
+        # pinned staging + non_blocking: no host stall behind queued kernels (the caching host
+        # allocator keeps each staging buffer alive until its copy has run)
+        cols = torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
+        vals = torch.from_numpy(np.ascontiguousarray(self._loc[:, ids])).pin_memory()
+        self.page_loc[:, cols] = vals.to(self.device, non_blocking=True)
 
     def page_state(self, page_id: int) -> str:
         """"free", "open" or "compressed" (stored in open form counts as compressed)."""
