@@ -241,6 +241,7 @@ def main() -> None:
         "median_us": 1e6 * statistics.median(dec_w),
         "p99_us": 1e6 * float(np.percentile(dec_w, 99)), "max_us": 1e6 * max(dec_w),
         "prefill_step_median_ms": 1e3 * statistics.median(pre) if pre else None,
+        "cpu_load_average_1min": __import__("os").getloadavg()[0],
         "note": "host CPU time of free + admission check + alloc + compress bookkeeping + capacity "
                 "per decode step (meta device: no codec kernels, no device syncs)"}
     res["timing"]["compaction_steady_state"] = time_compaction(52e9, fr, reqs, m, adversarial=False)
@@ -281,7 +282,10 @@ def write_markdown(res: dict, path: Path) -> None:
               f"Bookkeeping per decode step (host CPU, 52 GB, 80 %, {d['live_requests_at_end']} live "
               f"requests, {d['steps_timed']} steps): median {d['median_us']:.0f} us, p99 "
               f"{d['p99_us']:.0f} us, max {d['max_us']:.0f} us; a step that also prefills a new "
-              f"8192-token request: median {d['prefill_step_median_ms']:.1f} ms (no codec work: meta device).",
+              f"8192-token request: median {d['prefill_step_median_ms']:.1f} ms (no codec work: meta device). "
+              "Measured on a shared 2-core dev box with other jobs running"
+              f"{' (1-min load %.1f)' % d['cpu_load_average_1min'] if 'cpu_load_average_1min' in d else ''}: "
+              "expect less on an idle host core.",
               "",
               "| compaction (52 GB, 80 %) | host ms | chunks freed | pages moved | bytes moved | GPU copy (estimate) |",
               "| --- | ---: | ---: | ---: | ---: | ---: |",
