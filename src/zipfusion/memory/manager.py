@@ -279,8 +279,8 @@ class KVCacheManager:
             sizes = flat.reshape(L, k)
         as_open = sizes >= open_bytes                   # not smaller: store in open form
         stored = np.where(as_open, open_bytes, sizes)
-        self._make_room_for_packing(stored)
-        dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)))
+        split = self._make_room_for_packing(stored)
+        dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
         if state is not None:
             flat_open = as_open.reshape(-1)
             keep = np.nonzero(~flat_open)[0]
@@ -297,31 +297,34 @@ class KVCacheManager:
             self._release_group(chunks)
         self._sync(ids)
 
-    def _make_room_for_packing(self, stored: np.ndarray) -> None:
+    def _make_room_for_packing(self, stored: np.ndarray):
         """Ensure every layer can take the fresh chunks that placing ``stored`` [L, k] needs
-        (the reserve may be used). Compaction moves fill pointers, so the need is recomputed."""
-        need = self.packed.chunks_needed(stored)
+        (the reserve may be used); returns the placement split for ``packed.place``.
+        Compaction moves fill pointers, so the need is recomputed after it."""
+        split = self.packed._split(stored)
+        need = self.packed.chunks_needed(stored, split)
         if not need.any():
-            return
+            return split
         if self.pool.shared:
             if self.pool.available(0) >= need.sum():
-                return
+                return split
             for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
-                self._compact_layer(layer)
-                need = self.packed.chunks_needed(stored)
+                if self._compact_layer(layer):
+                    split = self.packed._split(stored)
+                    need = self.packed.chunks_needed(stored, split)
                 if self.pool.available(0) >= need.sum():
-                    return
+                    return split
             short = int(need.sum()), self.pool.available(0)
         else:
             short = None
             for layer in np.nonzero(need)[0].tolist():
-                if self.pool.available(layer) < need[layer]:
-                    self._compact_layer(layer)
-                    need = self.packed.chunks_needed(stored)
+                if self.pool.available(layer) < need[layer] and self._compact_layer(layer):
+                    split = self.packed._split(stored)
+                    need = self.packed.chunks_needed(stored, split)
                 if self.pool.available(layer) < need[layer]:
                     short = int(need[layer]), self.pool.available(layer)
             if short is None:
-                return
+                return split
         raise MemoryExhausted(
             f"no room to compress: {short[0]} chunk(s) needed, {short[1]} free even after compaction; "
             "preempt a request and retry", needed=short[0], available=short[1])

@@ -32,6 +32,7 @@ class PackedSpace:
         self.chunks: list[set[int]] = [set() for _ in range(num_layers)]
         self.layer_live = np.zeros(num_layers, dtype=np.int64)
         self.held = np.zeros(num_layers, dtype=np.int64)        # len(self.chunks[layer])
+        self._rows = np.arange(num_layers)
         self.fill_chunk = np.full(num_layers, -1, dtype=np.int64)
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
 
@@ -48,24 +49,27 @@ class PackedSpace:
         start = np.where(self.fill_chunk >= 0, self.fill_ptr, C)
         cs = start[:, None] + np.cumsum(sizes, axis=1)
         over = cs > C
-        j = np.where(over.any(1), over.argmax(1), n)
-        before = np.take_along_axis(np.concatenate([start[:, None], cs], axis=1), j[:, None], 1)
-        rest = cs - before                       # valid for pages >= j
+        j = np.where(over[:, -1], over.argmax(1), n)       # cs increases: any() == last
+        before = np.where(j > 0, cs[self._rows, np.maximum(j - 1, 0)], start)
+        rest = cs - before[:, None]              # valid for pages >= j
         simple = rest[:, -1] <= C
         return start, cs, j, rest, simple
 
-    def chunks_needed(self, sizes: np.ndarray) -> np.ndarray:
-        """New chunks each layer needs to place ``sizes`` [L, n] (no state change)."""
+    def chunks_needed(self, sizes: np.ndarray, split=None) -> np.ndarray:
+        """New chunks each layer needs to place ``sizes`` [L, n] (no state change).
+
+        ``split``: ``_split(sizes)`` if the caller already has it (then pass it to ``place``).
+        """
         L, n = sizes.shape
         if n == 0:
             return np.zeros(L, dtype=np.int64)
-        start, _, j, _, simple = self._split(sizes)
+        start, _, j, _, simple = self._split(sizes) if split is None else split
         need = (j < n).astype(np.int64)
         for layer in np.nonzero(~simple)[0].tolist():
             need[layer] = len(_next_fit(sizes[layer].tolist(), int(start[layer]), self.chunk_bytes)) - 1
         return need
 
-    def place(self, sizes: np.ndarray, take_chunk) -> np.ndarray:
+    def place(self, sizes: np.ndarray, take_chunk, split=None) -> np.ndarray:
         """Bump-allocate pages of ``sizes`` [L, n]; returns byte offsets [L, n].
 
         ``take_chunk(layer)`` gives a fresh chunk (the caller checked ``chunks_needed``).
@@ -78,7 +82,7 @@ class PackedSpace:
         out = np.empty((L, n), dtype=np.int64)
         if n == 0:
             return out
-        start, cs, j, rest, simple = self._split(sizes)
+        start, cs, j, rest, simple = self._split(sizes) if split is None else split
         col = np.arange(n)[None, :]
         in_tail = col < j[:, None]
         new_chunk = np.full(L, -1, dtype=np.int64)
