@@ -148,8 +148,8 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
         for r in [r for r in reqs if r["tok"] >= PROMPT + OUTPUT]:
             m.free_pages(r["pages"])
             reqs.remove(r)
-        running = [RunningRequest(len(r["pages"]), PROMPT + OUTPUT) for r in reqs]
-        admitted_now = adm.can_admit(PROMPT, OUTPUT, running)
+        remaining = sum(PAGES - len(r["pages"]) for r in reqs)     # a scheduler keeps this sum
+        admitted_now = adm.can_admit_counts(PROMPT, OUTPUT, remaining, len(reqs))
         if admitted_now:                     # one prefill per step, staggered progress
             r = {"pages": prefill(m, sizes, "pool"), "tok": PROMPT + int(rng.integers(0, OUTPUT))}
             extra = (r["tok"] - PROMPT + 15) // 16

@@ -284,6 +284,9 @@ def test_admission_conservative_and_estimate():
     assert adm.reserved_pages(running) == 50 + 1
     assert not adm.can_admit(16 * 25, 0, running)          # 25 + 1 > 76 - 51
     assert adm.can_admit(16 * 24, 0, running)              # 24 + 1 <= 25
+    assert adm.can_admit_counts(16 * 24, 0, 50, 1) and not adm.can_admit_counts(16 * 25, 0, 50, 1)
+    with pytest.raises(ValueError):
+        adm.can_admit_counts(16, 0, -1, 0)
     ids = m.alloc_pages(40)
     fill(m, ids, [1.0, 1.0])
     m.compress_pages(ids)

@@ -60,9 +60,10 @@ class Admission:
     def reserved_pages(self, running: Iterable[RunningRequest]) -> int:
         """Open-page units promised to running requests."""
         running = list(running)
-        r = self.ratio()
-        remaining = sum(req.remaining_pages for req in running)
-        return math.ceil(remaining * r) + len(running)
+        return self._reserved(sum(req.remaining_pages for req in running), len(running))
+
+    def _reserved(self, remaining_pages: int, num_running: int) -> int:
+        return math.ceil(remaining_pages * self.ratio()) + num_running
 
     def headroom(self, running: Iterable[RunningRequest]) -> int:
         """capacity_new_pages() minus what running requests still need (may be negative)."""
@@ -71,9 +72,21 @@ class Admission:
     def can_admit(self, prompt_tokens: int, max_new_tokens: int,
                   running: Iterable[RunningRequest] = ()) -> bool:
         """Whether a new request fits with the room promised to ``running``."""
+        running = list(running)
+        return self.can_admit_counts(prompt_tokens, max_new_tokens,
+                                     sum(req.remaining_pages for req in running), len(running))
+
+    def can_admit_counts(self, prompt_tokens: int, max_new_tokens: int, remaining_pages: int,
+                         num_running: int) -> bool:
+        """``can_admit`` for a scheduler that keeps the running requests' totals itself:
+        ``remaining_pages`` = pages they will still allocate, ``num_running`` = how many."""
         if prompt_tokens < 1 or max_new_tokens < 0:
             raise ValueError(f"need prompt_tokens >= 1 and max_new_tokens >= 0, got "
                              f"{prompt_tokens}, {max_new_tokens}")
+        if remaining_pages < 0 or num_running < 0:
+            raise ValueError(f"remaining_pages and num_running must be >= 0, got "
+                             f"{remaining_pages}, {num_running}")
         new = pages_for_tokens(prompt_tokens + max_new_tokens)
         need = math.ceil(new * self.ratio()) + 1
-        return self.headroom(running) >= need
+        headroom = self.manager.capacity_new_pages() - self._reserved(remaining_pages, num_running)
+        return headroom >= need
