@@ -245,6 +245,11 @@ class KVCacheManager:
         Per batch of at most S pages (one group's worth): encoded sizes first, then compressed
         space in each layer (a fresh chunk per layer at most), then encode, then free the open
         slots. ``sizes`` ([L, len(ids)] encoded bytes) is only for ``device="meta"``.
+
+        A page whose encoding is not smaller than its open form is copied in open form
+        (``page_loc`` stays odd). Compression uses the reserve chunks; should even they run out,
+        MemoryExhausted is raised: batches already done stay compressed, the rest stay open
+        (a valid state; preempt and retry).
         """
         ids = self._check_ids(ids, OPEN, "compress_pages")
         if not self.compression:
