@@ -365,3 +365,25 @@ def test_packed_place_general_next_fit_matches_reference():
                 assert out[layer, q] == c * C + ptr
                 ptr += s
     assert ps.layer_live.tolist() == [int(ps.live_bytes[list(ps.chunks[l])].sum()) for l in range(3)]
+
+
+def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
+    """The CUDA dispatch path (analyze_open_pages / compress_open_pages) run on CPU tensors (the
+    codec runs its kernels under the Triton interpreter there) gives the same page table and
+    the same bytes as the torch reference path."""
+    from zipfusion.memory import codec
+    if codec.analyze_open_pages is None:
+        pytest.skip("zipfusion.format.triton_codec is not importable")
+    results = []
+    for use_triton in (False, True):
+        monkeypatch.setattr(codec, "_use_triton", lambda arena, use=use_triton: use)
+        m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
+        ids = m.alloc_pages(6)
+        written = fill(m, ids, [0.7, 0.0])
+        m.compress_pages(ids)
+        assert_contents(m, written)
+        results.append((m.arena, m.page_loc.clone(), m._size.copy()))
+    (a0, loc0, size0), (a1, loc1, size1) = results
+    assert torch.equal(loc0, loc1) and np.array_equal(size0, size1)
+    for off, n in zip((loc0 & ~1)[loc0 >= 0].tolist(), size0[(loc0 >= 0).numpy()].tolist()):
+        assert torch.equal(a0[off:off + n], a1[off:off + n])
