@@ -50,12 +50,12 @@ On CPU tensors the kernels run under the Triton interpreter (slow: tests only), 
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_interpreter import interpreted_copy
 from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
 from . import reference
 
@@ -441,29 +441,7 @@ def _kernel(name: str, device: torch.device):
         return kernel
     if not compiled:
         return kernel
-    return getattr(_interpreter_copy(), name)
-
-
-_INTERPRETER_COPY = []
-
-
-def _interpreter_copy():
-    if not _INTERPRETER_COPY:
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(__package__ + "._triton_codec_interpreted",
-                                                      __file__)
-        module = importlib.util.module_from_spec(spec)
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-        _INTERPRETER_COPY.append(module)
-    return _INTERPRETER_COPY[0]
+    return getattr(interpreted_copy(__name__, __file__), name)
 
 
 def _check_layout(layout) -> PageLayout:

@@ -44,12 +44,12 @@ fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wro
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_interpreter import interpreted_copy
 from ..format.layout import PAGE_TOKENS, PageLayout
 
 LOG2E = 1.4426950408889634
@@ -62,7 +62,6 @@ def _interpreting() -> bool:
     return not isinstance(_decode_attention_kernel, triton.runtime.jit.JITFunction)
 
 
-_INTERPRETED = []
 LAST_COMPILED = {}     # mode -> the last launched compiled kernel (registers, spills)
 
 
@@ -84,22 +83,7 @@ def _kernels(device: torch.device):
                          f"interpreter), got tensors on {device}")
     if interp:
         return _decode_attention_kernel, _merge_kernel, True
-    if not _INTERPRETED:
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(__package__ + "._decode_attention_interp",
-                                                      __file__)
-        module = importlib.util.module_from_spec(spec)
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-        _INTERPRETED.append(module)
-    m = _INTERPRETED[0]
+    m = interpreted_copy(__name__, __file__)
     return m._decode_attention_kernel, m._merge_kernel, True
 
 
