@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from common import copy_bandwidth  # noqa: E402  (benchmarks/common.py)
+
 from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction  # noqa: E402
 from zipfusion.format import PageLayout, encode_pages_into, page_sizes  # noqa: E402
 from zipfusion.kernels import (decode_attention, decode_attention_twin,  # noqa: E402
@@ -39,24 +41,6 @@ LAYOUT = PageLayout(HKV, D)
 POOL = 1024                   # distinct pages per fraction; the arena repeats them
 ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
 DEV = torch.device("cuda")
-
-
-def copy_ceiling(nbytes=2 << 30):
-    """Device-to-device copy bandwidth, bytes read + written per second (median of 20)."""
-    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=DEV)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    return 2 * nbytes / statistics.median(ts)
 
 
 def time_calls(fn, n_sets, reps=11, min_inner=10):
@@ -264,7 +248,7 @@ def main():
                 torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python3 " + " ".join(sys.argv))
-    ceiling = copy_ceiling()
+    ceiling = copy_bandwidth(DEV)
     info["copy_ceiling_GBps"] = ceiling / 1e9
     print(f"{info['device']} torch {info['torch']} triton {info['triton']} "
           f"copy ceiling {ceiling / 1e9:.0f} GB/s (read+write)")

@@ -33,6 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from common import copy_bandwidth  # noqa: E402  (benchmarks/common.py)
+
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
@@ -51,29 +53,6 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def copy_bandwidth(dev, nbytes=2 << 30):
-    """Device-to-device copy, bytes read + written per second (median of 20)."""
-    if dev.type != "cuda":
-        return float("nan")
-    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    return 2 * nbytes / statistics.median(ts)
-
-
-# ---------------------------------------------------------------------------------------------
-# Exactness on the device: compression on vs off (and eager) give identical tokens and logits
-# ---------------------------------------------------------------------------------------------
 def exactness(model_name, dev, prebuilt=None, lengths=(700, 100, 333), max_tokens=24, kv_gb=4.0):
     g = torch.Generator().manual_seed(0)
     runs = {}

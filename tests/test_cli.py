@@ -1,7 +1,6 @@
 """CLI: ``zipfusion generate`` on a tiny checkpoint, ``demo`` model half, errors."""
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -9,15 +8,6 @@ import zipfusion  # noqa: E402
 from zipfusion.cli import main, run_demo  # noqa: E402
 from zipfusion.models.loader import DEMO_DIR  # noqa: E402
 from zipfusion.models.testing import save_tiny_checkpoint, save_word_tokenizer  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one thread is faster, and avoids oversubscribing a shared CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_generate_prints_what_the_api_returns(tmp_path, capsys):

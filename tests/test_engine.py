@@ -16,15 +16,6 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one thread is faster, and avoids oversubscribing a shared CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def prompts(seed, lengths):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]

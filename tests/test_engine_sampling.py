@@ -8,15 +8,6 @@ from hypothesis import strategies as st
 from zipfusion.engine.sampling import Sampler, SamplingParams, _top_k_top_p
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one thread is faster, and avoids oversubscribing a shared CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     s = Sampler("cpu")

@@ -15,15 +15,6 @@ LAYOUT = PageLayout(1, 64)                 # open page 4096 bytes, smallest comp
 OPEN = LAYOUT.open_page_bytes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny tensors: one thread is ~10x faster than several on a busy 2-core CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16)
 

@@ -17,15 +17,6 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 64}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one thread is faster, and avoids oversubscribing a shared CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def dense_causal_attention(layer, q, k, v):
     """Reference attention for one sequence: q [T, Hq, D], k/v [T, H, D]."""
     g = q.shape[1] // k.shape[1]

@@ -1,0 +1,29 @@
+"""Helpers shared by the GPU benchmarks (imported as ``common`` by scripts in this folder)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median of 20 copies);
+    NaN off the GPU. This is the ceiling that achieved bandwidths are compared with."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ts = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * nbytes / statistics.median(ts)
