@@ -101,8 +101,11 @@ def _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo) -> dict:
     fit_c, fit_u = int(budget // per_req_c), int(budget // per_req_u)
     echo(f"  KV pages at the peak: {st_on['pages_in_use']} ({st_on['stored_pages']} full pages compressed, "
          f"{st_on['open_pages']} open), x {cfg.num_hidden_layers} layers")
+    fractions = [layer["compressible_fraction"] for layer in st_on.get("layers", [])
+                 if layer["compressible_fraction"] == layer["compressible_fraction"]]   # not NaN
+    blocks = f", {sum(fractions) / len(fractions):.1%} of 512-value blocks compressible" if fractions else ""
     echo(f"  compression ratio of full pages: {1 / st_on['stored_ratio']:.3f}x "
-         f"({st_on['stored_ratio']:.1%} of their BF16 size)")
+         f"({st_on['stored_ratio']:.1%} of their BF16 size{blocks})")
     echo(f"  KV memory: {used / 1024:.0f} KiB instead of {full / 1024:.0f} KiB, "
          f"{1 - used / full:.1%} saved")
     echo(f"  the same {budget / 2**20:.0f} MiB of KV memory admits {fit_c} such requests compressed vs "
