@@ -202,3 +202,13 @@ def test_gpu_compression_on_off_identical_with_cuda_graphs(ckpts, model):
     for a, b in zip(res[True][0], res[False][0]):
         assert a.output_ids == b.output_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing_and_the_engine_goes_on():
+    llm = LLM("demo", device="cpu", max_model_len=64, kv_memory_gb=0.01)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match=r"prompt 1: .*max_model_len=64; shorten the prompt"):
+        llm.generate(["In the beginning", "word " * 200], sp)
+    assert not llm.engine.scheduler.has_work()
+    good = llm.generate(["In the beginning"], sp)
+    assert len(good) == 1 and len(good[0].token_ids) == 4

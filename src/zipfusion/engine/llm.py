@@ -240,7 +240,14 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         parsed = [self._prompt_ids(p) for p in prompts]
         eng = self.engine
-        reqs = [eng.add_request(ids, sp) for (ids, _), sp in zip(parsed, params)]
+        reqs = []
+        try:
+            for i, ((ids, _), sp) in enumerate(zip(parsed, params)):
+                reqs.append(eng.add_request(ids, sp))
+        except (ValueError, TypeError) as exc:
+            for r in reqs:                       # all or nothing: queue none of this call's prompts
+                eng.scheduler.waiting.remove(r)
+            raise type(exc)(f"prompt {i}: {exc}") from None
         bar = None
         if use_tqdm and len(prompts) > 1:
             from tqdm.auto import tqdm

@@ -69,7 +69,7 @@ class Scheduler:
             raise ValueError(f"request {req.request_id}: empty prompt")
         if len(req.prompt_ids) >= self.max_model_len:
             raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens does not fit "
-                             f"max_model_len={self.max_model_len}")
+                             f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len")
         self.waiting.append(req)
 
     def has_work(self) -> bool:
