@@ -359,9 +359,10 @@ def test_packed_place_general_next_fit_matches_reference():
 
 
 def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
-    """The CUDA dispatch path (analyze_open_pages / compress_open_pages) run on CPU tensors (the
-    codec runs its kernels under the Triton interpreter there) gives the same page table and
-    the same bytes as the torch reference path."""
+    """The CUDA dispatch path (analyze_open_pages / compress_open_pages, and decompress_pages
+    behind read_pages) run on CPU tensors (the codec runs its kernels under the Triton
+    interpreter there) gives the same page table, the same bytes and the same contents as the
+    torch reference path."""
     from zipfusion.memory import codec
     if codec.analyze_open_pages is None:
         pytest.skip("zipfusion.format.triton_codec is not importable")

@@ -1,4 +1,5 @@
-"""Which codec compresses full open pages in the arena: the one dispatch point.
+"""Which codec compresses full open pages in the arena, and decodes stored ones: the one
+dispatch point.
 
 On CUDA, ``zipfusion.format.triton_codec`` (``analyze_open_pages`` / ``compress_open_pages``)
 if it imports; otherwise (CPU, or no Triton codec) the torch reference: gather the open pages
@@ -6,7 +7,9 @@ as ``[P, 2, 16, H, D]`` bf16, ``page_sizes`` and ``encode_pages_into``. Both wri
 bytes (the format's contract), so the rest of the manager does not care which one ran.
 
 Two steps, because the manager must know the sizes before it can choose destinations:
-``analyze(...) -> (state, sizes)`` then ``encode(..., state, dst_offsets)``.
+``analyze(...) -> (state, sizes)`` then ``encode(..., state, dst_offsets)``. ``decode`` reads
+compressed pages back (prefill over earlier chunks, the CPU attention path): the Triton
+``decompress_pages`` on CUDA, the reference elsewhere; both check the metadata first.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..format import PageLayout, encode_pages_into, page_sizes
+from ..format import PageLayout, decode_pages, encode_pages_into, page_sizes
 
-try:                                          # written by a colleague; optional on CPU
-    from ..format.triton_codec import analyze_open_pages, compress_open_pages
-except ImportError:                           # pragma: no cover - depends on the tree
-    analyze_open_pages = compress_open_pages = None
+try:                                          # needs Triton; optional on CPU
+    from ..format.triton_codec import analyze_open_pages, compress_open_pages, decompress_pages
+except ImportError:                           # pragma: no cover - depends on the install
+    analyze_open_pages = compress_open_pages = decompress_pages = None
 
 
 def _use_triton(arena: torch.Tensor) -> bool:
@@ -60,3 +63,10 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
         compress_open_pages(arena, src[keep_t], payload[keep_t].contiguous(), dst, layout, validate=False)
     else:
         encode_pages_into(payload[keep_t].contiguous(), arena, dst)
+
+
+def decode(arena: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """Decoded compressed pages at byte ``offsets`` -> [P, 2, 16, H, D] bf16 (metadata checked)."""
+    if _use_triton(arena):
+        return decompress_pages(arena, offsets.to(arena.device), layout)
+    return decode_pages(arena, offsets.to(arena.device), layout.num_kv_heads, layout.head_dim, sizes=sizes)

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ..format import PageLayout, decode_pages
+from ..format import PageLayout
 from ..format.layout import COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES
 from . import codec
 from .chunks import ChunkPool, groups_available
@@ -394,9 +394,9 @@ class KVCacheManager:
                 self.arena, torch.from_numpy(loc[sel] & ~1), self.layout)
         if (~is_open).any():
             sel = np.nonzero(~is_open)[0]
-            out[torch.from_numpy(sel)] = decode_pages(
-                self.arena, torch.from_numpy(loc[sel]).to(self.device), H, D,
-                sizes=torch.from_numpy(self._size[layer, ids[sel]]))
+            out[torch.from_numpy(sel)] = codec.decode(
+                self.arena, torch.from_numpy(loc[sel]), torch.from_numpy(self._size[layer, ids[sel]]),
+                self.layout)
         return out
 
     def _check_layer(self, layer) -> None:
