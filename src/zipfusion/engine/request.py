@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..format.layout import PAGE_TOKENS
 from .sampling import SamplingParams
-
-PAGE_TOKENS = 16
 
 
 class Status(enum.Enum):
