@@ -132,6 +132,19 @@ class Bench:
         tc.decompress_pages(self.arena, dst, self.layout, out=self.out, validate=True)
         self.check_decompressed()
 
+    def check_round_trip(self):
+        """Analyze, compress and decompress the whole arena, each checked against the reference;
+        returns the analysis (base_half, sizes)."""
+        self.clear_compressed()
+        base_half, sizes = self.analyze()
+        self.check_analysis(base_half, sizes)
+        self.compress(base_half)
+        self.check_compressed()
+        self.out.fill_(float("nan"))
+        self.decompress()
+        self.check_decompressed()
+        return base_half, sizes
+
     def check_decompressed(self):
         assert torch.equal(self.out.view(-1).view(torch.uint8), self.arena[:self.src_bytes]), \
             "decompress: pages differ from the originals"
@@ -157,14 +170,7 @@ def tune(b: Bench, median_ms, warps, programs_per_sm):
     table = {}
     for w in warps:
         tc.NUM_WARPS.update(analyze=w, compress=w, decompress=w)
-        b.clear_compressed()
-        bh, sz = b.analyze()
-        b.check_analysis(bh, sz)
-        b.compress(bh)
-        b.check_compressed()
-        b.out.fill_(float("nan"))
-        b.decompress()
-        b.check_decompressed()
+        bh, sz = b.check_round_trip()
         table[f"analyze, {w} warps"] = ("analyze", {"warps": w}, median_ms(b.analyze))
         table[f"compress, {w} warps"] = ("compress", {"warps": w}, median_ms(lambda: b.compress(bh)))
         table[f"decompress, {w} warps"] = ("decompress", {"warps": w}, median_ms(b.decompress))
@@ -195,14 +201,7 @@ def run_dataset(dataset, args, device, median_ms, b=None):
            "ratio": b.src_bytes / b.compressed_bytes}
 
     # correctness of the whole arena, then timings
-    b.clear_compressed()
-    base_half, sizes = b.analyze()
-    b.check_analysis(base_half, sizes)
-    b.compress(base_half)
-    b.check_compressed()
-    b.out.fill_(float("nan"))
-    b.decompress()
-    b.check_decompressed()
+    base_half, sizes = b.check_round_trip()
     b.clear_compressed()
     b.analyze_compress()
     b.check_compressed()
