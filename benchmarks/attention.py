@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Decode-attention benchmark: FlashInfer vs our twin, fused and unfused kernels (GPU only).
 
+"twin" and "fused" are the CUDA C++ kernels (zipfusion/kernels/cuda/decode_attention.cu);
+"twin_triton" and "fused_triton" are the Triton kernels (the CPU-checkable reference), timed
+with --triton.
+
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with
 an exact fraction of compressible blocks (zipfusion.analysis.synthetic.pages_with_fraction).
 Every request's pages are scattered (random page ids); all full pages are compressed for the
@@ -9,7 +13,7 @@ Inputs are rotated over several copies so that no timed call finds its data in L
 kernel is timed as a CUDA graph of many calls (median over replays).
 
     python3 benchmarks/attention.py --quick            # batch 32, 8K, fractions 1.0/0.8/0.5/0.0
-    python3 benchmarks/attention.py --tune             # kernel variants at batch 32, 8K
+    python3 benchmarks/attention.py --tune             # CUDA kernel variants at batch 32, 8K
     python3 benchmarks/attention.py --full --out DIR   # the whole sweep -> DIR/attention.{json,md,png}
 """
 
@@ -36,7 +40,11 @@ from zipfusion.kernels import (decode_attention, decode_attention_twin,  # noqa:
                                decode_attention_unfused, plan_unfused)
 
 HQ, HKV, D, PS = 32, 8, 128, 16
-TUNABLE = ("chsets", "tile_pages", "num_warps", "num_splits", "num_stages", "prefetch")
+TUNABLE = ("stages", "num_splits")          # knobs of the CUDA kernel
+# name -> (Case method, fixed keyword arguments)
+KERNELS = {"twin": ("run_twin", {}), "fused": ("run_fused", {}), "unfused": ("run_unfused", {}),
+           "twin_triton": ("run_twin", {"backend": "triton"}),
+           "fused_triton": ("run_fused", {"backend": "triton"})}
 LAYOUT = PageLayout(HKV, D)
 POOL = 1024                   # distinct pages per fraction; the arena repeats them
 ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
@@ -180,11 +188,14 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling):
         recs.append(dict(kernel="flashinfer", median_ms=t * 1e3, spread_ms=spread * 1e3,
                          bytes_read=case.open_bytes, timing=how))
     for name in kernels:
-        fn = getattr(case, "run_" + name)
-        o = fn(0, **cfg).clone()
+        method, fixed = KERNELS[name]
+        fn = getattr(case, method)
+        kw = dict(fixed) if fixed else dict(cfg)
+        o = fn(0, **kw).clone()
         outs[name] = o
-        t, spread, how = time_calls(lambda i: fn(i, **cfg), case.sets)
-        nbytes = dict(twin=case.open_bytes, fused=case.comp_bytes,
+        t, spread, how = time_calls(lambda i: fn(i, **kw), case.sets)
+        nbytes = dict(twin=case.open_bytes, fused=case.comp_bytes, twin_triton=case.open_bytes,
+                      fused_triton=case.comp_bytes,
                       unfused=case.comp_bytes + case.open_bytes)[name]
         r = dict(kernel=name, median_ms=t * 1e3, spread_ms=spread * 1e3, bytes_read=nbytes,
                  timing=how)
@@ -193,11 +204,12 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling):
         if ref is not None:
             r["rel_err_vs_flashinfer"] = rel(o, ref)
         recs.append(r)
-    if "twin" in outs and "fused" in outs:
-        same = bool(torch.equal(outs["twin"], outs["fused"]))
-        for r in recs:
-            if r["kernel"] == "fused":
-                r["bit_identical_to_twin"] = same
+    for tw, fu in (("twin", "fused"), ("twin_triton", "fused_triton")):
+        if tw in outs and fu in outs:
+            same = bool(torch.equal(outs[tw], outs[fu]))
+            for r in recs:
+                if r["kernel"] == fu:
+                    r["bit_identical_to_twin"] = same
     fi_ms = recs[0]["median_ms"] if fi is not None else None
     for r in recs:
         r.update(batch=case.B, context=case.ctx)
@@ -212,7 +224,7 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling):
 def fmt(recs):
     lines = []
     for r in recs:
-        lines.append(f"{r['kernel']:>10} B={r['batch']:<3} ctx={r['context']:<6} "
+        lines.append(f"{r['kernel']:>12} B={r['batch']:<3} ctx={r['context']:<6} "
                      f"f={r['compressible_fraction']:.2f} {r['median_ms']:8.4f} ms "
                      f"(±{r['spread_ms']:.4f}) {r['achieved_GBps']:7.0f} GB/s "
                      f"x{r.get('speedup_vs_flashinfer', float('nan')):.3f} "
@@ -233,13 +245,16 @@ def main():
                       help="tune at batch 32 / 8K, pick the fastest fused config, then --full")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--no-flashinfer", action="store_true")
-    ap.add_argument("--tile-pages", type=int, default=None)
-    ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--num-splits", type=int, default=None)
-    ap.add_argument("--chsets", type=int, default=None)
+    ap.add_argument("--triton", action="store_true", help="also time the Triton kernels")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--contexts", default="2048,8192,32768")
     args = ap.parse_args()
-    cfg = dict(tile_pages=args.tile_pages, num_warps=args.num_warps, num_splits=args.num_splits,
-               chsets=args.chsets)
+    cfg = dict(stages=args.stages, num_splits=args.num_splits)
+    kernels = ["twin", "fused", "unfused"] + (["twin_triton", "fused_triton"] if args.triton else [])
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
 
     t_start = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -283,16 +298,15 @@ def main():
         with open(os.path.join(args.out, "attention_tune.json"), "w") as fh:
             json.dump(tune_recs, fh, indent=1)
     if args.full or args.auto:
-        cases = [(f, B, c) for f in (1.0, 0.8, 0.5) for B in (1, 8, 32, 64)
-                 for c in (2048, 8192, 32768)]
-        cases += [(0.0, 32, c) for c in (2048, 8192, 32768)]
+        cases = [(f, B, c) for f in (1.0, 0.8, 0.5) for B in batches for c in contexts]
+        cases += [(0.0, 32, c) for c in contexts]
     elif args.quick:
         cases = [(f, 32, 8192) for f in fractions]
     else:
         cases = []
     for f, B, ctx in cases:
         case = Case(pools[f], B, ctx, seed=B * 7 + ctx)
-        recs = measure_case(case, fi, ["twin", "fused", "unfused"], cfg, ceiling)
+        recs = measure_case(case, fi, kernels, cfg, ceiling)
         for r in recs:
             r["compressible_fraction"] = pools[f].fraction
             r["compressible_fraction_nominal"] = f
@@ -322,29 +336,15 @@ def main():
 
 
 def tune_case(case, fi, ceiling):
-    """Variants of the fused kernel and the twin at one case (tile pages, warps, splits, prmt)."""
+    """Variants of the CUDA fused kernel and twin at one case: cp.async depth x split-KV."""
     recs = measure_case(case, fi, [], {}, ceiling) if fi is not None else []
-    variants = []
-    # chsets=8 (eight [R, D/8] tiles, 8 dots per operand) measured 1.9-2.0 ms here in the
-    # previous round (benchmarks/results/attention_notes.md); not repeated
-    # (8 warps was slower in every earlier variant; not repeated)
-    for ch in (2, 1):
-        for tp in (1, 2, 4):
-            variants.append(dict(chsets=ch, tile_pages=tp, num_warps=4))
-        variants.append(dict(chsets=ch, tile_pages=2, num_warps=4, prefetch=False))
-        variants.append(dict(chsets=ch, tile_pages=2, num_warps=4, num_stages=1))
-    variants.append(dict(chsets=1, tile_pages=2, num_warps=4, use_asm=False))
+    variants = [dict(stages=st, num_splits=ns) for st in (2, 3, 4) for ns in (None, 1, 2, 4)]
     fi_ms = recs[0]["median_ms"] if recs else None
     for name in ("twin", "fused"):
         for v in variants:
-            if name == "twin" and "use_asm" in v:
-                continue
             fn = getattr(case, "run_" + name)
             t, spread, how = time_calls(lambda i: fn(i, **v), case.sets)
             nbytes = case.open_bytes if name == "twin" else case.comp_bytes
-            da = sys.modules["zipfusion.kernels.decode_attention"]
-            ck = da.LAST_COMPILED.get(da.MODE_TWIN if name == "twin" else da.MODE_FUSED)
-            v = dict(v, regs=getattr(ck, "n_regs", None), spills=getattr(ck, "n_spills", None))
             r = dict(kernel=name, variant=json.dumps(v), median_ms=t * 1e3,
                      spread_ms=spread * 1e3, bytes_read=nbytes, batch=case.B,
                      context=case.ctx, timing=how)

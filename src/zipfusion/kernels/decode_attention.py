@@ -44,6 +44,7 @@ fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wro
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -51,6 +52,7 @@ import triton.language as tl
 
 from ..triton_interpreter import interpreted_copy
 from ..format.layout import PAGE_TOKENS, PageLayout
+from . import cuda_attention
 
 LOG2E = 1.4426950408889634
 MODE_TWIN = 0     # open pages only (COMPRESSED=False)
@@ -701,11 +703,30 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages
     return int(max(1, min(want, most, 64)))
 
 
+BACKENDS = ("auto", "cuda", "triton")
+
+
+def _use_cuda(backend, q, layout) -> bool:
+    """Which kernel serves this call: the CUDA C++ kernel (``cuda_attention``) where it can
+    (CUDA tensors, head_dim 128, group <= 16, nvcc present), else the Triton kernel.
+    ``backend`` (or $ZIPFUSION_ATTENTION_BACKEND) forces one."""
+    backend = backend or os.environ.get("ZIPFUSION_ATTENTION_BACKEND", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        return False
+    G = q.shape[1] // layout.num_kv_heads
+    reason = cuda_attention.unsupported_reason(q.device, layout.head_dim, G)
+    if backend == "cuda" and reason:
+        raise cuda_attention.CudaKernelUnavailable(
+            f"backend='cuda' was asked for but {reason}; use backend='triton' or 'auto'")
+    return reason is None
+
+
 def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
             num_splits, tile_pages, num_warps, validate, use_asm=None, chsets=None,
-            num_stages=None, prefetch=None):
+            num_stages=None, prefetch=None, backend=None, stages=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
-    attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if validate:
         _check_ids(arena, page_loc_layer, block_table, context_lens, layout, mode == MODE_TWIN)
     B, Hq, D = q.shape
@@ -714,6 +735,11 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
+    if _use_cuda(backend, q, layout):
+        return cuda_attention.decode_attention_cuda(
+            q, arena, page_loc_layer, block_table, context_lens, H, sm_scale, out,
+            compressed=mode == MODE_FUSED, num_splits=num_splits, stages=stages)
+    attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if B == 0:
         return out
     TP = tile_pages or (1 if interp else 2)
@@ -746,24 +772,28 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
 def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                      out=None, *, num_splits=None, tile_pages=None, num_warps=None,
                      validate=True, use_asm=None, chsets=None, num_stages=None,
-                     prefetch=None):
+                     prefetch=None, backend=None, stages=None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
     [B, max_pages_per_request]; context_lens int32 [B] -> [B, Hq, D] bf16 (written into ``out``
     if given). ``validate`` checks ids and locations (one device sync; pass False inside CUDA
-    graphs). ``num_splits``, ``tile_pages``, ``num_warps`` override the tuning defaults;
-    ``use_asm=False`` uses the pure-Triton byte interleave instead of ``prmt`` (for timing).
+    graphs). ``backend``: "auto" (the CUDA C++ kernel where it applies, else Triton), "cuda"
+    or "triton". ``num_splits`` overrides the split-KV default (both kernels); ``stages``
+    (cp.async depth) tunes the CUDA kernel; ``tile_pages``, ``num_warps``, ``chsets``,
+    ``num_stages``, ``prefetch`` and ``use_asm`` (False: pure-Triton byte interleave instead of
+    ``prmt``) tune the Triton kernel.
     """
     return _launch(MODE_FUSED, q, arena, page_loc_layer, block_table, context_lens, layout,
                    sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm, chsets,
-                   num_stages, prefetch)
+                   num_stages, prefetch, backend, stages)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                           out=None, *, num_splits=None, tile_pages=None, num_warps=None,
-                          validate=True, chsets=None, num_stages=None, prefetch=None):
+                          validate=True, chsets=None, num_stages=None, prefetch=None,
+                          backend=None, stages=None):
     """The uncompressed twin: same tiling and arithmetic, every page must be open."""
     return _launch(MODE_TWIN, q, arena, page_loc_layer, block_table, context_lens, layout,
                    sm_scale, out, num_splits, tile_pages, num_warps, validate, None, chsets,
-                   num_stages, prefetch)
+                   num_stages, prefetch, backend, stages)

@@ -1,0 +1,131 @@
+"""The CUDA C++ decode-attention kernel (``cuda/decode_attention.cu``): build once, call.
+
+The kernel is compiled with ``nvcc`` the first time it is needed (a few seconds) into a small
+shared library cached under ``$ZIPFUSION_CACHE`` (default ``~/.cache/zipfusion``), keyed by the
+source's hash and the GPU architecture, and called through ``ctypes`` on torch's current
+stream (so it is captured by CUDA graphs like any torch op). It covers head_dim 128 and GQA
+groups of up to 16 query heads on GPUs with bf16 tensor cores (sm_80+); everything else, and
+every CPU run, goes to the Triton kernel, which is also the CPU-checkable reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
+HEAD_DIM = 128
+MAX_GROUP = 16
+DEFAULT_STAGES = 3
+LOG2E = 1.4426950408889634
+
+
+class CudaKernelUnavailable(RuntimeError):
+    """The CUDA C++ kernel cannot run here (no nvcc, old GPU, unsupported shape)."""
+
+
+def _nvcc() -> str:
+    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.exists(cand):
+            return cand
+    raise CudaKernelUnavailable("nvcc was not found (set NVCC or CUDA_HOME, or use "
+                                "backend='triton')")
+
+
+@lru_cache(maxsize=None)
+def _library(arch: str) -> ctypes.CDLL:
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("ZIPFUSION_CACHE", Path.home() / ".cache" / "zipfusion"))
+    cache.mkdir(parents=True, exist_ok=True)
+    lib = cache / f"decode_attention_{arch}_{key}.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [_nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(SOURCE)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CudaKernelUnavailable(f"building {SOURCE.name} failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, lib)
+    dll = ctypes.CDLL(str(lib))
+    dll.zf_decode_attention.restype = ctypes.c_int
+    dll.zf_decode_attention.argtypes = (
+        [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 8
+        + [ctypes.c_float] + [ctypes.c_int] * 6 + [ctypes.c_void_p])
+    dll.zf_error_string.restype = ctypes.c_char_p
+    dll.zf_error_string.argtypes = [ctypes.c_int]
+    return dll
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise CudaKernelUnavailable(f"the CUDA kernel needs bf16 tensor cores (sm_80+), this GPU "
+                                    f"is sm_{major}{minor}")
+    return f"{major}{minor}"
+
+
+def unsupported_reason(device: torch.device, head_dim: int, group: int) -> str | None:
+    """Why the CUDA kernel cannot serve this call, or None if it can."""
+    if device.type != "cuda":
+        return "tensors are not on a CUDA device"
+    if head_dim != HEAD_DIM:
+        return f"head_dim {head_dim} (the CUDA kernel is built for {HEAD_DIM})"
+    if group > MAX_GROUP:
+        return f"GQA group of {group} query heads (the CUDA kernel serves up to {MAX_GROUP})"
+    try:
+        _library(_arch(device))
+    except CudaKernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int,
+                       device: torch.device) -> int:
+    """Split-KV factor: about two CTAs per SM, each with at least 16 pages (4 per warp)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(1, batch * num_kv_heads))
+    return int(max(1, min(want, max_pages // 16, 64)))
+
+
+def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: torch.Tensor,
+                          block_table: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int,
+                          sm_scale: float, out: torch.Tensor, *, compressed: bool,
+                          num_splits: int | None = None, stages: int | None = None) -> torch.Tensor:
+    """Launch the kernel; inputs are already checked by the caller (decode_attention.py)."""
+    B, Hq, D = q.shape
+    G = Hq // num_kv_heads
+    reason = unsupported_reason(q.device, D, G)
+    if reason:
+        raise CudaKernelUnavailable(f"the CUDA attention kernel cannot run here: {reason}; "
+                                    "use backend='triton'")
+    if B == 0:
+        return out
+    lib = _library(_arch(q.device))
+    max_pages = block_table.shape[1]
+    S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device)
+    pps = -(-max_pages // S)
+    S = -(-max_pages // pps)
+    if S > 1:
+        part_o = torch.empty(B * Hq * S * D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    with torch.cuda.device(q.device):
+        err = lib.zf_decode_attention(
+            int(compressed), int(stages or DEFAULT_STAGES), q.data_ptr(), arena.data_ptr(),
+            page_loc_layer.data_ptr(), block_table.data_ptr(), context_lens.data_ptr(),
+            out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
+            float(sm_scale) * LOG2E, block_table.stride(0), pps, S, B, num_kv_heads, G, stream)
+    if err:
+        raise RuntimeError(f"CUDA decode attention failed: {lib.zf_error_string(err).decode()}")
+    return out
