@@ -23,7 +23,7 @@ import torch
 SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
 HEAD_DIM = 128
 MAX_GROUP = 16
-DEFAULT_STAGES = 3
+DEFAULT_STAGES = 4
 LOG2E = 1.4426950408889634
 
 

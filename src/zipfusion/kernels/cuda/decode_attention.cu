@@ -12,35 +12,34 @@
 // at the end the four warp states are combined in shared memory, and the splits of a request
 // are combined by `merge_kernel` (out = Σ 2^(lse_s − M) o_s / Σ 2^(lse_s − M)).
 //
-// Per warp, per page (16 tokens), with c = sm_scale·log2(e) and m16n8k16 bf16 MMAs:
+// Per warp, per page (16 tokens), with c = sm_scale·log2(e) and m16n8k16 bf16 MMAs whose M
+// dimension is the page's 16 tokens (then the head dims), N the query heads (8 per n-tile):
 //
-//   S[16 heads × 16 tokens] = Q[16 × 128] · Kᵀ                        (16 MMAs)
-//   m' = max(m, rowmax c·S);  P = 2^(c·S − m');  l = l·2^(m − m') + rowsum P
-//   acc[16 heads × 128] = acc · 2^(m − m') + bf16(P) · V              (16 MMAs)
+//   Sᵀ[16 tokens × 8 heads] = K[16 × 128] · Qᵀ                (8 MMAs per n-tile)
+//   m' = max(m, colmax c·Sᵀ);  Pᵀ = 2^(c·Sᵀ − m');  l = l·2^(m − m') + colsum Pᵀ
+//   Oᵀ[128 dims × 8 heads] = Oᵀ · 2^(m − m') + Vᵀ · bf16(Pᵀ)     (8 MMAs per n-tile)
 //
-// Rows are query heads (rows >= G are zero padding); the C fragment of the first product is
-// the A fragment of the second, as in FlashAttention-2.
+// Heads >= G are zero padding. Pᵀ leaves the first product as a C fragment (rows = tokens) and
+// enters the second as a B fragment (columns = heads): one `movmatrix.trans` per 8×8 tile.
 //
 // Where each value goes. The MMA reduction index can be permuted freely as long as both
 // operands agree, and that is what lets a thread restore whole groups (8 consecutive channels
 // of one token, docs/format.md) straight into its fragments. Lane = 4·g + t (g = 0..7,
-// t = 0..3):
-//   * Q·Kᵀ: chunk pair (2p, 2p+1) covers K block p (channels 32p..32p+31). Lane (g, t) holds
-//     channels 32p+8t .. 32p+8t+7 of token ρ(g) (n-tile 0) and ρ(g)+8 (n-tile 1): four bf16
-//     pairs w0..w3 = B fragments {w0, w1} of chunk 2p and {w2, w3} of chunk 2p+1. Q is loaded
-//     into A fragments with the same channel order.
-//   * token order ρ(2u) = u, ρ(2u+1) = u+4 (u = 0..3). Then P's slots (2t, 2t+1, 2t+8, 2t+9)
-//     are tokens (t, t+4, t+8, t+12): one per V block (V blocks hold 4 tokens each), so every
-//     load of a V block is uniform across the warp (no divergence between raw and compressed).
-//   * P·V: lane (g, t) needs, for its output dims, V of tokens t, t+4 (first B register) and
-//     t+8, t+12 (second). It restores groups g and g+8 (channels 8g.., 64+8g..) of those four
-//     tokens and transposes bf16 pairs across tokens with one `prmt` per word. n-tile i covers
-//     dims φ(i, n) = 8n + i (i < 8) or 64 + 8n + (i − 8).
+// t = 0..3); token order σ(2u) = u, σ(2u+1) = u + 4, σ(8 + x) = 8 + σ(x):
+//   * K·Qᵀ: chunk pair (2p, 2p+1) covers K block p (channels 32p..32p+31). Lane (g, t) holds
+//     channels 32p+8t .. 32p+8t+7 of tokens σ(g) (A row g) and σ(g)+8 (row g+8): bf16 pairs
+//     w0..w3 of each; {w0, w1} feed chunk 2p and {w2, w3} chunk 2p+1. Q is loaded into B
+//     fragments with the same channel order.
+//   * Vᵀ·Pᵀ: the k slots (2t, 2t+1, 2t+8, 2t+9) of lane (g, t) are tokens (t, t+4, t+8, t+12),
+//     one in each V block (a V block holds 4 tokens), so each load of a V block is uniform
+//     across the warp (no divergence between raw and compressed blocks). The lane restores
+//     channel groups g and g+8 of those four tokens; m-tile i row g is dim 8g + i, row g+8 is
+//     64 + 8g + i, and one `prmt` per register pairs two tokens' values of one dim.
 //
-// Loads. Each warp stages whole pages (its head's K and V bodies, <= 8 KB) into shared memory
-// with cp.async, STAGES pages deep; an open page is copied into the layout of an all-raw page,
-// so the compute sees one format. Page ids, locations and metadata records are read 32 pages at
-// a time (one per lane) and broadcast with shuffles.
+// Loads. Each warp stages half pages (its head's K bodies, then its V bodies, <= 4 KB each)
+// into shared memory with cp.async, STAGES halves deep; an open page is copied into the layout
+// of all-raw blocks, so the compute sees one format. Page ids, locations and metadata records
+// are read 32 pages at a time (one per lane, one batch ahead) and broadcast with shuffles.
 //
 // Exactness. Every source (open page, raw block, compressed block) yields the same 32-bit
 // words in the same registers, so everything after the restore -- the MMAs, the softmax, the
@@ -58,9 +57,10 @@ constexpr int PAGE = 16;          // tokens per page
 constexpr int NB = 4;             // blocks per head and role (K or V)
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr int STAGE_BYTES = 8192; // one head's K + V bodies, all raw
+constexpr int STAGE_BYTES = 4096; // one head's K (or V) bodies, all raw
 constexpr int RECORD = 8;         // metadata bytes per (head, role)
 constexpr uint32_t RAW = 0xFF;
+constexpr unsigned FULL = 0xffffffffu;
 
 // ---------------------------------------------------------------------------------------------
 // Small PTX helpers
@@ -72,6 +72,12 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -90,6 +96,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 __device__ __forceinline__ int block_bytes(uint32_t mark) { return mark == RAW ? 1024 : 768; }
+
+__device__ __forceinline__ int body_bytes(uint32_t marks) {
+  int n = 0;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) n += block_bytes((marks >> (8 * j)) & 0xFF);
+  return n;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Restoring one group of 8 values (docs/format.md, section 2)
@@ -120,57 +133,40 @@ __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Staging a page into shared memory
+// Staging half a page (this head's K or V) into shared memory
 // ---------------------------------------------------------------------------------------------
-// Stage layout (both page kinds): K blocks from byte 0, V blocks from byte `voff`, each block
-// 768 (compressed) or 1024 (raw) bytes in the order of docs/format.md. `Desc` says which.
+// Stage layout for both page kinds: the role's 4 blocks back to back, 768 (compressed) or 1024
+// (raw) bytes each, in the order of docs/format.md. Returns the 4 block marks.
 
-struct Desc {
-  uint32_t kmarks;   // 4 bytes: b/2 of K block j, or 0xFF (raw)
-  uint32_t vmarks;
-  int voff;          // stage offset of V block 0
-  int pad;
-};
-
-// Copy one page (this head's K and V) into `stage`; lane-uniform arguments.
 template <bool COMPRESSED>
-__device__ __forceinline__ Desc issue_page(uint8_t* stage, const uint8_t* arena, long long loc,
-                                           uint2 rk, uint2 rv, int h, int H, int lane) {
-  Desc d;
+__device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* arena,
+                                               long long loc, uint2 rec, int role, int h, int H,
+                                               int lane) {
   if (COMPRESSED && !(loc & 1)) {
-    int ksz = 0, vsz = 0;
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      ksz += block_bytes((rk.y >> (8 * j)) & 0xFF);
-      vsz += block_bytes((rv.y >> (8 * j)) & 0xFF);
-    }
-    const uint8_t* src = arena + loc + rk.x;     // K bodies, then V bodies, contiguous
-    int chunks = (ksz + vsz) >> 4;
+    const uint8_t* src = arena + loc + rec.x;
+    int chunks = body_bytes(rec.y) >> 4;
     for (int c = lane; c < chunks; c += 32) cp_async16(stage + 16 * c, src + 16 * c);
-    d.kmarks = rk.y; d.vmarks = rv.y; d.voff = ksz;
-  } else {
-    // Open page [2, 16, H, D]: token rows of 256 bytes. K row τ, chunk c (channels 8c..8c+7)
-    // goes to raw K block c/4, row τ: 1024·(c/4) + 64·τ + 16·(c%4); V row τ to 4096 + 256·τ
-    // + 16·c (= raw V block τ/4, row τ%4).
-    const uint8_t* base = arena + (loc & ~1LL) + (long long)h * D * 2;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      int id = 32 * i + lane;            // 0..511
-      int role = id >> 8, tok = (id >> 4) & 15, c = id & 15;
-      const uint8_t* src = base + ((long long)(role * PAGE + tok) * H) * D * 2 + 16 * c;
-      int dst = role ? 4096 + 256 * tok + 16 * c : 1024 * (c >> 2) + 64 * tok + 16 * (c & 3);
-      cp_async16(stage + dst, src);
-    }
-    d.kmarks = 0xFFFFFFFFu; d.vmarks = 0xFFFFFFFFu; d.voff = 4096;
+    return rec.y;
   }
-  return d;
+  // Open page [2, 16, H, D]: token rows of 256 bytes. K row τ, chunk c (channels 8c..8c+7)
+  // goes to raw K block c/4, row τ: 1024·(c/4) + 64·τ + 16·(c%4); V row τ, chunk c to
+  // 256·τ + 16·c (= raw V block τ/4, row τ%4).
+  const uint8_t* base = arena + (loc & ~1LL) + ((long long)role * PAGE * H + h) * D * 2;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    int id = 32 * i + lane;              // 0..255
+    int tok = id >> 4, c = id & 15;
+    int dst = role ? 256 * tok + 16 * c : 1024 * (c >> 2) + 64 * tok + 16 * (c & 3);
+    cp_async16(stage + dst, base + (long long)tok * H * D * 2 + 16 * c);
+  }
+  return 0xFFFFFFFFu;
 }
 
 // ---------------------------------------------------------------------------------------------
 // The attention kernel
 // ---------------------------------------------------------------------------------------------
 
-template <bool COMPRESSED, int STAGES>
+template <bool COMPRESSED, int NT, int STAGES>
 __global__ void __launch_bounds__(THREADS)
 attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
                  const long long* __restrict__ page_loc, const int* __restrict__ block_table,
@@ -178,7 +174,7 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
                  float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale,
                  int bt_stride, int pages_per_split, int num_splits, int H, int G) {
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ Desc descs[WARPS][STAGES];
+  __shared__ uint32_t marks_of[WARPS][STAGES];
 
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -201,197 +197,214 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     return;
   }
 
-  // Q as A fragments: qa[kc] = {row g, row g+8} × {slots 2t.., slots 2t+8..} of chunk kc.
-  uint32_t qa[8][4];
+  // Qᵀ as B fragments: qb[nt][kc] = {slots 2t.., slots 2t+8..} of head 8nt + g, chunk kc.
+  uint32_t qb[NT][8][2];
 #pragma unroll
-  for (int p = 0; p < NB; ++p) {
+  for (int nt = 0; nt < NT; ++nt) {
+    const int head = 8 * nt + g;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      int r = g + 8 * half;
+    for (int p = 0; p < NB; ++p) {
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < G) v = *reinterpret_cast<const uint4*>(q + (row0 + r) * D + 32 * p + 8 * t);
-      qa[2 * p][half] = v.x;       // chunk 2p:   slots 2t.. = channels +0,+1
-      qa[2 * p][2 + half] = v.y;   //             slots 2t+8.. = channels +2,+3
-      qa[2 * p + 1][half] = v.z;   // chunk 2p+1: channels +4,+5 and +6,+7
-      qa[2 * p + 1][2 + half] = v.w;
+      if (head < G) v = *reinterpret_cast<const uint4*>(q + (row0 + head) * D + 32 * p + 8 * t);
+      qb[nt][2 * p][0] = v.x;       // chunk 2p:   slots 2t.. = channels +0,+1; 2t+8.. = +2,+3
+      qb[nt][2 * p][1] = v.y;
+      qb[nt][2 * p + 1][0] = v.z;   // chunk 2p+1: channels +4,+5 and +6,+7
+      qb[nt][2 * p + 1][1] = v.w;
     }
   }
 
-  float acc[16][4];
+  // acc[nt][i]: Oᵀ m-tile i; e = 0,1: dim 8g+i, heads 8nt+2t, +1; e = 2,3: dim 64+8g+i.
+  float acc[NT][8][4];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};   // rows g, g+8 (log2 domain)
-  float l_run[2] = {0.f, 0.f};               // this lane's partial row sums
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[nt][i][0] = acc[nt][i][1] = acc[nt][i][2] = acc[nt][i][3] = 0.f;
+  float m_run[NT][2], l_run[NT][2];        // heads 8nt + 2t + e (log2 domain; partial sums)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) m_run[nt][0] = m_run[nt][1] = -INFINITY, l_run[nt][0] = l_run[nt][1] = 0.f;
+  uint32_t pb[NT][2];                      // Pᵀ of the current page as B fragments
 
   uint8_t* stages = smem + (size_t)warp * STAGES * STAGE_BYTES;
   const int my_pages = (p_end - p_begin - warp + WARPS - 1) / WARPS;   // may be <= 0
+  const int halves = 2 * max(my_pages, 0);
   const int* bt = block_table + (long long)b * bt_stride;
 
-  // Per-lane metadata for 32 pages of this warp's sequence: lane j holds page j of the batch.
-  long long m_loc = 0;
-  uint4 m_rec = make_uint4(0, 0, 0, 0);
-  auto load_meta = [&](int j0) {
-    int j = j0 + lane;
+  // Metadata of 32 of this warp's pages at a time: lane j holds page 32·batch + j. `cur` serves
+  // the copies being issued, `nxt` is the next batch, loaded one batch ahead.
+  long long loc_cur = 0, loc_nxt = 0;
+  uint4 rec_cur = make_uint4(0, 0, 0, 0), rec_nxt = make_uint4(0, 0, 0, 0);
+  auto load_meta = [&](int batch, long long& loc, uint4& rec) {
+    int j = 32 * batch + lane;
     if (j < my_pages) {
-      int page = p_begin + warp + WARPS * j;
-      m_loc = page_loc[bt[page]];
-      if (COMPRESSED && !(m_loc & 1))
-        m_rec = *reinterpret_cast<const uint4*>(arena + m_loc + 2 * RECORD * h);
+      loc = page_loc[bt[p_begin + warp + WARPS * j]];
+      if (COMPRESSED && !(loc & 1))
+        rec = *reinterpret_cast<const uint4*>(arena + loc + 2 * RECORD * h);
     }
   };
-  auto issue = [&](int j) {
-    if ((j & 31) == 0) load_meta(j);
-    int src = j & 31;
-    long long loc = __shfl_sync(0xffffffffu, m_loc, src);
-    uint2 rk, rv;
-    rk.x = __shfl_sync(0xffffffffu, m_rec.x, src);
-    rk.y = __shfl_sync(0xffffffffu, m_rec.y, src);
-    rv.x = __shfl_sync(0xffffffffu, m_rec.z, src);
-    rv.y = __shfl_sync(0xffffffffu, m_rec.w, src);
-    Desc d = issue_page<COMPRESSED>(stages + (j % STAGES) * STAGE_BYTES, arena, loc, rk, rv, h,
-                                    H, lane);
-    if (lane == 0) descs[warp][j % STAGES] = d;
+  if (my_pages > 0) { load_meta(0, loc_cur, rec_cur); load_meta(1, loc_nxt, rec_nxt); }
+
+  auto issue = [&](int u) {               // half u: page u/2, K (u even) or V (u odd)
+    const int j = u >> 1, role = u & 1;
+    if (role == 0 && (j & 31) == 0 && j > 0) {
+      loc_cur = loc_nxt; rec_cur = rec_nxt;
+      load_meta((j >> 5) + 1, loc_nxt, rec_nxt);
+    }
+    const int src = j & 31;
+    long long loc = __shfl_sync(FULL, loc_cur, src);
+    uint2 rec;
+    rec.x = __shfl_sync(FULL, role ? rec_cur.z : rec_cur.x, src);
+    rec.y = __shfl_sync(FULL, role ? rec_cur.w : rec_cur.y, src);
+    uint32_t mk = issue_half<COMPRESSED>(stages + (u % STAGES) * STAGE_BYTES, arena, loc, rec,
+                                         role, h, H, lane);
+    if (lane == 0) marks_of[warp][u % STAGES] = mk;
   };
 
 #pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j) {
-    if (j < my_pages) issue(j);
+  for (int u = 0; u < STAGES - 1; ++u) {
+    if (u < halves) issue(u);
     cp_async_commit();
   }
 
-  const int rho = (g >> 1) + 4 * (g & 1);    // token of n-tile 0 for this lane (ρ(g))
+  const int sig = (g >> 1) + 4 * (g & 1);    // σ(g): token of A row g (K) for this lane
 
-  for (int j = 0; j < my_pages; ++j) {
-    if (j + STAGES - 1 < my_pages) issue(j + STAGES - 1);
+  for (int u = 0; u < halves; ++u) {
+    if (u + STAGES - 1 < halves) issue(u + STAGES - 1);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncwarp();
 
-    const uint8_t* st = stages + (j % STAGES) * STAGE_BYTES;
-    const Desc d = descs[warp][j % STAGES];
-    const int page = p_begin + warp + WARPS * j;
+    const uint8_t* st = stages + (u % STAGES) * STAGE_BYTES;
+    const uint32_t marks = marks_of[warp][u % STAGES];
+    const int page = p_begin + warp + WARPS * (u >> 1);
     const int valid = min(PAGE, ctx - page * PAGE);     // tokens of this page inside the context
 
-    // ---- S = Q·Kᵀ: n-tile 0 = tokens ρ(0..7), n-tile 1 = tokens 8 + ρ(0..7) ----
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    int off = 0;
+    if ((u & 1) == 0) {
+      // ---- Sᵀ = K·Qᵀ: A rows g, g+8 = tokens σ(g), σ(g)+8 ----
+      float sc[NT][4];
 #pragma unroll
-    for (int p = 0; p < NB; ++p) {
-      const uint32_t mark = (d.kmarks >> (8 * p)) & 0xFF;
+      for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+      int off = 0;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        uint32_t w[4];
-        read_group(st + off, mark, 4 * (rho + 8 * nt) + t, w);
-        mma_bf16(sc[nt], qa[2 * p][0], qa[2 * p][1], qa[2 * p][2], qa[2 * p][3], w[0], w[1]);
-        mma_bf16(sc[nt], qa[2 * p + 1][0], qa[2 * p + 1][1], qa[2 * p + 1][2],
-                 qa[2 * p + 1][3], w[2], w[3]);
+      for (int p = 0; p < NB; ++p) {
+        const uint32_t mark = (marks >> (8 * p)) & 0xFF;
+        uint32_t w0[4], w1[4];
+        read_group(st + off, mark, 4 * sig + t, w0);
+        read_group(st + off, mark, 4 * (sig + 8) + t, w1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          mma_bf16(sc[nt], w0[0], w1[0], w0[1], w1[1], qb[nt][2 * p][0], qb[nt][2 * p][1]);
+          mma_bf16(sc[nt], w0[2], w1[2], w0[3], w1[3], qb[nt][2 * p + 1][0],
+                   qb[nt][2 * p + 1][1]);
+        }
+        off += block_bytes(mark);
       }
-      off += block_bytes(mark);
-    }
-
-    // ---- online softmax; sc[nt][e]: row g (e < 2) or g+8, slot 2t + (e&1) + 8·nt ----
-    // slot → token: 2t → t, 2t+1 → t+4, 2t+8 → t+8, 2t+9 → t+12.
-    float mx[2] = {-INFINITY, -INFINITY};
+      // ---- online softmax over tokens (rows: this lane's two, and g across lanes) ----
+      // sc[nt][e]: token σ(g) (e < 2) or σ(g)+8, head 8nt + 2t + (e & 1).
+      const bool ok0 = sig < valid, ok1 = sig + 8 < valid;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int tok = t + 4 * (e & 1) + 8 * nt;
-        float v = tok < valid ? sc[nt][e] * qk_scale : -INFINITY;
-        sc[nt][e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      float m_new = fmaxf(m_run[r], mx[r]);
-      alpha[r] = exp2f(m_run[r] - m_new);     // 0 on the first page (m_run = -inf)
-      m_run[r] = m_new;
-    }
-    uint32_t pa[4];
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float p0 = exp2f(sc[nt][0] - m_run[0]), p1 = exp2f(sc[nt][1] - m_run[0]);
-      float p2 = exp2f(sc[nt][2] - m_run[1]), p3 = exp2f(sc[nt][3] - m_run[1]);
-      rs[0] += p0 + p1;
-      rs[1] += p2 + p3;
-      pa[2 * nt] = pack_bf16(p0, p1);         // row g,   slots 2t, 2t+1 (+8 for nt = 1)
-      pa[2 * nt + 1] = pack_bf16(p2, p3);     // row g+8
-    }
-    l_run[0] = l_run[0] * alpha[0] + rs[0];
-    l_run[1] = l_run[1] * alpha[1] + rs[1];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[0];
-        acc[i][2] *= alpha[1]; acc[i][3] *= alpha[1];
-      }
-    }
-
-    // ---- acc += P·V. V block k holds tokens 4k..4k+3; this lane reads token 4k + t. ----
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      uint32_t vw[4][4];     // [block k][pair]: channels 64·half + 8g + 2·pair, +1 of token 4k+t
-      int voff = d.voff;
-#pragma unroll
-      for (int k = 0; k < NB; ++k) {
-        const uint32_t mark = (d.vmarks >> (8 * k)) & 0xFF;
-        read_group(st + voff, mark, 16 * t + 8 * half + g, vw[k]);
-        if (4 * k + t >= valid) vw[k][0] = vw[k][1] = vw[k][2] = vw[k][3] = 0u;  // past the end
-        voff += block_bytes(mark);
-      }
-#pragma unroll
-      for (int pair = 0; pair < 4; ++pair) {
+      for (int nt = 0; nt < NT; ++nt) {
+        float alpha[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const uint32_t sel = e ? 0x7632 : 0x5410;   // odd or even channel of the pair
-          uint32_t b0 = __byte_perm(vw[0][pair], vw[1][pair], sel);   // tokens t, t+4
-          uint32_t b1 = __byte_perm(vw[2][pair], vw[3][pair], sel);   // tokens t+8, t+12
-          mma_bf16(acc[8 * half + 2 * pair + e], pa[0], pa[1], pa[2], pa[3], b0, b1);
+          float s0 = ok0 ? sc[nt][e] * qk_scale : -INFINITY;
+          float s1 = ok1 ? sc[nt][e + 2] * qk_scale : -INFINITY;
+          float mx = fmaxf(s0, s1);
+          mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
+          const float m_new = fmaxf(m_run[nt][e], mx);
+          alpha[e] = exp2f(m_run[nt][e] - m_new);    // 0 on the first page (m_run = -inf)
+          m_run[nt][e] = m_new;
+          sc[nt][e] = exp2f(s0 - m_new);
+          sc[nt][e + 2] = exp2f(s1 - m_new);
+          l_run[nt][e] = l_run[nt][e] * alpha[e] + (sc[nt][e] + sc[nt][e + 2]);
         }
+        // Pᵀ 8×8 tiles (rows tokens σ(0..7) / σ(0..7)+8, columns heads) -> B fragments
+        pb[nt][0] = transpose8x8(pack_bf16(sc[nt][0], sc[nt][1]));   // k slots 2t, 2t+1
+        pb[nt][1] = transpose8x8(pack_bf16(sc[nt][2], sc[nt][3]));   // k slots 2t+8, 2t+9
+        if (__any_sync(FULL, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            acc[nt][i][0] *= alpha[0]; acc[nt][i][1] *= alpha[1];
+            acc[nt][i][2] *= alpha[0]; acc[nt][i][3] *= alpha[1];
+          }
+        }
+      }
+    } else {
+      // ---- Oᵀ += Vᵀ·Pᵀ. V block k holds tokens 4k..4k+3; this lane reads token 4k + t. ----
+      uint32_t vw[NB][2][4];   // [block k][half]: channels 64·half + 8g + 2·pair, +1 of token 4k+t
+      int off = 0;
+#pragma unroll
+      for (int k = 0; k < NB; ++k) {
+        const uint32_t mark = (marks >> (8 * k)) & 0xFF;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          read_group(st + off, mark, 16 * t + 8 * half + g, vw[k][half]);
+          if (4 * k + t >= valid)                      // past the end of the context
+            vw[k][half][0] = vw[k][half][1] = vw[k][half][2] = vw[k][half][3] = 0u;
+        }
+        off += block_bytes(mark);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {                    // m-tile i: dims 8g+i and 64+8g+i
+        const int pair = i >> 1;
+        const uint32_t sel = (i & 1) ? 0x7632 : 0x5410;   // odd or even channel of the pair
+        const uint32_t a0 = __byte_perm(vw[0][0][pair], vw[1][0][pair], sel);  // tokens t, t+4
+        const uint32_t a1 = __byte_perm(vw[0][1][pair], vw[1][1][pair], sel);
+        const uint32_t a2 = __byte_perm(vw[2][0][pair], vw[3][0][pair], sel);  // t+8, t+12
+        const uint32_t a3 = __byte_perm(vw[2][1][pair], vw[3][1][pair], sel);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[nt][i], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
       }
     }
     __syncwarp();     // every lane is done with this stage before it is refilled
   }
   cp_async_wait<0>();
 
-  // ---- combine the four warps: rows g, g+8; acc[i][e] is dim φ(i, 2t + (e&1)) ----
+  // ---- combine the four warps ----
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
-  __syncthreads();                                  // all stages are free now
-  float* so = reinterpret_cast<float*>(smem);       // [WARPS][16 rows][D]
-  float* sm = so + WARPS * 16 * D;                  // [WARPS][16]
-  float* sl = sm + WARPS * 16;                      // [WARPS][16]
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int n = 2 * t + (e & 1);
-      int dim = i < 8 ? 8 * n + i : 64 + 8 * n + (i - 8);
-      so[(warp * 16 + g + 8 * (e >> 1)) * D + dim] = acc[i][e];
+    for (int e = 0; e < 2; ++e) {
+      l_run[nt][e] += __shfl_xor_sync(FULL, l_run[nt][e], 4);
+      l_run[nt][e] += __shfl_xor_sync(FULL, l_run[nt][e], 8);
+      l_run[nt][e] += __shfl_xor_sync(FULL, l_run[nt][e], 16);
     }
-  if (t == 0) {
-    sm[warp * 16 + g] = m_run[0]; sm[warp * 16 + g + 8] = m_run[1];
-    sl[warp * 16 + g] = l_run[0]; sl[warp * 16 + g + 8] = l_run[1];
+  __syncthreads();                                  // all stages are free now
+  constexpr int ROWS = 8 * NT;
+  float* so = reinterpret_cast<float*>(smem);       // [WARPS][ROWS heads][D]
+  float* sm = so + WARPS * ROWS * D;                // [WARPS][ROWS]
+  float* sl = sm + WARPS * ROWS;                    // [WARPS][ROWS]
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int head = 8 * nt + 2 * t + (e & 1);
+        const int dim = (e < 2 ? 0 : 64) + 8 * g + i;
+        so[(warp * ROWS + head) * D + dim] = acc[nt][i][e];
+      }
+    if (g == 0) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sm[warp * ROWS + 8 * nt + 2 * t + e] = m_run[nt][e];
+        sl[warp * ROWS + 8 * nt + 2 * t + e] = l_run[nt][e];
+      }
+    }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < G * D; i += THREADS) {
-    int r = i / D, dim = i % D;
+    const int r = i / D, dim = i % D;
     float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm[w * 16 + r]);
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm[w * ROWS + r]);
     float L = 0.f, O = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
-      float f = exp2f(sm[w * 16 + r] - M);          // 0 for a warp that had no pages
-      L += sl[w * 16 + r] * f;
-      O += so[(w * 16 + r) * D + dim] * f;
+      const float f = exp2f(sm[w * ROWS + r] - M);    // 0 for a warp that had no pages
+      L += sl[w * ROWS + r] * f;
+      O += so[(w * ROWS + r) * D + dim] * f;
     }
     if (num_splits == 1) {
       out[(row0 + r) * D + dim] = __float2bfloat16_rn(O / L);
@@ -411,20 +424,22 @@ __global__ void merge_kernel(const float* __restrict__ part_o, const float* __re
   for (int s = 0; s < num_splits; ++s) M = fmaxf(M, part_lse[row * num_splits + s]);
   float L = 0.f, O = 0.f;
   for (int s = 0; s < num_splits; ++s) {
-    float f = exp2f(part_lse[row * num_splits + s] - M);
+    const float f = exp2f(part_lse[row * num_splits + s] - M);
     L += f;
     O += f * part_o[(row * num_splits + s) * D + dim];
   }
   out[row * D + dim] = __float2bfloat16_rn(O / L);
 }
 
-template <bool COMPRESSED, int STAGES>
+template <bool COMPRESSED, int NT, int STAGES>
 cudaError_t launch(const void* q, const void* arena, const void* page_loc,
                    const void* block_table, const void* context_lens, void* out, void* part_o,
                    void* part_lse, float qk_scale, int bt_stride, int pages_per_split,
                    int num_splits, int B, int H, int G, cudaStream_t stream) {
-  auto kernel = attention_kernel<COMPRESSED, STAGES>;
-  const int smem = WARPS * STAGES * STAGE_BYTES;
+  auto kernel = attention_kernel<COMPRESSED, NT, STAGES>;
+  constexpr int stage_smem = WARPS * STAGES * STAGE_BYTES;
+  constexpr int combine_smem = WARPS * 8 * NT * (D + 2) * 4;
+  constexpr int smem = stage_smem > combine_smem ? stage_smem : combine_smem;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   dim3 grid(num_splits, H, B);
@@ -442,9 +457,29 @@ cudaError_t launch(const void* q, const void* arena, const void* page_loc,
   return cudaGetLastError();
 }
 
+template <bool COMPRESSED, int NT>
+cudaError_t launch_stages(int stages, const void* q, const void* arena, const void* page_loc,
+                          const void* block_table, const void* context_lens, void* out,
+                          void* part_o, void* part_lse, float qk_scale, int bt_stride,
+                          int pages_per_split, int num_splits, int B, int H, int G,
+                          cudaStream_t st) {
+#define ZF_LAUNCH(S)                                                                          \
+  return launch<COMPRESSED, NT, S>(q, arena, page_loc, block_table, context_lens, out, part_o, \
+                                   part_lse, qk_scale, bt_stride, pages_per_split, num_splits,  \
+                                   B, H, G, st)
+  switch (stages) {
+    case 3: ZF_LAUNCH(3);
+    case 6: ZF_LAUNCH(6);
+    case 8: ZF_LAUNCH(8);
+    default: ZF_LAUNCH(4);
+  }
+#undef ZF_LAUNCH
+}
+
 }  // namespace
 
 // C entry point for ctypes (zipfusion/kernels/cuda_attention.py). Returns a cudaError_t.
+// stages: cp.async depth in half pages (3, 4, 6 or 8; others -> 4).
 extern "C" int zf_decode_attention(int compressed, int stages, const void* q, const void* arena,
                                    const void* page_loc, const void* block_table,
                                    const void* context_lens, void* out, void* part_o,
@@ -452,20 +487,15 @@ extern "C" int zf_decode_attention(int compressed, int stages, const void* q, co
                                    int pages_per_split, int num_splits, int B, int H, int G,
                                    void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-#define ZF_LAUNCH(C, S)                                                                      \
-  return (int)launch<C, S>(q, arena, page_loc, block_table, context_lens, out, part_o,      \
-                           part_lse, qk_scale, bt_stride, pages_per_split, num_splits, B, H, \
-                           G, st)
+  if (G < 1 || G > 16) return (int)cudaErrorInvalidValue;
+#define ZF_ARGS                                                                             \
+  stages, q, arena, page_loc, block_table, context_lens, out, part_o, part_lse, qk_scale,   \
+      bt_stride, pages_per_split, num_splits, B, H, G, st
   if (compressed) {
-    if (stages == 2) ZF_LAUNCH(true, 2);
-    if (stages == 4) ZF_LAUNCH(true, 4);
-    ZF_LAUNCH(true, 3);
-  } else {
-    if (stages == 2) ZF_LAUNCH(false, 2);
-    if (stages == 4) ZF_LAUNCH(false, 4);
-    ZF_LAUNCH(false, 3);
+    return (int)(G <= 8 ? launch_stages<true, 1>(ZF_ARGS) : launch_stages<true, 2>(ZF_ARGS));
   }
-#undef ZF_LAUNCH
+  return (int)(G <= 8 ? launch_stages<false, 1>(ZF_ARGS) : launch_stages<false, 2>(ZF_ARGS));
+#undef ZF_ARGS
 }
 
 extern "C" const char* zf_error_string(int err) {
