@@ -338,7 +338,7 @@ def main():
 def tune_case(case, fi, ceiling):
     """Variants of the CUDA fused kernel and twin at one case: cp.async depth x split-KV."""
     recs = measure_case(case, fi, [], {}, ceiling) if fi is not None else []
-    variants = [dict(stages=st, num_splits=ns) for st in (4, 6) for ns in (1, 4, 8, 16)]
+    variants = [dict(stages=st, num_splits=ns) for st in (3, 4, 6) for ns in (1, 4, 8)]
     fi_ms = recs[0]["median_ms"] if recs else None
     for name in ("twin", "fused"):
         for v in variants:

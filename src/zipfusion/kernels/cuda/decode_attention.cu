@@ -38,7 +38,8 @@
 //
 // Loads. Each warp stages half pages (its head's K bodies, then its V bodies, <= 4 KB each)
 // into shared memory with cp.async, STAGES halves deep; an open page is copied into the layout
-// of all-raw blocks, so the compute sees one format. Page ids, locations and metadata records
+// of all-raw blocks, so the compute sees one format; chunks are swizzled inside each block so
+// that the fragment loads are free of bank conflicts (see "swizzles" below). Page ids, locations and metadata records
 // are read 32 pages at a time (one per lane, one batch ahead) and broadcast with shuffles.
 //
 // Exactness. Every source (open page, raw block, compressed block) yields the same 32-bit
@@ -97,11 +98,31 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 __device__ __forceinline__ int block_bytes(uint32_t mark) { return mark == RAW ? 1024 : 768; }
 
-__device__ __forceinline__ int body_bytes(uint32_t marks) {
-  int n = 0;
-#pragma unroll
-  for (int j = 0; j < NB; ++j) n += block_bytes((marks >> (8 * j)) & 0xFF);
-  return n;
+// ---------------------------------------------------------------------------------------------
+// Shared-memory swizzles: where byte r of a staged block lives
+// ---------------------------------------------------------------------------------------------
+// Shared memory serves a warp's 8- and 16-byte loads in 32-bank (128-byte) wavefronts per half
+// or quarter warp. Read as laid out in docs/format.md, the lanes of one load hit the same banks
+// 2-4 times over (lanes of one column read tokens 128 or 256 bytes apart). Each block is
+// therefore staged with 16-byte chunks permuted inside it; the XOR moves a chunk by 32 or 64
+// bytes according to its row bits, so every load below is conflict-free:
+//   compressed block, low bytes (r < 512):  bits 6,5 ^= bits 7,8
+//   compressed block, codes (r = 512 + r'):  bit 5 ^= bit 7 of r'
+//   raw block (r < 1024):                   bits 6,5 ^= bits 8,9
+// A block starts at a multiple of 256 bytes of its stage, and the swizzle is relative to it.
+
+__device__ __forceinline__ int swz_lo(int r) { return r ^ (((r >> 1) & 64) | ((r >> 3) & 32)); }
+__device__ __forceinline__ int swz_code(int r) { return 512 + ((r - 512) ^ (((r - 512) >> 2) & 32)); }
+__device__ __forceinline__ int swz_raw(int r) { return r ^ (((r >> 2) & 64) | ((r >> 4) & 32)); }
+
+// A lane's (swizzled) offsets inside a block for one group index q: 8 low bytes at 8q, 4 code
+// bytes at 512 + 4q (compressed) or 16 bytes at 16q (raw).
+struct Lane {
+  int lo, code, raw;
+};
+
+__device__ __forceinline__ Lane lane_offsets(int q) {
+  return Lane{swz_lo(8 * q), swz_code(512 + 4 * q), swz_raw(16 * q)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -114,14 +135,14 @@ __device__ __forceinline__ int body_bytes(uint32_t marks) {
 // and prmt interleaves low and high bytes into bf16 pairs (values 2k, 2k+1).
 // A raw group is the same four words, read as they are.
 
-__device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, int q,
+__device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, const Lane& o,
                                            uint32_t (&w)[4]) {
   if (mark == RAW) {
-    uint4 r = *reinterpret_cast<const uint4*>(blk + 16 * q);
+    uint4 r = *reinterpret_cast<const uint4*>(blk + o.raw);
     w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
   } else {
-    uint2 lo = *reinterpret_cast<const uint2*>(blk + 8 * q);
-    uint32_t code = *reinterpret_cast<const uint32_t*>(blk + 512 + 4 * q);
+    uint2 lo = *reinterpret_cast<const uint2*>(blk + o.lo);
+    uint32_t code = *reinterpret_cast<const uint32_t*>(blk + o.code);
     uint32_t base = mark * 0x01010101u;
     uint32_t hi0 = (code & 0x87878787u) + base;
     uint32_t hi1 = (((code << 1) & 0x80808080u) | ((code >> 3) & 0x07070707u)) + base;
@@ -143,20 +164,35 @@ __device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* ar
                                                long long loc, uint2 rec, int role, int h, int H,
                                                int lane) {
   if (COMPRESSED && !(loc & 1)) {
+    // Block by block: chunk `lane` (and 32 + lane) of each block, to its swizzled place.
     const uint8_t* src = arena + loc + rec.x;
-    int chunks = body_bytes(rec.y) >> 4;
-    for (int c = lane; c < chunks; c += 32) cp_async16(stage + 16 * c, src + 16 * c);
+    const int lo0 = swz_lo(16 * lane), code1 = swz_code(512 + 16 * lane);
+    const int raw0 = swz_raw(16 * lane), raw1 = swz_raw(512 + 16 * lane);
+    int off = 0;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      const uint32_t mark = (rec.y >> (8 * j)) & 0xFF;
+      if (mark == RAW) {
+        cp_async16(stage + off + raw0, src + off + 16 * lane);
+        cp_async16(stage + off + raw1, src + off + 512 + 16 * lane);
+      } else {
+        cp_async16(stage + off + lo0, src + off + 16 * lane);
+        if (lane < 16) cp_async16(stage + off + code1, src + off + 512 + 16 * lane);
+      }
+      off += block_bytes(mark);
+    }
     return rec.y;
   }
   // Open page [2, 16, H, D]: token rows of 256 bytes. K row τ, chunk c (channels 8c..8c+7)
-  // goes to raw K block c/4, row τ: 1024·(c/4) + 64·τ + 16·(c%4); V row τ, chunk c to
-  // 256·τ + 16·c (= raw V block τ/4, row τ%4).
+  // belongs to raw K block c/4 at byte 64·τ + 16·(c%4); V row τ, chunk c to raw V block τ/4
+  // at byte 256·(τ%4) + 16·c.
   const uint8_t* base = arena + (loc & ~1LL) + ((long long)role * PAGE * H + h) * D * 2;
+  const int c = lane & 15;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    int id = 32 * i + lane;              // 0..255
-    int tok = id >> 4, c = id & 15;
-    int dst = role ? 256 * tok + 16 * c : 1024 * (c >> 2) + 64 * tok + 16 * (c & 3);
+    const int tok = 2 * i + (lane >> 4);
+    const int dst = role ? 1024 * (tok >> 2) + swz_raw(256 * (tok & 3) + 16 * c)
+                         : 1024 * (c >> 2) + swz_raw(64 * tok + 16 * (c & 3));
     cp_async16(stage + dst, base + (long long)tok * H * D * 2 + 16 * c);
   }
   return 0xFFFFFFFFu;
@@ -166,8 +202,12 @@ __device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* ar
 // The attention kernel
 // ---------------------------------------------------------------------------------------------
 
+// Occupancy is bounded by shared memory (4 warps x STAGES x 4 KB per CTA); the register cap
+// makes registers allow as many CTAs per SM.
+constexpr int ctas_per_sm(int stages) { return stages <= 3 ? 4 : stages <= 4 ? 3 : stages <= 6 ? 2 : 1; }
+
 template <bool COMPRESSED, int NT, int STAGES>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, ctas_per_sm(STAGES))
 attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
                  const long long* __restrict__ page_loc, const int* __restrict__ block_table,
                  const int* __restrict__ context_lens, __nv_bfloat16* __restrict__ out,
@@ -243,6 +283,7 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
   };
   if (my_pages > 0) { load_meta(0, loc_cur, rec_cur); load_meta(1, loc_nxt, rec_nxt); }
 
+  int issue_stage = 0;                    // stage that issue(u) fills: u % STAGES
   auto issue = [&](int u) {               // half u: page u/2, K (u even) or V (u odd)
     const int j = u >> 1, role = u & 1;
     if (role == 0 && (j & 31) == 0 && j > 0) {
@@ -254,9 +295,10 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     uint2 rec;
     rec.x = __shfl_sync(FULL, role ? rec_cur.z : rec_cur.x, src);
     rec.y = __shfl_sync(FULL, role ? rec_cur.w : rec_cur.y, src);
-    uint32_t mk = issue_half<COMPRESSED>(stages + (u % STAGES) * STAGE_BYTES, arena, loc, rec,
+    uint32_t mk = issue_half<COMPRESSED>(stages + issue_stage * STAGE_BYTES, arena, loc, rec,
                                          role, h, H, lane);
-    if (lane == 0) marks_of[warp][u % STAGES] = mk;
+    if (lane == 0) marks_of[warp][issue_stage] = mk;
+    issue_stage = issue_stage + 1 == STAGES ? 0 : issue_stage + 1;
   };
 
 #pragma unroll
@@ -266,15 +308,20 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
   }
 
   const int sig = (g >> 1) + 4 * (g & 1);    // σ(g): token of A row g (K) for this lane
+  // this lane's groups: K rows σ(g), σ(g)+8 at channels 8t.. of each block; V token t of each
+  // block at channel groups g and g+8
+  const Lane ko[2] = {lane_offsets(4 * sig + t), lane_offsets(4 * (sig + 8) + t)};
+  const Lane vo[2] = {lane_offsets(16 * t + g), lane_offsets(16 * t + 8 + g)};
 
-  for (int u = 0; u < halves; ++u) {
+  int stage = 0;                          // u % STAGES
+  for (int u = 0; u < halves; ++u, stage = stage + 1 == STAGES ? 0 : stage + 1) {
     if (u + STAGES - 1 < halves) issue(u + STAGES - 1);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncwarp();
 
-    const uint8_t* st = stages + (u % STAGES) * STAGE_BYTES;
-    const uint32_t marks = marks_of[warp][u % STAGES];
+    const uint8_t* st = stages + stage * STAGE_BYTES;
+    const uint32_t marks = marks_of[warp][stage];
     const int page = p_begin + warp + WARPS * (u >> 1);
     const int valid = min(PAGE, ctx - page * PAGE);     // tokens of this page inside the context
 
@@ -288,8 +335,8 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       for (int p = 0; p < NB; ++p) {
         const uint32_t mark = (marks >> (8 * p)) & 0xFF;
         uint32_t w0[4], w1[4];
-        read_group(st + off, mark, 4 * sig + t, w0);
-        read_group(st + off, mark, 4 * (sig + 8) + t, w1);
+        read_group(st + off, mark, ko[0], w0);
+        read_group(st + off, mark, ko[1], w1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           mma_bf16(sc[nt], w0[0], w1[0], w0[1], w1[1], qb[nt][2 * p][0], qb[nt][2 * p][1]);
@@ -338,12 +385,16 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       for (int k = 0; k < NB; ++k) {
         const uint32_t mark = (marks >> (8 * k)) & 0xFF;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          read_group(st + off, mark, 16 * t + 8 * half + g, vw[k][half]);
-          if (4 * k + t >= valid)                      // past the end of the context
-            vw[k][half][0] = vw[k][half][1] = vw[k][half][2] = vw[k][half][3] = 0u;
-        }
+        for (int half = 0; half < 2; ++half) read_group(st + off, mark, vo[half], vw[k][half]);
         off += block_bytes(mark);
+      }
+      if (valid < PAGE) {                              // the request's last, partial page
+#pragma unroll
+        for (int k = 0; k < NB; ++k)
+          if (4 * k + t >= valid)                      // past the end of the context
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              vw[k][half][0] = vw[k][half][1] = vw[k][half][2] = vw[k][half][3] = 0u;
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {                    // m-tile i: dims 8g+i and 64+8g+i
@@ -372,8 +423,9 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     }
   __syncthreads();                                  // all stages are free now
   constexpr int ROWS = 8 * NT;
-  float* so = reinterpret_cast<float*>(smem);       // [WARPS][ROWS heads][D]
-  float* sm = so + WARPS * ROWS * D;                // [WARPS][ROWS]
+  constexpr int SD = D + 1;                         // padded row: 2-way instead of 8-way stores
+  float* so = reinterpret_cast<float*>(smem);       // [WARPS][ROWS heads][SD]
+  float* sm = so + WARPS * ROWS * SD;               // [WARPS][ROWS]
   float* sl = sm + WARPS * ROWS;                    // [WARPS][ROWS]
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -383,7 +435,7 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       for (int e = 0; e < 4; ++e) {
         const int head = 8 * nt + 2 * t + (e & 1);
         const int dim = (e < 2 ? 0 : 64) + 8 * g + i;
-        so[(warp * ROWS + head) * D + dim] = acc[nt][i][e];
+        so[(warp * ROWS + head) * SD + dim] = acc[nt][i][e];
       }
     if (g == 0) {
 #pragma unroll
@@ -404,7 +456,7 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     for (int w = 0; w < WARPS; ++w) {
       const float f = exp2f(sm[w * ROWS + r] - M);    // 0 for a warp that had no pages
       L += sl[w * ROWS + r] * f;
-      O += so[(w * ROWS + r) * D + dim] * f;
+      O += so[(w * ROWS + r) * SD + dim] * f;
     }
     if (num_splits == 1) {
       out[(row0 + r) * D + dim] = __float2bfloat16_rn(O / L);
@@ -438,7 +490,7 @@ cudaError_t launch(const void* q, const void* arena, const void* page_loc,
                    int num_splits, int B, int H, int G, cudaStream_t stream) {
   auto kernel = attention_kernel<COMPRESSED, NT, STAGES>;
   constexpr int stage_smem = WARPS * STAGES * STAGE_BYTES;
-  constexpr int combine_smem = WARPS * 8 * NT * (D + 2) * 4;
+  constexpr int combine_smem = WARPS * 8 * NT * (D + 3) * 4;
   constexpr int smem = stage_smem > combine_smem ? stage_smem : combine_smem;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
