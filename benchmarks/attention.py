@@ -40,7 +40,7 @@ from zipfusion.kernels import (decode_attention, decode_attention_twin,  # noqa:
                                decode_attention_unfused, plan_unfused)
 
 HQ, HKV, D, PS = 32, 8, 128, 16
-TUNABLE = ("stages", "num_splits")          # knobs of the CUDA kernel
+TUNABLE = ("stages", "num_splits", "tma")   # knobs of the CUDA kernel
 # name -> (Case method, fixed keyword arguments)
 KERNELS = {"twin": ("run_twin", {}), "fused": ("run_fused", {}), "unfused": ("run_unfused", {}),
            "twin_triton": ("run_twin", {"backend": "triton"}),
@@ -247,11 +247,14 @@ def main():
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--num-splits", type=int, default=None)
+    ap.add_argument("--tma", type=int, choices=[0, 1], default=None)
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernels")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="2048,8192,32768")
     args = ap.parse_args()
     cfg = dict(stages=args.stages, num_splits=args.num_splits)
+    if args.tma is not None:
+        cfg["tma"] = bool(args.tma)
     kernels = ["twin", "fused", "unfused"] + (["twin_triton", "fused_triton"] if args.triton else [])
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -338,7 +341,8 @@ def main():
 def tune_case(case, fi, ceiling):
     """Variants of the CUDA fused kernel and twin at one case: cp.async depth x split-KV."""
     recs = measure_case(case, fi, [], {}, ceiling) if fi is not None else []
-    variants = [dict(stages=st, num_splits=ns) for st in (3, 4, 6) for ns in (1, 4, 8)]
+    variants = [dict(stages=st, num_splits=ns, tma=tma) for tma in (False, True)
+                for st in (3, 4, 6) for ns in (1, 4, 8)]
     fi_ms = recs[0]["median_ms"] if recs else None
     for name in ("twin", "fused"):
         for v in variants:

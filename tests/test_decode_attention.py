@@ -72,9 +72,11 @@ def same_bits(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def check_case(c, num_splits=None, tile_pages=None, unfused=True, backend=None, stages=None):
+def check_case(c, num_splits=None, tile_pages=None, unfused=True, backend=None, stages=None,
+               tma=None):
     args = (c["bt"], c["lens"], c["layout"], c["scale"])
-    kw = dict(num_splits=num_splits, tile_pages=tile_pages, backend=backend, stages=stages)
+    kw = dict(num_splits=num_splits, tile_pages=tile_pages, backend=backend, stages=stages,
+              tma=tma)
     out_c = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, out=poisoned(c["q"]), **kw)
     assert not torch.isnan(out_c).any(), "some outputs were not written"
     ref = reference_decode_attention(c["q"], c["arena_c"], c["loc_c"], *args,
@@ -232,11 +234,14 @@ def test_small_cases_cuda_kernel(contexts, H, G, kind, tp, splits, unfused):
 
 
 @gpu
-@pytest.mark.parametrize("stages,splits", [(3, None), (4, 1), (6, 7), (8, 64)])
-def test_cuda_kernel_pipeline_depths_and_splits(stages, splits):
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("stages,splits", [(3, None), (4, 1), (6, 7), (4, 64)])
+def test_cuda_kernel_pipeline_depths_and_splits(stages, splits, tma):
+    if tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("bulk copies (TMA) need sm_90+")
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     check_case(make_case([3000, 17, 8192, 1], 8, 4, 128, "mixed", seed), num_splits=splits,
-               stages=stages, unfused=False, backend="cuda")
+               stages=stages, tma=tma, unfused=False, backend="cuda")
 
 
 @gpu

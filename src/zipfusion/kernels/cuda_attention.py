@@ -24,6 +24,7 @@ SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
 HEAD_DIM = 128
 MAX_GROUP = 16
 DEFAULT_STAGES = 4
+DEFAULT_TMA = False
 LOG2E = 1.4426950408889634
 
 
@@ -58,7 +59,7 @@ def _library(arch: str) -> ctypes.CDLL:
     dll = ctypes.CDLL(str(lib))
     dll.zf_decode_attention.restype = ctypes.c_int
     dll.zf_decode_attention.argtypes = (
-        [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 8
+        [ctypes.c_int] * 3 + [ctypes.c_void_p] * 8
         + [ctypes.c_float] + [ctypes.c_int] * 6 + [ctypes.c_void_p])
     dll.zf_error_string.restype = ctypes.c_char_p
     dll.zf_error_string.argtypes = [ctypes.c_int]
@@ -99,8 +100,13 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int,
 def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: torch.Tensor,
                           block_table: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int,
                           sm_scale: float, out: torch.Tensor, *, compressed: bool,
-                          num_splits: int | None = None, stages: int | None = None) -> torch.Tensor:
-    """Launch the kernel; inputs are already checked by the caller (decode_attention.py)."""
+                          num_splits: int | None = None, stages: int | None = None,
+                          tma: bool | None = None) -> torch.Tensor:
+    """Launch the kernel; inputs are already checked by the caller (decode_attention.py).
+
+    ``stages``: copy depth in half pages (3, 4 or 6); ``tma``: stage pages with bulk copies
+    (Hopper's TMA, the default on sm_90+) instead of cp.async.
+    """
     B, Hq, D = q.shape
     G = Hq // num_kv_heads
     reason = unsupported_reason(q.device, D, G)
@@ -110,6 +116,10 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     if B == 0:
         return out
     lib = _library(_arch(q.device))
+    if tma is None:
+        tma = DEFAULT_TMA
+    if tma and torch.cuda.get_device_capability(q.device)[0] < 9:
+        raise CudaKernelUnavailable("tma=True needs an sm_90+ GPU (Hopper)")
     max_pages = block_table.shape[1]
     S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device)
     pps = -(-max_pages // S)
@@ -122,7 +132,8 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.zf_decode_attention(
-            int(compressed), int(stages or DEFAULT_STAGES), q.data_ptr(), arena.data_ptr(),
+            int(compressed), int(stages or DEFAULT_STAGES), int(bool(tma)), q.data_ptr(),
+            arena.data_ptr(),
             page_loc_layer.data_ptr(), block_table.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
             float(sm_scale) * LOG2E, block_table.stride(0), pps, S, B, num_kv_heads, G, stream)

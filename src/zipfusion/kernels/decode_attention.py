@@ -725,7 +725,7 @@ def _use_cuda(backend, q, layout) -> bool:
 
 def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
             num_splits, tile_pages, num_warps, validate, use_asm=None, chsets=None,
-            num_stages=None, prefetch=None, backend=None, stages=None):
+            num_stages=None, prefetch=None, backend=None, stages=None, tma=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     if validate:
         _check_ids(arena, page_loc_layer, block_table, context_lens, layout, mode == MODE_TWIN)
@@ -738,7 +738,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
     if _use_cuda(backend, q, layout):
         return cuda_attention.decode_attention_cuda(
             q, arena, page_loc_layer, block_table, context_lens, H, sm_scale, out,
-            compressed=mode == MODE_FUSED, num_splits=num_splits, stages=stages)
+            compressed=mode == MODE_FUSED, num_splits=num_splits, stages=stages, tma=tma)
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if B == 0:
         return out
@@ -772,7 +772,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
 def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                      out=None, *, num_splits=None, tile_pages=None, num_warps=None,
                      validate=True, use_asm=None, chsets=None, num_stages=None,
-                     prefetch=None, backend=None, stages=None):
+                     prefetch=None, backend=None, stages=None, tma=None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
@@ -780,20 +780,20 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     if given). ``validate`` checks ids and locations (one device sync; pass False inside CUDA
     graphs). ``backend``: "auto" (the CUDA C++ kernel where it applies, else Triton), "cuda"
     or "triton". ``num_splits`` overrides the split-KV default (both kernels); ``stages``
-    (cp.async depth) tunes the CUDA kernel; ``tile_pages``, ``num_warps``, ``chsets``,
+    (copy depth) and ``tma`` (bulk copies) tune the CUDA kernel; ``tile_pages``, ``num_warps``, ``chsets``,
     ``num_stages``, ``prefetch`` and ``use_asm`` (False: pure-Triton byte interleave instead of
     ``prmt``) tune the Triton kernel.
     """
     return _launch(MODE_FUSED, q, arena, page_loc_layer, block_table, context_lens, layout,
                    sm_scale, out, num_splits, tile_pages, num_warps, validate, use_asm, chsets,
-                   num_stages, prefetch, backend, stages)
+                   num_stages, prefetch, backend, stages, tma)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                           out=None, *, num_splits=None, tile_pages=None, num_warps=None,
                           validate=True, chsets=None, num_stages=None, prefetch=None,
-                          backend=None, stages=None):
+                          backend=None, stages=None, tma=None):
     """The uncompressed twin: same tiling and arithmetic, every page must be open."""
     return _launch(MODE_TWIN, q, arena, page_loc_layer, block_table, context_lens, layout,
                    sm_scale, out, num_splits, tile_pages, num_warps, validate, None, chsets,
-                   num_stages, prefetch, backend, stages)
+                   num_stages, prefetch, backend, stages, tma)

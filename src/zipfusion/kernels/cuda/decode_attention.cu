@@ -91,6 +91,65 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Bulk copies (TMA, sm_90): one thread moves a contiguous range global -> shared; completion
+// is counted in bytes on an mbarrier that the consumers wait on. (Built for older GPUs, these
+// trap: the host asks for them only on sm_90+.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define ZF_NO_TMA 1
+#endif
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+#ifdef ZF_NO_TMA
+  __trap();
+#else
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)));
+#endif
+}
+
+__device__ __forceinline__ void mbar_fence_init() {
+#ifndef ZF_NO_TMA
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+#ifdef ZF_NO_TMA
+  __trap();
+#else
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#ifdef ZF_NO_TMA
+  __trap();
+#else
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "LAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\n"
+      "bra LAB_WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#ifdef ZF_NO_TMA
+  __trap();
+#else
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);   // .x (low half) = lo
   return *reinterpret_cast<uint32_t*>(&v);
@@ -121,7 +180,9 @@ struct Lane {
   int lo, code, raw;
 };
 
+template <bool TMA>
 __device__ __forceinline__ Lane lane_offsets(int q) {
+  if (TMA) return Lane{8 * q, 512 + 4 * q, 16 * q};      // bulk copies keep the layout as is
   return Lane{swz_lo(8 * q), swz_code(512 + 4 * q), swz_raw(16 * q)};
 }
 
@@ -136,9 +197,9 @@ __device__ __forceinline__ Lane lane_offsets(int q) {
 // A raw group is the same four words, read as they are.
 
 __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, const Lane& o,
-                                           uint32_t (&w)[4]) {
+                                           int raw, uint32_t (&w)[4]) {
   if (mark == RAW) {
-    uint4 r = *reinterpret_cast<const uint4*>(blk + o.raw);
+    uint4 r = *reinterpret_cast<const uint4*>(blk + raw);
     w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
   } else {
     uint2 lo = *reinterpret_cast<const uint2*>(blk + o.lo);
@@ -198,6 +259,32 @@ __device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* ar
   return 0xFFFFFFFFu;
 }
 
+// The same with bulk copies (no swizzle): a compressed page's K (or V) bodies are one contiguous
+// range, one copy; an open page's 16 token rows are 16 copies of 256 bytes, and its K stays in
+// token-row layout (row τ at 256·τ, block p at +64·p) -- V rows already are the raw V layout.
+// Lane 0 records the marks and whether the page is open in `info` before arming the barrier.
+template <bool COMPRESSED>
+__device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, uint32_t* info,
+                                               const uint8_t* arena, long long loc, uint2 rec,
+                                               int role, int h, int H, int lane) {
+  if (COMPRESSED && !(loc & 1)) {
+    if (lane == 0) {
+      const uint32_t bytes = 3072 + 256 * (__popc(__vcmpeq4(rec.y, 0xFFFFFFFFu)) >> 3);
+      info[0] = rec.y; info[1] = 0;
+      mbar_expect_tx(bar, bytes);
+      bulk_copy(stage, arena + loc + rec.x, bytes, bar);
+    }
+    return;
+  }
+  if (lane == 0) {
+    info[0] = 0xFFFFFFFFu; info[1] = 1;
+    mbar_expect_tx(bar, 4096);
+  }
+  __syncwarp();
+  const uint8_t* base = arena + (loc & ~1LL) + ((long long)role * PAGE * H + h) * D * 2;
+  if (lane < PAGE) bulk_copy(stage + 256 * lane, base + (long long)lane * H * D * 2, 256, bar);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The attention kernel
 // ---------------------------------------------------------------------------------------------
@@ -206,7 +293,7 @@ __device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* ar
 // makes registers allow as many CTAs per SM.
 constexpr int ctas_per_sm(int stages) { return stages <= 3 ? 4 : stages <= 4 ? 3 : stages <= 6 ? 2 : 1; }
 
-template <bool COMPRESSED, int NT, int STAGES>
+template <bool COMPRESSED, int NT, int STAGES, bool TMA>
 __global__ void __launch_bounds__(THREADS, ctas_per_sm(STAGES))
 attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
                  const long long* __restrict__ page_loc, const int* __restrict__ block_table,
@@ -214,7 +301,8 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
                  float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale,
                  int bt_stride, int pages_per_split, int num_splits, int H, int G) {
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ uint32_t marks_of[WARPS][STAGES];
+  __shared__ uint32_t info_of[WARPS][STAGES][2];     // block marks, page is open (TMA)
+  __shared__ uint64_t bars[WARPS][STAGES];            // TMA completion, one per stage
 
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -265,6 +353,15 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
   uint32_t pb[NT][2];                      // Pᵀ of the current page as B fragments
 
   uint8_t* stages = smem + (size_t)warp * STAGES * STAGE_BYTES;
+  if (TMA) {
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < STAGES; ++i) mbar_init(&bars[warp][i]);
+      mbar_fence_init();
+    }
+    __syncwarp();
+  }
+  uint32_t phases = 0;                    // TMA: parity to wait for, one bit per stage
   const int my_pages = (p_end - p_begin - warp + WARPS - 1) / WARPS;   // may be <= 0
   const int halves = 2 * max(my_pages, 0);
   const int* bt = block_table + (long long)b * bt_stride;
@@ -295,33 +392,45 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     uint2 rec;
     rec.x = __shfl_sync(FULL, role ? rec_cur.z : rec_cur.x, src);
     rec.y = __shfl_sync(FULL, role ? rec_cur.w : rec_cur.y, src);
-    uint32_t mk = issue_half<COMPRESSED>(stages + issue_stage * STAGE_BYTES, arena, loc, rec,
-                                         role, h, H, lane);
-    if (lane == 0) marks_of[warp][issue_stage] = mk;
+    if (TMA) {
+      issue_half_tma<COMPRESSED>(stages + issue_stage * STAGE_BYTES, &bars[warp][issue_stage],
+                                 info_of[warp][issue_stage], arena, loc, rec, role, h, H, lane);
+    } else {
+      uint32_t mk = issue_half<COMPRESSED>(stages + issue_stage * STAGE_BYTES, arena, loc, rec,
+                                           role, h, H, lane);
+      if (lane == 0) info_of[warp][issue_stage][0] = mk, info_of[warp][issue_stage][1] = 0;
+    }
     issue_stage = issue_stage + 1 == STAGES ? 0 : issue_stage + 1;
   };
 
 #pragma unroll
   for (int u = 0; u < STAGES - 1; ++u) {
     if (u < halves) issue(u);
-    cp_async_commit();
+    if (!TMA) cp_async_commit();
   }
 
   const int sig = (g >> 1) + 4 * (g & 1);    // σ(g): token of A row g (K) for this lane
   // this lane's groups: K rows σ(g), σ(g)+8 at channels 8t.. of each block; V token t of each
   // block at channel groups g and g+8
-  const Lane ko[2] = {lane_offsets(4 * sig + t), lane_offsets(4 * (sig + 8) + t)};
-  const Lane vo[2] = {lane_offsets(16 * t + g), lane_offsets(16 * t + 8 + g)};
+  const Lane ko[2] = {lane_offsets<TMA>(4 * sig + t), lane_offsets<TMA>(4 * (sig + 8) + t)};
+  const Lane vo[2] = {lane_offsets<TMA>(16 * t + g), lane_offsets<TMA>(16 * t + 8 + g)};
+  const int krow[2] = {256 * sig + 16 * t, 256 * (sig + 8) + 16 * t};   // open K, TMA layout
 
   int stage = 0;                          // u % STAGES
   for (int u = 0; u < halves; ++u, stage = stage + 1 == STAGES ? 0 : stage + 1) {
     if (u + STAGES - 1 < halves) issue(u + STAGES - 1);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();
+    if (TMA) {
+      mbar_wait(&bars[warp][stage], (phases >> stage) & 1);
+      phases ^= 1u << stage;
+    } else {
+      cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+      __syncwarp();
+    }
 
     const uint8_t* st = stages + stage * STAGE_BYTES;
-    const uint32_t marks = marks_of[warp][stage];
+    const uint32_t marks = info_of[warp][stage][0];
+    const bool open_rows = TMA && info_of[warp][stage][1];    // open page in token-row layout
     const int page = p_begin + warp + WARPS * (u >> 1);
     const int valid = min(PAGE, ctx - page * PAGE);     // tokens of this page inside the context
 
@@ -335,8 +444,9 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       for (int p = 0; p < NB; ++p) {
         const uint32_t mark = (marks >> (8 * p)) & 0xFF;
         uint32_t w0[4], w1[4];
-        read_group(st + off, mark, ko[0], w0);
-        read_group(st + off, mark, ko[1], w1);
+        const uint8_t* blk = open_rows ? st + 64 * p : st + off;
+        read_group(blk, mark, ko[0], open_rows ? krow[0] : ko[0].raw, w0);
+        read_group(blk, mark, ko[1], open_rows ? krow[1] : ko[1].raw, w1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           mma_bf16(sc[nt], w0[0], w1[0], w0[1], w1[1], qb[nt][2 * p][0], qb[nt][2 * p][1]);
@@ -385,7 +495,8 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       for (int k = 0; k < NB; ++k) {
         const uint32_t mark = (marks >> (8 * k)) & 0xFF;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) read_group(st + off, mark, vo[half], vw[k][half]);
+        for (int half = 0; half < 2; ++half)
+          read_group(st + off, mark, vo[half], vo[half].raw, vw[k][half]);
         off += block_bytes(mark);
       }
       if (valid < PAGE) {                              // the request's last, partial page
@@ -410,7 +521,7 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     }
     __syncwarp();     // every lane is done with this stage before it is refilled
   }
-  cp_async_wait<0>();
+  if (!TMA) cp_async_wait<0>();
 
   // ---- combine the four warps ----
 #pragma unroll
@@ -483,12 +594,12 @@ __global__ void merge_kernel(const float* __restrict__ part_o, const float* __re
   out[row * D + dim] = __float2bfloat16_rn(O / L);
 }
 
-template <bool COMPRESSED, int NT, int STAGES>
+template <bool COMPRESSED, int NT, int STAGES, bool TMA>
 cudaError_t launch(const void* q, const void* arena, const void* page_loc,
                    const void* block_table, const void* context_lens, void* out, void* part_o,
                    void* part_lse, float qk_scale, int bt_stride, int pages_per_split,
                    int num_splits, int B, int H, int G, cudaStream_t stream) {
-  auto kernel = attention_kernel<COMPRESSED, NT, STAGES>;
+  auto kernel = attention_kernel<COMPRESSED, NT, STAGES, TMA>;
   constexpr int stage_smem = WARPS * STAGES * STAGE_BYTES;
   constexpr int combine_smem = WARPS * 8 * NT * (D + 3) * 4;
   constexpr int smem = stage_smem > combine_smem ? stage_smem : combine_smem;
@@ -509,20 +620,19 @@ cudaError_t launch(const void* q, const void* arena, const void* page_loc,
   return cudaGetLastError();
 }
 
-template <bool COMPRESSED, int NT>
+template <bool COMPRESSED, int NT, bool TMA>
 cudaError_t launch_stages(int stages, const void* q, const void* arena, const void* page_loc,
                           const void* block_table, const void* context_lens, void* out,
                           void* part_o, void* part_lse, float qk_scale, int bt_stride,
                           int pages_per_split, int num_splits, int B, int H, int G,
                           cudaStream_t st) {
 #define ZF_LAUNCH(S)                                                                          \
-  return launch<COMPRESSED, NT, S>(q, arena, page_loc, block_table, context_lens, out, part_o, \
+  return launch<COMPRESSED, NT, S, TMA>(q, arena, page_loc, block_table, context_lens, out, part_o, \
                                    part_lse, qk_scale, bt_stride, pages_per_split, num_splits,  \
                                    B, H, G, st)
   switch (stages) {
     case 3: ZF_LAUNCH(3);
     case 6: ZF_LAUNCH(6);
-    case 8: ZF_LAUNCH(8);
     default: ZF_LAUNCH(4);
   }
 #undef ZF_LAUNCH
@@ -531,11 +641,12 @@ cudaError_t launch_stages(int stages, const void* q, const void* arena, const vo
 }  // namespace
 
 // C entry point for ctypes (zipfusion/kernels/cuda_attention.py). Returns a cudaError_t.
-// stages: cp.async depth in half pages (3, 4, 6 or 8; others -> 4).
-extern "C" int zf_decode_attention(int compressed, int stages, const void* q, const void* arena,
-                                   const void* page_loc, const void* block_table,
-                                   const void* context_lens, void* out, void* part_o,
-                                   void* part_lse, float qk_scale, int bt_stride,
+// stages: copy depth in half pages (3, 4 or 6; others -> 4); tma: bulk copies (sm_90) instead
+// of cp.async.
+extern "C" int zf_decode_attention(int compressed, int stages, int tma, const void* q,
+                                   const void* arena, const void* page_loc,
+                                   const void* block_table, const void* context_lens, void* out,
+                                   void* part_o, void* part_lse, float qk_scale, int bt_stride,
                                    int pages_per_split, int num_splits, int B, int H, int G,
                                    void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -543,10 +654,13 @@ extern "C" int zf_decode_attention(int compressed, int stages, const void* q, co
 #define ZF_ARGS                                                                             \
   stages, q, arena, page_loc, block_table, context_lens, out, part_o, part_lse, qk_scale,   \
       bt_stride, pages_per_split, num_splits, B, H, G, st
-  if (compressed) {
-    return (int)(G <= 8 ? launch_stages<true, 1>(ZF_ARGS) : launch_stages<true, 2>(ZF_ARGS));
-  }
-  return (int)(G <= 8 ? launch_stages<false, 1>(ZF_ARGS) : launch_stages<false, 2>(ZF_ARGS));
+#define ZF_PICK(C, T) \
+  return (int)(G <= 8 ? launch_stages<C, 1, T>(ZF_ARGS) : launch_stages<C, 2, T>(ZF_ARGS))
+  if (compressed && tma) ZF_PICK(true, true);
+  if (compressed) ZF_PICK(true, false);
+  if (tma) ZF_PICK(false, true);
+  ZF_PICK(false, false);
+#undef ZF_PICK
 #undef ZF_ARGS
 }
 
