@@ -381,9 +381,14 @@ def write_md(records, info, path):
         "(BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True, fa2); "
         f"date {info['date']}.",
         f"Command: `{info['command']}`. Copy ceiling (device-to-device copy, read+write): "
-        f"{info['copy_ceiling_GBps']:.0f} GB/s. Kernel config (picked by the same run's tuning "
-        f"at batch 32 / 8K / 100%; the variants are in attention_notes.md): `{info.get('chosen_config')}`.",
+        f"{info['copy_ceiling_GBps']:.0f} GB/s. Kernel config: "
+        + (f"picked by the same run's tuning at batch 32 / 8K / 100%: `{info['chosen_config']}`."
+           if info.get("chosen_config") else
+           "the defaults of zipfusion.kernels.cuda_attention (4 half-page stages, split-KV "
+           "heuristic, bulk copies (TMA) for the fused kernel, cp.async for the twin)."),
         "",
+        "twin and fused are the CUDA C++ kernels (kernels/cuda/decode_attention.cu); unfused = "
+        "Triton decompress + twin. "
         "Llama-3.1-8B attention: 32 query heads, 8 KV heads, head_dim 128, page size 16, "
         "bf16; every request has the same context, pages scattered in random order; all pages "
         "compressed for fused/unfused. Each time is the median per call over 11 replays of a "

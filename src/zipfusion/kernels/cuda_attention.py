@@ -23,8 +23,7 @@ import torch
 SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
 HEAD_DIM = 128
 MAX_GROUP = 16
-DEFAULT_STAGES = 4
-DEFAULT_TMA = False
+DEFAULT_STAGES = 4     # half pages in flight per warp (3 CTAs per SM)
 LOG2E = 1.4426950408889634
 
 
@@ -91,9 +90,12 @@ def unsupported_reason(device: torch.device, head_dim: int, group: int) -> str |
 
 def default_num_splits(batch: int, num_kv_heads: int, max_pages: int,
                        device: torch.device) -> int:
-    """Split-KV factor: about two CTAs per SM, each with at least 16 pages (4 per warp)."""
+    """Split-KV factor: about 8 CTAs per SM over the launch (3 fit at once, so ~3 waves and a
+    short tail), each split with at least 16 pages (4 per warp). Measured at batch 32 / 8K on
+    the H200: 4-8 splits within 3 %, 1-2 splits 15-30 % slower (benchmarks/attention.py --tune).
+    """
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(1, batch * num_kv_heads))
+    want = -(-8 * sms // max(1, batch * num_kv_heads))
     return int(max(1, min(want, max_pages // 16, 64)))
 
 
@@ -116,8 +118,8 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     if B == 0:
         return out
     lib = _library(_arch(q.device))
-    if tma is None:
-        tma = DEFAULT_TMA
+    if tma is None:      # measured best: bulk copies for compressed pages, cp.async for open ones
+        tma = compressed and torch.cuda.get_device_capability(q.device)[0] >= 9
     if tma and torch.cuda.get_device_capability(q.device)[0] < 9:
         raise CudaKernelUnavailable("tma=True needs an sm_90+ GPU (Hopper)")
     max_pages = block_table.shape[1]
