@@ -33,7 +33,7 @@ def roundtrip_batch(pages, device="cpu"):
     pages = pages.to(device)
     sizes = page_sizes(pages)
     # scatter the pages in a buffer, in reverse order and with gaps
-    gaps = 16 * torch.arange(1, len(sizes) + 1)
+    gaps = 16 * torch.arange(1, len(sizes) + 1, device=sizes.device)
     ends = torch.cumsum(sizes.flip(0) + gaps, 0)
     offsets = (ends - sizes.flip(0)).flip(0)
     buf = torch.full((int(ends[-1]) + 64,), 0xAB, dtype=torch.uint8, device=device)
