@@ -196,22 +196,43 @@ __device__ __forceinline__ Lane lane_offsets(int q) {
 // and prmt interleaves low and high bytes into bf16 pairs (values 2k, 2k+1).
 // A raw group is the same four words, read as they are.
 
+__device__ __forceinline__ void read_raw(const uint8_t* p, uint32_t (&w)[4]) {
+  const uint4 r = *reinterpret_cast<const uint4*>(p);
+  w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
+}
+
+__device__ __forceinline__ void read_compressed(const uint8_t* blk, uint32_t mark, const Lane& o,
+                                                uint32_t (&w)[4]) {
+  const uint2 lo = *reinterpret_cast<const uint2*>(blk + o.lo);
+  const uint32_t code = *reinterpret_cast<const uint32_t*>(blk + o.code);
+  const uint32_t base = mark * 0x01010101u;
+  const uint32_t hi0 = (code & 0x87878787u) + base;
+  const uint32_t hi1 = (((code << 1) & 0x80808080u) | ((code >> 3) & 0x07070707u)) + base;
+  w[0] = __byte_perm(lo.x, hi0, 0x5140);
+  w[1] = __byte_perm(lo.x, hi0, 0x7362);
+  w[2] = __byte_perm(lo.y, hi1, 0x5140);
+  w[3] = __byte_perm(lo.y, hi1, 0x7362);
+}
+
+// How a staged half page is laid out. Each kind has its own straight-line gather (no per-block
+// branches or run-time offsets where the kind fixes them); MIXED is the general case.
+enum Kind { MIXED, ALL_COMPRESSED, ALL_RAW, OPEN_ROWS };
+
+// Block p of a staged half: its mark (b/2 or RAW) and where it starts.
+template <int KIND>
+__device__ __forceinline__ void block_at(uint32_t marks, int p, int& off, uint32_t& mark) {
+  mark = KIND == ALL_RAW || KIND == OPEN_ROWS ? RAW : (marks >> (8 * p)) & 0xFF;
+  if (KIND == ALL_COMPRESSED) off = 768 * p;
+  if (KIND == ALL_RAW) off = 1024 * p;
+  if (KIND == OPEN_ROWS) off = 64 * p;                      // K in token rows (V never is)
+  // MIXED: the caller accumulates `off` block by block
+}
+
+template <int KIND>
 __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, const Lane& o,
                                            int raw, uint32_t (&w)[4]) {
-  if (mark == RAW) {
-    uint4 r = *reinterpret_cast<const uint4*>(blk + raw);
-    w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
-  } else {
-    uint2 lo = *reinterpret_cast<const uint2*>(blk + o.lo);
-    uint32_t code = *reinterpret_cast<const uint32_t*>(blk + o.code);
-    uint32_t base = mark * 0x01010101u;
-    uint32_t hi0 = (code & 0x87878787u) + base;
-    uint32_t hi1 = (((code << 1) & 0x80808080u) | ((code >> 3) & 0x07070707u)) + base;
-    w[0] = __byte_perm(lo.x, hi0, 0x5140);
-    w[1] = __byte_perm(lo.x, hi0, 0x7362);
-    w[2] = __byte_perm(lo.y, hi1, 0x5140);
-    w[3] = __byte_perm(lo.y, hi1, 0x7362);
-  }
+  if (KIND == ALL_COMPRESSED || (KIND == MIXED && mark != RAW)) read_compressed(blk, mark, o, w);
+  else read_raw(blk + raw, w);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -288,6 +309,58 @@ __device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, ui
 // ---------------------------------------------------------------------------------------------
 // The attention kernel
 // ---------------------------------------------------------------------------------------------
+
+// ---------------------------------------------------------------------------------------------
+// One staged half page: K into scores, V into words
+// ---------------------------------------------------------------------------------------------
+
+template <bool COMPRESSED, bool TMA>
+__device__ __forceinline__ int stage_kind(uint32_t marks, bool open_rows) {
+  if (!COMPRESSED) return TMA ? OPEN_ROWS : ALL_RAW;      // the twin: open pages only
+  if (open_rows) return OPEN_ROWS;
+  if (marks == 0xFFFFFFFFu) return ALL_RAW;
+  return __vcmpeq4(marks, 0xFFFFFFFFu) == 0 ? ALL_COMPRESSED : MIXED;
+}
+
+// Sᵀ[16 tokens × 8 heads per n-tile] = K·Qᵀ over the 4 K blocks (chunk pair p = block p).
+template <int KIND, int NT>
+__device__ __forceinline__ void qk_page(const uint8_t* st, uint32_t marks, const Lane (&ko)[2],
+                                        const int (&krow)[2], const uint32_t (&qb)[NT][8][2],
+                                        float (&sc)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+  int off = 0;
+#pragma unroll
+  for (int p = 0; p < NB; ++p) {
+    uint32_t mark;
+    block_at<KIND>(marks, p, off, mark);
+    uint32_t w0[4], w1[4];
+    read_group<KIND>(st + off, mark, ko[0], KIND == OPEN_ROWS ? krow[0] : ko[0].raw, w0);
+    read_group<KIND>(st + off, mark, ko[1], KIND == OPEN_ROWS ? krow[1] : ko[1].raw, w1);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      mma_bf16(sc[nt], w0[0], w1[0], w0[1], w1[1], qb[nt][2 * p][0], qb[nt][2 * p][1]);
+      mma_bf16(sc[nt], w0[2], w1[2], w0[3], w1[3], qb[nt][2 * p + 1][0], qb[nt][2 * p + 1][1]);
+    }
+    if (KIND == MIXED) off += block_bytes(mark);
+  }
+}
+
+// V words of this lane: token 4k + t of block k, channel groups g and g+8.
+template <int KIND>
+__device__ __forceinline__ void gather_v(const uint8_t* st, uint32_t marks, const Lane (&vo)[2],
+                                         uint32_t (&vw)[NB][2][4]) {
+  int off = 0;
+#pragma unroll
+  for (int k = 0; k < NB; ++k) {
+    uint32_t mark;
+    block_at<KIND>(marks, k, off, mark);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      read_group<KIND>(st + off, mark, vo[half], vo[half].raw, vw[k][half]);
+    if (KIND == MIXED) off += block_bytes(mark);
+  }
+}
 
 // Occupancy is bounded by shared memory (4 warps x STAGES x 4 KB per CTA); the register cap
 // makes registers allow as many CTAs per SM.
@@ -437,24 +510,11 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     if ((u & 1) == 0) {
       // ---- Sᵀ = K·Qᵀ: A rows g, g+8 = tokens σ(g), σ(g)+8 ----
       float sc[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-      int off = 0;
-#pragma unroll
-      for (int p = 0; p < NB; ++p) {
-        const uint32_t mark = (marks >> (8 * p)) & 0xFF;
-        uint32_t w0[4], w1[4];
-        const uint8_t* blk = open_rows ? st + 64 * p : st + off;
-        read_group(blk, mark, ko[0], open_rows ? krow[0] : ko[0].raw, w0);
-        read_group(blk, mark, ko[1], open_rows ? krow[1] : ko[1].raw, w1);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          mma_bf16(sc[nt], w0[0], w1[0], w0[1], w1[1], qb[nt][2 * p][0], qb[nt][2 * p][1]);
-          mma_bf16(sc[nt], w0[2], w1[2], w0[3], w1[3], qb[nt][2 * p + 1][0],
-                   qb[nt][2 * p + 1][1]);
-        }
-        off += block_bytes(mark);
-      }
+      const int kind = stage_kind<COMPRESSED, TMA>(marks, open_rows);
+      if (kind == ALL_COMPRESSED) qk_page<ALL_COMPRESSED>(st, marks, ko, krow, qb, sc);
+      else if (kind == ALL_RAW) qk_page<ALL_RAW>(st, marks, ko, krow, qb, sc);
+      else if (kind == OPEN_ROWS) qk_page<OPEN_ROWS>(st, marks, ko, krow, qb, sc);
+      else qk_page<MIXED>(st, marks, ko, krow, qb, sc);
       // ---- online softmax over tokens (rows: this lane's two, and g across lanes) ----
       // sc[nt][e]: token σ(g) (e < 2) or σ(g)+8, head 8nt + 2t + (e & 1).
       const bool ok0 = sig < valid, ok1 = sig + 8 < valid;
@@ -490,15 +550,10 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     } else {
       // ---- Oᵀ += Vᵀ·Pᵀ. V block k holds tokens 4k..4k+3; this lane reads token 4k + t. ----
       uint32_t vw[NB][2][4];   // [block k][half]: channels 64·half + 8g + 2·pair, +1 of token 4k+t
-      int off = 0;
-#pragma unroll
-      for (int k = 0; k < NB; ++k) {
-        const uint32_t mark = (marks >> (8 * k)) & 0xFF;
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          read_group(st + off, mark, vo[half], vo[half].raw, vw[k][half]);
-        off += block_bytes(mark);
-      }
+      const int kind = stage_kind<COMPRESSED, false>(marks, false);   // V: never token rows
+      if (kind == ALL_COMPRESSED) gather_v<ALL_COMPRESSED>(st, marks, vo, vw);
+      else if (kind == ALL_RAW) gather_v<ALL_RAW>(st, marks, vo, vw);
+      else gather_v<MIXED>(st, marks, vo, vw);
       if (valid < PAGE) {                              // the request's last, partial page
 #pragma unroll
         for (int k = 0; k < NB; ++k)
