@@ -387,8 +387,8 @@ def write_md(records, info, path):
         f"{info['copy_ceiling_GBps']:.0f} GB/s. Kernel config: "
         + (f"picked by the same run's tuning at batch 32 / 8K / 100%: `{info['chosen_config']}`."
            if info.get("chosen_config") else
-           "the defaults of zipfusion.kernels.cuda_attention (4 half-page stages, split-KV "
-           "heuristic, bulk copies (TMA) for the fused kernel, cp.async for the twin)."),
+           "the defaults of zipfusion.kernels.cuda_attention (fused: 4 half-page stages and "
+           "bulk copies (TMA); twin: 3 stages and cp.async; split-KV heuristic)."),
         "",
         "twin and fused are the CUDA C++ kernels (kernels/cuda/decode_attention.cu); unfused = "
         "Triton decompress + twin. "
