@@ -320,3 +320,22 @@ def test_cuda_source_compiles(tmp_path):
                               "-c", "-o", str(tmp_path / f"k{arch}.o"), str(SOURCE)],
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, tmp_path):
+    """No nvcc: one warning, one attempt, then the same clear error (callers use Triton)."""
+    from zipfusion.kernels import cuda_attention as ca
+    calls = []
+
+    def no_nvcc():
+        calls.append(1)
+        raise ca.CudaKernelUnavailable("nvcc was not found")
+    monkeypatch.setattr(ca, "_nvcc", no_nvcc)
+    monkeypatch.setattr(ca, "_BUILT", {})
+    monkeypatch.setenv("ZIPFUSION_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match="falls back to the slower Triton kernel"):
+        with pytest.raises(ca.CudaKernelUnavailable, match="nvcc"):
+            ca._library("00")
+    with pytest.raises(ca.CudaKernelUnavailable, match="nvcc"):
+        ca._library("00")
+    assert len(calls) == 1

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
-from functools import lru_cache
+import warnings
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
 HEAD_DIM = 128
 MAX_GROUP = 16
@@ -42,14 +44,35 @@ def _nvcc() -> str:
                                 "backend='triton')")
 
 
-@lru_cache(maxsize=None)
+_BUILT: dict[str, "ctypes.CDLL | CudaKernelUnavailable"] = {}   # arch -> library or why not
+
+
 def _library(arch: str) -> ctypes.CDLL:
+    """The kernel library for ``arch`` (e.g. "90"), built once; a failure is remembered (and
+    warned about once: callers then use the Triton kernel) instead of retried on every call."""
+    got = _BUILT.get(arch)
+    if got is None:
+        try:
+            got = _build(arch)
+        except CudaKernelUnavailable as e:
+            warnings.warn(f"zipfusion: the CUDA attention kernel is unavailable ({e}); decode "
+                          "attention falls back to the slower Triton kernel", stacklevel=3)
+            got = e
+        _BUILT[arch] = got
+    if isinstance(got, CudaKernelUnavailable):
+        raise got
+    return got
+
+
+def _build(arch: str) -> ctypes.CDLL:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ZIPFUSION_CACHE", Path.home() / ".cache" / "zipfusion"))
     cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"decode_attention_{arch}_{key}.so"
     if not lib.exists():
+        log.info("building the CUDA attention kernel for sm_%s (once, about 20 s) into %s",
+                 arch, cache)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [_nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
                f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(SOURCE)]
