@@ -25,10 +25,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
 HEAD_DIM = 128
 MAX_GROUP = 16
-# half pages in flight per warp, measured best at batch 32 / 8K (benchmarks/attention.py --tune):
-# the fused kernel 4 (3 CTAs per SM), the twin 3 (4 CTAs per SM, 128 registers)
-DEFAULT_STAGES = {True: 4, False: 3}
 LOG2E = 1.4426950408889634
+
+
+def default_stages(compressed: bool, group: int) -> int:
+    """Half pages in flight per warp, measured best at batch 32 / 8K, G = 4
+    (benchmarks/attention.py --tune): the fused kernel 4 (3 CTAs per SM), the twin 3 (4 CTAs per
+    SM at 128 registers). Groups over 8 need twice the accumulators and spill at 3: 4."""
+    return 3 if not compressed and group <= 8 else 4
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -159,7 +163,7 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.zf_decode_attention(
-            int(compressed), int(stages or DEFAULT_STAGES[bool(compressed)]), int(bool(tma)), q.data_ptr(),
+            int(compressed), int(stages or default_stages(compressed, G)), int(bool(tma)), q.data_ptr(),
             arena.data_ptr(),
             page_loc_layer.data_ptr(), block_table.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),

@@ -37,10 +37,16 @@
 //     64 + 8g + i, and one `prmt` per register pairs two tokens' values of one dim.
 //
 // Loads. Each warp stages half pages (its head's K bodies, then its V bodies, <= 4 KB each)
-// into shared memory with cp.async, STAGES halves deep; an open page is copied into the layout
-// of all-raw blocks, so the compute sees one format; chunks are swizzled inside each block so
-// that the fragment loads are free of bank conflicts (see "swizzles" below). Page ids, locations and metadata records
-// are read 32 pages at a time (one per lane, one batch ahead) and broadcast with shuffles.
+// into shared memory, STAGES halves deep, in one of two ways (template TMA):
+//   * bulk copies (Hopper's TMA; the fused kernel's default): one `cp.async.bulk` per compressed
+//     half page (its blocks are contiguous), 16 row copies per open one, completion counted on an
+//     mbarrier; the layout stays as in memory (open K in token rows);
+//   * cp.async (16 bytes a lane; the twin's default): open pages are rearranged into the layout
+//     of all-raw blocks, and chunks are swizzled inside each block so that the fragment loads
+//     are free of bank conflicts (see "swizzles" below).
+// The compute then runs one straight-line gather per staged layout (Kind). Page ids, locations
+// and metadata records are read 32 pages at a time (one per lane, one batch ahead) and
+// broadcast with shuffles.
 //
 // Exactness. Every source (open page, raw block, compressed block) yields the same 32-bit
 // words in the same registers, so everything after the restore -- the MMAs, the softmax, the
