@@ -75,7 +75,7 @@ def _build(arch: str) -> ctypes.CDLL:
     cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"decode_attention_{arch}_{key}.so"
     if not lib.exists():
-        log.info("building the CUDA attention kernel for sm_%s (once, about 20 s) into %s",
+        log.info("building the CUDA attention kernel for sm_%s (once, 10-20 s) into %s",
                  arch, cache)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [_nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
