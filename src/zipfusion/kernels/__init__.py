@@ -3,6 +3,8 @@
 ``decode_attention`` (fused: reads open and compressed pages, restores BF16 in registers),
 ``decode_attention_twin`` (same kernel over open pages only), ``decode_attention_unfused``
 (decompress the pages, then the twin) and ``reference_decode_attention`` (torch, float64).
+On the GPU the first two run the CUDA C++ kernel (``cuda/decode_attention.cu``, built on first
+use); the Triton kernel in ``decode_attention.py`` is the fallback and the CPU-checkable reference.
 """
 
 from .decode_attention import decode_attention, decode_attention_twin, default_num_splits

@@ -1,5 +1,10 @@
 """Paged decode attention over the zipfusion KV arena (Triton), fused with the page decoder.
 
+``decode_attention`` / ``decode_attention_twin`` are the entry points for every backend: on CUDA
+tensors they run the CUDA C++ kernel (``cuda_attention.py``, ``cuda/decode_attention.cu``) where
+it applies, and this module's Triton kernel otherwise -- which is also the CPU-checkable
+reference (Triton interpreter) that the design below was first written in.
+
 One query token per request. The KV cache lives in one ``uint8`` arena (docs/design.md): a page
 is either *open* (``[2, 16, H, D]`` bf16, ``page_loc = offset | 1``) or *compressed*
 (docs/format.md, ``page_loc = offset``). The fused kernel restores compressed blocks to BF16 in
