@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
 HEAD_DIM = 128
 MAX_GROUP = 16
-LOG2E = 1.4426950408889634
 
 
 def default_stages(compressed: bool, group: int) -> int:
@@ -130,26 +129,26 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int,
 
 def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: torch.Tensor,
                           block_table: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int,
-                          sm_scale: float, out: torch.Tensor, *, compressed: bool,
+                          qk_scale: float, out: torch.Tensor, *, compressed: bool,
                           num_splits: int | None = None, stages: int | None = None,
                           tma: bool | None = None) -> torch.Tensor:
-    """Launch the kernel; inputs are already checked by the caller (decode_attention.py).
+    """Launch the kernel. Inputs are checked, and this kernel chosen, by the caller
+    (``decode_attention._launch`` via :func:`unsupported_reason`); ``qk_scale`` is
+    sm_scale·log2(e).
 
     ``stages``: copy depth in half pages (3, 4 or 6); ``tma``: stage pages with bulk copies
-    (Hopper's TMA, the default on sm_90+) instead of cp.async.
+    (Hopper's TMA; by default for compressed pages on sm_90+) instead of cp.async.
     """
     B, Hq, D = q.shape
     G = Hq // num_kv_heads
-    reason = unsupported_reason(q.device, D, G)
-    if reason:
-        raise CudaKernelUnavailable(f"the CUDA attention kernel cannot run here: {reason}; "
-                                    "use backend='triton'")
     if B == 0:
         return out
-    lib = _library(_arch(q.device))
+    arch = _arch(q.device)
+    lib = _library(arch)
+    hopper = int(arch) >= 90
     if tma is None:      # measured best: bulk copies for compressed pages, cp.async for open ones
-        tma = compressed and torch.cuda.get_device_capability(q.device)[0] >= 9
-    if tma and torch.cuda.get_device_capability(q.device)[0] < 9:
+        tma = compressed and hopper
+    if tma and not hopper:
         raise CudaKernelUnavailable("tma=True needs an sm_90+ GPU (Hopper)")
     max_pages = block_table.shape[1]
     S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device)
@@ -163,11 +162,10 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.zf_decode_attention(
-            int(compressed), int(stages or default_stages(compressed, G)), int(bool(tma)), q.data_ptr(),
-            arena.data_ptr(),
-            page_loc_layer.data_ptr(), block_table.data_ptr(), context_lens.data_ptr(),
-            out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
-            float(sm_scale) * LOG2E, block_table.stride(0), pps, S, B, num_kv_heads, G, stream)
+            int(compressed), int(stages or default_stages(compressed, G)), int(bool(tma)),
+            q.data_ptr(), arena.data_ptr(), page_loc_layer.data_ptr(), block_table.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
+            float(qk_scale), block_table.stride(0), pps, S, B, num_kv_heads, G, stream)
     if err:
         raise RuntimeError(f"CUDA decode attention failed: {lib.zf_error_string(err).decode()}")
     return out

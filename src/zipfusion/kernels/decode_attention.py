@@ -740,9 +740,10 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
+    qk_scale = float(sm_scale) * LOG2E
     if _use_cuda(backend, q, layout):
         return cuda_attention.decode_attention_cuda(
-            q, arena, page_loc_layer, block_table, context_lens, H, sm_scale, out,
+            q, arena, page_loc_layer, block_table, context_lens, H, qk_scale, out,
             compressed=mode == MODE_FUSED, num_splits=num_splits, stages=stages, tma=tma)
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     if B == 0:
@@ -762,7 +763,7 @@ def _launch(mode, q, arena, page_loc_layer, block_table, context_lens, layout, s
         part_o = part_lse = out
     LAST_COMPILED[mode] = attn_kernel[(B, H, S)](
         q, arena32, page_loc_layer, block_table, context_lens, out, part_o, part_lse,
-        float(sm_scale) * LOG2E, block_table.stride(0), pps, S,
+        qk_scale, block_table.stride(0), pps, S,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, SINGLE=S == 1,
         COMPRESSED=mode == MODE_FUSED, USE_ASM=(not interp) if use_asm is None else use_asm,
         FP32_DOT=interp, CHSETS=chsets or 1, PREFETCH=True if prefetch is None else prefetch,
