@@ -27,11 +27,24 @@ def bf16(*shape, seed=0, scale=1.0):
 def test_rmsnorm_matches_torch():
     from zipfusion.models.fused import rmsnorm
     norm = RMSNorm(200, 1e-5)
-    norm.weight.data = (1 + 0.1 * torch.randn(200)).to(torch.bfloat16)
+    norm.weight.data = 1 + 0.1 * bf16(200, seed=9)
     x = bf16(6, 200, scale=3.0)
     got, ref = rmsnorm(x, norm.weight, 1e-5), norm(x)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=1e-2)   # two roundings: <= 2 ulps
+
+
+def test_rmsnorm_with_residual_adds_first_and_returns_the_sum():
+    from zipfusion.models.fused import rmsnorm
+    norm = RMSNorm(300, 1e-6)
+    norm.weight.data = 1 + 0.1 * bf16(300, seed=8)
+    x, r = bf16(5, 300, seed=3, scale=2.0), bf16(5, 300, seed=4, scale=5.0)
+    got, got_sum = rmsnorm(x, norm.weight, 1e-6, residual=r)
+    ref, ref_sum = norm(x, r)
+    assert torch.equal(ref_sum, x + r)                       # the torch path: the plain bf16 add
+    torch.testing.assert_close(got_sum.float(), ref_sum.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(ref.float(), norm(x + r).float(), rtol=0, atol=0)
 
 
 def test_silu_and_mul_matches_torch():

@@ -35,7 +35,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._scratch: list[int] = []
-        self._rows: dict[int, np.ndarray] = {}        # request id -> its page ids (host block-table row)
+        self._row_owner: list = []                    # staged table row i: (request id, pages, last page)
         from ..models.layers import FUSED_OPS_ON_CUDA
         from .kv_cache import ArenaKVCache
         # rope + K/V store in one Triton kernel: CUDA arena caches (tests force it on the CPU)
@@ -88,31 +88,61 @@ class ModelRunner:
         return o.transpose(0, 1)
 
     # -- decode -----------------------------------------------------------------------------
-    def _decode_inputs(self, reqs: list[Request], bs: int):
-        """Host-built decode inputs, padded to ``bs`` rows with the scratch page."""
+    # The decode inputs of a step: five [bs] vectors and the block table [bs, W]. With CUDA
+    # graphs they are built in place in pinned host buffers (the table row of a request is
+    # rewritten only when its pages change) and reach the graph's static inputs in three
+    # asynchronous copies; without graphs, in fresh host arrays.
+    VECTORS = ("input_ids", "positions", "page_ids", "slots")         # int64, rows of one buffer
+
+    def _decode_inputs(self, reqs: list[Request], bs: int, host: dict | None = None) -> dict:
+        """Host decode inputs, padded to ``bs`` rows with the scratch page (written into
+        ``host``, the staging buffers, when given)."""
         W = self.max_pages_per_req
         scratch = self._scratch[0] if self._scratch else 0
-        table = np.full((bs, W), scratch, dtype=np.int32)
-        pos = np.zeros(bs, dtype=np.int64)
-        ids = np.zeros(bs, dtype=np.int64)
+        if host is None:
+            host, owners = self._new_buffers(bs), [None] * bs
+        else:
+            owners = self._row_owner
+        vec, table = host["vec"].numpy(), host["block_table"].numpy()
+        n = len(reqs)
         for i, r in enumerate(reqs):
-            n = len(r.pages)
-            if n > W:
-                raise ValueError(f"request {r.request_id} has {n} pages > max_model_len allows ({W})")
-            row = self._rows.get(r.request_id)
-            if row is None or len(row) != n or (n and row[-1] != r.pages[-1]):
-                row = self._rows[r.request_id] = np.asarray(r.pages, dtype=np.int32)   # pages changed
-            table[i, :n] = row
-            pos[i] = r.num_computed
-            ids[i] = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
-        page_ids = table[np.arange(bs), pos // PAGE_TOKENS].astype(np.int64)
-        t = torch.from_numpy
-        return dict(input_ids=t(ids), positions=t(pos), page_ids=t(page_ids), slots=t(pos % PAGE_TOKENS),
-                    block_table=t(table), context_lens=t((pos + 1).astype(np.int32)))
+            key = (r.request_id, len(r.pages), r.pages[-1] if r.pages else -1)
+            if owners[i] != key:                                       # new request here, or a new page
+                if key[1] > W:
+                    raise ValueError(f"request {r.request_id} has {key[1]} pages > max_model_len allows ({W})")
+                table[i, :key[1]] = r.pages
+                table[i, key[1]:] = scratch
+                owners[i] = key
+        for i in range(n, bs):
+            if owners[i] != "pad":
+                table[i] = scratch
+                owners[i] = "pad"
+        pos = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=n)
+        vec[:, n:bs] = 0
+        vec[0, :n] = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        vec[1, :n] = pos
+        vec[2, :n] = table[np.arange(n), pos // PAGE_TOKENS]
+        vec[2, n:bs] = scratch
+        vec[3, :n] = pos % PAGE_TOKENS
+        lens = host["context_lens"].numpy()
+        lens[:n] = pos + 1
+        lens[n:bs] = 1
+        return self._named(host, bs)
+
+    def _new_buffers(self, bs: int) -> dict:
+        return {"vec": torch.zeros(len(self.VECTORS), bs, dtype=torch.int64),
+                "block_table": torch.zeros(bs, self.max_pages_per_req, dtype=torch.int32),
+                "context_lens": torch.ones(bs, dtype=torch.int32)}
+
+    def _named(self, bufs: dict, bs: int) -> dict:
+        """The decode inputs by name, as views of the first ``bs`` rows of ``bufs``."""
+        b = {k: bufs["vec"][j, :bs] for j, k in enumerate(self.VECTORS)}
+        b.update(block_table=bufs["block_table"][:bs], context_lens=bufs["context_lens"][:bs])
+        return b
 
     def forget(self, request_id: int) -> None:
-        """Drop the cached block-table row of a finished or preempted request."""
-        self._rows.pop(request_id, None)
+        """A request finished or was preempted: its staged table row is not to be trusted."""
+        self._row_owner = [None if o is not None and o[0] == request_id else o for o in self._row_owner]
 
     def _decode_forward(self, b: dict) -> torch.Tensor:
         def attention(layer, q, k, v):
@@ -139,9 +169,12 @@ class ModelRunner:
         if bucket is None:
             b = {k: v.to(self.device, non_blocking=True) for k, v in self._decode_inputs(reqs, n).items()}
             return self._decode_forward(b)
-        host = self._decode_inputs(reqs, bucket)
-        for k, v in host.items():
-            self._static[k][:bucket].copy_(v, non_blocking=True)
+        self._staged.synchronize()                 # the last step's copies have left the staging buffers
+        self._decode_inputs(reqs, bucket, self._host)
+        self._static["vec"].copy_(self._host["vec"], non_blocking=True)
+        for k in ("block_table", "context_lens"):
+            self._static[k][:bucket].copy_(self._host[k][:bucket], non_blocking=True)
+        self._staged.record()
         self.graphs[bucket].replay()
         return self._static_logits[bucket][:n]
 
@@ -159,12 +192,15 @@ class ModelRunner:
         if not self._scratch:
             self._scratch = self.cache.alloc(1)
         top = buckets[-1]
-        host = self._decode_inputs([], top)
-        self._static = {k: v.to(self.device) for k, v in host.items()}
+        self._row_owner = [None] * top
+        self._host = {k: v.pin_memory() for k, v in self._new_buffers(top).items()}
+        self._decode_inputs([], top, self._host)                       # all rows padding
+        self._static = {k: v.to(self.device) for k, v in self._host.items()}
+        self._staged = torch.cuda.Event()
         self._static_logits = {}
         pool = None
         for bs in reversed(buckets):
-            b = {k: v[:bs] for k, v in self._static.items()}
+            b = self._named(self._static, bs)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

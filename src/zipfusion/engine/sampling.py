@@ -79,16 +79,19 @@ class Sampler:
         B, V = logits.shape
         if len(params) != B or len(generators) != B:
             raise ValueError(f"{B} logits rows but {len(params)} params / {len(generators)} generators")
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        # what to do is decided on the host from the params: no device round trip before sampling
         out = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        greedy_rows = [p.greedy for p in params]
+        if all(greedy_rows):
             return out
-        temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                            device=logits.device, dtype=torch.float32)
-        x = logits.float() / temp[:, None]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=logits.device)
-        top_p = torch.tensor([float(p.top_p) for p in params], device=logits.device)
-        x = _top_k_top_p(x, top_k, top_p)
+        dev = logits.device
+        temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        x = logits.float() / temp.to(dev, non_blocking=True)[:, None]
+        top_k = [p.top_k if p.top_k > 0 else V for p in params]
+        top_p = [float(p.top_p) for p in params]
+        if any(k < V for k in top_k) or any(q < 1 for q in top_p):
+            x = _top_k_top_p(x, torch.tensor(top_k).to(dev, non_blocking=True),
+                             torch.tensor(top_p).to(dev, non_blocking=True))
         probs = torch.softmax(x, dim=-1)
         noise = torch.empty_like(probs)
         shared_rows = [i for i, g in enumerate(generators) if g is None]
@@ -99,6 +102,7 @@ class Sampler:
             if g is not None:
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
+        greedy = torch.tensor(greedy_rows).to(dev, non_blocking=True)
         return torch.where(greedy, out, sampled)
 
 
@@ -107,8 +111,6 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     smallest set of most likely tokens whose probability reaches top_p; the top token always
     stays)."""
     V = x.shape[-1]
-    if bool((top_k >= V).all()) and bool((top_p >= 1).all()):
-        return x
     sorted_x, order = x.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=x.device)[None, :]
     sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))

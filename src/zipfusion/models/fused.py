@@ -1,5 +1,5 @@
-"""Fused small ops for the decode step on CUDA (Triton): RMSNorm, SiLU-and-mul, and rope +
-K/V store into the arena.
+"""Fused small ops for the decode step on CUDA (Triton): residual add + RMSNorm, SiLU-and-mul,
+and rope + K/V store into the arena.
 
 In a decode step the weight GEMMs and the attention kernel move the bytes; everything else is
 tiny elementwise work whose cost is the number of kernels. Written as torch ops, RMSNorm is ~6
@@ -15,14 +15,23 @@ import triton.language as tl
 
 
 # ------------------------------------------------------------------------------------------
-# RMSNorm:  y = w * (x / sqrt(mean(x^2) + eps)), statistics in fp32, one row per program
+# RMSNorm:  y = w * (x / sqrt(mean(x^2) + eps)), statistics in fp32, one row per program.
+# With a residual the add comes first, in the same kernel:  s = x + r (rounded to bf16, as the
+# torch add rounds),  y = RMSNorm(s);  s is the next residual. A decoder layer does this twice,
+# so the residual adds cost no kernels of their own.
 # ------------------------------------------------------------------------------------------
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, eps, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(s_ptr.dtype.element_ty)                  # the residual stream, rounded
+        tl.store(s_ptr + row * N + cols, s, mask=mask)
+        x = s.to(tl.float32)
     var = tl.sum(x * x, axis=0) / N                          # mean of squares over the row
     xn = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)  # normalise, round like torch does
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -30,16 +39,22 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * N + cols, (w * xn.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rmsnorm(x, weight, eps):
-    """x [..., N] contiguous -> RMSNorm(x) * weight, same dtype."""
+def rmsnorm(x, weight, eps, residual=None):
+    """x [..., N] -> RMSNorm(x) * weight, same dtype. With ``residual`` (x's shape):
+    returns (RMSNorm(x + residual) * weight, x + residual)."""
     import torch
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = torch.empty_like(x2)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     N = x2.shape[1]
-    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, y, N, eps, BLOCK=triton.next_power_of_2(N))
-    return y.view(x.shape)
+    y = torch.empty_like(x2)
+    if residual is None:
+        _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, N, eps, HAS_RESIDUAL=False,
+                                        BLOCK=triton.next_power_of_2(N))
+        return y.view(x.shape)
+    r2 = residual.reshape(-1, N).contiguous()
+    s = torch.empty_like(x2)
+    _rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, y, s, N, eps, HAS_RESIDUAL=True,
+                                    BLOCK=triton.next_power_of_2(N))
+    return y.view(x.shape), s.view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------

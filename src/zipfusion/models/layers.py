@@ -24,21 +24,28 @@ FUSED_OPS_ON_CUDA = True
 
 
 class RMSNorm(nn.Module):
-    """y = w · x / sqrt(mean(x²) + eps), statistics in fp32 (as in transformers)."""
+    """y = w · x / sqrt(mean(x²) + eps), statistics in fp32 (as in transformers).
+
+    ``norm(x, residual)`` adds first and returns ``(norm(x + residual), x + residual)``: the
+    decoder's residual stream, one kernel on CUDA.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda and FUSED_OPS_ON_CUDA:
             from .fused import rmsnorm
-            return rmsnorm(x, self.weight, self.eps)
+            return rmsnorm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual = x + residual
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        y = self.weight * x32.to(dtype)
+        return y if residual is None else (y, residual)
 
 
 def _divide(n: int, d: int, what: str) -> int:

@@ -93,9 +93,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, attention):
+        """x: the last layer's output (or the embeddings, with ``residual`` None); returns this
+        layer's output and the residual stream before it (summed by the next norm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, attention)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -126,9 +133,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attention)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attention)
+        return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, h] -> logits [n, vocab] in fp32."""

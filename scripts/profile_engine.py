@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Where the time of one engine decode step goes (GPU): Llama-3.1-8B shape, random weights,
+8K contexts of synthetic KV, compressed as the engine does.
+
+Each piece of the step is captured alone in a CUDA graph over all 32 layers (so weights come
+from HBM as in the real step, not from L2) and timed; the sum is set against the replay of
+the whole step's graph, and the host's part of a step (inputs, copies, sampling, the sync) is
+timed apart. Prints one table (ms per step, bytes, TB/s) and writes it as JSON.
+
+    python3 scripts/profile_engine.py --batch 32 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from common import copy_bandwidth  # noqa: E402
+from engine import fill_requests, weight_bytes  # noqa: E402  (benchmarks/engine.py)
+
+from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
+from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.engine.runner import ModelRunner  # noqa: E402
+from zipfusion.engine.sampling import Sampler  # noqa: E402
+from zipfusion.models import build_model, resolve_model  # noqa: E402
+from zipfusion.models.fused import rmsnorm, rope_and_store, silu_and_mul  # noqa: E402
+
+
+def graph_ms(fn, reps=10):
+    """Median ms of one call of ``fn`` captured in a CUDA graph (after two warm-up calls)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--kv-gb", type=float, default=40.0)
+    ap.add_argument("--uncompressed", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    model = build_model(resolve_model("llama-3.1-8b-random"), dtype=torch.bfloat16, device=dev)
+    cfg = model.config
+    L, H, Hq, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    pool = realistic_pages(512, H, D, seed=1)
+    frac = compressible_fraction(pool)
+    cache = ArenaKVCache(L, H, D, int(args.kv_gb * 2**30), dev, compress=not args.uncompressed)
+    reqs = fill_requests(cache, args.ctx, pool.to(dev), args.batch, not args.uncompressed)
+    B = len(reqs)
+    runner = ModelRunner(model, cache, max_model_len=args.ctx + 16, max_num_seqs=B)
+    runner.capture_cuda_graphs(sizes=[B])
+    b = {k: v.to(dev) for k, v in runner._decode_inputs(reqs, B).items()}
+    layers = model.model.layers
+    x = torch.randn(B, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    qkv = torch.randn(B, (Hq + 2 * H) * D, device=dev, dtype=torch.bfloat16)
+    gu = torch.randn(B, 2 * cfg.intermediate_size, device=dev, dtype=torch.bfloat16)
+    act = torch.randn(B, cfg.intermediate_size, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16)
+    o = torch.randn(B, Hq * D, device=dev, dtype=torch.bfloat16)
+    cos, sin = model.rotary.cos_sin(b["positions"], torch.bfloat16)
+    hidden = torch.randn(B, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+
+    def per_layer(f):
+        return lambda: [f(i, lay) for i, lay in enumerate(layers)]
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    kv_read = sum(cache.stats()["layers"][i]["compressed_bytes"] for i in range(L)) if not args.uncompressed \
+        else L * B * (args.ctx // 16) * cache.layout.open_page_bytes
+    parts = {   # name -> (fn, bytes that must move per step)
+        "qkv_proj": (per_layer(lambda i, m: m.self_attn.qkv_proj(x)),
+                     sum(nbytes(m.self_attn.qkv_proj.weight) for m in layers)),
+        "o_proj": (per_layer(lambda i, m: m.self_attn.o_proj(o)), sum(nbytes(m.self_attn.o_proj.weight) for m in layers)),
+        "gate_up_proj": (per_layer(lambda i, m: m.mlp.gate_up_proj(x)),
+                         sum(nbytes(m.mlp.gate_up_proj.weight) for m in layers)),
+        "down_proj": (per_layer(lambda i, m: m.mlp.down_proj(act)), sum(nbytes(m.mlp.down_proj.weight) for m in layers)),
+        "lm_head": (lambda: model.compute_logits(hidden), nbytes(model.lm_head_weight)),
+        "attention": (per_layer(lambda i, m: cache.decode_attention(i, q, b["block_table"], b["context_lens"],
+                                                                    runner.sm_scale)), kv_read),
+        "rope_store": (per_layer(lambda i, m: rope_and_store(qkv, cos, sin, Hq, H, D, cache.arena, cache.page_loc[i],
+                                                             b["page_ids"], b["slots"])), 0),
+        "add_rmsnorm x2": (per_layer(lambda i, m: (rmsnorm(x, m.input_layernorm.weight, 1e-5, r),
+                                                   rmsnorm(x, m.post_attention_layernorm.weight, 1e-5, r))), 0),
+        "silu_mul": (per_layer(lambda i, m: silu_and_mul(gu)), 0),
+        "embed+rope tables": (lambda: (model.model.embed_tokens(b["input_ids"]),
+                                       model.rotary.cos_sin(b["positions"], torch.bfloat16)), 0),
+    }
+    rows = []
+    for name, (fn, by) in parts.items():
+        ms = graph_ms(fn)
+        rows.append(dict(part=name, ms=ms, bytes=by, tbps=by / ms / 1e9 if by else None,
+                         of_copy_bw=by / (ms / 1e3) / bw if by else None))
+    total_parts = sum(r_["ms"] for r_ in rows)
+
+    # the whole step: graph replay alone, and what one engine step adds on the host
+    g = runner.graphs[B]
+    replay = statistics.median(_replay_times(g))
+    sampler = Sampler(dev)
+    params, gens = [q_.params for q_ in reqs], [None] * B
+    host_inputs, step = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        runner._decode_inputs(reqs, B, runner._host)
+        host_inputs.append(time.perf_counter() - t0)
+    for _ in range(15):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sampler(runner.decode(reqs), params, gens).tolist()
+        step.append(time.perf_counter() - t0)
+    wb = weight_bytes(model, B)
+    roof = (wb + kv_read) / bw * 1e3
+    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, batch=B, ctx=args.ctx,
+                compressed=not args.uncompressed, compressible_fraction=frac, copy_bandwidth=bw,
+                parts=rows, sum_parts_ms=total_parts, replay_ms=replay,
+                step_ms=statistics.median(step) * 1e3, host_inputs_ms=statistics.median(host_inputs) * 1e3,
+                roofline_ms=roof, weight_bytes=wb, kv_bytes=kv_read)
+    print(f"batch {B}, ctx {args.ctx}, compressed {not args.uncompressed}, compressible blocks {frac:.1%}, "
+          f"copy bw {bw / 1e12:.2f} TB/s")
+    print(f"{'part':20s} {'ms/step':>8s} {'GB':>7s} {'of bw':>6s}")
+    for r_ in rows:
+        e = f"{r_['of_copy_bw']:.0%}" if r_["of_copy_bw"] else ""
+        print(f"{r_['part']:20s} {r_['ms']:8.3f} {r_['bytes'] / 1e9:7.2f} {e:>6s}")
+    print(f"{'sum of parts':20s} {total_parts:8.3f}")
+    print(f"{'graph replay':20s} {replay:8.3f}   (gaps = replay - sum: {replay - total_parts:.3f})")
+    print(f"{'engine step':20s} {info['step_ms']:8.3f}   (host inputs {info['host_inputs_ms']:.3f})")
+    print(f"{'roofline':20s} {roof:8.3f}   step/roofline {roof / info['step_ms']:.1%}, "
+          f"replay/roofline {roof / replay:.1%}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        name = f"profile_engine_b{B}{'_uncompressed' if args.uncompressed else ''}.json"
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(info, f, indent=1)
+
+
+def _replay_times(g, reps=15):
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return ts
+
+
+if __name__ == "__main__":
+    main()
