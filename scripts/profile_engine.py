@@ -117,6 +117,12 @@ def main():
         rows.append(dict(part=name, ms=ms, bytes=by, tbps=by / ms / 1e9 if by else None,
                          of_copy_bw=by / (ms / 1e3) / bw if by else None))
     total_parts = sum(r_["ms"] for r_ in rows)
+    blas = {}                                   # the same GEMMs through the other BLAS front end
+    default = torch.backends.cuda.preferred_blas_library()
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        blas[lib] = {n: graph_ms(parts[n][0]) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
+    torch.backends.cuda.preferred_blas_library(default)
 
     # the whole step: graph replay alone, and what one engine step adds on the host
     g = runner.graphs[B]
@@ -137,7 +143,7 @@ def main():
     roof = (wb + kv_read) / bw * 1e3
     info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, batch=B, ctx=args.ctx,
                 compressed=not args.uncompressed, compressible_fraction=frac, copy_bandwidth=bw,
-                parts=rows, sum_parts_ms=total_parts, replay_ms=replay,
+                parts=rows, blas=blas, sum_parts_ms=total_parts, replay_ms=replay,
                 step_ms=statistics.median(step) * 1e3, host_inputs_ms=statistics.median(host_inputs) * 1e3,
                 roofline_ms=roof, weight_bytes=wb, kv_bytes=kv_read)
     print(f"batch {B}, ctx {args.ctx}, compressed {not args.uncompressed}, compressible blocks {frac:.1%}, "
@@ -146,6 +152,8 @@ def main():
     for r_ in rows:
         e = f"{r_['of_copy_bw']:.0%}" if r_["of_copy_bw"] else ""
         print(f"{r_['part']:20s} {r_['ms']:8.3f} {r_['bytes'] / 1e9:7.2f} {e:>6s}")
+    for lib, t in blas.items():
+        print(f"{lib:20s} " + ", ".join(f"{n} {v:.3f}" for n, v in t.items()))
     print(f"{'sum of parts':20s} {total_parts:8.3f}")
     print(f"{'graph replay':20s} {replay:8.3f}   (gaps = replay - sum: {replay - total_parts:.3f})")
     print(f"{'engine step':20s} {info['step_ms']:8.3f}   (host inputs {info['host_inputs_ms']:.3f})")
