@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--uncompressed", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", default="", help="NAME=nvcc -D flags;... : attention kernel builds to time")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -123,28 +124,30 @@ def main():
         torch.backends.cuda.preferred_blas_library(lib)
         blas[lib] = {n: graph_ms(parts[n][0]) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
     torch.backends.cuda.preferred_blas_library(default)
+    attn = _attention_variants(cache, q, b, runner.sm_scale, args.variants)
 
     # the whole step: graph replay alone, and what one engine step adds on the host
-    g = runner.graphs[B]
-    replay = statistics.median(_replay_times(g))
     sampler = Sampler(dev)
-    params, gens = [q_.params for q_ in reqs], [None] * B
-    host_inputs, step = [], []
+    host_inputs = []
     for _ in range(20):
         t0 = time.perf_counter()
         runner._decode_inputs(reqs, B, runner._host)
         host_inputs.append(time.perf_counter() - t0)
-    for _ in range(15):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        sampler(runner.decode(reqs), params, gens).tolist()
-        step.append(time.perf_counter() - t0)
+    whole = {}                                  # the whole step's graph, per BLAS front end
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        run = ModelRunner(model, cache, max_model_len=args.ctx + 16, max_num_seqs=B)
+        run.capture_cuda_graphs(sizes=[B])
+        whole[lib] = _step_times(run, sampler, reqs)
+        del run
+    torch.backends.cuda.preferred_blas_library(default)
+    replay, step = whole["cublas"]                 # torch's default front end
     wb = weight_bytes(model, B)
     roof = (wb + kv_read) / bw * 1e3
     info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, batch=B, ctx=args.ctx,
                 compressed=not args.uncompressed, compressible_fraction=frac, copy_bandwidth=bw,
-                parts=rows, blas=blas, sum_parts_ms=total_parts, replay_ms=replay,
-                step_ms=statistics.median(step) * 1e3, host_inputs_ms=statistics.median(host_inputs) * 1e3,
+                parts=rows, blas=blas, attention_variants=attn, sum_parts_ms=total_parts, replay_ms=replay,
+                whole_step=whole, step_ms=step, host_inputs_ms=statistics.median(host_inputs) * 1e3,
                 roofline_ms=roof, weight_bytes=wb, kv_bytes=kv_read)
     print(f"batch {B}, ctx {args.ctx}, compressed {not args.uncompressed}, compressible blocks {frac:.1%}, "
           f"copy bw {bw / 1e12:.2f} TB/s")
@@ -154,16 +157,72 @@ def main():
         print(f"{r_['part']:20s} {r_['ms']:8.3f} {r_['bytes'] / 1e9:7.2f} {e:>6s}")
     for lib, t in blas.items():
         print(f"{lib:20s} " + ", ".join(f"{n} {v:.3f}" for n, v in t.items()))
+    for r_ in attn:
+        print(f"attention {r_['build']:10s} splits {r_['splits']:2d} stages {r_['stages']}: {r_['ms']:.3f} ms")
     print(f"{'sum of parts':20s} {total_parts:8.3f}")
     print(f"{'graph replay':20s} {replay:8.3f}   (gaps = replay - sum: {replay - total_parts:.3f})")
-    print(f"{'engine step':20s} {info['step_ms']:8.3f}   (host inputs {info['host_inputs_ms']:.3f})")
-    print(f"{'roofline':20s} {roof:8.3f}   step/roofline {roof / info['step_ms']:.1%}, "
+    print(f"{'engine step':20s} {step:8.3f}   (host inputs {info['host_inputs_ms']:.3f})")
+    for lib, (rp, st) in whole.items():
+        print(f"whole step, {lib:9s} replay {rp:.3f} ms ({roof / rp:.1%} of roofline), "
+              f"step {st:.3f} ms ({roof / st:.1%})")
+    print(f"{'roofline':20s} {roof:8.3f}   step/roofline {roof / step:.1%}, "
           f"replay/roofline {roof / replay:.1%}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         name = f"profile_engine_b{B}{'_uncompressed' if args.uncompressed else ''}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(info, f, indent=1)
+
+
+def _attention_variants(cache, q, b, sm_scale, spec):
+    """Decode attention over all layers for split counts x stages, with the default kernel
+    build and with each build named in ``spec`` ("name=-DX=1 -DY=2;name2=...")."""
+    import subprocess
+    from zipfusion.kernels import cuda_attention as ca
+    arch = ca._arch(q.device)
+    default = ca._library(arch)
+    builds = {"default": default}
+    for item in filter(None, spec.split(";")):
+        name, flags = item.split("=", 1)
+        lib = f"/tmp/zf_variant_{name}.so"
+        subprocess.run([ca._nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+                        f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags.split(), "-o", lib, str(ca.SOURCE)],
+                       check=True)
+        builds[name] = ca.load_library(lib)
+    rows = []
+    ref = cache_attention(cache, 0, q, b, sm_scale, None, None).float()
+    for name, lib in builds.items():
+        ca._BUILT[arch] = lib
+        got = cache_attention(cache, 0, q, b, sm_scale, None, None).float()
+        print(f"attention build {name}: max |out - default build| = {(got - ref).abs().max().item():.3g}")
+        for S in (3, 4, 5, 6, 8, 12):
+            for stages in (4, 6):
+                ms = graph_ms(lambda: [cache_attention(cache, i, q, b, sm_scale, S, stages)
+                                       for i in range(cache.num_layers)])
+                rows.append(dict(build=name, splits=S, stages=stages, ms=ms))
+    ca._BUILT[arch] = default
+    return rows
+
+
+def cache_attention(cache, layer, q, b, sm_scale, splits, stages):
+    from zipfusion.kernels import decode_attention
+    return decode_attention(q, cache.arena, cache.page_loc[layer], b["block_table"], b["context_lens"],
+                            cache.layout, sm_scale, validate=False, num_splits=splits, stages=stages)
+
+
+def _step_times(runner, sampler, reqs, reps=15):
+    """(graph replay ms, engine step ms): medians; the step = inputs + replay + sampling + sync."""
+    params, gens = [r.params for r in reqs], [None] * len(reqs)
+    for _ in range(3):
+        sampler(runner.decode(reqs), params, gens).tolist()      # fills the graph's static inputs
+    step = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sampler(runner.decode(reqs), params, gens).tolist()
+        step.append(time.perf_counter() - t0)
+    replay = statistics.median(_replay_times(runner.graphs[min(runner.graphs)]))
+    return replay, statistics.median(step) * 1e3
 
 
 def _replay_times(g, reps=15):

@@ -83,6 +83,11 @@ def _build(arch: str) -> ctypes.CDLL:
         if res.returncode != 0:
             raise CudaKernelUnavailable(f"building {SOURCE.name} failed:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib)
+    return load_library(lib)
+
+
+def load_library(lib: Path) -> ctypes.CDLL:
+    """Open a built kernel library and declare its entry points."""
     dll = ctypes.CDLL(str(lib))
     dll.zf_decode_attention.restype = ctypes.c_int
     dll.zf_decode_attention.argtypes = (
