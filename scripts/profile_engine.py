@@ -196,7 +196,7 @@ def _attention_variants(cache, q, b, sm_scale, spec):
         got = cache_attention(cache, 0, q, b, sm_scale, None, None).float()
         print(f"attention build {name}: max |out - default build| = {(got - ref).abs().max().item():.3g}")
         for S in (3, 4, 5, 6, 8, 12):
-            for stages in (4, 6):
+            for stages in (3, 4) if not cache.compress else (4, 6):
                 ms = graph_ms(lambda: [cache_attention(cache, i, q, b, sm_scale, S, stages)
                                        for i in range(cache.num_layers)])
                 rows.append(dict(build=name, splits=S, stages=stages, ms=ms))
@@ -205,8 +205,9 @@ def _attention_variants(cache, q, b, sm_scale, spec):
 
 
 def cache_attention(cache, layer, q, b, sm_scale, splits, stages):
-    from zipfusion.kernels import decode_attention
-    return decode_attention(q, cache.arena, cache.page_loc[layer], b["block_table"], b["context_lens"],
+    from zipfusion.kernels import decode_attention, decode_attention_twin
+    kernel = decode_attention if cache.compress else decode_attention_twin
+    return kernel(q, cache.arena, cache.page_loc[layer], b["block_table"], b["context_lens"],
                             cache.layout, sm_scale, validate=False, num_splits=splits, stages=stages)
 
 

@@ -121,15 +121,36 @@ def unsupported_reason(device: torch.device, head_dim: int, group: int) -> str |
     return None
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int,
-                       device: torch.device) -> int:
-    """Split-KV factor: about 8 CTAs per SM over the launch (3 fit at once, so ~3 waves and a
-    short tail), each split with at least 16 pages (4 per warp). Measured at batch 32 / 8K on
-    the H200: 4-8 splits within 3 %, 1-2 splits 15-30 % slower (benchmarks/attention.py --tune).
+def ctas_per_sm(stages: int) -> int:
+    """CTAs of the kernel that fit on one SM at this copy depth (shared memory: 4 warps x
+    stages x 4 KB; the kernel's __launch_bounds__ make registers allow as many)."""
+    return 4 if stages <= 3 else 3 if stages <= 4 else 2 if stages <= 6 else 1
+
+
+PAGES_PER_CTA_OVERHEAD = 2.5    # a CTA's fixed cost (prologue, warp combine, merge rows), in pages
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch.device,
+                       stages: int = 4) -> int:
+    """Split-KV factor S from a wave model of the launch: the B·H·S CTAs run in
+    ceil(B·H·S / slots) waves (slots = CTAs per SM x SMs) of ceil(pages / S) + c pages each;
+    the fewest splits within 3 % of the cheapest S win (the model leaves out that a partial wave
+    runs faster and what the merge costs), with >= 16 pages a split.
+
+    Measured on the H200 (scripts/profile_engine.py, batch 32 x 8K, 8 KV heads, 4 stages, 396
+    slots): S = 3 / 6 / 12 / 8 / 4 / 5 took 7.13 / 7.23 / 7.43 / 7.52 / 7.53 / 7.85 ms for the 32
+    layers, the model's order; c = 2.5 pages fits those times. Uniform contexts are the case
+    where the waves show most.
     """
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-8 * sms // max(1, batch * num_kv_heads))
-    return int(max(1, min(want, max_pages // 16, 64)))
+    slots = ctas_per_sm(stages) * torch.cuda.get_device_properties(device).multi_processor_count
+    work = max(1, batch * num_kv_heads)
+
+    def cost(S: int) -> float:
+        return -(-work * S // slots) * (-(-max_pages // S) + PAGES_PER_CTA_OVERHEAD)
+
+    candidates = range(1, int(max(1, min(max_pages // 16, 64))) + 1)
+    best = min(cost(S) for S in candidates)
+    return next(S for S in candidates if cost(S) <= 1.03 * best)
 
 
 def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: torch.Tensor,
@@ -156,7 +177,8 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     if tma and not hopper:
         raise CudaKernelUnavailable("tma=True needs an sm_90+ GPU (Hopper)")
     max_pages = block_table.shape[1]
-    S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device)
+    stages = int(stages or default_stages(compressed, G))
+    S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device, stages)
     pps = -(-max_pages // S)
     S = -(-max_pages // pps)
     if S > 1:
@@ -167,7 +189,7 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.zf_decode_attention(
-            int(compressed), int(stages or default_stages(compressed, G)), int(bool(tma)),
+            int(compressed), stages, int(bool(tma)),
             q.data_ptr(), arena.data_ptr(), page_loc_layer.data_ptr(), block_table.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
             float(qk_scale), block_table.stride(0), pps, S, B, num_kv_heads, G, stream)

@@ -332,17 +332,8 @@ template <int KIND, int NT>
 __device__ __forceinline__ void qk_page(const uint8_t* st, uint32_t marks, const Lane (&ko)[2],
                                         const int (&krow)[2], const uint32_t (&qb)[NT][8][2],
                                         float (&sc)[NT][4]) {
-#ifndef ZF_QK_CHAINS
-#define ZF_QK_CHAINS 1
-#endif
-  // ZF_QK_CHAINS = 2: chunks 2p and 2p+1 accumulate into separate fragments (two chains of 4
-  // dependent MMAs instead of one of 8), summed at the end.
-  float sc2[NT][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-    sc2[nt][0] = sc2[nt][1] = sc2[nt][2] = sc2[nt][3] = 0.f;
-  }
+  for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
   int off = 0;
 #pragma unroll
   for (int p = 0; p < NB; ++p) {
@@ -354,16 +345,9 @@ __device__ __forceinline__ void qk_page(const uint8_t* st, uint32_t marks, const
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       mma_bf16(sc[nt], w0[0], w1[0], w0[1], w1[1], qb[nt][2 * p][0], qb[nt][2 * p][1]);
-      mma_bf16(ZF_QK_CHAINS == 2 ? sc2[nt] : sc[nt], w0[2], w1[2], w0[3], w1[3],
-               qb[nt][2 * p + 1][0], qb[nt][2 * p + 1][1]);
+      mma_bf16(sc[nt], w0[2], w1[2], w0[3], w1[3], qb[nt][2 * p + 1][0], qb[nt][2 * p + 1][1]);
     }
     if (KIND == MIXED) off += block_bytes(mark);
-  }
-  if (ZF_QK_CHAINS == 2) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] += sc2[nt][e];
   }
 }
 
