@@ -130,19 +130,22 @@ def ctas_per_sm(stages: int) -> int:
 PAGES_PER_CTA_OVERHEAD = 2.5    # a CTA's fixed cost (prologue, warp combine, merge rows), in pages
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch.device,
-                       stages: int = 4) -> int:
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch.device) -> int:
     """Split-KV factor S from a wave model of the launch: the B·H·S CTAs run in
     ceil(B·H·S / slots) waves (slots = CTAs per SM x SMs) of ceil(pages / S) + c pages each;
     the fewest splits within 3 % of the cheapest S win (the model leaves out that a partial wave
     runs faster and what the merge costs), with >= 16 pages a split.
 
-    Measured on the H200 (scripts/profile_engine.py, batch 32 x 8K, 8 KV heads, 4 stages, 396
-    slots): S = 3 / 6 / 12 / 8 / 4 / 5 took 7.13 / 7.23 / 7.43 / 7.52 / 7.53 / 7.85 ms for the 32
-    layers, the model's order; c = 2.5 pages fits those times. Uniform contexts are the case
+    The slots are the fused kernel's at its default depth (4 stages, 3 CTAs per SM) for the twin
+    too: the split count fixes the order of the final sums, so fused and twin must agree on it
+    to give the same bits. Measured on the H200 (scripts/profile_engine.py, batch 32 x 8K,
+    8 KV heads, 396 slots): S = 3 / 6 / 12 / 8 / 4 / 5 took 7.13 / 7.23 / 7.43 / 7.52 / 7.53 /
+    7.85 ms for the 32 layers (fused), the model's order; c = 2.5 pages fits those times. The
+    twin (3 stages) at S = 4 / 3 / 5: 8.38 / 8.54 / 8.53 ms. Uniform contexts are the case
     where the waves show most.
     """
-    slots = ctas_per_sm(stages) * torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    slots = ctas_per_sm(default_stages(True, 1)) * sms
     work = max(1, batch * num_kv_heads)
 
     def cost(S: int) -> float:
@@ -178,7 +181,7 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
         raise CudaKernelUnavailable("tma=True needs an sm_90+ GPU (Hopper)")
     max_pages = block_table.shape[1]
     stages = int(stages or default_stages(compressed, G))
-    S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device, stages)
+    S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device)
     pps = -(-max_pages // S)
     S = -(-max_pages // pps)
     if S > 1:
