@@ -27,3 +27,16 @@ def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
         ts.append(a.elapsed_time(b) / 1e3)
     del x, y
     return 2 * nbytes / statistics.median(ts)
+
+
+def replay_seconds(graph: "torch.cuda.CUDAGraph", reps: int) -> list[float]:
+    """Seconds of each of ``reps`` replays of a captured CUDA graph (CUDA events, synced)."""
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return ts

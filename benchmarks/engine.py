@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import copy_bandwidth  # noqa: E402  (benchmarks/common.py)
+from common import copy_bandwidth, replay_seconds  # noqa: E402  (benchmarks/common.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
@@ -130,14 +130,7 @@ def time_steps(runner, sampler, reqs, steps, dev):
         full.append(time.perf_counter() - t0)
     if runner.graphs and dev.type == "cuda":
         bucket = min(b for b in runner.graphs if b >= len(reqs))
-        g = runner.graphs[bucket]
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            replay.append(a.elapsed_time(b) / 1e3)
+        replay = replay_seconds(runner.graphs[bucket], steps)
     return statistics.median(full), (statistics.median(replay) if replay else float("nan"))
 
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from common import copy_bandwidth  # noqa: E402
+from common import copy_bandwidth, replay_seconds  # noqa: E402
 from engine import fill_requests, weight_bytes  # noqa: E402  (benchmarks/engine.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
@@ -44,15 +44,7 @@ def graph_ms(fn, reps=10):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return statistics.median(replay_seconds(g, reps)) * 1e3
 
 
 def main():
@@ -222,20 +214,8 @@ def _step_times(runner, sampler, reqs, reps=15):
         t0 = time.perf_counter()
         sampler(runner.decode(reqs), params, gens).tolist()
         step.append(time.perf_counter() - t0)
-    replay = statistics.median(_replay_times(runner.graphs[min(runner.graphs)]))
+    replay = statistics.median(replay_seconds(runner.graphs[min(runner.graphs)], reps)) * 1e3
     return replay, statistics.median(step) * 1e3
-
-
-def _replay_times(g, reps=15):
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return ts
 
 
 if __name__ == "__main__":
