@@ -121,7 +121,7 @@ def admitted(budget: float, mode: str, fractions: np.ndarray, policy: str) -> di
     m, sizes = make_manager(budget, mode), Sizes(fractions)
     adm = Admission(m, mode=policy)
     reqs: list[list[int]] = []
-    while adm.can_admit(PROMPT, OUTPUT, [RunningRequest(len(r), PROMPT + OUTPUT) for r in reqs]):
+    while adm.can_admit(PROMPT, OUTPUT, [RunningRequest(len(r), PROMPT, PROMPT + OUTPUT) for r in reqs]):
         reqs.append(prefill(m, sizes, mode))
     preempted = 0
     for _ in range(OUTPUT // 16):
@@ -149,7 +149,7 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
     m, sizes = make_manager(budget, "pool"), Sizes(fractions, seed)
     sizes(sizes.BLOCK)                       # draw the first block before timing
     sizes.pos = 0
-    adm = Admission(m)
+    adm = Admission(m, mode="conservative")
     rng = np.random.default_rng(seed)
     reqs: list[dict] = []
     decode_t, prefill_t = [], []
@@ -158,8 +158,8 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
         for r in [r for r in reqs if r["tok"] >= PROMPT + OUTPUT]:
             m.free_pages(r["pages"])
             reqs.remove(r)
-        remaining = sum(PAGES - len(r["pages"]) for r in reqs)     # a scheduler keeps this sum
-        admitted_now = adm.can_admit_counts(PROMPT, OUTPUT, remaining, len(reqs))
+        running = [RunningRequest(len(r["pages"]), r["tok"], PROMPT + OUTPUT) for r in reqs]
+        admitted_now = adm.can_admit(PROMPT, OUTPUT, running)
         if admitted_now:                     # one prefill per step, staggered progress
             r = {"pages": prefill(m, sizes, "pool"), "tok": PROMPT + int(rng.integers(0, OUTPUT))}
             extra = (r["tok"] - PROMPT + 15) // 16
@@ -421,7 +421,7 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
            "compaction_ms": 1e3 * t_compact, "compaction_chunks_freed": freed,
            "compaction_bytes_moved": moved,
            "compaction_GBps": moved * 2 / t_compact / 1e9 if t_compact else None,
-           "stored_ratio": m.observed_ratio()}
+           "stored_ratio": m.stored_ratio()}
     out_path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return res

@@ -60,7 +60,7 @@ def exactness(model_name, dev, prebuilt=None, lengths=(700, 100, 333), max_token
                      ("compressed-eager", dict(kv_compression=True, enforce_eager=True))):
         llm = LLM(model_name, device=str(dev), dtype="bfloat16", kv_memory_gb=kv_gb, max_num_seqs=8,
                   max_num_batched_tokens=512, max_model_len=2048, prebuilt_model=prebuilt, **kw)
-        vocab = llm.engine.config.vocab_size
+        vocab = llm.engine.model_config.vocab_size
         g.manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
         eng = llm.engine

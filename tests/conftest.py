@@ -2,9 +2,14 @@
 
 import os
 
-import pytest
 import torch
-from hypothesis import HealthCheck, settings
+
+if not torch.cuda.is_available():
+    # one place for the CPU Triton interpreter, set before any test module imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # CI (CI=true) replays the same examples every run, so a landing never hinges on a lucky draw;
 # local runs keep drawing new examples. Slow example generation is expected on a busy 2-core box.

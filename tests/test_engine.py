@@ -80,12 +80,15 @@ def test_preemption_by_recompute_gives_same_tokens(ckpts):
     big = LLM(str(path), dtype="float32", device="cpu", kv_compression=False)
     ref = big.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     page_bytes = 2 * 2 * 16 * 2 * 64 * 4                     # layers x K,V x tokens x heads x dim x fp32
-    small = LLM(str(path), dtype="float32", device="cpu", kv_compression=False,
-                kv_memory_gb=10 * page_bytes / 2**30)        # 10 pages: all four fit only while prefilling
-    outs = small.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
-    assert sum(o.num_preemptions for o in outs) == small.engine.scheduler.num_preemptions
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    for admission in ("optimistic", "estimate"):
+        small = LLM(str(path), dtype="float32", device="cpu", kv_compression=False, admission=admission,
+                    kv_memory_gb=10 * page_bytes / 2**30)    # 10 pages: all four fit only while prefilling
+        outs = small.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        preempted = small.engine.scheduler.num_preemptions
+        # vLLM-style optimistic admission preempts; the default admits only what will fit
+        assert preempted > 0 if admission == "optimistic" else preempted == 0
+        assert sum(o.num_preemptions for o in outs) == preempted
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
 def test_arena_preemption_completes(ckpts):
@@ -94,7 +97,7 @@ def test_arena_preemption_completes(ckpts):
     open_page = 2 * 16 * 2 * 64 * 2
     chunk = 2 * open_page
     # 2 layers x (1 open chunk + 2 compression reserve) + 3 chunks to share
-    llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True,
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, admission="optimistic",
               kv_memory_gb=(2 * 3 + 3) * chunk / 2**30, chunk_bytes=chunk)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -110,14 +113,14 @@ def test_conservative_admission_avoids_preemption(ckpts):
     chunk = 2 * open_page
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}
-    for admission in ("optimistic", "conservative"):
+    for admission in ("optimistic", "conservative", "estimate"):
         llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, admission=admission,
                   kv_memory_gb=(2 * 3 + 3) * chunk / 2**30, chunk_bytes=chunk)
         outs[admission] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp,
                                                              use_tqdm=False)]
         preempted = llm.engine.scheduler.num_preemptions
         assert (preempted > 0) if admission == "optimistic" else (preempted == 0)
-    assert outs["optimistic"] == outs["conservative"]
+    assert outs["optimistic"] == outs["conservative"] == outs["estimate"]
 
 
 def test_stop_conditions(ckpts):
@@ -176,8 +179,17 @@ def test_bad_input_is_named(ckpts, tmp_path):
     with pytest.raises(TypeError, match="prompt"):
         llm.generate([3.5], use_tqdm=False)
     tiny = LLM(str(path), dtype="float32", device="cpu", kv_compression=False, kv_memory_gb=2 * 2 * 16 * 2 * 64 * 4 * 2 / 2**30)
-    with pytest.raises(KVCacheTooSmall, match="kv_memory_gb"):
+    with pytest.raises(ValueError, match="max_model_len=32 .*give more kv_memory_gb"):
         tiny.generate({"prompt_token_ids": list(range(3, 60))}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="more than the model's 512 positions"):
+        LLM(str(path), dtype="float32", device="cpu", kv_compression=False, max_model_len=600)
+    with pytest.raises(ValueError, match="holds 32 tokens, fewer than max_model_len=64"):
+        LLM(str(path), dtype="float32", device="cpu", kv_compression=False, max_model_len=64,
+            kv_memory_gb=2 * 2 * 16 * 2 * 64 * 4 * 2 / 2**30)
+    with pytest.raises(ValueError, match="kv_memory_gb=1e.06 is more than"):
+        LLM(str(path), dtype="float32", device="cpu", kv_compression=False, kv_memory_gb=1e6)
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM(str(path), kv_compresion=False)
     save_tiny_checkpoint(tmp_path)                                  # no tokenizer
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM(str(tmp_path), dtype="float32", device="cpu", kv_compression=False).generate("hello", use_tqdm=False)

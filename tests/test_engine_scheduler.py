@@ -1,5 +1,6 @@
-"""Scheduler on a fake page pool: chunked prefill budget, admission by capacity, max_num_seqs,
-decode page growth, preemption of the newest request, sealing of full pages."""
+"""Scheduler on a fake page pool: chunked prefill budget, mixed decode + prefill steps,
+admission by capacity (the default estimate and vLLM's optimistic), max_num_seqs, decode page
+growth, preemption of the newest request, sealing of full pages."""
 
 import pytest
 
@@ -28,9 +29,12 @@ class FakeCache:
     def capacity_new_pages(self):
         return len(self.free_ids)
 
+    def stored_ratio(self):
+        return 1.0
 
-def req(i, n):
-    return Request(i, list(range(3, 3 + n)), SamplingParams(temperature=0), arrival=i)
+
+def req(i, n, max_tokens=16):
+    return Request(i, list(range(3, 3 + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
 
 
 def advance(sched, out):
@@ -66,7 +70,7 @@ def test_chunked_prefill_respects_the_token_budget():
 
 def test_admission_waits_for_capacity_and_max_num_seqs():
     cache = FakeCache(4)
-    s = Scheduler(cache, max_num_seqs=2, max_num_batched_tokens=1000)
+    s = Scheduler(cache, max_num_seqs=2, max_num_batched_tokens=1000, admission="optimistic")
     for i in range(3):
         s.add(req(i, 20))                                          # 2 pages each
     out = s.schedule()
@@ -76,7 +80,7 @@ def test_admission_waits_for_capacity_and_max_num_seqs():
 
 def test_decode_preempts_the_newest_and_recomputes():
     cache = FakeCache(4)
-    s = Scheduler(cache, max_num_batched_tokens=1000)
+    s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic")
     a, b = req(0, 32), req(1, 31)                                   # 2 pages each, all memory
     s.add(a)
     s.add(b)
@@ -105,3 +109,43 @@ def test_prompt_longer_than_max_model_len_is_refused():
     s = Scheduler(FakeCache(10), max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
         s.add(req(0, 64))
+
+
+def test_running_requests_decode_while_a_long_prompt_is_prefilled_in_chunks():
+    cache = FakeCache(100)
+    s = Scheduler(cache, max_num_batched_tokens=32)
+    a = req(0, 20)
+    s.add(a)
+    advance(s, s.schedule())                                       # a's prompt in one chunk
+    b = req(1, 80)
+    s.add(b)
+    for start in (0, 31, 62):                                      # 1 decode token + 31 of b's prompt
+        out = s.schedule()
+        assert out.decode == [a]
+        assert [(c.request.request_id, c.start, c.length) for c in out.prefill] == [(1, start, min(31, 80 - start))]
+        assert out.num_tokens <= 32
+        advance(s, out)
+    assert not b.in_prefill and len(a.output_ids) == 4
+    out = s.schedule()
+    assert out.decode == [a, b] and not out.prefill
+
+
+def test_estimate_admission_keeps_room_for_running_requests_outputs():
+    """Optimistic admission fills memory with prompts and must preempt when outputs grow; the
+    default admits the second request only when both prompts and outputs fit."""
+    for mode, preempts in (("optimistic", True), ("estimate", False), ("conservative", False)):
+        cache = FakeCache(6)
+        s = Scheduler(cache, max_num_batched_tokens=1000, admission=mode)
+        a, b = req(0, 32, max_tokens=32), req(1, 16, max_tokens=32)      # 4 and 3 pages with outputs
+        s.add(a)
+        s.add(b)
+        preempted = 0
+        while s.has_work():
+            out = s.schedule()
+            preempted += len(out.preempted)
+            advance(s, out)
+            for r in list(s.running):
+                if len(r.output_ids) >= r.params.max_tokens:
+                    s.finish(r, "length")
+        assert (preempted > 0) == preempts, mode
+        assert len(a.output_ids) >= 32 and len(b.output_ids) >= 32

@@ -39,7 +39,7 @@ def assert_contents(m: KVCacheManager, written):
 
 def snapshot(m: KVCacheManager):
     return (m.page_loc.clone(), m.capacity_new_pages(), m.open.num_free_slots,
-            [m.pool.available(p) for p in range(m.pool.num_pools)], m._state.copy())
+            [m.pool.available(p) for p in range(m.pool.num_pools)], m.table.state.copy())
 
 
 def assert_same(a, b):
@@ -172,7 +172,7 @@ def test_compaction_moves_bytes_exactly_and_frees_chunks():
     for layer in range(2):
         live = [p for p in ids[1::2]]
         starts = (m.page_loc[layer, live] & ~1).numpy()
-        ends = starts + m._size[layer, live]
+        ends = starts + m.table.size[layer, live]
         o = np.argsort(starts)
         assert (starts[o][1:] >= ends[o][:-1]).all()
         assert ((starts // chunk) == ((ends - 1) // chunk)).all()
@@ -256,7 +256,7 @@ def test_meta_device_accounting():
     assert m.capacity_new_pages() == cap - 512
     m.compress_pages(ids, sizes=np.full((32, 512), L8B.min_page_bytes))
     assert m.capacity_new_pages() > cap - 512
-    assert m.observed_ratio() == pytest.approx(L8B.min_page_bytes / L8B.open_page_bytes)
+    assert m.stored_ratio() == pytest.approx(L8B.min_page_bytes / L8B.open_page_bytes)
     with pytest.raises(ValueError, match="sizes"):
         m.compress_pages(m.alloc_pages(1))
     with pytest.raises(ValueError, match="page sizes"):
@@ -266,26 +266,47 @@ def test_meta_device_accounting():
 def test_admission_conservative_and_estimate():
     chunk = 4 * OPEN
     m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
-    adm = Admission(m)
+    adm = Admission(m, mode="conservative")
     cap = m.capacity_new_pages()                    # 4 * (40 // 2 - 1) = 76
     assert cap == 76
-    # a request of 60 pages (+1 margin) fits alone; a second one does not while it runs
-    assert adm.can_admit(16 * 59 + 1, 15)
-    running = [RunningRequest(pages_held=10, total_tokens=16 * 60)]
+    # a request of 60 pages (+1 for its open last page) fits alone; a second one does not while it runs
+    assert adm.can_admit(16 * 59 + 1, 15) and not adm.can_admit(16 * 75 + 1, 0)
+    running = [RunningRequest(pages_held=10, num_tokens=160, max_total_tokens=16 * 60)]
     assert adm.reserved_pages(running) == 50 + 1
     assert not adm.can_admit(16 * 25, 0, running)          # 25 + 1 > 76 - 51
     assert adm.can_admit(16 * 24, 0, running)              # 24 + 1 <= 25
-    assert adm.can_admit_counts(16 * 24, 0, 50, 1) and not adm.can_admit_counts(16 * 25, 0, 50, 1)
     with pytest.raises(ValueError):
-        adm.can_admit_counts(16, 0, -1, 0)
+        adm.can_admit(0, 16)
     ids = m.alloc_pages(40)
     fill(m, ids, [1.0, 1.0])
     m.compress_pages(ids)
     est = Admission(m, mode="estimate")
-    assert est.ratio() == pytest.approx(LAYOUT.min_page_bytes / OPEN)
+    r = LAYOUT.min_page_bytes / OPEN
+    assert est.ratio() == pytest.approx(r * 1.02)           # the observed ratio + the base margin
     assert est.reserved_pages(running) < adm.reserved_pages(running)
     with pytest.raises(ValueError):
         Admission(m, mode="sglang")
+
+
+def test_estimate_admission_adapts():
+    """The margin grows at a preemption and decays back; the output share follows finished requests."""
+    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
+    ids = m.alloc_pages(8)
+    fill(m, ids, [1.0, 1.0])
+    m.compress_pages(ids)
+    est = Admission(m, mode="estimate")
+    base = est.ratio()
+    est.on_preempt()
+    assert est.ratio() > base and est.margin > 0.05
+    for _ in range(2000):
+        est.on_step()
+    assert est.ratio() == pytest.approx(base, rel=1e-3)
+    running = [RunningRequest(1, 16, 16 + 800)]
+    before = est.reserved_pages(running)
+    for _ in range(50):
+        est.on_finish(100, 800)                            # requests stop at an eighth of max_tokens
+    assert 0.25 <= est.out_frac < 0.5 and est.reserved_pages(running) < before
+    assert Admission(m, mode="optimistic").can_admit(16 * 10**6, 0)
 
 
 # ------------------------------------------------------------------------------ CUDA
@@ -297,7 +318,7 @@ def test_cuda_round_trip_and_pending_chunks():
     written = {k: v.cuda() for k, v in fill(m, ids, [1.0, 0.5]).items()}
     m.compress_pages(ids)
     assert m.page_loc.device.type == "cuda"
-    assert torch.equal(m.page_loc.cpu(), torch.from_numpy(m._loc))
+    assert torch.equal(m.page_loc.cpu(), torch.from_numpy(m.table.loc))
     assert_contents(m, written)
     m.free_pages(ids)
     torch.cuda.synchronize()
@@ -313,7 +334,7 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
     old = m.alloc_pages(5)
     written = fill(m, old, [1.0, 1.0])
     m.compress_pages(old)                                  # observed ratio ~0.75
-    est, cons = Admission(m, mode="estimate"), Admission(m)
+    est, cons = Admission(m, mode="estimate"), Admission(m, mode="conservative")
     tokens = 16 * 26
     assert est.can_admit(tokens, 0) and not cons.can_admit(tokens, 0)
     mine, hit = [], False
@@ -374,7 +395,7 @@ def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
         written = fill(m, ids, [0.7, 0.0])
         m.compress_pages(ids)
         assert_contents(m, written)
-        results.append((m.arena, m.page_loc.clone(), m._size.copy()))
+        results.append((m.arena, m.page_loc.clone(), m.table.size.copy()))
     (a0, loc0, size0), (a1, loc1, size1) = results
     assert torch.equal(loc0, loc1) and np.array_equal(size0, size1)
     for off, n in zip((loc0 & ~1)[loc0 >= 0].tolist(), size0[(loc0 >= 0).numpy()].tolist()):

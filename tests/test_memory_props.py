@@ -6,7 +6,8 @@ the newest, compact. After every step: no two live pages overlap anywhere in the
 page of every request reads back (open, or decoded from page_loc) exactly as written, and the
 chunks add up. Conservative admission: an admitted request never hits MemoryExhausted.
 Estimate admission: MemoryExhausted may happen, the scheduler preempts its newest request, and
-nothing is corrupted. With no request left, all memory is reusable.
+nothing is corrupted. Compression never fails: a full page that finds no room stays open and is
+sealed again later (as the engine does). With no request left, all memory is reusable.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.adm = Admission(self.m, mode=self.MODE)
         self.empty_capacity = self.m.capacity_new_pages()
         self.reqs: list[Req] = []
+        self.unsealed: set[int] = set()          # full pages compression left open
         self.next_seed = 0
         self.exhausted = 0
 
@@ -96,12 +98,19 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _free(self, req: Req) -> None:
         self.m.free_pages(req.pages)
+        self.unsealed.difference_update(req.pages)
         self.reqs.remove(req)
+
+    def _seal(self, ids: list[int]) -> None:
+        """Compress full pages (and those left open before), as the engine's seal does."""
+        ids = sorted(self.unsealed | set(ids))
+        if ids:
+            self.unsealed = set(self.m.compress_pages(ids))
 
     # ------------------------------------------------------------------ rules
     @rule(prompt=st.integers(1, 200), out=st.integers(0, 60))
     def admit(self, prompt, out):
-        running = [RunningRequest(len(r.pages), r.total) for r in self.reqs]
+        running = [RunningRequest(len(r.pages), r.ntok, r.total) for r in self.reqs]
         if not self.adm.can_admit(prompt, out, running):
             return
         req = Req(self.next_seed, prompt + out, token_data(self.next_seed, prompt + out), [])
@@ -110,9 +119,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not self._alloc(req, -(-prompt // 16)):
             return
         self._write(req, prompt)
-        full = req.pages[:prompt // 16]
-        if full:
-            self.m.compress_pages(full)
+        self._seal(req.pages[:prompt // 16])
 
     @precondition(lambda self: self.reqs)
     @rule(which=st.integers(0, 100), k=st.integers(1, 24))
@@ -123,7 +130,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 return
             self._write(req, req.ntok + 1)
             if req.ntok % 16 == 0:
-                self.m.compress_pages([req.pages[-1]])
+                self._seal([req.pages[-1]])
 
     @precondition(lambda self: self.reqs)
     @rule(which=st.integers(0, 100))
@@ -138,16 +145,17 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule()
     def compact(self):
         self.m.compact()
+        self._seal([])
 
     # ------------------------------------------------------------------ invariants
     @invariant()
     def no_overlap_and_chunks_add_up(self):
         m = self.m
-        ids = np.nonzero(m._state != 0)[0]
-        loc = m._loc[:, ids]
+        ids = np.nonzero(m.table.state != 0)[0]
+        loc = m.table.loc[:, ids]
         assert (loc >= 0).all()
         start = (loc & ~1).ravel()
-        size = np.where((m._state[ids] == 1)[None, :], OPEN, m._size[:, ids]).ravel()
+        size = np.where((m.table.state[ids] == 1)[None, :], OPEN, m.table.size[:, ids]).ravel()
         o = np.argsort(start)
         assert (start[o][1:] >= (start + size)[o][:-1]).all(), "two live pages overlap"
         assert ((start % 16) == 0).all() and ((start + size) <= m.arena.numel()).all()
@@ -197,3 +205,18 @@ TestEstimate = EstimateMachine.TestCase
 TestEstimate.settings = SETTINGS
 TestStatic = StaticMachine.TestCase
 TestStatic.settings = SETTINGS
+
+
+def test_estimate_reported_sequence():
+    """Found by fresh draws (issue 10): prompts of 1, 97 and 176 tokens admitted in estimate mode
+    once raised MemoryExhausted out of compression. Now compression leaves pages open instead."""
+    for outs in ((0, 0, 0), (60, 60, 60), (0, 30, 60)):
+        m = EstimateMachine()
+        for prompt, out in zip((1, 97, 176), outs):
+            m.admit(prompt, out)
+            m.no_overlap_and_chunks_add_up()
+            m.contents_are_what_was_written()
+        for which in range(3):
+            m.append(which, 24)
+            m.contents_are_what_was_written()
+        m.teardown()

@@ -10,23 +10,28 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from zipfusion.models import build_model, config_from_dict, load_config, resolve_model  # noqa: E402
-from zipfusion.models.layers import rope_inv_freq  # noqa: E402
+from zipfusion.models.layers import apply_rope, rope_inv_freq  # noqa: E402
 from zipfusion.models.testing import save_tiny_checkpoint  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 
 
-def dense_causal_attention(layer, q, k, v):
-    """Reference attention for one sequence: q [T, Hq, D], k/v [T, H, D]."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    return o.transpose(0, 1)
+class DenseCausal:
+    """Reference KV for one sequence, no cache: torch rope, dense causal attention."""
+
+    def store(self, layer, q, k, v, cos, sin):
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, layer, q, k, v):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return o.transpose(0, 1)
 
 
 def our_logits(model, ids):
-    hidden = model(ids, torch.arange(len(ids)), dense_causal_attention)
+    hidden = model(ids, torch.arange(len(ids)), DenseCausal())
     return model.compute_logits(hidden)
 
 

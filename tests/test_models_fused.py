@@ -56,27 +56,46 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=1e-2)   # one or two bf16 ulps
 
 
-def test_rope_and_store_matches_torch_and_writes_the_open_pages():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_store_is_the_torch_rope_bit_for_bit_and_writes_the_open_pages(dtype):
+    """One rope arithmetic: the kernel's rotated q and k (and the K/V it stores) are the torch
+    path's bits (models.layers.apply_rope + PageLayout.open_elements)."""
+    from zipfusion.format import PageLayout
     from zipfusion.models.fused import rope_and_store
+    from zipfusion.models.layers import apply_rope
     T, Hq, H, D = 3, 4, 2, 64
-    qkv = bf16(T, (Hq + 2 * H) * D, seed=2)
+    qkv = (torch.randn(T, (Hq + 2 * H) * D, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
+    q, k, v = q.view(T, Hq, D), k.view(T, H, D), v.view(T, H, D)        # strided views, as the model has
     rope = RotaryEmbedding(D, RopeConfig(theta=10000.0))
-    positions = torch.tensor([5, 17, 40])
-    cos, sin = rope.cos_sin(positions, torch.bfloat16)
-    page_bytes = 2 * 16 * H * D * 2
+    positions = torch.tensor([5, 17, 40000])
+    cos, sin = rope.cos_sin(positions)
+    layout = PageLayout(H, D)
+    page_bytes = layout.open_page_bytes
     arena = torch.zeros(4 * page_bytes + 32, dtype=torch.uint8)
     page_loc = torch.tensor([16 | 1, (16 + page_bytes) | 1, (16 + 2 * page_bytes) | 1, -1])
     page_ids, slots = torch.tensor([2, 0, 1]), positions % 16
-    q = rope_and_store(qkv, cos, sin, Hq, H, D, arena, page_loc, page_ids, slots)
-    q_ref, k_ref, v_ref = qkv.split([Hq * D, H * D, H * D], dim=-1)
-    q_ref = RotaryEmbedding.apply(q_ref.reshape(T, Hq, D).float(), cos.float(), sin.float())
-    k_ref = RotaryEmbedding.apply(k_ref.reshape(T, H, D).float(), cos.float(), sin.float())
-    torch.testing.assert_close(q.float(), q_ref, rtol=1e-2, atol=1e-2)
-    pages = arena[16:16 + 3 * page_bytes].view(torch.bfloat16).view(3, 2, 16, H, D)
-    for t in range(T):
-        p, s = int(page_ids[t]), int(slots[t])
-        torch.testing.assert_close(pages[p, 0, s].float(), k_ref[t], rtol=1e-2, atol=1e-2)
-        assert torch.equal(pages[p, 1, s], v_ref[t].reshape(H, D))
-    written = torch.zeros(3, 2, 16, dtype=torch.bool)
-    written[page_ids, :, slots] = True
-    assert (pages[~written] == 0).all()                         # nothing else touched
+    q_got, k_got = rope_and_store(q, k, v, cos, sin, arena, page_loc, page_ids, slots, want_k=True)
+    q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert q_got.dtype == dtype and torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref)
+    ref_arena = torch.zeros_like(arena)
+    idx = layout.open_elements(page_loc[page_ids], slots)
+    ref_arena.view(torch.bfloat16).index_copy_(0, idx.reshape(-1),
+                                               torch.stack([k_ref, v], 1).to(torch.bfloat16).reshape(-1))
+    assert torch.equal(arena, ref_arena)                                 # the same bytes, nothing else touched
+    assert (arena[:16] == 0).all() and ref_arena.any()
+    q_only, none = rope_and_store(q, k, v, cos, sin, arena, page_loc, page_ids, slots)
+    assert torch.equal(q_only, q_ref) and none is None
+
+
+def test_apply_rope_rounds_once():
+    """bf16 rope: fp32 cos/sin, exact products, one rounding -- not bf16 math op by op."""
+    from zipfusion.models.layers import apply_rope
+    x = (torch.randn(64, 8, 64, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    rope = RotaryEmbedding(64, RopeConfig(theta=10000.0))
+    cos, sin = rope.cos_sin(torch.arange(64) * 37)
+    got = apply_rope(x, cos, sin)
+    x1, x2 = x[..., :32].double(), x[..., 32:].double()
+    exact = torch.cat([x1 * cos.double()[:, None] - x2 * sin.double()[:, None],
+                       x2 * cos.double()[:, None] + x1 * sin.double()[:, None]], -1)
+    assert torch.equal(got, exact.float().to(torch.bfloat16))

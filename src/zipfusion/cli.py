@@ -12,24 +12,14 @@ import argparse
 import sys
 import time
 
+from .config import add_cli_args
+
 DEMO_PROMPTS = [
     "In the beginning God created the heaven and the earth.",
     "And the LORD spake unto Moses, saying,",
     "Blessed are the poor in spirit:",
     "The LORD is my shepherd;",
 ]
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="checkpoint folder, 'demo', or llama-3.1-8b-random / qwen3-8b-random")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32 (needs --no-kv-compression)")
-    p.add_argument("--no-kv-compression", dest="kv_compression", action="store_false",
-                   help="keep KV pages uncompressed")
-    p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache memory in GiB")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def _default_device() -> str:
@@ -39,10 +29,8 @@ def _default_device() -> str:
 
 def cmd_generate(args) -> int:
     import zipfusion
-    llm = zipfusion.LLM(args.model, kv_compression=args.kv_compression, kv_memory_gb=args.kv_memory_gb,
-                        dtype=args.dtype, device=args.device or _default_device(),
-                        max_model_len=args.max_model_len, load_format=args.load_format,
-                        enforce_eager=args.enforce_eager)
+    from .config import config_from_args
+    llm = zipfusion.LLM(**vars(config_from_args(args, skip=("seed",))))
     prompts = list(args.prompt)
     if args.chat:
         if llm.tokenizer is None:
@@ -86,7 +74,7 @@ def _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo) -> dict:
         outs = llm.generate(prompts, sp, use_tqdm=False)
         results[compress] = (outs, llm.kv_stats(), time.perf_counter() - t0, llm)
     (on, st_on, t_on, llm), (off, _, t_off, _) = results[True], results[False]
-    cfg = llm.engine.config
+    cfg = llm.engine.model_config
     identical = [a.token_ids for a in on] == [b.token_ids for b in off]
     echo(f"\nDemo model ({cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads x {cfg.head_dim}, "
          f"trained on KJV text), CPU, greedy, {len(prompts)} prompts x {max_tokens} tokens:")
@@ -121,10 +109,10 @@ def cmd_demo(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from .config import config_from_args
     from .server import serve
-    serve(args.model, host=args.host, port=args.port, kv_compression=args.kv_compression,
-          kv_memory_gb=args.kv_memory_gb, dtype=args.dtype, device=args.device or _default_device(),
-          max_model_len=args.max_model_len, load_format=args.load_format, enforce_eager=args.enforce_eager)
+    cfg = config_from_args(args)
+    serve(cfg.model, host=args.host, port=args.port, **{k: v for k, v in vars(cfg).items() if k != "model"})
     return 0
 
 
@@ -153,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zipfusion", description="LLM inference with a losslessly compressed KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    _add_engine_args(g)
+    add_cli_args(g, skip=("seed",))
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -168,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=48)
     d.set_defaults(func=cmd_demo)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs zipfusion[server])")
-    _add_engine_args(s)
+    add_cli_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.set_defaults(func=cmd_serve)

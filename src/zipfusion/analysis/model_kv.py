@@ -8,9 +8,10 @@ then applies the format's block rule to the full pages.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..engine.attention import prefill_attention
 from ..models import build_model, load_tokenizer, resolve_model
+from ..models.layers import apply_rope
 from .kv_stats import KVReport, analyze_kv
 
 # Used when no text is given: English prose, a list, and Python code, so that the numbers are
@@ -37,21 +38,28 @@ where it stayed for the rest of the season. Nobody complained; the view was bett
 """
 
 
+class _CaptureKV:
+    """A :class:`~zipfusion.models.llama.KVCacheStep` for one causal pass with no cache: keeps
+    each layer's rotated K and V."""
+
+    def __init__(self, scale: float):
+        self.scale, self.kv = scale, {}
+
+    def store(self, layer, q, k, v, cos, sin):
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.kv[layer] = (k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu())
+        return q, k, v
+
+    def attend(self, layer, q, k, v):
+        return prefill_attention(q, k, v, 0, self.scale)
+
+
 @torch.inference_mode()
 def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One forward pass over ``input_ids`` [T]; returns each layer's (K, V), [T, H, D] bf16."""
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    scale = model.config.head_dim ** -0.5
-
-    def attention(layer, q, k, v):
-        captured[layer] = (k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu())
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        return o.transpose(0, 1)
-
-    positions = torch.arange(input_ids.numel(), device=input_ids.device)
-    model(input_ids, positions, attention)
-    return [captured[i] for i in range(len(captured))]
+    capture = _CaptureKV(model.config.head_dim ** -0.5)
+    model(input_ids, torch.arange(input_ids.numel(), device=input_ids.device), capture)
+    return [capture.kv[i] for i in range(len(capture.kv))]
 
 
 def analyze_model(model: str, texts: list[str] | None = None, *, device: str = "cpu",

@@ -1,12 +1,13 @@
-"""The engine's view of the KV cache: pages to allocate, K/V to write, pages to read.
+"""The engine's view of the KV cache: pages to allocate, K/V to store, pages to attend over.
 
 * :class:`ArenaKVCache` -- BF16 pages in the memory manager's arena (docs/design.md). Full pages
-  are compressed when ``compress=True``. Decode attention runs the fused kernel on CUDA and a
-  torch path elsewhere, which reads compressed pages through the reference codec.
-* :class:`DenseKVCache` -- pages of any dtype (float32 for exactness tests) in one tensor, never
-  compressed.
+  are compressed when ``compress=True``. On CUDA, rope + store is one Triton kernel and decode
+  attention is the fused kernel (its uncompressed twin when compression is off).
+* :class:`DenseKVCache` -- pages of any dtype (float32 for exactness tests) in one tensor,
+  never compressed; torch throughout.
 
-Both address K/V by page id and slot (token % 16), so scheduler and runner do not care which.
+Both address K/V by page id and slot (token % 16) and offer the same methods, so the
+scheduler, the runner and :class:`~zipfusion.engine.attention.StepKV` do not care which.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import math
 import torch
 
 from ..format import PAGE_TOKENS, PageLayout
+from ..models.layers import apply_rope
 
 
-def torch_decode_attention(q, gather, block_table, context_lens, sm_scale):
-    """Decode attention in fp32 torch: q [B, Hq, D]; ``gather(page_ids) -> [n, 2, 16, H, D]``.
+def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale):
+    """Decode attention in fp32 torch: q [B, Hq, D]; ``read_pages(ids) -> [n, 2, 16, H, D]``.
 
     o_b = softmax(sm_scale · q_b K_bᵀ) V_b over the first context_lens[b] tokens of request b,
     query head i reading KV head i // (Hq / H).
@@ -31,7 +33,7 @@ def torch_decode_attention(q, gather, block_table, context_lens, sm_scale):
     used = torch.arange(max_pages, device=q.device)[None, :] * PAGE_TOKENS < lens[:, None]
     ids = torch.where(used, table, torch.zeros_like(table))
     uniq, inverse = torch.unique(ids[used], return_inverse=True)
-    pages = gather(uniq)                                        # [n, 2, 16, H, D]
+    pages = read_pages(uniq)                                    # [n, 2, 16, H, D]
     H = pages.shape[3]
     slot = torch.zeros_like(ids)
     slot[used] = inverse
@@ -48,7 +50,7 @@ def torch_decode_attention(q, gather, block_table, context_lens, sm_scale):
 
 
 class KVCache:
-    """Interface shared by both caches."""
+    """What both caches share; subclasses hold the pages."""
 
     num_layers: int
     num_kv_heads: int
@@ -57,49 +59,40 @@ class KVCache:
     device: torch.device
     compress: bool = False
 
-    def alloc(self, n: int) -> list[int]: ...
-    def free(self, ids: list[int]) -> None: ...
-    def seal(self, ids: list[int]) -> list[int]: """Full pages: compress them if this cache compresses; returns ids left open."""
-    def capacity_new_pages(self) -> int: ...
-    def write(self, layer, page_ids, slots, k, v) -> None: ...
-    def gather(self, layer: int, page_ids: torch.Tensor) -> torch.Tensor: ...
-    def decode_attention(self, layer, q, block_table, context_lens, sm_scale) -> torch.Tensor: ...
-    def stats(self) -> dict: ...
-
-    def gather_tokens(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [n_tokens, H, D] of a request's first ``n_tokens`` tokens."""
+    def read_tokens(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n_tokens, H, D] of a request's first ``n_tokens`` tokens (its prefix)."""
         n_pages = -(-n_tokens // PAGE_TOKENS)
-        ids = torch.tensor(pages[:n_pages], dtype=torch.int64, device=self.device)
-        kv = self.gather(layer, ids)                            # [n, 2, 16, H, D]
+        kv = self.read_pages(layer, pages[:n_pages])                        # [n, 2, 16, H, D]
         kv = kv.transpose(0, 1).reshape(2, n_pages * PAGE_TOKENS, self.num_kv_heads, self.head_dim)
         return kv[0, :n_tokens], kv[1, :n_tokens]
+
+    def stored_ratio(self) -> float:
+        """Bytes of stored full pages over their open size (1.0 when nothing is compressed)."""
+        return 1.0
 
 
 class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
-                 device, compress: bool = True, attention_backend: str = "auto", **manager_kwargs):
-        """``attention_backend``: "kernel" (the Triton kernels; on CPU tensors they run in the
-        interpreter, slowly), "torch" (fp32 torch over gathered pages), "auto" (kernel on CUDA)."""
+                 device, compress: bool = True, attention_backend: str = "auto",
+                 fused_store: bool | None = None, split_pages: int | None = None, **manager_kwargs):
+        """``attention_backend``: "kernel" (our kernels; on CPU tensors the Triton ones run in
+        the interpreter, slowly), "torch" (fp32 torch over read pages), "auto" (kernel on CUDA).
+        ``fused_store``: rope + K/V store as one Triton kernel (default: on CUDA).
+        ``split_pages``: fixed KV split size of the attention kernel (deterministic mode)."""
         if attention_backend not in ("auto", "kernel", "torch"):
             raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'torch', got {attention_backend!r}")
         from ..memory import KVCacheManager
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = PageLayout(num_kv_heads, head_dim)
         self.dtype, self.device, self.compress = torch.bfloat16, torch.device(device), compress
-        manager_kwargs.setdefault("chunk_bytes", min(2 << 20, 64 * self.layout.open_page_bytes))
         self.manager = KVCacheManager(num_layers, self.layout, int(budget_bytes), self.device,
                                       compression=compress, **manager_kwargs)
-        H, D = num_kv_heads, head_dim
-        # element offset of (role r, token slot t, head h, channel c) from a page's first bf16 element
-        r = torch.arange(2, device=self.device).view(2, 1, 1, 1)
-        h = torch.arange(H, device=self.device).view(1, 1, H, 1)
-        c = torch.arange(D, device=self.device).view(1, 1, 1, D)
-        self._rhc = (r * PAGE_TOKENS * H + h) * D + c            # [2, 1, H, D] (+ t·H·D per slot)
-        self._page_elems = torch.arange(2 * PAGE_TOKENS * H * D, device=self.device)
-        self._use_kernel = attention_backend == "kernel" or (
-            attention_backend == "auto" and self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
+        self._use_kernel = attention_backend == "kernel" or (attention_backend == "auto" and cuda)
+        self.fused_store = cuda if fused_store is None else fused_store
+        self.split_pages = split_pages
 
     @property
     def arena(self) -> torch.Tensor:
@@ -131,48 +124,47 @@ class ArenaKVCache(KVCache):
     def capacity_new_pages(self):
         return int(self.manager.capacity_new_pages())
 
-    def write(self, layer, page_ids, slots, k, v):
-        """Store k, v [T, H, D] at (page_ids[T], slots[T]) -- open pages: bf16 element
-        loc/2 + ((r·16 + t)·H + h)·D + c, and loc/2 = page_loc >> 1 since loc = offset | 1."""
-        base = self.page_loc[layer, page_ids] >> 1                              # [T]
-        H, D = self.num_kv_heads, self.head_dim
-        idx = base.view(-1, 1, 1, 1, 1) + (slots.view(-1, 1, 1, 1, 1) * (H * D) + self._rhc[None])
-        vals = torch.stack([k, v], dim=1).unsqueeze(2).to(torch.bfloat16)       # [T, 2, 1, H, D]
-        self.arena.view(torch.bfloat16).index_copy_(0, idx.reshape(-1), vals.reshape(-1))
+    def stored_ratio(self):
+        return self.manager.stored_ratio()
 
-    def gather(self, layer, page_ids):
-        """Pages [n, 2, 16, H, D] bf16: open ones read in place, compressed ones decoded."""
-        from ..format import decode_pages
-        H, D = self.num_kv_heads, self.head_dim
-        loc = self.page_loc[layer, page_ids]
-        if bool((loc < 0).any()):
-            raise RuntimeError(f"layer {layer}: page id without a page in page_loc: {page_ids[loc < 0].tolist()}")
-        is_open = (loc & 1).bool()
-        out = torch.empty(len(page_ids), 2, PAGE_TOKENS, H, D, dtype=torch.bfloat16, device=self.device)
-        arena16 = self.arena.view(torch.bfloat16)
-        if bool(is_open.any()):
-            idx = (loc[is_open] >> 1)[:, None] + self._page_elems[None, :]
-            out[is_open] = arena16[idx].view(-1, 2, PAGE_TOKENS, H, D)
-        if bool((~is_open).any()):
-            out[~is_open] = decode_pages(self.arena, loc[~is_open], H, D)
-        return out
+    def store(self, layer, q, k, v, cos, sin, page_ids, slots, want_kv: bool):
+        """Rotate q, k (models.layers.RotaryEmbedding's arithmetic) and write k, v as bf16 into
+        the open pages at (page_ids[t], slots[t]); returns (q, k, v) rotated (k, v None unless
+        ``want_kv``: decode rows read everything from the pages)."""
+        if self.fused_store:
+            from ..models.fused import rope_and_store
+            q, k = rope_and_store(q, k, v, cos, sin, self.arena, self.page_loc[layer], page_ids, slots,
+                                  want_k=want_kv)
+            return q, k, (v if want_kv else None)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        idx = self.layout.open_elements(self.page_loc[layer, page_ids], slots)        # [T, 2, H, D]
+        vals = torch.stack([k, v], dim=1).to(torch.bfloat16)
+        self.arena.view(torch.bfloat16).index_copy_(0, idx.reshape(-1), vals.reshape(-1))
+        return q, k, v
+
+    def read_pages(self, layer, ids):
+        """Pages [n, 2, 16, H, D] bf16: open ones copied, compressed ones decoded."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return self.manager.read_pages(layer, ids)
 
     def decode_attention(self, layer, q, block_table, context_lens, sm_scale):
         if self._use_kernel:
             from ..kernels import decode_attention, decode_attention_twin
             kernel = decode_attention if self.compress else decode_attention_twin
+            kw = {"split_pages": self.split_pages} if self.split_pages else {}
             # the engine builds valid tables; validate=False keeps the call free of host syncs
             return kernel(q, self.arena, self.page_loc[layer], block_table, context_lens,
-                          self.layout, sm_scale, validate=False)
-        return torch_decode_attention(q, lambda ids: self.gather(layer, ids), block_table, context_lens, sm_scale)
+                          self.layout, sm_scale, validate=False, **kw)
+        return torch_decode_attention(q, lambda ids: self.read_pages(layer, ids), block_table,
+                                      context_lens, sm_scale)
 
     def stats(self):
         """The manager's numbers plus what the engine reports: bytes in use vs all-open."""
         s = self.manager.stats()
-        d = s.as_dict() if hasattr(s, "as_dict") else dict(s)
+        d = s.as_dict()
         pages = d["open_pages"] + d["stored_pages"]
         d["pages_in_use"] = pages
-        d["bytes_in_use"] = s.used_bytes if hasattr(s, "used_bytes") else None
+        d["bytes_in_use"] = s.used_bytes
         d["open_bytes_equivalent"] = pages * self.num_layers * self.layout.open_page_bytes
         return d
 
@@ -210,20 +202,24 @@ class DenseKVCache(KVCache):
     def capacity_new_pages(self):
         return len(self._free)
 
-    def write(self, layer, page_ids, slots, k, v):
+    def store(self, layer, q, k, v, cos, sin, page_ids, slots, want_kv: bool):
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.kv[layer, page_ids, 0, slots] = k.to(self.dtype)
         self.kv[layer, page_ids, 1, slots] = v.to(self.dtype)
+        return q, k, v
 
-    def gather(self, layer, page_ids):
-        return self.kv[layer, page_ids]
+    def read_pages(self, layer, ids):
+        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        return self.kv[layer, ids]
 
     def decode_attention(self, layer, q, block_table, context_lens, sm_scale):
-        return torch_decode_attention(q, lambda ids: self.gather(layer, ids), block_table, context_lens, sm_scale)
+        return torch_decode_attention(q, lambda ids: self.read_pages(layer, ids), block_table,
+                                      context_lens, sm_scale)
 
     def stats(self):
         used = self.num_pages - len(self._free)
         bytes_per_page = self.kv[:, 0].numel() * self.kv.element_size()
-        return {"pages_in_use": used, "open_pages": used, "compressed_pages": 0,
+        return {"pages_in_use": used, "open_pages": used, "stored_pages": 0,
                 "bytes_in_use": used * bytes_per_page, "open_bytes_equivalent": used * bytes_per_page}
 
 

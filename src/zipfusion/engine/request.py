@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,6 @@ class Request:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: int
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -37,6 +37,14 @@ class Request:
     num_preemptions: int = 0
     text: str = ""
     logits: list = field(default_factory=list, repr=False)   # filled only when the engine records them
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list, repr=False)   # when each output token came
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        """Prompt + max_tokens (None: no max_tokens; the engine's max_model_len caps it)."""
+        mt = self.params.max_tokens
+        return None if mt is None else len(self.prompt_ids) + mt
 
     @property
     def tokens(self) -> list[int]:

@@ -1,23 +1,21 @@
 """The model runner: turns a scheduled step into one forward pass and returns logits.
 
-Prefill: the chunk's K/V are written into the request's pages, and its queries attend (torch
-SDPA, causal) over the K/V of earlier chunks -- read back from the pages, decompressed if
-sealed -- followed by the chunk's own. Decode: every request feeds its last token; K/V go into
-the open page, then the cache's decode attention (the fused kernel on CUDA) reads all pages.
-On CUDA, decode runs as a captured CUDA graph per batch-size bucket; padding rows write into
-and read from one scratch page.
+A step's tokens are ``[decode rows | prefill chunks]`` (engine/attention.py). A pure decode step
+on CUDA replays a captured CUDA graph per batch-size bucket (padding rows write into and read
+from one scratch page); a step with prefill chunks runs eagerly. Either way the layers reach
+the KV cache through a :class:`~zipfusion.engine.attention.StepKV`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..models import CausalLM
+from .attention import StepKV
 from .kv_cache import KVCache, default_sm_scale
 from .request import PAGE_TOKENS, Request
-from .scheduler import PrefillChunk
+from .scheduler import SchedulerOutput
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -27,68 +25,49 @@ class ModelRunner:
                  use_cuda_graphs: bool = True):
         self.model = model
         self.cache = cache
-        cfg = model.config
         self.device = next(model.parameters()).device
-        self.sm_scale = default_sm_scale(cfg.head_dim)
+        self.sm_scale = default_sm_scale(model.config.head_dim)
         self.max_pages_per_req = -(-max_model_len // PAGE_TOKENS)
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._scratch: list[int] = []
         self._row_owner: list = []                    # staged table row i: (request id, pages, last page)
-        from ..models.layers import FUSED_OPS_ON_CUDA
-        from .kv_cache import ArenaKVCache
-        # rope + K/V store in one Triton kernel: CUDA arena caches (tests force it on the CPU)
-        self.fused_rope_store = (FUSED_OPS_ON_CUDA and self.device.type == "cuda"
-                                 and isinstance(cache, ArenaKVCache))
 
-    # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
-        """Run the chunks; logits [n, V] fp32 at the last token of each chunk (all chunks, in order)."""
-        dev = self.device
-        ids, pos, pages, slots, lens = [], [], [], [], []
-        for ch in chunks:
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [n, V] fp32: one row per decode request, then one per prefill chunk that
+        completes its prompt (its last token samples the next one), in order."""
+        if not out.prefill:
+            return self.decode(out.decode)
+        n = len(out.decode)
+        dec = self._decode_inputs(out.decode, n) if n else None
+        ids, pos, pages, slots, last = [], [], [], [], []
+        off = n
+        for ch in out.prefill:
             r = ch.request
-            p = list(range(ch.start, ch.start + ch.length))
-            ids += r.tokens[ch.start:ch.start + ch.length]
-            pos += p
-            pages += [r.pages[i // PAGE_TOKENS] for i in p]
-            slots += [i % PAGE_TOKENS for i in p]
-            lens.append(ch.length)
-        t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-        input_ids, positions, page_ids, slot_ids = t(ids), t(pos), t(pages), t(slots)
-
-        def attention(layer, q, k, v):
-            self.cache.write(layer, page_ids, slot_ids, k, v)
-            outs, off = [], 0
-            for ch in chunks:
-                n = ch.length
-                qi, ki, vi = q[off:off + n], k[off:off + n], v[off:off + n]
-                if ch.start:
-                    kp, vp = self.cache.gather_tokens(layer, ch.request.pages, ch.start)
-                    ki, vi = torch.cat([kp.to(ki.dtype), ki]), torch.cat([vp.to(vi.dtype), vi])
-                outs.append(self._causal_sdpa(qi, ki, vi, ch.start))
-                off += n
-            return torch.cat(outs)
-
-        hidden = self.model(input_ids, positions, attention)
-        last = torch.tensor(lens, device=dev).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last])
-
-    def _causal_sdpa(self, q, k, v, start):
-        """q [n, Hq, D] at positions start..start+n-1; k, v [start+n, H, D]. Query i sees keys j <= start+i."""
-        n, total = q.shape[0], k.shape[0]
-        mask = None
-        if start:
-            mask = torch.arange(total, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, is_causal=mask is None, scale=self.sm_scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])
-        return o.transpose(0, 1)
+            p = np.arange(ch.start, ch.start + ch.length)
+            ids.append(np.asarray(r.tokens[ch.start:ch.start + ch.length], dtype=np.int64))
+            pos.append(p)
+            pages.append(np.asarray(r.pages, dtype=np.int64)[p // PAGE_TOKENS])
+            slots.append(p % PAGE_TOKENS)
+            off += ch.length
+            if ch.completes:
+                last.append(off - 1)
+        vec = np.stack([np.concatenate(x) for x in (ids, pos, pages, slots)])     # [4, T_prefill]
+        if dec is not None:
+            vec = np.concatenate([dec["vec"].numpy(), vec], axis=1)
+        vec = torch.from_numpy(vec).to(self.device)
+        kv = StepKV(self.cache, self.sm_scale, vec[2], vec[3], num_decode=n,
+                    block_table=dec and dec["block_table"].to(self.device),
+                    context_lens=dec and dec["context_lens"].to(self.device),
+                    chunks=[ch.view() for ch in out.prefill])
+        hidden = self.model(vec[0], vec[1], kv)
+        rows = torch.tensor(list(range(n)) + last, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden[rows])
 
     # -- decode -----------------------------------------------------------------------------
-    # The decode inputs of a step: five [bs] vectors and the block table [bs, W]. With CUDA
+    # The decode inputs of a step: four [bs] vectors and the block table [bs, W]. With CUDA
     # graphs they are built in place in pinned host buffers (the table row of a request is
     # rewritten only when its pages change) and reach the graph's static inputs in three
     # asynchronous copies; without graphs, in fresh host arrays.
@@ -137,7 +116,8 @@ class ModelRunner:
     def _named(self, bufs: dict, bs: int) -> dict:
         """The decode inputs by name, as views of the first ``bs`` rows of ``bufs``."""
         b = {k: bufs["vec"][j, :bs] for j, k in enumerate(self.VECTORS)}
-        b.update(block_table=bufs["block_table"][:bs], context_lens=bufs["context_lens"][:bs])
+        b.update(vec=bufs["vec"][:, :bs], block_table=bufs["block_table"][:bs],
+                 context_lens=bufs["context_lens"][:bs])
         return b
 
     def forget(self, request_id: int) -> None:
@@ -145,20 +125,9 @@ class ModelRunner:
         self._row_owner = [None if o is not None and o[0] == request_id else o for o in self._row_owner]
 
     def _decode_forward(self, b: dict) -> torch.Tensor:
-        def attention(layer, q, k, v):
-            if k is not None:                           # else fused_rope_store wrote them
-                self.cache.write(layer, b["page_ids"], b["slots"], k, v)
-            return self.cache.decode_attention(layer, q, b["block_table"], b["context_lens"], self.sm_scale)
-        if self.fused_rope_store:
-            cfg = self.model.config
-            from ..models.fused import rope_and_store
-
-            def fused_rope_store(layer, qkv, cos, sin):
-                return rope_and_store(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                      cfg.head_dim, self.cache.arena, self.cache.page_loc[layer],
-                                      b["page_ids"], b["slots"])
-            attention.fused_rope_store = fused_rope_store
-        hidden = self.model(b["input_ids"], b["positions"], attention)
+        kv = StepKV(self.cache, self.sm_scale, b["page_ids"], b["slots"], num_decode=b["input_ids"].shape[0],
+                    block_table=b["block_table"], context_lens=b["context_lens"])
+        hidden = self.model(b["input_ids"], b["positions"], kv)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

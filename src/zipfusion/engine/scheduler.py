@@ -1,12 +1,18 @@
-"""Continuous batching: waiting and running queues, chunked prefill, decode batches,
+"""Continuous batching: waiting and running queues, mixed decode + chunked-prefill steps,
 admission from the KV cache's capacity, preemption by recompute.
 
-Each step is either a *prefill* step (chunks of prompts, up to ``max_num_batched_tokens``
-tokens, oldest first) or, when no prompt work is pending, a *decode* step over every running
-request. Pages are allocated here, before the step, so the runner only writes into them. When
-a decode step needs more pages than fit, the newest running request is preempted: its pages
-are freed and it goes back to the front of the waiting queue, to be prefilled again from its
-prompt and the tokens it already generated (its sampler state is kept).
+Every step has a token budget (``max_num_batched_tokens``). Running requests whose prompt is
+done go first, one decode token each; what is left of the budget goes to prefill chunks:
+first to running requests whose prompt is not done yet, then to waiting requests in arrival
+order, each admitted only when :class:`~zipfusion.memory.Admission` says its memory fits
+beside what the running requests still need. So running requests keep decoding while a long
+prompt is prefilled, a chunk at a time.
+
+Pages are allocated here, before the step, so the runner only writes into them. When decode
+needs more pages than fit, the newest running request is preempted: its pages are freed and it
+goes back to the front of the waiting queue, to be prefilled again from its prompt and the
+tokens it already generated (its sampler state is kept). With the default admission this is a
+rare correction, and each one makes admission more careful for a while.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..memory import Admission, RunningRequest
+from .attention import ChunkView
 from .kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
 
@@ -33,32 +41,35 @@ class PrefillChunk:
         """The chunk reaches the last token: its last logits sample the next token."""
         return self.start + self.length == self.request.num_tokens
 
+    def view(self) -> ChunkView:
+        return ChunkView(self.start, self.length, self.request.pages)
+
 
 @dataclass
 class SchedulerOutput:
-    prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.length for c in self.prefill)
+
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 8192, admission=None):
-        """``admission``: None admits whatever fits now and preempts when memory runs out
-        (vLLM's way); or an object with ``can_admit(prompt_tokens, max_new_tokens, running)``
-        (``zipfusion.memory.Admission``: reserve room for every running request's remaining
-        tokens, "conservative" at open size or "estimate" at the observed compression ratio)."""
+    def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: int = 8192, admission: str = "estimate"):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.admission = admission
+        self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -79,71 +90,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         while True:
-            self._schedule_prefill(out)
-            if not out.prefill:
-                self._schedule_decode(out)
+            self._schedule_decode(out)
+            self._schedule_prefill(out, self.max_num_batched_tokens - len(out.decode))
             if not out.empty or len(self.running) < 2:
                 break
             # only half-prefilled requests are running and none can grow: free the newest
             out.preempted.append(self._preempt(self.running[-1]))
-        if out.empty and self.running:
-            r = self.running[0]
-            raise KVCacheTooSmall(
-                f"request {r.request_id} ({r.num_tokens} tokens) does not fit in the KV memory; "
-                "give more kv_memory_gb or shorten the prompt")
-        if out.empty and self.waiting and not self.running:
-            req = self.waiting[0]
+        if out.empty and self.has_work():
+            req = self.running[0] if self.running else self.waiting[0]
             raise KVCacheTooSmall(
                 f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the KV memory "
                 f"({self.cache.capacity_new_pages()} free pages of {PAGE_TOKENS} tokens); "
                 "give more kv_memory_gb or shorten the prompt")
+        self.admission.on_step()
         return out
 
-    def _decode_reserve(self) -> int:
-        """Pages the running decode requests need for their next token."""
-        return sum(1 for r in self.running if not r.in_prefill and r.pages_needed(r.num_computed + 1))
-
-    def _schedule_prefill(self, out: SchedulerOutput) -> None:
-        budget = self.max_num_batched_tokens
-        free = self.cache.capacity_new_pages() - self._decode_reserve()
-        candidates = [r for r in self.running if r.in_prefill] + list(self.waiting)
-        for req in candidates:
-            if budget <= 0:
-                break
-            admitted = req.status == Status.RUNNING
-            if not admitted and len(self.running) >= self.max_num_seqs:
-                break
-            if not admitted and self.admission is not None and self.running and not self._can_admit(req):
-                break
-            todo = req.num_tokens - req.num_computed
-            n = min(todo, budget)
-            # fit the chunk into the pages we may still take
-            room = (len(req.pages) + max(free, 0)) * PAGE_TOKENS - req.num_computed
-            n = min(n, room)
-            if n <= 0:
-                break                                   # FIFO: later requests wait too
-            new_pages = req.pages_needed(req.num_computed + n)
-            if new_pages:
-                req.pages += self.cache.alloc(new_pages)
-                free -= new_pages
-            if not admitted:
-                self.waiting.popleft() if self.waiting and self.waiting[0] is req else self.waiting.remove(req)
-                req.status = Status.RUNNING
-                self.running.append(req)
-            out.prefill.append(PrefillChunk(req, req.num_computed, n))
-            budget -= n
-
-    def _max_tokens(self, r: Request) -> int:
-        """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
-        mt = r.params.max_tokens
-        return min(self.max_model_len, r.num_tokens + (mt - len(r.output_ids) if mt else self.max_model_len))
-
-    def _can_admit(self, req: Request) -> bool:
-        from ..memory import RunningRequest
-        running = [RunningRequest(len(r.pages), self._max_tokens(r)) for r in self.running]
-        return self.admission.can_admit(req.num_tokens, self._max_tokens(req) - req.num_tokens, running)
-
     def _schedule_decode(self, out: SchedulerOutput) -> None:
+        """Every running request whose prompt is done decodes one token; preempt the newest
+        while their new pages do not fit."""
         while True:
             batch = [r for r in self.running if not r.in_prefill]
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
@@ -160,6 +124,46 @@ class Scheduler:
                 r.pages += self.cache.alloc(1)
         out.decode = batch
 
+    def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> None:
+        """Prefill chunks for the rest of the budget: running requests mid-prompt, then waiting
+        ones in order, each admitted only if admission agrees (FIFO: the first refusal stops;
+        none in a step that had to preempt)."""
+        free = self.cache.capacity_new_pages()
+        candidates = [r for r in self.running if r.in_prefill]
+        if not out.preempted:                     # as vLLM: no admission in a step that preempted
+            candidates += self.waiting
+        for req in candidates:
+            if budget <= 0:
+                break
+            admitted = req.status == Status.RUNNING
+            if not admitted and (len(self.running) >= self.max_num_seqs or not self._can_admit(req)):
+                break
+            # the chunk: what is left of the prompt, within the budget and the pages free now
+            room = (len(req.pages) + free) * PAGE_TOKENS - req.num_computed
+            n = min(req.num_tokens - req.num_computed, budget, room)
+            if n <= 0:
+                break
+            new_pages = req.pages_needed(req.num_computed + n)
+            if new_pages:
+                req.pages += self.cache.alloc(new_pages)
+                free -= new_pages
+            if not admitted:
+                self.waiting.remove(req)
+                req.status = Status.RUNNING
+                self.running.append(req)
+            out.prefill.append(PrefillChunk(req, req.num_computed, n))
+            budget -= n
+
+    def _max_total_tokens(self, r: Request) -> int:
+        """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
+        return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
+
+    def _can_admit(self, req: Request) -> bool:
+        if not self.running:
+            return True                          # alone it either fits or is refused as too large
+        running = [RunningRequest(len(r.pages), r.num_tokens, self._max_total_tokens(r)) for r in self.running]
+        return self.admission.can_admit(req.num_tokens, self._max_total_tokens(req) - req.num_tokens, running)
+
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
         self.running.remove(req)
@@ -168,6 +172,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.admission.on_preempt()
         self.waiting.appendleft(req)
         return req
 
@@ -175,7 +180,7 @@ class Scheduler:
     def seal_full_pages(self, reqs) -> int:
         """Hand every page that just filled up to the cache for compression (one call);
         returns how many pages were handed over."""
-        ids = [i for i in self._unsealed]
+        ids = list(self._unsealed)
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
             if full > r.num_sealed_pages:
@@ -185,10 +190,17 @@ class Scheduler:
         return len(ids)
 
     def finish(self, req: Request, reason: str) -> None:
-        req.status = Status.FINISHED
-        req.finish_reason = reason
+        """The request is done (or aborted): out of the queues, pages freed."""
+        if req.status == Status.FINISHED:
+            return
+        if req.status == Status.RUNNING and reason != "abort":
+            self.admission.on_finish(len(req.output_ids), self._max_total_tokens(req) - len(req.prompt_ids))
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
         self._free_pages(req)
 
     def _free_pages(self, req: Request) -> None:

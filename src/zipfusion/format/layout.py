@@ -70,6 +70,17 @@ class PageLayout:
     def max_page_bytes(self) -> int:
         return self.header_bytes + self.num_blocks * RAW_BLOCK_BYTES
 
+    def open_elements(self, page_loc: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Where token slot ``slots[t]`` of the open page at ``page_loc[t]`` (byte offset | 1)
+        lives: bf16 element indices [T, 2, H, D] into ``arena.view(torch.bfloat16)``, role r
+        (0 = K, 1 = V), head h, channel c at ``page_loc // 2 + ((r·16 + slot)·H + h)·D + c``.
+        The one statement of the open-page layout; the Triton store kernels compute the same."""
+        H, D = self.num_kv_heads, self.head_dim
+        dev = page_loc.device
+        rhc = ((torch.arange(2, device=dev).view(2, 1, 1) * PAGE_TOKENS * H
+                + torch.arange(H, device=dev).view(1, H, 1)) * D + torch.arange(D, device=dev).view(1, 1, D))
+        return (page_loc >> 1).view(-1, 1, 1, 1) + slots.view(-1, 1, 1, 1) * (H * D) + rhc[None]
+
     def page_bytes(self, num_compressed_blocks: int) -> int:
         n_raw = self.num_blocks - num_compressed_blocks
         return (self.header_bytes + num_compressed_blocks * COMPRESSED_BLOCK_BYTES

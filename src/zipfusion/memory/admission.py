@@ -1,20 +1,26 @@
-"""Admission numbers for the scheduler.
+"""Admission: what the scheduler may still promise, so that a running batch is rarely cut.
 
-A request needs ``ceil((prompt + max_new_tokens) / 16)`` pages over its life. New pages are
-always allocated open (uncompressed), so the conservative rule counts every page a request
-will still allocate at open size:
+A request needs ``ceil((prompt + output) / 16)`` pages over its life. New pages are allocated
+open and compressed when full, so it ends up holding them at the compression ratio r, plus its
+open last page. In open-page units, the scheduler admits a request only when
 
-    admit  iff  capacity_new_pages()  >=  sum over running requests of their remaining pages
-                                          + pages of the new request + margin
+    capacity_new_pages()  >=  Σ_running ( ceil(r'·future_i) + 1 )     what running requests will still take
+                            +  ceil(r'·pages_new) + 1                  the new request, whole
+                            +  ceil((1 - r')·step_pages)               a step's prefill pages sit open
+                                                                       until they are sealed
 
-``margin`` covers pages that hold memory twice for a while: each request's partly filled last
-page keeps its open slot while earlier pages need compressed room, so one page per request
-(running ones and the new one).
+``future_i``: pages request i will still allocate for the rest of its prompt and its expected
+output, ``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens. Two numbers are estimates that
+adapt, as SGLang's new-token ratio does:
 
-``mode="estimate"`` (like SGLang's new-token ratio) counts future pages at the compression
-ratio observed so far (stored bytes / open bytes of the compressed pages, floored at
-``min_ratio``) plus one open page per request; it admits more, and if the estimate was too
-optimistic ``alloc_pages`` raises MemoryExhausted and the scheduler preempts its newest request.
+* ``r' = min(1, r · (1 + margin))``, r the ratio observed so far (1 until a page is stored);
+  ``margin`` starts at BASE_MARGIN, grows at every preemption and decays back step by step;
+* ``out_frac``, the share of its (clipped) max_tokens a request generates, learned from
+  finished requests (1 until one finishes; never below OUT_FRAC_FLOOR; raised at a preemption).
+
+Modes: ``"estimate"`` (the above), ``"conservative"`` (r' = 1 and out_frac = 1: a running
+request is never preempted), ``"optimistic"`` (vLLM's: admit whatever fits now, preempt when
+memory runs out).
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..format import PAGE_TOKENS
+
+MODES = ("estimate", "conservative", "optimistic")
+CLIP_TOKENS = 4096        # outputs longer than this are reserved for this many tokens (SGLang's clip)
+BASE_MARGIN = 0.02        # the compression ratio estimate is raised by this share at least
+MAX_MARGIN = 0.5
+MARGIN_DECAY = 0.995      # per step, back toward BASE_MARGIN
+OUT_FRAC_FLOOR = 0.25
+OUT_FRAC_ALPHA = 0.05     # weight of one finished request in the out_frac average
 
 
 def pages_for_tokens(num_tokens: int) -> int:
@@ -36,57 +50,64 @@ def pages_for_tokens(num_tokens: int) -> int:
 class RunningRequest:
     """What admission needs to know of a running request."""
     pages_held: int          # pages allocated now
-    total_tokens: int        # prompt + max_new_tokens
-
-    @property
-    def remaining_pages(self) -> int:
-        return max(0, pages_for_tokens(self.total_tokens) - self.pages_held)
+    num_tokens: int          # tokens it has now (prompt + generated)
+    max_total_tokens: int    # prompt + max_tokens, capped by max_model_len
 
 
 class Admission:
-    def __init__(self, manager, mode: str = "conservative", min_ratio: float = 0.5):
-        if mode not in ("conservative", "estimate"):
-            raise ValueError(f"mode must be 'conservative' or 'estimate', got {mode!r}")
-        if not 0.0 < min_ratio <= 1.0:
-            raise ValueError(f"min_ratio must be in (0, 1], got {min_ratio}")
-        self.manager, self.mode, self.min_ratio = manager, mode, min_ratio
+    """``cache``: anything with ``capacity_new_pages()`` and ``stored_ratio()`` (the memory
+    manager, or the engine's KV cache)."""
 
+    def __init__(self, cache, mode: str = "estimate", step_tokens: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"admission mode must be one of {MODES}, got {mode!r}")
+        self.cache, self.mode, self.step_pages = cache, mode, pages_for_tokens(step_tokens)
+        self.margin = BASE_MARGIN
+        self.out_frac = 1.0
+
+    # -- the estimates ----------------------------------------------------------------------
     def ratio(self) -> float:
-        """Fraction of an open page that a future page is counted as."""
-        if self.mode == "conservative" or not self.manager.compression:
+        """r': the share of an open page a future page is counted as."""
+        if self.mode != "estimate":
             return 1.0
-        return min(1.0, max(self.min_ratio, self.manager.observed_ratio()))
+        return min(1.0, self.cache.stored_ratio() * (1.0 + self.margin))
+
+    def expected_tokens(self, num_tokens: int, max_total_tokens: int) -> int:
+        """Tokens a request is expected to reach: what it has plus its expected output."""
+        left = min(max(0, max_total_tokens - num_tokens), CLIP_TOKENS)
+        frac = self.out_frac if self.mode == "estimate" else 1.0
+        return num_tokens + math.ceil(left * frac)
 
     def reserved_pages(self, running: Iterable[RunningRequest]) -> int:
         """Open-page units promised to running requests."""
-        running = list(running)
-        return self._reserved(sum(req.remaining_pages for req in running), len(running))
+        r = self.ratio()
+        return sum(math.ceil(r * max(0, pages_for_tokens(self.expected_tokens(q.num_tokens, q.max_total_tokens))
+                                     - q.pages_held)) + 1 for q in running)
 
-    def _reserved(self, remaining_pages: int, num_running: int) -> int:
-        return math.ceil(remaining_pages * self.ratio()) + num_running
-
-    def headroom(self, running: Iterable[RunningRequest]) -> int:
-        """capacity_new_pages() minus what running requests still need (may be negative)."""
-        return self.manager.capacity_new_pages() - self.reserved_pages(running)
-
-    def can_admit(self, prompt_tokens: int, max_new_tokens: int,
-                  running: Iterable[RunningRequest] = ()) -> bool:
-        """Whether a new request fits with the room promised to ``running``."""
-        running = list(running)
-        return self.can_admit_counts(prompt_tokens, max_new_tokens,
-                                     sum(req.remaining_pages for req in running), len(running))
-
-    def can_admit_counts(self, prompt_tokens: int, max_new_tokens: int, remaining_pages: int,
-                         num_running: int) -> bool:
-        """``can_admit`` for a scheduler that keeps the running requests' totals itself:
-        ``remaining_pages`` = pages they will still allocate, ``num_running`` = how many."""
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = ()) -> bool:
+        """Whether a new request fits beside what ``running`` requests still need."""
         if prompt_tokens < 1 or max_new_tokens < 0:
             raise ValueError(f"need prompt_tokens >= 1 and max_new_tokens >= 0, got "
                              f"{prompt_tokens}, {max_new_tokens}")
-        if remaining_pages < 0 or num_running < 0:
-            raise ValueError(f"remaining_pages and num_running must be >= 0, got "
-                             f"{remaining_pages}, {num_running}")
-        new = pages_for_tokens(prompt_tokens + max_new_tokens)
-        need = math.ceil(new * self.ratio()) + 1
-        headroom = self.manager.capacity_new_pages() - self._reserved(remaining_pages, num_running)
-        return headroom >= need
+        if self.mode == "optimistic":
+            return True
+        r = self.ratio()
+        new = math.ceil(r * pages_for_tokens(self.expected_tokens(0, prompt_tokens + max_new_tokens))) + 1
+        transient = math.ceil((1.0 - r) * self.step_pages)
+        return self.cache.capacity_new_pages() - self.reserved_pages(running) >= new + transient
+
+    # -- adapting ---------------------------------------------------------------------------
+    def on_step(self) -> None:
+        self.margin = BASE_MARGIN + (self.margin - BASE_MARGIN) * MARGIN_DECAY
+
+    def on_preempt(self) -> None:
+        """A running request had to be preempted: the estimates were too low."""
+        self.margin = min(MAX_MARGIN, 2 * self.margin + 0.05)
+        self.out_frac = min(1.0, self.out_frac + 0.1)
+
+    def on_finish(self, generated: int, max_new_tokens: int) -> None:
+        """A request finished after ``generated`` of at most ``max_new_tokens`` tokens."""
+        allowed = min(max_new_tokens, CLIP_TOKENS)
+        if allowed > 0:
+            seen = min(1.0, generated / allowed)
+            self.out_frac = max(OUT_FRAC_FLOOR, (1 - OUT_FRAC_ALPHA) * self.out_frac + OUT_FRAC_ALPHA * seen)

@@ -1,4 +1,4 @@
-"""KVCacheManager: the arena, the page table, compression as pages fill, compaction, capacity.
+"""KVCacheManager: the arena, compression as pages fill, compaction, capacity.
 
 Memory map (docs/design.md, "The arena and page locations"):
 
@@ -9,21 +9,23 @@ Memory map (docs/design.md, "The arena and page locations"):
   size, movable by compaction (packed.py). A page whose encoding would not be smaller than its
   open form (every block raw) is copied there in open form and ``page_loc`` keeps bit 0 set:
   the kernels read it as an open page, and no stored page is ever larger than an open one;
-* ``page_loc[layer, page]``: ``offset | 1`` open form, ``offset`` compressed, ``-1`` none.
+* the page table (page_table.py) maps page id -> location in every layer.
 
 Capacity: ``capacity_new_pages()`` is the number of new open pages that fit in every layer at
 once: free slots of the open groups plus ``S`` per group of ``L`` chunks the pool can give
 (shared pool: any chunk serves any layer; static: each layer's own chunks, the "no pool"
 baseline), counting chunks that compaction is sure to free, and keeping ``reserve`` chunks per
-layer for compression (compressed space is allocated before the open slots are freed).
+layer for compression (compressed space is taken before the open slots are freed).
 
-``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is
-short: the scheduler's signal to preempt its newest request.
+``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short:
+the scheduler's signal to preempt. ``compress_pages`` never fails: a page that finds no room
+stays open (still a valid page) and is returned to be sealed again later.
 
-Device: "cuda" (Triton codec when importable), "cpu" (torch reference codec), or "meta":
-accounting only, no bytes (benchmarks); then ``compress_pages`` needs the encoded ``sizes``
-and ``page_loc`` lives on the CPU. On CPU ``page_loc`` shares memory with the host copy; on
-CUDA the touched columns are copied after each call (the kernels read the device table).
+Compaction is incremental: it evacuates a layer's emptiest packed chunks, just enough of them
+to free the chunks asked for, so the bytes it moves stay proportional to what it frees.
+
+Device: "cuda" (Triton codec and copy kernels), "cpu" (torch reference codec), or "meta":
+accounting only, no bytes (benchmarks); then ``compress_pages`` needs the encoded ``sizes``.
 
 Reads in flight: freed chunks reach another layer only after a CUDA event recorded at the
 free has completed (chunks.py). Compaction and compression copy on the current stream, so
@@ -46,21 +48,36 @@ from .copy import move_ranges
 from .errors import MemoryExhausted
 from .open_pages import OpenGroups
 from .packed import PackedSpace
+from .page_table import OPEN, STATE_NAMES, STORED, PageTable
 from .stats import LayerStats, MemoryStats
 
-FREE, OPEN, STORED = 0, 1, 2
-DEFAULT_CHUNK_BYTES = 2 << 20
+MAX_CHUNK_BYTES = 2 << 20          # largest chunk: 2 MiB (one Llama-8B group of 32 open pages)
+MIN_CHUNKS_PER_LAYER = 64          # so the reserve (2 chunks per layer) stays <= ~3 % of the arena
+
+
+def default_chunk_bytes(budget_bytes: int, num_layers: int, layout: PageLayout) -> int:
+    """Chunks of S open pages, S a power of two <= 64: as large as MAX_CHUNK_BYTES allows while
+    each layer still gets MIN_CHUNKS_PER_LAYER chunks. Small arenas get small chunks, so the
+    compression reserve and the part-filled chunks cost little of them."""
+    open_bytes = layout.open_page_bytes
+    per_layer = int(budget_bytes) // num_layers
+    S = 64
+    while S > 1 and (S * open_bytes > MAX_CHUNK_BYTES or per_layer // (S * open_bytes) < MIN_CHUNKS_PER_LAYER):
+        S //= 2
+    return S * open_bytes
 
 
 class KVCacheManager:
     def __init__(self, num_layers: int, layout: PageLayout, budget_bytes: int,
-                 device: str | torch.device = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
+                 device: str | torch.device = "cpu", chunk_bytes: int | None = None, *,
                  shared_pool: bool = True, compression: bool = True, reserve_chunks: int = 2,
                  max_pages: int | None = None, compaction_batch_bytes: int = 64 << 20):
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         if not isinstance(layout, PageLayout):
             raise TypeError(f"layout must be a zipfusion.format.PageLayout, got {type(layout).__name__}")
+        if chunk_bytes is None:
+            chunk_bytes = default_chunk_bytes(budget_bytes, num_layers, layout)
         for name, v in (("budget_bytes", budget_bytes), ("chunk_bytes", chunk_bytes),
                         ("reserve_chunks", reserve_chunks)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
@@ -72,20 +89,17 @@ class KVCacheManager:
                              f"D={layout.head_dim}); e.g. chunk_bytes={32 * open_bytes}")
         self.num_layers, self.layout = num_layers, layout
         self.device = torch.device(device)
-        self.chunk_bytes = int(chunk_bytes)
+        self.chunk_bytes = C = int(chunk_bytes)
         self.compression = compression
         self.reserve = int(reserve_chunks) if compression else 0
         self.compaction_batch_bytes = compaction_batch_bytes
-        L, C = num_layers, self.chunk_bytes
-        num_chunks = int(budget_bytes) // C
-        need_per_layer = 1 + self.reserve
-        have_per_layer = num_chunks // L
-        if have_per_layer < need_per_layer:
+        L = num_layers
+        self.num_chunks = num_chunks = int(budget_bytes) // C
+        if num_chunks // L < 1 + self.reserve:
             raise ValueError(
                 f"budget_bytes={budget_bytes} is too small: one open page in each of {L} layers plus "
-                f"{self.reserve} compression reserve chunk(s) per layer needs {L * need_per_layer} chunks "
-                f"of {C} bytes = {L * need_per_layer * C} bytes; raise the budget or lower chunk_bytes")
-        self.num_chunks = num_chunks
+                f"{self.reserve} compression reserve chunk(s) per layer needs {L * (1 + self.reserve)} "
+                f"chunks of {C} bytes = {L * (1 + self.reserve) * C} bytes; raise the budget or lower chunk_bytes")
         self.pool = ChunkPool(num_chunks, L, shared_pool, self.device)
         self.open = OpenGroups(L, C, open_bytes)
         self.slots_per_chunk = self.open.slots_per_chunk
@@ -94,21 +108,14 @@ class KVCacheManager:
         if max_pages is None:         # every chunk full of the smallest pages, plus slack
             max_pages = num_chunks * C // (L * min(layout.min_page_bytes, open_bytes)) + 1
         self.max_pages = int(max_pages)
-        self._loc = np.full((L, self.max_pages), -1, dtype=np.int64)     # host copy of page_loc
-        self._size = np.zeros((L, self.max_pages), dtype=np.int64)       # stored bytes (STORED)
-        self._state = np.zeros(self.max_pages, dtype=np.int8)
-        self._group = np.zeros(self.max_pages, dtype=np.int64)
-        self._slot = np.zeros(self.max_pages, dtype=np.int64)
-        self._free_ids = list(range(self.max_pages - 1, -1, -1))
-        if self.device.type in ("cpu", "meta"):
-            self.page_loc = torch.from_numpy(self._loc)    # shares memory with the host copy
-        else:
-            self.page_loc = torch.from_numpy(self._loc).to(self.device)
+        self.table = PageTable(L, self.max_pages, self.device)
+        self.page_loc = self.table.page_loc
         self._comp_blocks = np.zeros(L, dtype=np.int64)    # compressible blocks of stored pages
-        self.pages_compressed = 0
-        self.pages_moved = 0
-        self.bytes_moved = 0
-        self.compactions = 0
+        self._stored_bytes = 0                             # all layers, stored pages
+        self._counts = {OPEN: 0, STORED: 0}
+        self.pages_compressed = self.pages_moved = self.bytes_moved = self.compactions = 0
+        self._move_events: list = []                       # (start, end) CUDA events of compaction copies
+        self._move_ms = 0.0
 
     # ================================================================== capacity
     def _groups_available(self, include_compaction: bool = True) -> int:
@@ -135,12 +142,11 @@ class KVCacheManager:
         n = int(n)
         if n == 0:
             return []
-        cap = self.capacity_new_pages()
-        if n > cap or n > len(self._free_ids):
+        cap = min(self.capacity_new_pages(), self.table.num_free_ids)
+        if n > cap:
             raise MemoryExhausted(
                 f"cannot allocate {n} open page(s) in each of {self.num_layers} layers: room for "
-                f"{min(cap, len(self._free_ids))}; preempt a request (free its pages) and retry",
-                needed=n, available=min(cap, len(self._free_ids)))
+                f"{cap}; preempt a request (free its pages) and retry", needed=n, available=cap)
         g = self.open.groups_needed(n)
         if g:
             self._make_room_for_groups(g)
@@ -149,84 +155,55 @@ class KVCacheManager:
                                   dtype=np.int64)
                 self.open.add_group(chunks)
         groups, slots = self.open.alloc(n)
-        ids = np.array([self._free_ids.pop() for _ in range(n)], dtype=np.int64)
-        self._state[ids] = OPEN
-        self._group[ids], self._slot[ids] = groups, slots
-        self._loc[:, ids] = self.open.offsets(groups, slots) | 1
-        self._sync(ids)
+        t = self.table
+        ids = t.take_ids(n)
+        t.state[ids] = OPEN
+        t.group[ids], t.slot[ids] = groups, slots
+        t.loc[:, ids] = self.open.offsets(groups, slots) | 1
+        t.sync(ids)
+        self._counts[OPEN] += n
         return ids.tolist()
 
     def _make_room_for_groups(self, g: int) -> None:
-        """Compact until the pool(s) hold ``g`` groups beyond the reserve."""
+        """Compact until the pool(s) hold ``g`` groups beyond the reserve: per layer, just the
+        chunks still missing, the emptiest packed chunks first."""
         L = self.num_layers
-        if self._groups_available(include_compaction=False) >= g:
-            return
         if self.pool.shared:
-            order = np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist()
-            for layer in order:
-                self._compact_layer(layer)
-                if self._groups_available(include_compaction=False) >= g:
-                    return
+            missing = (g + self.reserve) * L - self.pool.available(0)
+            for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
+                if missing <= 0:
+                    break
+                missing -= self._compact_layer(layer, want=missing)
         else:
             for layer in range(L):
-                if self.pool.available(layer) - self.reserve < g:
-                    self._compact_layer(layer)
+                missing = g + self.reserve - self.pool.available(layer)
+                if missing > 0:
+                    self._compact_layer(layer, want=missing)
         if self._groups_available(include_compaction=False) < g:   # capacity bound was checked
             raise AssertionError("compaction freed fewer chunks than its bound promised")
-
-    # ================================================================== validation
-    def _check_ids(self, ids, want_state: int | None, what: str) -> np.ndarray:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.detach().cpu().tolist()
-        if isinstance(ids, (int, np.integer)):
-            ids = [ids]
-        try:
-            arr = np.asarray(list(ids), dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise TypeError(f"{what}: page ids must be a list of ints, got {ids!r}") from None
-        if arr.ndim != 1:
-            raise ValueError(f"{what}: page ids must be a flat list of ints")
-        if arr.size == 0:
-            return arr
-        bad = arr[(arr < 0) | (arr >= self.max_pages)]
-        if bad.size:
-            raise ValueError(f"{what}: page id {int(bad[0])} does not exist (valid ids: 0..{self.max_pages - 1})")
-        if np.unique(arr).size != arr.size:
-            raise ValueError(f"{what}: page ids repeat in {arr.tolist()}; pass each page once")
-        state = self._state[arr]
-        dead = arr[state == FREE]
-        if dead.size:
-            raise ValueError(f"{what}: page {int(dead[0])} is not allocated (never allocated or already "
-                             "freed: a double free?)")
-        if want_state is not None:
-            wrong = arr[state != want_state]
-            if wrong.size:
-                raise ValueError(f"{what}: page {int(wrong[0])} is already compressed; only open pages "
-                                 "can be compressed")
-        return arr
 
     # ================================================================== free
     def free_pages(self, ids: Iterable[int]) -> None:
         """Free pages (open or compressed) in every layer. Unknown ids / double frees: ValueError."""
-        ids = self._check_ids(ids, None, "free_pages")
+        t = self.table
+        ids = t.check(ids, None, "free_pages")
         if ids.size == 0:
             return
-        is_open = self._state[ids] == OPEN
+        is_open = t.state[ids] == OPEN
         op, st = ids[is_open], ids[~is_open]
         if op.size:
-            for chunks in self.open.free(self._group[op], self._slot[op]):
+            for chunks in self.open.free(t.group[op], t.slot[op]):
                 self._release_group(chunks)
         if st.size:
-            locs = self._loc[:, st] & ~1
-            sizes = self._size[:, st]
+            locs = t.loc[:, st] & ~1
+            sizes = t.size[:, st]
             self._comp_blocks -= self._compressible_blocks(sizes).sum(1)
+            self._stored_bytes -= int(sizes.sum())
             for layer, c in self.packed.free(locs, sizes):
                 self.pool.release(c, self.pool.pool_of(layer))
-            self._size[:, st] = 0
-        self._state[ids] = FREE
-        self._loc[:, ids] = -1
-        self._free_ids.extend(ids.tolist())
-        self._sync(ids)
+        self._counts[OPEN] -= op.size
+        self._counts[STORED] -= st.size
+        t.release_ids(ids)
 
     def _release_group(self, chunks: np.ndarray) -> None:
         for layer, c in enumerate(chunks.tolist()):
@@ -239,104 +216,104 @@ class KVCacheManager:
         return np.where(sizes >= self.layout.open_page_bytes, 0,
                         saved // (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES))
 
-    def compress_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None) -> None:
-        """Full open pages -> compressed pages in every layer.
+    def compress_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None) -> list[int]:
+        """Full open pages -> compressed pages in every layer; returns the ids left open.
 
-        Per batch of at most S pages (one group's worth): encoded sizes first, then compressed
-        space in each layer (a fresh chunk per layer at most), then encode, then free the open
-        slots. ``sizes`` ([L, len(ids)] encoded bytes) is only for ``device="meta"``.
-
-        A page whose encoding is not smaller than its open form is copied in open form
-        (``page_loc`` stays odd). Compression uses the reserve chunks; should even they run out,
-        MemoryExhausted is raised: batches already done stay compressed, the rest stay open
-        (a valid state; preempt and retry).
+        All pages are analyzed at once (encoded sizes; one device sync), then placed and encoded
+        in batches of at most S pages in open-slot order, so that each batch's open slots --
+        often a whole group, whose chunks then return to the pool -- are freed before the next
+        batch takes compressed space. A batch that finds no room even after compaction stays
+        open, with every later one: valid open pages, to be compressed again later.
+        ``sizes`` ([L, len(ids)] encoded bytes) is only for ``device="meta"``.
         """
-        ids = self._check_ids(ids, OPEN, "compress_pages")
+        t = self.table
+        ids = t.check(ids, OPEN, "compress_pages")
         if not self.compression:
             raise ValueError("compress_pages: this manager was built with compression=False")
         meta = self.device.type == "meta"
         if meta != (sizes is not None):
             raise ValueError("compress_pages: sizes= must be given exactly when the manager is an "
                              "accounting-only manager (device='meta')")
+        L, n = self.num_layers, ids.size
         if sizes is not None:
             sizes = np.asarray(sizes, dtype=np.int64)
-            if sizes.shape != (self.num_layers, ids.size):
+            if sizes.shape != (L, n):
                 raise ValueError(f"compress_pages: sizes must have shape [num_layers, len(ids)] = "
-                                 f"{[self.num_layers, ids.size]}, got {list(sizes.shape)}")
+                                 f"{[L, n]}, got {list(sizes.shape)}")
             if ((sizes < self.layout.min_page_bytes) | (sizes > self.layout.max_page_bytes) | (sizes % 16 != 0)).any():
                 raise ValueError("compress_pages: sizes must be page sizes of the format "
                                  f"({self.layout.min_page_bytes}..{self.layout.max_page_bytes}, multiples of 16)")
-        if ids.size == 0:
-            return
-        order = np.lexsort((self._slot[ids], self._group[ids]))
-        S = self.slots_per_chunk
-        for i in range(0, ids.size, S):
-            part = order[i:i + S]
-            self._compress_batch(ids[part], None if sizes is None else sizes[:, part])
-
-    def _compress_batch(self, ids: np.ndarray, sizes: np.ndarray | None) -> None:
-        L, k = self.num_layers, ids.size
-        open_bytes = self.layout.open_page_bytes
-        src = self._loc[:, ids] & ~1                                      # [L, k]
+        if n == 0:
+            return []
         state = None
         if sizes is None:
-            state, flat = codec.analyze(self.arena, src.reshape(-1), self.layout)
-            sizes = flat.reshape(L, k)
+            state, flat = codec.analyze(self.arena, (t.loc[:, ids] & ~1).reshape(-1), self.layout)
+            sizes = flat.reshape(L, n)
+        order = np.lexsort((t.slot[ids], t.group[ids]))
+        S = self.slots_per_chunk
+        for i in range(0, n, S):
+            part = order[i:i + S]
+            if not self._compress_batch(ids, part, sizes[:, part], state):
+                return ids[order[i:]].tolist()
+        return []
+
+    def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state) -> bool:
+        t = self.table
+        open_bytes = self.layout.open_page_bytes
+        batch = ids[part]
+        src = t.loc[:, batch] & ~1                                        # [L, k]
         as_open = sizes >= open_bytes                   # not smaller: store in open form
         stored = np.where(as_open, open_bytes, sizes)
         split = self._make_room_for_packing(stored)
+        if split is None:
+            return False
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
         if state is not None:
-            flat_open = as_open.reshape(-1)
-            keep = np.nonzero(~flat_open)[0]
-            codec.encode(self.arena, state, keep, dst.reshape(-1)[keep], self.layout)
-            copy = np.nonzero(flat_open)[0]
-            move_ranges(self.arena, src.reshape(-1)[copy], dst.reshape(-1)[copy],
-                        np.full(copy.size, open_bytes, dtype=np.int64))
-        self._loc[:, ids] = np.where(as_open, dst | 1, dst)
-        self._size[:, ids] = stored
-        self._state[ids] = STORED
+            flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
+            enc = ~as_open
+            codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
+            move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
+        t.loc[:, batch] = np.where(as_open, dst | 1, dst)
+        t.size[:, batch] = stored
+        t.state[batch] = STORED
         self._comp_blocks += self._compressible_blocks(sizes).sum(1)
-        self.pages_compressed += k
-        for chunks in self.open.free(self._group[ids], self._slot[ids]):
+        self._stored_bytes += int(stored.sum())
+        self._counts[OPEN] -= batch.size
+        self._counts[STORED] += batch.size
+        self.pages_compressed += batch.size
+        for chunks in self.open.free(t.group[batch], t.slot[batch]):
             self._release_group(chunks)
-        self._sync(ids)
+        t.sync(batch)
+        return True
 
     def _make_room_for_packing(self, stored: np.ndarray):
-        """Ensure every layer can take the fresh chunks that placing ``stored`` [L, k] needs
-        (the reserve may be used); returns the placement split for ``packed.place``.
-        Compaction moves fill pointers, so the need is recomputed after it."""
+        """The placement split for ``packed.place`` once every layer can take the fresh chunks
+        that placing ``stored`` [L, k] needs (the reserve may be used), compacting if it must;
+        None if even compaction cannot make the room. Compaction moves fill pointers, so the
+        need is recomputed after it."""
         split = self.packed._split(stored)
         need = self.packed.chunks_needed(stored, split)
-        if not need.any():
-            return split
         if self.pool.shared:
-            if self.pool.available(0) >= need.sum():
-                return split
             for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
-                if self._compact_layer(layer):
+                missing = int(need.sum()) - self.pool.available(0)
+                if missing <= 0:
+                    break
+                if self._compact_layer(layer, want=missing):
                     split = self.packed._split(stored)
                     need = self.packed.chunks_needed(stored, split)
-                if self.pool.available(0) >= need.sum():
-                    return split
-            short = int(need.sum()), self.pool.available(0)
-        else:
-            short = None
-            for layer in np.nonzero(need)[0].tolist():
-                if self.pool.available(layer) < need[layer] and self._compact_layer(layer):
-                    split = self.packed._split(stored)
-                    need = self.packed.chunks_needed(stored, split)
-                if self.pool.available(layer) < need[layer]:
-                    short = int(need[layer]), self.pool.available(layer)
-            if short is None:
-                return split
-        raise MemoryExhausted(
-            f"no room to compress: {short[0]} chunk(s) needed, {short[1]} free even after compaction; "
-            "preempt a request and retry", needed=short[0], available=short[1])
+            return split if self.pool.available(0) >= need.sum() else None
+        for layer in np.nonzero(need)[0].tolist():
+            missing = int(need[layer]) - self.pool.available(layer)
+            if missing > 0 and self._compact_layer(layer, want=missing):
+                split = self.packed._split(stored)
+                need = self.packed.chunks_needed(stored, split)
+            if self.pool.available(layer) < need[layer]:
+                return None
+        return split
 
     # ================================================================== compaction
     def compact(self, layers: Iterable[int] | None = None) -> int:
-        """Repack compressed pages so that chunks with holes return to the pool.
+        """Repack every layer's compressed pages so that chunks with holes return to the pool.
 
         Moves page bytes bit-exactly and updates ``page_loc``; returns the chunks freed. Only
         chunks with at least a page's worth of free bytes are repacked, and only in layers
@@ -347,35 +324,56 @@ class KVCacheManager:
             self._check_layer(layer)
         return sum(self._compact_layer(int(layer)) for layer in layers)
 
-    def _compact_layer(self, layer: int) -> int:
+    def _compact_layer(self, layer: int, want: int | None = None) -> int:
+        """Repack the layer's emptiest packed chunks, enough to free ``want`` chunks (all of
+        them when None); returns the chunks freed."""
         if self.packed.held[layer] < 2:
             return 0
-        ids = np.nonzero(self._state == STORED)[0]
-        locs = self._loc[layer, ids] & ~1
-        sizes = self._size[layer, ids]
-        plan = self.packed.plan_repack(layer, locs, sizes)
+        t = self.table
+        ids = np.nonzero(t.state == STORED)[0]
+        locs = t.loc[layer, ids] & ~1
+        sizes = t.size[layer, ids]
+        plan = self.packed.plan_repack(layer, locs, sizes, want)
         if plan is None:                  # nothing to gain: leave the pages where they are
             return 0
         order, new_locs, kept, freed, fill_chunk, fill_ptr = plan
         moved = order[new_locs[order] != locs[order]]
-        move_ranges(self.arena, locs[moved], new_locs[moved], sizes[moved], self.compaction_batch_bytes)
+        self._timed_move(locs[moved], new_locs[moved], sizes[moved])
         self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
-        self._loc[layer, ids] = new_locs | (self._loc[layer, ids] & 1)
+        t.loc[layer, ids] = new_locs | (t.loc[layer, ids] & 1)
         for c in freed:
             self.pool.release(c, self.pool.pool_of(layer))
         self.pages_moved += int(moved.size)
         self.bytes_moved += int(sizes[moved].sum())
         self.compactions += 1
-        if moved.size and self.device.type not in ("cpu", "meta"):
-            self.page_loc[layer].copy_(torch.from_numpy(self._loc[layer]).pin_memory(), non_blocking=True)
+        if moved.size:
+            t.sync_layer(layer)
         return len(freed)
+
+    def _timed_move(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        if self.device.type == "cuda" and src.size:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            move_ranges(self.arena, src, dst, nbytes, self.compaction_batch_bytes)
+            end.record()
+            self._move_events.append((start, end))
+        else:
+            move_ranges(self.arena, src, dst, nbytes, self.compaction_batch_bytes)
+
+    def compaction_seconds(self) -> float:
+        """GPU time of compaction copies so far (CUDA; 0 elsewhere). Waits for them to finish."""
+        for start, end in self._move_events:
+            end.synchronize()
+            self._move_ms += start.elapsed_time(end)
+        self._move_events.clear()
+        return self._move_ms / 1e3
 
     # ================================================================== page data
     def open_page(self, layer: int, page_id: int) -> torch.Tensor:
         """View [2, 16, H, D] bf16 of an open page in the arena (write new tokens through it)."""
         self._check_layer(layer)
-        pid = int(self._check_ids([page_id], OPEN, "open_page")[0])
-        loc = int(self._loc[layer, pid]) & ~1
+        pid = int(self.table.check([page_id], OPEN, "open_page")[0])
+        loc = int(self.table.loc[layer, pid]) & ~1
         n = self.layout.open_page_bytes
         return self.arena[loc:loc + n].view(torch.bfloat16).view(2, 16, self.layout.num_kv_heads,
                                                                   self.layout.head_dim)
@@ -383,19 +381,20 @@ class KVCacheManager:
     def read_pages(self, layer: int, ids: Iterable[int]) -> torch.Tensor:
         """Contents [n, 2, 16, H, D] bf16 of pages, open or compressed (decoded)."""
         self._check_layer(layer)
-        ids = self._check_ids(ids, None, "read_pages")
+        t = self.table
+        ids = t.check(ids, None, "read_pages")
         H, D = self.layout.num_kv_heads, self.layout.head_dim
         out = torch.empty(ids.size, 2, 16, H, D, dtype=torch.bfloat16, device=self.device)
-        loc = self._loc[layer, ids]
+        loc = t.loc[layer, ids]
         is_open = (loc & 1) == 1
         if is_open.any():
             sel = np.nonzero(is_open)[0]
-            out[torch.from_numpy(sel)] = codec.gather_open_pages(
+            out[torch.from_numpy(sel).to(self.device)] = codec.gather_open_pages(
                 self.arena, torch.from_numpy(loc[sel] & ~1), self.layout)
         if (~is_open).any():
             sel = np.nonzero(~is_open)[0]
-            out[torch.from_numpy(sel)] = codec.decode(
-                self.arena, torch.from_numpy(loc[sel]), torch.from_numpy(self._size[layer, ids[sel]]),
+            out[torch.from_numpy(sel).to(self.device)] = codec.decode(
+                self.arena, torch.from_numpy(loc[sel]), torch.from_numpy(t.size[layer, ids[sel]]),
                 self.layout)
         return out
 
@@ -403,48 +402,34 @@ class KVCacheManager:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer!r} does not exist (0..{self.num_layers - 1})")
 
-    # ================================================================== misc
-    def _sync(self, ids: np.ndarray) -> None:
-        """Mirror host page_loc columns to the device table (CPU/meta share memory)."""
-        if self.device.type in ("cpu", "meta") or ids.size == 0:
-            return
-        # pinned staging + non_blocking: no host stall behind queued kernels (the caching host
-        # allocator keeps each staging buffer alive until its copy has run)
-        cols = torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
-        vals = torch.from_numpy(np.ascontiguousarray(self._loc[:, ids])).pin_memory()
-        self.page_loc[:, cols] = vals.to(self.device, non_blocking=True)
-
+    # ================================================================== numbers
     def page_state(self, page_id: int) -> str:
         """"free", "open" or "compressed" (stored in open form counts as compressed)."""
-        return ("free", "open", "compressed")[int(self._state[int(page_id)])]
+        return STATE_NAMES[int(self.table.state[int(page_id)])]
 
-    def observed_ratio(self) -> float:
+    def stored_ratio(self) -> float:
         """Stored bytes of compressed pages / their open size, 1.0 when none is stored yet."""
-        n = int((self._state == STORED).sum())
-        if n == 0:
-            return 1.0
-        return float(self._size.sum()) / (n * self.num_layers * self.layout.open_page_bytes)
+        n = self._counts[STORED]
+        return self._stored_bytes / (n * self.num_layers * self.layout.open_page_bytes) if n else 1.0
 
     def stats(self) -> MemoryStats:
-        L, C = self.num_layers, self.chunk_bytes
-        n_open = int((self._state == OPEN).sum())
-        n_stored = int((self._state == STORED).sum())
+        C = self.chunk_bytes
+        n_open, n_stored = self._counts[OPEN], self._counts[STORED]
+        blocks = n_stored * self.layout.num_blocks
         layers = []
-        for l in range(L):
+        for l in range(self.num_layers):
             comp = int(self.packed.layer_live[l])
-            held = len(self.packed.chunks[l]) * C
-            free = held - comp
-            blocks = n_stored * self.layout.num_blocks
+            held = int(self.packed.held[l]) * C
             layers.append(LayerStats(
                 open_bytes=n_open * self.layout.open_page_bytes, compressed_bytes=comp,
-                packed_chunk_bytes=held, free_in_chunks=free,
-                fragmentation=free / held if held else 0.0,
+                packed_chunk_bytes=held, free_in_chunks=held - comp,
+                fragmentation=(held - comp) / held if held else 0.0,
                 compressible_fraction=float(self._comp_blocks[l]) / blocks if blocks else float("nan"),
-                chunks=len(self.packed.chunks[l]) + self.open.num_groups))
+                chunks=int(self.packed.held[l]) + self.open.num_groups))
         return MemoryStats(
             arena_bytes=self.num_chunks * C, chunk_bytes=C, num_chunks=self.num_chunks,
             pool_chunks=sum(self.pool.available(p) for p in range(self.pool.num_pools)),
             pending_chunks=self.pool.pending(), open_pages=n_open, stored_pages=n_stored,
             capacity_new_pages=self.capacity_new_pages(), pages_compressed=self.pages_compressed,
             pages_moved=self.pages_moved, bytes_moved=self.bytes_moved, compactions=self.compactions,
-            stored_ratio=self.observed_ratio(), layers=layers)
+            stored_ratio=self.stored_ratio(), layers=layers)

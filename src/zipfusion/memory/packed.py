@@ -155,19 +155,27 @@ class PackedSpace:
         ch = np.fromiter(self.chunks[layer], dtype=np.int64, count=len(self.chunks[layer]))
         return ch[self.chunk_bytes - self.live_bytes[ch] >= self.max_page_bytes]
 
-    def plan_repack(self, layer: int, locs: np.ndarray, sizes: np.ndarray):
-        """Next-fit layout of the pages in the layer's victim chunks.
+    def plan_repack(self, layer: int, locs: np.ndarray, sizes: np.ndarray, want: int | None = None):
+        """Next-fit layout of the pages in (some of) the layer's victim chunks.
 
-        ``locs``/``sizes``: byte offsets and sizes of all the layer's stored pages. Returns
-        None when there is nothing to gain, else (order, new_locs, kept, freed, fill_chunk,
-        fill_ptr): ``order`` is the copy order (indices into ``locs``, pages that may move),
-        ``new_locs`` every page's new offset, ``kept``/``freed`` the victim chunks still used /
-        now empty, and the new fill pointer.
+        ``locs``/``sizes``: byte offsets and sizes of all the layer's stored pages. ``want``:
+        free at least this many chunks if possible, repacking only the emptiest victims needed
+        (fewest bytes moved per chunk freed); None repacks every victim. Returns None when
+        nothing would be freed, else (order, new_locs, kept, freed, fill_chunk, fill_ptr):
+        ``order`` is the copy order (indices into ``locs``, pages that may move), ``new_locs``
+        every page's new offset, ``kept``/``freed`` the victim chunks still used / now empty,
+        and the new fill pointer.
         """
         C = self.chunk_bytes
         vic = self.victims(layer)
         if len(vic) < 2:
             return None
+        if want is not None:
+            vic = vic[np.lexsort((vic, self.live_bytes[vic]))]                # emptiest first
+            # next fit needs at most ceil(live / (C - max_page)) chunks for the chosen pages
+            need = -(-np.cumsum(self.live_bytes[vic]) // max(1, C - self.max_page_bytes))
+            enough = np.nonzero(np.arange(1, len(vic) + 1) - need >= want)[0]
+            vic = vic[:max(2, int(enough[0]) + 1)] if enough.size else vic
         ranked = vic[np.lexsort((vic, -self.live_bytes[vic]))]           # densest first
         rank_of = np.full(len(self.live_bytes), -1, dtype=np.int64)
         rank_of[ranked] = np.arange(len(ranked))

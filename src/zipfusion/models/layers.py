@@ -139,20 +139,31 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate q and k by position: x·cos + rotate_half(x)·sin, half-split (Llama/Qwen) layout."""
+    """Rotate q and k by position, half-split (Llama/Qwen) layout: for the two halves x1, x2 of
+    a head and angle f·pos per channel pair,
+
+        out1 = x1·cos - x2·sin,   out2 = x2·cos + x1·sin.
+
+    One arithmetic on every path (this torch version, the fused Triton kernel, CPU and GPU,
+    prefill and decode): cos/sin in fp32, the products and the sum in fp64 -- where the products
+    of fp32 (or bf16) numbers are exact, so it does not matter whether a compiler fuses them
+    into an FMA -- then rounded to fp32 and to the model's dtype. A key is thus the same bits
+    whether it was computed in a prompt or as a generated token.
+    """
 
     def __init__(self, head_dim: int, rope: RopeConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, D/2] fp32
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D/2] fp32."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D]; cos/sin [T, D]."""
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos[:, None, :] + rot * sin[:, None, :]
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D/2] fp32 (RotaryEmbedding's arithmetic, in torch)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].double(), x[..., half:].double()
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).float().to(x.dtype)

@@ -1,15 +1,15 @@
 """Llama-3.x and Qwen3 decoder (one module; Qwen3 = Llama + per-head q/k RMSNorm).
 
-The model knows nothing about the KV cache: each layer hands its rotated q, k, v to an
-``attention(layer, q, k, v) -> o`` callable supplied by the engine, which writes k/v into
-pages and attends. Tokens of all requests in a step are flattened into one ``[T]`` batch.
+The model knows the KV cache only through :class:`KVCacheStep`: each layer hands its q, k, v
+to ``kv.store`` (which rotates q and k by position and writes k, v into the cache) and then
+asks ``kv.attend`` for the attention output. Tokens of all requests in a step are flattened into one ``[T]`` batch.
 Parameter names match the Hugging Face checkpoints, except that q|k|v and gate|up are fused
 (:data:`STACKED` says how the loader fills them).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +25,18 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
-# attention(layer, q, k, v) -> o. If it has a ``fused_rope_store(layer, qkv, cos, sin) -> q``
-# attribute, the model hands it the raw qkv projection instead (it rotates q, k and stores k, v)
-# and then calls attention(layer, q, None, None).
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+class KVCacheStep(Protocol):
+    """What a model needs from the KV cache during one forward step (the engine's
+    ``engine.attention.StepKV`` on its pages; the analyzer's capture; tests' references)."""
+
+    def store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, H, D] by position (cos/sin [T, D/2] fp32, see
+        :class:`RotaryEmbedding`), write k and v [T, H, D] into the cache at each token's
+        place; return the rotated q, k and v."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the step's queries over their requests' cached K/V -> [T, Hq, D]."""
 
 
 class Attention(nn.Module):
@@ -48,25 +56,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attention: AttentionFn):
+    def forward(self, x, cos, sin, kv: KVCacheStep):
         T = x.shape[0]
         qs, ks = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(x)
-        rope_store = getattr(attention, "fused_rope_store", None)
-        if rope_store is not None and self.q_norm is None:
-            # one kernel rotates q and k and writes k, v into the KV cache (engine decode on CUDA)
-            q = rope_store(self.layer, qkv, cos, sin)
-            o = attention(self.layer, q, None, None)
-            return self.o_proj(o.reshape(T, qs))
-        q, k, v = qkv.split([qs, ks, ks], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([qs, ks, ks], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
-        o = attention(self.layer, q, k, v)                    # [T, heads, D]
+        q, k, v = kv.store(self.layer, q, k, v, cos, sin)
+        o = kv.attend(self.layer, q, k, v)                    # [T, heads, D]
         return self.o_proj(o.reshape(T, qs))
 
 
@@ -93,14 +93,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, attention):
+    def forward(self, x, residual, cos, sin, kv: KVCacheStep):
         """x: the last layer's output (or the embeddings, with ``residual`` None); returns this
         layer's output and the residual stream before it (summed by the next norm)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, attention)
+        x = self.self_attn(x, cos, sin, kv)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -114,7 +114,7 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen3 causal LM. ``forward(input_ids [T], positions [T], attention) -> hidden [T, h]``."""
+    """Llama / Qwen3 causal LM. ``forward(input_ids [T], positions [T], kv) -> hidden [T, h]``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -130,12 +130,12 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCacheStep) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, attention)
+            x, residual = layer(x, residual, cos, sin, kv)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

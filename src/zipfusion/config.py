@@ -1,0 +1,104 @@
+"""EngineConfig: every option an engine is built from, its default and its help, in one place.
+
+``LLM(model, **options)``, ``LLMEngine(config)``, ``zipfusion generate`` and ``zipfusion serve``
+all build one :class:`EngineConfig`; the command line options are generated from its fields
+(:func:`add_cli_args`), so a default is written once. This module imports no torch: the CLI
+reads it to print ``--help`` fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+# Defaults with a name (what they are for is said where they are used).
+CPU_KV_MEMORY_GB = 0.25          # KV arena on the CPU when kv_memory_gb is not given
+GPU_MEMORY_UTILIZATION = 0.90    # share of the GPU's free memory (after the weights) the engine may use
+ACTIVATION_RESERVE_GB = 4.0      # of that share, kept for activations, CUDA graphs and the allocator
+DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows more
+ADMISSION_POLICIES = ("estimate", "conservative", "optimistic")
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineConfig:
+    """How to build an engine. Every field is also a command line option (``--kv-memory-gb``)."""
+
+    model: str = _opt("demo", "checkpoint folder, .gguf file, 'demo' (embedded tiny model), or "
+                              "llama-3.1-8b-random / qwen3-8b-random (random weights)")
+    device: str = _opt("auto", "cuda, cuda:N, cpu, or auto (cuda when a GPU is visible)")
+    dtype: str = _opt("bfloat16", "bfloat16, or float32 (needs --no-kv-compression)")
+    kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 only)")
+    kv_memory_gb: float | None = _opt(None, "GiB for the KV cache (default: what the GPU has free after "
+                                            f"the weights x {GPU_MEMORY_UTILIZATION} - "
+                                            f"{ACTIVATION_RESERVE_GB} GiB; {CPU_KV_MEMORY_GB} on CPU)")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's, "
+                                           f"at most {DEFAULT_MAX_MODEL_LEN})")
+    max_num_seqs: int = _opt(256, "most requests running at once")
+    max_num_batched_tokens: int = _opt(8192, "most tokens in one step (decode tokens + prefill chunks)")
+    seed: int = _opt(0, "seed for random weights and for requests sampled without a seed")
+    load_format: str = _opt("auto", "auto, safetensors, gguf, or random (ignore the weights)",
+                            choices=("auto", "safetensors", "gguf", "random"))
+    enforce_eager: bool = _opt(False, "no CUDA graphs")
+    attention_backend: str = _opt("auto", "decode attention: auto, kernel (our kernels, also on CPU) or torch",
+                                  choices=("auto", "kernel", "torch"))
+    admission: str = _opt("estimate", "estimate: admit what fits at the observed compression ratio, "
+                                      "keeping room for running requests; conservative: at open size; "
+                                      "optimistic: whatever fits now (preempt later)",
+                          choices=ADMISSION_POLICIES)
+    deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
+                                      "parameters and seed (batch-invariant kernels; slower)")
+    chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
+        if self.kv_memory_gb is not None and (isinstance(self.kv_memory_gb, bool) or not isinstance(
+                self.kv_memory_gb, (int, float)) or not self.kv_memory_gb > 0):
+            raise ValueError(f"kv_memory_gb must be a positive number, got {self.kv_memory_gb!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **options) -> "EngineConfig":
+        """``EngineConfig(model=..., **options)`` with a clear error for an unknown option."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(names)}")
+        return cls(**({"model": model} if model is not None else {}), **options)
+
+
+def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One ``--option`` per field (``--no-kv-compression`` for a bool that defaults to True)."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help = f.metadata["help"]
+        if f.default is True:
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                help=f"turn off: {help}")
+        elif f.default is False:
+            parser.add_argument(flag, dest=f.name, action="store_true", help=help)
+        else:
+            kind = float if "float" in f.type else int if "int" in f.type else str   # annotations are strings
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                                choices=f.metadata.get("choices"), help=f"{help} (default: {f.default})")
+
+
+def config_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:
+    """The EngineConfig that :func:`add_cli_args`' options describe (``skip``: the same names
+    as there, left at their defaults)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - set(skip)
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})

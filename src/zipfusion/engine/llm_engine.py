@@ -1,0 +1,255 @@
+"""LLMEngine: owns model, KV cache, scheduler, runner and sampler, and advances every request
+one step at a time (``add_request``, ``step``, ``abort``). Built from an :class:`EngineConfig`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from ..models import build_model, load_tokenizer, model_config, resolve_model
+from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL_LEN, GPU_MEMORY_UTILIZATION,
+                     EngineConfig)
+from .kv_cache import ArenaKVCache, DenseKVCache
+from .request import CompletionOutput, Request, RequestOutput, Status
+from .runner import ModelRunner
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger("zipfusion")
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be one of {sorted(set(DTYPES))}, got {dtype!r}")
+
+
+def parse_device(device) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cuda', 'cuda:N' or 'cpu', got {device!r}") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible; pass device='cpu' (or 'auto')")
+    return dev
+
+
+def free_memory_gb(device: torch.device) -> float:
+    """What the device has free now: GPU memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**30
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):          # pragma: no cover - non-POSIX hosts
+        return float("inf")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | str | None = None, *, prebuilt_model=None, **options):
+        """``LLMEngine(EngineConfig(...))`` or ``LLMEngine("model", **options)``.
+        ``prebuilt_model``: reuse weights already built (benchmarks run several engines on one
+        set of 8B weights)."""
+        if not isinstance(config, EngineConfig):
+            config = EngineConfig.from_kwargs(config, **options)
+        elif options:
+            raise TypeError(f"pass options in the EngineConfig, not beside it: {sorted(options)}")
+        cfg = self.config = config
+        self.dtype, self.device = parse_dtype(cfg.dtype), parse_device(cfg.device)
+        if cfg.kv_compression and self.dtype != torch.bfloat16:
+            raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
+                             f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
+        self.source = resolve_model(cfg.model, cfg.load_format)
+        self.model_config = mc = model_config(self.source)
+        self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
+        self.model = prebuilt_model if prebuilt_model is not None else build_model(
+            self.source, dtype=self.dtype, device=self.device, seed=cfg.seed)
+        self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
+        self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.cache = self._build_cache()
+        self._len_note = ""
+        self._check_one_request_fits(cfg.max_model_len is not None)
+        self.scheduler = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+                                   admission=cfg.admission)
+        # CUDA graphs need the arena path (the dense cache's torch attention has dynamic shapes)
+        self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cfg.max_num_seqs,
+                                  use_cuda_graphs=not cfg.enforce_eager and isinstance(self.cache, ArenaKVCache))
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.graph_buckets = self.runner.capture_cuda_graphs()
+        self._ids = itertools.count()
+        self.peak_kv_stats: dict | None = None
+        self._peak_pages = -1
+        self.record_logits = False          # tests: keep every sampled row's logits on the request
+        self.step_log: list | None = None   # benchmarks: set to [] to get one record per step
+        log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, KV cache %.2f GiB "
+                 "(%s), max_model_len %d, max_num_seqs %d", self.source.name, mc.num_hidden_layers,
+                 mc.num_key_value_heads, mc.head_dim, str(self.dtype).replace("torch.", ""), self.device,
+                 self.kv_memory_gb, "compressed" if cfg.kv_compression else "uncompressed",
+                 self.max_model_len, cfg.max_num_seqs)
+
+    # -- building ---------------------------------------------------------------------------
+    @staticmethod
+    def _max_model_len(asked: int | None, positions: int) -> int:
+        if asked is None:
+            return min(positions, DEFAULT_MAX_MODEL_LEN)
+        if asked > positions:
+            raise ValueError(f"max_model_len={asked} is more than the model's {positions} positions; "
+                             f"pass max_model_len <= {positions}")
+        return asked
+
+    def _build_cache(self):
+        cfg, mc = self.config, self.model_config
+        free = free_memory_gb(self.device)
+        if cfg.kv_memory_gb is None:
+            gb = (max(0.5, GPU_MEMORY_UTILIZATION * free - ACTIVATION_RESERVE_GB) if self.device.type == "cuda"
+                  else min(CPU_KV_MEMORY_GB, 0.5 * free))
+        else:
+            gb = cfg.kv_memory_gb
+            if gb > free:
+                raise ValueError(f"kv_memory_gb={gb:g} is more than the {free:.1f} GiB free on {self.device}; "
+                                 f"pass a smaller kv_memory_gb")
+        self.kv_memory_gb = gb
+        budget = int(gb * 2**30)
+        L, H, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
+        if self.dtype != torch.bfloat16:
+            return DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
+        kw = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
+        try:
+            return ArenaKVCache(L, H, D, budget, self.device, compress=cfg.kv_compression,
+                                attention_backend=cfg.attention_backend, **kw)
+        except ValueError as exc:
+            raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
+
+    def _check_one_request_fits(self, asked: bool) -> None:
+        """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
+        max_model_len given explicitly that does not fit is an error; a default one is lowered."""
+        graphs = self.device.type == "cuda" and not self.config.enforce_eager and isinstance(self.cache, ArenaKVCache)
+        fits = (self.cache.capacity_new_pages() - graphs) * 16          # CUDA graphs take a scratch page
+        if fits >= self.max_model_len:
+            return
+        if asked or fits < 16:
+            raise ValueError(f"the KV memory ({self.kv_memory_gb:g} GiB) holds {max(fits, 0)} tokens, fewer than "
+                             f"max_model_len={self.max_model_len}; give more kv_memory_gb or a smaller max_model_len")
+        log.warning("max_model_len lowered from %d to %d: what %.3g GiB of KV memory holds",
+                    self.max_model_len, fits, self.kv_memory_gb)
+        self.max_model_len = fits
+        self._len_note = f" (what kv_memory_gb={self.kv_memory_gb:g} holds; give more kv_memory_gb)"
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be zipfusion.SamplingParams, got {type(params).__name__}")
+        V = self.model_config.vocab_size
+        if not prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in 0..{V - 1}, got {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit max_model_len="
+                             f"{self.max_model_len}{self._len_note}; shorten the prompt or raise max_model_len")
+        req = Request(next(self._ids), list(prompt_ids), params)
+        if params.seed is not None:
+            req.generator = self.sampler.make_generator(params.seed)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Stop a request wherever it is (waiting or running); its pages are freed."""
+        if req.status != Status.FINISHED:
+            self.scheduler.finish(req, "abort")
+            self.runner.forget(req.request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        for r in out.preempted:
+            self.runner.forget(r.request_id)
+        logits = self.runner.run(out)
+        for ch in out.prefill:
+            ch.request.num_computed += ch.length
+        for r in out.decode:
+            r.num_computed += 1
+        sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
+        finished = self._sample(sampled, logits) if sampled else []
+        sealed = self.scheduler.seal_full_pages(out.decode + [ch.request for ch in out.prefill])
+        self._note_kv_stats(sealed)
+        for r, reason in finished:
+            self.scheduler.finish(r, reason)
+            self.runner.forget(r.request_id)
+        if self.step_log is not None:
+            self.step_log.append((t0, time.perf_counter() - t0, len(out.decode),
+                                  sum(ch.length for ch in out.prefill), len(self.scheduler.running)))
+        return [r for r, _ in finished]
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
+        """One token per request from its logits row; returns (request, reason) of those done."""
+        tokens = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        now = time.perf_counter()
+        if self.record_logits:
+            for r, row in zip(reqs, logits):
+                r.logits.append(row.detach().cpu().clone())
+        finished = []
+        for r, t in zip(reqs, tokens):
+            r.output_ids.append(int(t))
+            r.token_times.append(now)
+            reason = self._check_stop(r)
+            if reason:
+                finished.append((r, reason))
+        return finished
+
+    def _check_stop(self, r: Request) -> str | None:
+        p, t = r.params, r.output_ids[-1]
+        n = len(r.output_ids)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and t in self.eos_token_ids:
+                return "stop"
+            if t in p.stop_token_ids:
+                r.stop_reason = t
+                return "stop"
+            if p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(r.output_ids)
+                hits = [(text.find(s), s) for s in p.stop if s in text]
+                if hits:
+                    cut, s = min(hits)
+                    r.text, r.stop_reason = text[:cut], s
+                    return "stop"
+        if p.max_tokens is not None and n >= p.max_tokens:
+            return "length"
+        if r.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _note_kv_stats(self, sealed: int) -> None:
+        """Keep the cache's numbers from the step with the most pages in use, taken again when
+        pages were compressed."""
+        pages = sum(len(r.pages) for r in self.scheduler.running)
+        if self.peak_kv_stats is None or pages > self._peak_pages or (sealed and pages == self._peak_pages):
+            self._peak_pages = pages
+            self.peak_kv_stats = self.cache.stats()
+
+    def output_of(self, r: Request, prompt: str | None) -> RequestOutput:
+        text = r.text
+        if r.stop_reason is None or not isinstance(r.stop_reason, str):
+            text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else ""
+        return RequestOutput(r.request_id, prompt, r.prompt_ids,
+                             [CompletionOutput(0, text, list(r.output_ids), r.finish_reason, r.stop_reason)],
+                             finished=r.status == Status.FINISHED, num_preemptions=r.num_preemptions)

@@ -1,0 +1,96 @@
+"""The page table: page id -> where the page lives in every layer.
+
+Host arrays are the truth; ``page_loc`` ([num_layers, max_pages] int64) is what the kernels read:
+``offset | 1`` for a page in open form (being filled, or full but stored uncompressed),
+``offset`` for a compressed page, ``-1`` for no page. Offsets are multiples of 16, so bit 0 is
+free. On the CPU (and the accounting-only ``meta`` device) ``page_loc`` shares memory with the
+host array; on CUDA the touched columns are copied after each change, on the current stream.
+
+A page id is the same in every layer and never changes while the request lives; only its
+location does (compression, compaction).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FREE, OPEN, STORED = 0, 1, 2
+STATE_NAMES = ("free", "open", "compressed")
+
+
+class PageTable:
+    def __init__(self, num_layers: int, max_pages: int, device: torch.device):
+        L = num_layers
+        self.num_layers, self.max_pages, self.device = L, max_pages, torch.device(device)
+        self.loc = np.full((L, max_pages), -1, dtype=np.int64)
+        self.size = np.zeros((L, max_pages), dtype=np.int64)      # stored bytes (STORED pages)
+        self.state = np.zeros(max_pages, dtype=np.int8)
+        self.group = np.zeros(max_pages, dtype=np.int64)          # open pages: group and slot
+        self.slot = np.zeros(max_pages, dtype=np.int64)
+        self._free_ids = list(range(max_pages - 1, -1, -1))
+        self.mirrored = self.device.type not in ("cpu", "meta")
+        self.page_loc = torch.from_numpy(self.loc).to(self.device) if self.mirrored else torch.from_numpy(self.loc)
+
+    @property
+    def num_free_ids(self) -> int:
+        return len(self._free_ids)
+
+    def take_ids(self, n: int) -> np.ndarray:
+        return np.array([self._free_ids.pop() for _ in range(n)], dtype=np.int64)
+
+    def release_ids(self, ids: np.ndarray) -> None:
+        self.state[ids] = FREE
+        self.loc[:, ids] = -1
+        self.size[:, ids] = 0
+        self._free_ids.extend(ids.tolist())
+        self.sync(ids)
+
+    def count(self, state: int) -> int:
+        return int((self.state == state).sum())
+
+    def sync(self, ids: np.ndarray) -> None:
+        """Mirror the host columns ``ids`` to the device table."""
+        if not self.mirrored or ids.size == 0:
+            return
+        # pinned staging + non_blocking: no host stall behind queued kernels (the caching host
+        # allocator keeps each staging buffer alive until its copy has run)
+        cols = torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
+        vals = torch.from_numpy(np.ascontiguousarray(self.loc[:, ids])).pin_memory()
+        self.page_loc[:, cols] = vals.to(self.device, non_blocking=True)
+
+    def sync_layer(self, layer: int) -> None:
+        if self.mirrored:
+            self.page_loc[layer].copy_(torch.from_numpy(self.loc[layer]).pin_memory(), non_blocking=True)
+
+    def check(self, ids, want_state: int | None, what: str) -> np.ndarray:
+        """``ids`` as an int64 array of distinct allocated page ids (in ``want_state`` if given),
+        or ValueError/TypeError saying what is wrong."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().tolist()
+        if isinstance(ids, (int, np.integer)):
+            ids = [ids]
+        try:
+            arr = np.asarray(list(ids), dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError(f"{what}: page ids must be a list of ints, got {ids!r}") from None
+        if arr.ndim != 1:
+            raise ValueError(f"{what}: page ids must be a flat list of ints")
+        if arr.size == 0:
+            return arr
+        bad = arr[(arr < 0) | (arr >= self.max_pages)]
+        if bad.size:
+            raise ValueError(f"{what}: page id {int(bad[0])} does not exist (valid ids: 0..{self.max_pages - 1})")
+        if np.unique(arr).size != arr.size:
+            raise ValueError(f"{what}: page ids repeat in {arr.tolist()}; pass each page once")
+        state = self.state[arr]
+        dead = arr[state == FREE]
+        if dead.size:
+            raise ValueError(f"{what}: page {int(dead[0])} is not allocated (never allocated or already "
+                             "freed: a double free?)")
+        if want_state is not None:
+            wrong = arr[state != want_state]
+            if wrong.size:
+                raise ValueError(f"{what}: page {int(wrong[0])} is already compressed; only open pages "
+                                 "can be compressed")
+        return arr
