@@ -195,6 +195,7 @@ def test_bad_input_is_named(ckpts, tmp_path):
         LLM(str(tmp_path), dtype="float32", device="cpu", kv_compression=False).generate("hello", use_tqdm=False)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("model", ["demo", "llama"])
 def test_gpu_compression_on_off_identical_with_cuda_graphs(ckpts, model):
@@ -214,6 +215,38 @@ def test_gpu_compression_on_off_identical_with_cuda_graphs(ckpts, model):
     for a, b in zip(res[True][0], res[False][0]):
         assert a.output_ids == b.output_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_against_transformers_and_through_preemption(ckpts):
+    """On the GPU (bf16, CUDA graphs, fused kernels, mixed steps): logits close to transformers'
+    fp32 forward of the same tokens (an independent reference), and the same tokens and logits
+    when memory is so small that requests are preempted and recomputed."""
+    path, hf = ckpts["llama"]
+    ps = prompts(6, [70, 9, 33, 50])
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    runs = {}
+    open_page = 2 * 16 * 2 * 64 * 2
+    for name, kw in (("big", dict(kv_memory_gb=0.2)),
+                     ("small", dict(kv_memory_gb=(2 * 3 + 12) * 2 * open_page / 2**30, chunk_bytes=2 * open_page,
+                                    admission="optimistic"))):
+        llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_model_len=128, **kw)
+        llm.engine.record_logits = True
+        reqs = [llm.engine.add_request(p, sp) for p in ps]
+        while llm.engine.has_work():
+            llm.engine.step()
+        runs[name] = (reqs, llm.engine.scheduler.num_preemptions)
+    assert runs["small"][1] > 0 and runs["big"][1] == 0
+    for a, b in zip(runs["big"][0], runs["small"][0]):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    hf = hf.float().cuda()
+    for p, r in zip(ps, runs["big"][0]):
+        ids = torch.tensor([p + r.output_ids[:-1]], device="cuda")
+        ref = hf(ids).logits[0, len(p) - 1:].float().cpu()
+        got = torch.stack(r.logits)
+        assert float((got - ref).norm() / ref.norm()) < 3e-2
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing_and_the_engine_goes_on():

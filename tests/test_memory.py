@@ -269,12 +269,12 @@ def test_admission_conservative_and_estimate():
     adm = Admission(m, mode="conservative")
     cap = m.capacity_new_pages()                    # 4 * (40 // 2 - 1) = 76
     assert cap == 76
-    # a request of 60 pages (+1 for its open last page) fits alone; a second one does not while it runs
-    assert adm.can_admit(16 * 59 + 1, 15) and not adm.can_admit(16 * 75 + 1, 0)
+    # conservative counting is exact: a request of 76 pages fits alone, one of 77 does not
+    assert adm.can_admit(16 * 75 + 1, 15) and not adm.can_admit(16 * 76 + 1, 0)
     running = [RunningRequest(pages_held=10, num_tokens=160, max_total_tokens=16 * 60)]
-    assert adm.reserved_pages(running) == 50 + 1
-    assert not adm.can_admit(16 * 25, 0, running)          # 25 + 1 > 76 - 51
-    assert adm.can_admit(16 * 24, 0, running)              # 24 + 1 <= 25
+    assert adm.reserved_pages(running) == 50                # it still takes 50 pages
+    assert not adm.can_admit(16 * 26 + 1, 0, running)       # 27 > 76 - 50
+    assert adm.can_admit(16 * 26, 0, running)               # 26 <= 26
     with pytest.raises(ValueError):
         adm.can_admit(0, 16)
     ids = m.alloc_pages(40)
@@ -310,6 +310,26 @@ def test_estimate_admission_adapts():
 
 
 # ------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_range_moves_equal_the_cpu_reference():
+    """The Triton copy kernel (compaction on CUDA) moves the same bytes as the CPU path, also
+    when pages slide onto their own or each other's old bytes within a batch."""
+    from zipfusion.memory.copy import move_ranges
+    g = torch.Generator().manual_seed(7)
+    arena = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 600, size=200) * 16
+    src = np.cumsum(np.concatenate([[4096], sizes[:-1] + rng.integers(0, 8, size=199) * 16]))
+    dst = src - rng.integers(0, 64, size=200) * 16                  # slide down, overlapping
+    for batch in (1 << 20, 3000):
+        cpu, gpu = arena.clone(), arena.cuda()
+        move_ranges(cpu, src, dst, sizes, batch)
+        move_ranges(gpu, src, dst, sizes, batch)
+        assert torch.equal(cpu, gpu.cpu()), batch
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_round_trip_and_pending_chunks():
     chunk = 4 * OPEN

@@ -56,25 +56,29 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=1e-2)   # one or two bf16 ulps
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_and_store_is_the_torch_rope_bit_for_bit_and_writes_the_open_pages(dtype):
+def test_rope_and_store_is_the_torch_rope_bit_for_bit_and_writes_the_open_pages(dtype, device):
     """One rope arithmetic: the kernel's rotated q and k (and the K/V it stores) are the torch
     path's bits (models.layers.apply_rope + PageLayout.open_elements)."""
     from zipfusion.format import PageLayout
     from zipfusion.models.fused import rope_and_store
     from zipfusion.models.layers import apply_rope
     T, Hq, H, D = 3, 4, 2, 64
-    qkv = (torch.randn(T, (Hq + 2 * H) * D, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    qkv = (torch.randn(T, (Hq + 2 * H) * D, generator=torch.Generator().manual_seed(2)) * 3).to(dtype).to(device)
     q, k, v = qkv.split([Hq * D, H * D, H * D], dim=-1)
     q, k, v = q.view(T, Hq, D), k.view(T, H, D), v.view(T, H, D)        # strided views, as the model has
-    rope = RotaryEmbedding(D, RopeConfig(theta=10000.0))
-    positions = torch.tensor([5, 17, 40000])
+    rope = RotaryEmbedding(D, RopeConfig(theta=10000.0)).to(device)
+    positions = torch.tensor([5, 17, 40000], device=device)
     cos, sin = rope.cos_sin(positions)
     layout = PageLayout(H, D)
     page_bytes = layout.open_page_bytes
-    arena = torch.zeros(4 * page_bytes + 32, dtype=torch.uint8)
-    page_loc = torch.tensor([16 | 1, (16 + page_bytes) | 1, (16 + 2 * page_bytes) | 1, -1])
-    page_ids, slots = torch.tensor([2, 0, 1]), positions % 16
+    arena = torch.zeros(4 * page_bytes + 32, dtype=torch.uint8, device=device)
+    page_loc = torch.tensor([16 | 1, (16 + page_bytes) | 1, (16 + 2 * page_bytes) | 1, -1], device=device)
+    page_ids, slots = torch.tensor([2, 0, 1], device=device), positions % 16
     q_got, k_got = rope_and_store(q, k, v, cos, sin, arena, page_loc, page_ids, slots, want_k=True)
     q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     assert q_got.dtype == dtype and torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref)

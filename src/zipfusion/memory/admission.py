@@ -1,16 +1,19 @@
 """Admission: what the scheduler may still promise, so that a running batch is rarely cut.
 
-A request needs ``ceil((prompt + output) / 16)`` pages over its life. New pages are allocated
-open and compressed when full, so it ends up holding them at the compression ratio r, plus its
-open last page. In open-page units, the scheduler admits a request only when
+A request needs ``P = ceil((prompt + output) / 16)`` pages over its life. New pages are
+allocated open and compressed when full, so it ends up holding ``r·(P - 1) + 1`` open-page units
+(its full pages at the compression ratio r, its last page open). One that holds ``h`` pages now
+(``h - 1`` of them sealed) will still take ``r·(P - h)``. In open-page units, the scheduler
+admits a request only when
 
-    capacity_new_pages()  >=  Σ_running ( ceil(r'·future_i) + 1 )     what running requests will still take
-                            +  ceil(r'·pages_new) + 1                  the new request, whole
-                            +  ceil((1 - r')·step_pages)               a step's prefill pages sit open
-                                                                       until they are sealed
+    capacity_new_pages()  >=  ceil(r' · Σ_running (P_i - h_i))     what running requests will still take
+                            +  ceil(r' · (P_new - 1)) + 1          the new request, whole
+                            +  ceil((1 - r') · step_pages)         a step's prefill pages sit open
+                                                                   until they are sealed
 
-``future_i``: pages request i will still allocate for the rest of its prompt and its expected
-output, ``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens. Two numbers are estimates that
+``P_i`` counts the rest of request i's prompt and its expected output,
+``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens. With r' = 1 (no compression, or the
+conservative mode) this is exact: every page a request will ever hold is set aside. Two numbers are estimates that
 adapt, as SGLang's new-token ratio does:
 
 * ``r' = min(1, r · (1 + margin))``, r the ratio observed so far (1 until a page is stored);
@@ -80,9 +83,9 @@ class Admission:
 
     def reserved_pages(self, running: Iterable[RunningRequest]) -> int:
         """Open-page units promised to running requests."""
-        r = self.ratio()
-        return sum(math.ceil(r * max(0, pages_for_tokens(self.expected_tokens(q.num_tokens, q.max_total_tokens))
-                                     - q.pages_held)) + 1 for q in running)
+        future = sum(max(0, pages_for_tokens(self.expected_tokens(q.num_tokens, q.max_total_tokens)) - q.pages_held)
+                     for q in running)
+        return math.ceil(self.ratio() * future)
 
     def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = ()) -> bool:
         """Whether a new request fits beside what ``running`` requests still need."""
@@ -92,7 +95,7 @@ class Admission:
         if self.mode == "optimistic":
             return True
         r = self.ratio()
-        new = math.ceil(r * pages_for_tokens(self.expected_tokens(0, prompt_tokens + max_new_tokens))) + 1
+        new = math.ceil(r * (pages_for_tokens(self.expected_tokens(0, prompt_tokens + max_new_tokens)) - 1)) + 1
         transient = math.ceil((1.0 - r) * self.step_pages)
         return self.cache.capacity_new_pages() - self.reserved_pages(running) >= new + transient
 

@@ -35,6 +35,7 @@ several streams must order them against the current one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -52,18 +53,20 @@ from .page_table import OPEN, STATE_NAMES, STORED, PageTable
 from .stats import LayerStats, MemoryStats
 
 MAX_CHUNK_BYTES = 2 << 20          # largest chunk: 2 MiB (one Llama-8B group of 32 open pages)
-MIN_CHUNKS_PER_LAYER = 64          # so the reserve (2 chunks per layer) stays <= ~3 % of the arena
 
 
-def default_chunk_bytes(budget_bytes: int, num_layers: int, layout: PageLayout) -> int:
-    """Chunks of S open pages, S a power of two <= 64: as large as MAX_CHUNK_BYTES allows while
-    each layer still gets MIN_CHUNKS_PER_LAYER chunks. Small arenas get small chunks, so the
-    compression reserve and the part-filled chunks cost little of them."""
+def default_chunk_bytes(budget_bytes: int, num_layers: int, layout: PageLayout, reserve_chunks: int = 2) -> int:
+    """Chunks of S open pages, S a power of two. Two costs pull S apart: next fit leaves on
+    average half a compressed page unused at the end of each packed chunk (a share ~1/(2S) of
+    the arena), and the compression reserve keeps ``reserve_chunks`` chunks per layer (a share
+    ~reserve·S/N, N open pages per layer). Their sum is smallest near S = sqrt(N / (2·reserve)):
+    small arenas get small chunks, large ones 2 MiB."""
     open_bytes = layout.open_page_bytes
-    per_layer = int(budget_bytes) // num_layers
-    S = 64
-    while S > 1 and (S * open_bytes > MAX_CHUNK_BYTES or per_layer // (S * open_bytes) < MIN_CHUNKS_PER_LAYER):
-        S //= 2
+    n = max(1, int(budget_bytes) // num_layers // open_bytes)
+    best = math.sqrt(n / (2 * max(1, reserve_chunks)))
+    S = 1
+    while 2 * S * open_bytes <= MAX_CHUNK_BYTES and 2 * S <= 64 and abs(math.log2(2 * S / best)) < abs(math.log2(S / best)):
+        S *= 2
     return S * open_bytes
 
 
@@ -77,7 +80,7 @@ class KVCacheManager:
         if not isinstance(layout, PageLayout):
             raise TypeError(f"layout must be a zipfusion.format.PageLayout, got {type(layout).__name__}")
         if chunk_bytes is None:
-            chunk_bytes = default_chunk_bytes(budget_bytes, num_layers, layout)
+            chunk_bytes = default_chunk_bytes(budget_bytes, num_layers, layout, reserve_chunks)
         for name, v in (("budget_bytes", budget_bytes), ("chunk_bytes", chunk_bytes),
                         ("reserve_chunks", reserve_chunks)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
