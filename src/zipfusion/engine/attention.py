@@ -9,6 +9,11 @@ for that batch:
 * ``attend``: decode rows run the paged decode kernel over their pages (compressed or open);
   each prefill chunk attends causally over its request's earlier tokens (read back from the
   pages, decoded if compressed) followed by its own, through :func:`prefill_attention`.
+
+Deterministic mode (``cache.deterministic``): a prefill token attends exactly as it would as a
+decode row -- the decode kernel over the request's pages with its own context length (its K/V
+were stored first) -- so a token's attention sums in the same order whether it was computed
+in a prompt chunk of any size, a recompute after preemption, or a decode step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from ..format import PAGE_TOKENS
 from .kv_cache import KVCache
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
@@ -46,6 +52,16 @@ class StepKV:
         self.page_ids, self.slots = page_ids, slots
         self.num_decode, self.block_table, self.context_lens = num_decode, block_table, context_lens
         self.chunks = list(chunks)
+        # deterministic mode: every prefill token as a decode row (its request's pages, its length)
+        self._as_decode = [self._decode_rows(ch, page_ids.device) for ch in self.chunks] \
+            if cache.deterministic else None
+
+    @staticmethod
+    def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)]
+        table = torch.tensor(pages, dtype=torch.int32, device=device).expand(ch.length, len(pages))
+        lens = torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device)
+        return table, lens
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
@@ -57,8 +73,12 @@ class StepKV:
             outs.append(self.cache.decode_attention(layer, q[:n], self.block_table, self.context_lens,
                                                     self.sm_scale))
         off = n
-        for ch in self.chunks:
+        for i, ch in enumerate(self.chunks):
             qi, ki, vi = q[off:off + ch.length], k[off:off + ch.length], v[off:off + ch.length]
+            if self._as_decode is not None:
+                outs.append(self.cache.decode_attention(layer, qi, *self._as_decode[i], self.sm_scale))
+                off += ch.length
+                continue
             if ch.start:
                 kp, vp = self.cache.read_tokens(layer, ch.pages, ch.start)
                 ki, vi = torch.cat([kp.to(ki.dtype), ki]), torch.cat([vp.to(vi.dtype), vi])

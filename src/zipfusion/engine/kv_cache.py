@@ -20,12 +20,20 @@ from ..format import PAGE_TOKENS, PageLayout
 from ..models.layers import apply_rope
 
 
-def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale):
-    """Decode attention in fp32 torch: q [B, Hq, D]; ``read_pages(ids) -> [n, 2, 16, H, D]``.
+# deterministic mode: the attention kernels split every request's KV into runs of this many
+# pages, whatever the batch (a split count chosen from the batch would order the sums differently)
+DETERMINISTIC_SPLIT_PAGES = 64
+
+
+def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, exact: bool = False):
+    """Decode attention in fp32 torch (fp64 when ``exact``: then a row's result does not depend
+    on the batch's padding, up to ~1e-16 relative before the final rounding):
+    q [B, Hq, D]; ``read_pages(ids) -> [n, 2, 16, H, D]``.
 
     o_b = softmax(sm_scale · q_b K_bᵀ) V_b over the first context_lens[b] tokens of request b,
     query head i reading KV head i // (Hq / H).
     """
+    ftype = torch.float64 if exact else torch.float32
     B, Hq, D = q.shape
     lens = context_lens.to(torch.int64)
     max_pages = int(-(-int(lens.max()) // PAGE_TOKENS))
@@ -38,15 +46,15 @@ def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale):
     slot = torch.zeros_like(ids)
     slot[used] = inverse
     kv = pages[slot]                                            # [B, P, 2, 16, H, D]
-    k = kv[:, :, 0].reshape(B, max_pages * PAGE_TOKENS, H, D).float()
-    v = kv[:, :, 1].reshape(B, max_pages * PAGE_TOKENS, H, D).float()
-    qg = q.float().reshape(B, H, Hq // H, D)
+    k = kv[:, :, 0].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
+    v = kv[:, :, 1].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
+    qg = q.to(ftype).reshape(B, H, Hq // H, D)
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * sm_scale
     valid = torch.arange(max_pages * PAGE_TOKENS, device=q.device)[None, :] < lens[:, None]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     v = v.masked_fill(~valid[:, :, None, None], 0.0)           # unwritten slots may hold NaN bits
     out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v)
-    return out.reshape(B, Hq, D).to(q.dtype)
+    return out.reshape(B, Hq, D).float().to(q.dtype)
 
 
 class KVCache:
@@ -58,6 +66,7 @@ class KVCache:
     dtype: torch.dtype
     device: torch.device
     compress: bool = False
+    deterministic: bool = False     # batch-invariant attention (fixed KV splits; fp64 in torch)
 
     def read_tokens(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [n_tokens, H, D] of a request's first ``n_tokens`` tokens (its prefix)."""
@@ -76,11 +85,11 @@ class ArenaKVCache(KVCache):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
                  device, compress: bool = True, attention_backend: str = "auto",
-                 fused_store: bool | None = None, split_pages: int | None = None, **manager_kwargs):
+                 fused_store: bool | None = None, deterministic: bool = False, **manager_kwargs):
         """``attention_backend``: "kernel" (our kernels; on CPU tensors the Triton ones run in
         the interpreter, slowly), "torch" (fp32 torch over read pages), "auto" (kernel on CUDA).
         ``fused_store``: rope + K/V store as one Triton kernel (default: on CUDA).
-        ``split_pages``: fixed KV split size of the attention kernel (deterministic mode)."""
+        ``deterministic``: batch-invariant attention (DETERMINISTIC_SPLIT_PAGES)."""
         if attention_backend not in ("auto", "kernel", "torch"):
             raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'torch', got {attention_backend!r}")
         from ..memory import KVCacheManager
@@ -92,7 +101,7 @@ class ArenaKVCache(KVCache):
         cuda = self.device.type == "cuda"
         self._use_kernel = attention_backend == "kernel" or (attention_backend == "auto" and cuda)
         self.fused_store = cuda if fused_store is None else fused_store
-        self.split_pages = split_pages
+        self.deterministic = deterministic
 
     @property
     def arena(self) -> torch.Tensor:
@@ -151,12 +160,12 @@ class ArenaKVCache(KVCache):
         if self._use_kernel:
             from ..kernels import decode_attention, decode_attention_twin
             kernel = decode_attention if self.compress else decode_attention_twin
-            kw = {"split_pages": self.split_pages} if self.split_pages else {}
+            kw = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if self.deterministic else {}
             # the engine builds valid tables; validate=False keeps the call free of host syncs
             return kernel(q, self.arena, self.page_loc[layer], block_table, context_lens,
                           self.layout, sm_scale, validate=False, **kw)
         return torch_decode_attention(q, lambda ids: self.read_pages(layer, ids), block_table,
-                                      context_lens, sm_scale)
+                                      context_lens, sm_scale, exact=self.deterministic)
 
     def stats(self):
         """The manager's numbers plus what the engine reports: bytes in use vs all-open."""
@@ -214,7 +223,7 @@ class DenseKVCache(KVCache):
 
     def decode_attention(self, layer, q, block_table, context_lens, sm_scale):
         return torch_decode_attention(q, lambda ids: self.read_pages(layer, ids), block_table,
-                                      context_lens, sm_scale)
+                                      context_lens, sm_scale, exact=self.deterministic)
 
     def stats(self):
         used = self.num_pages - len(self._free)

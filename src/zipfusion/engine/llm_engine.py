@@ -77,6 +77,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
         self.model = prebuilt_model if prebuilt_model is not None else build_model(
             self.source, dtype=self.dtype, device=self.device, seed=cfg.seed)
+        self.model.set_deterministic(cfg.deterministic)
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.cache = self._build_cache()
@@ -125,11 +126,13 @@ class LLMEngine:
         budget = int(gb * 2**30)
         L, H, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         if self.dtype != torch.bfloat16:
-            return DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
+            cache = DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
+            cache.deterministic = cfg.deterministic
+            return cache
         kw = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
         try:
             return ArenaKVCache(L, H, D, budget, self.device, compress=cfg.kv_compression,
-                                attention_backend=cfg.attention_backend, **kw)
+                                attention_backend=cfg.attention_backend, deterministic=cfg.deterministic, **kw)
         except ValueError as exc:
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
 
@@ -164,6 +167,8 @@ class LLMEngine:
         req = Request(next(self._ids), list(prompt_ids), params)
         if params.seed is not None:
             req.generator = self.sampler.make_generator(params.seed)
+        elif self.config.deterministic and not params.greedy:
+            req.generator = self.sampler.make_generator(self.config.seed)    # not the shared stream
         self.scheduler.add(req)
         return req
 

@@ -21,6 +21,34 @@ from .parallel import tp
 
 # Triton kernels (models/fused.py) for RMSNorm, SiLU-and-mul and rope + K/V store on CUDA tensors
 FUSED_OPS_ON_CUDA = True
+# deterministic mode: on CUDA, GEMMs run on blocks of exactly this many rows (see ``linear``)
+DETERMINISTIC_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           deterministic: bool = False) -> torch.Tensor:
+    """y = x Wᵀ + b.
+
+    ``deterministic``: each row's result must not depend on the other rows (how many, which).
+    A GEMM library picks its algorithm -- tiling, split-K, instruction -- from the shape, so the
+    same row can come out with other bits in a batch of 7 than in one of 70. On CUDA the rows
+    are therefore cut into blocks of exactly DETERMINISTIC_ROWS (the last one padded): cuBLAS
+    always sees one shape and runs one algorithm, whose arithmetic for a row is fixed. (A decode
+    batch up to that size is one call; a long prefill re-reads the weights once per block.)
+    Elsewhere (CPU) the products and sums are done in fp64, where bf16 and fp32 products are
+    exact and the order of the sum moves a result by ~1e-16 relative, far below the rounding to
+    the output dtype that follows.
+    """
+    if not deterministic:
+        return F.linear(x, weight, bias)
+    if not x.is_cuda:
+        y = x.double() @ weight.double().t()
+        return (y if bias is None else y + bias.double()).float().to(x.dtype)
+    R, M = DETERMINISTIC_ROWS, x.shape[0]
+    if M == 0:
+        return F.linear(x, weight, bias)
+    xp = F.pad(x, (0, 0, 0, -M % R))
+    return torch.cat([F.linear(xp[i:i + R], weight, bias) for i in range(0, xp.shape[0], R)])[:M]
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +57,8 @@ class RMSNorm(nn.Module):
     ``norm(x, residual)`` adds first and returns ``(norm(x + residual), x + residual)``: the
     decoder's residual stream, one kernel on CUDA.
     """
+
+    deterministic = False            # CPU: statistics in fp64 (the CUDA kernel is one program per row)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -43,8 +73,11 @@ class RMSNorm(nn.Module):
             x = residual = x + residual
         dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * x32.to(dtype)
+        if self.deterministic:
+            inv = torch.rsqrt(x32.double().pow(2).mean(-1, keepdim=True) + self.eps).float()
+        else:
+            inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * (x32 * inv).to(dtype)
         return y if residual is None else (y, residual)
 
 
@@ -83,8 +116,10 @@ class ColumnParallelLinear(nn.Module):
         start = sum(self.local_sizes[:shard])
         param.data[start:start + size].copy_(loaded[t.rank * size:(t.rank + 1) * size])
 
+    deterministic = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.deterministic)
 
 
 class RowParallelLinear(nn.Module):
@@ -111,8 +146,10 @@ class RowParallelLinear(nn.Module):
         r = tp().rank
         param.data.copy_(loaded[:, r * self.local_in:(r + 1) * self.local_in])
 
+    deterministic = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp().all_reduce(F.linear(x, self.weight))
+        y = tp().all_reduce(linear(x, self.weight, None, self.deterministic))
         return y if self.bias is None else y + self.bias
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import FUSED_OPS_ON_CUDA, ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from .layers import FUSED_OPS_ON_CUDA, ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, linear
 from .parallel import tp
 
 # checkpoint name fragment -> (our fused parameter's fragment, part index)
@@ -138,6 +138,16 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
+    deterministic = False
+
+    def set_deterministic(self, on: bool = True) -> "CausalLM":
+        """Batch-invariant arithmetic: every GEMM and norm computes a row the same way whatever
+        else is in the batch (models.layers.linear)."""
+        for m in self.modules():
+            if hasattr(type(m), "deterministic"):
+                m.deterministic = on
+        return self
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, h] -> logits [n, vocab] in fp32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.deterministic).float()
