@@ -204,7 +204,7 @@ def test_gpu_compression_on_off_identical_with_cuda_graphs(ckpts, model):
     res = {}
     for compress in (True, False):
         llm = LLM(path, dtype="bfloat16", device="cuda", kv_compression=compress, kv_memory_gb=0.2,
-                  max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024)
+                  max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
         assert llm.engine.graph_buckets                            # decode runs as CUDA graphs
         llm.engine.record_logits = True
         reqs = [llm.engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in ps]
@@ -221,8 +221,9 @@ def test_gpu_compression_on_off_identical_with_cuda_graphs(ckpts, model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_engine_against_transformers_and_through_preemption(ckpts):
     """On the GPU (bf16, CUDA graphs, fused kernels, mixed steps): logits close to transformers'
-    fp32 forward of the same tokens (an independent reference), and the same tokens and logits
-    when memory is so small that requests are preempted and recomputed."""
+    fp32 forward of the same tokens (an independent reference), and the same tokens when memory
+    is so small that requests are preempted and recomputed (the same logits bits too, but only
+    in deterministic mode: tests/test_deterministic.py; a recompute prefills what was decoded)."""
     path, hf = ckpts["llama"]
     ps = prompts(6, [70, 9, 33, 50])
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -240,7 +241,8 @@ def test_gpu_engine_against_transformers_and_through_preemption(ckpts):
     assert runs["small"][1] > 0 and runs["big"][1] == 0
     for a, b in zip(runs["big"][0], runs["small"][0]):
         assert a.output_ids == b.output_ids
-        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+        got, ref = torch.stack(b.logits), torch.stack(a.logits)
+        assert float((got - ref).norm() / ref.norm()) < 1e-2
     hf = hf.float().cuda()
     for p, r in zip(ps, runs["big"][0]):
         ids = torch.tensor([p + r.output_ids[:-1]], device="cuda")

@@ -321,7 +321,10 @@ def test_cuda_range_moves_equal_the_cpu_reference():
     rng = np.random.default_rng(7)
     sizes = rng.integers(1, 600, size=200) * 16
     src = np.cumsum(np.concatenate([[4096], sizes[:-1] + rng.integers(0, 8, size=199) * 16]))
-    dst = src - rng.integers(0, 64, size=200) * 16                  # slide down, overlapping
+    dst, end = np.empty_like(src), 0                 # in order, never later than the source, disjoint
+    for i in range(len(src)):
+        dst[i] = end + rng.integers(0, (src[i] - end) // 16 + 1) * 16
+        end = dst[i] + sizes[i]
     for batch in (1 << 20, 3000):
         cpu, gpu = arena.clone(), arena.cuda()
         move_ranges(cpu, src, dst, sizes, batch)
