@@ -13,9 +13,29 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
+import torch
+
 _COPIES: dict[str, ModuleType] = {}
+
+
+def kernel_module(device: torch.device, module_name: str, module_file: str,
+                  interpreting: bool) -> ModuleType:
+    """The module whose Triton kernels serve tensors on ``device``: the module itself (imported
+    as ``module_name``; ``interpreting``: its kernels were made by the interpreter) where its
+    kernels fit, and its interpreted copy for CPU tensors in a compiled import."""
+    if device.type == "cuda":
+        if interpreting:
+            raise RuntimeError(f"{module_name} was imported with TRITON_INTERPRET=1 (the Triton "
+                               "interpreter) and cannot run on CUDA tensors; unset "
+                               "TRITON_INTERPRET before importing it")
+        return sys.modules[module_name]
+    if device.type != "cpu":
+        raise ValueError(f"the Triton kernels run on CUDA (or on the CPU through the Triton "
+                         f"interpreter), got tensors on {device}")
+    return sys.modules[module_name] if interpreting else interpreted_copy(module_name, module_file)
 
 
 def mend_scalar_index() -> None:

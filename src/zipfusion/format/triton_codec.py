@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_interpreter import interpreted_copy
+from ..triton_interpreter import kernel_module
 from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
 from . import reference
 
@@ -424,24 +424,11 @@ def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
 # --------------------------------------------------------------------------------------------
 
 def _kernel(name: str, device: torch.device):
-    """The kernel ``name`` for tensors on ``device``.
-
-    CUDA: the compiled kernel. CPU: the kernel under the Triton interpreter. Whether
-    ``triton.jit`` interprets is fixed when a function is decorated (TRITON_INTERPRET at import
-    time), so if this module was imported without it, a second copy of the module is loaded with
-    TRITON_INTERPRET=1 for CPU tensors.
-    """
-    kernel = globals()[name]
-    compiled = isinstance(kernel, triton.runtime.jit.JITFunction)
-    if device.type == "cuda":
-        if not compiled:
-            raise RuntimeError("the Triton codec kernels were created in interpreter mode "
-                               "(TRITON_INTERPRET=1) and cannot run on CUDA tensors; unset "
-                               "TRITON_INTERPRET to use the GPU")
-        return kernel
-    if not compiled:
-        return kernel
-    return getattr(interpreted_copy(__name__, __file__), name)
+    """The kernel ``name`` for tensors on ``device``: compiled for CUDA tensors, under the Triton
+    interpreter for CPU tensors (from this module's interpreted copy if it was imported without
+    TRITON_INTERPRET=1)."""
+    compiled = isinstance(globals()[name], triton.runtime.jit.JITFunction)
+    return getattr(kernel_module(device, __name__, __file__, not compiled), name)
 
 
 def _check_layout(layout) -> PageLayout:

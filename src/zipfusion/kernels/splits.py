@@ -22,8 +22,8 @@ import torch
 class SplitPlan(NamedTuple):
     count: int                 # S: splits per (request, KV head)
     pages: int                 # pages per split
-    part_o: torch.Tensor       # [B·Hq·S·D] fp32 partial outputs (``out`` itself when S == 1)
-    part_lse: torch.Tensor     # [B·Hq·S] fp32 log2-sum-exp of each split (``out`` when S == 1)
+    part_o: torch.Tensor       # [B·Hq·S·D] fp32 partial outputs (empty when S == 1)
+    part_lse: torch.Tensor     # [B·Hq·S] fp32 log2-sum-exp of each split (empty when S == 1)
 
 
 def check_split_args(num_splits, split_pages) -> None:
@@ -43,7 +43,7 @@ def plan_splits(out: torch.Tensor, max_pages: int, num_splits: int | None,
 
     ``split_pages`` given: ``S = ceil(max_pages / split_pages)`` splits of exactly that size.
     Otherwise ``S = num_splits or default()``, the pages evenly spread in whole tiles of
-    ``tile_pages``, and ``S`` recounted (no empty trailing split for every request).
+    ``tile_pages``, and ``S`` recounted so that no split starts past the table's end.
     """
     if split_pages is not None:
         pages = split_pages
@@ -52,8 +52,9 @@ def plan_splits(out: torch.Tensor, max_pages: int, num_splits: int | None,
         pages = -(-max_pages // S)
         pages = max(1, -(-pages // tile_pages)) * tile_pages
     S = max(1, -(-max_pages // pages))
-    if S == 1:
-        return SplitPlan(1, pages, out, out)
+    if S == 1:        # unused fp32 stand-ins: the kernels see the same argument types either way
+        unused = out.new_empty(0, dtype=torch.float32)
+        return SplitPlan(1, pages, unused, unused)
     B, Hq, D = out.shape
     part_o = torch.empty(B * Hq * S * D, dtype=torch.float32, device=out.device)
     part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=out.device)

@@ -46,11 +46,13 @@ dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf1
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from ..triton_interpreter import interpreted_copy
+from ..triton_interpreter import kernel_module
 from .splits import plan_splits
 
 
@@ -60,25 +62,10 @@ def _interpreting() -> bool:
 
 
 def _kernels(device: torch.device):
-    """(attention kernel, merge kernel, interpreted?) for tensors on ``device``.
-
-    Whether ``triton.jit`` interprets is fixed when this module is imported (TRITON_INTERPRET);
-    for CPU tensors in a compiled import, a second copy of the module is loaded in interpreter
-    mode.
-    """
-    interp = _interpreting()
-    if device.type == "cuda":
-        if interp:
-            raise RuntimeError("zipfusion.kernels was imported with TRITON_INTERPRET=1 and cannot "
-                               "run on CUDA tensors; unset TRITON_INTERPRET before importing it")
-        return _decode_attention_kernel, _merge_kernel, False
-    if device.type != "cpu":
-        raise ValueError(f"the attention kernels run on CUDA (or on the CPU through the Triton "
-                         f"interpreter), got tensors on {device}")
-    if interp:
-        return _decode_attention_kernel, _merge_kernel, True
-    m = interpreted_copy(__name__, __file__)
-    return m._decode_attention_kernel, m._merge_kernel, True
+    """(attention kernel, merge kernel, interpreted?) for tensors on ``device`` (CPU tensors in a
+    compiled import: from this module's interpreted copy)."""
+    m = kernel_module(device, __name__, __file__, _interpreting())
+    return m._decode_attention_kernel, m._merge_kernel, device.type == "cpu"
 
 
 # ------------------------------------------------------------------------------------------
@@ -452,13 +439,15 @@ def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens,
                             tile_pages=None, num_warps=None):
     """Launch the Triton kernel (and the merge when there are several splits). Inputs are
     checked by the caller; ``qk_scale`` is sm_scale·log2(e). ``tile_pages`` (TP, a power of 2;
-    default 2 compiled, 1 interpreted) and ``num_warps`` tune the kernel; ``split_pages`` must
-    be a multiple of TP."""
+    default 2 compiled, 1 interpreted, and a divisor of ``split_pages``) and ``num_warps`` tune
+    the kernel; ``split_pages`` must be a multiple of TP."""
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     B, Hq, D = q.shape
     H = num_kv_heads
     G = Hq // H
     TP = tile_pages or (1 if interp else 2)
+    if tile_pages is None and split_pages is not None:
+        TP = math.gcd(TP, split_pages)              # a default tile that divides the split
     if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
         raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
     if split_pages is not None and split_pages % TP:
