@@ -8,14 +8,11 @@ synthetic pages repeated to the requested size -- and times, with triton.testing
 * compress    compress_open_pages (reads every page again, writes the compressed pages);
 * a+c         analyze, destinations by a device-side prefix sum, compress: what compressing
               a batch of full pages costs end to end (no host sync);
-* one-pass    compress_open_pages_into_region: analyze, place (atomic cursor) and compress in
-              one kernel, one HBM read of every page (pages packed in no fixed order);
 * decompress  decompress_pages into a [P, 2, 16, H, D] bf16 tensor.
 
 Rates are GB/s (1e9 bytes) of original BF16 pages. Every configuration is checked in the same
 run against the torch reference: metadata and sizes of every page, the compressed bytes of
-every page (one-pass: of a random sample of pages, plus every page's metadata and values
-decoded back), and the decompressed pages. Also measured: a plain device-to-device copy of the
+every page, and the decompressed pages. Also measured: a plain device-to-device copy of the
 same bytes (the bandwidth ceiling).
 
     PYTHONPATH=src python benchmarks/codec.py --out benchmarks/results      # on a CUDA GPU
@@ -92,10 +89,6 @@ class Bench:
     def decompress(self):
         return tc.decompress_pages(self.arena, self.dst, self.layout, out=self.out, validate=False)
 
-    def one_pass(self):
-        return tc.compress_open_pages_into_region(self.arena, self.src, self.layout, self.src_bytes,
-                                                  self.arena.numel() - self.src_bytes, validate=False)
-
     # -- checks ---------------------------------------------------------------------------------
     def clear_compressed(self):
         self.arena[self.src_bytes:].fill_(0xAB)
@@ -113,24 +106,6 @@ class Bench:
         assert bool((region == self.ref_bytes).all()), "compress: bytes differ from the reference"
         assert bool((self.arena[self.src_bytes + reps * self.pool_total:] == 0xAB).all()), \
             "compress: wrote past the compressed pages"
-
-    def check_one_pass(self, dst, sizes, base_half, sample=8192, seed=0):
-        self.check_analysis(base_half, sizes)
-        assert bool((dst >= 0).all()), "one-pass: a page did not fit"
-        order = dst.argsort()
-        starts, lens = dst[order], sizes[order]
-        assert int(starts[0]) == self.src_bytes and torch.equal(starts[1:], (starts + lens)[:-1]), \
-            "one-pass: pages not packed from the region start"
-        pool_dst = (torch.cumsum(self.ref_sizes, 0) - self.ref_sizes).tolist()
-        g = torch.Generator().manual_seed(seed)
-        dst_h, sizes_h = dst.tolist(), sizes.tolist()
-        for i in torch.randperm(self.P, generator=g)[:sample].tolist():
-            ref = self.ref_bytes[pool_dst[i % self.n]:pool_dst[i % self.n] + sizes_h[i]]
-            assert torch.equal(self.arena[dst_h[i]:dst_h[i] + sizes_h[i]], ref), \
-                f"one-pass: page {i} differs from the reference"
-        self.out.fill_(float("nan"))
-        tc.decompress_pages(self.arena, dst, self.layout, out=self.out, validate=True)
-        self.check_decompressed()
 
     def check_round_trip(self):
         """Analyze, compress and decompress the whole arena, each checked against the reference;
@@ -164,9 +139,9 @@ def timer(device: str, warmup_ms: int, rep_ms: int):
     return median_ms
 
 
-def tune(b: Bench, median_ms, warps, programs_per_sm):
-    """Time every kernel at each num_warps (and the one-pass kernel at each grid size), each
-    configuration checked first; set the fastest as the module defaults. Returns the table."""
+def tune(b: Bench, median_ms, warps):
+    """Time every kernel at each num_warps, each configuration checked first; set the fastest
+    as the module defaults. Returns the table."""
     table = {}
     for w in warps:
         tc.NUM_WARPS.update(analyze=w, compress=w, decompress=w)
@@ -174,22 +149,12 @@ def tune(b: Bench, median_ms, warps, programs_per_sm):
         table[f"analyze, {w} warps"] = ("analyze", {"warps": w}, median_ms(b.analyze))
         table[f"compress, {w} warps"] = ("compress", {"warps": w}, median_ms(lambda: b.compress(bh)))
         table[f"decompress, {w} warps"] = ("decompress", {"warps": w}, median_ms(b.decompress))
-        for k in programs_per_sm:
-            tc.NUM_WARPS["fused"] = w
-            tc.FUSED_PROGRAMS_PER_SM = k
-            b.clear_compressed()
-            b.check_one_pass(*b.one_pass(), sample=256, seed=w * 100 + k)
-            grid = f"{k} programs/SM" if k else "1 program/page"
-            table[f"one-pass, {w} warps, {grid}"] = ("fused", {"warps": w, "per_sm": k},
-                                                     median_ms(b.one_pass))
     best = {}
     for kernel, cfg, t in table.values():
         if kernel not in best or t < best[kernel][1]:
             best[kernel] = (cfg, t)
     for kernel, (cfg, _) in best.items():
         tc.NUM_WARPS[kernel] = cfg["warps"]
-        if kernel == "fused":
-            tc.FUSED_PROGRAMS_PER_SM = cfg["per_sm"]
     return {name: t for name, (_, _, t) in table.items()}
 
 
@@ -205,17 +170,12 @@ def run_dataset(dataset, args, device, median_ms, b=None):
     b.clear_compressed()
     b.analyze_compress()
     b.check_compressed()
-    b.clear_compressed()
-    dst, sizes, bh = b.one_pass()
-    b.check_one_pass(dst, sizes, bh)
-    row["checked"] = ("metadata, sizes, compressed bytes and decompressed values of every page "
-                      "(one-pass: bytes of 8192 random pages, metadata and values of every page)")
+    row["checked"] = "metadata, sizes, compressed bytes and decompressed values of every page"
 
     ms = {}
     ms["analyze"] = median_ms(b.analyze)
     ms["compress"] = median_ms(lambda: b.compress(base_half))
     ms["analyze+compress"] = median_ms(b.analyze_compress)
-    ms["one-pass"] = median_ms(b.one_pass)
     ms["decompress"] = median_ms(b.decompress)
     if dataset == "realistic":
         ms["analyze+compress (validate=True)"] = median_ms(lambda: b.analyze_compress(validate=True))
@@ -225,7 +185,6 @@ def run_dataset(dataset, args, device, median_ms, b=None):
     row["GBps_original"] = {k: b.src_bytes / GB / (v / 1e3) for k, v in ms.items()}
     moved = {"analyze": b.src_bytes, "compress": b.src_bytes + b.compressed_bytes,
              "decompress": b.compressed_bytes + b.src_bytes,
-             "one-pass": b.src_bytes + b.compressed_bytes,
              "copy (same bytes, device to device)": 2 * b.src_bytes}
     row["GBps_moved"] = {k: moved[k] / GB / (ms[k] / 1e3) for k in moved if k in ms}
     return row
@@ -245,7 +204,7 @@ def markdown(result) -> str:
         "checked against the torch reference in the same run.",
         "- GB/s = original BF16 bytes / time.", "",
     ]
-    ops = ["analyze", "compress", "analyze+compress", "one-pass", "decompress"]
+    ops = ["analyze", "compress", "analyze+compress", "decompress"]
     header = "| data | compressible blocks | ratio | " + " | ".join(ops) + " |"
     lines += [header, "|" + " --- |" * (3 + len(ops))]
     for r in result["rows"]:
@@ -267,8 +226,7 @@ def markdown(result) -> str:
             lines.append(f"- bytes moved by {k} (read + written) / time: {v:.0f} GB/s")
     if result.get("tuning_ms"):
         lines.append(f"- configuration used above (fastest in this run's sweep on the realistic data): "
-                     f"num_warps {result['config']['num_warps']}, one-pass programs per SM "
-                     f"{result['config']['fused_programs_per_sm']} (0 = one program per page)")
+                     f"num_warps {result['config']['num_warps']}")
         lines.append("- sweep (realistic, ms): " + "; ".join(f"{k} {v:.2f}" for k, v in result["tuning_ms"].items()))
     return "\n".join(lines) + "\n"
 
@@ -278,7 +236,7 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = result["rows"]
-    keys = ["analyze", "compress", "analyze+compress", "one-pass", "decompress"]
+    keys = ["analyze", "compress", "analyze+compress", "decompress"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(keys)
     for i, k in enumerate(keys):
@@ -305,8 +263,6 @@ def main():
     ap.add_argument("--pool", type=int, default=1024, help="distinct pages, repeated")
     ap.add_argument("--datasets", default="realistic,1.0,0.8,0.5")
     ap.add_argument("--warps", default="2,4", help="num_warps values to sweep (first dataset)")
-    ap.add_argument("--programs-per-sm", default="0,2,4,8",
-                    help="one-pass grid sizes to sweep (0: one program per page)")
     ap.add_argument("--warmup-ms", type=int, default=50)
     ap.add_argument("--rep-ms", type=int, default=300)
     ap.add_argument("--check-only", action="store_true", help="CPU smoke run (Triton interpreter)")
@@ -320,7 +276,6 @@ def main():
     args.pool = max(1, min(args.pool, int(args.gib * 2**30 // layout.open_page_bytes)))
     args.pages = max(1, int(args.gib * 2**30 // layout.open_page_bytes)) // args.pool * args.pool
     warps = [int(w) for w in args.warps.split(",") if w] if device == "cuda" else []
-    programs_per_sm = [int(k) for k in args.programs_per_sm.split(",") if k]
     median_ms = timer(device, args.warmup_ms, args.rep_ms)
 
     import triton
@@ -335,9 +290,9 @@ def main():
     first = Bench(make_pool(datasets[0], args.pool, args.heads, args.head_dim), args.pages, device)
     if device == "cuda" and warps:
         t = time.time()
-        result["tuning_ms"] = tune(first, median_ms, warps, programs_per_sm)
+        result["tuning_ms"] = tune(first, median_ms, warps)
         print(f"[tuning on {datasets[0]}] {time.time() - t:.1f} s", flush=True)
-    result["config"] = {"num_warps": dict(tc.NUM_WARPS), "fused_programs_per_sm": tc.FUSED_PROGRAMS_PER_SM}
+    result["config"] = {"num_warps": dict(tc.NUM_WARPS)}
     for i, ds in enumerate(datasets):
         t = time.time()
         row = run_dataset(ds, args, device, median_ms, first if i == 0 else None)

@@ -3,11 +3,11 @@
 # tests, then tune/benchmark against FlashInfer. Usage: bash scripts/gpu_attention.sh [bench args]
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 ZIPFUSION_CACHE=/tmp/zfcache
+export PYTHONPATH=src PYTHONUNBUFFERED=1 ZIPFUSION_CACHE=/tmp/zfcache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nvcc -O3 -gencode=arch=compute_90,code=sm_90 --use_fast_math -std=c++17 -Xptxas -v -shared -Xcompiler -fPIC -o /tmp/zf.so \
   src/zipfusion/kernels/cuda/decode_attention.cu > "$OUT/ptxas.txt" 2>&1
 grep -E "registers|spill" "$OUT/ptxas.txt" | head -14
 timeout 240 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py \
-  -k "${TESTS_K:-cuda or adversarial or large}" 2>&1 | tee "$OUT/attn_tests.log" | tail -15
+  -k "${TESTS_K:-cuda or adversarial or large or split_pages}" 2>&1 | tee "$OUT/attn_tests.log" | tail -15
 timeout 400 python3 benchmarks/attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45

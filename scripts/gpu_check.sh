@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# One device call: the GPU halves of the test suite, the memory manager's GPU check, then the
-# codec benchmark. Results and logs under $OUT (device tool) or ./gpu_out.
+# One device call: every test of the suite marked gpu, then the other tests of the kernel and
+# codec files (on the GPU's tensors) and two GPU tests of files that do not mark them yet, the
+# capacity GPU check and the codec benchmark. Results and logs under $OUT (device tool) or
+# ./gpu_out.
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 150 python3 -m pytest -q -rs -p no:cacheprovider \
+timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests \
+  2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -25
+timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" \
   tests/test_decode_attention.py tests/test_triton_codec.py tests/test_format.py \
   "tests/test_memory.py::test_cuda_round_trip_and_pending_chunks" \
   "tests/test_engine.py::test_gpu_compression_on_off_identical_with_cuda_graphs" \

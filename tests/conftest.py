@@ -1,4 +1,14 @@
-"""Shared test settings."""
+"""Shared test settings: how Triton runs, the ``gpu`` marker, Hypothesis profiles.
+
+Triton kernels run compiled on a CUDA GPU and through the Triton interpreter on the CPU. Which
+one is fixed when ``triton`` is first imported (``TRITON_INTERPRET``), so it is chosen here,
+once for the whole run, before any test module is collected: the interpreter where no CUDA GPU
+is present. Triton is imported right away so that no test module can change it later.
+
+Tests that need a CUDA GPU are marked ``@pytest.mark.gpu`` (or ``pytest.param(...,
+marks=pytest.mark.gpu)``): without a GPU the hook below skips them with the reason, and on the
+GPU machine ``python -m pytest -m gpu`` runs all of them.
+"""
 
 import os
 
@@ -10,6 +20,26 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton  # noqa: F401,E402  (fixes the interpreter choice for the run)
+except ImportError:       # no Triton on this platform: the Triton tests skip or fail by themselves
+    pass
+
+_NO_GPU = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked ``gpu`` where no CUDA GPU is present."""
+    if CUDA:
+        return
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(_NO_GPU)
+
 
 # CI (CI=true) replays the same examples every run, so a landing never hinges on a lucky draw;
 # local runs keep drawing new examples. Slow example generation is expected on a busy 2-core box.

@@ -9,7 +9,7 @@ from zipfusion.format import (RAW_MARK, CorruptPageError, PageLayout, analyze_pa
                               decode_pages, encode_page, encode_pages_into, from_blocks, page_sizes,
                               to_blocks)
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def bits(x):

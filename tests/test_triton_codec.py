@@ -1,7 +1,7 @@
 """Triton codec kernels against the torch reference: same metadata, same bytes, same values.
 
-On CPU the kernels run under the Triton interpreter (small sizes); on a CUDA machine the same
-checks run compiled, at larger sizes.
+On CPU the kernels run under the Triton interpreter (tests/conftest.py) at small sizes; on a
+CUDA machine the same checks run compiled, and the tests marked gpu at larger sizes.
 """
 
 import os
@@ -9,22 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
-from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages  # noqa: E402
-from zipfusion.format import (RAW_MARK, CorruptPageError, PageLayout, analyze_pages,  # noqa: E402
+from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
+from zipfusion.format import (RAW_MARK, CorruptPageError, PageLayout, analyze_pages,
                               decode_pages, encode_pages_into, from_blocks, page_sizes)
-from zipfusion.format.triton_codec import (analyze_open_pages, compress_open_pages,  # noqa: E402
-                                           compress_open_pages_into_region, decompress_pages)
+from zipfusion.format.triton_codec import analyze_open_pages, compress_open_pages, decompress_pages
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 POISON = 0xAB
 
 
@@ -76,17 +71,20 @@ def check_codec(pages, device, seed=0):
 
     base_half, sizes = analyze_open_pages(arena, src_d, layout)
     assert base_half.dtype == torch.uint8 and base_half.shape == (P, layout.num_blocks)
-    assert torch.equal(base_half.cpu().to(torch.int32), analyze_pages(pages).flatten(1))
-    assert torch.equal(sizes.cpu(), ref_sizes)
+    assert torch.equal(base_half.cpu().to(torch.int32), analyze_pages(pages).flatten(1)), \
+        f"metadata bytes differ from the reference (seed {seed})"
+    assert torch.equal(sizes.cpu(), ref_sizes), f"page sizes differ (seed {seed})"
 
     compress_open_pages(arena, src_d, base_half, dst_d, layout)
     diff = (arena.cpu() != expected).nonzero().flatten()
-    assert diff.numel() == 0, f"{diff.numel()} bytes differ from the reference, first at {diff[:8].tolist()}"
+    assert diff.numel() == 0, (f"{diff.numel()} bytes differ from the reference, first at "
+                               f"{diff[:8].tolist()} (seed {seed})")
 
     out = torch.full((P, 2, 16, H, D), float("nan"), dtype=torch.bfloat16, device=device)
     decoded = decompress_pages(arena, dst_d, layout, out=out)
     assert decoded is out
-    assert torch.equal(out.cpu().view(torch.int16), pages.view(torch.int16))
+    assert torch.equal(out.cpu().view(torch.int16), pages.view(torch.int16)), \
+        f"decompressed pages differ from the originals (seed {seed})"
     ref_decoded = decode_pages(arena.cpu(), dst, H, D, sizes=ref_sizes)
     assert torch.equal(out.cpu().view(torch.int16), ref_decoded.view(torch.int16))
     return base_half.cpu()
@@ -233,67 +231,6 @@ def test_kernels_run_when_triton_was_imported_without_the_interpreter():
 
 
 # --------------------------------------------------------------------------------------------
-# One-pass compression into a region
-# --------------------------------------------------------------------------------------------
-
-def check_into_region(pages, device, region_slack, seed=0):
-    """Compress with compress_open_pages_into_region into a region of sum(sizes) + slack bytes
-    (slack < 0: too small). Checks every written page against the reference, that the written
-    pages are packed from the region's start, and that nothing else in the arena changed."""
-    P, _, _, H, D = pages.shape
-    layout = PageLayout(H, D)
-    src, end = scattered_offsets([layout.open_page_bytes] * P, 32, seed)
-    ref_sizes = page_sizes(pages)
-    region_start, region_bytes = end + 48, int(ref_sizes.sum()) + region_slack
-    arena = torch.full((region_start + region_bytes + 256,), POISON, dtype=torch.uint8)
-    flat = pages.contiguous().view(P, -1).view(torch.uint8)
-    for i in range(P):
-        arena[int(src[i]):int(src[i]) + layout.open_page_bytes] = flat[i]
-    expected = arena.clone()
-    arena_d = arena.clone().to(device)
-    dst, sizes, base_half = compress_open_pages_into_region(arena_d, src.to(device), layout,
-                                                            region_start, region_bytes)
-    dst, sizes, base_half = dst.cpu(), sizes.cpu(), base_half.cpu()
-    assert torch.equal(sizes, ref_sizes)
-    assert torch.equal(base_half.to(torch.int32), analyze_pages(pages).flatten(1))
-    ok = dst >= 0
-    order = dst[ok].argsort()
-    starts, lens = dst[ok][order], sizes[ok][order]
-    if ok.any():
-        assert int(starts[0]) == region_start                              # packed, no gaps
-        assert torch.equal(starts[1:], (starts + lens)[:-1])
-        assert int(starts[-1] + lens[-1]) <= region_start + region_bytes
-    encode_pages_into(pages[ok], expected, dst[ok])
-    diff = (arena_d.cpu() != expected).nonzero().flatten()
-    assert diff.numel() == 0, f"{diff.numel()} bytes differ, first at {diff[:8].tolist()}"
-    return ok
-
-
-@pytest.mark.parametrize("H,D", [(2, 128), (1, 64)])
-def test_into_region_fits_exactly(H, D):
-    ok = check_into_region(realistic_pages(3, H, D, seed=3), DEVICE, region_slack=0, seed=5)
-    assert bool(ok.all())
-
-
-def test_into_region_too_small():
-    pages = pages_with_fraction(4, 1, 256, 0.5, seed=4)
-    ok = check_into_region(pages, DEVICE, region_slack=-16, seed=6)
-    assert 0 < int(ok.sum()) < 4
-
-
-def test_into_region_bad_arguments(placed):
-    layout, arena, src, dst = placed
-    with pytest.raises(ValueError, match="multiple of 16"):
-        compress_open_pages_into_region(arena, src, layout, 8, 1024)
-    with pytest.raises(ValueError, match="past the"):
-        compress_open_pages_into_region(arena, src, layout, 4096, arena.numel())
-    with pytest.raises(TypeError, match="non-negative int"):
-        compress_open_pages_into_region(arena, src, layout, 4096.0, 1024)
-    with pytest.raises(TypeError, match="int64"):
-        compress_open_pages_into_region(arena, src.to(torch.int32), layout, 2 * 4096, 4096)
-
-
-# --------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------
 
@@ -382,29 +319,19 @@ def test_bad_decompress_arguments(placed):
 # CUDA at larger sizes
 # --------------------------------------------------------------------------------------------
 
-@needs_cuda
+@gpu
 @pytest.mark.parametrize("H,D", [(8, 128), (4, 64), (2, 256), (5, 128)])
 def test_cuda_realistic_large(H, D):
     check_codec(realistic_pages(96, H, D, seed=11), "cuda", seed=12)
 
 
-@needs_cuda
+@gpu
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 0.8, 1.0])
 def test_cuda_fractions_large(fraction):
     check_codec(pages_with_fraction(64, 8, 128, fraction, seed=13), "cuda", seed=14)
 
 
-@needs_cuda
-@pytest.mark.parametrize("programs_per_sm", [0, 1])
-@pytest.mark.parametrize("slack", [0, 4096, -20000])
-def test_cuda_into_region_large(slack, programs_per_sm, monkeypatch):
-    import zipfusion.format.triton_codec as tc
-    monkeypatch.setattr(tc, "FUSED_PROGRAMS_PER_SM", programs_per_sm)   # 1: persistent grid
-    ok = check_into_region(realistic_pages(300, 8, 128, seed=16), "cuda", region_slack=slack, seed=17)
-    assert bool(ok.all()) == (slack >= 0)
-
-
-@needs_cuda
+@gpu
 @pytest.mark.parametrize("H,D", [(8, 128), (1, 64)])
 def test_cuda_every_pattern(H, D):
     blocks = torch.cat([every_pattern_blocks(), largest_offset_blocks(), special_blocks()])

@@ -40,10 +40,6 @@ class PageLayout:
         return PAGE_TOKENS * self.head_dim // BLOCK_VALUES
 
     @property
-    def tokens_per_v_block(self) -> int:
-        return BLOCK_VALUES // self.head_dim
-
-    @property
     def record_bytes(self) -> int:
         """M: metadata bytes per (head, K or V): a u32 offset + one byte per block, padded to 8."""
         return 8 * -(-(4 + self.blocks_per_head) // 8)

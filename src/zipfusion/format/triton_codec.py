@@ -50,24 +50,20 @@ On CPU tensors the kernels run under the Triton interpreter (slow: tests only), 
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
-from ..triton_interpreter import interpreted_copy
+from ..triton_interpreter import kernel_module
 from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
 from . import reference
 
-__all__ = ["analyze_open_pages", "compress_open_pages", "compress_open_pages_into_region",
-           "decompress_pages"]
+__all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
 
 _ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design.md)
 
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
-NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4, "fused": 4}
-# Programs per SM of the one-pass kernel (0: one program per page).
-FUSED_PROGRAMS_PER_SM = 0
+NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4}
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,100 +275,8 @@ def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, first_ptr,
 
 
 # --------------------------------------------------------------------------------------------
-# Fused one-pass compression: analyze, allocate, compress (one program per page)
-# --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _compress_fused_page(p, words, src_ptr, dst_ptr, sizes_ptr, base_half_ptr, cursor_ptr,
-                         region_start, region_bytes,
-                         H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
-    """Compress page p into the region [region_start, region_start + region_bytes).
-
-    1. analyze every (head, role) tile: metadata bytes -> base_half[p], page size;
-    2. take the page's place with one atomic add on the region cursor (bytes used so far);
-       if the page does not fit, dst[p] = -1 and nothing is written;
-    3. encode every record; the tiles are read a second time, from L2 if the page is still
-       there. Records' first blocks: running sum of record sizes.
-    """
-    HEADER: tl.constexpr = 2 * H * M
-    src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
-    bh_row = base_half_ptr + p.to(tl.int64) * (2 * H * NB)
-    size = HEADER
-    # two heads (4 tiles) per step: their loads are issued before the reductions that
-    # follow them (which synchronize the program's threads), so 16 KB per program are in flight
-    for h2 in range(H // 2):
-        h = 2 * h2
-        w0 = tl.load(src + _open_word_offsets(0, h, H, D, NB))
-        w1 = tl.load(src + _open_word_offsets(1, h, H, D, NB))
-        w2 = tl.load(src + _open_word_offsets(0, h + 1, H, D, NB))
-        w3 = tl.load(src + _open_word_offsets(1, h + 1, H, D, NB))
-        j = tl.arange(0, NB)
-        bh, tile_bytes = _tile_bases(w0)
-        tl.store(bh_row + (2 * h) * NB + j, bh.to(tl.uint8))
-        size += tile_bytes
-        bh, tile_bytes = _tile_bases(w1)
-        tl.store(bh_row + (2 * h + 1) * NB + j, bh.to(tl.uint8))
-        size += tile_bytes
-        bh, tile_bytes = _tile_bases(w2)
-        tl.store(bh_row + (2 * h + 2) * NB + j, bh.to(tl.uint8))
-        size += tile_bytes
-        bh, tile_bytes = _tile_bases(w3)
-        tl.store(bh_row + (2 * h + 3) * NB + j, bh.to(tl.uint8))
-        size += tile_bytes
-    if H % 2 == 1:
-        for R in tl.static_range(2):
-            bh, tile_bytes = _tile_bases(tl.load(src + _open_word_offsets(R, H - 1, H, D, NB)))
-            tl.store(bh_row + (2 * (H - 1) + R) * NB + tl.arange(0, NB), bh.to(tl.uint8))
-            size += tile_bytes
-    off = tl.atomic_add(cursor_ptr, size.to(tl.int64), sem="relaxed")
-    fits = off + size <= region_bytes
-    tl.store(sizes_ptr + p, size.to(tl.int64))
-    tl.store(dst_ptr + p, tl.where(fits, region_start + off, -1))
-    tl.debug_barrier()                        # base_half[p] written above, read by all threads
-    if fits:
-        dst = words + tl.multiple_of((region_start + off) // 4, 4)
-        first = HEADER
-        for h in range(H):
-            for R in tl.static_range(2):
-                bh_ptr = bh_row + (h * 2 + R) * NB
-                _encode_record(src, dst, bh_ptr, first, R, h, H, D, NB, M)
-                for i in tl.static_range(NB):
-                    first += tl.where(tl.load(bh_ptr + i) == RAW_MARK_C, 1024, 768)
-
-
-@triton.jit
-def _compress_fused_kernel(arena_ptr, src_ptr, dst_ptr, sizes_ptr, base_half_ptr, cursor_ptr,
-                           num_pages, num_programs, iters, region_start, region_bytes,
-                           H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
-                           PERSISTENT: tl.constexpr):
-    """One program per page, or (PERSISTENT) a fixed grid whose program i compresses pages
-    i, i + num_programs, ... (iters = ceil(num_pages / num_programs)): fewer pages in flight,
-    so that a page is still in L2 when it is read the second time."""
-    words = arena_ptr.to(tl.pointer_type(tl.int32))
-    if PERSISTENT:
-        for it in range(iters):
-            p = tl.program_id(0) + it * num_programs
-            if p < num_pages:
-                _compress_fused_page(p, words, src_ptr, dst_ptr, sizes_ptr, base_half_ptr,
-                                     cursor_ptr, region_start, region_bytes, H, D, NB, M)
-    else:
-        _compress_fused_page(tl.program_id(0), words, src_ptr, dst_ptr, sizes_ptr, base_half_ptr,
-                             cursor_ptr, region_start, region_bytes, H, D, NB, M)
-
-
-# --------------------------------------------------------------------------------------------
 # Decompress
 # --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _word(lo, hi, SHIFT: tl.constexpr):
-    """BF16 pair from bytes SHIFT/8 and SHIFT/8+1 of lo and hi: lo_a | hi_a<<8 | lo_b<<16 | hi_b<<24."""
-    a_lo = (lo >> SHIFT) & 0xFF
-    a_hi = (hi >> SHIFT) & 0xFF
-    b_lo = (lo >> (SHIFT + 8)) & 0xFF
-    b_hi = (hi >> (SHIFT + 8)) & 0xFF
-    return a_lo | (a_hi << 8) | (b_lo << 16) | (b_hi << 24)
-
 
 @triton.jit
 def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
@@ -424,24 +328,11 @@ def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
 # --------------------------------------------------------------------------------------------
 
 def _kernel(name: str, device: torch.device):
-    """The kernel ``name`` for tensors on ``device``.
-
-    CUDA: the compiled kernel. CPU: the kernel under the Triton interpreter. Whether
-    ``triton.jit`` interprets is fixed when a function is decorated (TRITON_INTERPRET at import
-    time), so if this module was imported without it, a second copy of the module is loaded with
-    TRITON_INTERPRET=1 for CPU tensors.
-    """
-    kernel = globals()[name]
-    compiled = isinstance(kernel, triton.runtime.jit.JITFunction)
-    if device.type == "cuda":
-        if not compiled:
-            raise RuntimeError("the Triton codec kernels were created in interpreter mode "
-                               "(TRITON_INTERPRET=1) and cannot run on CUDA tensors; unset "
-                               "TRITON_INTERPRET to use the GPU")
-        return kernel
-    if not compiled:
-        return kernel
-    return getattr(interpreted_copy(__name__, __file__), name)
+    """The kernel ``name`` for tensors on ``device``: compiled for CUDA tensors, under the Triton
+    interpreter for CPU tensors (from this module's interpreted copy if it was imported without
+    TRITON_INTERPRET=1)."""
+    compiled = isinstance(globals()[name], triton.runtime.jit.JITFunction)
+    return getattr(kernel_module(device, __name__, __file__, not compiled), name)
 
 
 def _check_layout(layout) -> PageLayout:
@@ -557,53 +448,6 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     kernel = _kernel("_compress_kernel", device)
     kernel[(P * H,)](arena, src, dst, base_half, first, H=H, D=D, NB=nb, M=layout.record_bytes,
                      num_warps=NUM_WARPS["compress"])
-
-
-def compress_open_pages_into_region(arena: torch.Tensor, src_offsets: torch.Tensor,
-                                    layout: PageLayout, region_start: int, region_bytes: int,
-                                    *, validate: bool = True
-                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Analyze and compress open pages in one pass, packing them into a free arena region.
-
-    Each page takes its place in ``[region_start, region_start + region_bytes)`` with an atomic
-    add on a cursor, so the pages are packed back to back (16-aligned, no gaps) but **in no
-    fixed order**. A page that no longer fits is not written and gets ``dst_offsets = -1``
-    (once the region is full, every later page fails too: retry those pages elsewhere).
-    The region must not overlap the sources (not checked).
-
-    Returns ``(dst_offsets [P] int64, sizes [P] int64, base_half [P, NB] uint8)``; the bytes of
-    every written page equal ``reference.encode_pages_into``. One HBM read of every open page
-    instead of two (:func:`analyze_open_pages` + :func:`compress_open_pages`).
-    """
-    layout = _check_layout(layout)
-    device = _check_arena(arena)
-    for name, value in (("region_start", region_start), ("region_bytes", region_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise TypeError(f"{name} must be a non-negative int (bytes), got {value!r}")
-    if region_start % _ALIGN:
-        raise ValueError(f"region_start = {region_start} is not a multiple of 16")
-    if region_start + region_bytes > arena.numel():
-        raise ValueError(f"region [{region_start}, {region_start + region_bytes}) extends past the "
-                         f"arena of {arena.numel()} bytes")
-    src = _check_offsets("src_offsets", src_offsets, device, arena_bytes=arena.numel(),
-                         page_bytes=layout.open_page_bytes, validate=validate)
-    P = src.numel()
-    dst = torch.full((P,), -1, dtype=torch.int64, device=device)
-    sizes = torch.empty(P, dtype=torch.int64, device=device)
-    base_half = torch.empty(P, layout.num_blocks, dtype=torch.uint8, device=device)
-    if P:
-        cursor = torch.zeros(1, dtype=torch.int64, device=device)
-        kernel = _kernel("_compress_fused_kernel", device)
-        grid = P
-        if device.type == "cuda" and FUSED_PROGRAMS_PER_SM > 0:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            grid = min(P, sms * FUSED_PROGRAMS_PER_SM)
-        kernel[(grid,)](arena, src, dst, sizes, base_half, cursor, P, grid, triton.cdiv(P, grid),
-                        region_start, region_bytes,
-                        H=layout.num_kv_heads, D=layout.head_dim, NB=layout.blocks_per_head,
-                        M=layout.record_bytes, PERSISTENT=grid < P,
-                        num_warps=NUM_WARPS["fused"])
-    return dst, sizes, base_half
 
 
 def _record_first_offsets(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:

@@ -4,11 +4,12 @@
 ``decode_attention_twin`` (same kernel over open pages only), ``decode_attention_unfused``
 (decompress the pages, then the twin) and ``reference_decode_attention`` (torch, float64).
 On the GPU the first two run the CUDA C++ kernel (``cuda/decode_attention.cu``, built on first
-use); the Triton kernel in ``decode_attention.py`` is the fallback and the CPU-checkable reference.
+use); the Triton kernel in ``triton_attention.py`` is the fallback and the CPU-checkable reference.
 """
 
-from .decode_attention import decode_attention, decode_attention_twin, default_num_splits
+from .decode_attention import decode_attention, decode_attention_twin
 from .reference import reference_decode_attention
+from .triton_attention import default_num_splits
 from .unfused import UnfusedPlan, decode_attention_unfused, plan_unfused
 
 __all__ = ["decode_attention", "decode_attention_twin", "decode_attention_unfused",

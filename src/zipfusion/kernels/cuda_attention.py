@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .splits import plan_splits
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cuda") / "decode_attention.cu"
 HEAD_DIM = 128
@@ -159,11 +161,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: to
 def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: torch.Tensor,
                           block_table: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int,
                           qk_scale: float, out: torch.Tensor, *, compressed: bool,
-                          num_splits: int | None = None, stages: int | None = None,
-                          tma: bool | None = None) -> torch.Tensor:
-    """Launch the kernel. Inputs are checked, and this kernel chosen, by the caller
-    (``decode_attention._launch`` via :func:`unsupported_reason`); ``qk_scale`` is
-    sm_scale·log2(e).
+                          num_splits: int | None = None, split_pages: int | None = None,
+                          stages: int | None = None, tma: bool | None = None) -> torch.Tensor:
+    """Launch the kernel (and the merge when there are several splits). Inputs are checked, and
+    this kernel chosen, by the caller (``decode_attention._launch`` via
+    :func:`unsupported_reason`); ``qk_scale`` is sm_scale·log2(e). ``num_splits`` /
+    ``split_pages``: see ``splits.plan_splits``.
 
     ``stages``: copy depth in half pages (3, 4 or 6); ``tma``: stage pages with bulk copies
     (Hopper's TMA; by default for compressed pages on sm_90+) instead of cp.async.
@@ -181,21 +184,16 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
         raise CudaKernelUnavailable("tma=True needs an sm_90+ GPU (Hopper)")
     max_pages = block_table.shape[1]
     stages = int(stages or default_stages(compressed, G))
-    S = num_splits or default_num_splits(B, num_kv_heads, max_pages, q.device)
-    pps = -(-max_pages // S)
-    S = -(-max_pages // pps)
-    if S > 1:
-        part_o = torch.empty(B * Hq * S * D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out
+    plan = plan_splits(out, max_pages, num_splits, split_pages,
+                       lambda: default_num_splits(B, num_kv_heads, max_pages, q.device))
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.zf_decode_attention(
             int(compressed), stages, int(bool(tma)),
             q.data_ptr(), arena.data_ptr(), page_loc_layer.data_ptr(), block_table.data_ptr(),
-            context_lens.data_ptr(), out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
-            float(qk_scale), block_table.stride(0), pps, S, B, num_kv_heads, G, stream)
+            context_lens.data_ptr(), out.data_ptr(), plan.part_o.data_ptr(),
+            plan.part_lse.data_ptr(), float(qk_scale), block_table.stride(0), plan.pages,
+            plan.count, B, num_kv_heads, G, stream)
     if err:
         raise RuntimeError(f"CUDA decode attention failed: {lib.zf_error_string(err).decode()}")
     return out

@@ -1,6 +1,6 @@
 // Paged decode attention over the zipfusion KV arena, CUDA C++ (sm_80+; tuned on the H200).
 //
-// Same contract as the Triton kernel in ../decode_attention.py (which stays the CPU-checkable
+// Same contract as the Triton kernel in ../triton_attention.py (which stays the CPU-checkable
 // reference): one query token per request, the GQA group of G <= 16 query heads of one KV head
 // served together, head_dim 128, pages of 16 tokens that are either *open* ([2, 16, H, D] bf16 at
 // `page_loc & ~1`, low bit set) or *compressed* (docs/format.md). Nothing decompressed is
@@ -638,18 +638,32 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
   }
 }
 
-// out[row] = Σ_s 2^(lse_s − M)·o_s / Σ_s 2^(lse_s − M) for one (request, query head) per CTA.
+// out[row] = Σ_s 2^(lse_s − M)·o_s / Σ_s 2^(lse_s − M) for one (request, query head) per CTA,
+// over the n splits that hold pages of the request, in split order. The splits past its last
+// page are left out (not added as zeros), and with n = 1 the output is o_0 rounded, exactly what
+// a one-split launch writes (bf16(O / L) of the same O and L): the result does not depend on the
+// launch's split count (the other requests, the block table's width) when the split size is
+// fixed (split_pages in decode_attention.py).
 __global__ void merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                             __nv_bfloat16* __restrict__ out, int num_splits) {
+                             __nv_bfloat16* __restrict__ out, const int* __restrict__ context_lens,
+                             int pages_per_split, int num_splits, int Hq) {
   const long long row = blockIdx.x;
   const int dim = threadIdx.x;
+  const int n_pages = (context_lens[row / Hq] + PAGE - 1) / PAGE;
+  const int n = min(num_splits, max(1, (n_pages + pages_per_split - 1) / pages_per_split));
+  const float* lse = part_lse + row * num_splits;
+  const float* o = part_o + row * num_splits * D + dim;
+  if (n == 1) {
+    out[row * D + dim] = __float2bfloat16_rn(o[0]);
+    return;
+  }
   float M = -INFINITY;
-  for (int s = 0; s < num_splits; ++s) M = fmaxf(M, part_lse[row * num_splits + s]);
+  for (int s = 0; s < n; ++s) M = fmaxf(M, lse[s]);
   float L = 0.f, O = 0.f;
-  for (int s = 0; s < num_splits; ++s) {
-    const float f = exp2f(part_lse[row * num_splits + s] - M);
+  for (int s = 0; s < n; ++s) {
+    const float f = exp2f(lse[s] - M);
     L += f;
-    O += f * part_o[(row * num_splits + s) * D + dim];
+    O += f * o[s * D];
   }
   out[row * D + dim] = __float2bfloat16_rn(O / L);
 }
@@ -676,7 +690,9 @@ cudaError_t launch(const void* q, const void* arena, const void* page_loc,
   if (e != cudaSuccess || num_splits == 1) return e;
   merge_kernel<<<B * H * G, D, 0, stream>>>(static_cast<const float*>(part_o),
                                             static_cast<const float*>(part_lse),
-                                            static_cast<__nv_bfloat16*>(out), num_splits);
+                                            static_cast<__nv_bfloat16*>(out),
+                                            static_cast<const int*>(context_lens),
+                                            pages_per_split, num_splits, H * G);
   return cudaGetLastError();
 }
 

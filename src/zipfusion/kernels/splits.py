@@ -1,0 +1,61 @@
+"""Split-KV planning shared by the Triton and CUDA launchers (flash decoding).
+
+A request's pages are cut into ``S`` splits of ``pages`` pages each: split ``s`` covers pages
+``s·pages .. (s+1)·pages - 1`` of every request. Each split writes a partial output ``o_s``
+(fp32) and its log-sum-exp ``lse_s`` (base 2); a merge kernel combines the splits that hold
+pages of the request (``out = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M)``, ``M = max_s lse_s``).
+With one split the attention kernel writes ``out`` directly and no partial buffers are used.
+
+``split_pages`` fixes the split size, so that a request's result depends only on its own query,
+pages and context length: its splits, and the order in which they are summed, are the same in
+any batch. Without it the split count comes from the caller's heuristic (``default``) or
+``num_splits``, and depends on the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class SplitPlan(NamedTuple):
+    count: int                 # S: splits per (request, KV head)
+    pages: int                 # pages per split
+    part_o: torch.Tensor       # [B·Hq·S·D] fp32 partial outputs (empty when S == 1)
+    part_lse: torch.Tensor     # [B·Hq·S] fp32 log2-sum-exp of each split (empty when S == 1)
+
+
+def check_split_args(num_splits, split_pages) -> None:
+    """``num_splits`` and ``split_pages``: positive ints or None, at most one of them given."""
+    for name, v in (("num_splits", num_splits), ("split_pages", split_pages)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+    if num_splits is not None and split_pages is not None:
+        raise ValueError("give num_splits or split_pages, not both (split_pages fixes the split "
+                         "size, and with it the number of splits)")
+
+
+def plan_splits(out: torch.Tensor, max_pages: int, num_splits: int | None,
+                split_pages: int | None, default: Callable[[], int],
+                tile_pages: int = 1) -> SplitPlan:
+    """The splits of a launch over a block table ``max_pages`` wide, and their buffers.
+
+    ``split_pages`` given: ``S = ceil(max_pages / split_pages)`` splits of exactly that size.
+    Otherwise ``S = num_splits or default()``, the pages evenly spread in whole tiles of
+    ``tile_pages``, and ``S`` recounted so that no split starts past the table's end.
+    """
+    if split_pages is not None:
+        pages = split_pages
+    else:
+        S = num_splits or default()
+        pages = -(-max_pages // S)
+        pages = max(1, -(-pages // tile_pages)) * tile_pages
+    S = max(1, -(-max_pages // pages))
+    if S == 1:        # unused fp32 stand-ins: the kernels see the same argument types either way
+        unused = out.new_empty(0, dtype=torch.float32)
+        return SplitPlan(1, pages, unused, unused)
+    B, Hq, D = out.shape
+    part_o = torch.empty(B * Hq * S * D, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=out.device)
+    return SplitPlan(S, pages, part_o, part_lse)

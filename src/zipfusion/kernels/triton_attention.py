@@ -1,0 +1,470 @@
+"""The Triton decode-attention kernel over the zipfusion KV arena, fused with the page decoder.
+
+This is the CPU-checkable reference (Triton interpreter) and the GPU fallback of
+``decode_attention`` (where the CUDA kernel of ``cuda_attention.py`` does not apply). Inputs are
+checked, and this kernel chosen, by ``decode_attention.py``.
+
+One query token per request. The KV cache lives in one ``uint8`` arena (docs/design.md): a page
+is either *open* (``[2, 16, H, D]`` bf16, ``page_loc = offset | 1``) or *compressed*
+(docs/format.md, ``page_loc = offset``). The fused kernel restores compressed blocks to BF16 in
+registers -- nothing decompressed is written to global memory -- and runs flash-decoding on them.
+
+Work split (flash decoding, ``splits.py``). Program ``(b, h, s)`` takes request ``b``, KV head
+``h`` and the ``s``-th slice of that request's pages; it serves all ``G = Hq / H`` query heads
+of the group at once (the GQA group is the M dimension of the tensor-core dots, padded to 16).
+Per tile of ``TP`` pages (``R = 16·TP`` token rows), with ``c = sm_scale·log2(e)``::
+
+    S   = c · q Kᵀ                        [G, R]   (bf16 operands, fp32 accumulate)
+    m'  = max(m, rowmax S)
+    P   = 2^(S - m')                      masked tokens -> 0
+    l   = l · 2^(m - m') + rowsum P
+    acc = acc · 2^(m - m') + P_bf16 · V   [G, D]
+
+At the end a slice stores ``o = acc / l`` and ``lse = m + log2 l``; the merge kernel combines
+the slices that hold pages of the request (one such slice: its ``o``, rounded as the one-split
+launch rounds it). The loads are software-pipelined by hand: the K/V words of tile i+1 and the
+page locations and records of tile i+2 are issued before tile i is computed.
+
+Restoring a compressed block (docs/format.md section 2). Work is per *group*: 8 consecutive
+channels of one token, i.e. two 32-bit words of low bytes ``lo_0123, lo_4567`` and one word
+``w`` of 4-bit codes. Four high bytes at a time::
+
+    hi_0123 = (w & 0x87878787) + (b/2)·0x01010101
+    hi_4567 = ((w << 1) & 0x80808080 | (w >> 3) & 0x07070707) + (b/2)·0x01010101
+
+and byte interleaving (``prmt`` selectors 0x5140 and 0x7362) makes four words of bf16 pairs
+``(lo_2k, hi_2k, lo_2k+1, hi_2k+1)`` = channels (2k, 2k+1), exactly the words an open page or
+a raw block holds at that place. Every source -- open page, raw block, compressed block --
+thus yields the same words, which are put back in channel order and split into the same bf16
+[R, D] tile. The arithmetic after that point is shared, so the output is bit-identical whether
+a page is open or compressed; the uncompressed *twin* is the same kernel compiled with
+``COMPRESSED=False`` (plain words only) and gives the same bits too.
+
+Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and masks, and the
+dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_interpreter import kernel_module
+from .splits import plan_splits
+
+
+def _interpreting() -> bool:
+    """True when this module's kernels were created by the Triton interpreter (CPU)."""
+    return not isinstance(_decode_attention_kernel, triton.runtime.jit.JITFunction)
+
+
+def _kernels(device: torch.device):
+    """(attention kernel, merge kernel, interpreted?) for tensors on ``device`` (CPU tensors in a
+    compiled import: from this module's interpreted copy)."""
+    m = kernel_module(device, __name__, __file__, _interpreting())
+    return m._decode_attention_kernel, m._merge_kernel, device.type == "cpu"
+
+
+# ------------------------------------------------------------------------------------------
+# Reductions written with builtins only: the standard-library ones are @jit functions, which a
+# second, interpreted copy of this module (CPU tensors in a compiled import) cannot call.
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _larger)
+
+
+# ------------------------------------------------------------------------------------------
+# Restoring groups of 8 values
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _interleave(lo0, lo1, h0, h1, INTERPRET: tl.constexpr):
+    """Words of bf16 pairs w_k = bytes (lo_2k, hi_2k, lo_2k+1, hi_2k+1), k = 0..3, of a group.
+
+    lo0/lo1: low bytes of values 0..3 / 4..7; h0/h1: their high bytes (uint32 tiles).
+    """
+    if INTERPRET:           # no inline PTX on the CPU: the same bytes by shifts and masks
+        w0 = (lo0 & 0xFF) | ((h0 & 0xFF) << 8) | ((lo0 & 0xFF00) << 8) | ((h0 & 0xFF00) << 16)
+        w1 = ((lo0 >> 16) & 0xFF) | ((h0 >> 8) & 0xFF00) | ((lo0 >> 8) & 0xFF0000) \
+            | (h0 & 0xFF000000)
+        w2 = (lo1 & 0xFF) | ((h1 & 0xFF) << 8) | ((lo1 & 0xFF00) << 8) | ((h1 & 0xFF00) << 16)
+        w3 = ((lo1 >> 16) & 0xFF) | ((h1 >> 8) & 0xFF00) | ((lo1 >> 8) & 0xFF0000) \
+            | (h1 & 0xFF000000)
+    else:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $4, $6, 0x5140; prmt.b32 $1, $4, $6, 0x7362; "
+            "prmt.b32 $2, $5, $7, 0x5140; prmt.b32 $3, $5, $7, 0x7362;",
+            "=r,=r,=r,=r,r,r,r,r", [lo0, lo1, h0, h1],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _group_load(arena32, lo_off, code_off, plain_off, packed, valid, COMPRESSED: tl.constexpr):
+    """Loads for the groups (row, g) of a tile: plain words [R, NG, 4] (open page or raw
+    block), and for compressed groups low-byte words [R, NG, 2] and code words [R, NG]."""
+    plain_off = tl.multiple_of(plain_off, [4, 4])
+    if COMPRESSED:
+        pm = valid & (packed == 0)
+    else:
+        pm = valid
+    p4 = tl.load(arena32 + plain_off[:, :, None] + tl.arange(0, 4)[None, None, :],
+                 mask=pm[:, :, None], other=0)
+    if COMPRESSED:
+        cm = valid & packed
+        lo_off = tl.multiple_of(lo_off, [2, 2])
+        lo = tl.load(arena32 + lo_off[:, :, None] + tl.arange(0, 2)[None, None, :],
+                     mask=cm[:, :, None], other=0)
+        code = tl.load(arena32 + code_off, mask=cm, other=0)
+    else:
+        lo = p4
+        code = p4
+    return p4, lo, code
+
+
+@triton.jit
+def _restore_tile(p4, lo, code, hb, packed, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """The [R, D] bf16 tile of a loaded tile's groups, in channel order.
+
+    Word k of group g holds channels 8g+2k (low half) and 8g+2k+1 (high half). Compressed
+    groups (docs/format.md section 2)::
+
+        h0 = (code & 0x87878787) + hb                                 high bytes, values 0..3
+        h1 = ((code << 1) & 0x80808080 | (code >> 3) & 0x07070707) + hb        values 4..7
+        w_k = interleave(lo, h)                                       (prmt on the GPU)
+    """
+    R: tl.constexpr = p4.shape[0]
+    NG: tl.constexpr = p4.shape[1]
+    p4 = p4.to(tl.uint32, bitcast=True)
+    p_even, p_odd = tl.split(tl.reshape(p4, (R, NG, 2, 2)))       # words (0, 2) and (1, 3)
+    w0, w2 = tl.split(p_even)
+    w1, w3 = tl.split(p_odd)
+    if COMPRESSED:
+        lo0, lo1 = tl.split(lo.to(tl.uint32, bitcast=True))
+        code = code.to(tl.uint32, bitcast=True)
+        h0 = (code & 0x87878787) + hb
+        h1 = (((code << 1) & 0x80808080) | ((code >> 3) & 0x07070707)) + hb
+        r0, r1, r2, r3 = _interleave(lo0, lo1, h0, h1, INTERPRET)
+        w0 = tl.where(packed, r0, w0)
+        w1 = tl.where(packed, r1, w1)
+        w2 = tl.where(packed, r2, w2)
+        w3 = tl.where(packed, r3, w3)
+    # words [R, NG] x 4 -> [R, 4·NG] in channel order (word i = channels 2i, 2i+1)
+    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (R, 4 * NG))
+    even = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    odd = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(even, odd), (R, 8 * NG))
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a·b with fp32 accumulation (fp32 operands under the interpreter)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+# ------------------------------------------------------------------------------------------
+# Addresses of a tile
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _role_bytes(hw0, hw1, NB: tl.constexpr):
+    """Per row: the packed count of raw blocks before each block j (4 bits per j), [R] int32."""
+    cum = tl.full(hw0.shape, 0, hw0.dtype)
+    rb = tl.full(hw0.shape, 0, hw0.dtype)
+    for j in tl.static_range(NB):
+        if j < 4:
+            byte = (hw0 >> (8 * j)) & 0xFF
+        else:
+            byte = (hw1 >> (8 * (j - 4))) & 0xFF
+        cum = cum | (rb << (4 * j))
+        rb = rb + (byte == 0xFF).to(tl.int32)
+    return cum
+
+
+@triton.jit
+def _select_byte(hw0, hw1, j, NB: tl.constexpr):
+    if NB > 4:
+        return tl.where(j < 4, hw0 >> (8 * (j % 4)), hw1 >> (8 * (j % 4))) & 0xFF
+    else:
+        return (hw0 >> (8 * j)) & 0xFF
+
+
+@triton.jit
+def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
+               D: tl.constexpr, COMPRESSED: tl.constexpr):
+    """Per token row of the tile starting at page p0: the page location and, for compressed
+    pages, the K and V records of head h (block-0 offset and b/2 bytes)."""
+    REC_W: tl.constexpr = 2 if D <= 128 else 4
+    page = p0 + slot
+    in_range = page < p_end
+    pid = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page, mask=in_range, other=0)
+    loc = tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1)
+    if COMPRESSED:
+        cm = in_range & ((loc & 1) == 0)
+        rec = (loc - (loc & 1)) // 4 + h * (2 * REC_W)
+        kf = tl.load(arena32 + rec, mask=cm, other=0)
+        kh0 = tl.load(arena32 + rec + 1, mask=cm, other=0)
+        vf = tl.load(arena32 + rec + REC_W, mask=cm, other=0)
+        vh0 = tl.load(arena32 + rec + REC_W + 1, mask=cm, other=0)
+        if D > 128:
+            kh1 = tl.load(arena32 + rec + 2, mask=cm, other=0)
+            vh1 = tl.load(arena32 + rec + REC_W + 2, mask=cm, other=0)
+        else:
+            kh1 = tl.full(kh0.shape, 0, kh0.dtype)
+            vh1 = tl.full(vh0.shape, 0, vh0.dtype)
+    else:
+        kf = tl.full(pid.shape, 0, pid.dtype)
+        kh0 = kf
+        kh1 = kf
+        vf = kf
+        vh0 = kf
+        vh1 = kf
+    return loc, kf, kh0, kh1, vf, vh0, vh1
+
+
+@triton.jit
+def _open_only(off):
+    """Twin: every group is plain words at ``off`` (lo, code, plain, packed, hb as in
+    _tile_load; the unused ones are placeholders of the right shape)."""
+    return off, off, off, off < 0, off.to(tl.uint32)
+
+
+@triton.jit
+def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1,
+               H: tl.constexpr, D: tl.constexpr, COMPRESSED: tl.constexpr):
+    """Addresses and loads of one tile of TP pages (R token rows), K and V of head h."""
+    NB: tl.constexpr = D // 32
+    NG: tl.constexpr = D // 8
+    TPB: tl.constexpr = 512 // D
+    page = p0 + slot
+    valid = (page < p_end) & (page * 16 + t < ctx)
+    is_open = (loc & 1) != 0
+    base_w = (loc - (loc & 1)) // 4                      # page start, in 32-bit words
+    g = tl.arange(0, NG)[None, :]
+    tt = t[:, None]
+    # ---- K: group (t, g) lies in block j = g // 4, group t·4 + g % 4 of that block
+    k_open = base_w[:, None] + (tt * H + h) * (D // 2) + 4 * g
+    if COMPRESSED:
+        j = g // 4
+        cum = _role_bytes(kh0, kh1, NB)
+        byte = _select_byte(kh0[:, None], kh1[:, None], j, NB)
+        blk = base_w[:, None] + (kf[:, None] + 768 * j + 256 * ((cum[:, None] >> (4 * j)) & 0xF)) // 4
+        gi = g % 4
+        k_lo = blk + 8 * tt + 2 * gi
+        k_code = blk + 128 + 4 * tt + gi
+        k_plain = tl.where(is_open[:, None], k_open, blk + 16 * tt + 4 * gi)
+        k_packed = (byte != 0xFF) & (is_open[:, None] == 0)
+        k_hb = byte.to(tl.uint32) * 0x01010101
+    else:
+        k_lo, k_code, k_plain, k_packed, k_hb = _open_only(k_open)
+    kv_valid = valid[:, None] & (g >= 0)
+    # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
+    v_open = base_w[:, None] + ((16 + tt) * H + h) * (D // 2) + 4 * g
+    if COMPRESSED:
+        jv = t // TPB
+        cumv = _role_bytes(vh0, vh1, NB)
+        bytev = _select_byte(vh0, vh1, jv, NB)
+        blkv = base_w + (vf + 768 * jv + 256 * ((cumv >> (4 * jv)) & 0xF)) // 4
+        tr = (t % TPB)[:, None]
+        v_lo = blkv[:, None] + tr * (D // 4) + 2 * g
+        v_code = blkv[:, None] + 128 + tr * (D // 8) + g
+        v_plain = tl.where(is_open[:, None], v_open, blkv[:, None] + tr * (D // 2) + 4 * g)
+        v_packed = ((bytev != 0xFF) & (is_open == 0))[:, None] & (g >= 0)
+        v_hb = (bytev.to(tl.uint32) * 0x01010101)[:, None] + tl.full(g.shape, 0, tl.uint32)
+    else:
+        v_lo, v_code, v_plain, v_packed, v_hb = _open_only(v_open)
+    k_p4, k_lo, k_code = _group_load(arena32, k_lo, k_code, k_plain, k_packed, kv_valid,
+                                     COMPRESSED)
+    v_p4, v_lo, v_code = _group_load(arena32, v_lo, v_code, v_plain, v_packed, kv_valid,
+                                     COMPRESSED)
+    return valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed
+
+
+# ------------------------------------------------------------------------------------------
+# The attention kernel
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed,
+                  q, m_i, l_i, acc, qk_scale, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Restore K and V of a loaded tile, S = q·Kᵀ, one online-softmax update (base 2) of the
+    running max m_i, sum l_i and accumulator acc [G_PAD, D]."""
+    k = _restore_tile(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, INTERPRET)
+    qk = _dot(q, tl.trans(k), tl.full([q.shape[0], k.shape[0]], 0.0, tl.float32), INTERPRET)
+    v = _restore_tile(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, INTERPRET)
+    qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, _max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + _sum(p, axis=1)
+    acc = _dot(p.to(tl.bfloat16), v, acc * alpha[:, None], INTERPRET)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["stride_bt", "pages_per_split", "num_splits"])
+def _decode_attention_kernel(
+        q_ptr, arena32, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        qk_scale, stride_bt, pages_per_split, num_splits,
+        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+        TP: tl.constexpr, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
+    # The table width, split size and split count are not specialized on: one binary serves
+    # every batch, so a request's pages go through the same instructions in any batch.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    R: tl.constexpr = TP * 16
+
+    ctx = tl.load(ctx_ptr + b)
+    n_pages = (ctx + 15) // 16
+    p_begin = s * pages_per_split
+    p_end = tl.minimum(p_begin + pages_per_split, n_pages)
+
+    gq = tl.arange(0, G_PAD)
+    q_rows = (b * H * G + h * G + gq).to(tl.int64)
+    qmask = (gq < G)[:, None]
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=qmask, other=0.0)
+
+    r = tl.arange(0, R)
+    t = r % 16                      # token inside its page
+    slot = r // 16                  # page inside the tile
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
+    l_i = tl.full([G_PAD], 0.0, tl.float32)
+    acc = tl.full([G_PAD, D], 0.0, tl.float32)
+
+    # Software pipeline: the K/V loads of tile i+1 and the page locations and records of tile
+    # i+2 are issued before tile i is computed, so memory latency overlaps the restore and the
+    # dots (the loop is compiled with num_stages=1: the pipelining is written out here).
+    loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
+                                                 p_begin, slot, p_end, h, D, COMPRESSED)
+    valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = _tile_load(
+        p_begin, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1, H, D,
+        COMPRESSED)
+    loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
+                                                 p_begin + TP, slot, p_end, h, D, COMPRESSED)
+    for p0 in range(p_begin, p_end, TP):
+        nxt = _tile_load(p0 + TP, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0,
+                         vh1, H, D, COMPRESSED)
+        loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b,
+                                                     stride_bt, p0 + 2 * TP, slot, p_end, h, D,
+                                                     COMPRESSED)
+        m_i, l_i, acc = _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo,
+                                      v_code, v_hb, v_packed, q, m_i, l_i, acc, qk_scale,
+                                      COMPRESSED, INTERPRET)
+        valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = nxt
+
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if num_splits == 1:
+        tl.store(out_ptr + q_rows[:, None] * D + d[None, :], o.to(tl.bfloat16), mask=qmask)
+    else:
+        rows = q_rows * num_splits + s
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(part_lse_ptr + rows, lse, mask=gq < G)
+        tl.store(part_o_ptr + rows[:, None] * D + d[None, :], o, mask=qmask)
+
+
+@triton.jit(do_not_specialize=["pages_per_split", "num_splits"])
+def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, num_splits,
+                  HQ: tl.constexpr, D: tl.constexpr):
+    """One (request, query head): out = Σ_s 2^(lse_s − M)·o_s / Σ_s 2^(lse_s − M), M = max lse_s,
+    over the n splits that hold pages of the request, in split order.
+
+    The splits past the request's last page are left out (not added as zeros), and with n = 1
+    the output is o_0 rounded to bf16, exactly what a one-split launch writes: the result does
+    not depend on the number of splits of the launch (the batch's other requests, the block
+    table's width) when the split size is fixed.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    n_pages = (tl.load(ctx_ptr + row // HQ) + 15) // 16
+    n = tl.minimum(tl.maximum((n_pages + pages_per_split - 1) // pages_per_split, 1), num_splits)
+    base = row * num_splits
+    d = tl.arange(0, D)
+    o0 = tl.load(part_o_ptr + base * D + d)
+    lse0 = tl.load(part_lse_ptr + base)
+    mx = lse0
+    for s in range(1, n):
+        mx = tl.maximum(mx, tl.load(part_lse_ptr + base + s))
+    w = tl.exp2(lse0 - mx)
+    l_sum = w
+    acc = w * o0
+    for s in range(1, n):
+        w = tl.exp2(tl.load(part_lse_ptr + base + s) - mx)
+        l_sum += w
+        acc += w * tl.load(part_o_ptr + (base + s) * D + d)
+    res = tl.where(n == 1, o0, acc / l_sum)
+    tl.store(out_ptr + row * D + d, res.to(tl.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------
+
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages: int,
+                       device: torch.device) -> int:
+    """Split-KV factor: about 4 programs per SM, each with at least 4 tiles of work."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    want = -(-4 * sms // max(1, batch * num_kv_heads))
+    most = max(1, max_pages // (4 * tile_pages))
+    return int(max(1, min(want, most, 64)))
+
+
+def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens, num_kv_heads,
+                            qk_scale, out, *, compressed, num_splits=None, split_pages=None,
+                            tile_pages=None, num_warps=None):
+    """Launch the Triton kernel (and the merge when there are several splits). Inputs are
+    checked by the caller; ``qk_scale`` is sm_scale·log2(e). ``tile_pages`` (TP, a power of 2;
+    default 2 compiled, 1 interpreted, and a divisor of ``split_pages``) and ``num_warps`` tune
+    the kernel; ``split_pages`` must be a multiple of TP."""
+    attn_kernel, merge_kernel, interp = _kernels(arena.device)
+    B, Hq, D = q.shape
+    H = num_kv_heads
+    G = Hq // H
+    TP = tile_pages or (1 if interp else 2)
+    if tile_pages is None and split_pages is not None:
+        TP = math.gcd(TP, split_pages)              # a default tile that divides the split
+    if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
+        raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
+    if split_pages is not None and split_pages % TP:
+        raise ValueError(f"split_pages={split_pages} must be a multiple of the Triton kernel's "
+                         f"tile of {TP} pages (tile_pages={TP})")
+    if B == 0:
+        return out
+    max_pages = block_table.shape[1]
+    plan = plan_splits(out, max_pages, num_splits, split_pages,
+                       lambda: default_num_splits(B, H, max_pages, TP, q.device), TP)
+    arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
+    attn_kernel[(B, H, plan.count)](
+        q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
+        qk_scale, block_table.stride(0), plan.pages, plan.count,
+        H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP,
+        COMPRESSED=compressed, INTERPRET=interp, num_warps=num_warps or 4, num_stages=1)
+    if plan.count > 1:
+        merge_kernel[(B * Hq,)](plan.part_o, plan.part_lse, out, context_lens, plan.pages,
+                                plan.count, HQ=Hq, D=D, num_warps=4)
+    return out
