@@ -112,3 +112,13 @@ def test_chat_generation_stops_at_im_end(bf16_llm):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2           # <|im_end|>
     assert "Paris" in out.text and "<|im_end|>" not in out.text
+
+
+def test_cli_analyze_gguf(gguf_path, tmp_path, capsys):
+    from zipfusion.cli import main
+    text = tmp_path / "t.txt"
+    text.write_text("The parties agree that this license applies to every copy of the work. " * 8)
+    assert main(["analyze", "--model", str(gguf_path), "--device", "cpu", "--text", str(text),
+                 "--plot", str(tmp_path / "kv.png")]) == 0
+    out = capsys.readouterr().out
+    assert "30 layers" in out and "compressible blocks" in out and (tmp_path / "kv.png").stat().st_size > 1000

