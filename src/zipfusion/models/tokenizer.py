@@ -57,10 +57,12 @@ class Tokenizer:
 
 
 def _gguf_tokenizer(file: Path):
+    from .gguf import MissingDependencyError
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:
-        raise ImportError("loading a GGUF tokenizer needs transformers: pip install 'zipfusion[models]'") from None
+        raise MissingDependencyError("loading a GGUF tokenizer needs transformers: "
+                                     "pip install 'zipfusion[models]'") from None
     import transformers
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()          # no "converting tokenizer" chatter
