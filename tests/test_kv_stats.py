@@ -68,3 +68,19 @@ def test_cli_analyze(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "compressible blocks" in out and (tmp_path / "kv.png").is_file()
     assert main(["analyze", "--model", "demo", "--text", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_report_as_json_and_plot_needs_matplotlib(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from zipfusion.analysis.kv_stats import PlotUnavailable
+    layers = [as_layer(realistic_pages(4, 2, 64, seed=s)) for s in range(2)]
+    report = analyze_kv(layers)
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["compressible_fraction"] == pytest.approx((d["key_fraction"] + d["value_fraction"]) / 2)
+    assert [x["layer"] for x in d["layers"]] == [0, 1] and sum(d["key_spans"]) == 2 * 4 * 2 * 2      # layers x pages x heads x blocks
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(PlotUnavailable, match="pip install matplotlib"):
+        report.plot(str(tmp_path / "kv.png"))
+    assert isinstance(PlotUnavailable("x"), ValueError)      # the CLI prints it as one line

@@ -156,3 +156,195 @@ def test_bf16_model_keeps_fp32_rope_frequencies(tmp_path):
     assert m.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert m.rotary.inv_freq.dtype == torch.float32
     assert torch.equal(m.rotary.inv_freq, rope_inv_freq(64, load_config(tmp_path).rope))
+
+
+# -- GGUF: tiny files written the way llama.cpp's converter writes them (no network) -------------
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+
+
+def llama_cpp_permute(w, n_head):
+    """What llama.cpp's convert_hf_to_gguf does to Llama q/k rows (written from its description)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gpt2_byte_spelling() -> dict:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies spell bytes this way)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, rope_freqs=None, meta=None):
+    """Write ``hf`` (a tiny transformers model) as a GGUF file the way llama.cpp lays one out."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    cfg = hf.config
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for k, v in (meta or {}).items():
+        w.add_uint32(k, v) if isinstance(v, int) else w.add_string(k, v)
+    if tokenizer:
+        spell = gpt2_byte_spelling()
+        tokens = [spell[b] for b in range(256)]
+        tokens[1], tokens[2], tokens[3] = "<|im_start|>", "<|im_end|>", "hi"       # bytes 1-3 never occur
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if i in (1, 2) else 1 for i in range(256)])
+        w.add_token_merges(["h i"])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(CHATML)
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype(np.float32))
+    for name, t in sd.items():
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        elif name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            parts = name.split(".")
+            mod, kind = ".".join(parts[3:-1]), parts[-1]
+            gname = f"blk.{parts[2]}.{GGUF_NAMES[mod]}.{kind}"
+            if arch == "llama" and mod == "self_attn.q_proj":
+                t = llama_cpp_permute(t, cfg.num_attention_heads)
+            elif arch == "llama" and mod == "self_attn.k_proj":
+                t = llama_cpp_permute(t, cfg.num_key_value_heads)
+        if t.ndim == 2 and weight_type == "F16":
+            w.add_tensor(gname, t.astype(np.float16))
+        elif t.ndim == 2 and weight_type == "Q8_1":        # a type gguf cannot dequantize
+            from gguf import GGML_QUANT_SIZES
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+            rows, cols = t.shape
+            w.add_tensor(gname, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=GGMLQuantizationType.Q8_1)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def llama3_rope_freqs(theta, head_dim, scaling):
+    """The divisors llama.cpp stores as rope_freqs.weight, from transformers' own llama3 rope."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf_cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, rope_theta=theta,
+                         rope_scaling=scaling, max_position_embeddings=131072)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return (base / scaled.float()).float()
+
+
+GGUF_CASES = {
+    "llama-f32": dict(arch="llama"),
+    "llama-f16": dict(arch="llama", weight_type="F16"),
+    "qwen3-tied": dict(arch="qwen3", hf=dict(tie_word_embeddings=True)),
+    "llama3.1-rope-freqs": dict(arch="llama", hf=dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_gguf_logits_match_transformers(tmp_path, case):
+    pytest.importorskip("gguf")
+    spec = GGUF_CASES[case]
+    hf = save_tiny_checkpoint(tmp_path / "hf", arch=spec["arch"], **spec.get("hf", {}))
+    rope_freqs = None
+    if "rope_scaling" in spec.get("hf", {}):
+        rope_freqs = llama3_rope_freqs(500000.0, 64, spec["hf"]["rope_scaling"])
+        assert rope_freqs.max() == 8.0 and rope_freqs.min() == 1.0       # the scaling really matters here
+    path = save_tiny_gguf(tmp_path / "m.gguf", hf, arch=spec["arch"], weight_type=spec.get("weight_type", "F32"),
+                          rope_freqs=rope_freqs)
+    if spec.get("weight_type") == "F16":                # the reference gets the same fp16-rounded matrices
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.dim() == 2:
+                    p.copy_(p.half().float())
+    cfg, ref_cfg = load_config(path), load_config(tmp_path / "hf")
+    for key in ("architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "tie_word_embeddings", "qk_norm", "rope"):
+        assert getattr(cfg, key) == getattr(ref_cfg, key), key
+    ours = build_model(str(path), dtype=torch.float32)
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    got = our_logits(ours, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_tokenizer_and_chat_template_from_the_file(tmp_path):
+    pytest.importorskip("gguf")
+    from zipfusion import LLM, SamplingParams
+    hf = save_tiny_checkpoint(tmp_path / "hf")
+    path = save_tiny_gguf(tmp_path / "m.gguf", hf, tokenizer=True)
+    llm = LLM(str(path), device="cpu", kv_memory_gb=0.01)
+    tok = llm.tokenizer
+    assert tok.encode("hi") == [3] and tok.encode("ih") == [ord("i"), ord("h")] and tok.encode("<|im_end|>") == [2]
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert 2 in llm.engine.eos_token_ids and llm.engine.config.bos_token_id == 1
+    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    # a folder holding one .gguf (and no config.json) names the same model
+    (tmp_path / "only").mkdir()
+    (tmp_path / "m.gguf").rename(tmp_path / "only" / "m.gguf")
+    src = resolve_model(str(tmp_path / "only"))
+    assert src.is_gguf and src.config_path == tmp_path / "only" / "m.gguf" and src.tokenizer_dir == src.config_path
+
+
+def test_gguf_errors_are_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from zipfusion.models import gguf as zg
+    hf = save_tiny_checkpoint(tmp_path / "hf")
+    good = save_tiny_gguf(tmp_path / "good.gguf", hf)
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+    (tmp_path / "text.gguf").write_bytes(b"hello, I am not a model")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        resolve_model(str(tmp_path / "text.gguf"))
+    (tmp_path / "cut.gguf").write_bytes(good.read_bytes()[:300])
+    with pytest.raises(ValueError, match="not a valid GGUF file"):
+        build_model(str(tmp_path / "cut.gguf"), dtype=torch.float32)
+    save_tiny_gguf(tmp_path / "gpt2.gguf", hf, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        build_model(str(tmp_path / "gpt2.gguf"), dtype=torch.float32)
+    save_tiny_gguf(tmp_path / "moe.gguf", hf, meta={"llama.expert_count": 8})
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        build_model(str(tmp_path / "moe.gguf"), dtype=torch.float32)
+    save_tiny_gguf(tmp_path / "q81.gguf", hf, weight_type="Q8_1")
+    with pytest.raises(ValueError, match=r"quantization type\(s\) \['Q8_1'\].*cannot be dequantized"):
+        build_model(str(tmp_path / "q81.gguf"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="GGUF file; pass load_format='auto' or 'gguf'"):
+        resolve_model(str(good), load_format="safetensors")
+    # the gguf package missing: say what to install (a ValueError too, so the CLI prints one line)
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)
+    zg._open_cached.cache_clear()
+    with pytest.raises(ValueError, match=r"pip install gguf"):
+        resolve_model(str(good))
+    from zipfusion.cli import main
+    assert main(["generate", "--model", str(good), "--prompt", "x", "--device", "cpu"]) == 2

@@ -43,6 +43,28 @@ class KVReport:
         return sum(s.key_fraction + s.value_fraction for s in self.layers) / (2 * len(self.layers))
 
     @property
+    def key_fraction(self) -> float:
+        """Compressible fraction of K blocks over all layers (every layer has as many blocks)."""
+        return sum(s.key_fraction for s in self.layers) / len(self.layers) if self.layers else 0.0
+
+    @property
+    def value_fraction(self) -> float:
+        return sum(s.value_fraction for s in self.layers) / len(self.layers) if self.layers else 0.0
+
+    def to_dict(self) -> dict:
+        """The numbers as plain JSON-able values (span histograms summed over layers)."""
+        return {
+            "pages_per_layer": self.pages, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "compressible_fraction": self.compressible_fraction, "key_fraction": self.key_fraction,
+            "value_fraction": self.value_fraction, "size_ratio": self.size_ratio,
+            "capacity_gain": self.capacity_gain,
+            "layers": [{"layer": s.layer, "key_fraction": s.key_fraction, "value_fraction": s.value_fraction,
+                        "size_ratio": s.compressed_bytes / s.open_bytes} for s in self.layers],
+            "key_spans": sum(s.key_spans for s in self.layers).tolist(),
+            "value_spans": sum(s.value_spans for s in self.layers).tolist(),
+        }
+
+    @property
     def size_ratio(self) -> float:
         """Compressed bytes / open bytes over all layers (0.75 is the format's floor)."""
         open_bytes = sum(s.open_bytes for s in self.layers)
@@ -69,8 +91,9 @@ class KVReport:
                          f"V {worst.value_fraction:.1%}); the shared chunk pool lends it other layers' savings")
         return "\n".join(lines)
 
-    def plot(self, path: str) -> None:
+    def plot(self, path: str, title: str | None = None) -> None:
         """PNG: per-layer compressible fractions, and the spans of all blocks."""
+        require_matplotlib()
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -79,9 +102,9 @@ class KVReport:
         idx = [s.layer for s in self.layers]
         ax1.bar([i - 0.2 for i in idx], [s.key_fraction for s in self.layers], 0.4, label="K")
         ax1.bar([i + 0.2 for i in idx], [s.value_fraction for s in self.layers], 0.4, label="V")
-        ax1.set(xlabel="layer", ylabel="compressible 512-value blocks", ylim=(0, 1),
+        ax1.set(xlabel="layer", ylabel="compressible 512-value blocks", ylim=(0, 1.15),
                 title="Blocks that compress, per layer")
-        ax1.legend()
+        ax1.legend(loc="upper center", ncol=2)
         k = sum(s.key_spans for s in self.layers)
         v = sum(s.value_spans for s in self.layers)
         spans = list(range(SPAN_BINS))
@@ -92,9 +115,24 @@ class KVReport:
         ax2.set(xlabel="exponent span (max e - even base; last bin >= 32)", ylabel="blocks",
                 title="Exponent spans of all blocks")
         ax2.legend()
+        if title:
+            fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+class PlotUnavailable(ImportError, ValueError):
+    """matplotlib is missing (a ValueError too, so the CLI prints it as one line)."""
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`PlotUnavailable` with what to install, before any long analysis runs."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib "
+                              "(it comes with pip install 'zipfusion[models]')") from None
 
 
 def _spans(blocks: torch.Tensor) -> torch.Tensor:

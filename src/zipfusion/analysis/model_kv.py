@@ -62,25 +62,43 @@ def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
     return [capture.kv[i] for i in range(len(capture.kv))]
 
 
-def analyze_model(model: str, texts: list[str] | None = None, *, device: str = "cpu",
-                  max_tokens: int = 4096, load_format: str = "auto", progress: bool = True) -> KVReport:
-    """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`)."""
+def load_for_analysis(model: str, *, device: str = "cpu", load_format: str = "auto"):
+    """(bf16 model, tokenizer) for ``model`` (a checkpoint folder, a .gguf file, "demo")."""
     source = resolve_model(model, load_format)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     if tokenizer is None:
-        raise ValueError(f"model {model!r} has no tokenizer, so text cannot be fed to it; "
-                         "analyse a checkpoint folder that has tokenizer.json")
-    texts = texts or [SAMPLE_TEXT]
-    net = build_model(source, dtype=torch.bfloat16, device=device)
-    per_layer: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        raise ValueError(f"model {model!r} has no tokenizer, so text cannot be fed to it; analyse a "
+                         "checkpoint folder that has tokenizer.json, or a GGUF file with tokenizer metadata")
+    return build_model(source, dtype=torch.bfloat16, device=device), tokenizer
+
+
+def text_ids(tokenizer, text: str, max_tokens: int) -> list[int]:
+    ids = tokenizer.encode(text)[:max_tokens]
+    if len(ids) < 16:
+        raise ValueError(f"a text of {len(ids)} tokens fills no 16-token page; give longer texts")
+    return ids
+
+
+def merge_full_pages(per_text: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) of several texts, each text cut to whole 16-token pages, concatenated."""
+    return [(torch.cat([t[i][0][: t[i][0].shape[0] // 16 * 16] for t in per_text]),
+             torch.cat([t[i][1][: t[i][1].shape[0] // 16 * 16] for t in per_text]))
+            for i in range(len(per_text[0]))]
+
+
+def analyze_ids(net, ids_list: list[list[int]], *, progress: bool = False) -> KVReport:
+    """Compressibility of the KV that ``net`` writes for each token sequence, full pages merged."""
+    device = next(net.parameters()).device
     from tqdm.auto import tqdm
-    for text in tqdm(texts, desc="Running the model", unit="text", disable=not progress or len(texts) < 2):
-        ids = tokenizer.encode(text)[:max_tokens]
-        if len(ids) < 16:
-            raise ValueError(f"a text of {len(ids)} tokens fills no 16-token page; give longer texts")
-        layers = capture_kv(net, torch.tensor(ids, device=device))
-        per_layer.append(layers)
-    merged = [(torch.cat([t[i][0][: t[i][0].shape[0] // 16 * 16] for t in per_layer]),
-               torch.cat([t[i][1][: t[i][1].shape[0] // 16 * 16] for t in per_layer]))
-              for i in range(len(per_layer[0]))]
-    return analyze_kv(merged)
+    per_text = [capture_kv(net, torch.tensor(ids, device=device))
+                for ids in tqdm(ids_list, desc="Running the model", unit="text",
+                                disable=not progress or len(ids_list) < 2)]
+    return analyze_kv(merge_full_pages(per_text))
+
+
+def analyze_model(model: str, texts: list[str] | None = None, *, device: str = "cpu",
+                  max_tokens: int = 4096, load_format: str = "auto", progress: bool = True) -> KVReport:
+    """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`)."""
+    net, tokenizer = load_for_analysis(model, device=device, load_format=load_format)
+    ids_list = [text_ids(tokenizer, text, max_tokens) for text in (texts or [SAMPLE_TEXT])]
+    return analyze_ids(net, ids_list, progress=progress)

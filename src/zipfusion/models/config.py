@@ -151,8 +151,11 @@ def config_from_dict(raw: dict) -> ModelConfig:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read ``path`` (a config.json or a folder holding one)."""
+    """Read ``path`` (a config.json, a folder holding one, or a .gguf file's metadata)."""
     path = Path(path)
+    if path.name.lower().endswith(".gguf"):
+        from .gguf import gguf_config
+        return gguf_config(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no config.json at {file}; pass a Hugging Face checkpoint folder")

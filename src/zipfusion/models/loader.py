@@ -1,7 +1,8 @@
 """Finding, loading and randomly initialising models.
 
 A model is named by a checkpoint folder (config.json + *.safetensors, sharded with
-``model.safetensors.index.json`` or not), by ``"demo"`` (the tiny model shipped in
+``model.safetensors.index.json`` or not), by a llama.cpp ``.gguf`` file (or a folder holding
+exactly one and no config.json; see :mod:`zipfusion.models.gguf`), by ``"demo"`` (the tiny model shipped in
 ``zipfusion/models/demo``) or by a shipped config with random weights
 (``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``; see :data:`RANDOM_MODELS`).
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig, load_config
+from .gguf import is_gguf_path
 from .layers import rope_inv_freq
 from .llama import STACKED, CausalLM
 
@@ -30,17 +32,34 @@ INIT_STD = 0.02
 
 @dataclass
 class ModelSource:
+    """Where config, weights and tokenizer are. For a GGUF checkpoint all three are the .gguf file."""
     name: str
-    config_path: Path
-    weights_dir: Path | None        # None: random weights
-    tokenizer_dir: Path | None
+    config_path: Path               # config.json, a shipped config, or a .gguf file
+    weights_dir: Path | None        # checkpoint folder or .gguf file; None: random weights
+    tokenizer_dir: Path | None      # folder with tokenizer files, or a .gguf file
+
+    @property
+    def is_gguf(self) -> bool:
+        return is_gguf_path(self.config_path)
+
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
+
+
+def _resolve_gguf(name: str, path: Path, load_format: str) -> ModelSource:
+    from .gguf import has_tokenizer, open_gguf
+    if load_format == "safetensors":
+        raise ValueError(f"model {name!r} is a GGUF file; pass load_format='auto' or 'gguf'")
+    open_gguf(path)                  # not a GGUF file / gguf not installed: say so now
+    tok = path if has_tokenizer(path) else None
+    return ModelSource(name, path, None if load_format == "random" else path, tok)
 
 
 def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
     """Name or path -> where config, weights and tokenizer are. ``load_format="random"``
     ignores any weights and initialises randomly from the config."""
-    if load_format not in ("auto", "safetensors", "random"):
-        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'random', got {load_format!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     name = str(model)
     if name == "demo":
         if not (DEMO_DIR / "config.json").is_file():
@@ -52,15 +71,25 @@ def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
     else:
         path = Path(name).expanduser()
         if not path.exists():
+            what = "no such GGUF file" if is_gguf_path(name) else "no such folder"
             raise FileNotFoundError(
-                f"model {name!r}: no such folder; pass a checkpoint folder (config.json + *.safetensors), "
-                f"'demo', or one of {sorted(RANDOM_MODELS)}")
+                f"model {name!r}: {what}; pass a checkpoint folder (config.json + *.safetensors), "
+                f"a .gguf file, 'demo', or one of {sorted(RANDOM_MODELS)}")
     if path.is_file():
+        if is_gguf_path(path):
+            return _resolve_gguf(name, path, load_format)
         if path.name.endswith(".json"):
             return ModelSource(name, path, None, None)
-        raise ValueError(f"model {name!r} is a file; pass the checkpoint folder instead")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no config.json")
+        raise ValueError(f"model {name!r} is a file; pass the checkpoint folder or a .gguf file instead")
+    if load_format == "gguf" or not (path / "config.json").is_file():
+        ggufs = sorted(p for p in path.glob("*") if is_gguf_path(p) and p.is_file())
+        if len(ggufs) == 1:
+            return _resolve_gguf(name, ggufs[0], load_format)
+        if len(ggufs) > 1:
+            raise ValueError(f"model folder {path} holds several GGUF files "
+                             f"({', '.join(p.name for p in ggufs[:4])}); pass one of them")
+        raise FileNotFoundError(f"model folder {path} has no .gguf file" if load_format == "gguf" else
+                                f"model folder {path} has no config.json (and no .gguf file)")
     has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     if load_format == "random":
         return ModelSource(name, path / "config.json", None, path if has_tok else None)
@@ -95,33 +124,47 @@ def _target(name: str) -> tuple[str, int]:
     return name, 0
 
 
-def load_weights(model: CausalLM, folder: Path) -> None:
-    """Fill ``model`` from the safetensors in ``folder``; every parameter must be found."""
+def _safetensors_tensors(folder: Path):
+    """(file name, tensor name, tensor) over the checkpoint's safetensors files."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    done: set[tuple[str, int]] = set()
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if "rotary_emb" in name:
                     continue
-                if name == "lm_head.weight" and model.lm_head is None:
-                    continue                                   # tied: embed_tokens is the head
-                target, part = _target(name)
-                if target not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
-                param = params[target]
-                loaded = f.get_tensor(name).to(param.dtype)
-                loader = getattr(param, "weight_loader", None)
-                if loader is not None:
-                    loader(param, loaded.to(param.device), part)
-                else:
-                    if tuple(loaded.shape) != tuple(param.shape):
-                        raise ValueError(f"{file.name}: {name} has shape {tuple(loaded.shape)}, "
-                                         f"expected {tuple(param.shape)}")
-                    param.data.copy_(loaded)
-                done.add((target, part))
+                yield file.name, name, f.get_tensor(name)
+
+
+def _gguf_tensors(file: Path, cfg: ModelConfig):
+    from .gguf import iter_weights
+    for name, tensor in iter_weights(file, cfg):
+        yield file.name, name, tensor
+
+
+def load_weights(model: CausalLM, folder: Path) -> None:
+    """Fill ``model`` from the safetensors in ``folder`` (or from a .gguf file, dequantized);
+    every parameter must be found."""
+    tensors = _gguf_tensors(folder, model.config) if is_gguf_path(folder) else _safetensors_tensors(folder)
+    params = dict(model.named_parameters())
+    done: set[tuple[str, int]] = set()
+    for file, name, tensor in tensors:
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue                                   # tied: embed_tokens is the head
+        target, part = _target(name)
+        if target not in params:
+            raise ValueError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
+        param = params[target]
+        loaded = tensor.to(param.dtype)
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            loader(param, loaded.to(param.device), part)
+        else:
+            if tuple(loaded.shape) != tuple(param.shape):
+                raise ValueError(f"{file}: {name} has shape {tuple(loaded.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.data.copy_(loaded)
+        done.add((target, part))
     missing = []
     for pname, p in params.items():
         parts = getattr(p, "num_parts", 1)

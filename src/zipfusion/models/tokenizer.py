@@ -1,5 +1,7 @@
 """Tokenizer loading: transformers' AutoTokenizer when the folder has a tokenizer_config.json
-(chat template included), else a bare tokenizer.json through the ``tokenizers`` library."""
+(chat template included), else a bare tokenizer.json through the ``tokenizers`` library. A .gguf
+file: transformers builds a fast tokenizer from the file's ``tokenizer.ggml.*`` metadata, with
+the chat template and the special tokens the file names."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ class Tokenizer:
         folder = Path(folder)
         self._hf = None
         self._tok = None
-        if (folder / "tokenizer_config.json").is_file():
+        if folder.name.lower().endswith(".gguf") and folder.is_file():
+            self._hf = _gguf_tokenizer(folder)
+        elif (folder / "tokenizer_config.json").is_file():
             try:
                 from transformers import AutoTokenizer
             except ImportError:
@@ -50,6 +54,25 @@ class Tokenizer:
         if self._hf is None or not getattr(self._hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _gguf_tokenizer(file: Path):
+    from .gguf import MissingDependencyError
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise MissingDependencyError("loading a GGUF tokenizer needs transformers: "
+                                     "pip install 'zipfusion[models]'") from None
+    import transformers
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()          # no "converting tokenizer" chatter
+    try:
+        # the tokenizer class alone: AutoTokenizer would first parse the whole file again for a config
+        return PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"{file}: cannot build a tokenizer from the GGUF metadata: {e}") from None
+    finally:
+        transformers.logging.set_verbosity(level)
 
 
 def load_tokenizer(folder: str | Path | None) -> Tokenizer | None:

