@@ -12,14 +12,9 @@ GPU machine ``python -m pytest -m gpu`` runs all of them.
 
 import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # one place for the CPU Triton interpreter, set before any test module imports triton
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, settings
 
 CUDA = torch.cuda.is_available()
 if not CUDA:

@@ -1,24 +1,16 @@
-"""The engine's CUDA attention path (Triton decode kernels), run on the CPU through the Triton
-interpreter at tiny size: the plumbing (page_loc, block tables, scratch padding, fused vs twin)
-is the one the GPU uses."""
+"""The engine's kernel path (fused rope + store, decode kernels over the arena) at tiny size:
+compiled on a GPU, through the Triton interpreter on the CPU (tests/conftest.py chooses). The
+plumbing (page_loc, block tables, scratch padding, fused vs twin) is the one the GPU uses."""
 
-import os
-import sys
-
-if "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported: CPU interpreter
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
 from zipfusion.models.testing import save_tiny_checkpoint  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="triton was imported before without TRITON_INTERPRET=1")
-
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -34,25 +26,26 @@ def prompts():
 
 def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
     from zipfusion.kernels import reference_decode_attention
-    llm = LLM(str(ckpt), dtype="bfloat16", device="cpu", kv_memory_gb=0.03, attention_backend="kernel")
+    llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
     eng = llm.engine
     reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in prompts()]
     eng.step()                                                      # prefill, full pages compressed
     assert eng.cache.manager.page_state(reqs[0].pages[0]) == "compressed"
     b = eng.runner._decode_inputs(reqs, 4)                          # one padding row
-    q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
     lens = b["context_lens"] - 1                                    # tokens already written
     lens[3] = 1
-    got = eng.cache.decode_attention(0, q, b["block_table"], lens, 0.125)
-    ref = reference_decode_attention(q, eng.cache.arena, eng.cache.page_loc[0], b["block_table"], lens,
-                                     eng.cache.layout, 0.125, out_dtype=torch.float64)
+    lens, table = lens.to(DEVICE), b["block_table"].to(DEVICE)
+    got = eng.cache.decode_attention(0, q, table, lens, 0.125).cpu()
+    ref = reference_decode_attention(q, eng.cache.arena, eng.cache.page_loc[0], table, lens,
+                                     eng.cache.layout, 0.125, out_dtype=torch.float64).cpu()
     assert float((got.double() - ref)[:3].norm() / ref[:3].norm()) < 1e-2
 
 
 def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt):
     res = {}
     for compress in (True, False):
-        llm = LLM(str(ckpt), dtype="bfloat16", device="cpu", kv_memory_gb=0.03, kv_compression=compress,
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, kv_compression=compress,
                   attention_backend="kernel")
         eng = llm.engine
         eng.record_logits = True
@@ -70,7 +63,7 @@ def test_fused_rope_store_is_the_torch_path_bit_for_bit(ckpt):
     rope + write give the same K/V bits in the pages and the same logits."""
     res = {}
     for fused in (True, False):
-        llm = LLM(str(ckpt), dtype="bfloat16", device="cpu", kv_memory_gb=0.03, attention_backend="kernel")
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
         eng = llm.engine
         eng.cache.fused_store = fused
         eng.record_logits = True

@@ -307,7 +307,7 @@ def test_gguf_tokenizer_and_chat_template_from_the_file(tmp_path):
     assert tok.encode("hi") == [3] and tok.encode("ih") == [ord("i"), ord("h")] and tok.encode("<|im_end|>") == [2]
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert 2 in llm.engine.eos_token_ids and llm.engine.config.bos_token_id == 1
+    assert 2 in llm.engine.eos_token_ids and llm.engine.model_config.bos_token_id == 1
     out = llm.generate([text], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
     # a folder holding one .gguf (and no config.json) names the same model

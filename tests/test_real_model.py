@@ -61,7 +61,7 @@ def run(llm, prompts, max_tokens=MAX_TOKENS):
 
 def test_config_and_tokenizer_come_from_the_file(bf16_llm, prompts):
     llm = bf16_llm
-    cfg = llm.engine.config
+    cfg = llm.engine.model_config
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.hidden_size, cfg.vocab_size) == ("LlamaForCausalLM", 30, 9, 3, 64, 576, 49152)
     assert cfg.rope.theta == 100000.0 and cfg.rope.rope_type == "default" and cfg.tie_word_embeddings
