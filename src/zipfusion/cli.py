@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0 = off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0 (default: 1.0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none; also seeds random weights)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
     g.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 
 log = logging.getLogger("zipfusion.server")
 
@@ -33,12 +34,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (not the one at set-up)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def configure_logging(level: str = "info") -> None:
     """Show the engine's ``zipfusion`` log lines (the start-up line) beside uvicorn's."""
     logger = logging.getLogger("zipfusion")
     logger.setLevel(level.upper())
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False
