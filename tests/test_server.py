@@ -415,3 +415,18 @@ def test_a_request_that_can_never_fit_is_a_400_and_small_ones_all_succeed():
         r = c.post("/v1/completions", json={**body, "prompt": [ids] * 3})   # together: they take turns
         assert r.status_code == 200, r.text
         assert [ch["finish_reason"] for ch in r.json()["choices"]] == ["length"] * 3
+
+
+def test_load_test_script_runs_against_a_live_server(live):
+    """benchmarks/serve_load.py's client half, 4 requests against the live server."""
+    import asyncio
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    url, _ = live
+    r = asyncio.run(mod.run_rate(url, 50.0, 4, 8, 6, (10, 2000), 0, None, T, None))
+    assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 24
+    assert r["ttft_s"]["n"] == 4 and r["itl_s"]["n"] == 4 * 5 and r["ttft_s"]["p50"] > 0
