@@ -6,7 +6,7 @@ server), then for each request rate sends ``--num-requests`` streaming /v1/compl
 (httpx async, arrival gaps drawn from an exponential distribution: a Poisson process) with
 random token-id prompts of ``--prompt-len`` tokens and exactly ``--max-tokens`` output tokens
 (``ignore_eos``). Per request it records the time to first token (TTFT: send to first streamed
-token), the gaps between streamed chunks (ITL; one chunk per token), the time per output token
+token), the gaps between streamed chunks (ITL; one chunk per token that has text), the time per output token
 after the first (TPOT) and the end-to-end latency; per rate it reports their p50 / p99 / mean,
 output tokens/s and requests/s, plus the server's own counters from /metrics (preemptions,
 KV compression ratio). Results: ``OUT.json`` and, with matplotlib, ``OUT.png``.
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
               "results": results,
               "server_metrics": {k: after.get(k, 0) - before.get(k, 0) if k.endswith(("_total", "_sum", "_count"))
                                  else after.get(k) for k in after},
-              "notes": "TTFT: send -> first streamed token; ITL: gaps between streamed chunks (one per token); "
+              "notes": "TTFT: send -> first streamed token; ITL: gaps between streamed chunks (one per token with text); "
                        "TPOT: (last - first token) / (tokens - 1); percentiles over all requests of a rate"}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

@@ -50,11 +50,10 @@ def configure_logging(level: str = "info") -> None:
     """Show the engine's ``zipfusion`` log lines (the start-up line) beside uvicorn's."""
     logger = logging.getLogger("zipfusion")
     logger.setLevel(level.upper())
-    if not logger.handlers:
+    if not logger.handlers and not logging.getLogger().handlers:     # logging not set up by the host program
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
-        logger.propagate = False
 
 
 def serve(model="demo", host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None,
