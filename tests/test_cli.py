@@ -51,3 +51,149 @@ def test_generate_with_chat_template_on_the_demo_model(capsys):
     from zipfusion.models import Tokenizer
     chat = Tokenizer(DEMO_DIR).apply_chat_template([{"role": "user", "content": "Who made the heaven?"}])
     assert chat.endswith("Assistant:") and "User: Who made the heaven?" in chat
+
+
+# -- issue 14: fast help, versions, one-line errors ---------------------------------------------------
+
+import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SRC = str(Path(zipfusion.__file__).resolve().parents[1])
+
+
+def _run(args, timeout=60, **env):
+    e = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **env}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def test_help_is_fast_and_imports_no_torch():
+    r = _run(["-c", "import sys, zipfusion, zipfusion.cli; zipfusion.cli.build_parser(); "
+                    "print('torch' in sys.modules, 'fastapi' in sys.modules)"])
+    assert r.stdout.split() == ["False", "False"], r.stderr
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        r = _run(["-m", "zipfusion", "--help"])
+        best = min(best, time.perf_counter() - t0)
+        assert r.returncode == 0 and "generate" in r.stdout
+    assert best < 0.5, f"zipfusion --help took {best:.2f} s"
+    assert _run(["-m", "zipfusion", "--version"]).stdout.strip() == f"zipfusion {zipfusion.__version__}"
+
+
+@pytest.mark.parametrize("command", ["generate", "demo", "serve", "analyze"])
+def test_every_subcommand_help_shows_defaults(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "default" in out
+    if command == "generate":
+        assert "temperature 0" in out and "1.0" in out                 # its greedy default, said plainly
+    if command == "serve":
+        assert "ZIPFUSION_API_KEY" in out and "--served-model-name" in out and "(default: auto)" in out
+
+
+def test_lazy_package_attributes():
+    assert zipfusion.SamplingParams().temperature == 1.0
+    assert {"LLM", "SamplingParams", "EngineConfig"} <= set(dir(zipfusion))
+    with pytest.raises(AttributeError):
+        zipfusion.nothing_here
+
+
+def _one_error_line(err: str, *words):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and all(w in lines[0] for w in words), err
+
+
+def _too_much_gb() -> str:
+    from zipfusion.engine.llm_engine import free_memory_gb
+    import torch
+    return str(max(60, int(free_memory_gb(torch.device("cpu"))) + 100))
+
+
+def test_too_much_kv_memory_is_one_clear_line(capsys):
+    gb = _too_much_gb()
+    # the README snippet with only model and device changed
+    with pytest.raises(ValueError, match="kv_memory_gb") as e:
+        zipfusion.LLM(model="demo", kv_compression=True, kv_memory_gb=float(gb), dtype="bfloat16", device="cpu")
+    assert "\n" not in str(e.value)
+    assert main(["generate", "--model", "demo", "--device", "cpu", "--prompt", "x", "--kv-memory-gb", gb]) == 2
+    _one_error_line(capsys.readouterr().err, "kv_memory_gb")
+    pytest.importorskip("uvicorn")
+    assert main(["serve", "--model", "demo", "--device", "cpu", "--port", "0", "--kv-memory-gb", gb]) == 2
+    _one_error_line(capsys.readouterr().err, "kv_memory_gb")
+
+
+def test_max_model_len_beyond_the_model_is_one_line(capsys):
+    assert main(["generate", "--model", "demo", "--device", "cpu", "--prompt", "x", "--max-model-len", "5000"]) == 2
+    _one_error_line(capsys.readouterr().err, "max_model_len", "1024")
+
+
+def test_missing_extras_say_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)            # as if not installed
+    assert main(["serve", "--model", "demo"]) == 2
+    _one_error_line(capsys.readouterr().err, "pip install 'zipfusion[server]'")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["analyze", "--model", "demo", "--plot", "kv.png"]) == 2
+    _one_error_line(capsys.readouterr().err, "pip install", "matplotlib")
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_model(monkeypatch, capsys):
+    pytest.importorskip("uvicorn")
+    import zipfusion.server
+
+    def must_not_load(*a, **k):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(zipfusion.server, "serve", must_not_load)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", "demo", "--port", str(port)]) == 2
+    _one_error_line(capsys.readouterr().err, f"port {port}", "in use")
+
+
+def test_llm_demo_with_default_device_runs():
+    llm = zipfusion.LLM(model="demo", kv_memory_gb=0.01)          # device="auto": the CPU here
+    import torch
+    assert llm.engine.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    out = llm.generate(["In the beginning"], zipfusion.SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].token_ids) >= 1
+
+
+def test_serve_end_to_end_logs_and_api_key_from_env():
+    """The real command in a subprocess: start-up lines on stderr, ZIPFUSION_API_KEY enforced."""
+    pytest.importorskip("uvicorn")
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    e = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "ZIPFUSION_API_KEY": "k1"}
+    proc = subprocess.Popen([sys.executable, "-m", "zipfusion", "serve", "--model", "demo", "--device", "cpu",
+                             "--kv-memory-gb", "0.01", "--port", str(port), "--served-model-name", "kjv"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k1"}, timeout=10)
+        assert r.json()["data"][0]["id"] == "kjv"
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "zipfusion engine: model demo" in err and "bfloat16 on cpu" in err       # the engine's start-up line
+    assert f"serving kjv on http://127.0.0.1:{port}" in err and "free pages" in err

@@ -72,3 +72,90 @@ def test_bad_sampling_params(kw, match):
 
 def test_stop_string_is_listified():
     assert SamplingParams(stop="\n").stop == ["\n"]
+
+
+def _reference_penalties(row, prompt, output, rep, freq, pres, bias):
+    """vLLM's semantics, one token at a time."""
+    x = row.clone()
+    for t, b in bias.items():
+        x[t] += b
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    for t in set(output):
+        x[t] -= freq * output.count(t) + pres
+    return x
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), rep=st.floats(0.5, 2.0), freq=st.floats(-2, 2), pres=st.floats(-2, 2),
+       prompt=st.lists(st.integers(0, 29), max_size=8), output=st.lists(st.integers(0, 29), max_size=12))
+def test_penalties_match_the_reference(seed, rep, freq, pres, prompt, output):
+    from zipfusion.engine.sampling import apply_penalties
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(seed))
+    bias = {3: 5.0, 7: -100.0}
+    ps = [SamplingParams(temperature=0), SamplingParams(repetition_penalty=rep, frequency_penalty=freq,
+                                                        presence_penalty=pres, logit_bias=bias),
+          SamplingParams(logit_bias={"4": 1.5})]
+    got = apply_penalties(logits, ps, [None, (prompt, output), None])
+    assert torch.equal(got[0], logits[0])                      # rows without any are untouched
+    assert torch.allclose(got[1], _reference_penalties(logits[1], prompt, output, rep, freq, pres, bias), atol=1e-5)
+    expect = logits[2].clone()
+    expect[4] += 1.5
+    assert torch.allclose(got[2], expect)
+
+
+def test_penalties_change_greedy_choice_and_bias_forces_a_token():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    s = Sampler("cpu")
+    assert int(s(logits, [SamplingParams(temperature=0)], [None])) == 0
+    sp = SamplingParams(temperature=0, repetition_penalty=1.2)
+    assert int(s(logits, [sp], [None], [([0], [])])) == 1      # token 0 was in the prompt: 3/1.2 < 2.9
+    sp = SamplingParams(temperature=0, frequency_penalty=0.05)
+    assert int(s(logits, [sp], [None], [([], [0, 0, 0])])) == 1
+    sp = SamplingParams(temperature=0, presence_penalty=0.2)
+    assert int(s(logits, [sp], [None], [([0], [])])) == 0     # presence counts only generated tokens
+    assert int(s(logits, [sp], [None], [([], [0])])) == 1
+    draws = s(logits.expand(50, 4), [SamplingParams(logit_bias={3: 100})] * 50, [None] * 50)
+    assert (draws == 3).all()
+    with pytest.raises(ValueError, match="history|prompt"):
+        s(logits, [SamplingParams(repetition_penalty=1.5)], [None])
+
+
+def test_compute_logprobs_are_the_raw_distribution():
+    from zipfusion.engine.sampling import compute_logprobs
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 5.0, 1.0]])
+    lp = torch.log_softmax(logits, -1)
+    out = compute_logprobs(logits, torch.tensor([3, 2]), [2, 0])
+    assert set(out[0]) == {3, 0, 1}                                   # sampled + top 2
+    assert out[0][3].rank == 4 and abs(out[0][3].logprob - float(lp[0, 3])) < 1e-6
+    assert out[0][0].rank == 1 and abs(out[0][0].logprob - float(lp[0, 0])) < 1e-6
+    assert list(out[1]) == [2] and out[1][2].rank == 1
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=True), "logprobs"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={1: 200}), "logit_bias"),
+])
+def test_bad_penalty_params(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_engine_returns_logprobs_and_applies_penalties():
+    from zipfusion.engine import LLM
+    llm = LLM("demo", device="cpu", kv_memory_gb=0.02, max_model_len=128)
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, lp = llm.generate(["In the beginning"] * 2, [SamplingParams(**base), SamplingParams(**base, logprobs=3)],
+                             use_tqdm=False)
+    assert plain.token_ids == lp.token_ids and plain.outputs[0].logprobs is None
+    entries = lp.outputs[0].logprobs
+    assert len(entries) == 12
+    for tok, entry in zip(lp.token_ids, entries):
+        assert tok in entry and entry[tok].rank == 1 and len(entry) == 3     # greedy: the top token
+        assert max(e.logprob for e in entry.values()) == entry[tok].logprob <= 0
+    rep = llm.generate("In the beginning", SamplingParams(**base, repetition_penalty=2.0), use_tqdm=False)[0]
+    assert rep.token_ids != plain.token_ids            # the demo model repeats itself; a strong penalty changes that
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate("x", SamplingParams(logprobs=21), use_tqdm=False)

@@ -1,14 +1,37 @@
-"""The OpenAI-compatible server on the CPU with the embedded demo model."""
+"""The OpenAI-compatible server on the CPU with the embedded demo model.
 
+Most tests use FastAPI's TestClient; the ones about concurrency (client disconnects, metrics
+while a request runs, /health during a long tokenization) run uvicorn on 127.0.0.1 in a thread.
+Every HTTP call has a timeout (httpx), and every test a watchdog (TestClient has none).
+"""
+
+import contextlib
+import faulthandler
 import json
+import threading
+import time
 
 import pytest
 
 pytest.importorskip("fastapi", reason="server tests need fastapi (pip install 'zipfusion[server]')")
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from zipfusion.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
+from zipfusion.server import bind_socket  # noqa: E402
 from zipfusion.server.openai import create_app  # noqa: E402
+
+T = 60      # seconds: the bound on any one HTTP call
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """TestClient calls run in-process without a timeout: a test that hangs dumps every
+    thread's stack and ends the run instead of blocking CI."""
+    faulthandler.dump_traceback_later(180, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +45,57 @@ def client(engine):
         yield c
 
 
-def offline_greedy(prompt, n):
-    llm = LLM("demo", device="cpu", kv_memory_gb=0.05, max_model_len=256)
-    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+@pytest.fixture(scope="module")
+def offline():
+    return LLM("demo", device="cpu", kv_memory_gb=0.05, max_model_len=256)
 
+
+def offline_run(llm, prompt, n, **kw):
+    kw = {"temperature": 0, "ignore_eos": True, **kw}
+    return llm.generate([prompt], SamplingParams(max_tokens=n, **kw), use_tqdm=False)[0]
+
+
+@contextlib.contextmanager
+def live_server(app):
+    """uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+
+
+def wait_until(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def sse_events(lines):
+    out = [line for line in lines if line]
+    assert out[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in out[:-1]]
+
+
+def metric(text: str, name: str, **labels) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+# -- basics ---------------------------------------------------------------------------------------------
 
 def test_models_and_health(client):
     assert client.get("/health").json() == {"status": "ok"}
@@ -33,26 +103,23 @@ def test_models_and_health(client):
     assert data[0]["id"] == "demo" and data[0]["max_model_len"] == 256
 
 
-def test_completion_matches_offline_greedy(client):
+def test_completion_matches_offline_greedy(client, offline):
     r = client.post("/v1/completions", json={"model": "demo", "prompt": "In the beginning", "max_tokens": 12,
                                               "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
-    ref = offline_greedy("In the beginning", 12)
-    assert body["choices"][0]["text"] == ref.text
+    assert body["choices"][0]["text"] == offline_run(offline, "In the beginning", 12).text
     assert body["usage"]["completion_tokens"] == 12
     assert body["choices"][0]["finish_reason"] == "length"
 
 
-def test_streaming_concatenates_to_the_same_text(client):
+def test_streaming_concatenates_to_the_same_text(client, offline):
     with client.stream("POST", "/v1/completions", json={"prompt": "And God said", "max_tokens": 10,
                                                          "temperature": 0, "ignore_eos": True, "stream": True}) as r:
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
-    text = "".join(c["choices"][0]["text"] for c in chunks)
-    assert text == offline_greedy("And God said", 10).text
+        chunks = sse_events(list(r.iter_lines()))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == offline_run(offline, "And God said", 10).text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)              # no include_usage: no usage chunk
 
 
 def test_bad_requests_are_refused_and_running_work_survives(client, engine):
@@ -60,45 +127,328 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"max_tokens": 4}, "prompt"),
-        ({"prompt": "x", "model": "gpt-4"}, "not served here"),
         ({"prompt": "word " * 400, "max_tokens": 4}, "max_model_len"),
+        ({"prompt": "x", "max_tokens": 300}, "max_model_len"),
         ({"prompt": [10**9], "max_tokens": 4}, "token ids"),
-        ({"prompt": "x", "n": 2}, "n=1"),
+        ({"prompt": [], "max_tokens": 4}, "empty"),
+        ({"prompt": "x", "foo": 1}, "'foo'"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "'response_format'"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "logprobs": 21}, "max_logprobs"),
+        ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ]
     for body, words in cases:
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 400, (body, r.text)
-        assert words in r.json()["error"]["message"], (words, r.text)
+        err = r.json()["error"]
+        assert words in err["message"], (words, r.text)
+        assert err["type"] == "invalid_request_error" and err["code"] == 400
+    r = client.post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    assert r.status_code == 404 and "not served here" in r.json()["error"]["message"]
     r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400
+    assert r.status_code == 400 and "error" in r.json()
+    chat = [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "tool_calls"),
+    ]
+    for extra, words in chat:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (extra, r.text)
     # the engine is still healthy and serves
     r = client.post("/v1/completions", json={"prompt": "In the beginning", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert not engine.scheduler.has_work()
 
 
-def test_stop_string_is_cut_in_stream_and_in_body(client):
-    ref = offline_greedy("In the beginning", 20).text
+def test_a_failed_engine_step_fails_only_the_requests_in_flight(client, engine, monkeypatch):
+    real = engine.step
+    calls = []
+
+    def broken():
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("boom")
+        return real()
+
+    monkeypatch.setattr(engine, "step", broken)
+    body = {"prompt": "In the beginning", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    assert not engine.scheduler.has_work()
+    r = client.post("/v1/completions", json=body)                 # the server goes on serving
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_404_and_405_in_openai_error_shape(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "detail" not in r.json()
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+def test_stop_string_is_cut_in_stream_and_in_body(client, offline):
+    ref = offline_run(offline, "In the beginning", 20).text
     words = ref.split()
     if len(words) < 3:
         pytest.skip("demo continuation too short to pick a stop word")
     stop = words[2]
     expect = ref[:ref.find(stop)]
-    r = client.post("/v1/completions", json={"prompt": "In the beginning", "max_tokens": 20, "temperature": 0,
-                                              "stop": [stop], "ignore_eos": True})
+    body = {"prompt": "In the beginning", "max_tokens": 20, "temperature": 0, "stop": [stop], "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
     assert r.json()["choices"][0]["text"] == expect
-    assert r.json()["choices"][0]["finish_reason"] == "stop"
-    with client.stream("POST", "/v1/completions", json={"prompt": "In the beginning", "max_tokens": 20,
-                                                         "temperature": 0, "stop": [stop], "ignore_eos": True,
-                                                         "stream": True}) as s:
-        lines = [line for line in s.iter_lines() if line and line != "data: [DONE]"]
-    assert "".join(json.loads(l[6:])["choices"][0]["text"] for l in lines) == expect
+    assert r.json()["choices"][0]["finish_reason"] == "stop" and r.json()["choices"][0]["stop_reason"] == stop
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = sse_events(list(s.iter_lines()))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expect
 
 
-def test_metrics_export_kv_numbers(client):
+# -- the OpenAI API's breadth ---------------------------------------------------------------------------
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order(client, offline):
+    prompts = ["In the beginning", "And God said", "The LORD is my shepherd"]
+    r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 6, "temperature": 0,
+                                              "ignore_eos": True})
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["text"] for c in choices] == [offline_run(offline, p, 6).text for p in prompts]
+    ids = offline.tokenizer.encode(prompts[0])
+    r = client.post("/v1/completions", json={"prompt": [ids, ids], "max_tokens": 6, "temperature": 0,
+                                              "ignore_eos": True})
+    assert [c["text"] for c in r.json()["choices"]] == [offline_run(offline, prompts[0], 6).text] * 2
+    assert r.json()["usage"]["prompt_tokens"] == 2 * len(ids)
+
+
+def test_n_samples_with_seed_plus_i(client, offline):
+    body = {"prompt": ["In the beginning", "And God said"], "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3,
+            "ignore_eos": True}
+    choices = client.post("/v1/completions", json=body).json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))              # prompt-major: index = p * n + i
+    for c in choices:
+        p, i = divmod(c["index"], 3)
+        ref = offline_run(offline, body["prompt"][p], 8, temperature=1.0, seed=7 + i)
+        assert c["text"] == ref.text
+    assert len({c["text"] for c in choices[:3]}) > 1                   # different seeds, different samples
+    # streamed: every index ends once, with the same texts
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = sse_events(list(s.iter_lines()))
+    texts = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {c["index"]: c["text"] for c in choices}
+
+
+def test_chat_content_parts_and_stream_shape(client):
+    text = {"messages": [{"role": "user", "content": "Who made the heaven?"}], "max_tokens": 6, "temperature": 0}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Who made"},
+                                                        {"type": "text", "text": "the heaven?"}]}],
+             "max_tokens": 6, "temperature": 0}
+    joined = {"messages": [{"role": "user", "content": "Who made\nthe heaven?"}], "max_tokens": 6, "temperature": 0}
+    a = client.post("/v1/chat/completions", json=parts).json()
+    b = client.post("/v1/chat/completions", json=joined).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["object"] == "chat.completion" and a["choices"][0]["message"]["role"] == "assistant"
+    with client.stream("POST", "/v1/chat/completions",
+                       json={**text, "n": 2, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        chunks = sse_events(list(s.iter_lines()))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    seen_role = set()
+    for ch in chunks[:-1]:
+        assert ch["object"] == "chat.completion.chunk" and "usage" not in ch
+        for c in ch["choices"]:
+            if "role" in c["delta"]:
+                assert c["index"] not in seen_role            # the role only in each choice's first delta
+                seen_role.add(c["index"])
+            else:
+                assert c["index"] in seen_role
+    assert seen_role == {0, 1}
+    content = "".join(c["delta"].get("content", "") for ch in chunks[:-1] for c in ch["choices"] if c["index"] == 0)
+    assert content == client.post("/v1/chat/completions", json=text).json()["choices"][0]["message"]["content"]
+
+
+def test_completion_stream_usage_chunk(client):
+    with client.stream("POST", "/v1/completions", json={"prompt": "In the beginning", "max_tokens": 4, "temperature": 0,
+                                                         "ignore_eos": True, "stream": True,
+                                                         "stream_options": {"include_usage": True}}) as s:
+        chunks = sse_events(list(s.iter_lines()))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_logprobs_completions_and_chat(client, offline):
+    r = client.post("/v1/completions", json={"prompt": "In the beginning", "max_tokens": 5, "temperature": 0,
+                                              "ignore_eos": True, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    ref = offline.generate(["In the beginning"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                                logprobs=2), use_tqdm=False)[0]
+    assert len(lp["tokens"]) == 5 and "".join(lp["tokens"]) == r["choices"][0]["text"]
+    for i, (tok, entry) in enumerate(zip(ref.token_ids, ref.outputs[0].logprobs)):
+        assert lp["token_logprobs"][i] == pytest.approx(entry[tok].logprob)
+        assert len(lp["top_logprobs"][i]) == 2
+        assert max(lp["top_logprobs"][i].values()) == pytest.approx(lp["token_logprobs"][i])   # greedy
+    assert lp["text_offset"][0] == 0
+    chat = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3}
+    resp = client.post("/v1/chat/completions", json=chat).json()
+    c = resp["choices"][0]
+    content = c["logprobs"]["content"]
+    assert len(content) == resp["usage"]["completion_tokens"] >= 1
+    assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 for e in content)
+    assert "".join(e["token"] for e in content) == c["message"]["content"]
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+        chunks = sse_events(list(s.iter_lines()))
+    streamed = [e for ch in chunks for ch_c in ch["choices"] if ch_c.get("logprobs")
+                for e in ch_c["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+
+
+def test_penalties_are_applied_not_ignored(client):
+    base = {"prompt": "And God said", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    for extra in ({"repetition_penalty": 2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        r = client.post("/v1/completions", json={**base, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] != plain, extra
+    words = plain.split()
+    penalised = client.post("/v1/completions", json={**base, "presence_penalty": 2.0}).json()["choices"][0]["text"]
+    assert len(set(penalised.split())) >= len(set(words))        # fewer repeats
+
+
+def test_served_model_name_and_api_key(engine):
+    app = create_app(engine, ["zf", "alias"], api_key="sekret")
+    with TestClient(app) as c:
+        r = c.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        auth = {"Authorization": "Bearer sekret"}
+        assert [m["id"] for m in c.get("/v1/models", headers=auth).json()["data"]] == ["zf", "alias"]
+        r = c.post("/v1/completions", headers=auth, json={"model": "alias", "prompt": "In", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "zf"
+        assert c.get("/health").status_code == 200                # open, as in vLLM
+        assert c.get("/metrics").status_code == 200
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+
+def test_metrics_names_as_vllm(client):
     client.post("/v1/completions", json={"prompt": "In the beginning", "max_tokens": 20, "temperature": 0,
                                          "ignore_eos": True})
     text = client.get("/metrics").text
-    assert "zipfusion_requests_total" in text
-    assert "zipfusion_kv_pages_compressed" in text
-    assert "zipfusion_kv_arena_bytes" in text
+    for name in ("zipfusion:prompt_tokens_total", "zipfusion:generation_tokens_total",
+                 "zipfusion:num_requests_running", "zipfusion:num_requests_waiting", "zipfusion:num_preemptions_total",
+                 "zipfusion:time_to_first_token_seconds_count", "zipfusion:inter_token_latency_seconds_count",
+                 "zipfusion:e2e_request_latency_seconds_count", "zipfusion:kv_pages_compressed",
+                 "zipfusion:kv_arena_bytes", "zipfusion:kv_cache_usage_perc"):
+        assert name in text, name
+    assert metric(text, "zipfusion:request_success_total", finished_reason="length") >= 1
+    assert metric(text, "zipfusion:time_to_first_token_seconds_count") >= 1
+    assert metric(text, "zipfusion:inter_token_latency_seconds_count") >= 19
+    assert metric(text, "zipfusion:kv_arena_bytes") > 0
+    assert "TYPE zipfusion:num_preemptions_total counter" in text
+
+
+# -- concurrency: uvicorn on 127.0.0.1 ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def live(engine):
+    app = create_app(engine)
+    with live_server(app) as url:
+        yield url, app
+
+
+def kv_pages_in_use(app, engine) -> int:
+    return app.state.engine_loop().call(engine.cache.stats).result(timeout=T)["pages_in_use"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_client_disconnect_aborts_and_frees_pages(live, engine, streaming, caplog):
+    caplog.set_level("INFO", logger="zipfusion.server")
+    url, app = live
+    metrics = lambda: httpx.get(url + "/metrics", timeout=T).text   # noqa: E731
+    aborted = metric(metrics(), "zipfusion:request_success_total", finished_reason="abort")
+    body = {"prompt": "In the beginning", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": streaming}
+    if streaming:
+        with httpx.Client(timeout=T) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]            # some tokens came: the request is running
+            assert any(line.startswith("data: {") for line in got)
+            assert metric(metrics(), "zipfusion:num_requests_running") == 1
+            assert metric(metrics(), "zipfusion:generation_tokens_total") > 0     # moves before the request ends
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)          # the client gives up
+    wait_until(lambda: not engine.scheduler.has_work(), what="the abort")
+    text = metrics()
+    assert metric(text, "zipfusion:num_requests_running") == 0
+    assert metric(text, "zipfusion:request_success_total", finished_reason="abort") == aborted + 1
+    assert kv_pages_in_use(app, engine) == 0
+    assert any("aborted (client disconnected)" in r.getMessage() for r in caplog.records)
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(live):
+    url, _ = live
+    huge = "In the beginning God created the heaven and the earth. " * 50000      # 2.75 MB
+    result = {}
+
+    def post():
+        result["r"] = httpx.post(url + "/v1/completions", json={"prompt": huge, "max_tokens": 1}, timeout=T)
+
+    t = threading.Thread(target=post)
+    t.start()
+    time.sleep(0.3)                                     # the body is in, tokenization is running
+    latencies = []
+    while t.is_alive() and len(latencies) < 20:
+        t0 = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=T).status_code == 200
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    t.join(T)
+    assert result["r"].status_code == 400 and "max_model_len" in result["r"].json()["error"]["message"]
+    assert latencies and max(latencies) < 0.5, latencies
+
+
+def test_a_request_that_can_never_fit_is_a_400_and_small_ones_all_succeed():
+    """A tiny KV memory: the engine lowers max_model_len to what fits; every request within it
+    succeeds, alone or together (preempting if it must), and one beyond it is a 400 up front."""
+    eng = LLMEngine("demo", device="cpu", kv_memory_gb=0.0002)         # 6 pages: 96 tokens
+    limit = eng.max_model_len
+    assert limit < 1024                                   # lowered from the model's 1024 positions
+    with TestClient(create_app(eng)) as c:
+        ids = list(range(5, 15))
+        r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": limit - len(ids) + 1})
+        assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": ids})              # no max_tokens: what is left, capped
+        assert r.status_code == 200, r.text
+        body = {"prompt": ids, "max_tokens": limit - len(ids), "ignore_eos": True, "temperature": 0}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == limit - len(ids)
+        r = c.post("/v1/completions", json={**body, "prompt": [ids] * 3})   # together: they take turns
+        assert r.status_code == 200, r.text
+        assert [ch["finish_reason"] for ch in r.json()["choices"]] == ["length"] * 3
+
+
+def test_load_test_script_runs_against_a_live_server(live):
+    """benchmarks/serve_load.py's client half, 4 requests against the live server."""
+    import asyncio
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    url, _ = live
+    r = asyncio.run(mod.run_rate(url, 50.0, 4, 8, 6, (10, 2000), 0, None, T, None))
+    assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 24
+    # one chunk per token with text (an end-of-sequence token, ignored, streams no text)
+    assert r["ttft_s"]["n"] == 4 and 4 * 2 <= r["itl_s"]["n"] <= 4 * 5 and r["ttft_s"]["p50"] > 0

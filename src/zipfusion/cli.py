@@ -4,15 +4,36 @@
     zipfusion demo
     zipfusion serve --model PATH --port 8000
     zipfusion analyze --model PATH --text corpus.txt --plot kv.png
+
+Nothing heavy is imported before the arguments are parsed (``--help`` answers in a few tens
+of milliseconds): torch, the engine and the server load inside the commands. A user error
+(bad option value, model not found, too much KV memory, a missing extra, a busy port) prints
+one ``error: ...`` line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
+from . import __version__
 from .config import add_cli_args
+
+
+class CLIError(Exception):
+    """A user error the CLI reports in one line (exit status 2)."""
+
+
+def _require(modules: tuple[str, ...], extra: str, what: str) -> None:
+    """Import ``modules`` now, or fail in one line saying what to pip install."""
+    import importlib
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise CLIError(f"{what} needs {name}, which is not installed: pip install 'zipfusion[{extra}]'") from None
 
 DEMO_PROMPTS = [
     "In the beginning God created the heaven and the earth.",
@@ -34,10 +55,12 @@ def cmd_generate(args) -> int:
     prompts = list(args.prompt)
     if args.chat:
         if llm.tokenizer is None:
-            raise SystemExit("error: --chat needs a model with a tokenizer")
+            raise CLIError("--chat needs a model with a tokenizer")
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     sp = zipfusion.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                  max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos)
+                                  max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                  repetition_penalty=args.repetition_penalty)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t0
@@ -109,16 +132,22 @@ def cmd_demo(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    _require(("fastapi", "uvicorn", "prometheus_client"), "server", "zipfusion serve")
     from .config import config_from_args
-    from .server import serve
+    from .server import bind_socket, serve
     cfg = config_from_args(args)
-    serve(cfg.model, host=args.host, port=args.port, **{k: v for k, v in vars(cfg).items() if k != "model"})
+    sock = bind_socket(args.host, args.port)      # a busy port fails here, before the model loads
+    api_key = args.api_key or os.environ.get("ZIPFUSION_API_KEY") or None
+    serve(cfg, sock=sock, api_key=api_key, served_model_name=args.served_model_name, log_level=args.log_level,
+          default_max_tokens=args.default_max_tokens)
     return 0
 
 
 def cmd_analyze(args) -> int:
     from pathlib import Path
 
+    if args.plot:
+        _require(("matplotlib",), "bench", "analyze --plot")
     from .analysis.model_kv import analyze_model
     texts = None
     if args.text:
@@ -137,48 +166,84 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+GENERATE_SAMPLING = """sampling defaults of this command: --temperature 0 (greedy, so a run is
+reproducible), --top-p 1, --top-k -1 (off), --max-tokens 64, no penalties. Note: the Python API's
+zipfusion.SamplingParams() defaults to temperature 1.0 (vLLM's default); pass --temperature 1 here
+for the same distribution."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zipfusion", description="LLM inference with a losslessly compressed KV cache")
+    parser.add_argument("--version", action="version", version=f"zipfusion {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g = sub.add_parser("generate", help="generate text for one or more prompts",
+                       description="Generate text for one or more prompts and print it.", epilog=GENERATE_SAMPLING)
     add_cli_args(g, skip=("seed",))
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default: 0; note SamplingParams() defaults to 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (default: -1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0 (default: 1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="compress synthetic KV, then generate with the embedded model on CPU")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (default: 48)")
     d.set_defaults(func=cmd_demo)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs zipfusion[server])")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs zipfusion[server])",
+                       description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
+                                   "/health, /metrics (prometheus).")
     add_cli_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $ZIPFUSION_API_KEY, "
+                        "else no key)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API answers to; the first is reported (default: the model's name)")
+    s.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a request that gives none, capped by what is left of max_model_len "
+                        "(default: 256)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level of the server and the engine (default: info)")
     s.set_defaults(func=cmd_serve)
     a = sub.add_parser("analyze", help="how well a model's KV compresses, per layer")
-    a.add_argument("--model", default="demo", help="checkpoint folder (with tokenizer) or 'demo'")
+    a.add_argument("--model", default="demo", help="checkpoint folder (with tokenizer) or 'demo' (default: demo)")
     a.add_argument("--text", action="append", help="a text file to run the model on (repeatable); "
                    "default: a built-in sample of prose, a list and code")
-    a.add_argument("--max-tokens", type=int, default=4096, help="tokens per text")
-    a.add_argument("--device", default=None)
-    a.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
-    a.add_argument("--plot", default=None, help="write a PNG of the per-layer numbers here")
+    a.add_argument("--max-tokens", type=int, default=4096, help="tokens per text (default: 4096)")
+    a.add_argument("--device", default=None, help="cuda or cpu (default: cuda when a GPU is visible)")
+    a.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"],
+                   help="(default: auto)")
+    a.add_argument("--plot", default=None, help="write a PNG of the per-layer numbers here (needs matplotlib)")
     a.set_defaults(func=cmd_analyze)
     return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (CLIError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if type(e).__name__ != "KVCacheTooSmall":       # the engine's "one request does not fit"
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -53,12 +53,15 @@ class EngineConfig:
     deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
                                       "parameters and seed (batch-invariant kernels; slower)")
     chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")
+    max_logprobs: int = _opt(20, "most top log-probabilities a request may ask for (SamplingParams.logprobs)")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
         if self.kv_memory_gb is not None and (isinstance(self.kv_memory_gb, bool) or not isinstance(

@@ -16,7 +16,7 @@ from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL
 from .kv_cache import ArenaKVCache, DenseKVCache
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, compute_logprobs
 from .scheduler import Scheduler
 
 log = logging.getLogger("zipfusion")
@@ -161,6 +161,12 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt token ids must be ints in 0..{V - 1}, got {bad[:5]}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is more than this engine's max_logprobs="
+                             f"{self.config.max_logprobs}")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in 0..{V - 1}, got {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit max_model_len="
                              f"{self.max_model_len}{self._len_note}; shorten the prompt or raise max_model_len")
@@ -207,7 +213,12 @@ class LLMEngine:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
         """One token per request from its logits row; returns (request, reason) of those done."""
-        tokens = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        params = [r.params for r in reqs]
+        history = ([(r.prompt_ids, r.output_ids) if p.penalized else None for r, p in zip(reqs, params)]
+                   if any(p.penalized for p in params) else None)
+        sampled = self.sampler(logits, params, [r.generator for r in reqs], history)
+        self._note_logprobs(reqs, logits, sampled)
+        tokens = sampled.tolist()
         now = time.perf_counter()
         if self.record_logits:
             for r, row in zip(reqs, logits):
@@ -220,6 +231,17 @@ class LLMEngine:
             if reason:
                 finished.append((r, reason))
         return finished
+
+    def _note_logprobs(self, reqs: list[Request], logits: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Append to ``request.logprobs`` the raw log-probabilities of the token just sampled
+        (and of its ``params.logprobs`` most likely alternatives), for the requests that asked."""
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not rows:
+            return
+        idx = torch.tensor(rows, device=logits.device)
+        entries = compute_logprobs(logits[idx], sampled[idx], [reqs[i].params.logprobs for i in rows])
+        for i, entry in zip(rows, entries):
+            reqs[i].logprobs.append(entry)
 
     def _check_stop(self, r: Request) -> str | None:
         p, t = r.params, r.output_ids[-1]
@@ -256,5 +278,6 @@ class LLMEngine:
         if r.stop_reason is None or not isinstance(r.stop_reason, str):
             text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else ""
         return RequestOutput(r.request_id, prompt, r.prompt_ids,
-                             [CompletionOutput(0, text, list(r.output_ids), r.finish_reason, r.stop_reason)],
+                             [CompletionOutput(0, text, list(r.output_ids), r.finish_reason, r.stop_reason,
+                                               list(r.logprobs) if r.params.logprobs is not None else None)],
                              finished=r.status == Status.FINISHED, num_preemptions=r.num_preemptions)

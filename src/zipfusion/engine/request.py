@@ -39,6 +39,7 @@ class Request:
     logits: list = field(default_factory=list, repr=False)   # filled only when the engine records them
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list, repr=False)   # when each output token came
+    logprobs: list = field(default_factory=list, repr=False)   # per output token {id: Logprob}, when asked
 
     @property
     def max_total_tokens(self) -> int | None:
@@ -75,6 +76,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
+    logprobs: list | None = None      # per token {token id: Logprob} when SamplingParams.logprobs is set
 
 
 @dataclass

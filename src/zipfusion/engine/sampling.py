@@ -1,17 +1,42 @@
 """Sampling parameters and the batched sampler.
 
-One call samples every row of a ``[B, V]`` logits tensor on its device: greedy rows take the
-argmax; the others are divided by their temperature, cut to their top-k and top-p sets and
+One call samples every row of a ``[B, V]`` logits tensor on its device. First the rows that ask
+for it are adjusted (vLLM's order and semantics): ``logit_bias`` is added, then
+``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every
+token seen in the prompt or the output, then ``frequency_penalty`` x (times the token was
+generated) and ``presence_penalty`` x (generated at all) are subtracted. Greedy rows then take
+the argmax; the others are divided by their temperature, cut to their top-k and top-p sets and
 sampled by the exponential race (argmax of p_i / E_i with E_i ~ Exp(1), which picks i with
 probability p_i). A request with a ``seed`` draws its E from its own generator, so its tokens
 do not depend on what else is in the batch.
+
+:func:`compute_logprobs` gives the log-probabilities of the sampled tokens and the top-k
+alternatives from the raw logits (vLLM's default ``raw_logprobs``: the model's distribution
+before bias, penalties, temperature and top-k/top-p).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+MAX_PENALTY = 2.0          # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_LOGIT_BIAS = 100.0     # OpenAI's range for a logit bias: [-100, 100]
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the raw model distribution and its rank there (1 =
+    the most likely), vLLM-shaped."""
+
+    logprob: float
+    rank: int
+
+
+def _number(name: str, v, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if lo_open else lo <= v) or not v <= hi:
+        raise ValueError(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
 
 
 @dataclass
@@ -21,6 +46,11 @@ class SamplingParams:
     temperature 0 means greedy. ``top_k`` -1 (or 0) means all tokens, ``top_p`` 1.0 the whole
     distribution. ``stop`` strings end the output (not included in ``.text``); ``stop_token_ids``
     add to the model's end-of-sequence tokens, which ``ignore_eos`` disregards.
+    ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2], 0 = off) penalise tokens already
+    generated; ``repetition_penalty`` (> 0, 1 = off) tokens of the prompt and the output;
+    ``logit_bias`` maps token id -> a bias in [-100, 100] added to its logit. ``logprobs``: the
+    number of most likely tokens whose log-probabilities come back with each generated token
+    (0: only the generated token's; None: none), from the raw model distribution.
     """
 
     temperature: float = 1.0
@@ -32,7 +62,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    logprobs: None = field(default=None, repr=False)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,12 +89,33 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported yet")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an int >= 0 (number of top tokens) or None, got {self.logprobs!r}")
+        _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("repetition_penalty", self.repetition_penalty, 0, float("inf"), lo_open=True)
+        if self.logit_bias:
+            bias = {}
+            for k, v in dict(self.logit_bias).items():
+                try:
+                    tok = int(k)            # JSON object keys arrive as strings
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                _number(f"logit_bias[{k}]", v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+                bias[tok] = float(v)
+            self.logit_bias = bias
+        else:
+            self.logit_bias = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Sampling this row needs the request's prompt and output tokens."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 class Sampler:
@@ -74,12 +129,16 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        """logits [B, V] fp32 -> token ids [B] int64 (on the logits' device)."""
+                 generators: list[torch.Generator | None],
+                 history: list[tuple[list[int], list[int]] | None] | None = None) -> torch.Tensor:
+        """logits [B, V] fp32 -> token ids [B] int64 (on the logits' device). ``history``: per
+        row, (prompt ids, output ids) of its request; needed by the rows with a penalty."""
         B, V = logits.shape
         if len(params) != B or len(generators) != B:
             raise ValueError(f"{B} logits rows but {len(params)} params / {len(generators)} generators")
         # what to do is decided on the host from the params: no device round trip before sampling
+        if any(p.penalized or p.logit_bias for p in params):
+            logits = apply_penalties(logits, params, history)
         out = logits.argmax(dim=-1)
         greedy_rows = [p.greedy for p in params]
         if all(greedy_rows):
@@ -104,6 +163,79 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor(greedy_rows).to(dev, non_blocking=True)
         return torch.where(greedy, out, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    history: list[tuple[list[int], list[int]] | None] | None) -> torch.Tensor:
+    """The logits with each row's logit bias and penalties applied (vLLM's semantics), on the
+    logits' device: only the rows that have any are touched, and each of those with one
+    scatter of its token ids (no per-token host work beyond listing them)."""
+    B, V = logits.shape
+    dev = logits.device
+    rows = [i for i, p in enumerate(params) if p.penalized or p.logit_bias]
+    x = logits.float().clone()
+    sub = x[rows]
+    R = len(rows)
+    # logit bias: one (row, token, bias) triple per entry
+    bias = [(j, t, b) for j, i in enumerate(rows) for t, b in (params[i].logit_bias or {}).items() if 0 <= t < V]
+    if bias:
+        r_, t_, b_ = zip(*bias)
+        sub.index_put_((torch.tensor(r_, device=dev), torch.tensor(t_, device=dev)),
+                       torch.tensor(b_, dtype=sub.dtype, device=dev), accumulate=True)
+    pen = [j for j, i in enumerate(rows) if params[i].penalized]
+    if pen:
+        if history is None or any(history[rows[j]] is None for j in pen):
+            raise ValueError("penalties need each penalised row's prompt and output token ids")
+        # output token counts and prompt-token presence of the penalised rows, [P, V]
+        out_r, out_t, pr_r, pr_t = [], [], [], []
+        for k, j in enumerate(pen):
+            prompt, output = history[rows[j]]
+            out_r += [k] * len(output)
+            out_t += output
+            pr_r += [k] * len(prompt)
+            pr_t += prompt
+        P = len(pen)
+        counts = torch.zeros(P, V, dtype=sub.dtype, device=dev)
+        if out_t:
+            counts.index_put_((torch.tensor(out_r, device=dev), torch.tensor(out_t, device=dev)),
+                              torch.ones(len(out_t), dtype=sub.dtype, device=dev), accumulate=True)
+        seen = counts > 0
+        if pr_t:
+            seen[torch.tensor(pr_r, device=dev), torch.tensor(pr_t, device=dev)] = True
+        ps = [params[rows[j]] for j in pen]
+        rep = torch.tensor([p.repetition_penalty for p in ps], dtype=sub.dtype).to(dev)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=sub.dtype).to(dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in ps], dtype=sub.dtype).to(dev)[:, None]
+        y = sub[pen]
+        y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
+        y = y - freq * counts - pres * (counts > 0).to(y.dtype)
+        sub[pen] = y
+    x[rows] = sub
+    return x
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+    """Per row: {token id: Logprob} for the sampled token and the row's ``num_top`` most likely
+    tokens (vLLM's shape: the sampled token is in the dict even when it is not among the top).
+
+    Log-probabilities of the raw model distribution: ``log_softmax`` of the logits row as the
+    model produced it, before logit bias, penalties, temperature and top-k/top-p (vLLM's default
+    ``raw_logprobs``). One transfer to the host for the whole batch."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    sampled = lp.gather(-1, tokens.view(-1, 1).to(lp.device))                   # [B, 1]
+    rank = (lp > sampled).sum(-1) + 1
+    k = max(num_top)
+    if k > 0:
+        top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        top_lp, top_ids = top_lp.cpu().tolist(), top_ids.cpu().tolist()
+    sampled, rank, tok = sampled[:, 0].cpu().tolist(), rank.cpu().tolist(), tokens.cpu().tolist()
+    out = []
+    for i, n in enumerate(num_top):
+        d = {int(tok[i]): Logprob(sampled[i], int(rank[i]))}
+        for j in range(n):
+            d.setdefault(top_ids[i][j], Logprob(top_lp[i][j], j + 1))
+        out.append(d)
+    return out
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,25 @@
 """Drive one LLMEngine from a background thread and stream each request's tokens to asyncio.
 
-HTTP handlers call :meth:`EngineLoop.submit` (validation happens there, so a bad request is
-refused before it touches the running batch) and then iterate the returned :class:`Stream`.
-The thread runs ``engine.step()`` while there is work, and after each step hands every stream
-the tokens it gained; a stream that is abandoned (client gone) is aborted and its pages freed.
+Only the engine thread touches the engine. The event loop hands it work as commands (a
+function and a future), run between two steps: :meth:`EngineLoop.submit` adds the requests of
+one HTTP request (its prompts x n) as a :class:`Group` and raises the engine's ValueError (a
+400) before anything enters the batch; :meth:`EngineLoop.abort` drops a group whose client
+left (its pages are freed at the next step boundary); :meth:`EngineLoop.call` runs anything
+else there (the KV numbers for /metrics). No lock is held while a step runs, so the event loop
+never waits for the engine.
+
+After each step the thread hands every group the tokens its requests gained (one
+:class:`Update` per request that moved) and feeds the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..engine import LLMEngine, SamplingParams
 from ..engine.request import Request, Status
@@ -21,72 +29,100 @@ log = logging.getLogger("zipfusion.server")
 
 @dataclass
 class Update:
+    index: int                      # which request of the group (prompt i, sample j: i * n + j)
     new_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list | None = None    # one {token id: Logprob} per new id, when the request asked
     error: str | None = None
 
 
-@dataclass
-class Stream:
-    """One request's tokens as they arrive; ``async for update in stream``."""
+_CLOSED = object()
 
-    request: Request
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    sent: int = 0                 # output tokens already handed over
-    done: bool = False
 
-    def push(self, update: Update) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+class Group:
+    """The engine requests of one HTTP request; ``async for update in group`` until all are
+    finished (or the group is closed because its client left)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int, name: str = ""):
+        self.loop, self.size, self.name = loop, size, name
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.requests: list[Request | None] = [None] * size
+        self.finished: set[int] = set()
+        self.closed = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.size
+
+    def push(self, update) -> None:                  # from the engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        except RuntimeError:                         # the event loop is gone (shutdown)
+            pass
+
+    def close(self) -> None:                         # from the event loop: stop the iteration
+        self.closed = True
+        self.queue.put_nowait(_CLOSED)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> Update:
-        if self.done:
+        if self.done or self.closed:
             raise StopAsyncIteration
         update = await self.queue.get()
-        self.done = update.finished
+        if update is _CLOSED:
+            raise StopAsyncIteration
+        if update.finished:
+            self.finished.add(update.index)
         return update
 
 
+@dataclass
+class _Tracked:
+    group: Group
+    index: int
+    request: Request
+    sent: int = 0                   # output tokens already handed over
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, metrics=None):
         self.engine = engine
-        self.lock = threading.Lock()
+        self.metrics = metrics
+        self.commands: collections.deque = collections.deque()
         self.wake = threading.Event()
-        self.streams: dict[int, Stream] = {}
+        self.tracked: dict[int, _Tracked] = {}
         self.stopping = False
         self.steps = 0
+        self.aborted = 0
         self.thread = threading.Thread(target=self._run, name="zipfusion-engine", daemon=True)
         self.thread.start()
 
-    # -- called from the event loop ---------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
-        """Queue a request; raises ValueError/TypeError (nothing queued) when it is invalid."""
-        limit = self.engine.max_model_len
-        need = len(prompt_ids) + (params.max_tokens or 0)
-        if len(prompt_ids) >= limit or need > limit:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
-                             f"{need} in all, but this server's max_model_len is {limit}; shorten the "
-                             "prompt or lower max_tokens")
-        loop = asyncio.get_running_loop()
-        with self.lock:
-            req = self.engine.add_request(prompt_ids, params)
-            stream = Stream(req, loop)
-            self.streams[req.request_id] = stream
+    # -- called from the event loop (or any thread) -----------------------------------------
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run ``fn()`` on the engine thread between two steps; its result or exception in the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.stopping:
+            fut.set_exception(RuntimeError("the engine loop is shut down"))
+            return fut
+        self.commands.append((fn, fut))
         self.wake.set()
-        return stream
+        return fut
 
-    def abort(self, stream: Stream) -> None:
-        with self.lock:
-            req = stream.request
-            if self.streams.pop(req.request_id, None) is not None and req.status != Status.FINISHED:
-                sched = self.engine.scheduler
-                if req in sched.waiting:
-                    sched.waiting.remove(req)
-                sched.finish(req, "abort")
+    async def submit(self, items: list[tuple[list[int], SamplingParams]], name: str = "") -> Group:
+        """Queue one group of requests, all or none; raises ValueError/TypeError (nothing queued)
+        when one is invalid or could never fit."""
+        group = Group(asyncio.get_running_loop(), len(items), name)
+        await asyncio.wrap_future(self.call(lambda: self._add(group, items)))
+        return group
+
+    def abort(self, group: Group, why: str = "client disconnected") -> None:
+        """Stop the group's unfinished requests (non-blocking; done at the next step boundary)."""
+        if not group.done:
+            self.call(lambda: self._abort(group, why))
 
     def shutdown(self) -> None:
         self.stopping = True
@@ -94,40 +130,101 @@ class EngineLoop:
         self.thread.join(timeout=10)
 
     # -- the engine thread ------------------------------------------------------------------
+    def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request that could never finish: prompt + max_tokens beyond max_model_len
+        (the engine checked at start-up that one max_model_len request fits in the KV memory)."""
+        limit = self.engine.max_model_len
+        need = len(prompt_ids) + (params.max_tokens or 0)
+        if len(prompt_ids) >= limit or need > limit:
+            raise ValueError(f"this model's maximum context length (max_model_len) is {limit} tokens, but "
+                             f"{need} were requested ({len(prompt_ids)} in the prompt, {params.max_tokens} in the "
+                             "completion); shorten the prompt or lower max_tokens")
+
+    def _add(self, group: Group, items) -> None:
+        reqs = []
+        try:
+            for prompt_ids, params in items:
+                self.check_fits(prompt_ids, params)
+                reqs.append(self.engine.add_request(prompt_ids, params))
+        except BaseException:
+            for r in reqs:
+                self.engine.abort(r)
+            raise
+        for i, r in enumerate(reqs):
+            group.requests[i] = r
+            self.tracked[r.request_id] = _Tracked(group, i, r)
+
+    def _abort(self, group: Group, why: str) -> None:
+        n = 0
+        for r in group.requests:
+            if r is None or self.tracked.pop(r.request_id, None) is None:
+                continue
+            tokens = len(r.output_ids)
+            if r.status != Status.FINISHED:
+                self.engine.abort(r)
+                n += 1
+            if self.metrics is not None:
+                self.metrics.on_finished(r)
+            log.info("request %s[%d] aborted (%s) after %d generated tokens", group.name, group.requests.index(r),
+                     why, tokens)
+        self.aborted += n
+        if self.metrics is not None:
+            self.metrics.on_step(self.engine)     # the running / waiting gauges drop now, not at the next step
+
+    def _run_commands(self) -> None:
+        while self.commands:
+            fn, fut = self.commands.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
     def _run(self) -> None:
         while not self.stopping:
-            with self.lock:
-                busy = self.engine.scheduler.has_work()
-                if busy:
-                    try:
-                        self.engine.step()
-                        self.steps += 1
-                    except Exception as exc:   # keep serving: fail only the requests in flight
-                        log.exception("engine step failed")
-                        self._fail_all(f"engine error: {exc}")
-                    self._publish()
-            if not busy:
-                self.wake.wait(timeout=0.5)
-                self.wake.clear()
+            self.wake.clear()
+            self._run_commands()
+            if self.engine.has_work():
+                try:
+                    self.engine.step()
+                    self.steps += 1
+                except Exception as exc:   # keep serving: fail only the requests in flight
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine error: {exc}")
+                self._publish()
+            elif not self.commands:
+                self.wake.wait(timeout=1.0)
+        for _, fut in self.commands:       # never leave a caller waiting
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the engine loop is shut down"))
 
     def _publish(self) -> None:
-        for rid, stream in list(self.streams.items()):
-            req = stream.request
-            new = req.output_ids[stream.sent:]
-            finished = req.status == Status.FINISHED
+        m = self.metrics
+        for rid, t in list(self.tracked.items()):
+            r = t.request
+            new = r.output_ids[t.sent:]
+            finished = r.status == Status.FINISHED
             if new or finished:
-                stream.sent += len(new)
-                stream.push(Update(list(new), finished, req.finish_reason))
+                lps = r.logprobs[t.sent:t.sent + len(new)] if r.params.logprobs is not None else None
+                if m is not None:
+                    m.on_tokens(r, t.sent, len(new))
+                t.sent += len(new)
+                t.group.push(Update(t.index, list(new), finished, r.finish_reason, r.stop_reason, lps))
             if finished:
-                del self.streams[rid]
+                del self.tracked[rid]
+                if m is not None:
+                    m.on_finished(r)
+        if m is not None:
+            m.on_step(self.engine)
 
     def _fail_all(self, message: str) -> None:
-        sched = self.engine.scheduler
-        for rid, stream in list(self.streams.items()):
-            req = stream.request
-            if req.status != Status.FINISHED:
-                if req in sched.waiting:
-                    sched.waiting.remove(req)
-                sched.finish(req, "abort")
-            stream.push(Update([], True, "abort", error=message))
-            del self.streams[rid]
+        for rid, t in list(self.tracked.items()):
+            try:
+                self.engine.abort(t.request)
+            except Exception:              # the engine may be in a bad state: the error is what matters
+                log.exception("abort after a failed step")
+            t.group.push(Update(t.index, [], True, "abort", error=message))
+            del self.tracked[rid]
+            if self.metrics is not None:
+                self.metrics.on_finished(t.request)

@@ -1,250 +1,432 @@
 """OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-Same request and response shapes as vLLM and SGLang (non-OpenAI options such as ``top_k`` and
-``ignore_eos`` arrive as extra body fields); ``"stream": true`` sends ``data: {json}`` events and
-ends with ``data: [DONE]``. Errors come back as ``{"error": {"message", "type", "code"}}`` with
-status 400 and never disturb the requests already running.
+Same request and response shapes as vLLM (non-OpenAI options such as ``top_k`` and
+``ignore_eos`` arrive as extra body fields; see :mod:`.protocol` for what is accepted).
+``"stream": true`` sends ``data: {json}`` events and ends with ``data: [DONE]``. Every error,
+404 and 405 included, comes back as ``{"error": {"message", "type", "param", "code"}}``; a
+refused request never disturbs the requests already running.
+
+- A request that can never fit (prompt + max_tokens beyond max_model_len) is refused with a
+  400 before it enters the batch; the engine checked at start-up that one max_model_len request
+  fits in the KV memory, so an accepted request does not fail for lack of memory.
+- A client that disconnects, streaming or not, has its requests aborted and their pages freed
+  at the next step boundary.
+- Tokenization, chat templates and the final detokenization run on a tokenizer thread, never
+  on the event loop; streamed text is detokenized incrementally (a window of a few tokens).
+- ``api_key``: every /v1 route needs ``Authorization: Bearer KEY`` (401 otherwise); /health
+  and /metrics stay open, as in vLLM.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import json
+import logging
+import secrets
 import time
 import uuid
-from typing import Any, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import LLMEngine, SamplingParams
-from .engine_loop import EngineLoop, Stream
+from ..engine import LLMEngine
+from .engine_loop import EngineLoop, Group
 from .metrics import Metrics
+from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, _Body
+
+log = logging.getLogger("zipfusion.server")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 500: "server_error"}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = -1
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stream: bool = False
-    n: int = 1
-    logprobs: Any = None
-
-    def sampling_params(self, default_max: int) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported; send one request per completion")
-        if self.logprobs not in (None, False):
-            raise ValueError("logprobs are not supported")
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, max_tokens=self.max_tokens or default_max, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                              min_tokens=self.min_tokens)
+def error_body(message: str, status: int = 400, param: str | None = None, kind: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind or ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": status}}
 
 
-class CompletionBody(_Body):
-    prompt: Union[str, list[int]]
-    echo: bool = False
+def _error(message: str, status: int = 400, param: str | None = None, kind: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, kind), status_code=status, headers=headers)
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+class APIKeyMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: streaming and disconnects pass through untouched)."""
 
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
 
-class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-
-class BadRequest(Exception):
-    pass
-
-
-def _error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = _error("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                                  kind="invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class TextDelta:
-    """Incremental detokenisation that never sends text a stop string could still remove."""
+    """Incremental detokenization of one output: each call decodes a window of a few tokens
+    (vLLM's prefix/read offsets), and never sends text a stop string could still remove."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""                     # text decoded so far
+        self.sent = 0                      # characters of it already sent
         self.hold = max((len(s) for s in stop), default=1) - 1
 
-    def add(self, ids: list[int], final_text: str | None = None) -> str:
+    def add(self, ids: list[int]) -> str:
         self.ids += ids
-        if final_text is not None:
-            text = final_text
-        else:
-            text = self.tokenizer.decode(self.ids) if self.tokenizer else ""
-            text = text[:max(len(self.sent), len(text) - self.hold)]
-            if text.endswith("\ufffd"):          # an incomplete UTF-8 sequence: wait for more bytes
-                text = text[:-1]
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent += delta
+        if self.tokenizer is None or not ids:
+            return ""
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        window = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(window) > len(before) and not window.endswith("\ufffd"):   # else: an incomplete UTF-8 sequence
+            self.text += window[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        upto = len(self.text) - self.hold
+        if upto <= self.sent:
+            return ""
+        delta = self.text[self.sent:upto]
+        self.sent = upto
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of ``final_text`` (the engine's text, stop string cut) after what was sent."""
+        delta = final_text[self.sent:] if final_text.startswith(self.text[:self.sent]) else ""
+        self.sent = len(final_text)
         return delta
 
 
-def create_app(engine: LLMEngine, model_name: str | None = None, default_max_tokens: int = 256) -> FastAPI:
-    loop_holder: dict[str, EngineLoop] = {}
+async def _wait_for_disconnect(http: Request) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, default_max_tokens: int = 256,
+               api_key: str | None = None) -> FastAPI:
+    names = [model_name] if isinstance(model_name, str) else list(model_name or []) or [engine.source.name]
+    name = names[0]
+    metrics = Metrics(engine, name)
+    holder: dict[str, EngineLoop] = {}
+    tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zipfusion-tokenizer")
+
+    def engine_loop() -> EngineLoop:
+        if "loop" not in holder:
+            holder["loop"] = EngineLoop(engine, metrics)
+        return holder["loop"]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        engine_loop()
         yield
-        if "loop" in loop_holder:
-            loop_holder["loop"].shutdown()
+        holder.pop("loop").shutdown()
+        tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="zipfusion", description="OpenAI-compatible server with a losslessly compressed KV cache",
                   lifespan=lifespan)
-    name = model_name or engine.source.name
-    metrics = Metrics(engine)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.state.engine_loop = engine_loop
+    app.state.metrics = metrics
+    app.state.model_names = names
 
-    def engine_loop() -> EngineLoop:
-        if "loop" not in loop_holder:
-            loop_holder["loop"] = EngineLoop(engine)
-        return loop_holder["loop"]
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
 
+    # -- errors ------------------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        details = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
         metrics.rejected.inc()
-        return _error(f"malformed request: {details}")
+        parts, param = [], None
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e["loc"][1:]) or "body"
+            param = param or loc
+            if e["type"] == "extra_forbidden":
+                parts.append(f"unsupported field {loc!r} (not implemented by this server)")
+            else:
+                parts.append(f"{loc}: {e['msg']}")
+        return _error(f"malformed request: {'; '.join(parts)}", param=param)
 
     @app.exception_handler(BadRequest)
     async def _bad(_, exc: BadRequest):
         metrics.rejected.inc()
-        return _error(str(exc))
+        return _error(str(exc), exc.status, exc.param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return _error(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(_, exc: Exception):
+        log.exception("request failed")
+        return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    # -- plain routes --------------------------------------------------------------------------
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "zipfusion",
-                                            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "zipfusion",
+                                            "root": engine.source.name, "max_model_len": engine.max_model_len}
+                                           for n in names]}
 
     @app.get("/metrics")
     async def prometheus():
+        try:
+            stats = await asyncio.wait_for(asyncio.wrap_future(engine_loop().call(engine.cache.stats)), 10)
+            metrics.set_kv(stats)
+        except (asyncio.TimeoutError, RuntimeError):
+            pass                           # a busy or stopped engine: the other numbers still come
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    # -- helpers -------------------------------------------------------------------------------
     def check_model(body: _Body) -> None:
-        if body.model is not None and body.model != name:
-            raise BadRequest(f"model {body.model!r} is not served here; this server serves {name!r} (see /v1/models)")
+        if body.model is not None and body.model not in names:
+            raise BadRequest(f"model {body.model!r} is not served here; this server serves {name!r} "
+                             "(see /v1/models)", 404, "model")
 
-    def start(prompt_ids: list[int], body: _Body, max_tokens: int | None = None) -> tuple[Stream, SamplingParams]:
+    def encode_many(texts: list[str]) -> list[list[int]]:
+        return [engine.tokenizer.encode(t) for t in texts]
+
+    async def tokenize(texts: list[str]) -> list[list[int]]:
+        if engine.tokenizer is None:
+            raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+        return await off_loop(encode_many, texts)
+
+    def max_tokens_for(body: _Body, prompt_ids: list[int]) -> int:
+        asked = body.requested_max_tokens()
+        if asked is not None:
+            return asked
+        return max(1, min(default_max_tokens, engine.max_model_len - len(prompt_ids)))
+
+    async def submit(body: _Body, prompts: list[list[int]], rid: str) -> Group:
+        items = [(ids, body.sampling_params(i, max_tokens_for(body, ids))) for ids in prompts for i in range(body.n)]
         try:
-            if max_tokens is not None:
-                body.max_tokens = max_tokens
-            params = body.sampling_params(default_max_tokens)
-            return engine_loop().submit(prompt_ids, params), params
+            return await engine_loop().submit(items, rid)
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from None
 
-    def encode(text: str) -> list[int]:
-        if engine.tokenizer is None:
-            raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids")
-        return engine.tokenizer.encode(text)
+    @contextlib.asynccontextmanager
+    async def abort_on_disconnect(http: Request, group: Group):
+        """While inside: a client that leaves gets its requests aborted at once. On the way out
+        (also on an error or a cancellation) whatever is unfinished is aborted."""
+        async def watch():
+            await _wait_for_disconnect(http)
+            if not group.done:
+                engine_loop().abort(group, "client disconnected")
+                group.close()
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, http: Request):
-        check_model(body)
-        prompt_ids = encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        stream, params = start(prompt_ids, body)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-
-        def chunk(text: str, reason: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
-
-        return await respond(stream, params, body.stream, http, prompt_ids, chunk, prefix)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, http: Request):
-        check_model(body)
-        if engine.tokenizer is None:
-            raise BadRequest("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token ids")
+        task = asyncio.ensure_future(watch())
         try:
-            text = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        except ValueError as exc:
-            raise BadRequest(f"{exc}; use /v1/completions instead") from None
-        prompt_ids = encode(text)
-        stream, params = start(prompt_ids, body, body.max_completion_tokens or body.max_tokens)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+            yield
+        finally:
+            task.cancel()
+            if not group.done:
+                engine_loop().abort(group, "request ended early")
 
-        def chunk(text: str, reason: str | None, final: bool = False) -> dict:
-            if final:
-                return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                     "finish_reason": reason}]}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
-                                 "finish_reason": reason}]}
+    def token_text(tid: int) -> str:
+        return engine.tokenizer.decode([tid]) if engine.tokenizer is not None else f"token_id:{tid}"
 
-        return await respond(stream, params, body.stream, http, prompt_ids, chunk, "", chat=True)
+    def top_entries(entry: dict, k: int) -> list[tuple[int, float]]:
+        return [(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]]
 
-    async def respond(stream: Stream, params: SamplingParams, streaming: bool, http: Request,
-                      prompt_ids: list[int], chunk, prefix: str, chat: bool = False):
-        metrics.requests.inc()
-        delta = TextDelta(engine.tokenizer, params.stop)
-        started = time.perf_counter()
+    def completion_logprobs(ids: list[int], entries: list[dict], k: int, offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(ids, entries):
+            text = token_text(tid)
+            tokens.append(text)
+            lps.append(entry[tid].logprob)
+            tops.append({token_text(t): lp for t, lp in top_entries(entry, k)} if k else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-        def final_text() -> str:
-            return engine.output_of(stream.request, None).outputs[0].text
+    def chat_logprobs(ids: list[int], entries: list[dict], k: int) -> dict:
+        def one(tid, lp):
+            text = token_text(tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**one(tid, entry[tid].logprob),
+                             "top_logprobs": [one(t, lp) for t, lp in top_entries(entry, k)]}
+                            for tid, entry in zip(ids, entries)]}
 
-        def usage() -> dict:
-            n = len(stream.request.output_ids)
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
+    def usage(prompts: list[list[int]], group: Group) -> dict:
+        p = sum(len(ids) for ids in prompts)
+        c = sum(len(r.output_ids) for r in group.requests if r is not None)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-        if not streaming:
-            try:
-                async for update in stream:
-                    if update.error:
-                        return _error(update.error, 500, "server_error")
-            finally:
-                if not stream.done:
-                    engine_loop().abort(stream)
-            metrics.finished(stream.request, started)
-            text = prefix + final_text()
-            body = chunk(text, stream.request.finish_reason, True) if chat else chunk(text, stream.request.finish_reason)
-            if not chat:
-                body["object"] = "text_completion"
-            body["usage"] = usage()
-            return JSONResponse(body)
+    def final_text(req) -> str:
+        return engine.output_of(req, None).outputs[0].text
+
+    # -- the two generation routes ----------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        check_model(body)
+        body.check()
+        p = body.prompt
+        if isinstance(p, str):
+            texts, prompts = [p], await tokenize([p])
+        elif all(isinstance(x, str) for x in p):
+            texts, prompts = list(p), await tokenize(list(p))
+        elif all(isinstance(x, int) for x in p):
+            texts, prompts = [None], [list(p)]
+        else:
+            texts, prompts = [None] * len(p), [list(x) for x in p]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        group = await submit(body, prompts, rid)
+        n, k = body.n, body.logprobs
+
+        async def echo_text(i: int) -> str:
+            if not body.echo:
+                return ""
+            if texts[i // n] is not None:
+                return texts[i // n]
+            return await off_loop(engine.tokenizer.decode, prompts[i // n]) if engine.tokenizer else ""
+
+        def choice(i, text, reason=None, stop_reason=None, lp=None) -> dict:
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
+
+        def envelope(choices: list, **extra) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices,
+                    **extra}
+
+        if not body.stream:
+            async with abort_on_disconnect(http, group):
+                err = await collect(group)
+            if err:
+                return _error(err, 500)
+            if group.closed:
+                return Response(status_code=499)            # the client is gone: nobody reads this
+            choices = []
+            for i, r in enumerate(group.requests):
+                prefix = await echo_text(i)
+                lp = (completion_logprobs(r.output_ids, r.logprobs, k, len(prefix)) if k is not None else None)
+                choices.append(choice(i, prefix + await off_loop(final_text, r), r.finish_reason, r.stop_reason, lp))
+            return JSONResponse(envelope(choices, usage=usage(prompts, group)))
+
+        deltas = [TextDelta(engine.tokenizer, r.params.stop) for r in group.requests]
+        offsets = [0] * len(deltas)
 
         async def events():
-            try:
-                if prefix:
-                    yield f"data: {json.dumps(chunk(prefix, None))}\n\n"
-                async for update in stream:
-                    if await http.is_disconnected():
+            async with abort_on_disconnect(http, group):
+                for i in range(len(deltas)):
+                    prefix = await echo_text(i)
+                    if prefix:
+                        offsets[i] = len(prefix)
+                        yield sse(envelope([choice(i, prefix)]))
+                async for u in group:
+                    if u.error:
+                        yield sse(error_body(u.error, 500))
                         break
-                    if update.error:
-                        yield f"data: {json.dumps({'error': {'message': update.error, 'type': 'server_error'}})}\n\n"
-                        break
-                    text = delta.add(update.new_ids, final_text() if update.finished else None)
-                    reason = update.finish_reason if update.finished else None
-                    if text or reason:
-                        yield f"data: {json.dumps(chunk(text, reason))}\n\n"
-                    if update.finished:
-                        metrics.finished(stream.request, started)
+                    d = deltas[u.index]
+                    if u.finished:                # the engine's final text: a stop string already cut
+                        text = d.finish(await off_loop(final_text, group.requests[u.index]))
+                    else:
+                        text = d.add(u.new_ids)
+                    lp = None
+                    if k is not None and u.new_ids:
+                        lp = completion_logprobs(u.new_ids, u.logprobs, k, offsets[u.index])
+                    offsets[u.index] += len(text)
+                    if text or u.finished or lp:
+                        yield sse(envelope([choice(u.index, text, u.finish_reason if u.finished else None,
+                                                   u.stop_reason if u.finished else None, lp)]))
+                else:
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield sse(envelope([], usage=usage(prompts, group)))
                 yield "data: [DONE]\n\n"
-            finally:
-                if not stream.done:
-                    engine_loop().abort(stream)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    app.state.engine_loop = engine_loop
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: Request):
+        check_model(body)
+        body.check()
+        if engine.tokenizer is None:
+            raise BadRequest("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token ids")
+        conversation = body.conversation()
+
+        def render() -> list[int]:
+            return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conversation))
+
+        try:
+            prompt_ids = await off_loop(render)
+        except ValueError as exc:
+            raise BadRequest(f"{exc}; use /v1/completions instead") from None
+        prompts = [prompt_ids]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        group = await submit(body, prompts, rid)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+
+        if not body.stream:
+            async with abort_on_disconnect(http, group):
+                err = await collect(group)
+            if err:
+                return _error(err, 500)
+            if group.closed:
+                return Response(status_code=499)
+            choices = []
+            for i, r in enumerate(group.requests):
+                lp = chat_logprobs(r.output_ids, r.logprobs, k) if k is not None else None
+                choices.append({"index": i, "message": {"role": "assistant", "content": await off_loop(final_text, r)},
+                                "logprobs": lp, "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": name,
+                                 "choices": choices, "usage": usage(prompts, group)})
+
+        deltas = [TextDelta(engine.tokenizer, r.params.stop) for r in group.requests]
+
+        def chunk(choices: list, **extra) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": choices, **extra}
+
+        async def events():
+            async with abort_on_disconnect(http, group):
+                for i in range(len(deltas)):       # the role, once per choice, in its first delta only
+                    yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]))
+                async for u in group:
+                    if u.error:
+                        yield sse(error_body(u.error, 500))
+                        break
+                    d = deltas[u.index]
+                    if u.finished:                # the engine's final text: a stop string already cut
+                        text = d.finish(await off_loop(final_text, group.requests[u.index]))
+                    else:
+                        text = d.add(u.new_ids)
+                    lp = chat_logprobs(u.new_ids, u.logprobs, k) if k is not None and u.new_ids else None
+                    if text or u.finished or lp:
+                        c = {"index": u.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                             "finish_reason": u.finish_reason if u.finished else None}
+                        if u.finished:
+                            c["stop_reason"] = u.stop_reason
+                        yield sse(chunk([c]))
+                else:
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield sse(chunk([], usage=usage(prompts, group)))
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def collect(group: Group) -> str | None:
+        """Wait for every request of the group; the engine's error, if a step failed."""
+        async for u in group:
+            if u.error:
+                return u.error
+        return None
+
     return app
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
