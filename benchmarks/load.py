@@ -143,20 +143,19 @@ def worker(args) -> dict:
                 eng.step()
             else:
                 time.sleep(max(0.0, min(0.01, arrivals[i][0] - now)))
-    else:                                            # prefill: TTFT of one prompt, then a 4x longer one
+    else:             # prefill: TTFT of one prompt alone (the first one warms up), then a 4x longer one
         out = {}
-        for n in (args.prompt, 4 * args.prompt):
+        for name, n in (("first", args.prompt), ("steady", args.prompt), ("long", 4 * args.prompt)):
             eng.step_log = []
             r = eng.add_request(rand(n), sp(1))
             while eng.has_work():
                 eng.step()
             secs = r.token_times[0] - r.arrival_time
-            out[n] = {"ttft_s": secs, "mfu": model_flops(eng.model_config, n, n / 2) / secs / BF16_PEAK,
-                      "steps": len(eng.step_log)}
-            log(f"  prefill {n} tokens: TTFT {secs:.3f} s, MFU {out[n]['mfu']:.2f}")
-        return {"scenario": "prefill", "mode": args.mode, "requests": 2,
-                "prefill": {str(k): v for k, v in out.items()},
-                "prefill_mfu": out[args.prompt]["mfu"], "ttft_s": out[args.prompt]["ttft_s"],
+            out[name] = {"tokens": n, "ttft_s": secs, "mfu": model_flops(eng.model_config, n, n / 2) / secs / BF16_PEAK,
+                         "step_s": [s for _, s, *_ in eng.step_log]}
+            log(f"  prefill {name} {n} tokens: TTFT {secs:.3f} s, MFU {out[name]['mfu']:.2f}, steps {out[name]['step_s']}")
+        return {"scenario": "prefill", "mode": args.mode, "requests": 3, "prefill": out,
+                "prefill_mfu": out["steady"]["mfu"], "ttft_s": out["steady"]["ttft_s"],
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     wall = time.perf_counter() - t0
     return summarize(eng, reqs, wall, args.scenario, args.mode, args.prompt)

@@ -14,7 +14,7 @@ class FakeCache:
         self.free_ids = list(range(pages))
         self.sealed = []
 
-    def alloc(self, n):
+    def alloc(self, n, keep_reserve=True):
         assert n <= len(self.free_ids), "scheduler allocated beyond capacity"
         out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
         return out
@@ -26,7 +26,7 @@ class FakeCache:
         self.sealed += list(ids)
         return []
 
-    def capacity_new_pages(self):
+    def capacity_new_pages(self, keep_reserve=True):
         return len(self.free_ids)
 
     def stored_ratio(self):

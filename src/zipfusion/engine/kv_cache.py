@@ -111,8 +111,8 @@ class ArenaKVCache(KVCache):
     def page_loc(self) -> torch.Tensor:
         return self.manager.page_loc
 
-    def alloc(self, n):
-        return list(self.manager.alloc_pages(n)) if n > 0 else []
+    def alloc(self, n, keep_reserve: bool = True):
+        return list(self.manager.alloc_pages(n, keep_reserve)) if n > 0 else []
 
     def free(self, ids):
         if ids:
@@ -130,8 +130,10 @@ class ArenaKVCache(KVCache):
         except MemoryExhausted:
             return [i for i in ids if self.manager.page_state(i) == "open"]
 
-    def capacity_new_pages(self):
-        return int(self.manager.capacity_new_pages())
+    def capacity_new_pages(self, keep_reserve: bool = True):
+        """New pages that fit now; ``keep_reserve=False`` counts the compression reserve too
+        (the last resort before preempting a running request)."""
+        return int(self.manager.capacity_new_pages(keep_reserve=keep_reserve))
 
     def stored_ratio(self):
         return self.manager.stored_ratio()
@@ -197,7 +199,7 @@ class DenseKVCache(KVCache):
         per_page = num_layers * 2 * PAGE_TOKENS * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
         return int(budget_bytes // per_page)
 
-    def alloc(self, n):
+    def alloc(self, n, keep_reserve: bool = True):
         if n > len(self._free):
             raise RuntimeError(f"KV cache full: {n} pages wanted, {len(self._free)} free")
         return [self._free.pop() for _ in range(n)]
@@ -208,7 +210,7 @@ class DenseKVCache(KVCache):
     def seal(self, ids):
         return []
 
-    def capacity_new_pages(self):
+    def capacity_new_pages(self, keep_reserve: bool = True):
         return len(self._free)
 
     def store(self, layer, q, k, v, cos, sin, page_ids, slots, want_kv: bool):

@@ -107,11 +107,11 @@ class Scheduler:
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
         """Every running request whose prompt is done decodes one token; preempt the newest
-        while their new pages do not fit."""
+        while their new pages do not fit even in the compression reserve."""
         while True:
             batch = [r for r in self.running if not r.in_prefill]
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
-            if need <= self.cache.capacity_new_pages() or not batch:
+            if need <= self.cache.capacity_new_pages(keep_reserve=False) or not batch:
                 break
             if len(self.running) == 1:
                 r = self.running[0]
@@ -121,7 +121,7 @@ class Scheduler:
             out.preempted.append(self._preempt(self.running[-1]))
         for r in batch:
             if r.pages_needed(r.num_computed + 1):
-                r.pages += self.cache.alloc(1)
+                r.pages += self.cache.alloc(1, keep_reserve=False)
         out.decode = batch
 
     def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> None:

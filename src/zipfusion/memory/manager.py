@@ -121,38 +121,45 @@ class KVCacheManager:
         self._move_ms = 0.0
 
     # ================================================================== capacity
-    def _groups_available(self, include_compaction: bool = True) -> int:
-        """New open groups the pool(s) can give now, reserve kept (compaction included)."""
+    def _groups_available(self, include_compaction: bool = True, keep_reserve: bool = True) -> int:
+        """New open groups the pool(s) can give now (compaction included), the compression
+        reserve kept unless ``keep_reserve`` is False."""
         L = self.num_layers
         reclaim = self.packed.reclaimable_bound() if include_compaction else np.zeros(L, np.int64)
+        reserve = self.reserve if keep_reserve else 0
         if self.pool.shared:
-            return groups_available([self.pool.available(0) + int(reclaim.sum())], L, self.reserve)
-        return groups_available([self.pool.available(l) + int(reclaim[l]) for l in range(L)], L,
-                                self.reserve)
+            return groups_available([self.pool.available(0) + int(reclaim.sum())], L, reserve)
+        return groups_available([self.pool.available(l) + int(reclaim[l]) for l in range(L)], L, reserve)
 
-    def capacity_new_pages(self, include_compaction: bool = True) -> int:
-        """New open pages that fit in every layer at once (pool and compaction included)."""
-        return self.open.num_free_slots + self.slots_per_chunk * self._groups_available(include_compaction)
+    def capacity_new_pages(self, include_compaction: bool = True, keep_reserve: bool = True) -> int:
+        """New open pages that fit in every layer at once (pool and compaction included).
+
+        ``keep_reserve=False`` also counts the compression reserve: for the scheduler's last
+        resort before preempting a running request (pages then sealed may stay open for a while:
+        no loss, only no compression until memory frees)."""
+        return self.open.num_free_slots + self.slots_per_chunk * self._groups_available(include_compaction,
+                                                                                          keep_reserve)
 
     # ================================================================== allocation
-    def alloc_pages(self, n: int) -> list[int]:
+    def alloc_pages(self, n: int, keep_reserve: bool = True) -> list[int]:
         """``n`` new open pages (one in every layer); their page ids.
 
-        Raises MemoryExhausted, with nothing changed, when they do not fit.
+        Raises MemoryExhausted, with nothing changed, when they do not fit (with the reserve
+        kept, or counting it too when ``keep_reserve`` is False).
         """
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
             raise ValueError(f"alloc_pages(n) needs a non-negative int, got {n!r}")
         n = int(n)
         if n == 0:
             return []
-        cap = min(self.capacity_new_pages(), self.table.num_free_ids)
+        cap = min(self.capacity_new_pages(keep_reserve=keep_reserve), self.table.num_free_ids)
         if n > cap:
             raise MemoryExhausted(
                 f"cannot allocate {n} open page(s) in each of {self.num_layers} layers: room for "
                 f"{cap}; preempt a request (free its pages) and retry", needed=n, available=cap)
         g = self.open.groups_needed(n)
         if g:
-            self._make_room_for_groups(g)
+            self._make_room_for_groups(g, self.reserve if keep_reserve else 0)
             for _ in range(g):
                 chunks = np.array([self.pool.take(self.pool.pool_of(l)) for l in range(self.num_layers)],
                                   dtype=np.int64)
@@ -167,22 +174,22 @@ class KVCacheManager:
         self._counts[OPEN] += n
         return ids.tolist()
 
-    def _make_room_for_groups(self, g: int) -> None:
-        """Compact until the pool(s) hold ``g`` groups beyond the reserve: per layer, just the
-        chunks still missing, the emptiest packed chunks first."""
+    def _make_room_for_groups(self, g: int, reserve: int) -> None:
+        """Compact until the pool(s) hold ``g`` groups beyond ``reserve`` chunks per layer: per
+        layer, just the chunks still missing, the emptiest packed chunks first."""
         L = self.num_layers
         if self.pool.shared:
-            missing = (g + self.reserve) * L - self.pool.available(0)
+            missing = (g + reserve) * L - self.pool.available(0)
             for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
                 if missing <= 0:
                     break
                 missing -= self._compact_layer(layer, want=missing)
         else:
             for layer in range(L):
-                missing = g + self.reserve - self.pool.available(layer)
+                missing = g + reserve - self.pool.available(layer)
                 if missing > 0:
                     self._compact_layer(layer, want=missing)
-        if self._groups_available(include_compaction=False) < g:   # capacity bound was checked
+        if self._groups_available(False, reserve == self.reserve) < g:   # capacity bound was checked
             raise AssertionError("compaction freed fewer chunks than its bound promised")
 
     # ================================================================== free
