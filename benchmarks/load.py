@@ -61,15 +61,15 @@ def model_flops(cfg, tokens: int, context: float) -> float:
 
 def summarize(eng, reqs, wall: float, scenario: str, mode: str, prompt_len: int) -> dict:
     import torch
-    steps = eng.step_log                       # (t0, seconds, n_decode, n_prefill_tokens, running)
-    dec = [(n, s) for _, s, n, p, _ in steps if p == 0 and n > 0]
-    peak = max((r for *_, r in steps), default=0)
+    steps = eng.step_log                       # engine.llm_engine.StepRecord
+    dec = [(x.decode_rows, x.seconds) for x in steps if x.prefill_tokens == 0 and x.decode_rows > 0]
+    peak = max((x.running for x in steps), default=0)
     at_peak = [n / s for n, s in dec if n >= 0.9 * peak]
     gen = sum(len(r.output_ids) for r in reqs)
     ttft = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times]
     itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
     cfg = eng.model_config
-    big = [(s, n, p) for _, s, n, p, _ in steps if p >= prompt_len // 2]
+    big = [(x.seconds, x.decode_rows, x.prefill_tokens) for x in steps if x.prefill_tokens >= prompt_len // 2]
     flops = sum(model_flops(cfg, p, prompt_len / 2) + model_flops(cfg, n, prompt_len) for s, n, p in big)
     stats = eng.cache.stats()
     fracs = [layer["compressible_fraction"] for layer in stats.get("layers", [])
@@ -94,6 +94,10 @@ def summarize(eng, reqs, wall: float, scenario: str, mode: str, prompt_len: int)
         "stored_ratio": (eng.peak_kv_stats or stats).get("stored_ratio", 1.0),
         "prefill_mfu": flops / sum(s for s, _, _ in big) / BF16_PEAK if big else float("nan"),
         "steps": len(steps), "decode_steps": len(dec), "prefill_steps": len(steps) - len(dec),
+        "time_in": {"schedule_s": sum(x.schedule_s for x in steps), "forward_s": sum(x.forward_s for x in steps),
+                    "seal_s": sum(x.seal_s for x in steps),
+                    "decode_steps_s": dec_time, "prefill_steps_s": sum(x.seconds for x in steps) - dec_time},
+        "step_log": [[round(v, 5) if isinstance(v, float) else v for v in x[1:]] for x in steps],
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
 
@@ -152,8 +156,8 @@ def worker(args) -> dict:
                 eng.step()
             secs = r.token_times[0] - r.arrival_time
             out[name] = {"tokens": n, "ttft_s": secs, "mfu": model_flops(eng.model_config, n, n / 2) / secs / BF16_PEAK,
-                         "step_s": [s for _, s, *_ in eng.step_log]}
-            log(f"  prefill {name} {n} tokens: TTFT {secs:.3f} s, MFU {out[name]['mfu']:.2f}, steps {out[name]['step_s']}")
+                         "steps": [[round(v, 5) if isinstance(v, float) else v for v in x[1:]] for x in eng.step_log]}
+            log(f"  prefill {name} {n} tokens: TTFT {secs:.3f} s, MFU {out[name]['mfu']:.2f}, steps {out[name]['steps']}")
         return {"scenario": "prefill", "mode": args.mode, "requests": 3, "prefill": out,
                 "prefill_mfu": out["steady"]["mfu"], "ttft_s": out["steady"]["ttft_s"],
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
@@ -255,7 +259,7 @@ def main():
             log(f"{scen} / {mode} ...")
             rec = run_mode(args, scen, mode)
             records.append(rec)
-            log("  " + json.dumps({k: v for k, v in rec.items() if not isinstance(v, dict)}))
+            log("  " + json.dumps({k: v for k, v in rec.items() if not isinstance(v, (dict, list))}))
     import torch
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "command": "python3 benchmarks/load.py " + " ".join(sys.argv[1:]),

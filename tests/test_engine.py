@@ -225,14 +225,14 @@ def test_gpu_engine_against_transformers_and_through_preemption(ckpts):
     is so small that requests are preempted and recomputed (the same logits bits too, but only
     in deterministic mode: tests/test_deterministic.py; a recompute prefills what was decoded)."""
     path, hf = ckpts["llama"]
-    ps = prompts(6, [70, 9, 33, 50])
+    ps = prompts(6, [50, 9, 33, 40])
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     runs = {}
     open_page = 2 * 16 * 2 * 64 * 2
-    for name, kw in (("big", dict(kv_memory_gb=0.2)),
-                     ("small", dict(kv_memory_gb=(2 * 3 + 12) * 2 * open_page / 2**30, chunk_bytes=2 * open_page,
-                                    admission="optimistic"))):
-        llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_model_len=128, **kw)
+    for name, kw in (("big", dict(kv_memory_gb=0.2)),                 # 10 chunks of 2 pages: 5 pages fit with
+                     ("small", dict(kv_memory_gb=10 * 2 * open_page / 2**30, chunk_bytes=2 * open_page,
+                                    admission="optimistic"))):      # the reserve and the graphs' scratch page
+        llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_model_len=80, **kw)
         llm.engine.record_logits = True
         reqs = [llm.engine.add_request(p, sp) for p in ps]
         while llm.engine.has_work():

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,19 @@ from .sampling import Sampler, SamplingParams, compute_logprobs
 from .scheduler import Scheduler
 
 log = logging.getLogger("zipfusion")
+
+
+class StepRecord(NamedTuple):
+    """One engine step, when ``LLMEngine.step_log`` is a list (benchmarks)."""
+    start: float
+    seconds: float
+    decode_rows: int
+    prefill_tokens: int
+    running: int
+    schedule_s: float
+    forward_s: float                 # forward + sampling; synced when a token was sampled
+    seal_s: float
+    sealed_pages: int
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -194,6 +208,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         for r in out.preempted:
             self.runner.forget(r.request_id)
+        t1 = time.perf_counter()
         logits = self.runner.run(out)
         for ch in out.prefill:
             ch.request.num_computed += ch.length
@@ -201,14 +216,16 @@ class LLMEngine:
             r.num_computed += 1
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
         finished = self._sample(sampled, logits) if sampled else []
+        t2 = time.perf_counter()
         sealed = self.scheduler.seal_full_pages(out.decode + [ch.request for ch in out.prefill])
         self._note_kv_stats(sealed)
         for r, reason in finished:
             self.scheduler.finish(r, reason)
             self.runner.forget(r.request_id)
-        if self.step_log is not None:
-            self.step_log.append((t0, time.perf_counter() - t0, len(out.decode),
-                                  sum(ch.length for ch in out.prefill), len(self.scheduler.running)))
+        if self.step_log is not None:     # seconds: whole step, scheduling, forward + sampling (synced), sealing
+            t3 = time.perf_counter()
+            self.step_log.append(StepRecord(t0, t3 - t0, len(out.decode), sum(ch.length for ch in out.prefill),
+                                            len(self.scheduler.running), t1 - t0, t2 - t1, t3 - t2, sealed))
         return [r for r, _ in finished]
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:

@@ -87,16 +87,21 @@ class ChunkPool:
             raise AssertionError("ChunkPool.take called on an empty pool (caller must check)")
         return self._free[pool].pop()
 
-    def release(self, chunk: int, pool: int) -> None:
-        """Give a fully free chunk back; on CUDA it waits for reads already enqueued."""
+    def release(self, chunks: list[tuple[int, int]]) -> None:
+        """Give fully free chunks back, as (chunk, pool) pairs; on CUDA they wait (one event)
+        for the reads already enqueued."""
+        if not chunks:
+            return
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._pending.append((chunk, pool, event))
-            self._pending_count[pool] += 1
+            for chunk, pool in chunks:
+                self._pending.append((chunk, pool, event))
+                self._pending_count[pool] += 1
             self._collect()
         else:
-            self._free[pool].append(chunk)
+            for chunk, pool in chunks:
+                self._free[pool].append(chunk)
 
 
 def groups_available(free_chunks: list[int], num_layers: int, reserve: int) -> int:

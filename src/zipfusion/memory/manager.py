@@ -202,22 +202,21 @@ class KVCacheManager:
         is_open = t.state[ids] == OPEN
         op, st = ids[is_open], ids[~is_open]
         if op.size:
-            for chunks in self.open.free(t.group[op], t.slot[op]):
-                self._release_group(chunks)
+            self._release_groups(self.open.free(t.group[op], t.slot[op]))
         if st.size:
             locs = t.loc[:, st] & ~1
             sizes = t.size[:, st]
             self._comp_blocks -= self._compressible_blocks(sizes).sum(1)
             self._stored_bytes -= int(sizes.sum())
-            for layer, c in self.packed.free(locs, sizes):
-                self.pool.release(c, self.pool.pool_of(layer))
+            self.pool.release([(c, self.pool.pool_of(layer)) for layer, c in self.packed.free(locs, sizes)])
         self._counts[OPEN] -= op.size
         self._counts[STORED] -= st.size
         t.release_ids(ids)
 
-    def _release_group(self, chunks: np.ndarray) -> None:
-        for layer, c in enumerate(chunks.tolist()):
-            self.pool.release(c, self.pool.pool_of(layer))
+    def _release_groups(self, groups: list[np.ndarray]) -> None:
+        """Chunks of emptied open groups back to the pool."""
+        self.pool.release([(c, self.pool.pool_of(layer)) for chunks in groups
+                           for layer, c in enumerate(chunks.tolist())])
 
     # ================================================================== compression
     def _compressible_blocks(self, sizes: np.ndarray) -> np.ndarray:
@@ -261,11 +260,14 @@ class KVCacheManager:
             sizes = flat.reshape(L, n)
         order = np.lexsort((t.slot[ids], t.group[ids]))
         S = self.slots_per_chunk
+        left = []
         for i in range(0, n, S):
             part = order[i:i + S]
             if not self._compress_batch(ids, part, sizes[:, part], state):
-                return ids[order[i:]].tolist()
-        return []
+                left = ids[order[i:]].tolist()
+                break
+        t.sync(ids)                        # one copy of the touched page_loc columns to the device
+        return left
 
     def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state) -> bool:
         t = self.table
@@ -291,9 +293,7 @@ class KVCacheManager:
         self._counts[OPEN] -= batch.size
         self._counts[STORED] += batch.size
         self.pages_compressed += batch.size
-        for chunks in self.open.free(t.group[batch], t.slot[batch]):
-            self._release_group(chunks)
-        t.sync(batch)
+        self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
         return True
 
     def _make_room_for_packing(self, stored: np.ndarray):
@@ -351,8 +351,7 @@ class KVCacheManager:
         self._timed_move(locs[moved], new_locs[moved], sizes[moved])
         self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
         t.loc[layer, ids] = new_locs | (t.loc[layer, ids] & 1)
-        for c in freed:
-            self.pool.release(c, self.pool.pool_of(layer))
+        self.pool.release([(c, self.pool.pool_of(layer)) for c in freed])
         self.pages_moved += int(moved.size)
         self.bytes_moved += int(sizes[moved].sum())
         self.compactions += 1
