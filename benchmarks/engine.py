@@ -112,7 +112,7 @@ def fill_requests(cache, ctx, pool, max_requests, compress):
             if left:                             # compressed space ran out: this one does not fit
                 cache.free(ids)
                 break
-        r = Request(i, [1] * ctx, SamplingParams(temperature=0), arrival=0)
+        r = Request(i, [1] * ctx, SamplingParams(temperature=0))
         r.output_ids = [2]
         r.pages, r.num_computed, r.num_sealed_pages = ids, ctx, n_full
         reqs.append(r)
@@ -144,10 +144,11 @@ def weight_bytes(model, batch):
     return total
 
 
-def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, pool):
+def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, pool, deterministic=False):
     cfg = model.config
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress)
+    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress, deterministic=deterministic)
+    model.set_deterministic(deterministic)
     t0 = time.perf_counter()
     reqs = fill_requests(cache, ctx, pool, max_batch, compress)
     fill_s = time.perf_counter() - t0
@@ -170,8 +171,10 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
         kv = b * (kv_full_per_req + L * 2 * H * D * 2 * ((ctx % PAGE_TOKENS) + 1))
         wb = weight_bytes(model, b)
         rows.append(dict(batch=b, step_s=step, replay_s=replay, weight_bytes=wb, kv_bytes=kv))
-        log(f"  compress={compress} batch={b}: step {step * 1e3:.2f} ms, replay {replay * 1e3:.2f} ms")
-    info = dict(compress=compress, max_batch=n_max, fill_s=fill_s, capture_s=capture_s,
+        log(f"  compress={compress} deterministic={deterministic} batch={b}: step {step * 1e3:.2f} ms, "
+            f"replay {replay * 1e3:.2f} ms")
+    model.set_deterministic(False)
+    info = dict(compress=compress, deterministic=deterministic, max_batch=n_max, fill_s=fill_s, capture_s=capture_s,
                 stored_ratio=st["stored_ratio"], kv_bytes_per_request=kv_full_per_req, rows=rows)
     del runner, cache, reqs
     gc.collect()
@@ -190,6 +193,8 @@ def main():
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--skip-exactness", action="store_true")
+    ap.add_argument("--modes", default="compressed,uncompressed",
+                    help="comma list of compressed, uncompressed, compressed-deterministic, uncompressed-deterministic")
     ap.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes: checks the script")
     args = ap.parse_args()
     if args.smoke:
@@ -233,9 +238,10 @@ def main():
     pool = pool.to(dev)
     batches = [int(b) for b in args.batches.split(",")]
     info["runs"] = []
-    for c in (True, False):                 # results written after each run (a timeout keeps them)
+    for mode in args.modes.split(","):      # results written after each run (a timeout keeps them)
+        c, det = mode.startswith("compressed"), mode.endswith("deterministic")
         t0 = time.perf_counter()
-        run = decode_bench(model, dev, args.ctx, args.kv_gb, batches, args.steps, args.max_batch, c, pool)
+        run = decode_bench(model, dev, args.ctx, args.kv_gb, batches, args.steps, args.max_batch, c, pool, det)
         run["seconds"] = time.perf_counter() - t0
         for r in run["rows"]:
             r["roofline_s"] = (r["weight_bytes"] + r["kv_bytes"]) / bw
@@ -260,7 +266,7 @@ def write(info, out, smoke=False):
              "| KV | batch | step ms | replay ms | roofline ms | step / roofline | replay / roofline | KV GB read |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in info.get("runs", []):
-        kind = "compressed" if run["compress"] else "uncompressed"
+        kind = ("compressed" if run["compress"] else "uncompressed") + (" deterministic" if run.get("deterministic") else "")
         for r in run["rows"]:
             lines.append(f"| {kind} | {r['batch']} | {r['step_s'] * 1e3:.2f} | {r['replay_s'] * 1e3:.2f} | "
                          f"{r['roofline_s'] * 1e3:.2f} | {r['efficiency_step']:.1%} | {r['efficiency_replay']:.1%} | "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import statistics
@@ -106,7 +107,7 @@ def worker(args) -> dict:
     import torch
 
     from zipfusion import LLM, SamplingParams
-    kw = dict(kv_compression=args.mode == "compressed", kv_memory_gb=args.kv_gb,
+    kw = dict(kv_compression=args.mode == "compressed", kv_memory_gb=args.kv_gb, deterministic=args.deterministic,
               max_num_batched_tokens=args.batched_tokens, device=args.device,
               max_model_len=max(args.prompt * 4 + args.max_tokens * 2 + 16, 1024) if args.scenario == "prefill"
               else args.prompt + 2 * args.max_tokens + 16)
@@ -162,7 +163,10 @@ def worker(args) -> dict:
                 "prefill_mfu": out["steady"]["mfu"], "ttft_s": out["steady"]["ttft_s"],
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     wall = time.perf_counter() - t0
-    return summarize(eng, reqs, wall, args.scenario, args.mode, args.prompt)
+    rec = summarize(eng, reqs, wall, args.scenario, args.mode, args.prompt)
+    rec["deterministic"] = args.deterministic
+    rec["outputs_sha256"] = hashlib.sha256(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest()
+    return rec
 
 
 # ------------------------------------------------------------------------------ driver
@@ -171,6 +175,7 @@ def run_mode(args, scenario: str, mode: str) -> dict:
            "--model", args.model, "--device", args.device, "--requests", str(args.requests),
            "--prompt", str(args.prompt), "--max-tokens", str(args.max_tokens), "--kv-gb", str(args.kv_gb),
            "--batched-tokens", str(args.batched_tokens), "--rate", str(args.rate), "--seed", str(args.seed)]
+    cmd += ["--deterministic"] if args.deterministic else []
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     sys.stderr.write(p.stderr[-3000:] if p.returncode else "")
@@ -245,6 +250,7 @@ def main():
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--rate", type=float, default=2.0, help="poisson: requests per second")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True) in every mode")
     args = ap.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.prompt, args.max_tokens = "demo", "cpu", 24, 96, 24
@@ -264,14 +270,20 @@ def main():
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "command": "python3 benchmarks/load.py " + " ".join(sys.argv[1:]),
             "model": args.model, "kv_memory_gb": args.kv_gb, "prompt": args.prompt, "max_tokens": args.max_tokens,
-            "requests": args.requests, "max_num_batched_tokens": args.batched_tokens, "poisson_rate": args.rate}
+            "requests": args.requests, "max_num_batched_tokens": args.batched_tokens, "poisson_rate": args.rate,
+            "deterministic": args.deterministic}
     result = {"meta": meta, "records": records, "ratios": ratios(records)}
-    with open(os.path.join(args.out, "load.json"), "w") as f:
+    for scen in {r["scenario"] for r in records if "outputs_sha256" in r}:
+        hashes = {r["outputs_sha256"] for r in records if r["scenario"] == scen}
+        result.setdefault("identical_outputs_across_modes", {})[scen] = len(hashes) == 1
+    name = "load_deterministic" if args.deterministic else "load"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    md = table(records) + "\n\ncompressed / uncompressed: " + json.dumps(result["ratios"]) + "\n"
-    with open(os.path.join(args.out, "load.md"), "w") as f:
+    md = (table(records) + "\n\ncompressed / uncompressed: " + json.dumps(result["ratios"])
+          + "\nidentical outputs across modes: " + json.dumps(result.get("identical_outputs_across_modes")) + "\n")
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(md)
-    plot(records, os.path.join(args.out, "load.png"))
+    plot(records, os.path.join(args.out, f"{name}.png"))
     log(md)
 
 
