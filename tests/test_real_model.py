@@ -122,3 +122,37 @@ def test_cli_analyze_gguf(gguf_path, tmp_path, capsys):
     assert main(["analyze", "--model", str(gguf_path), "--device", "cpu", "--text", str(text)]) == 0
     out = capsys.readouterr().out
     assert "30 layers" in out and "compressible blocks" in out
+
+
+def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm, prompts):
+    """Every arena that holds one max-length request holds at least as many pages compressed as
+    uncompressed, filled page by page with this model's own KV pages (their encoded sizes; the
+    memory manager's placement, reserve and chunking as the engine runs them)."""
+    from zipfusion.analysis.model_kv import capture_kv
+    from zipfusion.format import PageLayout, page_sizes
+    from zipfusion.memory import KVCacheManager, MemoryExhausted
+    ids = (sum(prompts, []) * 40)[:1024]
+    layers = capture_kv(bf16_llm.engine.model, torch.tensor(ids))              # [(K, V) [T, H, D]] x 30
+    pages = [torch.stack([k, v], 1).view(-1, 16, 2, *k.shape[1:]).transpose(1, 2) for k, v in layers]
+    sizes = torch.stack([page_sizes(p.contiguous()) for p in pages]).numpy()    # [L, 64] encoded bytes
+    L, (H, D) = len(layers), layers[0][0].shape[1:]
+    layout = PageLayout(H, D)
+    one_request = 8192 // 16 * L * layout.open_page_bytes                       # max_position_embeddings
+    gained = []
+    for factor in (1.0, 1.05, 1.3, 2.0, 4.0, 256 * 2**20 / one_request):
+        counts = {}
+        for compress in (True, False):
+            m = KVCacheManager(L, layout, int(one_request * factor), device="meta", compression=compress)
+            n = 0
+            while True:
+                try:
+                    new = m.alloc_pages(1)
+                except MemoryExhausted:
+                    break
+                if compress:
+                    m.compress_pages(new, sizes=sizes[:, n % sizes.shape[1], None])
+                n += 1
+            counts[compress] = n
+        assert counts[True] >= counts[False] >= 8192 // 16, (factor, counts)
+        gained.append(counts[True] / counts[False])
+    assert gained[-1] > 1.15                                                    # the CPU default, 0.25 GiB
