@@ -29,7 +29,8 @@ def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
     llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
     eng = llm.engine
     reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in prompts()]
-    eng.step()                                                      # prefill, full pages compressed
+    eng.step()                                                      # prefill
+    eng.scheduler.seal_full_pages([], force=True)                   # full pages compressed now
     assert eng.cache.manager.page_state(reqs[0].pages[0]) == "compressed"
     b = eng.runner._decode_inputs(reqs, 4)                          # one padding row
     q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)

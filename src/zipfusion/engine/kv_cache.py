@@ -108,6 +108,11 @@ class ArenaKVCache(KVCache):
         return self.manager.arena
 
     @property
+    def seal_batch(self) -> int:
+        """Full pages worth one compress call (the manager compresses a group's worth at a time)."""
+        return self.manager.slots_per_chunk if self.compress else 1
+
+    @property
     def page_loc(self) -> torch.Tensor:
         return self.manager.page_loc
 

@@ -17,7 +17,11 @@ from .kv_cache import KVCache, default_sm_scale
 from .request import PAGE_TOKENS, Request
 from .scheduler import SchedulerOutput
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# decode batch sizes with a captured CUDA graph: a step of n requests replays the smallest >= n.
+# Every 8 rows: the attention kernel's split count is fixed at capture from the bucket's size,
+# so a bucket much larger than the batch (65 requests in a graph of 96) picks too few splits
+# for the real rows and leaves a wave of the launch half empty.
+GRAPH_BUCKETS = (1, 2, 4) + tuple(range(8, 513, 8))
 
 
 class ModelRunner:
@@ -145,7 +149,7 @@ class ModelRunner:
             self._static[k][:bucket].copy_(self._host[k][:bucket], non_blocking=True)
         self._staged.record()
         self.graphs[bucket].replay()
-        return self._static_logits[bucket][:n]
+        return self._logits[:n]
 
     # -- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -166,10 +170,10 @@ class ModelRunner:
         self._decode_inputs([], top, self._host)                       # all rows padding
         self._static = {k: v.to(self.device) for k, v in self._host.items()}
         self._staged = torch.cuda.Event()
-        self._static_logits = {}
+        self._logits = torch.empty(top, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         pool = None
-        for bs in reversed(buckets):
-            b = self._named(self._static, bs)
+        for bs in reversed(buckets):                        # one memory pool; every graph writes its
+            b = self._named(self._static, bs)               # logits into the one output buffer
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -178,7 +182,7 @@ class ModelRunner:
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self._static_logits[bs] = self._decode_forward(b)
+                self._logits[:bs].copy_(self._decode_forward(b))
             pool = g.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize()

@@ -26,6 +26,11 @@ from .kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
 
 
+SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
+                        # (the cache's ``seal_batch``) or the oldest has waited this many steps:
+                        # one call's fixed cost (analysis, a device sync, placement) serves many pages
+
+
 class KVCacheTooSmall(RuntimeError):
     """One request alone does not fit in the KV memory."""
 
@@ -62,7 +67,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 8192, admission: str = "estimate"):
+                 max_model_len: int = 8192, admission: str = "estimate", seal_max_wait: int = SEAL_MAX_WAIT):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
@@ -73,7 +78,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._unsealed: set[int] = set()       # full pages left open when compressed space ran out
+        self.seal_min_pages, self.seal_max_wait = getattr(cache, "seal_batch", 1), seal_max_wait
+        self._to_seal: set[int] = set()        # full pages not sealed yet (or left open: no room)
+        self._seal_wait = 0
 
     def add(self, req: Request) -> None:
         if len(req.prompt_ids) == 0:
@@ -177,16 +184,21 @@ class Scheduler:
         return req
 
     # -- after a step -----------------------------------------------------------------------
-    def seal_full_pages(self, reqs) -> int:
-        """Hand every page that just filled up to the cache for compression (one call);
-        returns how many pages were handed over."""
-        ids = list(self._unsealed)
+    def seal_full_pages(self, reqs, force: bool = False) -> int:
+        """Collect the pages that just filled up; hand them to the cache for compression (one
+        call) once a compress batch of them waits or the oldest has waited SEAL_MAX_WAIT steps
+        (or now, with ``force``). Returns how many pages were handed over."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
             if full > r.num_sealed_pages:
-                ids += r.pages[r.num_sealed_pages:full]
+                self._to_seal.update(r.pages[r.num_sealed_pages:full])
                 r.num_sealed_pages = full
-        self._unsealed = set(self.cache.seal(ids))
+        self._seal_wait += 1
+        waiting = len(self._to_seal) < self.seal_min_pages and self._seal_wait < self.seal_max_wait
+        if not self._to_seal or (waiting and not force):
+            return 0
+        ids = sorted(self._to_seal)
+        self._to_seal, self._seal_wait = set(self.cache.seal(ids)), 0
         return len(ids)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -204,6 +216,6 @@ class Scheduler:
         self._free_pages(req)
 
     def _free_pages(self, req: Request) -> None:
-        self._unsealed.difference_update(req.pages)
+        self._to_seal.difference_update(req.pages)
         self.cache.free(req.pages)
         req.pages = []
