@@ -117,7 +117,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
                api_key: str | None = None) -> FastAPI:
     names = [model_name] if isinstance(model_name, str) else list(model_name or []) or [engine.source.name]
     name = names[0]
-    metrics = Metrics(engine, name)
+    metrics = Metrics(name)
     holder: dict[str, EngineLoop] = {}
     tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zipfusion-tokenizer")
 
