@@ -23,52 +23,19 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import logging
-import secrets
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
+from .auth import APIKeyMiddleware
 from .engine_loop import EngineLoop, Group
+from .errors import error_body, error_response, install_error_handlers
 from .metrics import Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, _Body
 
-log = logging.getLogger("zipfusion.server")
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 500: "server_error"}
-
-
-def error_body(message: str, status: int = 400, param: str | None = None, kind: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind or ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": status}}
-
-
-def _error(message: str, status: int = 400, param: str | None = None, kind: str | None = None,
-           headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, kind), status_code=status, headers=headers)
-
-
-class APIKeyMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware: streaming and disconnects pass through untouched)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = _error("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                                  kind="invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class TextDelta:
@@ -144,33 +111,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
 
-    # -- errors ------------------------------------------------------------------------------
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
-        metrics.rejected.inc()
-        parts, param = [], None
-        for e in exc.errors():
-            loc = ".".join(str(p) for p in e["loc"][1:]) or "body"
-            param = param or loc
-            if e["type"] == "extra_forbidden":
-                parts.append(f"unsupported field {loc!r} (not implemented by this server)")
-            else:
-                parts.append(f"{loc}: {e['msg']}")
-        return _error(f"malformed request: {'; '.join(parts)}", param=param)
-
-    @app.exception_handler(BadRequest)
-    async def _bad(_, exc: BadRequest):
-        metrics.rejected.inc()
-        return _error(str(exc), exc.status, exc.param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        return _error(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _crash(_, exc: Exception):
-        log.exception("request failed")
-        return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
+    install_error_handlers(app, metrics)
 
     # -- plain routes --------------------------------------------------------------------------
     @app.get("/health")
@@ -306,7 +247,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
             async with abort_on_disconnect(http, group):
                 err = await collect(group)
             if err:
-                return _error(err, 500)
+                return error_response(err, 500)
             if group.closed:
                 return Response(status_code=499)            # the client is gone: nobody reads this
             choices = []
@@ -373,7 +314,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
             async with abort_on_disconnect(http, group):
                 err = await collect(group)
             if err:
-                return _error(err, 500)
+                return error_response(err, 500)
             if group.closed:
                 return Response(status_code=499)
             choices = []
