@@ -147,14 +147,8 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
             raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
         return await off_loop(encode_many, texts)
 
-    def max_tokens_for(body: _Body, prompt_ids: list[int]) -> int:
-        asked = body.requested_max_tokens()
-        if asked is not None:
-            return asked
-        return max(1, min(default_max_tokens, engine.max_model_len - len(prompt_ids)))
-
     async def submit(body: _Body, prompts: list[list[int]], rid: str) -> Group:
-        items = [(ids, body.sampling_params(i, max_tokens_for(body, ids))) for ids in prompts for i in range(body.n)]
+        items = body.engine_requests(prompts, default_max_tokens, engine.max_model_len)
         try:
             return await engine_loop().submit(items, rid)
         except (ValueError, TypeError) as exc:
