@@ -96,8 +96,6 @@ class EngineLoop:
         self.wake = threading.Event()
         self.tracked: dict[int, _Tracked] = {}
         self.stopping = False
-        self.steps = 0
-        self.aborted = 0
         self.thread = threading.Thread(target=self._run, name="zipfusion-engine", daemon=True)
         self.thread.start()
 
@@ -155,19 +153,16 @@ class EngineLoop:
             self.tracked[r.request_id] = _Tracked(group, i, r)
 
     def _abort(self, group: Group, why: str) -> None:
-        n = 0
         for r in group.requests:
             if r is None or self.tracked.pop(r.request_id, None) is None:
                 continue
             tokens = len(r.output_ids)
             if r.status != Status.FINISHED:
                 self.engine.abort(r)
-                n += 1
             if self.metrics is not None:
                 self.metrics.on_finished(r)
             log.info("request %s[%d] aborted (%s) after %d generated tokens", group.name, group.requests.index(r),
                      why, tokens)
-        self.aborted += n
         if self.metrics is not None:
             self.metrics.on_step(self.engine)     # the running / waiting gauges drop now, not at the next step
 
@@ -188,7 +183,6 @@ class EngineLoop:
             if self.engine.has_work():
                 try:
                     self.engine.step()
-                    self.steps += 1
                 except Exception as exc:   # keep serving: fail only the requests in flight
                     log.exception("engine step failed")
                     self._fail_all(f"engine error: {exc}")

@@ -29,9 +29,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class Metrics:
-    def __init__(self, engine, model_name: str):
+    def __init__(self, model_name: str):
         disable_created_metrics()            # as vLLM: no *_created series
-        self.engine = engine
         self.registry = r = CollectorRegistry()
         label = {"model_name": model_name}
         names = ["model_name"]

@@ -75,6 +75,19 @@ class _Body(BaseModel):
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from None
 
+    def engine_requests(self, prompts: list[list[int]], default_max_tokens: int,
+                        max_model_len: int) -> list[tuple[list[int], SamplingParams]]:
+        """One (prompt ids, params) per sample, prompt-major: choice ``i * n + j`` is prompt i, sample j."""
+        return [(ids, self.sampling_params(j, self.max_tokens_for(ids, default_max_tokens, max_model_len)))
+                for ids in prompts for j in range(self.n)]
+
+    def max_tokens_for(self, prompt_ids: list[int], default_max_tokens: int, max_model_len: int) -> int:
+        """What was asked; else what max_model_len leaves after the prompt, at most the server's default."""
+        asked = self.requested_max_tokens()
+        if asked is not None:
+            return asked
+        return max(1, min(default_max_tokens, max_model_len - len(prompt_ids)))
+
 
 class CompletionRequest(_Body):
     prompt: Union[str, list[str], list[int], list[list[int]]]

@@ -1,0 +1,166 @@
+"""What the two generation routes send back, in OpenAI's shapes: the whole body, the streamed
+chunks, their logprobs and the usage.
+
+One :class:`Reply` per HTTP request (:class:`CompletionReply` or :class:`ChatReply`). The engine's
+final text and an echoed prompt are detokenized on the tokenizer thread (``run``), never on the
+event loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Awaitable, Callable
+
+from .engine_loop import Update
+from .protocol import CompletionRequest, _Body
+
+
+def usage(prompts: list[list[int]], requests: list) -> dict:
+    p = sum(len(ids) for ids in prompts)
+    c = sum(len(r.output_ids) for r in requests if r is not None)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def top_entries(entry: dict, k: int) -> list[tuple[int, float]]:
+    """The ``k`` best (token id, logprob) of one position's {token id: Logprob}."""
+    return [(t, lp.logprob) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]]
+
+
+class Reply:
+    """The replies of one generation request: its id, the envelope of its body and chunks, and
+    ``k``, the top logprobs asked per token (None: no logprobs)."""
+
+    id_prefix = body_object = chunk_object = ""
+
+    def __init__(self, engine, model: str, run: Callable[..., Awaitable], body: _Body, prompts: list[list[int]]):
+        self.id, self.created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.engine, self.tokenizer, self.model, self.run = engine, engine.tokenizer, model, run
+        self.prompts, self.size, self.k = prompts, len(prompts) * body.n, body.num_logprobs()
+
+    def envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def token_text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
+
+    async def final_text(self, req) -> str:
+        """The engine's text of a finished request (a stop string already cut)."""
+        return await self.run(lambda: self.engine.output_of(req, None).outputs[0].text)
+
+    def usage_chunk(self, requests: list) -> dict:
+        return self.envelope(self.chunk_object, [], usage=usage(self.prompts, requests))
+
+    # -- one per route --------------------------------------------------------------------------
+    async def head(self) -> list[dict]:
+        """The chunks streamed before the first token."""
+        raise NotImplementedError
+
+    def chunk(self, u: Update, text: str) -> dict | None:
+        """The chunk streamed for one update whose new text is ``text``; None: nothing to send."""
+        raise NotImplementedError
+
+    async def body(self, requests: list) -> dict:
+        """The whole response, once every request finished."""
+        raise NotImplementedError
+
+
+class CompletionReply(Reply):
+    id_prefix, body_object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, engine, model: str, run, body: CompletionRequest, prompts: list[list[int]],
+                 texts: list[str | None]):
+        super().__init__(engine, model, run, body, prompts)
+        self.texts, self.echo, self.n = texts, body.echo, body.n
+        self.offsets = [0] * self.size     # characters streamed per choice (logprobs' text_offset)
+
+    async def echo_texts(self) -> list[str]:
+        """Each prompt as text when echo was asked, else ""; a prompt of token ids is decoded."""
+        if not self.echo:
+            return [""] * len(self.prompts)
+        return [await self.prompt_text(text, ids) for text, ids in zip(self.texts, self.prompts)]
+
+    async def prompt_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        return await self.run(self.tokenizer.decode, ids) if self.tokenizer else ""
+
+    def choice(self, i: int, text: str, reason=None, stop_reason=None, lp=None) -> dict:
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
+
+    def logprobs(self, ids: list[int], entries: list[dict], offset: int) -> dict | None:
+        if self.k is None:
+            return None
+        tokens, lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(ids, entries):
+            text = self.token_text(tid)
+            tokens.append(text)
+            lps.append(entry[tid].logprob)
+            tops.append({self.token_text(t): lp for t, lp in top_entries(entry, self.k)} if self.k else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def head(self) -> list[dict]:
+        echo, chunks = await self.echo_texts(), []
+        for i in range(self.size):
+            prefix = echo[i // self.n]
+            if prefix:
+                self.offsets[i] = len(prefix)
+                chunks.append(self.envelope(self.chunk_object, [self.choice(i, prefix)]))
+        return chunks
+
+    def chunk(self, u: Update, text: str) -> dict | None:
+        lp = self.logprobs(u.new_ids, u.logprobs, self.offsets[u.index]) if u.new_ids else None
+        self.offsets[u.index] += len(text)
+        if not (text or u.finished or lp):
+            return None
+        end = (u.finish_reason, u.stop_reason) if u.finished else (None, None)
+        return self.envelope(self.chunk_object, [self.choice(u.index, text, *end, lp)])
+
+    async def body(self, requests: list) -> dict:
+        echo, choices = await self.echo_texts(), []
+        for i, r in enumerate(requests):
+            prefix = echo[i // self.n]
+            lp = self.logprobs(r.output_ids, r.logprobs, len(prefix))
+            choices.append(self.choice(i, prefix + await self.final_text(r), r.finish_reason, r.stop_reason, lp))
+        return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))
+
+
+class ChatReply(Reply):
+    id_prefix, body_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def logprobs(self, ids: list[int], entries: list[dict]) -> dict | None:
+        if self.k is None:
+            return None
+
+        def one(tid, lp):
+            text = self.token_text(tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**one(tid, entry[tid].logprob),
+                             "top_logprobs": [one(t, lp) for t, lp in top_entries(entry, self.k)]}
+                            for tid, entry in zip(ids, entries)]}
+
+    async def head(self) -> list[dict]:
+        # the role, once per choice, in its first delta only
+        return [self.envelope(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}])
+                for i in range(self.size)]
+
+    def chunk(self, u: Update, text: str) -> dict | None:
+        lp = self.logprobs(u.new_ids, u.logprobs) if u.new_ids else None
+        if not (text or u.finished or lp):
+            return None
+        c = {"index": u.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+             "finish_reason": u.finish_reason if u.finished else None}
+        if u.finished:
+            c["stop_reason"] = u.stop_reason
+        return self.envelope(self.chunk_object, [c])
+
+    async def body(self, requests: list) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": await self.final_text(r)},
+                    "logprobs": self.logprobs(r.output_ids, r.logprobs), "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason}
+                   for i, r in enumerate(requests)]
+        return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))
