@@ -170,6 +170,15 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
     assert not engine.scheduler.has_work()
 
 
+def test_one_engine_is_driven_by_one_server(client, engine):
+    from zipfusion.server.engine_loop import EngineLoop
+    client.get("/health")
+    loop = client.app.state.engine_loop()                  # the TestClient app's engine thread
+    with pytest.raises(RuntimeError, match="one server per engine"):
+        EngineLoop(engine)
+    assert loop.thread.is_alive()
+
+
 def test_a_failed_engine_step_fails_only_the_requests_in_flight(client, engine, monkeypatch):
     real = engine.step
     calls = []
@@ -322,8 +331,8 @@ def test_penalties_are_applied_not_ignored(client):
     assert len(set(penalised.split())) >= len(set(words))        # fewer repeats
 
 
-def test_served_model_name_and_api_key(engine):
-    app = create_app(engine, ["zf", "alias"], api_key="sekret")
+def test_served_model_name_and_api_key(live_engine):
+    app = create_app(live_engine, ["zf", "alias"], api_key="sekret")
     with TestClient(app) as c:
         r = c.get("/v1/models")
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
@@ -360,8 +369,15 @@ def test_metrics_names_as_vllm(client):
 # -- concurrency: uvicorn on 127.0.0.1 ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def live(engine):
-    app = create_app(engine)
+def live_engine():
+    """The live server's own engine: one engine is driven by one server (the TestClient app
+    above has its engine thread running on ``engine`` for the whole module)."""
+    return LLMEngine("demo", device="cpu", kv_memory_gb=0.05, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def live(live_engine):
+    app = create_app(live_engine)
     with live_server(app) as url:
         yield url, app
 
@@ -371,7 +387,7 @@ def kv_pages_in_use(app, engine) -> int:
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_client_disconnect_aborts_and_frees_pages(live, engine, streaming, caplog):
+def test_client_disconnect_aborts_and_frees_pages(live, live_engine, streaming, caplog):
     caplog.set_level("INFO", logger="zipfusion.server")
     url, app = live
     metrics = lambda: httpx.get(url + "/metrics", timeout=T).text   # noqa: E731
@@ -388,11 +404,11 @@ def test_client_disconnect_aborts_and_frees_pages(live, engine, streaming, caplo
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json=body, timeout=0.5)          # the client gives up
-    wait_until(lambda: not engine.scheduler.has_work(), what="the abort")
+    wait_until(lambda: not live_engine.scheduler.has_work(), what="the abort")
     text = metrics()
     assert metric(text, "zipfusion:num_requests_running") == 0
     assert metric(text, "zipfusion:request_success_total", finished_reason="abort") == aborted + 1
-    assert kv_pages_in_use(app, engine) == 0
+    assert kv_pages_in_use(app, live_engine) == 0
     assert any("aborted (client disconnected)" in r.getMessage() for r in caplog.records)
 
 

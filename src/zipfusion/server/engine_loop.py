@@ -90,6 +90,11 @@ class _Tracked:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics=None):
+        other = getattr(engine, "_served_by", None)
+        if other is not None and other.thread.is_alive():
+            raise RuntimeError("this engine is already driven by another EngineLoop (another app); "
+                               "one server per engine: build a second LLMEngine")
+        engine._served_by = self
         self.engine = engine
         self.metrics = metrics
         self.commands: collections.deque = collections.deque()
@@ -126,6 +131,8 @@ class EngineLoop:
         self.stopping = True
         self.wake.set()
         self.thread.join(timeout=10)
+        if getattr(self.engine, "_served_by", None) is self:
+            self.engine._served_by = None
 
     # -- the engine thread ------------------------------------------------------------------
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
