@@ -72,7 +72,7 @@ def summarize(eng, reqs, wall: float, scenario: str, mode: str, prompt_len: int)
     cfg = eng.model_config
     big = [(x.seconds, x.decode_rows, x.prefill_tokens) for x in steps if x.prefill_tokens >= prompt_len // 2]
     flops = sum(model_flops(cfg, p, prompt_len / 2) + model_flops(cfg, n, prompt_len) for s, n, p in big)
-    stats = eng.cache.stats()
+    stats = eng.peak_kv_stats or eng.cache.stats()          # at the peak: the end holds no pages
     fracs = [layer["compressible_fraction"] for layer in stats.get("layers", [])
              if layer["compressible_fraction"] == layer["compressible_fraction"]]
     mgr = getattr(eng.cache, "manager", None)
@@ -92,7 +92,7 @@ def summarize(eng, reqs, wall: float, scenario: str, mode: str, prompt_len: int)
         "compaction_s": mgr.compaction_seconds() if mgr else 0.0,
         "compaction_share_of_decode": (mgr.compaction_seconds() / dec_time) if mgr and dec_time else 0.0,
         "compressible_fraction": statistics.mean(fracs) if fracs else float("nan"),
-        "stored_ratio": (eng.peak_kv_stats or stats).get("stored_ratio", 1.0),
+        "stored_ratio": stats.get("stored_ratio", 1.0),
         "prefill_mfu": flops / sum(s for s, _, _ in big) / BF16_PEAK if big else float("nan"),
         "steps": len(steps), "decode_steps": len(dec), "prefill_steps": len(steps) - len(dec),
         "time_in": {"schedule_s": sum(x.schedule_s for x in steps), "forward_s": sum(x.forward_s for x in steps),
@@ -119,10 +119,16 @@ def worker(args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     rand = lambda n: torch.randint(10, V - 10, (n,), generator=g).tolist()  # noqa: E731
     sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
-    # warm-up: one short request (kernel builds, autotuning) outside the numbers
-    llm.generate([{"prompt_token_ids": rand(64)}], sp(8), use_tqdm=False)
+    # warm-up outside the numbers (kernel builds for every step shape the run will see): a request
+    # decodes over its sealed pages alone, then beside a prompt's prefill chunks (mixed steps)
+    first = eng.add_request(rand(min(1024, args.prompt)), sp(24))
+    while len(first.output_ids) < 12:
+        eng.step()
+    eng.add_request(rand(min(1024, args.prompt)), sp(4))
+    while eng.has_work():
+        eng.step()
     eng.scheduler.num_preemptions = 0
-    eng.step_log = []
+    eng.step_log, eng.peak_kv_stats = [], None
     t0 = time.perf_counter()
     if args.scenario == "burst":
         reqs = [eng.add_request(rand(args.prompt), sp(args.max_tokens)) for _ in range(args.requests)]
