@@ -1,6 +1,8 @@
 """Engine end to end on CPU: greedy tokens equal transformers', compression on/off identical
 (token ids and logits), chunked prefill, preemption by recompute, stop conditions, errors."""
 
+import copy
+
 import pytest
 import torch
 
@@ -243,12 +245,16 @@ def test_gpu_engine_against_transformers_and_through_preemption(ckpts):
         assert a.output_ids == b.output_ids
         got, ref = torch.stack(b.logits), torch.stack(a.logits)
         assert float((got - ref).norm() / ref.norm()) < 1e-2
-    hf = hf.float().cuda()
+    # the fp32 reference, and transformers' own bf16 forward as the yardstick of bf16 rounding:
+    # ours may be off from fp32 by about as much as transformers' bf16 is, not more
+    hf32, hf16 = hf.float().cuda(), copy.deepcopy(hf).to("cuda", torch.bfloat16)
     for p, r in zip(ps, runs["big"][0]):
         ids = torch.tensor([p + r.output_ids[:-1]], device="cuda")
-        ref = hf(ids).logits[0, len(p) - 1:].float().cpu()
+        ref = hf32(ids).logits[0, len(p) - 1:].float().cpu()
+        bf16 = hf16(ids).logits[0, len(p) - 1:].float().cpu()
         got = torch.stack(r.logits)
-        assert float((got - ref).norm() / ref.norm()) < 3e-2
+        err = float((got - ref).norm() / ref.norm())
+        assert err < max(2 * float((bf16 - ref).norm() / ref.norm()), 1e-2), err
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing_and_the_engine_goes_on():
