@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 import zipfusion  # noqa: E402
 from zipfusion.cli import main, run_demo  # noqa: E402
 from zipfusion.models.loader import DEMO_DIR  # noqa: E402
-from zipfusion.models.testing import save_tiny_checkpoint, save_word_tokenizer  # noqa: E402
+from helpers import save_tiny_checkpoint, save_word_tokenizer  # noqa: E402
 
 
 def test_generate_prints_what_the_api_returns(tmp_path, capsys):

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
-from zipfusion.models.testing import save_tiny_checkpoint  # noqa: E402
+from helpers import save_tiny_checkpoint  # noqa: E402
 
 SP = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
       SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True),            # unseeded

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
-from zipfusion.models.testing import save_tiny_checkpoint  # noqa: E402
+from helpers import save_tiny_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,7 +11,7 @@ pytest.importorskip("safetensors")
 
 from zipfusion.models import build_model, config_from_dict, load_config, resolve_model  # noqa: E402
 from zipfusion.models.layers import apply_rope, rope_inv_freq  # noqa: E402
-from zipfusion.models.testing import save_tiny_checkpoint  # noqa: E402
+from helpers import save_tiny_checkpoint  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}

@@ -47,9 +47,6 @@ class ChunkPool:
         """Chunks this pool can hand out (free now or once pending reads finish)."""
         return len(self._free[pool]) + self._pending_count[pool]
 
-    def free_now(self, pool: int) -> int:
-        return len(self._free[pool])
-
     def pending(self) -> int:
         return len(self._pending)
 
