@@ -219,7 +219,12 @@ def nvcomp_points(model, args, twin_out: dict) -> dict:
 def run_worker(args, method: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", method] + args.passthrough
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                           timeout=args.worker_timeout)
+    except subprocess.TimeoutExpired as exc:
+        return {"method": method, "error": f"worker timed out after {args.worker_timeout} s: "
+                                           f"{(exc.stdout or '')[-500:]}"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
         return {"method": method, "error": f"worker exit {p.returncode}: {p.stdout[-1500:]}"}
@@ -254,14 +259,15 @@ def parse(argv=None):
     ap.add_argument("--long-prompt", type=int, default=1024)
     ap.add_argument("--long-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker-timeout", type=float, default=600.0, help="seconds per method process")
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.model, args.device, args.kv_gb, args.prompt, args.max_tokens = "demo", "cpu", 0.02, 64, 6
-        args.requests, args.max_num_seqs, args.fractions, args.unfused_fractions = 4, 8, "1,0.6", "0.85"
-        args.batches, args.steps, args.pool_pages, args.nvcomp = "1", 2, 8, 0
-        args.long_prompt, args.long_tokens = 32, 24
-        if args.methods == ",".join(ENGINE_METHODS):
-            args.methods = "fused,uncompressed-twin,unfused"
+    if args.smoke:                      # tiny sizes, wherever the command line left the default
+        smoke = dict(model="demo", device="cpu", kv_gb=0.02, prompt=64, max_tokens=6, requests=4, max_num_seqs=8,
+                     fractions="1,0.6", unfused_fractions="0.85", batches="1", steps=2, pool_pages=8, nvcomp=0,
+                     long_prompt=32, long_tokens=24, methods="fused,uncompressed-twin,unfused")
+        for k, v in smoke.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
     keep = ("model", "device", "kv_gb", "prompt", "max_tokens", "requests", "max_num_seqs", "points", "fractions",
             "unfused_fractions", "batches", "steps", "pool_pages", "nvcomp", "nvcomp_sample_mb", "long_prompt",
             "long_tokens", "seed")
@@ -287,14 +293,14 @@ def main(argv=None):
         raw[m] = run_worker(args, m)
         if "error" in raw[m]:
             log(f"[{m}] FAILED: {raw[m]['error']}")
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python3 benchmarks/e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "model": args.model, "kv_budget_gb": args.kv_gb, "prompt": args.prompt, "max_tokens": args.max_tokens,
-            "requests": args.requests, "fractions": args.fractions, "smoke": args.smoke,
-            "seconds": time.perf_counter() - t0,
-            "device": next((r.get("device") for r in raw.values() if r.get("device")), "?")}
-    result = {"meta": meta, "records": assemble(raw, args), "raw": raw}
-    print(write_outputs(result, args.out))
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "command": "python3 benchmarks/e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "model": args.model, "kv_budget_gb": args.kv_gb, "prompt": args.prompt,
+                "max_tokens": args.max_tokens, "requests": args.requests, "fractions": args.fractions,
+                "smoke": args.smoke, "seconds": time.perf_counter() - t0, "methods_done": list(raw),
+                "device": next((r.get("device") for r in raw.values() if r.get("device")), "?")}
+        md = write_outputs({"meta": meta, "records": assemble(raw, args), "raw": raw}, args.out)  # after each
+    print(md)
 
 
 if __name__ == "__main__":
