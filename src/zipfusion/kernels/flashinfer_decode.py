@@ -153,4 +153,4 @@ class FlashInferDecode:
             raise RuntimeError(f"FlashInfer decode of {q.shape[0]} rows without a plan for them: call "
                                "prepare() (the runner's cache.prepare_decode) before the forward")
         slot.indices.copy_(page_indices(page_loc_layer, slot.ids, self.open_page_bytes))
-        return slot.wrapper.run(q, self.pages)
+        return slot.wrapper.run(q.contiguous(), self.pages)
