@@ -144,14 +144,21 @@ def weight_bytes(model, batch):
     return total
 
 
-def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, pool, deterministic=False):
+def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, pool, deterministic=False,
+                 cache_kw=None, prepare=None):
+    """``cache_kw``: more ArenaKVCache options (attention_backend, num_qo_heads); ``prepare(cache)``:
+    called once the requests are filled, before the CUDA graphs are captured (benchmarks/e2e.py
+    swaps the attention there)."""
     cfg = model.config
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress, deterministic=deterministic)
+    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress, deterministic=deterministic,
+                         **(cache_kw or {}))
     model.set_deterministic(deterministic)
     t0 = time.perf_counter()
     reqs = fill_requests(cache, ctx, pool, max_batch, compress)
     fill_s = time.perf_counter() - t0
+    if prepare is not None:
+        prepare(cache)
     n_max = len(reqs)
     st = cache.stats()
     stored = sum(l["compressed_bytes"] for l in st["layers"])         # full pages of all requests

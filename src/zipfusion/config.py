@@ -44,8 +44,10 @@ class EngineConfig:
     load_format: str = _opt("auto", "auto, safetensors, gguf, or random (ignore the weights)",
                             choices=("auto", "safetensors", "gguf", "random"))
     enforce_eager: bool = _opt(False, "no CUDA graphs")
-    attention_backend: str = _opt("auto", "decode attention: auto, kernel (our kernels, also on CPU) or torch",
-                                  choices=("auto", "kernel", "torch"))
+    attention_backend: str = _opt("auto", "decode attention: auto, kernel (our kernels, also on CPU), torch, "
+                                          "or flashinfer (FlashInfer's paged decode: uncompressed KV on CUDA, "
+                                          "pip install flashinfer-python)",
+                                  choices=("auto", "kernel", "torch", "flashinfer"))
     admission: str = _opt("estimate", "estimate: admit what fits at the observed compression ratio, "
                                       "keeping room for running requests; conservative: at open size; "
                                       "optimistic: whatever fits now (preempt later)",
@@ -71,6 +73,15 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+        if self.attention_backend == "flashinfer":
+            if self.kv_compression:
+                raise ValueError("attention_backend='flashinfer' reads uncompressed pages only; pass kv_compression=False")
+            if self.device == "cpu" or self.dtype not in ("bfloat16", "bf16"):
+                raise ValueError(f"attention_backend='flashinfer' needs device='cuda' and dtype='bfloat16', got "
+                                 f"device={self.device!r}, dtype={self.dtype!r}")
+            if self.deterministic:
+                raise ValueError("attention_backend='flashinfer' is not batch-invariant; drop deterministic=True")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **options) -> "EngineConfig":

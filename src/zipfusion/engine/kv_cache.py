@@ -57,6 +57,20 @@ def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, e
     return out.reshape(B, Hq, D).float().to(q.dtype)
 
 
+ATTENTION_BACKENDS = ("auto", "kernel", "torch", "flashinfer")
+
+
+def check_attention_backend(backend: str, compress: bool, deterministic: bool = False) -> None:
+    """One-line ValueError for a backend that cannot serve this cache."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "flashinfer" and compress:
+        raise ValueError("attention_backend='flashinfer' reads uncompressed pages only; pass kv_compression=False")
+    if backend == "flashinfer" and deterministic:
+        raise ValueError("attention_backend='flashinfer' is not batch-invariant; drop deterministic=True "
+                         "or use attention_backend='auto'")
+
+
 class KVCache:
     """What both caches share; subclasses hold the pages."""
 
@@ -79,19 +93,26 @@ class KVCache:
         """Bytes of stored full pages over their open size (1.0 when nothing is compressed)."""
         return 1.0
 
+    def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, sm_scale: float,
+                       graph: bool = False) -> None:
+        """Host-side set-up of a step's decode rows before the forward (or the CUDA-graph
+        replay; ``graph``: the batch is a graph bucket): host ``context_lens`` [B] and
+        ``block_table`` [B, W]. Only the FlashInfer backend needs it (its plan)."""
+
 
 class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
                  device, compress: bool = True, attention_backend: str = "auto",
-                 fused_store: bool | None = None, deterministic: bool = False, **manager_kwargs):
+                 fused_store: bool | None = None, deterministic: bool = False,
+                 num_qo_heads: int | None = None, **manager_kwargs):
         """``attention_backend``: "kernel" (our kernels; on CPU tensors the Triton ones run in
-        the interpreter, slowly), "torch" (fp32 torch over read pages), "auto" (kernel on CUDA).
+        the interpreter, slowly), "torch" (fp32 torch over read pages), "auto" (kernel on CUDA),
+        "flashinfer" (FlashInfer's paged decode; uncompressed, CUDA, needs ``num_qo_heads``).
         ``fused_store``: rope + K/V store as one Triton kernel (default: on CUDA).
         ``deterministic``: batch-invariant attention (DETERMINISTIC_SPLIT_PAGES)."""
-        if attention_backend not in ("auto", "kernel", "torch"):
-            raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'torch', got {attention_backend!r}")
+        check_attention_backend(attention_backend, compress, deterministic)
         from ..memory import KVCacheManager
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = PageLayout(num_kv_heads, head_dim)
@@ -100,6 +121,10 @@ class ArenaKVCache(KVCache):
                                       compression=compress, **manager_kwargs)
         cuda = self.device.type == "cuda"
         self._use_kernel = attention_backend == "kernel" or (attention_backend == "auto" and cuda)
+        self._flashinfer = None
+        if attention_backend == "flashinfer":
+            from ..kernels.flashinfer_decode import FlashInferDecode
+            self._flashinfer = FlashInferDecode(self.arena, self.layout, num_qo_heads, self.manager.chunk_bytes)
         self.fused_store = cuda if fused_store is None else fused_store
         self.deterministic = deterministic
 
@@ -163,7 +188,13 @@ class ArenaKVCache(KVCache):
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         return self.manager.read_pages(layer, ids)
 
+    def prepare_decode(self, context_lens, block_table, sm_scale, graph: bool = False):
+        if self._flashinfer is not None:
+            self._flashinfer.prepare(context_lens, block_table, sm_scale, graph)
+
     def decode_attention(self, layer, q, block_table, context_lens, sm_scale):
+        if self._flashinfer is not None:
+            return self._flashinfer.run(q, self.page_loc[layer])
         if self._use_kernel:
             from ..kernels import decode_attention, decode_attention_twin
             kernel = decode_attention if self.compress else decode_attention_twin

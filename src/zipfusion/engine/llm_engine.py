@@ -83,6 +83,8 @@ class LLMEngine:
             raise TypeError(f"pass options in the EngineConfig, not beside it: {sorted(options)}")
         cfg = self.config = config
         self.dtype, self.device = parse_dtype(cfg.dtype), parse_device(cfg.device)
+        if cfg.attention_backend == "flashinfer" and self.device.type != "cuda":
+            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the device is {self.device}")
         if cfg.kv_compression and self.dtype != torch.bfloat16:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
                              f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
@@ -146,8 +148,11 @@ class LLMEngine:
         kw = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
         try:
             return ArenaKVCache(L, H, D, budget, self.device, compress=cfg.kv_compression,
-                                attention_backend=cfg.attention_backend, deterministic=cfg.deterministic, **kw)
+                                attention_backend=cfg.attention_backend, deterministic=cfg.deterministic,
+                                num_qo_heads=mc.num_attention_heads, **kw)
         except ValueError as exc:
+            if "flashinfer" in str(exc):
+                raise
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
 
     def _check_one_request_fits(self, asked: bool) -> None:

@@ -46,6 +46,8 @@ class ModelRunner:
             return self.decode(out.decode)
         n = len(out.decode)
         dec = self._decode_inputs(out.decode, n) if n else None
+        if dec is not None:
+            self.cache.prepare_decode(dec["context_lens"], dec["block_table"], self.sm_scale)
         ids, pos, pages, slots, last = [], [], [], [], []
         off = n
         for ch in out.prefill:
@@ -140,10 +142,13 @@ class ModelRunner:
         n = len(reqs)
         bucket = next((b for b in sorted(self.graphs) if b >= n), None)
         if bucket is None:
-            b = {k: v.to(self.device, non_blocking=True) for k, v in self._decode_inputs(reqs, n).items()}
-            return self._decode_forward(b)
+            host = self._decode_inputs(reqs, n)
+            self.cache.prepare_decode(host["context_lens"], host["block_table"], self.sm_scale)
+            return self._decode_forward({k: v.to(self.device, non_blocking=True) for k, v in host.items()})
         self._staged.synchronize()                 # the last step's copies have left the staging buffers
         self._decode_inputs(reqs, bucket, self._host)
+        self.cache.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
+                                  self.sm_scale, graph=True)
         self._static["vec"].copy_(self._host["vec"], non_blocking=True)
         for k in ("block_table", "context_lens"):
             self._static[k][:bucket].copy_(self._host[k][:bucket], non_blocking=True)
@@ -174,6 +179,8 @@ class ModelRunner:
         pool = None
         for bs in reversed(buckets):                        # one memory pool; every graph writes its
             b = self._named(self._static, bs)               # logits into the one output buffer
+            self.cache.prepare_decode(self._host["context_lens"][:bs], self._host["block_table"][:bs],
+                                      self.sm_scale, graph=True)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
