@@ -149,7 +149,7 @@ def test_engine_generates_with_flashinfer_like_the_twin(tmp_path):
     pytest.importorskip("flashinfer")
     pytest.importorskip("transformers")
     from zipfusion import LLM, SamplingParams
-    from zipfusion.models.testing import save_tiny_checkpoint
+    from helpers import save_tiny_checkpoint
     save_tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=g).tolist()} for n in (300, 40, 77)]
