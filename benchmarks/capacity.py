@@ -53,7 +53,19 @@ def scenarios() -> dict[str, np.ndarray]:
     spread = np.full(L, 0.9)
     spread[[0, 1, 15, 31]] = 0.2            # a few layers compress far worse (mean 0.81)
     return {"100%": np.full(L, 1.0), "80%": np.full(L, 0.8), "50%": np.full(L, 0.5),
-            "spread (mean 81%)": spread}
+            "spread (mean 81%)": spread, **real_model_point()}
+
+
+def real_model_point() -> dict[str, np.ndarray]:
+    """SmolLM2-135M's measured per-layer fractions (benchmarks/real_model.py), stretched from its
+    30 layers over these 32: the real-model point beside the synthetic ones."""
+    path = Path(__file__).parent / "results" / "real_model_kv.json"
+    if not path.exists():
+        return {}
+    layers = json.loads(path.read_text())["all"]["layers"]
+    f = np.array([(x["key_fraction"] + x["value_fraction"]) / 2 for x in layers])
+    f = np.interp(np.linspace(0, len(f) - 1, L), np.arange(len(f)), f)
+    return {f"SmolLM2 real ({f.mean():.1%})": f}
 
 
 class Sizes:

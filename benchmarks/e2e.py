@@ -194,8 +194,9 @@ def nvcomp_points(model, args, twin_out: dict) -> dict:
     per_req = n_full * L * ob
     sample_pages = max(1, (args.nvcomp_sample_mb << 20) // ob)
     points = {}
+    dev = next(model.parameters()).device
     for f in [float(x) for x in args.fractions.split(",")]:
-        pool = pages_with_fraction(args.pool_pages, H, D, f, seed=1).to(args.device)
+        pool = pages_with_fraction(args.pool_pages, H, D, f, seed=1).to(dev)
         reps = -(-sample_pages // pool.shape[0])
         points[f"{f:g}"] = nvcomp_measure(pool.repeat(reps, 1, 1, 1, 1)[:sample_pages])
         del pool
@@ -259,6 +260,8 @@ def parse(argv=None):
     ap.add_argument("--long-prompt", type=int, default=1024)
     ap.add_argument("--long-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", metavar="E2E_JSON", help="keep the methods that finished in this earlier "
+                    "e2e.json (same options) and run only the others")
     ap.add_argument("--worker-timeout", type=float, default=600.0, help="seconds per method process")
     args = ap.parse_args(argv)
     if args.smoke:                      # tiny sizes, wherever the command line left the default
@@ -289,18 +292,24 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"--methods: unknown {bad}; choose from {list(ENGINE_METHODS)}")
     raw, t0 = {}, time.perf_counter()
-    for m in tqdm(methods, desc="e2e methods", unit="process"):
-        raw[m] = run_worker(args, m)
-        if "error" in raw[m]:
-            log(f"[{m}] FAILED: {raw[m]['error']}")
+    if args.resume:                     # methods that finished in an earlier run of the same command
+        done = json.load(open(args.resume))["raw"]
+        raw = {m: r for m, r in done.items() if m in methods and "error" not in r}
+    def save() -> str:                  # after each method, so that a timeout keeps what finished
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "command": "python3 benchmarks/e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "model": args.model, "kv_budget_gb": args.kv_gb, "prompt": args.prompt,
                 "max_tokens": args.max_tokens, "requests": args.requests, "fractions": args.fractions,
                 "smoke": args.smoke, "seconds": time.perf_counter() - t0, "methods_done": list(raw),
                 "device": next((r.get("device") for r in raw.values() if r.get("device")), "?")}
-        md = write_outputs({"meta": meta, "records": assemble(raw, args), "raw": raw}, args.out)  # after each
-    print(md)
+        return write_outputs({"meta": meta, "records": assemble(raw, args), "raw": raw}, args.out)
+
+    for m in tqdm([m for m in methods if m not in raw], desc="e2e methods", unit="process"):
+        raw[m] = run_worker(args, m)
+        if "error" in raw[m]:
+            log(f"[{m}] FAILED: {raw[m]['error']}")
+        save()
+    print(save())
 
 
 if __name__ == "__main__":

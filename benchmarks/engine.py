@@ -157,8 +157,6 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
     t0 = time.perf_counter()
     reqs = fill_requests(cache, ctx, pool, max_batch, compress)
     fill_s = time.perf_counter() - t0
-    if prepare is not None:
-        prepare(cache)
     n_max = len(reqs)
     st = cache.stats()
     stored = sum(l["compressed_bytes"] for l in st["layers"])         # full pages of all requests
@@ -167,6 +165,10 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
     sizes = sorted({b for b in batches if b <= n_max} | {n_max})
     runner = ModelRunner(model, cache, max_model_len=ctx + PAGE_TOKENS, max_num_seqs=max(sizes),
                          use_cuda_graphs=dev.type == "cuda")
+    if prepare is not None:
+        if runner.use_cuda_graphs:
+            runner.reserve_scratch_page()         # the padding rows' page exists before prepare sees the pages
+        prepare(cache)
     t0 = time.perf_counter()
     runner.capture_cuda_graphs(sizes=sizes)
     capture_s = time.perf_counter() - t0

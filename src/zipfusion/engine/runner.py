@@ -157,6 +157,12 @@ class ModelRunner:
         return self._logits[:n]
 
     # -- CUDA graphs ------------------------------------------------------------------------
+    def reserve_scratch_page(self) -> int:
+        """The page that a graph's padding rows write into and read from (allocated once)."""
+        if not self._scratch:
+            self._scratch = self.cache.alloc(1)
+        return self._scratch[0]
+
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int | None = None, sizes: list[int] | None = None) -> list[int]:
         """Capture the decode step for every bucket up to ``max_batch`` (or exactly ``sizes``);
@@ -167,8 +173,7 @@ class ModelRunner:
         buckets = sorted(set(sizes)) if sizes else [b for b in GRAPH_BUCKETS if b <= max_batch]
         if not buckets:
             return []
-        if not self._scratch:
-            self._scratch = self.cache.alloc(1)
+        self.reserve_scratch_page()
         top = buckets[-1]
         self._row_owner = [None] * top
         self._host = {k: v.pin_memory() for k, v in self._new_buffers(top).items()}
