@@ -258,9 +258,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True) in every mode")
     args = ap.parse_args()
-    if args.smoke:
-        args.model, args.device, args.requests, args.prompt, args.max_tokens = "demo", "cpu", 24, 96, 24
-        args.kv_gb, args.batched_tokens, args.rate = 0.004, 256, 50.0
+    if args.smoke:                      # tiny sizes, wherever the command line left the default
+        smoke = dict(model="demo", device="cpu", requests=24, prompt=96, max_tokens=24, kv_gb=0.004,
+                     batched_tokens=256, rate=50.0)
+        for k, v in smoke.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
