@@ -2,7 +2,7 @@
 # Issue 13 on one H200: FlashInfer GPU tests, then benchmarks/e2e.py (Llama-3.1-8B shape, 52 GiB KV,
 # 8192 + 256 tokens; fused / uncompressed-twin / uncompressed-flashinfer / unfused / nvCOMP composites),
 # then, if time is left, the Qwen3-8B shape for fused vs FlashInfer at 85 % compressible.
-# Needs .carry/ (FlashInfer trimmed wheel, apache_tvm_ffi, typing_extensions, nvidia_nvcomp_cu13,
+# Needs .carry/ (bash scripts/carry_wheels.sh: FlashInfer trimmed wheel, apache_tvm_ffi, typing_extensions, nvidia_nvcomp_cu13,
 # nvidia_libnvcomp_cu13) sent along. Writes into $OUT (at most 8 files):
 #   e2e.json e2e.md e2e.png e2e.log e2e_tests.log [qwen3/e2e.json qwen3/e2e.md qwen3/e2e.png]
 # Budget: under 8 minutes (tests ~1.5 min incl. FlashInfer's JIT build, Llama run ~5 min).
@@ -10,7 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/e2e_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl $(ls .carry/extra/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
        FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv | tee "$OUT/e2e_tests.log"
