@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import copy_bandwidth  # noqa: E402  (benchmarks/common.py)
+from common import copy_bandwidth, pyplot  # noqa: E402  (benchmarks/common.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction  # noqa: E402
 from zipfusion.format import PageLayout, encode_pages_into, page_sizes  # noqa: E402
@@ -421,12 +421,8 @@ def write_md(records, info, path):
 
 
 def plot(records, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fracs = sorted({r["compressible_fraction_nominal"] for r in records}, reverse=True)
     fig, axes = plt.subplots(1, len(fracs), figsize=(6 * len(fracs), 4.5), sharey=True)

@@ -332,12 +332,9 @@ def write_markdown(res: dict, path: Path) -> None:
 
 
 def plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    from common import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(BUDGETS), figsize=(12, 4.2), sharey=False)
     for ax, bname in zip(np.atleast_1d(axes), BUDGETS):

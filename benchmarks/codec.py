@@ -232,9 +232,10 @@ def markdown(result) -> str:
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from common import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
     rows = result["rows"]
     keys = ["analyze", "compress", "analyze+compress", "decompress"]
     fig, ax = plt.subplots(figsize=(10, 4.5))

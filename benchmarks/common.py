@@ -1,10 +1,24 @@
-"""Helpers shared by the GPU benchmarks (imported as ``common`` by scripts in this folder)."""
+"""Helpers shared by the benchmarks (imported as ``common`` by scripts in this folder): the copy
+bandwidth that achieved bandwidths are compared with, CUDA-graph replay timing, and pyplot."""
 
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing:
+    a missing figure must not lose the numbers."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no figure (pip install matplotlib)")
+        return None
+    return plt
 
 
 def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:

@@ -131,11 +131,9 @@ def table(records: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from common import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     ok = [r for r in records if "error" not in r]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))

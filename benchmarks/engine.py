@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import copy_bandwidth, replay_seconds  # noqa: E402  (benchmarks/common.py)
+from common import copy_bandwidth, pyplot, replay_seconds  # noqa: E402  (benchmarks/common.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
@@ -294,10 +294,8 @@ def write(info, out, smoke=False):
                          f"{ex['stored_pages_at_peak']}.")
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    plt = pyplot()
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for run in info.get("runs", []):
             xs = [r["batch"] for r in run["rows"]]

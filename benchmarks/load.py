@@ -218,11 +218,9 @@ def table(records: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from common import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     rs = [r for r in records if r["scenario"] != "prefill"]
     keys = [("decode_tok_s", "decode tok/s"), ("total_tok_s", "total tok/s"), ("peak_batch", "peak batch")]

@@ -168,11 +168,9 @@ def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
 
 
 def plot(result: dict, path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from common import pyplot
+    plt = pyplot()
+    if plt is None:
         return False
     rows = result["results"]
     rates = [r["rate_req_s"] for r in rows]
