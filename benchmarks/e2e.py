@@ -169,10 +169,10 @@ def worker(args) -> dict:
     if method != "unfused" and "model" in args.points:
         log(f"[{method}] burst: {args.requests} x ({args.prompt} + {args.max_tokens})")
         out["burst"] = burst(model, method, args, args.prompt, args.max_tokens)
-    fractions = [float(f) for f in args.fractions.split(",")] if args.fractions else []
+    fractions = [float(f) for f in args.fractions.split(",")] if args.fractions and "synthetic" in args.points else []
     if method.startswith("uncompressed"):
         fractions = fractions[:1] or [0.85]                     # data-independent: one point
-    elif method == "unfused":
+    elif method == "unfused" and "synthetic" in args.points:
         fractions = [float(f) for f in args.unfused_fractions.split(",")]
     sweep_at = min(fractions, key=lambda f: abs(f - 0.85)) if fractions else None   # throughput vs batch here
     for f in fractions:
