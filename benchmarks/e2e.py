@@ -253,7 +253,8 @@ def parse(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--requests", type=int, default=72, help="burst size (more than fit: the peak is the max batch)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--points", default="model,synthetic")
+    ap.add_argument("--points", default="model,synthetic", help="model (a burst through LLM), synthetic "
+                    "(exact fractions); anything else (e.g. long, with --long) runs neither")
     ap.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS))
     ap.add_argument("--unfused-fractions", default="0.85")
     ap.add_argument("--batches", default="1,8,16,32", help="extra batch sizes timed (throughput vs batch)")
