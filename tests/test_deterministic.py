@@ -62,39 +62,37 @@ def assert_same(a, b, what):
         assert torch.equal(la, lb), what
 
 
-def test_tokens_and_logits_do_not_depend_on_the_batch_chunking_preemption_or_compression(ckpt):
-    ref, _ = run(ckpt, "cpu", max_num_batched_tokens=4096)                          # whole prompts
-    open_page = 2 * 16 * 2 * 64 * 2
-    cases = {
-        "batch of 40, targets last": dict(others=37, targets_first=False),
-        "prefill chunks of 16 tokens": dict(max_num_batched_tokens=16),
-        "prefill chunks of 512 tokens": dict(max_num_batched_tokens=512, others=5),
-        "compression off": dict(kv_compression=False, others=3),
-        "forced preemption": dict(kv_memory_gb=(2 * 3 + 2) * 4 * open_page / 2**30, chunk_bytes=4 * open_page,
-                                  admission="optimistic", others=6, max_model_len=96),
-    }
-    for what, kw in cases.items():
-        got, eng = run(ckpt, "cpu", **kw)
+OPEN_PAGE = 2 * 16 * 2 * 64 * 2                    # bytes of one open page of the tiny model
+BOTH = {                                           # the cases the CPU and the GPU test share
+    "compression off": dict(kv_compression=False, others=3),
+    "forced preemption": dict(kv_memory_gb=(2 * 3 + 2) * 4 * OPEN_PAGE / 2**30, chunk_bytes=4 * OPEN_PAGE,
+                              admission="optimistic", others=6, max_model_len=96),
+}
+
+
+def assert_invariant(ckpt, device, cases):
+    """Every case gives the targets' tokens and logits of a run with whole prompts."""
+    ref, _ = run(ckpt, device, max_num_batched_tokens=4096)
+    for what, kw in {**cases, **BOTH}.items():
+        got, eng = run(ckpt, device, **kw)
         if what == "forced preemption":
             assert eng.scheduler.num_preemptions > 0
         assert_same(ref, got, what)
+
+
+def test_tokens_and_logits_do_not_depend_on_the_batch_chunking_preemption_or_compression(ckpt):
+    assert_invariant(ckpt, "cpu", {
+        "batch of 40, targets last": dict(others=37, targets_first=False),
+        "prefill chunks of 16 tokens": dict(max_num_batched_tokens=16),
+        "prefill chunks of 512 tokens": dict(max_num_batched_tokens=512, others=5),
+    })
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_deterministic_mode_is_batch_invariant_with_graphs_and_eager(ckpt):
-    ref, _ = run(ckpt, "cuda", max_num_batched_tokens=4096)
-    open_page = 2 * 16 * 2 * 64 * 2
-    cases = {
+    assert_invariant(ckpt, "cuda", {
         "eager": dict(enforce_eager=True),
         "batch of 40": dict(others=37, targets_first=False),
         "prefill chunks of 16 tokens": dict(max_num_batched_tokens=16, others=2),
-        "compression off": dict(kv_compression=False, others=3),
-        "forced preemption": dict(kv_memory_gb=(2 * 3 + 2) * 4 * open_page / 2**30, chunk_bytes=4 * open_page,
-                                  admission="optimistic", others=6, max_model_len=96),
-    }
-    for what, kw in cases.items():
-        got, eng = run(ckpt, "cuda", **kw)
-        if what == "forced preemption":
-            assert eng.scheduler.num_preemptions > 0
-        assert_same(ref, got, what)
+    })

@@ -35,6 +35,16 @@ def our_logits(model, ids):
     return model.compute_logits(hidden)
 
 
+def assert_logits_match(hf, ours):
+    """Our fp32 logits of 100 random tokens equal transformers' within 1e-4; returns both."""
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    got = our_logits(ours, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    return got, ref
+
+
 CASES = {
     "llama": dict(arch="llama"),
     "llama-sharded-llama3-rope-legacy-spelling": dict(arch="llama", max_shard_size="100KB", legacy_rope=True,
@@ -48,12 +58,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(tmp_path, case):
     hf = save_tiny_checkpoint(tmp_path, **CASES[case])
-    ours = build_model(str(tmp_path), dtype=torch.float32)
-    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-    got = our_logits(ours, ids)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    got, ref = assert_logits_match(hf, build_model(str(tmp_path), dtype=torch.float32))
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
@@ -289,12 +294,7 @@ def test_gguf_logits_match_transformers(tmp_path, case):
     for key in ("architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "tie_word_embeddings", "qk_norm", "rope"):
         assert getattr(cfg, key) == getattr(ref_cfg, key), key
-    ours = build_model(str(path), dtype=torch.float32)
-    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-    got = our_logits(ours, ids)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert_logits_match(hf, build_model(str(path), dtype=torch.float32))
 
 
 def test_gguf_tokenizer_and_chat_template_from_the_file(tmp_path):
