@@ -3,9 +3,21 @@ bandwidth that achieved bandwidths are compared with, CUDA-graph replay timing, 
 
 from __future__ import annotations
 
+import json
+import re
 import statistics
 
 import torch
+
+
+def write_json(obj, path) -> None:
+    """JSON with indent 1, but each list of plain numbers on one line (a step log stays one row
+    per step instead of one line per number)."""
+    text = json.dumps(obj, indent=1, default=float)
+    flat = re.sub(r"\[\n\s*([-0-9.eE+, \n\s]*?(?:NaN|Infinity|[-0-9.eE+]+))\n\s*\]",
+                  lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
+    with open(path, "w") as f:
+        f.write(flat + "\n")
 
 
 def pyplot():

@@ -284,8 +284,8 @@ def main():
         hashes = {r["outputs_sha256"] for r in records if r["scenario"] == scen}
         result.setdefault("identical_outputs_across_modes", {})[scen] = len(hashes) == 1
     name = "load_deterministic" if args.deterministic else "load"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    from common import write_json
+    write_json(result, os.path.join(args.out, f"{name}.json"))
     md = (table(records) + "\n\ncompressed / uncompressed: " + json.dumps(result["ratios"])
           + "\nidentical outputs across modes: " + json.dumps(result.get("identical_outputs_across_modes")) + "\n")
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
