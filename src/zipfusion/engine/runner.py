@@ -8,6 +8,8 @@ the KV cache through a :class:`~zipfusion.engine.attention.StepKV`.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 
@@ -34,6 +36,7 @@ class ModelRunner:
         self.max_pages_per_req = -(-max_model_len // PAGE_TOKENS)
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._buckets: list[int] = []                 # sorted keys of graphs
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._scratch: list[int] = []
         self._row_owner: list = []                    # staged table row i: (request id, pages, last page)
@@ -140,11 +143,12 @@ class ModelRunner:
     def decode(self, reqs: list[Request]) -> torch.Tensor:
         """One decode step for ``reqs``; logits [len(reqs), V] fp32."""
         n = len(reqs)
-        bucket = next((b for b in sorted(self.graphs) if b >= n), None)
-        if bucket is None:
+        i = bisect.bisect_left(self._buckets, n)              # the smallest captured size >= n
+        if i == len(self._buckets):
             host = self._decode_inputs(reqs, n)
             self.cache.prepare_decode(host["context_lens"], host["block_table"], self.sm_scale)
             return self._decode_forward({k: v.to(self.device, non_blocking=True) for k, v in host.items()})
+        bucket = self._buckets[i]
         self._staged.synchronize()                 # the last step's copies have left the staging buffers
         self._decode_inputs(reqs, bucket, self._host)
         self.cache.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
@@ -197,5 +201,6 @@ class ModelRunner:
                 self._logits[:bs].copy_(self._decode_forward(b))
             pool = g.pool()
             self.graphs[bs] = g
+        self._buckets = sorted(self.graphs)
         torch.cuda.synchronize()
         return buckets

@@ -27,7 +27,7 @@ from .request import PAGE_TOKENS, Request, Status
 
 
 SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
-                        # (the cache's ``seal_batch``) or the oldest has waited this many steps:
+                        # (the cache's ``seal_batch``) or this many steps after the last seal:
                         # one call's fixed cost (analysis, a device sync, placement) serves many pages
 
 
@@ -186,8 +186,8 @@ class Scheduler:
     # -- after a step -----------------------------------------------------------------------
     def seal_full_pages(self, reqs, force: bool = False) -> int:
         """Collect the pages that just filled up; hand them to the cache for compression (one
-        call) once a compress batch of them waits or the oldest has waited SEAL_MAX_WAIT steps
-        (or now, with ``force``). Returns how many pages were handed over."""
+        call) once a compress batch of them waits or SEAL_MAX_WAIT steps have passed since the
+        last seal (or now, with ``force``). Returns how many pages were handed over."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
             if full > r.num_sealed_pages:
