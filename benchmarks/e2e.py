@@ -59,8 +59,7 @@ def log(*a):
 # ------------------------------------------------------------------------------ worker
 def burst(model, method: str, args, prompt: int, max_tokens: int) -> dict:
     """The write-up's workload through the public API; the model's own KV. Decode tok/s the
-    write-up's way: steps with no prefill and no sealing (first compression) at >= 90 % of the
-    peak batch."""
+    write-up's way (:func:`writeup_tokens_s`)."""
     import torch
     from load import summarize
     from zipfusion import LLM, SamplingParams
