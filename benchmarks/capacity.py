@@ -354,10 +354,6 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-if __name__ == "__main__":
-    main()
-
-
 # ------------------------------------------------------------------------------ GPU check
 def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages: int = 1024,
               layout: PageLayout = LAYOUT, layers: int = L) -> dict:
@@ -434,3 +430,7 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
     out_path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return res
+
+
+if __name__ == "__main__":
+    main()

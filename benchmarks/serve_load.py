@@ -5,8 +5,9 @@ Starts ``python -m zipfusion serve`` as a subprocess on 127.0.0.1 (or uses ``--u
 server), then for each request rate sends ``--num-requests`` streaming /v1/completions requests
 (httpx async, arrival gaps drawn from an exponential distribution: a Poisson process) with
 random token-id prompts of ``--prompt-len`` tokens and exactly ``--max-tokens`` output tokens
-(``ignore_eos``). Per request it records the time to first token (TTFT: send to first streamed
-token), the gaps between streamed chunks (ITL; one chunk per token that has text), the time per output token
+(``ignore_eos``; ``return_token_ids``, so that each token is a chunk even without a tokenizer). Per
+request it records the time to first token (TTFT: send to first streamed token), the gaps between
+streamed chunks (ITL; one chunk per generated token), the time per output token
 after the first (TPOT) and the end-to-end latency; per rate it reports their p50 / p99 / mean,
 output tokens/s and requests/s, plus the server's own counters from /metrics (preemptions,
 KV compression ratio). Results: ``OUT.json`` and, with matplotlib, ``OUT.png``.
@@ -54,6 +55,7 @@ def percentiles(xs: list[float]) -> dict:
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, model: str | None,
                       timeout: float) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True,
             "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
@@ -75,7 +77,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
                     return rec
                 if event.get("usage"):
                     rec["completion_tokens"] = event["usage"]["completion_tokens"]
-                if any(c.get("text") for c in event.get("choices", [])):
+                if any(c.get("text") or c.get("token_ids") for c in event.get("choices", [])):
                     rec["chunks"].append(now)
         rec["done"] = time.perf_counter()
         rec["ok"] = bool(rec["chunks"])

@@ -293,6 +293,22 @@ def test_completion_stream_usage_chunk(client):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_return_token_ids_streams_one_chunk_per_token(client, offline):
+    """vLLM's return_token_ids: the body and every streamed chunk carry their ids, one chunk per token."""
+    body = {"prompt": "In the beginning", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    ref = offline.generate(["In the beginning"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0]
+    r = client.post("/v1/completions", json=body).json()
+    assert r["choices"][0]["token_ids"] == list(ref.token_ids)
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = sse_events(list(s.iter_lines()))
+    ids = [c["token_ids"] for ch in chunks for c in ch["choices"]]
+    assert sum(ids, []) == list(ref.token_ids) and all(len(i) == 1 for i in ids)
+    plain = client.post("/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
 def test_logprobs_completions_and_chat(client, offline):
     r = client.post("/v1/completions", json={"prompt": "In the beginning", "max_tokens": 5, "temperature": 0,
                                               "ignore_eos": True, "logprobs": 2}).json()

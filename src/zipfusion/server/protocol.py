@@ -95,6 +95,7 @@ class CompletionRequest(_Body):
     logprobs: int | None = Field(default=None, ge=0)
     best_of: int | None = None
     suffix: str | None = None
+    return_token_ids: bool = False        # vLLM's: each choice (and each streamed chunk) carries its token ids
 
     def check(self) -> None:
         self.check_common()

@@ -73,6 +73,7 @@ class CompletionReply(Reply):
                  texts: list[str | None]):
         super().__init__(engine, model, run, body, prompts)
         self.texts, self.echo, self.n = texts, body.echo, body.n
+        self.return_ids = body.return_token_ids
         self.offsets = [0] * self.size     # characters streamed per choice (logprobs' text_offset)
 
     async def echo_texts(self) -> list[str]:
@@ -86,8 +87,11 @@ class CompletionReply(Reply):
             return text
         return await self.run(self.tokenizer.decode, ids) if self.tokenizer else ""
 
-    def choice(self, i: int, text: str, reason=None, stop_reason=None, lp=None) -> dict:
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
+    def choice(self, i: int, text: str, reason=None, stop_reason=None, lp=None, ids=None) -> dict:
+        c = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
+        if self.return_ids and ids is not None:
+            c["token_ids"] = ids
+        return c
 
     def logprobs(self, ids: list[int], entries: list[dict], offset: int) -> dict | None:
         if self.k is None:
@@ -114,17 +118,18 @@ class CompletionReply(Reply):
     def chunk(self, u: Update, text: str) -> dict | None:
         lp = self.logprobs(u.new_ids, u.logprobs, self.offsets[u.index]) if u.new_ids else None
         self.offsets[u.index] += len(text)
-        if not (text or u.finished or lp):
+        if not (text or u.finished or lp or (self.return_ids and u.new_ids)):
             return None
         end = (u.finish_reason, u.stop_reason) if u.finished else (None, None)
-        return self.envelope(self.chunk_object, [self.choice(u.index, text, *end, lp)])
+        return self.envelope(self.chunk_object, [self.choice(u.index, text, *end, lp, u.new_ids)])
 
     async def body(self, requests: list) -> dict:
         echo, choices = await self.echo_texts(), []
         for i, r in enumerate(requests):
             prefix = echo[i // self.n]
             lp = self.logprobs(r.output_ids, r.logprobs, len(prefix))
-            choices.append(self.choice(i, prefix + await self.final_text(r), r.finish_reason, r.stop_reason, lp))
+            choices.append(self.choice(i, prefix + await self.final_text(r), r.finish_reason, r.stop_reason, lp,
+                                       list(r.output_ids)))
         return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))
 
 
