@@ -169,7 +169,7 @@ def worker(args) -> dict:
         log(f"[{method}] burst: {args.requests} x ({args.prompt} + {args.max_tokens})")
         out["burst"] = burst(model, method, args, args.prompt, args.max_tokens)
     fractions = [float(f) for f in args.fractions.split(",")] if args.fractions and "synthetic" in args.points else []
-    if method.startswith("uncompressed"):
+    if method.startswith("uncompressed") and "synthetic" in args.points:
         fractions = fractions[:1] or [0.85]                     # data-independent: one point
     elif method == "unfused" and "synthetic" in args.points:
         fractions = [float(f) for f in args.unfused_fractions.split(",")]
@@ -306,6 +306,8 @@ def main(argv=None):
                 "model": args.model, "kv_budget_gb": args.kv_gb, "prompt": args.prompt,
                 "max_tokens": args.max_tokens, "requests": args.requests, "fractions": args.fractions,
                 "smoke": args.smoke, "seconds": time.perf_counter() - t0, "methods_done": list(raw),
+                "points": args.points, **({"long_prompt": args.long_prompt, "long_tokens": args.long_tokens}
+                                          if args.long else {}),
                 "device": next((r.get("device") for r in raw.values() if r.get("device")), "?")}
         return write_outputs({"meta": meta, "records": assemble(raw, args), "raw": raw}, args.out)
 

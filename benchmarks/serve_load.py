@@ -105,6 +105,7 @@ async def run_rate(url: str, rate: float, n: int, prompt_len: int, max_tokens: i
         for p, gap in zip(prompts, gaps):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(go(p)))
+        busy = await asyncio.to_thread(scrape, url)          # the KV while the last arrivals run
         recs = await asyncio.gather(*tasks)
     end = time.perf_counter()
     ok = [r for r in recs if r["ok"]]
@@ -119,23 +120,30 @@ async def run_rate(url: str, rate: float, n: int, prompt_len: int, max_tokens: i
             "errors": errors[:5], "duration_s": end - start, "output_tokens": out_tokens,
             "output_tok_s": out_tokens / (end - start), "requests_s": len(ok) / (end - start),
             "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "tpot_s": percentiles(tpot),
-            "e2e_s": percentiles(e2e)}
+            "e2e_s": percentiles(e2e), "at_last_arrival": busy}
 
 
 def scrape(url: str) -> dict:
-    """A few of the server's own numbers from /metrics."""
-    out = {}
+    """A few of the server's own numbers from /metrics; the compressible fraction is the mean over
+    layers of the stored pages' (NaN: no page stored)."""
+    out, fracs = {}, []
     try:
         text = httpx.get(url + "/metrics", timeout=30).text
     except httpx.HTTPError:
         return out
     wanted = ("zipfusion:num_preemptions_total", "zipfusion:generation_tokens_total", "zipfusion:prompt_tokens_total",
               "zipfusion:kv_stored_ratio", "zipfusion:kv_arena_bytes", "zipfusion:time_to_first_token_seconds_sum",
-              "zipfusion:time_to_first_token_seconds_count")
+              "zipfusion:time_to_first_token_seconds_count", "zipfusion:kv_cache_usage_perc",
+              "zipfusion:num_requests_running", "zipfusion:num_requests_waiting")
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
             out[name] = float(line.rsplit(" ", 1)[1])
+        elif name == "zipfusion:kv_compressible_fraction":
+            fracs.append(float(line.rsplit(" ", 1)[1]))
+    fracs = [f for f in fracs if f == f]
+    if fracs:
+        out["zipfusion:kv_compressible_fraction"] = statistics.fmean(fracs)
     return out
 
 
@@ -263,8 +271,9 @@ def main(argv=None) -> int:
               "results": results,
               "server_metrics": {k: after.get(k, 0) - before.get(k, 0) if k.endswith(("_total", "_sum", "_count"))
                                  else after.get(k) for k in after},
-              "notes": "TTFT: send -> first streamed token; ITL: gaps between streamed chunks (one per token with text); "
-                       "TPOT: (last - first token) / (tokens - 1); percentiles over all requests of a rate"}
+              "notes": "TTFT: send -> first streamed token; ITL: gaps between streamed chunks (one per token: return_token_ids); "
+                       "TPOT: (last - first token) / (tokens - 1); percentiles over all requests of a rate; "
+                       "at_last_arrival: /metrics when the rate's last request was sent"}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out.with_suffix('.json')}" + (f" and {out.with_suffix('.png')}" if plot(result, str(
