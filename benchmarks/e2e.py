@@ -61,7 +61,7 @@ def burst(model, method: str, args, prompt: int, max_tokens: int) -> dict:
     """The write-up's workload through the public API; the model's own KV. Decode tok/s the
     write-up's way (:func:`writeup_tokens_s`)."""
     import torch
-    from load import summarize
+    from load import summarize, warm_up
     from zipfusion import LLM, SamplingParams
     from engine import weight_bytes
     llm = LLM(args.model, prebuilt_model=model, device=args.device, kv_memory_gb=args.kv_gb,
@@ -70,12 +70,10 @@ def burst(model, method: str, args, prompt: int, max_tokens: int) -> dict:
     V = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(args.seed)
     rand = lambda n: torch.randint(10, V - 10, (n,), generator=g).tolist()  # noqa: E731
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": rand(64)}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    eng.scheduler.num_preemptions = 0
-    eng.step_log = []
+    sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    warm_up(eng, rand, sp, prompt)
     t0 = time.perf_counter()
-    reqs = [eng.add_request(rand(prompt), sp) for _ in range(args.requests)]
+    reqs = [eng.add_request(rand(prompt), sp(max_tokens)) for _ in range(args.requests)]
     probe = None
     while eng.has_work():
         eng.step()

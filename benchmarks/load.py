@@ -103,6 +103,20 @@ def summarize(eng, reqs, wall: float, scenario: str, mode: str, prompt_len: int)
     }
 
 
+def warm_up(eng, rand, sp, prompt: int) -> None:
+    """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
+    over its sealed pages alone, then beside a prompt's prefill chunks (mixed steps); then the
+    engine's counters and step log start afresh."""
+    first = eng.add_request(rand(min(1024, prompt)), sp(24))
+    while len(first.output_ids) < 12:
+        eng.step()
+    eng.add_request(rand(min(1024, prompt)), sp(4))
+    while eng.has_work():
+        eng.step()
+    eng.scheduler.num_preemptions = 0
+    eng.step_log, eng.peak_kv_stats = [], None
+
+
 def worker(args) -> dict:
     import torch
 
@@ -119,16 +133,7 @@ def worker(args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     rand = lambda n: torch.randint(10, V - 10, (n,), generator=g).tolist()  # noqa: E731
     sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
-    # warm-up outside the numbers (kernel builds for every step shape the run will see): a request
-    # decodes over its sealed pages alone, then beside a prompt's prefill chunks (mixed steps)
-    first = eng.add_request(rand(min(1024, args.prompt)), sp(24))
-    while len(first.output_ids) < 12:
-        eng.step()
-    eng.add_request(rand(min(1024, args.prompt)), sp(4))
-    while eng.has_work():
-        eng.step()
-    eng.scheduler.num_preemptions = 0
-    eng.step_log, eng.peak_kv_stats = [], None
+    warm_up(eng, rand, sp, args.prompt)
     t0 = time.perf_counter()
     if args.scenario == "burst":
         reqs = [eng.add_request(rand(args.prompt), sp(args.max_tokens)) for _ in range(args.requests)]
