@@ -423,3 +423,13 @@ def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
     assert torch.equal(loc0, loc1) and np.array_equal(size0, size1)
     for off, n in zip((loc0 & ~1)[loc0 >= 0].tolist(), size0[(loc0 >= 0).numpy()].tolist()):
         assert torch.equal(a0[off:off + n], a1[off:off + n])
+
+
+def test_stats_as_dict_is_dataclasses_asdict():
+    """MemoryStats.as_dict (a shallow build, cheap enough for every step) gives asdict's result."""
+    import dataclasses
+    from zipfusion.engine.kv_cache import ArenaKVCache
+    cache = ArenaKVCache(2, 2, 64, 1 << 22, device="cpu")
+    cache.alloc(3)
+    s = cache.manager.stats()
+    assert s.as_dict() == dataclasses.asdict(s) and len(s.as_dict()["layers"]) == 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -38,4 +38,8 @@ class MemoryStats:
         return sum(l.open_bytes + l.compressed_bytes for l in self.layers)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields, layers as dicts (dataclasses.asdict's result without its deep copy: the
+        engine takes this at every new peak of pages in use)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["layers"] = [dict(vars(layer)) for layer in self.layers]
+        return d
