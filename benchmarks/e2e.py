@@ -61,7 +61,7 @@ def burst(model, method: str, args, prompt: int, max_tokens: int) -> dict:
     """The write-up's workload through the public API; the model's own KV. Decode tok/s the
     write-up's way (:func:`writeup_tokens_s`)."""
     import torch
-    from load import summarize, warm_up
+    from load import step, summarize, warm_up
     from zipfusion import LLM, SamplingParams
     from engine import weight_bytes
     llm = LLM(args.model, prebuilt_model=model, device=args.device, kv_memory_gb=args.kv_gb,
@@ -76,8 +76,8 @@ def burst(model, method: str, args, prompt: int, max_tokens: int) -> dict:
     reqs = [eng.add_request(rand(prompt), sp(max_tokens)) for _ in range(args.requests)]
     probe = None
     while eng.has_work():
-        eng.step()
-        if probe is None and eng.step_log[-1].prefill_tokens == 0:    # first pure decode step: all
+        res = step(eng)
+        if probe is None and res.prefill_tokens == 0:    # first pure decode step: all
             probe = _probe(eng, prompt, method == "uncompressed-twin" and args.nvcomp)   # admitted are in
     rec = summarize(eng, reqs, time.perf_counter() - t0, "burst", method, prompt)
     if probe:

@@ -64,11 +64,9 @@ def exactness(model_name, dev, prebuilt=None, lengths=(700, 100, 333), max_token
         g.manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
         eng = llm.engine
-        eng.record_logits = True
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
                 for p in prompts]
-        while eng.scheduler.has_work():
-            eng.step()
+        run_to_completion(eng, reqs, keep_logits=True)
         runs[name] = (reqs, llm.kv_stats(), eng.graph_buckets)
         del llm, eng
         gc.collect()

@@ -62,7 +62,7 @@ def model_flops(cfg, tokens: int, context: float) -> float:
 
 def summarize(eng, reqs, wall: float, scenario: str, mode: str, prompt_len: int) -> dict:
     import torch
-    steps = eng.step_log                       # engine.llm_engine.StepRecord
+    steps = eng.step_log                       # engine.llm_engine.StepResult
     dec = [(x.decode_rows, x.seconds) for x in steps if x.prefill_tokens == 0 and x.decode_rows > 0]
     peak = max((x.running for x in steps), default=0)
     at_peak = [n / s for n, s in dec if n >= 0.9 * peak]
@@ -98,21 +98,38 @@ def summarize(eng, reqs, wall: float, scenario: str, mode: str, prompt_len: int)
         "time_in": {"schedule_s": sum(x.schedule_s for x in steps), "forward_s": sum(x.forward_s for x in steps),
                     "seal_s": sum(x.seal_s for x in steps),
                     "decode_steps_s": dec_time, "prefill_steps_s": sum(x.seconds for x in steps) - dec_time},
-        "step_log": [[round(v, 5) if isinstance(v, float) else v for v in x[1:]] for x in steps],
+        "step_log": step_rows(steps),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+
+
+STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "seconds", "schedule_s", "forward_s", "seal_s",
+               "sealed_pages")
+
+
+def step(eng):
+    """One engine step, its StepResult kept in ``eng.step_log`` (this benchmark's list)."""
+    res = eng.step()
+    eng.step_log.append(res)
+    return res
+
+
+def step_rows(steps) -> list:
+    return [[round(getattr(x, f), 5) if isinstance(getattr(x, f), float) else getattr(x, f) for f in STEP_FIELDS]
+            for x in steps]
 
 
 def warm_up(eng, rand, sp, prompt: int) -> None:
     """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
     over its sealed pages alone, then beside a prompt's prefill chunks (mixed steps); then the
     engine's counters and step log start afresh."""
+    eng.step_log = []
     first = eng.add_request(rand(min(1024, prompt)), sp(24))
     while len(first.output_ids) < 12:
-        eng.step()
+        step(eng)
     eng.add_request(rand(min(1024, prompt)), sp(4))
     while eng.has_work():
-        eng.step()
+        step(eng)
     eng.scheduler.num_preemptions = 0
     eng.step_log, eng.peak_kv_stats = [], None
 
@@ -138,7 +155,7 @@ def worker(args) -> dict:
     if args.scenario == "burst":
         reqs = [eng.add_request(rand(args.prompt), sp(args.max_tokens)) for _ in range(args.requests)]
         while eng.has_work():
-            eng.step()
+            step(eng)
     elif args.scenario == "poisson":
         import random
         rng = random.Random(args.seed)
@@ -156,7 +173,7 @@ def worker(args) -> dict:
                 reqs.append(r)
                 i += 1
             if eng.has_work():
-                eng.step()
+                step(eng)
             else:
                 time.sleep(max(0.0, min(0.01, arrivals[i][0] - now)))
     else:             # prefill: TTFT of one prompt alone (the first one warms up), then a 4x longer one
@@ -165,10 +182,10 @@ def worker(args) -> dict:
             eng.step_log = []
             r = eng.add_request(rand(n), sp(1))
             while eng.has_work():
-                eng.step()
+                step(eng)
             secs = r.token_times[0] - r.arrival_time
             out[name] = {"tokens": n, "ttft_s": secs, "mfu": model_flops(eng.model_config, n, n / 2) / secs / BF16_PEAK,
-                         "steps": [[round(v, 5) if isinstance(v, float) else v for v in x[1:]] for x in eng.step_log]}
+                         "steps": step_rows(eng.step_log)}
             log(f"  prefill {name} {n} tokens: TTFT {secs:.3f} s, MFU {out[name]['mfu']:.2f}, steps {out[name]['steps']}")
         return {"scenario": "prefill", "mode": args.mode, "requests": 3, "prefill": out,
                 "prefill_mfu": out["steady"]["mfu"], "ttft_s": out["steady"]["ttft_s"],

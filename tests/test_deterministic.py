@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
+from zipfusion.testing import run_to_completion  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 
 SP = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
@@ -38,7 +39,6 @@ def run(path, device, targets_first=True, others=0, **kw):
     opts.update(kw)
     llm = LLM(str(path), **opts)
     eng = llm.engine
-    eng.record_logits = True
     extra = prompts(1, [5 + 7 * i % 60 for i in range(others)])
     sp_other = SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True)
     reqs = []
@@ -49,8 +49,7 @@ def run(path, device, targets_first=True, others=0, **kw):
         r = eng.add_request(p, sp)
         if mine:
             reqs.append(r)
-    while eng.has_work():
-        eng.step()
+    run_to_completion(eng, reqs, keep_logits=True)
     if not targets_first:
         reqs = reqs[::-1]
     return [(r.output_ids, torch.stack(r.logits)) for r in reqs], eng

@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
+from zipfusion.testing import run_to_completion  # noqa: E402
 from zipfusion.engine.scheduler import KVCacheTooSmall  # noqa: E402
 from helpers import save_tiny_checkpoint, save_word_tokenizer  # noqa: E402
 
@@ -59,10 +60,8 @@ def test_compression_on_off_identical_tokens_and_logits(ckpts, lengths):
     for compress in (True, False):
         llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=compress, kv_memory_gb=0.03,
                   max_num_batched_tokens=48)
-        llm.engine.record_logits = True
         reqs = [llm.engine.add_request(p, GREEDY) for p in ps]
-        while llm.engine.scheduler.has_work():
-            llm.engine.step()
+        run_to_completion(llm.engine, reqs, keep_logits=True)
         res[compress] = (reqs, llm.kv_stats())
     (on, stats_on), (off, stats_off) = res[True], res[False]
     # compression really happened and decode read compressed pages
@@ -208,10 +207,8 @@ def test_gpu_compression_on_off_identical_with_cuda_graphs(ckpts, model):
         llm = LLM(path, dtype="bfloat16", device="cuda", kv_compression=compress, kv_memory_gb=0.2,
                   max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
         assert llm.engine.graph_buckets                            # decode runs as CUDA graphs
-        llm.engine.record_logits = True
         reqs = [llm.engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in ps]
-        while llm.engine.scheduler.has_work():
-            llm.engine.step()
+        run_to_completion(llm.engine, reqs, keep_logits=True)
         res[compress] = (reqs, llm.kv_stats())
     assert res[True][1]["stored_pages"] > 0
     for a, b in zip(res[True][0], res[False][0]):
@@ -235,10 +232,8 @@ def test_gpu_engine_against_transformers_and_through_preemption(ckpts):
                      ("small", dict(kv_memory_gb=10 * 2 * open_page / 2**30, chunk_bytes=2 * open_page,
                                     admission="optimistic"))):      # the reserve and the graphs' scratch page
         llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_model_len=80, **kw)
-        llm.engine.record_logits = True
         reqs = [llm.engine.add_request(p, sp) for p in ps]
-        while llm.engine.has_work():
-            llm.engine.step()
+        run_to_completion(llm.engine, reqs, keep_logits=True)
         runs[name] = (reqs, llm.engine.scheduler.num_preemptions)
     assert runs["small"][1] > 0 and runs["big"][1] == 0
     for a, b in zip(runs["big"][0], runs["small"][0]):

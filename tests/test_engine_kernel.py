@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
+from zipfusion.testing import run_to_completion  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,10 +50,8 @@ def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt):
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, kv_compression=compress,
                   attention_backend="kernel")
         eng = llm.engine
-        eng.record_logits = True
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in prompts()]
-        while eng.scheduler.has_work():
-            eng.step()
+        run_to_completion(eng, reqs, keep_logits=True)
         res[compress] = reqs
     for a, b in zip(res[True], res[False]):
         assert a.output_ids == b.output_ids
@@ -67,10 +66,13 @@ def test_fused_rope_store_is_the_torch_path_bit_for_bit(ckpt):
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
         eng = llm.engine
         eng.cache.fused_store = fused
-        eng.record_logits = True
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)) for p in prompts()]
-        eng.step()                                                 # prefill
-        eng.step()                                                 # one decode step
+        for r in reqs:
+            r.logits = []
+        for _ in range(2):                                         # prefill, one decode step
+            step = eng.step()
+            for r, row in zip(step.sampled, step.logits.cpu()):
+                r.logits.append(row.clone())
         kv = [eng.cache.read_tokens(0, r.pages, r.num_computed) for r in reqs]
         res[fused] = (reqs, kv)
     for (a, kva), (b, kvb) in zip(zip(*res[True]), zip(*res[False])):

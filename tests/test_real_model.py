@@ -15,6 +15,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 from zipfusion import LLM, SamplingParams  # noqa: E402
+from zipfusion.testing import run_to_completion  # noqa: E402
 from zipfusion.analysis.checkpoints import RegistryUnreachable, smollm2_gguf  # noqa: E402
 
 CHAT = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -51,11 +52,10 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def run(llm, prompts, max_tokens=MAX_TOKENS):
-    llm.engine.record_logits = True
+    """The requests, each with ``logits``: its sampled rows."""
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     reqs = [llm.engine.add_request(p, sp) for p in prompts]
-    while llm.engine.scheduler.has_work():
-        llm.engine.step()
+    run_to_completion(llm.engine, reqs, keep_logits=True)
     return reqs
 
 

@@ -73,7 +73,7 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="Generating", unit="prompt")
         try:
             while eng.has_work():
-                done = eng.step()
+                done = eng.step().finished
                 if bar is not None and done:
                     bar.update(len(done))
         except BaseException:                    # KeyboardInterrupt, a failed step: leave no request behind

@@ -23,17 +23,23 @@ from .scheduler import Scheduler
 log = logging.getLogger("zipfusion")
 
 
-class StepRecord(NamedTuple):
-    """One engine step, when ``LLMEngine.step_log`` is a list (benchmarks)."""
-    start: float
-    seconds: float
+class StepResult(NamedTuple):
+    """What one :meth:`LLMEngine.step` did: the requests that finished, the rows it sampled
+    (``logits[i]`` is the row that gave ``sampled[i]`` its newest token: valid until the next
+    step, clone to keep), and its size and timings (seconds, from the host clock)."""
+    finished: list
+    sampled: list
+    logits: object                   # torch.Tensor [len(sampled), V] fp32, or None
     decode_rows: int
     prefill_tokens: int
-    running: int
+    running: int                     # requests running after scheduling
+    preempted: int
+    sealed_pages: int
+    start: float                     # time.perf_counter() at the step's start
+    seconds: float
     schedule_s: float
     forward_s: float                 # forward + sampling; synced when a token was sampled
     seal_s: float
-    sealed_pages: int
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -109,8 +115,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
         self._peak_pages = -1
-        self.record_logits = False          # tests: keep every sampled row's logits on the request
-        self.step_log: list | None = None   # benchmarks: set to [] to get one record per step
         log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, KV cache %.2f GiB "
                  "(%s), max_model_len %d, max_num_seqs %d", self.source.name, mc.num_hidden_layers,
                  mc.num_key_value_heads, mc.head_dim, str(self.dtype).replace("torch.", ""), self.device,
@@ -207,10 +211,11 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests that finished in it."""
+    def step(self) -> StepResult:
+        """Run one scheduled step; returns what it did (:class:`StepResult`)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        running = len(self.scheduler.running)
         for r in out.preempted:
             self.runner.forget(r.request_id)
         t1 = time.perf_counter()
@@ -227,11 +232,10 @@ class LLMEngine:
         for r, reason in finished:
             self.scheduler.finish(r, reason)
             self.runner.forget(r.request_id)
-        if self.step_log is not None:     # seconds: whole step, scheduling, forward + sampling (synced), sealing
-            t3 = time.perf_counter()
-            self.step_log.append(StepRecord(t0, t3 - t0, len(out.decode), sum(ch.length for ch in out.prefill),
-                                            len(self.scheduler.running), t1 - t0, t2 - t1, t3 - t2, sealed))
-        return [r for r, _ in finished]
+        t3 = time.perf_counter()
+        return StepResult([r for r, _ in finished], sampled, logits if sampled else None, len(out.decode),
+                          sum(ch.length for ch in out.prefill), running,
+                          len(out.preempted), sealed, t0, t3 - t0, t1 - t0, t2 - t1, t3 - t2)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
         """One token per request from its logits row; returns (request, reason) of those done."""
@@ -242,9 +246,6 @@ class LLMEngine:
         self._note_logprobs(reqs, logits, sampled)
         tokens = sampled.tolist()
         now = time.perf_counter()
-        if self.record_logits:
-            for r, row in zip(reqs, logits):
-                r.logits.append(row.detach().cpu().clone())
         finished = []
         for r, t in zip(reqs, tokens):
             r.output_ids.append(int(t))

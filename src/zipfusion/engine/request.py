@@ -36,7 +36,6 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     text: str = ""
-    logits: list = field(default_factory=list, repr=False)   # filled only when the engine records them
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list, repr=False)   # when each output token came
     logprobs: list = field(default_factory=list, repr=False)   # per output token {id: Logprob}, when asked
