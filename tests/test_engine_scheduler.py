@@ -22,7 +22,7 @@ class FakeCache:
     def free(self, ids):
         self.free_ids += list(ids)
 
-    def seal(self, ids):
+    def seal(self, ids, min_capacity=0):
         self.sealed += list(ids)
         return []
 

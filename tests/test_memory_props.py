@@ -105,7 +105,8 @@ class ManagerMachine(RuleBasedStateMachine):
         """Compress full pages (and those left open before), as the engine's seal does."""
         ids = sorted(self.unsealed | set(ids))
         if ids:
-            self.unsealed = set(self.m.compress_pages(ids))
+            promised = self.adm.reserved_pages([RunningRequest(len(r.pages), r.ntok, r.total) for r in self.reqs])
+            self.unsealed = set(self.m.compress_pages(ids, min_capacity=promised))
 
     # ------------------------------------------------------------------ rules
     @rule(prompt=st.integers(1, 200), out=st.integers(0, 60))
@@ -220,3 +221,31 @@ def test_estimate_reported_sequence():
             m.append(which, 24)
             m.contents_are_what_was_written()
         m.teardown()
+
+
+def replay(machine_cls, ops) -> None:
+    """Run one reported sequence of rules, checking the invariants after each."""
+    m = machine_cls()
+    try:
+        for name, kw in ops:
+            getattr(m, name)(**kw)
+            m.no_overlap_and_chunks_add_up()
+            m.contents_are_what_was_written()
+    finally:
+        m.teardown()
+
+
+def test_conservative_reported_sequence():
+    """Found by fresh draws (issue 20): a page sealed into fresh chunks took a group's worth of
+    pool chunks back from the capacity that admission had promised; the next page of an admitted
+    request then hit MemoryExhausted. Sealing now waits until it pays for itself."""
+    admits = [(145, 0), (1, 0), (127, 2), (1, 0), (1, 0)]
+    replay(ManagerMachine, [("admit", dict(prompt=p, out=o)) for p, o in admits]
+           + [("append", dict(which=57, k=2))])
+
+
+def test_static_reported_sequence():
+    """Found at 20x the example count (issue 24): static per-layer pools, the same cause."""
+    replay(StaticMachine, [("admit", dict(prompt=200, out=41)), ("admit", dict(prompt=96, out=0)),
+                           ("append", dict(which=0, k=11)), ("append", dict(which=0, k=14)),
+                           ("append", dict(which=0, k=16))])

@@ -148,17 +148,13 @@ class ArenaKVCache(KVCache):
         if ids:
             self.manager.free_pages(list(ids))
 
-    def seal(self, ids):
-        """Compress full pages; returns the ids left open because compressed space ran out
-        (they stay readable as open pages; the scheduler retries them next step)."""
+    def seal(self, ids, min_capacity: int = 0):
+        """Compress full pages; returns the ids left open (no room yet, or room promised to
+        running requests: ``min_capacity`` new pages must still fit). They stay readable as
+        open pages; the scheduler offers them again later."""
         if not ids or not self.compress:
             return []
-        from ..memory import MemoryExhausted
-        try:
-            self.manager.compress_pages(list(ids))
-            return []
-        except MemoryExhausted:
-            return [i for i in ids if self.manager.page_state(i) == "open"]
+        return self.manager.compress_pages(list(ids), min_capacity=min_capacity)
 
     def capacity_new_pages(self, keep_reserve: bool = True):
         """New pages that fit now; ``keep_reserve=False`` counts the compression reserve too
@@ -243,7 +239,7 @@ class DenseKVCache(KVCache):
     def free(self, ids):
         self._free.extend(ids)
 
-    def seal(self, ids):
+    def seal(self, ids, min_capacity: int = 0):
         return []
 
     def capacity_new_pages(self, keep_reserve: bool = True):

@@ -165,11 +165,14 @@ class Scheduler:
         """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
 
+    def _running_needs(self) -> list[RunningRequest]:
+        return [RunningRequest(len(r.pages), r.num_tokens, self._max_total_tokens(r)) for r in self.running]
+
     def _can_admit(self, req: Request) -> bool:
         if not self.running:
             return True                          # alone it either fits or is refused as too large
-        running = [RunningRequest(len(r.pages), r.num_tokens, self._max_total_tokens(r)) for r in self.running]
-        return self.admission.can_admit(req.num_tokens, self._max_total_tokens(req) - req.num_tokens, running)
+        return self.admission.can_admit(req.num_tokens, self._max_total_tokens(req) - req.num_tokens,
+                                        self._running_needs())
 
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
@@ -198,7 +201,8 @@ class Scheduler:
         if not self._to_seal or (waiting and not force):
             return 0
         ids = sorted(self._to_seal)
-        self._to_seal, self._seal_wait = set(self.cache.seal(ids)), 0
+        promised = self.admission.reserved_pages(self._running_needs()) if self.admission.mode != "optimistic" else 0
+        self._to_seal, self._seal_wait = set(self.cache.seal(ids, min_capacity=promised)), 0
         return len(ids)
 
     def finish(self, req: Request, reason: str) -> None:

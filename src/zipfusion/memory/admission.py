@@ -12,8 +12,10 @@ admits a request only when
                                                                    until they are sealed
 
 ``P_i`` counts the rest of request i's prompt and its expected output,
-``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens. With r' = 1 (no compression, or the
-conservative mode) this is exact: every page a request will ever hold is set aside. Two numbers are estimates that
+``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens (in the conservative mode all of
+max_tokens, unclipped). In the conservative mode (r' = 1) this is exact: every page a request
+will ever hold is set aside, and since sealing never lowers the capacity (manager.py,
+``_affordable``) an admitted request never meets a full cache. Two numbers are estimates that
 adapt, as SGLang's new-token ratio does:
 
 * ``r' = min(1, r · (1 + margin))``, r the ratio observed so far (1 until a page is stored);
@@ -77,9 +79,10 @@ class Admission:
 
     def expected_tokens(self, num_tokens: int, max_total_tokens: int) -> int:
         """Tokens a request is expected to reach: what it has plus its expected output."""
-        left = min(max(0, max_total_tokens - num_tokens), CLIP_TOKENS)
-        frac = self.out_frac if self.mode == "estimate" else 1.0
-        return num_tokens + math.ceil(left * frac)
+        left = max(0, max_total_tokens - num_tokens)
+        if self.mode != "estimate":              # conservative: every page, however long the output
+            return num_tokens + left
+        return num_tokens + math.ceil(min(left, CLIP_TOKENS) * self.out_frac)
 
     def reserved_pages(self, running: Iterable[RunningRequest]) -> int:
         """Open-page units promised to running requests."""
@@ -95,7 +98,8 @@ class Admission:
         if self.mode == "optimistic":
             return True
         r = self.ratio()
-        new = math.ceil(r * (pages_for_tokens(self.expected_tokens(0, prompt_tokens + max_new_tokens)) - 1)) + 1
+        whole = self.expected_tokens(prompt_tokens, prompt_tokens + max_new_tokens)    # the prompt is certain
+        new = math.ceil(r * (pages_for_tokens(whole) - 1)) + 1
         transient = math.ceil((1.0 - r) * self.step_pages)
         return self.cache.capacity_new_pages() - self.reserved_pages(running) >= new + transient
 

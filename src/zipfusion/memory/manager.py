@@ -225,8 +225,15 @@ class KVCacheManager:
         return np.where(sizes >= self.layout.open_page_bytes, 0,
                         saved // (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES))
 
-    def compress_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None) -> list[int]:
+    def compress_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None,
+                       min_capacity: int = 0) -> list[int]:
         """Full open pages -> compressed pages in every layer; returns the ids left open.
+
+        ``min_capacity``: new pages promised to running requests (admission's reservation). A
+        batch is compressed only if ``capacity_new_pages()`` stays at least that high (or, if it
+        is lower already, does not drop): a page sealed into fresh chunks costs a whole group of
+        slots' worth of pool chunks until enough pages fill them, and must not take back room
+        that was promised. Such pages stay open (valid) and are offered again later.
 
         All pages are analyzed at once (encoded sizes; one device sync), then placed and encoded
         in batches of at most S pages in open-slot order, so that each batch's open slots --
@@ -263,13 +270,14 @@ class KVCacheManager:
         left = []
         for i in range(0, n, S):
             part = order[i:i + S]
-            if not self._compress_batch(ids, part, sizes[:, part], state):
+            if not self._compress_batch(ids, part, sizes[:, part], state, min_capacity):
                 left = ids[order[i:]].tolist()
                 break
         t.sync(ids)                        # one copy of the touched page_loc columns to the device
         return left
 
-    def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state) -> bool:
+    def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state,
+                        min_capacity: int = 0) -> bool:
         t = self.table
         open_bytes = self.layout.open_page_bytes
         batch = ids[part]
@@ -277,7 +285,7 @@ class KVCacheManager:
         as_open = sizes >= open_bytes                   # not smaller: store in open form
         stored = np.where(as_open, open_bytes, sizes)
         split = self._make_room_for_packing(stored)
-        if split is None:
+        if split is None or not self._affordable(batch, stored, split, min_capacity):
             return False
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
         if state is not None:
@@ -295,6 +303,33 @@ class KVCacheManager:
         self.pages_compressed += batch.size
         self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
         return True
+
+    def _affordable(self, batch: np.ndarray, stored: np.ndarray, split, min_capacity: int) -> bool:
+        """Whether placing ``batch`` (stored sizes [L, k], placement ``split``) and freeing its
+        open slots leaves ``capacity_new_pages()`` at least ``min(now, min_capacity)``.
+
+        A page sealed into fresh chunks costs a group of ``S`` slots' worth of pool chunks (and
+        may shrink what compaction is sure to reclaim) while freeing only its own slot, until
+        enough pages fill those chunks; when that would cut into promised room the batch waits,
+        open, until it pays for itself (at most about ``S`` pages wait at a time). Closed form
+        of the state after ``place`` + ``open.free``; no state changed."""
+        t, L, S = self.table, self.num_layers, self.slots_per_chunk
+        need = self.packed.chunks_needed(stored, split)
+        groups, counts = np.unique(t.group[batch], return_counts=True)
+        live = np.array([S - len(self.open.free_slots[g]) for g in groups.tolist()], dtype=np.int64)
+        released = int((counts == live).sum())
+        free_slots = self.open.num_free_slots + batch.size - S * released
+        reclaim = np.zeros(L, np.int64)
+        per_chunk = self.chunk_bytes - self.packed.max_page_bytes
+        if per_chunk > 0:
+            held = self.packed.held + need
+            reclaim = np.maximum(held - -(-(self.packed.layer_live + stored.sum(1)) // per_chunk), 0)
+        if self.pool.shared:
+            free = [self.pool.available(0) - int(need.sum()) + L * released + int(reclaim.sum())]
+        else:
+            free = [self.pool.available(l) - int(need[l]) + released + int(reclaim[l]) for l in range(L)]
+        after = free_slots + S * groups_available(free, L, self.reserve)
+        return after >= min(self.capacity_new_pages(), min_capacity)
 
     def _make_room_for_packing(self, stored: np.ndarray):
         """The placement split for ``packed.place`` once every layer can take the fresh chunks
