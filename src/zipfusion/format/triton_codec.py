@@ -254,24 +254,42 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
 
 
 @triton.jit
-def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, first_ptr,
-                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
-    """Program (p, h): writes the metadata records and block bodies of head h of page p.
+def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, index_ptr,
+                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
+                     NBLK: tl.constexpr, INDEXED: tl.constexpr):
+    """Program (i, h): writes the metadata records and block bodies of head h of output page i.
 
-    first_ptr [P, 2H] int32: byte offset of block 0 of each (head, role) record from the page
-    start (an exclusive prefix sum over the page's blocks, computed by the wrapper in torch).
+    Output page i encodes analyzed page p = index[i] (p = i without an index): source
+    src[p], metadata base_half[p], destination dst[i]. Record r = 2h + R starts its blocks at
+
+        first(r) = 2·H·M + r·NB·768 + 256 · #{raw blocks of records < r}
+
+    (every block is 768 bytes plus 256 if raw), counted here from the page's 2·H·NB metadata
+    bytes (one small vector load, shared in L1/L2 by the page's H programs): no prefix-sum pass
+    and no gather before the launch.
     """
     pid = tl.program_id(0)
-    p = pid // H
+    i = pid // H
     h = pid % H
+    if INDEXED:
+        p = tl.load(index_ptr + i)
+    else:
+        p = i
     words = arena_ptr.to(tl.pointer_type(tl.int32))
     src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
-    dst = words + tl.multiple_of(tl.load(dst_ptr + p) // 4, 4)
+    dst = words + tl.multiple_of(tl.load(dst_ptr + i) // 4, 4)
+    meta = base_half_ptr + p.to(tl.int64) * (2 * H * NB)
+    q = tl.arange(0, NBLK)
+    raw = tl.load(meta + q, mask=q < 2 * H * NB, other=0) == RAW_MARK_C
     for R in tl.static_range(2):
         rec = h * 2 + R
-        first = tl.load(first_ptr + p.to(tl.int64) * (2 * H) + rec)
-        _encode_record(src, dst, base_half_ptr + p.to(tl.int64) * (2 * H * NB) + rec * NB,
-                       first, R, h, H, D, NB, M)
+        n_raw = _sum(tl.where(raw & (q < rec * NB), 1, 0), axis=0)
+        first = 2 * H * M + rec * (NB * COMPRESSED_C) + n_raw * (RAW_C - COMPRESSED_C)
+        _encode_record(src, dst, meta + rec * NB, first, R, h, H, D, NB, M)
+
+
+COMPRESSED_C = tl.constexpr(COMPRESSED_BLOCK_BYTES)
+RAW_C = tl.constexpr(RAW_BLOCK_BYTES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,13 +432,17 @@ def _encoded_sizes(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
 
 
 def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_half: torch.Tensor,
-                        dst_offsets: torch.Tensor, layout: PageLayout, *, validate: bool = True) -> None:
+                        dst_offsets: torch.Tensor, layout: PageLayout, *, index: torch.Tensor | None = None,
+                        validate: bool = True) -> None:
     """Write the compressed form of the open pages at ``src_offsets`` to ``dst_offsets``.
 
-    ``base_half`` is what :func:`analyze_open_pages` returned for these pages. The destination
-    ranges must not overlap the sources or each other (the memory manager guarantees it; not
-    checked). The bytes equal ``reference.encode_pages_into``. ``validate=False`` skips the
-    value checks (offset alignment/range, metadata bytes), which need a device sync.
+    ``base_half`` is what :func:`analyze_open_pages` returned for these pages. With ``index``
+    (int64 [K] on the arena's device) only the analyzed pages ``index[i]`` are written, page
+    ``index[i]`` at ``dst_offsets[i]``: one launch for any subset of an analysis, no gather.
+    The destination ranges must not overlap the sources or each other (the memory manager
+    guarantees it; not checked). The bytes equal ``reference.encode_pages_into``.
+    ``validate=False`` skips the value checks (offset alignment/range, index range, metadata
+    bytes), which need a device sync.
     """
     layout = _check_layout(layout)
     device = _check_arena(arena)
@@ -435,29 +457,37 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     base_half = base_half.contiguous()
     src = _check_offsets("src_offsets", src_offsets, device, length=P, arena_bytes=arena.numel(),
                          page_bytes=layout.open_page_bytes, validate=validate)
+    if index is not None:
+        index = _check_index(index, P, device, validate)
+    K = P if index is None else index.numel()
     if validate and P and bool(((base_half > 127) & (base_half != RAW_MARK)).any()):
         raise ValueError("base_half holds bytes that are neither b/2 (0..127) nor 0xFF; pass the "
                          "base_half returned by analyze_open_pages")
-    sizes = _encoded_sizes(base_half, layout) if validate else None
-    dst = _check_offsets("dst_offsets", dst_offsets, device, length=P, arena_bytes=arena.numel(),
+    sizes = None
+    if validate:
+        sizes = _encoded_sizes(base_half if index is None else base_half[index], layout)
+    dst = _check_offsets("dst_offsets", dst_offsets, device, length=K, arena_bytes=arena.numel(),
                          page_bytes=sizes, validate=validate)
-    if P == 0:
+    if K == 0:
         return
     H, D, nb = layout.num_kv_heads, layout.head_dim, layout.blocks_per_head
-    first = _record_first_offsets(base_half, layout)
     kernel = _kernel("_compress_kernel", device)
-    kernel[(P * H,)](arena, src, dst, base_half, first, H=H, D=D, NB=nb, M=layout.record_bytes,
-                     num_warps=NUM_WARPS["compress"])
+    kernel[(K * H,)](arena, src, dst, base_half, src if index is None else index, H=H, D=D, NB=nb,
+                     M=layout.record_bytes, NBLK=triton.next_power_of_2(layout.num_blocks),
+                     INDEXED=index is not None, num_warps=NUM_WARPS["compress"])
 
 
-def _record_first_offsets(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
-    """[P, 2H] int32: byte offset of block 0 of every (head, role) record from its page start,
-    header + the sizes of all blocks before it (format order)."""
-    P, nb = base_half.shape[0], layout.blocks_per_head
-    raw = (base_half == RAW_MARK).view(P, -1, nb).sum(2, dtype=torch.int32)          # [P, 2H]
-    record_bytes = nb * COMPRESSED_BLOCK_BYTES + raw * (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)
-    return (layout.header_bytes + torch.cumsum(record_bytes, 1, dtype=torch.int32)
-            - record_bytes).contiguous()
+def _check_index(index, P: int, device: torch.device, validate: bool) -> torch.Tensor:
+    """``index``: a 1-D int64 tensor on the arena's device, entries in 0..P-1 (checked when
+    ``validate``)."""
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
+        raise TypeError(f"index must be a 1-D torch.int64 tensor, got {getattr(index, 'dtype', type(index).__name__)}")
+    if index.device != device:
+        raise ValueError(f"index is on {index.device} but the arena is on {device}")
+    index = index.contiguous()
+    if validate and index.numel() and bool(((index < 0) | (index >= P)).any()):
+        raise ValueError(f"index holds entries outside 0..{P - 1} (the analyzed pages)")
+    return index
 
 
 def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLayout,
