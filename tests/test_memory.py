@@ -379,14 +379,21 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
     assert_contents(m, {k: v for k, v in written.items() if k[1] in old})
 
 
-def test_packed_place_general_next_fit_matches_reference():
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_place_general_next_fit_matches_reference(seed):
+    """The vectorised next fit places like the page-by-page loop, for batches spanning several
+    chunks, pages that fill a chunk exactly and layers without a fill chunk; live bytes/pages
+    per chunk follow."""
     from zipfusion.memory.packed import PackedSpace
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     C = 10 * 1024
-    ps = PackedSpace(3, 64, C, max_page_bytes=4096)
-    free = list(range(63, -1, -1))
-    for _ in range(6):
-        sizes = rng.integers(1, 257, size=(3, 9)) * 16          # up to 4096 bytes, 9 pages
+    ps = PackedSpace(3, 256, C, max_page_bytes=4096)
+    free = list(range(255, -1, -1))
+    placed = []
+    for _ in range(8):
+        n = int(rng.integers(0, 12))
+        sizes = rng.choice([16, 2048, 2560, 4096, 5120 // 2], size=(3, n)) if seed == 2 else \
+            rng.integers(1, 257, size=(3, n)) * 16          # up to 4096 bytes
         need = ps.chunks_needed(sizes)
         taken = []
         before = (ps.fill_chunk.copy(), ps.fill_ptr.copy())
@@ -399,6 +406,11 @@ def test_packed_place_general_next_fit_matches_reference():
                     c, ptr = int(out[layer, q]) // C, 0
                 assert out[layer, q] == c * C + ptr
                 ptr += s
+            assert (ps.fill_chunk[layer], ps.fill_ptr[layer]) == ((c, ptr) if c >= 0 else (-1, 0))
+        placed += list(zip(out.ravel().tolist(), sizes.ravel().tolist()))
+    chunks = np.array([o // C for o, _ in placed], dtype=np.int64)
+    assert np.array_equal(ps.live_bytes, np.bincount(chunks, [s for _, s in placed], 256).astype(np.int64))
+    assert np.array_equal(ps.live_pages, np.bincount(chunks, minlength=256))
     assert ps.layer_live.tolist() == [int(ps.live_bytes[list(ps.chunks[l])].sum()) for l in range(3)]
 
 
