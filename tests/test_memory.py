@@ -414,6 +414,37 @@ def test_packed_place_general_next_fit_matches_reference(seed):
     assert ps.layer_live.tolist() == [int(ps.live_bytes[list(ps.chunks[l])].sum()) for l in range(3)]
 
 
+@pytest.mark.parametrize("shared,budget,spare", [
+    (True, 21, 4),      # waves of 3 batches, then 1 each (the pool refilled by freed groups)
+    (True, 19, 2),      # one batch, then compaction, then no room: pages left open
+    (False, 18, 4),     # per-layer pools: a wave of 2 batches, then no room
+])
+def test_waves_seal_like_batch_by_batch(monkeypatch, shared, budget, spare):
+    """compress_pages in waves (several batches per placement and encode) ends where sealing one
+    batch of S at a time does, in pools so tight that later batches need the chunks earlier
+    ones free, or compaction: same pages left open, sizes, pool, stored bytes and contents."""
+    chunk = 4 * OPEN
+    results = []
+    for batch_by_batch in (False, True):
+        if batch_by_batch:
+            monkeypatch.setattr(KVCacheManager, "_wave", lambda self, stored: (
+                min(self.slots_per_chunk, stored.shape[1]), None))
+        m = KVCacheManager(2, LAYOUT, budget_bytes=budget * chunk, chunk_bytes=chunk,
+                           shared_pool=shared, reserve_chunks=1)
+        old = m.alloc_pages(6)
+        written = fill(m, old, [0.9, 0.4], seed=3)
+        m.compress_pages(old[:3])
+        m.free_pages(old[1:3])                             # holes: compaction has work
+        ids = m.alloc_pages(m.capacity_new_pages() - spare)
+        written.update(fill(m, ids, [1.0, 0.6], seed=4))
+        left = m.compress_pages(ids)
+        assert_contents(m, {k: v for k, v in written.items() if k[1] in ids or k[1] == old[0]})
+        results.append((left, m.table.size[:, ids].copy(), [m.pool.available(p) for p in range(m.pool.num_pools)],
+                        m.stored_ratio(), m.capacity_new_pages(), m.compactions))
+    (a, b) = results
+    assert a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:], (a, b)
+
+
 def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
     """The CUDA dispatch path (analyze_open_pages / compress_open_pages, and decompress_pages
     behind read_pages) run on CPU tensors (the codec runs its kernels under the Triton
