@@ -57,10 +57,9 @@ import triton.language as tl
 from ..triton_interpreter import kernel_module
 from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
 from . import reference
+from .triton_checks import check_arena, check_index, check_layout, check_offsets
 
 __all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
-
-_ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design.md)
 
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
 NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4}
@@ -353,56 +352,6 @@ def _kernel(name: str, device: torch.device):
     return getattr(kernel_module(device, __name__, __file__, not compiled), name)
 
 
-def _check_layout(layout) -> PageLayout:
-    if not isinstance(layout, PageLayout):
-        raise TypeError(f"layout must be a zipfusion.format.PageLayout, got {type(layout).__name__}")
-    return layout
-
-
-def _check_arena(arena) -> torch.device:
-    if not isinstance(arena, torch.Tensor):
-        raise TypeError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
-    if arena.dtype != torch.uint8 or arena.dim() != 1:
-        raise TypeError("arena must be a 1-D torch.uint8 tensor (docs/design.md), got "
-                        f"{arena.dtype} with shape {list(arena.shape)}")
-    if not arena.is_contiguous():
-        raise ValueError("arena must be contiguous")
-    if arena.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"arena must live on a CUDA device (or the CPU, for the Triton "
-                         f"interpreter), got {arena.device}")
-    if arena.data_ptr() % _ALIGN:
-        raise ValueError("arena's first byte must be 16-byte aligned; allocate it with torch.empty "
-                         "and do not pass an unaligned slice")
-    return arena.device
-
-
-def _check_offsets(name: str, offsets, device: torch.device, length: int | None = None,
-                   arena_bytes: int | None = None, page_bytes=None, validate: bool = True) -> torch.Tensor:
-    """Offsets must be a 1-D int64 tensor on the arena's device, 16-aligned, pages inside the arena."""
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.int64 tensor of byte offsets, got {type(offsets).__name__}")
-    if offsets.dtype != torch.int64 or offsets.dim() != 1:
-        raise TypeError(f"{name} must be a 1-D torch.int64 tensor, got {offsets.dtype} with shape "
-                        f"{list(offsets.shape)}")
-    if offsets.device != device:
-        raise ValueError(f"{name} is on {offsets.device} but the arena is on {device}; "
-                         f"move it with .to(arena.device)")
-    if length is not None and offsets.numel() != length:
-        raise ValueError(f"{name} has {offsets.numel()} entries, expected {length} (one per page)")
-    offsets = offsets.contiguous()
-    if validate and offsets.numel():
-        end = offsets + page_bytes if page_bytes is not None else offsets
-        bad = (offsets % _ALIGN != 0) | (offsets < 0) | (end > arena_bytes)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            o = int(offsets[i])
-            why = ("is not a multiple of 16" if o % _ALIGN else
-                   "puts the page outside the arena")
-            raise ValueError(f"{name}[{i}] = {o} {why} (arena of {arena_bytes} bytes); pages "
-                             f"start at 16-byte aligned offsets inside the arena")
-    return offsets
-
-
 def analyze_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: PageLayout,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Analyze full open pages at ``src_offsets`` (bytes) of ``arena``.
@@ -412,9 +361,9 @@ def analyze_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: P
     and every page's encoded size in bytes. ``validate=False`` skips the value checks of the
     offsets (a device sync); dtypes, shapes and devices are always checked.
     """
-    layout = _check_layout(layout)
-    device = _check_arena(arena)
-    src = _check_offsets("src_offsets", src_offsets, device, arena_bytes=arena.numel(),
+    layout = check_layout(layout)
+    device = check_arena(arena)
+    src = check_offsets("src_offsets", src_offsets, device, arena_bytes=arena.numel(),
                          page_bytes=layout.open_page_bytes, validate=validate)
     P, H, D, nb = src.numel(), layout.num_kv_heads, layout.head_dim, layout.blocks_per_head
     base_half = torch.empty(P, layout.num_blocks, dtype=torch.uint8, device=device)
@@ -444,8 +393,8 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     ``validate=False`` skips the value checks (offset alignment/range, index range, metadata
     bytes), which need a device sync.
     """
-    layout = _check_layout(layout)
-    device = _check_arena(arena)
+    layout = check_layout(layout)
+    device = check_arena(arena)
     if not isinstance(base_half, torch.Tensor):
         raise TypeError(f"base_half must be a torch.uint8 tensor, got {type(base_half).__name__}")
     P = base_half.shape[0] if base_half.dim() == 2 else -1
@@ -455,10 +404,10 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     if base_half.device != device:
         raise ValueError(f"base_half is on {base_half.device} but the arena is on {device}")
     base_half = base_half.contiguous()
-    src = _check_offsets("src_offsets", src_offsets, device, length=P, arena_bytes=arena.numel(),
+    src = check_offsets("src_offsets", src_offsets, device, length=P, arena_bytes=arena.numel(),
                          page_bytes=layout.open_page_bytes, validate=validate)
     if index is not None:
-        index = _check_index(index, P, device, validate)
+        index = check_index(index, P, device, validate)
     K = P if index is None else index.numel()
     if validate and P and bool(((base_half > 127) & (base_half != RAW_MARK)).any()):
         raise ValueError("base_half holds bytes that are neither b/2 (0..127) nor 0xFF; pass the "
@@ -466,7 +415,7 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     sizes = None
     if validate:
         sizes = _encoded_sizes(base_half if index is None else base_half[index], layout)
-    dst = _check_offsets("dst_offsets", dst_offsets, device, length=K, arena_bytes=arena.numel(),
+    dst = check_offsets("dst_offsets", dst_offsets, device, length=K, arena_bytes=arena.numel(),
                          page_bytes=sizes, validate=validate)
     if K == 0:
         return
@@ -477,19 +426,6 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
                      INDEXED=index is not None, num_warps=NUM_WARPS["compress"])
 
 
-def _check_index(index, P: int, device: torch.device, validate: bool) -> torch.Tensor:
-    """``index``: a 1-D int64 tensor on the arena's device, entries in 0..P-1 (checked when
-    ``validate``)."""
-    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
-        raise TypeError(f"index must be a 1-D torch.int64 tensor, got {getattr(index, 'dtype', type(index).__name__)}")
-    if index.device != device:
-        raise ValueError(f"index is on {index.device} but the arena is on {device}")
-    index = index.contiguous()
-    if validate and index.numel() and bool(((index < 0) | (index >= P)).any()):
-        raise ValueError(f"index holds entries outside 0..{P - 1} (the analyzed pages)")
-    return index
-
-
 def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLayout,
                      out: torch.Tensor | None = None, *, validate: bool = True) -> torch.Tensor:
     """Decode the compressed pages at ``offsets`` of ``arena`` -> ``[P, 2, 16, H, D]`` bf16.
@@ -498,9 +434,9 @@ def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLay
     raising ``CorruptPageError``) and the pages must end inside the arena; with
     ``validate=False`` the kernel trusts the metadata (pages written by our encoder).
     """
-    layout = _check_layout(layout)
-    device = _check_arena(arena)
-    off = _check_offsets("offsets", offsets, device, arena_bytes=arena.numel(),
+    layout = check_layout(layout)
+    device = check_arena(arena)
+    off = check_offsets("offsets", offsets, device, arena_bytes=arena.numel(),
                          page_bytes=layout.min_page_bytes if validate else None, validate=validate)
     P, H, D = off.numel(), layout.num_kv_heads, layout.head_dim
     shape = (P, 2, 16, H, D)
