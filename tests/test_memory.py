@@ -379,14 +379,21 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
     assert_contents(m, {k: v for k, v in written.items() if k[1] in old})
 
 
-def test_packed_place_general_next_fit_matches_reference():
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_place_general_next_fit_matches_reference(seed):
+    """The vectorised next fit places like the page-by-page loop, for batches spanning several
+    chunks, pages that fill a chunk exactly and layers without a fill chunk; live bytes/pages
+    per chunk follow."""
     from zipfusion.memory.packed import PackedSpace
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     C = 10 * 1024
-    ps = PackedSpace(3, 64, C, max_page_bytes=4096)
-    free = list(range(63, -1, -1))
-    for _ in range(6):
-        sizes = rng.integers(1, 257, size=(3, 9)) * 16          # up to 4096 bytes, 9 pages
+    ps = PackedSpace(3, 256, C, max_page_bytes=4096)
+    free = list(range(255, -1, -1))
+    placed = []
+    for _ in range(8):
+        n = int(rng.integers(0, 12))
+        sizes = rng.choice([16, 2048, 2560, 4096, 5120 // 2], size=(3, n)) if seed == 2 else \
+            rng.integers(1, 257, size=(3, n)) * 16          # up to 4096 bytes
         need = ps.chunks_needed(sizes)
         taken = []
         before = (ps.fill_chunk.copy(), ps.fill_ptr.copy())
@@ -399,7 +406,43 @@ def test_packed_place_general_next_fit_matches_reference():
                     c, ptr = int(out[layer, q]) // C, 0
                 assert out[layer, q] == c * C + ptr
                 ptr += s
+            assert (ps.fill_chunk[layer], ps.fill_ptr[layer]) == ((c, ptr) if c >= 0 else (-1, 0))
+        placed += list(zip(out.ravel().tolist(), sizes.ravel().tolist()))
+    chunks = np.array([o // C for o, _ in placed], dtype=np.int64)
+    assert np.array_equal(ps.live_bytes, np.bincount(chunks, [s for _, s in placed], 256).astype(np.int64))
+    assert np.array_equal(ps.live_pages, np.bincount(chunks, minlength=256))
     assert ps.layer_live.tolist() == [int(ps.live_bytes[list(ps.chunks[l])].sum()) for l in range(3)]
+
+
+@pytest.mark.parametrize("shared,budget,spare", [
+    (True, 21, 4),      # waves of 3 batches, then 1 each (the pool refilled by freed groups)
+    (True, 19, 2),      # one batch, then compaction, then no room: pages left open
+    (False, 18, 4),     # per-layer pools: a wave of 2 batches, then no room
+])
+def test_waves_seal_like_batch_by_batch(monkeypatch, shared, budget, spare):
+    """compress_pages in waves (several batches per placement and encode) ends where sealing one
+    batch of S at a time does, in pools so tight that later batches need the chunks earlier
+    ones free, or compaction: same pages left open, sizes, pool, stored bytes and contents."""
+    chunk = 4 * OPEN
+    results = []
+    for batch_by_batch in (False, True):
+        if batch_by_batch:
+            monkeypatch.setattr(KVCacheManager, "_wave", lambda self, stored: (
+                min(self.slots_per_chunk, stored.shape[1]), None))
+        m = KVCacheManager(2, LAYOUT, budget_bytes=budget * chunk, chunk_bytes=chunk,
+                           shared_pool=shared, reserve_chunks=1)
+        old = m.alloc_pages(6)
+        written = fill(m, old, [0.9, 0.4], seed=3)
+        m.compress_pages(old[:3])
+        m.free_pages(old[1:3])                             # holes: compaction has work
+        ids = m.alloc_pages(m.capacity_new_pages() - spare)
+        written.update(fill(m, ids, [1.0, 0.6], seed=4))
+        left = m.compress_pages(ids)
+        assert_contents(m, {k: v for k, v in written.items() if k[1] in ids or k[1] == old[0]})
+        results.append((left, m.table.size[:, ids].copy(), [m.pool.available(p) for p in range(m.pool.num_pools)],
+                        m.stored_ratio(), m.capacity_new_pages(), m.compactions))
+    (a, b) = results
+    assert a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:], (a, b)
 
 
 def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):

@@ -201,6 +201,37 @@ def test_random_blocks(seed, H, D, low, span):
     check_codec(pages_from_block_bits(bits, H, D), DEVICE, seed=seed % 1000)
 
 
+def test_indexed_subset_in_one_launch():
+    """compress_open_pages(index=...) writes analyzed page index[i] at dst[i] (any subset, any
+    order, one launch): the reference's bytes there, nothing anywhere else."""
+    P, H, D = 6, 2, 128
+    layout = PageLayout(H, D)
+    pages = pages_with_fraction(P, H, D, 0.6, seed=21)
+    src, end = scattered_offsets([layout.open_page_bytes] * P, 32, 22)
+    keep = torch.tensor([4, 1, 5, 2])
+    ref_sizes = page_sizes(pages[keep])
+    dst, end = scattered_offsets(ref_sizes, end + 16, 23)
+    arena = torch.full((end + 64,), POISON, dtype=torch.uint8)
+    flat = pages.view(P, -1).view(torch.uint8)
+    for i in range(P):
+        arena[int(src[i]):int(src[i]) + layout.open_page_bytes] = flat[i]
+    expected = arena.clone()
+    encode_pages_into(pages[keep], expected, dst)
+    arena = arena.to(DEVICE)
+    base_half, _ = analyze_open_pages(arena, src.to(DEVICE), layout)
+    compress_open_pages(arena, src.to(DEVICE), base_half, dst.to(DEVICE), layout, index=keep.to(DEVICE))
+    assert torch.equal(arena.cpu(), expected)
+    with pytest.raises(ValueError, match="outside 0..5"):
+        compress_open_pages(arena, src.to(DEVICE), base_half, dst.to(DEVICE), layout,
+                            index=(keep + 2).to(DEVICE))
+    with pytest.raises(TypeError, match="int64"):
+        compress_open_pages(arena, src.to(DEVICE), base_half, dst.to(DEVICE), layout,
+                            index=keep.to(torch.int32).to(DEVICE))
+    with pytest.raises(ValueError, match="expected 4"):
+        compress_open_pages(arena, src.to(DEVICE), base_half, dst[:3].to(DEVICE), layout,
+                            index=keep.to(DEVICE))
+
+
 def test_no_pages():
     layout = PageLayout(2, 64)
     arena = torch.zeros(1024, dtype=torch.uint8, device=DEVICE)

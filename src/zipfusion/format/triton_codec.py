@@ -57,10 +57,9 @@ import triton.language as tl
 from ..triton_interpreter import kernel_module
 from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
 from . import reference
+from .triton_checks import check_arena, check_index, check_layout, check_offsets
 
 __all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
-
-_ALIGN = 16   # every page starts at a 16-byte aligned arena offset (docs/design.md)
 
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
 NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4}
@@ -254,24 +253,42 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
 
 
 @triton.jit
-def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, first_ptr,
-                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
-    """Program (p, h): writes the metadata records and block bodies of head h of page p.
+def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, index_ptr,
+                     H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
+                     NBLK: tl.constexpr, INDEXED: tl.constexpr):
+    """Program (i, h): writes the metadata records and block bodies of head h of output page i.
 
-    first_ptr [P, 2H] int32: byte offset of block 0 of each (head, role) record from the page
-    start (an exclusive prefix sum over the page's blocks, computed by the wrapper in torch).
+    Output page i encodes analyzed page p = index[i] (p = i without an index): source
+    src[p], metadata base_half[p], destination dst[i]. Record r = 2h + R starts its blocks at
+
+        first(r) = 2·H·M + r·NB·768 + 256 · #{raw blocks of records < r}
+
+    (every block is 768 bytes plus 256 if raw), counted here from the page's 2·H·NB metadata
+    bytes (one small vector load, shared in L1/L2 by the page's H programs): no prefix-sum pass
+    and no gather before the launch.
     """
     pid = tl.program_id(0)
-    p = pid // H
+    i = pid // H
     h = pid % H
+    if INDEXED:
+        p = tl.load(index_ptr + i)
+    else:
+        p = i
     words = arena_ptr.to(tl.pointer_type(tl.int32))
     src = words + tl.multiple_of(tl.load(src_ptr + p) // 4, 4)
-    dst = words + tl.multiple_of(tl.load(dst_ptr + p) // 4, 4)
+    dst = words + tl.multiple_of(tl.load(dst_ptr + i) // 4, 4)
+    meta = base_half_ptr + p.to(tl.int64) * (2 * H * NB)
+    q = tl.arange(0, NBLK)
+    raw = tl.load(meta + q, mask=q < 2 * H * NB, other=0) == RAW_MARK_C
     for R in tl.static_range(2):
         rec = h * 2 + R
-        first = tl.load(first_ptr + p.to(tl.int64) * (2 * H) + rec)
-        _encode_record(src, dst, base_half_ptr + p.to(tl.int64) * (2 * H * NB) + rec * NB,
-                       first, R, h, H, D, NB, M)
+        n_raw = _sum(tl.where(raw & (q < rec * NB), 1, 0), axis=0)
+        first = 2 * H * M + rec * (NB * COMPRESSED_C) + n_raw * (RAW_C - COMPRESSED_C)
+        _encode_record(src, dst, meta + rec * NB, first, R, h, H, D, NB, M)
+
+
+COMPRESSED_C = tl.constexpr(COMPRESSED_BLOCK_BYTES)
+RAW_C = tl.constexpr(RAW_BLOCK_BYTES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,56 +352,6 @@ def _kernel(name: str, device: torch.device):
     return getattr(kernel_module(device, __name__, __file__, not compiled), name)
 
 
-def _check_layout(layout) -> PageLayout:
-    if not isinstance(layout, PageLayout):
-        raise TypeError(f"layout must be a zipfusion.format.PageLayout, got {type(layout).__name__}")
-    return layout
-
-
-def _check_arena(arena) -> torch.device:
-    if not isinstance(arena, torch.Tensor):
-        raise TypeError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
-    if arena.dtype != torch.uint8 or arena.dim() != 1:
-        raise TypeError("arena must be a 1-D torch.uint8 tensor (docs/design.md), got "
-                        f"{arena.dtype} with shape {list(arena.shape)}")
-    if not arena.is_contiguous():
-        raise ValueError("arena must be contiguous")
-    if arena.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"arena must live on a CUDA device (or the CPU, for the Triton "
-                         f"interpreter), got {arena.device}")
-    if arena.data_ptr() % _ALIGN:
-        raise ValueError("arena's first byte must be 16-byte aligned; allocate it with torch.empty "
-                         "and do not pass an unaligned slice")
-    return arena.device
-
-
-def _check_offsets(name: str, offsets, device: torch.device, length: int | None = None,
-                   arena_bytes: int | None = None, page_bytes=None, validate: bool = True) -> torch.Tensor:
-    """Offsets must be a 1-D int64 tensor on the arena's device, 16-aligned, pages inside the arena."""
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.int64 tensor of byte offsets, got {type(offsets).__name__}")
-    if offsets.dtype != torch.int64 or offsets.dim() != 1:
-        raise TypeError(f"{name} must be a 1-D torch.int64 tensor, got {offsets.dtype} with shape "
-                        f"{list(offsets.shape)}")
-    if offsets.device != device:
-        raise ValueError(f"{name} is on {offsets.device} but the arena is on {device}; "
-                         f"move it with .to(arena.device)")
-    if length is not None and offsets.numel() != length:
-        raise ValueError(f"{name} has {offsets.numel()} entries, expected {length} (one per page)")
-    offsets = offsets.contiguous()
-    if validate and offsets.numel():
-        end = offsets + page_bytes if page_bytes is not None else offsets
-        bad = (offsets % _ALIGN != 0) | (offsets < 0) | (end > arena_bytes)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            o = int(offsets[i])
-            why = ("is not a multiple of 16" if o % _ALIGN else
-                   "puts the page outside the arena")
-            raise ValueError(f"{name}[{i}] = {o} {why} (arena of {arena_bytes} bytes); pages "
-                             f"start at 16-byte aligned offsets inside the arena")
-    return offsets
-
-
 def analyze_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: PageLayout,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Analyze full open pages at ``src_offsets`` (bytes) of ``arena``.
@@ -394,9 +361,9 @@ def analyze_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: P
     and every page's encoded size in bytes. ``validate=False`` skips the value checks of the
     offsets (a device sync); dtypes, shapes and devices are always checked.
     """
-    layout = _check_layout(layout)
-    device = _check_arena(arena)
-    src = _check_offsets("src_offsets", src_offsets, device, arena_bytes=arena.numel(),
+    layout = check_layout(layout)
+    device = check_arena(arena)
+    src = check_offsets("src_offsets", src_offsets, device, arena_bytes=arena.numel(),
                          page_bytes=layout.open_page_bytes, validate=validate)
     P, H, D, nb = src.numel(), layout.num_kv_heads, layout.head_dim, layout.blocks_per_head
     base_half = torch.empty(P, layout.num_blocks, dtype=torch.uint8, device=device)
@@ -414,16 +381,20 @@ def _encoded_sizes(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
 
 
 def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_half: torch.Tensor,
-                        dst_offsets: torch.Tensor, layout: PageLayout, *, validate: bool = True) -> None:
+                        dst_offsets: torch.Tensor, layout: PageLayout, *, index: torch.Tensor | None = None,
+                        validate: bool = True) -> None:
     """Write the compressed form of the open pages at ``src_offsets`` to ``dst_offsets``.
 
-    ``base_half`` is what :func:`analyze_open_pages` returned for these pages. The destination
-    ranges must not overlap the sources or each other (the memory manager guarantees it; not
-    checked). The bytes equal ``reference.encode_pages_into``. ``validate=False`` skips the
-    value checks (offset alignment/range, metadata bytes), which need a device sync.
+    ``base_half`` is what :func:`analyze_open_pages` returned for these pages. With ``index``
+    (int64 [K] on the arena's device) only the analyzed pages ``index[i]`` are written, page
+    ``index[i]`` at ``dst_offsets[i]``: one launch for any subset of an analysis, no gather.
+    The destination ranges must not overlap the sources or each other (the memory manager
+    guarantees it; not checked). The bytes equal ``reference.encode_pages_into``.
+    ``validate=False`` skips the value checks (offset alignment/range, index range, metadata
+    bytes), which need a device sync.
     """
-    layout = _check_layout(layout)
-    device = _check_arena(arena)
+    layout = check_layout(layout)
+    device = check_arena(arena)
     if not isinstance(base_half, torch.Tensor):
         raise TypeError(f"base_half must be a torch.uint8 tensor, got {type(base_half).__name__}")
     P = base_half.shape[0] if base_half.dim() == 2 else -1
@@ -433,31 +404,26 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     if base_half.device != device:
         raise ValueError(f"base_half is on {base_half.device} but the arena is on {device}")
     base_half = base_half.contiguous()
-    src = _check_offsets("src_offsets", src_offsets, device, length=P, arena_bytes=arena.numel(),
+    src = check_offsets("src_offsets", src_offsets, device, length=P, arena_bytes=arena.numel(),
                          page_bytes=layout.open_page_bytes, validate=validate)
+    if index is not None:
+        index = check_index(index, P, device, validate)
+    K = P if index is None else index.numel()
     if validate and P and bool(((base_half > 127) & (base_half != RAW_MARK)).any()):
         raise ValueError("base_half holds bytes that are neither b/2 (0..127) nor 0xFF; pass the "
                          "base_half returned by analyze_open_pages")
-    sizes = _encoded_sizes(base_half, layout) if validate else None
-    dst = _check_offsets("dst_offsets", dst_offsets, device, length=P, arena_bytes=arena.numel(),
+    sizes = None
+    if validate:
+        sizes = _encoded_sizes(base_half if index is None else base_half[index], layout)
+    dst = check_offsets("dst_offsets", dst_offsets, device, length=K, arena_bytes=arena.numel(),
                          page_bytes=sizes, validate=validate)
-    if P == 0:
+    if K == 0:
         return
     H, D, nb = layout.num_kv_heads, layout.head_dim, layout.blocks_per_head
-    first = _record_first_offsets(base_half, layout)
     kernel = _kernel("_compress_kernel", device)
-    kernel[(P * H,)](arena, src, dst, base_half, first, H=H, D=D, NB=nb, M=layout.record_bytes,
-                     num_warps=NUM_WARPS["compress"])
-
-
-def _record_first_offsets(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
-    """[P, 2H] int32: byte offset of block 0 of every (head, role) record from its page start,
-    header + the sizes of all blocks before it (format order)."""
-    P, nb = base_half.shape[0], layout.blocks_per_head
-    raw = (base_half == RAW_MARK).view(P, -1, nb).sum(2, dtype=torch.int32)          # [P, 2H]
-    record_bytes = nb * COMPRESSED_BLOCK_BYTES + raw * (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)
-    return (layout.header_bytes + torch.cumsum(record_bytes, 1, dtype=torch.int32)
-            - record_bytes).contiguous()
+    kernel[(K * H,)](arena, src, dst, base_half, src if index is None else index, H=H, D=D, NB=nb,
+                     M=layout.record_bytes, NBLK=triton.next_power_of_2(layout.num_blocks),
+                     INDEXED=index is not None, num_warps=NUM_WARPS["compress"])
 
 
 def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLayout,
@@ -468,9 +434,9 @@ def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLay
     raising ``CorruptPageError``) and the pages must end inside the arena; with
     ``validate=False`` the kernel trusts the metadata (pages written by our encoder).
     """
-    layout = _check_layout(layout)
-    device = _check_arena(arena)
-    off = _check_offsets("offsets", offsets, device, arena_bytes=arena.numel(),
+    layout = check_layout(layout)
+    device = check_arena(arena)
+    off = check_offsets("offsets", offsets, device, arena_bytes=arena.numel(),
                          page_bytes=layout.min_page_bytes if validate else None, validate=validate)
     P, H, D = off.numel(), layout.num_kv_heads, layout.head_dim
     shape = (P, 2, 16, H, D)

@@ -7,7 +7,9 @@ as ``[P, 2, 16, H, D]`` bf16, ``page_sizes`` and ``encode_pages_into``. Both wri
 bytes (the format's contract), so the rest of the manager does not care which one ran.
 
 Two steps, because the manager must know the sizes before it can choose destinations:
-``analyze(...) -> (state, sizes)`` then ``encode(..., state, dst_offsets)``. ``decode`` reads
+``analyze(...) -> (state, sizes)`` (the one device sync: sizes to the host) then
+``encode(..., state, keep, dst_offsets)`` for any subset of the analysis (on CUDA: one launch,
+indices and destinations in one asynchronous copy, no gather, no sync). ``decode`` reads
 compressed pages back (prefill over earlier chunks, the CPU attention path): the Triton
 ``decompress_pages`` on CUDA, the reference elsewhere; both check the metadata first.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from ..format import PageLayout, decode_pages, encode_pages_into, page_sizes
+from .copy import to_device
 
 try:                                          # needs Triton; optional on CPU
     from ..format.triton_codec import analyze_open_pages, compress_open_pages, decompress_pages
@@ -44,7 +47,7 @@ def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: Pa
 
 def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout):
     """Encoded size of each open page at ``src_offsets`` -> (codec state, sizes np.int64 [P])."""
-    src = torch.from_numpy(np.ascontiguousarray(src_offsets, dtype=np.int64)).to(arena.device)
+    src = to_device(src_offsets, arena.device)
     if _use_triton(arena):
         base_half, sizes = analyze_open_pages(arena, src, layout, validate=False)
         return ("triton", src, base_half), sizes.cpu().numpy()
@@ -57,10 +60,9 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
     if len(keep) == 0:
         return
     kind, src, payload = state
-    keep_t = torch.from_numpy(np.ascontiguousarray(keep, dtype=np.int64)).to(arena.device)
-    dst = torch.from_numpy(np.ascontiguousarray(dst_offsets, dtype=np.int64)).to(arena.device)
+    keep_t, dst = to_device(np.stack([keep, dst_offsets]), arena.device)
     if kind == "triton":
-        compress_open_pages(arena, src[keep_t], payload[keep_t].contiguous(), dst, layout, validate=False)
+        compress_open_pages(arena, src, payload, dst, layout, index=keep_t, validate=False)
     else:
         encode_pages_into(payload[keep_t].contiguous(), arena, dst)
 

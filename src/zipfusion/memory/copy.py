@@ -8,6 +8,9 @@ later batches).
 
 On CUDA one Triton kernel does each half (a program per range, 16-byte words); elsewhere a
 gather/scatter over 16-byte rows (the reference the GPU test compares with).
+
+``to_device`` is how host index arrays reach the GPU on the copy and encode paths: through
+pinned memory, without a stream sync (a plain ``.to("cuda")`` waits for the stream).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ if triton is not None:
             tl.store(dst_ptr + d + w, tl.load(src_ptr + s + w, mask=m), mask=m)
 
 
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 host array on ``device``: on CUDA a pinned staging copy, copied asynchronously
+    (the caching host allocator keeps the staging buffer until the copy has run), so the host
+    never waits for kernels already queued; elsewhere the array itself."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _row_index(starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """Row numbers of every 16-byte row of every range, concatenated."""
     rows = nbytes // ROW
@@ -49,9 +62,8 @@ def _row_index(starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _copy_cuda(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
     words = arena[:arena.numel() // 4 * 4].view(torch.int32)
     temp = torch.empty(int(nbytes.sum()) // 4, dtype=torch.int32, device=arena.device)
-    packed = np.concatenate([[0], np.cumsum(nbytes)[:-1]]) // 4
-    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(arena.device)  # noqa: E731
-    s, d, t, n = dev(src // 4), dev(dst // 4), dev(packed), dev(nbytes // 4)
+    packed = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
+    s, d, t, n = to_device(np.stack([src, dst, packed, nbytes]) // 4, arena.device)   # words, one copy
     grid = (len(src),)
     _copy_ranges_kernel[grid](words, temp, s, t, n, BLOCK=1024)
     _copy_ranges_kernel[grid](temp, words, t, d, n, BLOCK=1024)

@@ -235,12 +235,16 @@ class KVCacheManager:
         slots' worth of pool chunks until enough pages fill them, and must not take back room
         that was promised. Such pages stay open (valid) and are offered again later.
 
-        All pages are analyzed at once (encoded sizes; one device sync), then placed and encoded
-        in batches of at most S pages in open-slot order, so that each batch's open slots --
-        often a whole group, whose chunks then return to the pool -- are freed before the next
-        batch takes compressed space. A batch that finds no room even after compaction stays
-        open, with every later one: valid open pages, to be compressed again later.
-        ``sizes`` ([L, len(ids)] encoded bytes) is only for ``device="meta"``.
+        All pages are analyzed at once (encoded sizes; one device sync), then placed in open-slot
+        order, batch by batch of S pages in effect: each batch's open slots -- often a whole
+        group, whose chunks then return to the pool -- are freed before the next batch takes
+        compressed space. Batches that all fit in the pool's chunks as they are now form one
+        *wave*: placed by one vectorised next fit and encoded by one launch, their slots freed
+        after it (the same placement as batch by batch: no batch of a wave needs the chunks an
+        earlier one frees). A batch that does not fit is a wave alone and may compact; if even
+        that finds no room it stays open, with every later one: valid open pages, to be
+        compressed again later. ``sizes`` ([L, len(ids)] encoded bytes) is only for
+        ``device="meta"``.
         """
         t = self.table
         ids = t.check(ids, OPEN, "compress_pages")
@@ -267,24 +271,58 @@ class KVCacheManager:
             sizes = flat.reshape(L, n)
         order = np.lexsort((t.slot[ids], t.group[ids]))
         S = self.slots_per_chunk
-        left = []
-        for i in range(0, n, S):
-            part = order[i:i + S]
-            if not self._compress_batch(ids, part, sizes[:, part], state, min_capacity):
+        stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
+        left, i = [], 0
+        while i < n:
+            k, split = self._wave(stored[:, order[i:]])
+            part = order[i:i + k]
+            ok = self._compress_batch(ids, part, sizes[:, part], state, split, min_capacity)
+            if not ok and k > S:           # the wave would cut into promised room: one batch
+                k, part = S, order[i:i + S]
+                ok = self._compress_batch(ids, part, sizes[:, part], state, None, min_capacity)
+            if not ok:
                 left = ids[order[i:]].tolist()
                 break
+            i += k
         t.sync(ids)                        # one copy of the touched page_loc columns to the device
         return left
 
+    def _wave(self, stored: np.ndarray):
+        """The next wave of pages ``stored`` [L, m] (open-slot order): (pages, placement) for the
+        most whole batches of S whose next fit the pool's chunks hold as they are now (the
+        reserve may be used, as ``_make_room_for_packing`` allows), or (one batch, None) when
+        not even one fits: that batch goes through ``_make_room_for_packing``.
+
+        A prefix's fresh chunks per layer are the placement's chunk ordinal at its last page.
+        """
+        S, m = self.slots_per_chunk, stored.shape[1]
+        plan = self.packed._split(stored)
+        ends = np.minimum(np.arange(S, m + S, S), m) - 1
+        need = plan.ordinal[:, ends]                                   # [L, batches]
+        if self.pool.shared:
+            fits = need.sum(0) <= self.pool.available(0)
+        else:
+            avail = np.array([self.pool.available(self.pool.pool_of(l)) for l in range(self.num_layers)])
+            fits = (need <= avail[:, None]).all(0)
+        b = int(fits.sum())                # needs grow with the prefix: fits is True, then False
+        if b == 0:
+            return min(S, m), None
+        k = min(b * S, m)
+        return k, plan.prefix(k)
+
     def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state,
-                        min_capacity: int = 0) -> bool:
+                        split=None, min_capacity: int = 0) -> bool:
+        """Place, encode (one launch) and account the pages ``ids[part]`` (encoded ``sizes``
+        [L, k]); then free their open slots. ``split``: their placement when the caller knows
+        it fits, else ``_make_room_for_packing`` makes room. False (nothing changed): no room,
+        or not ``_affordable``."""
         t = self.table
         open_bytes = self.layout.open_page_bytes
         batch = ids[part]
-        src = t.loc[:, batch] & ~1                                        # [L, k]
         as_open = sizes >= open_bytes                   # not smaller: store in open form
         stored = np.where(as_open, open_bytes, sizes)
-        split = self._make_room_for_packing(stored)
+        if split is None:
+            split = self._make_room_for_packing(stored)
         if split is None or not self._affordable(batch, stored, split, min_capacity):
             return False
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
@@ -292,7 +330,9 @@ class KVCacheManager:
             flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
             enc = ~as_open
             codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
-            move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
+            if as_open.any():
+                src = t.loc[:, batch] & ~1
+                move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
         t.loc[:, batch] = np.where(as_open, dst | 1, dst)
         t.size[:, batch] = stored
         t.state[batch] = STORED

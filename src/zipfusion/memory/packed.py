@@ -19,7 +19,28 @@ temporary buffer, batch by batch) never overwrites a page not yet copied.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+
+
+class Placement(NamedTuple):
+    """Next fit of pages [L, n]: page i of layer l goes to chunk ``ordinal[l, i]`` of the
+    layer (0: its fill chunk, k >= 1: the k-th fresh chunk) at ``offset[l, i]`` in it."""
+
+    ordinal: np.ndarray
+    offset: np.ndarray
+
+    @property
+    def need(self) -> np.ndarray:
+        """Fresh chunks each layer takes, [L]."""
+        if self.ordinal.shape[1] == 0:
+            return np.zeros(self.ordinal.shape[0], dtype=np.int64)
+        return self.ordinal[:, -1].copy()
+
+    def prefix(self, n: int) -> "Placement":
+        """The placement of the first ``n`` pages alone (next fit is sequential)."""
+        return Placement(self.ordinal[:, :n], self.offset[:, :n])
 
 
 class PackedSpace:
@@ -37,85 +58,79 @@ class PackedSpace:
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
 
     # ---------------------------------------------------------------- placement
-    def _split(self, sizes: np.ndarray):
-        """Vectorised next fit when each layer needs at most one fresh chunk.
+    def _split(self, sizes: np.ndarray) -> "Placement":
+        """Next fit of pages ``sizes`` [L, n] (in order) from each layer's fill pointer, vectorised
+        over layers, one round per destination chunk (no state change).
 
-        Returns (start [L], cs [L, n] end offsets in the fill chunk, j [L] first page that
-        overflows the fill chunk (n if none), rest [L, n] end offsets in the fresh chunk,
-        simple [L] True where one fresh chunk is enough).
+        With c the cumulative sizes and chunk r of a layer beginning at cumulative byte
+        ``base_r`` (``base_0 = -fill_ptr``, or ``-C`` when the layer has no fill chunk; then
+        ``base_r = c[b_r] - size[b_r]`` for the first page ``b_r`` of chunk r), chunk r ends
+        before the first page with ``c[i] > base_r + C``: one ``searchsorted`` for all layers
+        at once (rows made disjoint by adding ``row·span``). Rounds = chunks per layer + 1.
         """
+        L, n = sizes.shape
         C = self.chunk_bytes
-        n = sizes.shape[1]
-        start = np.where(self.fill_chunk >= 0, self.fill_ptr, C)
-        cs = start[:, None] + np.cumsum(sizes, axis=1)
-        over = cs > C
-        j = np.where(over[:, -1], over.argmax(1), n)       # cs increases: any() == last
-        before = np.where(j > 0, cs[self._rows, np.maximum(j - 1, 0)], start)
-        rest = cs - before[:, None]              # valid for pages >= j
-        simple = rest[:, -1] <= C
-        return start, cs, j, rest, simple
+        if n == 0:
+            return Placement(np.zeros((L, 0), np.int64), np.zeros((L, 0), np.int64))
+        cs = np.cumsum(sizes, axis=1)
+        excl = cs - sizes
+        span = int(cs[:, -1].max()) + 2 * C + 1
+        rows = self._rows
+        flat = (cs + rows[:, None] * span).ravel()
+        base = -np.where(self.fill_chunk >= 0, self.fill_ptr, C)
+        bases = [base]
+        marks = np.zeros((L, n), dtype=np.int64)
+        while True:
+            e = np.minimum(np.searchsorted(flat, rows * span + base + C, side="right") - rows * n, n)
+            more = np.nonzero(e < n)[0]
+            if more.size == 0:
+                break
+            marks[more, e[more]] = 1                  # page e opens the layer's next chunk
+            base = base.copy()
+            base[more] = excl[more, e[more]]
+            bases.append(base)
+        ordinal = np.cumsum(marks, axis=1)
+        offset = excl - np.stack(bases, axis=1)[rows[:, None], ordinal]
+        return Placement(ordinal, offset)
 
     def chunks_needed(self, sizes: np.ndarray, split=None) -> np.ndarray:
         """New chunks each layer needs to place ``sizes`` [L, n] (no state change).
 
         ``split``: ``_split(sizes)`` if the caller already has it (then pass it to ``place``).
         """
-        L, n = sizes.shape
-        if n == 0:
-            return np.zeros(L, dtype=np.int64)
-        start, _, j, _, simple = self._split(sizes) if split is None else split
-        need = (j < n).astype(np.int64)
-        for layer in np.nonzero(~simple)[0].tolist():
-            need[layer] = len(_next_fit(sizes[layer].tolist(), int(start[layer]), self.chunk_bytes)) - 1
-        return need
+        return (self._split(sizes) if split is None else split).need
 
     def place(self, sizes: np.ndarray, take_chunk, split=None) -> np.ndarray:
         """Bump-allocate pages of ``sizes`` [L, n]; returns byte offsets [L, n].
 
         ``take_chunk(layer)`` gives a fresh chunk (the caller checked ``chunks_needed``).
-        Vectorised over layers: pages before a layer's first overflow go to its fill chunk's
-        tail (cumsum), the others to one fresh chunk (cumsum again); a layer needing more than
-        one fresh chunk (batches larger than a chunk) takes the general next-fit loop.
+        Vectorised: the next fit of ``_split``, then per (layer, chunk) sums for the chunks'
+        live bytes and pages; Python only loops over the fresh chunks taken.
         """
         L, n = sizes.shape
         C = self.chunk_bytes
-        out = np.empty((L, n), dtype=np.int64)
         if n == 0:
-            return out
-        start, cs, j, rest, simple = self._split(sizes) if split is None else split
-        col = np.arange(n)[None, :]
-        in_tail = col < j[:, None]
-        new_chunk = np.full(L, -1, dtype=np.int64)
-        for layer in np.nonzero(simple & (j < n))[0].tolist():
-            c = take_chunk(layer)
-            self.chunks[layer].add(c)
-            self.held[layer] += 1
-            new_chunk[layer] = c
-        chunk = np.where(in_tail, self.fill_chunk[:, None], new_chunk[:, None])
-        out[:] = np.where(in_tail, self.fill_chunk[:, None] * C + cs - sizes,
-                          new_chunk[:, None] * C + rest - sizes)
-        ok = simple[:, None] & np.ones((1, n), dtype=bool)
-        np.add.at(self.live_bytes, chunk[ok], sizes[ok])
-        np.add.at(self.live_pages, chunk[ok], 1)
-        moved = simple & (j < n)
-        self.fill_ptr[simple] = np.where(moved, rest[:, -1], cs[:, -1])[simple]
-        self.fill_chunk[moved] = new_chunk[moved]
-        self.layer_live[simple] += sizes[simple].sum(1)
-        for layer in np.nonzero(~simple)[0].tolist():       # general next fit
-            row = sizes[layer].tolist()
-            chunk_id, ptr = int(self.fill_chunk[layer]), int(start[layer])
-            for k, (i, e) in enumerate(_next_fit(row, ptr, C)):
-                if k:
-                    chunk_id, ptr = take_chunk(layer), 0
-                    self.chunks[layer].add(chunk_id)
-                    self.held[layer] += 1
-                for q in range(i, e):
-                    out[layer, q] = chunk_id * C + ptr
-                    ptr += row[q]
-                self.live_bytes[chunk_id] += sum(row[i:e])
-                self.live_pages[chunk_id] += e - i
-            self.fill_chunk[layer], self.fill_ptr[layer] = chunk_id, ptr
-            self.layer_live[layer] += sum(row)
+            return np.empty((L, 0), dtype=np.int64)
+        plan = self._split(sizes) if split is None else split
+        need = plan.need
+        table = np.full((L, int(need.max()) + 1), -1, dtype=np.int64)    # [layer, ordinal] -> chunk
+        table[:, 0] = self.fill_chunk
+        for layer in np.nonzero(need)[0].tolist():
+            for k in range(1, int(need[layer]) + 1):
+                table[layer, k] = c = take_chunk(layer)
+                self.chunks[layer].add(c)
+            self.held[layer] += need[layer]
+        rows = self._rows[:, None]
+        out = table[rows, plan.ordinal] * C + plan.offset
+        seg = (rows * table.shape[1] + plan.ordinal).ravel()             # (layer, ordinal) of each page
+        seg_bytes = np.bincount(seg, weights=sizes.ravel(), minlength=table.size).astype(np.int64)
+        seg_pages = np.bincount(seg, minlength=table.size)
+        used = seg_pages > 0                                              # chunks are distinct
+        self.live_bytes[table.ravel()[used]] += seg_bytes[used]
+        self.live_pages[table.ravel()[used]] += seg_pages[used]
+        self.fill_chunk = table[self._rows, plan.ordinal[:, -1]]
+        self.fill_ptr = plan.offset[:, -1] + sizes[:, -1]
+        self.layer_live += sizes.sum(1)
         return out
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
@@ -218,18 +233,3 @@ class PackedSpace:
         self.held[layer] -= len(freed)
         self.fill_chunk[layer], self.fill_ptr[layer] = fill_chunk, fill_ptr
 
-
-def _next_fit(row: list[int], ptr: int, C: int) -> list[tuple[int, int]]:
-    """Next fit of pages ``row`` starting at ``ptr`` in the current chunk.
-
-    Returns segments (i, j): pages i..j-1 go to the current chunk for the first segment (it
-    may be empty), then one fresh chunk per further segment.
-    """
-    segs, i = [], 0
-    for q, size in enumerate(row):
-        if ptr + size > C:
-            segs.append((i, q))
-            i, ptr = q, 0
-        ptr += size
-    segs.append((i, len(row)))
-    return segs
