@@ -239,3 +239,24 @@ def test_gpu_real_shapes(G, kw, seed):
 @gpu
 def test_gpu_adversarial():
     check_case(make_case([(3, 500), (1000, 77)], 8, 4, 128, 23, kind="adversarial"))
+
+
+def test_benchmark_cpu_smoke(tmp_path, monkeypatch):
+    """benchmarks/prefill_attention.py end to end at its tiny CPU shapes: fused == twin bits,
+    close to SDPA, a JSON record per kernel and case."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "benchmarks" / "prefill_attention.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("bench_prefill_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["x", "--cpu-smoke", "--block-m", "32", "--tile-pages",
+                                      "4", "--out", str(tmp_path)])
+    bench.main()
+    recs = json.loads((tmp_path / "prefill_attention.json").read_text())["records"]
+    assert {(r["kernel"], r["start"]) for r in recs} == \
+        {(k, s) for k in ("fused", "twin", "sdpa_math") for s in bench.SMOKE["starts"]}
+    assert all(r["fused_equals_twin"] and r["rel_err_vs_sdpa"] < 2e-2 for r in recs)
