@@ -190,7 +190,7 @@ def _call(c, **over):
     (lambda c: dict(block_table=c["bt"].long()), TypeError, "block_table"),
     (lambda c: dict(block_table=c["bt"][:1]), TypeError, "num_chunks=2"),
     (lambda c: dict(q_start=c["start"].long()), TypeError, "q_start"),
-    (lambda c: dict(q_indptr=c["indptr"][:2]), ValueError, "q_indptr"),
+    (lambda c: dict(q_indptr=c["indptr"][:2]), TypeError, "q_indptr"),
     (lambda c: dict(q_indptr=torch.tensor([0, 5, 5], dtype=torch.int32)), ValueError,
      "at least one query row"),
     (lambda c: dict(q_start=torch.tensor([-1, 0], dtype=torch.int32)), ValueError, "q_start"),

@@ -200,7 +200,7 @@ def _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, lay
                         f"{list(q_start.shape)}")
     C = q_start.shape[0]
     if q_indptr.dtype != torch.int32 or tuple(q_indptr.shape) != (C + 1,):
-        raise ValueError(f"q_indptr must be torch.int32 [num_chunks + 1 = {C + 1}], got "
+        raise TypeError(f"q_indptr must be torch.int32 [num_chunks + 1 = {C + 1}], got "
                          f"{q_indptr.dtype} {list(q_indptr.shape)}")
     check_block_table(block_table, C, "num_chunks")
     check_scale_and_out(sm_scale, out, q)

@@ -42,6 +42,9 @@ a page is open or compressed; the uncompressed *twin* is the same kernel compile
 
 Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and masks, and the
 dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
+
+The tile loads (``_load_meta``, ``_tile_load``), the restore and the softmax update
+(``_tile_compute``) also serve the prefill kernel (``prefill_attention.py``).
 """
 
 from __future__ import annotations
