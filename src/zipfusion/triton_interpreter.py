@@ -68,14 +68,20 @@ mend_scalar_index()
 
 
 def interpreted_copy(module_name: str, module_file: str) -> ModuleType:
-    """The module at ``module_file`` loaded again with TRITON_INTERPRET=1 (cached)."""
+    """The module at ``module_file`` loaded again with TRITON_INTERPRET=1 (cached; registered in
+    ``sys.modules`` as ``<module_name>_interpreted`` while and after it loads, as an import
+    would, so that e.g. its dataclasses resolve their annotations)."""
     if module_name not in _COPIES:
         spec = importlib.util.spec_from_file_location(module_name + "_interpreted", module_file)
         module = importlib.util.module_from_spec(spec)
         old = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
+        sys.modules[spec.name] = module
         try:
             spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]
+            raise
         finally:
             if old is None:
                 del os.environ["TRITON_INTERPRET"]

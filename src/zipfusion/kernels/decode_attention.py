@@ -30,21 +30,25 @@ LOG2E = 1.4426950408889634
 BACKENDS = ("auto", "cuda", "triton")
 
 
-def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out):
+def check_tensors(layout, arena, **tensors):
+    """The layout is a PageLayout; every named input is a tensor on the arena's device."""
     if not isinstance(layout, PageLayout):
         raise TypeError(f"layout must be a zipfusion.format.PageLayout, got {type(layout).__name__}")
-    for name, x in (("q", q), ("arena", arena), ("page_loc_layer", page_loc_layer),
-                    ("block_table", block_table), ("context_lens", context_lens)):
+    for name, x in (("arena", arena), *tensors.items()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != arena.device:
             raise ValueError(f"{name} is on {x.device} but the arena is on {arena.device}; "
                              "move every input to the arena's device")
+
+
+def check_q_and_arena(q, arena, page_loc_layer, layout, rows: str):
+    """q [rows, num_q_heads, D] bf16, the arena and its page locations."""
     H, D = layout.num_kv_heads, layout.head_dim
     if q.dtype != torch.bfloat16:
         raise TypeError(f"q must be torch.bfloat16, got {q.dtype}")
     if q.dim() != 3 or q.shape[2] != D or q.shape[1] % H != 0:
-        raise ValueError(f"q must be [batch, num_q_heads, {D}] with num_q_heads a multiple of "
+        raise ValueError(f"q must be [{rows}, num_q_heads, {D}] with num_q_heads a multiple of "
                          f"num_kv_heads={H}, got {list(q.shape)}")
     if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
         raise TypeError(f"arena must be a contiguous 1-D torch.uint8 tensor, got {arena.dtype} "
@@ -54,15 +58,18 @@ def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, s
                         f"{page_loc_layer.dtype} {list(page_loc_layer.shape)}")
     if not page_loc_layer.is_contiguous():
         raise ValueError("page_loc_layer must be contiguous")
-    B = q.shape[0]
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
-        raise TypeError(f"block_table must be torch.int32 [batch={B}, max_pages_per_request], "
-                        f"got {block_table.dtype} {list(block_table.shape)}")
+
+
+def check_block_table(block_table, rows: int, rows_name: str):
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != rows:
+        raise TypeError(f"block_table must be torch.int32 [{rows_name}={rows}, "
+                        f"max_pages_per_request], got {block_table.dtype} "
+                        f"{list(block_table.shape)}")
     if block_table.stride(1) != 1:
         raise ValueError("block_table rows must be contiguous; call .contiguous() first")
-    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (B,):
-        raise TypeError(f"context_lens must be torch.int32 [batch={B}], got "
-                        f"{context_lens.dtype} {list(context_lens.shape)}")
+
+
+def check_scale_and_out(sm_scale, out, q):
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (float, int)) \
             or not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
@@ -73,8 +80,22 @@ def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, s
                              f"{q.device}")
 
 
-def _check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: bool):
-    """Checks that need the values (one device sync): context lengths, page ids, locations."""
+def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out):
+    check_tensors(layout, arena, q=q, page_loc_layer=page_loc_layer, block_table=block_table,
+                  context_lens=context_lens)
+    check_q_and_arena(q, arena, page_loc_layer, layout, "batch")
+    B = q.shape[0]
+    check_block_table(block_table, B, "batch")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (B,):
+        raise TypeError(f"context_lens must be torch.int32 [batch={B}], got "
+                        f"{context_lens.dtype} {list(context_lens.shape)}")
+    check_scale_and_out(sm_scale, out, q)
+
+
+def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None):
+    """Checks that need the values (one device sync): context lengths, page ids, locations.
+    ``twin``: the name of the twin entry point being checked (every page must be open), or
+    None for a fused kernel."""
     if context_lens.numel() == 0:
         return
     max_pages = block_table.shape[1]
@@ -103,8 +124,8 @@ def _check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: b
     if bool((partial & ((page_loc_layer[last] & 1) == 0)).any()):
         raise ValueError("the last, partial page of a request must be open (uncompressed)")
     if twin and not bool(is_open.all()):
-        raise ValueError("decode_attention_twin reads open pages only; use decode_attention "
-                         "for compressed pages")
+        raise ValueError(f"{twin} reads open pages only; use the fused kernel for compressed "
+                         "pages")
 
 
 def _use_cuda(backend, q, layout) -> bool:
@@ -129,7 +150,8 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     check_split_args(num_splits, split_pages)
     if validate:
-        _check_ids(arena, page_loc_layer, block_table, context_lens, layout, not compressed)
+        check_ids(arena, page_loc_layer, block_table, context_lens, layout,
+                  None if compressed else "decode_attention_twin")
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)

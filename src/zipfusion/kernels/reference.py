@@ -55,3 +55,27 @@ def reference_decode_attention(q, arena, page_loc_layer, block_table, context_le
         out.copy_(res)
         return out
     return res.to(out_dtype)
+
+
+def reference_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout,
+                                sm_scale, *, out_dtype=torch.bfloat16):
+    """Causal softmax(sm_scale · q Kᵀ) V per chunk and query head, in float64: the query at
+    position p sees keys 0..p of its chunk's request. Same inputs as
+    :func:`zipfusion.kernels.paged_prefill_attention` (no ``compressed``: pages are read as
+    ``page_loc_layer`` says)."""
+    T, Hq, D = q.shape
+    H = layout.num_kv_heads
+    res = torch.empty(T, Hq, D, dtype=torch.float64, device=q.device)
+    indptr, start = q_indptr.tolist(), q_start.tolist()
+    for c, s in enumerate(start):
+        a, b = indptr[c], indptr[c + 1]
+        L = s + b - a
+        n = -(-L // PAGE_TOKENS)
+        kv = gather_request_kv(arena, page_loc_layer, block_table[c, :n], layout)
+        kv = kv.to(torch.float64).transpose(0, 1).reshape(2, n * PAGE_TOKENS, H, D)[:, :L]
+        k, v = kv[0].repeat_interleave(Hq // H, 1), kv[1].repeat_interleave(Hq // H, 1)
+        sc = torch.einsum("thd,lhd->htl", q[a:b].to(torch.float64), k) * sm_scale
+        pos = torch.arange(s, L, device=q.device)[:, None]
+        sc = sc.masked_fill(torch.arange(L, device=q.device)[None, :] > pos, float("-inf"))
+        res[a:b] = torch.einsum("htl,lhd->thd", torch.softmax(sc, -1), v)
+    return res.to(out_dtype)

@@ -42,6 +42,9 @@ a page is open or compressed; the uncompressed *twin* is the same kernel compile
 
 Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and masks, and the
 dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
+
+The tile loads (``_load_meta``, ``_tile_load``), the restore and the softmax update
+(``_tile_compute``) also serve the prefill kernel (``prefill_attention.py``).
 """
 
 from __future__ import annotations
@@ -308,14 +311,19 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed,
-                  q, m_i, l_i, acc, qk_scale, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
+def _tile_compute(mask, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed,
+                  q, m_i, l_i, acc, qk_scale, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr,
+                  MASKED: tl.constexpr):
     """Restore K and V of a loaded tile, S = q·Kᵀ, one online-softmax update (base 2) of the
-    running max m_i, sum l_i and accumulator acc [G_PAD, D]."""
+    running max m_i, sum l_i and accumulator acc [M, D] (M query rows). ``mask`` (broadcast to
+    [M, R]) keeps the scores it is true for, where ``MASKED`` (else every score is kept)."""
     k = _restore_tile(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, INTERPRET)
     qk = _dot(q, tl.trans(k), tl.full([q.shape[0], k.shape[0]], 0.0, tl.float32), INTERPRET)
     v = _restore_tile(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, INTERPRET)
-    qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+    if MASKED:
+        qk = tl.where(mask, qk * qk_scale, float("-inf"))
+    else:
+        qk = qk * qk_scale
     m_new = tl.maximum(m_i, _max(qk, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -371,9 +379,9 @@ def _decode_attention_kernel(
         loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b,
                                                      stride_bt, p0 + 2 * TP, slot, p_end, h, D,
                                                      COMPRESSED)
-        m_i, l_i, acc = _tile_compute(valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo,
-                                      v_code, v_hb, v_packed, q, m_i, l_i, acc, qk_scale,
-                                      COMPRESSED, INTERPRET)
+        m_i, l_i, acc = _tile_compute(valid[None, :], k_p4, k_lo, k_code, k_hb, k_packed, v_p4,
+                                      v_lo, v_code, v_hb, v_packed, q, m_i, l_i, acc, qk_scale,
+                                      COMPRESSED, INTERPRET, True)
         valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = nxt
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]

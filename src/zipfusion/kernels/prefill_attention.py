@@ -1,0 +1,284 @@
+"""Paged prefill attention over the zipfusion KV arena, fused with the page decoder (Triton).
+
+A prefill step attends the query rows of C *chunks* (pieces of prompts) to the K/V of their
+requests, which the engine has already stored in the requests' pages: chunk ``c`` owns the rows
+``q_indptr[c] : q_indptr[c+1]`` of ``q`` at token positions ``q_start[c] + i``, and its pages are
+row ``c`` of ``block_table``. Pages are read where they lie in the arena, open or compressed
+(docs/design.md, docs/format.md); nothing is gathered, decompressed to memory or repeated for
+GQA. Causal: the query at position p attends to keys 0..p of its request.
+
+Work split (FlashInfer-style plan/run). :func:`plan_prefill` cuts every chunk into query tiles
+of ``BT`` tokens and lists the (chunk, first token) work items, heaviest first; it runs once per
+engine step (host only when ``q_indptr``/``q_start`` are on the host) and every layer reuses it.
+Program ``(item, h)`` serves the tile's tokens for all ``G = Hq / H`` query heads of KV head
+``h``: the M dimension of the dots is tokens x group, row ``r = token·G_PAD + g`` (``BLOCK_M =
+BT·G_PAD`` rows), so the K/V tile -- and the restore of its compressed blocks -- is shared by
+the whole group. K/V tiles of ``TP`` pages (``R = 16·TP`` keys) go in order from page 0, with
+``c = sm_scale·log2(e)`` (flash attention, online softmax in base 2)::
+
+    S   = c · Q Kᵀ                        [BLOCK_M, R]   (bf16 operands, fp32 accumulate)
+    S   = -inf where key > query position  (diagonal tiles only)
+    m'  = max(m, rowmax S)
+    P   = 2^(S - m')
+    l   = l · 2^(m - m') + rowsum P
+    acc = acc · 2^(m - m') + P_bf16 · V   [BLOCK_M, D]
+    o   = acc / l                          (bf16)
+
+The tiles whose keys all precede the tile's first query need no mask (the first loop); the
+tiles up to the tile's last query are masked (the second loop); later tiles are skipped. The
+tile loads, the restore (one routine, ``_restore_tile``) and the softmax update
+(``_tile_compute``) are those of the decode kernel, ``triton_attention.py`` (its docstring has
+the restore's math): every page source yields the same bf16 tile, so ``compressed=True`` (open
+pages, raw and compressed blocks) and ``compressed=False`` (the twin: open pages only) give the
+same bits. A row's result depends only on its chunk's pages, its position and its tile, which is
+fixed by its chunk alone: not on the other chunks of the launch. Under the Triton interpreter
+(CPU) the dots run on fp32-upcast operands (``_dot``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..format.layout import PAGE_TOKENS
+from ..triton_interpreter import interpreted_copy, kernel_module
+from . import triton_attention
+from .decode_attention import (LOG2E, check_block_table, check_ids, check_q_and_arena,
+                               check_scale_and_out, check_tensors)
+
+# The decode kernel's helpers, made the way this module's kernels are (this module's interpreted
+# copy, which serves CPU tensors in a compiled import, needs their interpreted copy).
+_TA = triton_attention
+if triton.knobs.runtime.interpret and not _TA._interpreting():
+    _TA = interpreted_copy(_TA.__name__, _TA.__file__)
+_load_meta, _tile_load, _tile_compute = _TA._load_meta, _TA._tile_load, _TA._tile_compute
+
+
+def _interpreting() -> bool:
+    return not isinstance(_prefill_kernel, triton.runtime.jit.JITFunction)
+
+
+@triton.jit
+def _kv_tiles(p_lo, p_hi, ctx, pos, q, m_i, l_i, acc, qk_scale, arena32, page_loc_ptr, bt_ptr,
+              c, stride_bt, h, H: tl.constexpr, D: tl.constexpr, TP: tl.constexpr,
+              COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax over the K/V tiles of pages p_lo .. p_hi - 1 (a multiple of TP apart, or
+    up to the tile holding key ctx - 1); ``MASKED``: keys past a row's position ``pos``."""
+    r = tl.arange(0, TP * 16)
+    t = r % 16                      # token inside its page
+    slot = r // 16                  # page inside the tile
+    for p0 in range(p_lo, p_hi, TP):
+        loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, c, stride_bt,
+                                                     p0, slot, p_hi, h, D, COMPRESSED)
+        valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = \
+            _tile_load(p0, ctx, p_hi, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1,
+                       H, D, COMPRESSED)
+        mask = valid[None, :] & (((p0 + slot) * 16 + t)[None, :] <= pos[:, None])
+        m_i, l_i, acc = _tile_compute(mask, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo,
+                                      v_code, v_hb, v_packed, q, m_i, l_i, acc, qk_scale,
+                                      COMPRESSED, INTERPRET, MASKED)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr, items_ptr,
+                    out_ptr, qk_scale, stride_bt,
+                    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                    BT: tl.constexpr, TP: tl.constexpr, COMPRESSED: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    item = pid // H                 # the KV heads of one item are neighbours in launch order
+    h = pid % H
+    c = tl.load(items_ptr + 2 * item)
+    m0 = tl.load(items_ptr + 2 * item + 1)
+    row0 = tl.load(indptr_ptr + c)
+    n_rows = tl.load(indptr_ptr + c + 1) - row0
+    start = tl.load(start_ptr + c)
+
+    rm = tl.arange(0, BT * G_PAD)
+    i = m0 + rm // G_PAD            # token of the chunk
+    g = rm % G_PAD                  # query head inside the group
+    pos = start + i
+    rows = ((row0 + i).to(tl.int64) * (H * G) + h * G + g) * D
+    row_ok = ((i < n_rows) & (g < G))[:, None]
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + rows[:, None] + d[None, :], mask=row_ok, other=0.0)
+
+    ctx = start + tl.minimum(m0 + BT, n_rows)       # keys 0 .. ctx - 1 are read
+    p_full = (start + m0 + 1) // (16 * TP) * TP     # pages of the tiles before the first query
+    m_i = tl.full([BT * G_PAD], -1.0e30, tl.float32)
+    l_i = tl.full([BT * G_PAD], 0.0, tl.float32)
+    acc = tl.full([BT * G_PAD, D], 0.0, tl.float32)
+    m_i, l_i, acc = _kv_tiles(0, p_full, ctx, pos, q, m_i, l_i, acc, qk_scale, arena32,
+                              page_loc_ptr, bt_ptr, c, stride_bt, h, H, D, TP, COMPRESSED,
+                              INTERPRET, False)
+    m_i, l_i, acc = _kv_tiles(p_full, (ctx + 15) // 16, ctx, pos, q, m_i, l_i, acc, qk_scale,
+                              arena32, page_loc_ptr, bt_ptr, c, stride_bt, h, H, D, TP,
+                              COMPRESSED, INTERPRET, True)
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + rows[:, None] + d[None, :], o.to(tl.bfloat16), mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------
+# Host side: plan once per step, run per layer
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The work items of a prefill step: ``items`` int32 [N, 2] (chunk, first token of its query
+    tile) on the device, heaviest first; ``block_tokens`` tokens per tile (x ``group_pad`` query
+    heads = the kernel's BLOCK_M rows). ``q_indptr``/``q_start`` are host copies, for checks."""
+    items: torch.Tensor
+    block_tokens: int
+    group_pad: int
+    q_indptr: tuple[int, ...]
+    q_start: tuple[int, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.q_start)
+
+    @property
+    def num_rows(self) -> int:
+        return self.q_indptr[-1]
+
+
+def _host_ints(x, name: str) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32 tensor, got {x.dtype} {list(x.shape)}")
+        return x.tolist()                                    # a device sync if on the GPU
+    return [int(v) for v in x]
+
+
+def plan_prefill(q_indptr, q_start, num_q_heads: int, num_kv_heads: int, *,
+                 block_m: int | None = None, device=None) -> PrefillPlan:
+    """Work items for :func:`paged_prefill_attention` (reusable by every layer of a step).
+
+    ``q_indptr`` [C+1] and ``q_start`` [C]: sequences or tensors (host ones: no device sync).
+    ``block_m``: query rows per program, tokens x the group padded to a power of 2 (default 128
+    on the GPU, 64 under the interpreter); a tile holds at least 16 rows. ``device``: where the
+    items go (default: that of ``q_indptr`` if a tensor, else CPU).
+    """
+    if device is None:
+        device = q_indptr.device if isinstance(q_indptr, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    indptr, start = _host_ints(q_indptr, "q_indptr"), _host_ints(q_start, "q_start")
+    if len(indptr) != len(start) + 1 or indptr[0] != 0:
+        raise ValueError(f"q_indptr must be [num_chunks + 1] starting at 0 and q_start "
+                         f"[num_chunks], got {len(indptr)} and {len(start)} entries")
+    lens = [b - a for a, b in zip(indptr, indptr[1:])]
+    if any(n < 1 for n in lens) or any(s < 0 for s in start):
+        raise ValueError("every chunk must have at least one query row (q_indptr increasing) "
+                         f"and q_start >= 0, got q_indptr {indptr[:8]}.., q_start {start[:8]}..")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    G_PAD = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    if block_m is None:
+        block_m = 128 if device.type == "cuda" else 64
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1 \
+            or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of 2, got {block_m!r}")
+    bt = max(block_m, 16) // G_PAD or 1
+    items = sorted(((s + min(m0 + bt, n), c, m0) for c, (s, n) in enumerate(zip(start, lens))
+                    for m0 in range(0, n, bt)), key=lambda w: (-w[0], w[1], w[2]))
+    table = torch.tensor([(c, m0) for _, c, m0 in items], dtype=torch.int32).reshape(-1, 2)
+    return PrefillPlan(table.to(device), bt, G_PAD, tuple(indptr), tuple(start))
+
+
+def _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout, sm_scale,
+                   out):
+    check_tensors(layout, arena, q=q, page_loc_layer=page_loc_layer, block_table=block_table,
+                  q_indptr=q_indptr, q_start=q_start)
+    check_q_and_arena(q, arena, page_loc_layer, layout, "tokens")
+    if q_start.dtype != torch.int32 or q_start.dim() != 1:
+        raise TypeError(f"q_start must be torch.int32 [num_chunks], got {q_start.dtype} "
+                        f"{list(q_start.shape)}")
+    C = q_start.shape[0]
+    if q_indptr.dtype != torch.int32 or tuple(q_indptr.shape) != (C + 1,):
+        raise TypeError(f"q_indptr must be torch.int32 [num_chunks + 1 = {C + 1}], got "
+                         f"{q_indptr.dtype} {list(q_indptr.shape)}")
+    check_block_table(block_table, C, "num_chunks")
+    check_scale_and_out(sm_scale, out, q)
+
+
+def _check_plan(plan, q, num_chunks, num_kv_heads):
+    if plan.num_chunks != num_chunks or plan.num_rows != q.shape[0]:
+        raise ValueError(f"the plan is for {plan.num_chunks} chunks and {plan.num_rows} query "
+                         f"rows, got {num_chunks} chunks and q of {q.shape[0]} rows")
+    G_PAD = triton.next_power_of_2(q.shape[1] // num_kv_heads)
+    if plan.group_pad != G_PAD:
+        raise ValueError(f"the plan was made for a GQA group padded to {plan.group_pad}, q's is "
+                         f"{G_PAD}: plan with num_q_heads={q.shape[1]}")
+
+
+def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout,
+                            sm_scale, out=None, *, compressed: bool, plan: PrefillPlan | None = None,
+                            validate: bool = True, block_m: int | None = None,
+                            tile_pages: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None):
+    """Causal attention of C chunks' query rows to their requests' pages, read in place.
+
+    q [T, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages] (``page_loc[layer]``);
+    block_table int32 [C, W]; q_indptr int32 [C+1] (chunk c = rows q_indptr[c]:q_indptr[c+1]);
+    q_start int32 [C] (position of each chunk's first row) -> [T, Hq, D] bf16 (into ``out`` if
+    given). The K/V of every position up to each chunk's last must already be stored.
+
+    ``compressed``: True reads open and compressed pages (fused restore), False open pages only
+    (the twin); both give the same bits for the same values. ``plan``: from
+    :func:`plan_prefill` (made here if None: a device sync when q_indptr is on the GPU).
+    ``validate`` checks page ids and locations (a device sync; False inside CUDA graphs).
+    Tuning: ``block_m`` (rows per program, only without a plan), ``tile_pages`` (TP, pages per
+    K/V tile, a power of 2; default 4, 1 under the interpreter), ``num_warps``, ``num_stages``.
+    """
+    _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout, sm_scale,
+                   out)
+    if plan is None:
+        plan = plan_prefill(q_indptr, q_start, q.shape[1], layout.num_kv_heads,
+                            block_m=block_m, device=arena.device)
+    elif block_m is not None and block_m != plan.block_tokens * plan.group_pad:
+        raise ValueError(f"block_m={block_m} differs from the plan's "
+                         f"{plan.block_tokens * plan.group_pad}: pass it to plan_prefill")
+    _check_plan(plan, q, q_start.shape[0], layout.num_kv_heads)
+    kernel = kernel_module(arena.device, __name__, __file__, _interpreting())._prefill_kernel
+    interp = arena.device.type == "cpu"
+    TP = tile_pages or (1 if interp else 4)
+    if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
+        raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
+    if validate:
+        ends = [s + b - a for s, a, b in zip(plan.q_start, plan.q_indptr, plan.q_indptr[1:])]
+        if ends and max(ends) > PAGE_TOKENS * block_table.shape[1]:
+            raise ValueError(f"a chunk ends at position {max(ends) - 1}, past the "
+                             f"{block_table.shape[1]} pages of block_table")
+        lens = torch.tensor(ends, dtype=torch.int32, device=arena.device)
+        check_ids(arena, page_loc_layer, block_table, lens, layout,
+                  None if compressed else "paged_prefill_attention(compressed=False)")
+    q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    H = layout.num_kv_heads
+    if plan.items.shape[0] == 0:
+        return out
+    arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
+    kernel[(plan.items.shape[0] * H,)](
+        q, arena32, page_loc_layer, block_table, q_indptr, q_start, plan.items, out,
+        float(sm_scale) * LOG2E, block_table.stride(0),
+        H=H, D=layout.head_dim, G=q.shape[1] // H, G_PAD=plan.group_pad, BT=plan.block_tokens,
+        TP=TP, COMPRESSED=bool(compressed), INTERPRET=interp,
+        num_warps=num_warps or (4 if interp else 8), num_stages=num_stages or 2)
+    return out
+
+
+def prefill_flops(q_indptr, q_start, num_q_heads: int, head_dim: int) -> float:
+    """Useful FLOPs of causal prefill attention (4·D per query head and attended key)."""
+    indptr, start = _host_ints(q_indptr, "q_indptr"), _host_ints(q_start, "q_start")
+    keys = sum(n * s + n * (n + 1) // 2
+               for s, n in zip(start, (b - a for a, b in zip(indptr, indptr[1:]))))
+    return 4.0 * head_dim * num_q_heads * keys
+
+
+__all__ = ["PrefillPlan", "plan_prefill", "paged_prefill_attention", "prefill_flops"]
