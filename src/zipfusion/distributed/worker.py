@@ -27,8 +27,12 @@ def _watch_parent(parent_pid: int) -> None:
     """Spawned worker: end when the engine's process is gone (killed, not shut down)."""
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
             os._exit(3)
+        except OSError:
+            pass
 
 
 def worker_main(cfg, rank: int, world: int, device_type: str, port: int, threads: int, parent_pid: int) -> None:

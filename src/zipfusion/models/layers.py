@@ -153,7 +153,7 @@ class RowParallelLinear(nn.Module):
     deterministic = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._tp.all_reduce(linear(x, self.weight, None, self.deterministic))
+        y = self._tp.all_reduce(linear(x, self.weight, None, self.deterministic), ordered=self.deterministic)
         return y if self.bias is None else y + self.bias
 
 

@@ -21,11 +21,28 @@ class TensorParallel:
     rank: int = 0
     group: object = None
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place."""
+    def all_reduce(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place.
+
+        ``ordered`` (deterministic mode): gather every rank's part and add them in rank order
+        in fp32. A ring or tree all-reduce over 3+ ranks adds an element's parts in an order
+        that depends on where the element falls in the chunks the tensor is cut into -- on
+        the batch's size -- so a row's bits would depend on the batch (2 ranks: a + b either
+        way)."""
         if self.size == 1:
             return x
-        torch.distributed.all_reduce(x, group=self.group)
+        if not ordered or self.size == 2:
+            torch.distributed.all_reduce(x, group=self.group)
+            return x
+        x2 = x.contiguous()
+        parts = torch.empty((self.size * x2.shape[0],) + tuple(x2.shape[1:]), dtype=x.dtype, device=x.device)
+        dist = torch.distributed
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x2, group=self.group)
+        parts = parts.view(self.size, *x2.shape)
+        acc = parts[0].float()
+        for i in range(1, self.size):
+            acc = acc + parts[i].float()
+        x.copy_(acc.to(x.dtype))
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
