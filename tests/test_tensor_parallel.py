@@ -121,16 +121,14 @@ def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
     return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in (5, 19, 33, 2, 47, 12)[:n]]
 
 
-def _run(model, prompts, params=GREEDY, **options):
-    """Generate, then shut the engine down; (token lists, last logits rows, kv stats, preemptions)."""
-    llm = LLM(model, device="cpu", **options)
+def _run(model, prompts, params=GREEDY, device_override="cpu", **options):
+    """Generate, then shut the engine down; (token lists, kv stats, preemptions, engine)."""
+    llm = LLM(model, device=device_override, **options)
     eng = llm.engine
-    eng.record_logits = True
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        reqs_logits = [o for o in outs]
         stats = llm.kv_stats()
-        return [o.token_ids for o in reqs_logits], stats, eng.scheduler.num_preemptions, eng
+        return [o.token_ids for o in outs], stats, eng.scheduler.num_preemptions, eng
     finally:
         eng.shutdown()
         if eng.tp is not None:
@@ -265,3 +263,30 @@ def test_lockstep_ids_agree_and_capacity_is_the_tightest_ranks():
     assert a.stats()["stored_pages"] > 10 and a.stored_ratio() < b.stored_ratio()
     assert binding > 50                                        # the worker was the tightest rank
     assert cache.stored_ratio() == max(a.stored_ratio(), b.stored_ratio())
+
+
+# -- on GPUs (NCCL), when a machine of two or more is lent ---------------------------------------
+_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.gpu
+@_TWO_GPUS
+def test_gpu_tp2_matches_tp1_fp32(models):
+    prompts = _prompts(TINY4["vocab_size"])
+    ref, _, _, _ = _run(models["tiny4"], prompts, dtype="float32", kv_compression=False, device_override="cuda")
+    got, _, _, _ = _run(models["tiny4"], prompts, dtype="float32", kv_compression=False, tensor_parallel_size=2,
+                        device_override="cuda")
+    assert got == ref
+
+
+@pytest.mark.gpu
+@_TWO_GPUS
+def test_gpu_tp2_compression_on_off_identical_with_cuda_graphs(models):
+    """NCCL all-reduces inside the captured decode graphs, compressed vs uncompressed pages."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(kv_memory_gb=0.0003, tensor_parallel_size=2, admission="optimistic", deterministic=True,
+              device_override="cuda")
+    on, stats, _, eng = _run(models["tiny4"], _prompts(TINY4["vocab_size"]), params, kv_compression=True, **kw)
+    off, _, _, _ = _run(models["tiny4"], _prompts(TINY4["vocab_size"]), params, kv_compression=False, **kw)
+    assert on == off and stats["stored_pages"] > 0
+    assert eng.runner.graphs                                     # decode ran in CUDA graphs

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 import weakref
 from contextlib import contextmanager
