@@ -107,7 +107,8 @@ class LLMEngine:
         self.cache = self._build_cache()
         self._len_note = ""
         self._check_one_request_fits(cfg.max_model_len is not None)
-        self.scheduler = Scheduler(self.tp.lockstep(self.cache) if self.tp else self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+        sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
+        self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission)
         # CUDA graphs need the arena path (the dense cache's torch attention has dynamic shapes)
         self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cfg.max_num_seqs,
