@@ -55,6 +55,9 @@ class EngineConfig:
     deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
                                       "parameters and seed (batch-invariant kernels; slower)")
     chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")
+    tensor_parallel_size: int = _opt(1, "split the model over this many GPUs (processes; gloo on the CPU): "
+                                        "Megatron tensor parallelism, one worker process per rank "
+                                        "started by the engine (or by torchrun); must divide the KV heads")
     max_logprobs: int = _opt(20, "most top log-probabilities a request may ask for (SamplingParams.logprobs)")
 
     def __post_init__(self):
@@ -62,6 +65,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

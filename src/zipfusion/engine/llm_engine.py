@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..models import build_model, load_tokenizer, model_config, resolve_model
+from ..models.parallel import TensorParallel, use as use_parallel
 from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL_LEN, GPU_MEMORY_UTILIZATION,
                      EngineConfig)
 from .kv_cache import ArenaKVCache, DenseKVCache
@@ -97,19 +98,29 @@ class LLMEngine:
         self.source = resolve_model(cfg.model, cfg.load_format)
         self.model_config = mc = model_config(self.source)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
-        self.model = prebuilt_model if prebuilt_model is not None else build_model(
-            self.source, dtype=self.dtype, device=self.device, seed=cfg.seed)
+        self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
+        if cfg.tensor_parallel_size > 1:
+            if prebuilt_model is not None:
+                raise ValueError("prebuilt_model cannot be split over ranks; drop it or tensor_parallel_size")
+            from ..distributed.driver import start
+            self.tp = start(cfg, self.device, mc)
+        with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
+            self.model = prebuilt_model if prebuilt_model is not None else build_model(
+                self.source, dtype=self.dtype, device=self.device, seed=cfg.seed)
         self.model.set_deterministic(cfg.deterministic)
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.cache = self._build_cache()
         self._len_note = ""
         self._check_one_request_fits(cfg.max_model_len is not None)
-        self.scheduler = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+        sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
+        self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission)
         # CUDA graphs need the arena path (the dense cache's torch attention has dynamic shapes)
         self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and isinstance(self.cache, ArenaKVCache))
+        if self.tp:
+            self.runner = self.tp.wrap_runner(self.runner, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
         self.graph_buckets = self.runner.capture_cuda_graphs()
         self._ids = itertools.count()
@@ -142,9 +153,12 @@ class LLMEngine:
             if gb > free:
                 raise ValueError(f"kv_memory_gb={gb:g} is more than the {free:.1f} GiB free on {self.device}; "
                                  f"pass a smaller kv_memory_gb")
+        tp_size = self.tp.size if self.tp else 1
+        if self.tp:                         # every rank the same budget: page ids agree (distributed/lockstep.py)
+            gb = self.tp.agree_budget(gb)
         self.kv_memory_gb = gb
         budget = int(gb * 2**30)
-        L, H, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
+        L, H, D = mc.num_hidden_layers, mc.num_key_value_heads // tp_size, mc.head_dim
         if self.dtype != torch.bfloat16:
             cache = DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
             cache.deterministic = cfg.deterministic
@@ -153,7 +167,7 @@ class LLMEngine:
         try:
             return ArenaKVCache(L, H, D, budget, self.device, compress=cfg.kv_compression,
                                 attention_backend=cfg.attention_backend, deterministic=cfg.deterministic,
-                                num_qo_heads=mc.num_attention_heads, **kw)
+                                num_qo_heads=mc.num_attention_heads // tp_size, **kw)
         except ValueError as exc:
             if "flashinfer" in str(exc):
                 raise
@@ -173,6 +187,11 @@ class LLMEngine:
                     self.max_model_len, fits, self.kv_memory_gb)
         self.max_model_len = fits
         self._len_note = f" (what kv_memory_gb={self.kv_memory_gb:g} holds; give more kv_memory_gb)"
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (also done when the engine is collected or at exit)."""
+        if self.tp:
+            self.tp.shutdown()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:

@@ -93,22 +93,24 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         super().__init__()
-        t = tp()
+        self._tp = t = tp()
         self.output_sizes = list(output_sizes)
         self.local_sizes = [_divide(n, t.size, "output size") for n in output_sizes]
         self.in_features = in_features
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
         self.weight.weight_loader = self.weight_loader
         self.weight.num_parts = len(output_sizes)
+        _full(self.weight, (sum(output_sizes), in_features), self.output_sizes)
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)))
             self.bias.weight_loader = self.weight_loader
             self.bias.num_parts = len(output_sizes)
+            _full(self.bias, (sum(output_sizes),), self.output_sizes)
         else:
             self.bias = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        t = tp()
+        t = self._tp
         size = self.local_sizes[shard]
         if loaded.shape[0] != self.output_sizes[shard] or (param.dim() == 2 and loaded.shape[1] != self.in_features):
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit part {shard} "
@@ -127,14 +129,16 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        t = tp()
+        self._tp = t = tp()
         self.in_features, self.out_features = in_features, out_features
         self.local_in = _divide(in_features, t.size, "input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
         self.weight.weight_loader = self.weight_loader
+        _full(self.weight, (out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if bias:
             self.bias.weight_loader = self.weight_loader
+            _full(self.bias, (out_features,))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         if param.dim() == 1:
@@ -143,14 +147,72 @@ class RowParallelLinear(nn.Module):
         if tuple(loaded.shape) != (self.out_features, self.in_features):
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
                              f"({self.out_features} x {self.in_features})")
-        r = tp().rank
+        r = self._tp.rank
         param.data.copy_(loaded[:, r * self.local_in:(r + 1) * self.local_in])
 
     deterministic = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp().all_reduce(linear(x, self.weight, None, self.deterministic))
+        y = self._tp.all_reduce(linear(x, self.weight, None, self.deterministic), ordered=self.deterministic)
         return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split over ranks: rank r holds rows
+    ``r·n .. (r+1)·n - 1`` (n = ceil(V / tp); rows past V are zero padding). A token outside
+    this rank's rows gives zeros here; the all-reduce sums the one rank that holds it with
+    zeros, so the result is exact. The same rows serve as the (tied) LM head's shard."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self._tp = t = tp()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.shard = -(-num_embeddings // t.size)
+        self.start = t.rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, embedding_dim))
+        self.weight.weight_loader = self.weight_loader
+        _full(self.weight, (num_embeddings, embedding_dim))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                             f"({self.num_embeddings} x {self.embedding_dim})")
+        part = loaded[self.start:self.start + self.shard]
+        param.data.zero_()
+        param.data[:part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return self._tp.all_reduce(y)
+
+
+class ParallelLMHead(nn.Module):
+    """An untied LM head split by vocabulary rows like :class:`VocabParallelEmbedding`;
+    ``CausalLM.compute_logits`` gathers the ranks' logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self._tp = t = tp()
+        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
+        self.shard = -(-vocab_size // t.size)
+        self.start = t.rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+        _full(self.weight, (vocab_size, hidden_size))
+
+    weight_loader = VocabParallelEmbedding.weight_loader
+
+
+def _full(param: nn.Parameter, shape: tuple, parts: list[int] | None = None) -> None:
+    """Note on a sharded parameter what the whole tensor (all ranks) looks like: random
+    initialisation draws the whole one and hands it to ``weight_loader``, so a random model is
+    the same at every TP size (``parts``: the fused parts' row counts, loader shard order)."""
+    param.full_shape = tuple(shape)
+    param.part_sizes = list(parts) if parts else None
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import FUSED_OPS_ON_CUDA, ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, linear
+from .layers import (FUSED_OPS_ON_CUDA, ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                     RowParallelLinear, VocabParallelEmbedding, linear)
 from .parallel import tp
 
 # checkpoint name fragment -> (our fused parameter's fragment, part index)
@@ -43,10 +44,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         t = tp().size
+        if cfg.num_key_value_heads % t:
+            raise ValueError(f"tensor_parallel_size={t} does not divide the model's {cfg.num_key_value_heads} KV heads")
         self.layer = layer
         self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads // t
-        self.num_kv_heads = max(1, cfg.num_key_value_heads // t)
+        self.num_heads = cfg.num_attention_heads // t       # this rank's heads (KV heads split by rank)
+        self.num_kv_heads = cfg.num_key_value_heads // t
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
                                              bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
@@ -108,7 +111,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -121,10 +124,11 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self._tp = tp()
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -149,5 +153,9 @@ class CausalLM(nn.Module):
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, h] -> logits [n, vocab] in fp32."""
-        return linear(hidden, self.lm_head_weight, None, self.deterministic).float()
+        """hidden [n, h] -> logits [n, vocab] in fp32 (tensor parallel: every rank's vocabulary
+        shard computed there, gathered on every rank)."""
+        logits = linear(hidden, self.lm_head_weight, None, self.deterministic).float()
+        if self._tp.size == 1:
+            return logits
+        return self._tp.all_gather_last(logits)[:, :self.config.vocab_size]

@@ -183,6 +183,12 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD) -> None:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
+            elif getattr(p, "full_shape", None) is not None and tuple(p.full_shape) != tuple(p.shape):
+                # a tensor-parallel shard: draw the whole tensor as at TP=1 and keep this rank's part
+                full = torch.empty(p.full_shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=gen)
+                parts = full.split(p.part_sizes) if p.part_sizes else [full]
+                for i, part in enumerate(parts):
+                    p.weight_loader(p, part, i)
             else:
                 p.normal_(0.0, std, generator=gen)
 

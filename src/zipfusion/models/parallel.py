@@ -1,12 +1,15 @@
 """The one place that owns the tensor-parallel process group.
 
-Single GPU today: world size 1, no group. The linear layers read :func:`tp` for their shard
-sizes and all-reduce through it, so tensor parallelism, when it comes, sets ``_TP`` here and
-nothing else in the model touches ``torch.distributed``.
+World size 1 (the default): no group, every collective is the identity. Tensor parallelism
+(:mod:`zipfusion.distributed`) builds a model inside ``with use(TensorParallel(size, rank,
+group)):``; each layer keeps the :class:`TensorParallel` it was built with, so two models of
+different TP sizes can live in one process and nothing else in the model touches
+``torch.distributed``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -18,15 +21,56 @@ class TensorParallel:
     rank: int = 0
     group: object = None
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place.
+
+        ``ordered`` (deterministic mode): gather every rank's part and add them in rank order
+        in fp32. A ring or tree all-reduce over 3+ ranks adds an element's parts in an order
+        that depends on where the element falls in the chunks the tensor is cut into -- on
+        the batch's size -- so a row's bits would depend on the batch (2 ranks: a + b either
+        way)."""
         if self.size == 1:
             return x
-        torch.distributed.all_reduce(x, group=self.group)
+        if not ordered or self.size == 2:
+            torch.distributed.all_reduce(x, group=self.group)
+            return x
+        x2 = x.contiguous()
+        parts = torch.empty((self.size * x2.shape[0],) + tuple(x2.shape[1:]), dtype=x.dtype, device=x.device)
+        dist = torch.distributed
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x2, group=self.group)
+        parts = parts.view(self.size, *x2.shape)
+        acc = parts[0].float()
+        for i in range(1, self.size):
+            acc = acc + parts[i].float()
+        x.copy_(acc.to(x.dtype))
         return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size·n]: the ranks' parts side by side, rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist = torch.distributed
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=self.group)
+        out = out.view(self.size, *x.shape)
+        return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
 
 _TP = TensorParallel()
 
 
 def tp() -> TensorParallel:
+    """The tensor-parallel setting that layers being built now take."""
     return _TP
+
+
+@contextlib.contextmanager
+def use(t: TensorParallel):
+    """Build a model for ``t`` (layers built inside take it; restored after)."""
+    global _TP
+    old, _TP = _TP, t
+    try:
+        yield t
+    finally:
+        _TP = old

@@ -1,0 +1,266 @@
+"""Rank 0 of a tensor-parallel engine: starts (or joins) the workers and keeps them in step.
+
+``LLMEngine`` calls :func:`start` when ``tensor_parallel_size > 1``. Without a launcher the
+engine starts ``N - 1`` worker processes itself (``torch.multiprocessing``, ``spawn`` by
+default; ``ZIPFUSION_TP_START_METHOD=forkserver`` forks them from a server that has
+imported torch and zipfusion once -- the tests use it), one per GPU. Under ``torchrun``
+(``RANK``/``WORLD_SIZE`` in the environment, WORLD_SIZE == N) every process runs the user's
+script: rank 0's ``LLMEngine`` is the engine, the others' serve as workers until rank 0
+shuts down and then exit (``SystemExit(0)``).
+
+Everything that crosses processes goes through :class:`~zipfusion.distributed.comm.Comm`. A
+failure there -- a worker that died, a peer that timed out -- ends the engine with
+:class:`TPWorkerError` naming the rank and its exit code; the workers left are stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from ..models.parallel import TensorParallel
+from .comm import Comm, timeout_s
+from .lockstep import LockstepCache
+from .plan import PlanWriter
+
+log = logging.getLogger("zipfusion")
+START_METHODS = ("spawn", "forkserver")
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel worker died or stopped answering; the engine cannot continue."""
+
+
+def check_model(mc, n: int) -> None:
+    """One-line ValueError for a model that ``n`` ranks cannot split."""
+    H = mc.num_key_value_heads
+    if H % n:
+        ok = [d for d in range(1, H + 1) if H % d == 0]
+        raise ValueError(f"tensor_parallel_size={n} does not divide the model's {H} KV heads; pass one of {ok}")
+    if mc.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size={n} does not divide the model's intermediate size "
+                         f"{mc.intermediate_size}")
+
+
+def _torchrun() -> tuple[int, int, int] | None:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+
+
+def start(cfg, device: torch.device, mc) -> "TPDriver":
+    """Rank 0: the driver. Under torchrun on a rank > 0: serve as a worker, then SystemExit(0)."""
+    n = cfg.tensor_parallel_size
+    check_model(mc, n)
+    run = _torchrun()
+    if run is not None and run[1] > 1:
+        rank, world, local = run
+        if world != n:
+            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size={n}; they must agree")
+        if device.type == "cuda":
+            torch.cuda.set_device(local)
+        if rank != 0:
+            from .worker import serve
+            dev = torch.device("cuda", local) if device.type == "cuda" else device
+            serve(cfg, Comm(rank, world, dev, init_method="env://"))
+            raise SystemExit(0)
+        return TPDriver(cfg, Comm(0, world, device, init_method="env://"), [])
+    if device.type == "cuda":
+        if torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs, {torch.cuda.device_count()} visible")
+        if device.index not in (None, 0):
+            raise ValueError(f"with tensor_parallel_size > 1 pass device='cuda' (rank r runs on cuda:r), not {device}")
+    return _spawn(cfg, device, n)
+
+
+def _spawn(cfg, device: torch.device, n: int) -> "TPDriver":
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from datetime import timedelta
+
+    method = os.environ.get("ZIPFUSION_TP_START_METHOD", "spawn")
+    if method not in START_METHODS:
+        raise ValueError(f"ZIPFUSION_TP_START_METHOD must be one of {START_METHODS}, got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "zipfusion.distributed.worker"])
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s()))
+    procs = []
+    from .worker import worker_main
+    try:
+        for rank in range(1, n):
+            p = ctx.Process(target=worker_main, name=f"zipfusion-tp{rank}", daemon=True,
+                            args=(cfg, rank, n, device.type, store.port, torch.get_num_threads(), os.getpid()))
+            p.start()
+            procs.append(p)
+        # wait for every worker to reach the store, watching that none died on the way
+        deadline = time.monotonic() + timeout_s()
+        keys = [f"zf_up{r}" for r in range(1, n)]
+        while not store.check(keys):
+            for r, p in enumerate(procs, 1):
+                if not p.is_alive():
+                    raise TPWorkerError(f"tensor-parallel worker rank {r} (pid {p.pid}) died while starting "
+                                        f"(exit code {p.exitcode}); its traceback is above")
+            if time.monotonic() > deadline:
+                raise TPWorkerError(f"tensor-parallel workers did not start within {timeout_s():g} s")
+            time.sleep(0.02)
+        comm = Comm(0, n, device, store=store)
+    except BaseException:
+        _stop(procs, graceful=False)
+        raise
+    return TPDriver(cfg, comm, procs, store)
+
+
+def _stop(procs, graceful: bool = True, wait: float = 10.0) -> None:
+    for p in procs:
+        if graceful:
+            p.join(wait)
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+def _shutdown(state: dict) -> None:
+    """Stop the workers and leave the process group (idempotent; also at exit)."""
+    comm, procs = state.pop("comm", None), state.pop("procs", [])
+    if comm is None:
+        return
+    graceful = not state.get("broken")
+    if graceful:
+        try:
+            comm.send({"kind": "exit", "ops": [], "forget": []})
+        except Exception:
+            graceful = False
+    comm.close()
+    _stop(procs, graceful)
+    state.pop("store", None)
+
+
+class TPDriver:
+    """Rank 0's handle on the group: hooks for the engine (``parallel``, ``agree_budget``,
+    ``lockstep``, ``wrap_runner``, ``shutdown``)."""
+
+    def __init__(self, cfg, comm: Comm, procs: list, store=None):
+        self.size, self.comm, self.procs = cfg.tensor_parallel_size, comm, procs
+        self.parallel = TensorParallel(self.size, 0, comm.tp_group)
+        self.broken: TPWorkerError | None = None
+        self.cache: LockstepCache | None = None
+        self.forgets: list[int] = []
+        self._state = {"comm": comm, "procs": procs, "store": store}
+        self._finalizer = weakref.finalize(self, _shutdown, self._state)
+        log.info("tensor parallel: %d ranks (%s), %s", self.size, "torchrun" if not procs else
+                 f"worker pids {[p.pid for p in procs]}", "nccl" if comm.device.type == "cuda" else "gloo")
+
+    # -- failures ------------------------------------------------------------------------------
+    def fail(self, exc: BaseException) -> TPWorkerError:
+        if self.broken is not None:
+            return self.broken
+        dead = []
+        for r, p in enumerate(self.procs, 1):
+            p.join(1.0 if not dead else 0.1)           # its sockets closed as it exited: let it finish
+            if not p.is_alive():
+                dead.append(f"rank {r} (pid {p.pid}) died with exit code {p.exitcode}")
+        if dead:
+            msg = f"tensor-parallel worker {', '.join(dead)}; the engine cannot continue: start a new one"
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            msg = (f"tensor-parallel communication failed ({type(exc).__name__}: {first[:200]}); "
+                   "the engine cannot continue: start a new one")
+        self.broken = TPWorkerError(msg)
+        self._state["broken"] = True
+        self._finalizer()
+        return self.broken
+
+    @contextmanager
+    def guard(self):
+        if self.broken is not None:
+            raise self.broken
+        try:
+            yield
+        except TPWorkerError:
+            raise
+        except Exception as exc:
+            raise self.fail(exc) from exc
+
+    # -- hooks for the engine ------------------------------------------------------------------
+    def agree_budget(self, gb: float) -> float:
+        """Every rank's KV budget: the smallest any rank can give (so page ids range alike)."""
+        with self.guard():
+            return self.comm.min_over_ranks(gb)
+
+    def lockstep(self, cache) -> LockstepCache:
+        self.cache = LockstepCache(cache, self)
+        return self.cache
+
+    def wrap_runner(self, runner, max_model_len: int) -> "TPRunner":
+        return TPRunner(runner, self, max_model_len)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    # -- messages ------------------------------------------------------------------------------
+    def send(self, kind: str | None, **payload) -> None:
+        """Broadcast the cache log (and forgets) with a message; every rank reports after it."""
+        ops = self.cache.take_log() if self.cache is not None else []
+        forgets, self.forgets = self.forgets, []
+        with self.guard():
+            self.comm.send({"kind": kind, "ops": ops, "forget": forgets, **payload})
+
+    def send_ops(self) -> None:
+        self.send(None)
+        with self.guard():
+            self.comm.report()
+
+    def comm_finish_report(self):
+        if self.broken is not None:
+            raise self.broken
+        with self.guard():
+            return self.comm.finish_report()
+
+
+class TPRunner:
+    """Rank 0's runner: each call goes to the workers first, then runs here."""
+
+    def __init__(self, runner, driver: TPDriver, max_model_len: int):
+        self._runner, self._driver, self._writer = runner, driver, PlanWriter()
+        driver.send("runner", max_model_len=max_model_len, max_num_seqs=runner.max_num_seqs,
+                    use_cuda_graphs=runner.use_cuda_graphs)
+        with driver.guard():
+            driver.comm.report()
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def _call(self, kind: str, fn, **payload):
+        d = self._driver
+        d.send(kind, **payload)
+        with d.guard():                      # a failure mid-step leaves the workers mid-collective: fatal
+            result = fn()
+            d.comm.report()
+        return result
+
+    def run(self, out):
+        plan = self._writer.plan(out)
+        return self._call("step", lambda: self._runner.run(out), plan=plan)
+
+    def capture_cuda_graphs(self, *args, **kwargs):
+        return self._call("capture", lambda: self._runner.capture_cuda_graphs(*args, **kwargs),
+                          args=args, kwargs=kwargs)
+
+    def forget(self, request_id: int) -> None:
+        self._runner.forget(request_id)
+        self._writer.forget(request_id)
+        self._driver.forgets.append(request_id)

@@ -1,0 +1,131 @@
+"""Rank 0's view of every rank's KV cache, and the plan that keeps the workers in step.
+
+Each rank holds its own cache (its KV heads) and compresses its own pages, so the ranks'
+compressed sizes -- and their free memory -- differ. Page ids must not: a request's block
+table is one list of ids for every rank. They agree because every rank applies the same
+cache operations in the same order. A page id comes from the page table's free list
+(``memory/page_table.py``: last freed, first taken) and depends only on the sequence of
+``alloc(n)`` and ``free(ids)`` calls, not on where or how compressed pages are stored; every
+rank's arena has the same budget (the smallest any rank can give, agreed at start-up) and
+the same page geometry (H / tp heads each), hence the same id range.
+
+* :class:`LockstepCache` wraps rank 0's cache for the scheduler. ``alloc``/``free``/``seal``
+  run on rank 0's cache and are logged; the log travels with the next message to the
+  workers, who replay it and check that their ids are rank 0's (``PageIdsDiverged``
+  otherwise). A seal is sent at once, so the workers compress while rank 0 does.
+* ``capacity_new_pages`` is the tightest rank's: ``min(rank 0's own, each worker's last
+  report - pages allocated since)``. An allocation of n pages lowers a cache's capacity by at
+  most n and a free never lowers it, so the bound never promises a page some rank lacks; a
+  seal can lower it (compressed space is taken before open slots are freed), which is why a
+  seal always brings a fresh report. When frees are logged but unsent and a worker is the
+  tightest rank, the log is sent first and the fresh reports are used (after a preemption
+  or an abort: rare), so the bound is not needlessly tight.
+* ``stored_ratio`` (admission's estimate) is the largest -- the least compressed -- rank's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ALLOC, FREE, SEAL = "a", "f", "s"
+
+
+class PageIdsDiverged(RuntimeError):
+    """A worker's cache gave other page ids than rank 0's (a bug: the ranks' caches must see
+    the same operations)."""
+
+
+class LockstepCache:
+    def __init__(self, cache, driver):
+        self._cache, self._driver = cache, driver
+        self.log: list[tuple] = []
+        self._unsent_allocs = 0
+        self._unsent_frees = False
+        self._reports: np.ndarray | None = None        # [workers, REPORT] after every sent message
+
+    def __getattr__(self, name):                         # seal_batch, deterministic, stats, ...
+        return getattr(self._cache, name)
+
+    # -- operations, logged ------------------------------------------------------------------
+    def alloc(self, n, keep_reserve: bool = True):
+        ids = self._cache.alloc(n, keep_reserve=keep_reserve)
+        if ids:
+            self.log.append((ALLOC, len(ids), bool(keep_reserve), list(ids)))
+            self._unsent_allocs += len(ids)
+        return ids
+
+    def free(self, ids):
+        ids = list(ids)
+        if ids:
+            self._cache.free(ids)
+            self.log.append((FREE, ids))
+            self._unsent_frees = True
+
+    def seal(self, ids):
+        ids = list(ids)
+        if not ids or not getattr(self._cache, "compress", False):
+            return self._cache.seal(ids)
+        self.log.append((SEAL, ids))
+        self._driver.send_ops()                        # the workers compress while rank 0 does
+        return self._cache.seal(ids)
+
+    def take_log(self) -> list[tuple]:
+        log, self.log = self.log, []
+        self._unsent_allocs, self._unsent_frees = 0, False
+        return log
+
+    def set_reports(self, reports: np.ndarray | None) -> None:
+        if reports is not None:
+            self._reports = reports[1:]                # row 0 is rank 0's (zeros)
+
+    # -- the tightest rank ---------------------------------------------------------------------
+    def _workers(self, column: int) -> float:
+        self.set_reports(self._driver.comm_finish_report())
+        if self._reports is None:
+            return float("inf")
+        return float(self._reports[:, column].min()) - self._unsent_allocs
+
+    def capacity_new_pages(self, keep_reserve: bool = True):
+        local = self._cache.capacity_new_pages(keep_reserve=keep_reserve)
+        col = 0 if keep_reserve else 1
+        workers = self._workers(col)
+        if workers < local and self._unsent_frees:
+            self._driver.send_ops()
+            workers = self._workers(col)
+        return int(max(0, min(local, workers)))
+
+    def stored_ratio(self):
+        local = self._cache.stored_ratio()
+        self.set_reports(self._driver.comm_finish_report())
+        if self._reports is None:
+            return local
+        return max(local, float(self._reports[:, 2].max()))
+
+
+def apply_ops(cache, log: list[tuple], left_open: set[int]) -> None:
+    """A worker: replay rank 0's cache operations on this rank's cache. ``left_open``: pages
+    this rank could not compress yet (no room); retried with the next seal."""
+    for op in log:
+        if op[0] == ALLOC:
+            _, n, keep, want = op
+            got = cache.alloc(n, keep_reserve=keep)
+            if list(got) != list(want):
+                raise PageIdsDiverged(f"page ids diverged: rank 0 allocated {want[:8]}, this rank {list(got)[:8]}")
+        elif op[0] == FREE:
+            cache.free(op[1])
+            left_open.difference_update(op[1])
+        elif op[0] == SEAL:
+            ids = set(op[1]) | left_open
+            manager = getattr(cache, "manager", None)
+            if manager is not None:                     # rank 0 may retry pages this rank already sealed
+                ids = {i for i in ids if manager.page_state(i) == "open"}
+            left_open.clear()
+            left_open.update(cache.seal(sorted(ids)))
+        else:
+            raise ValueError(f"unknown cache operation {op[0]!r}")
+
+
+def report_of(cache) -> tuple[float, float, float]:
+    """What a worker tells rank 0 after each message."""
+    return (float(cache.capacity_new_pages(keep_reserve=True)), float(cache.capacity_new_pages(keep_reserve=False)),
+            float(cache.stored_ratio()) if hasattr(cache, "stored_ratio") else 1.0)
