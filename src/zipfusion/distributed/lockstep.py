@@ -61,13 +61,13 @@ class LockstepCache:
             self.log.append((FREE, ids))
             self._unsent_frees = True
 
-    def seal(self, ids):
+    def seal(self, ids, min_capacity: int = 0):
         ids = list(ids)
         if not ids or not getattr(self._cache, "compress", False):
-            return self._cache.seal(ids)
-        self.log.append((SEAL, ids))
+            return self._cache.seal(ids, min_capacity=min_capacity)
+        self.log.append((SEAL, ids, min_capacity))
         self._driver.send_ops()                        # the workers compress while rank 0 does
-        return self._cache.seal(ids)
+        return self._cache.seal(ids, min_capacity=min_capacity)
 
     def take_log(self) -> list[tuple]:
         log, self.log = self.log, []
@@ -120,7 +120,7 @@ def apply_ops(cache, log: list[tuple], left_open: set[int]) -> None:
             if manager is not None:                     # rank 0 may retry pages this rank already sealed
                 ids = {i for i in ids if manager.page_state(i) == "open"}
             left_open.clear()
-            left_open.update(cache.seal(sorted(ids)))
+            left_open.update(cache.seal(sorted(ids), min_capacity=op[2]))
         else:
             raise ValueError(f"unknown cache operation {op[0]!r}")
 
