@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,22 +110,27 @@ def lengths(median: int, cap: int, n: int, rng: random.Random) -> list[int]:
 def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int]]:
     """The job's prompts (token ids) and output lengths: a function of the job and the seed alone,
     so that every mode gets the same requests."""
-    import torch
     rng = random.Random(job["seed"])
     n = job["requests"]
     plens = list(job["prompt"]) if isinstance(job["prompt"], list) else lengths(job["prompt"], job["prompt_cap"], n, rng)
-    outs = lengths(job["output"], job["output_cap"], n, rng)
-    g = torch.Generator().manual_seed(job["seed"])
-    return [torch.randint(10, vocab - 10, (p,), generator=g).tolist() for p in plens], outs
+    return random_prompts(plens, vocab, job["seed"]), lengths(job["output"], job["output_cap"], n, rng)
 
 
-def warm_up(eng, vocab: int, max_len: int, batched: int, decode: int = 20) -> None:
+def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab - 10, (n,), generator=g).tolist() for n in lens]
+
+
+def warm_up(eng, max_len: int) -> None:
     """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
     over its sealed pages alone, then beside a prompt of more than one chunk (mixed steps with a
     first chunk and a continuation); then the engine's counters start afresh. (The decode steps'
     CUDA graphs are captured when the engine is built.)"""
     import torch
     from zipfusion import SamplingParams
+    vocab, batched = eng.model_config.vocab_size, eng.config.max_num_batched_tokens
+    decode = 20 if eng.device.type == "cuda" else 3                 # the CPU's reference paths are slow
     g = torch.Generator().manual_seed(12345)
     rand = lambda n: torch.randint(10, vocab - 10, (n,), generator=g).tolist()  # noqa: E731
     sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
@@ -249,7 +255,7 @@ def worker(job: dict) -> dict:
     vocab = eng.model_config.vocab_size
     prompts, outs = workload(job, vocab)
     build_s = time.perf_counter() - t0
-    warm_up(eng, vocab, max_len, job["batched_tokens"], 20 if eng.device.type == "cuda" else 3)
+    warm_up(eng, max_len)
     warm_s = time.perf_counter() - t0 - build_s
     base = eng.cache.stats()
     label = f"[{job['scenario']}/{job['mode']}]"
@@ -306,17 +312,24 @@ def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
                 sys.stderr.write("    " + line)
         th = threading.Thread(target=pump, daemon=True)
         th.start()
+        timed_out = False
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:               # SIGTERM (timeout(1)) or Ctrl-C: leave no worker behind
             p.kill()
+            raise
+        finally:
+            if p.poll() is None:
+                p.kill()
             p.wait()
         th.join(5)
         out.seek(0)
         lines = [ln for ln in out.read().splitlines() if ln.startswith("RESULT ")]
     base = {"scenario": job["scenario"], "mode": job["mode"], "requests": job["requests"],
             "process_s": time.perf_counter() - t0}
-    if p.returncode == -9 and not lines:
+    if timed_out:
         return {**base, "error": f"timed out after {timeout:g} s; last output: {''.join(tail)[-600:]}"}
     if p.returncode or not lines:
         return {**base, "error": f"worker exit {p.returncode}: {''.join(tail)[-1500:]}"}
@@ -529,12 +542,17 @@ def merge(paths: list[str], out: str) -> str:
                          {k: v for k, v in steps.items() if k in keep})
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None):
     if argv is None and "--worker" in sys.argv:        # the worker needs no driver argument parsing
         job = json.loads(sys.argv[sys.argv.index("--worker") + 1])
         print("RESULT " + json.dumps(worker(job), default=float), flush=True)
         return
     args = parse(argv)
+    signal.signal(signal.SIGTERM, _terminate)           # e.g. timeout(1): the running worker is killed too
     if args.merge:
         print(merge(args.merge, args.out))
         return
