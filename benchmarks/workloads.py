@@ -112,7 +112,8 @@ def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int]]:
     so that every mode gets the same requests."""
     rng = random.Random(job["seed"])
     n = job["requests"]
-    plens = list(job["prompt"]) if isinstance(job["prompt"], list) else lengths(job["prompt"], job["prompt_cap"], n, rng)
+    explicit = isinstance(job["prompt"], list)
+    plens = list(job["prompt"]) if explicit else lengths(job["prompt"], job["prompt_cap"], n, rng)
     return random_prompts(plens, vocab, job["seed"]), lengths(job["output"], job["output_cap"], n, rng)
 
 
@@ -195,7 +196,8 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
     itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
     now = eng.cache.stats()
     kv = eng.peak_kv_stats or now                      # at the peak of pages in use: the end holds none
-    fracs = [x["compressible_fraction"] for x in kv.get("layers", []) if x["compressible_fraction"] == x["compressible_fraction"]]
+    fracs = [x["compressible_fraction"] for x in kv.get("layers", [])
+             if x["compressible_fraction"] == x["compressible_fraction"]]
     computed = sum(x.prefill_tokens for x in steps)
     nan = float("nan")
     return {
@@ -386,7 +388,8 @@ def table(records: list[dict], cols=COLUMNS) -> str:
 def report(result: dict) -> str:
     m, recs = result["meta"], result["records"]
     md = [f"## Workloads ({m['model']}, {m['device']}; {m['date']})", "",
-          f"Command: `{m['command']}`" + (f" (scale {m['scale']:g}: request counts and KV GiB)" if m["scale"] != 1 else ""),
+          f"Command: `{m['command']}`"
+          + (f" (scale {m['scale']:g}: request counts and KV GiB)" if m["scale"] != 1 else ""),
           f"torch {m['torch']}, triton {m['triton']}, flashinfer {m['flashinfer']}; max_num_seqs {m['max_num_seqs']}, "
           f"max_num_batched_tokens {m['batched_tokens']}. total tok/s = (prompt + output tokens) / wall; "
           "output tok/s = output tokens / wall; decode = pure decode steps (at peak: those with >= 0.9 x the "
@@ -413,8 +416,8 @@ def plot(result: dict, path: str) -> bool:
     if plt is None or not result["ratios"]:
         return False
     scen = list(result["ratios"])
-    keys = [("total_tok_s", "total tok/s (whole run)"), ("decode_tok_s_at_peak_batch", "decode tok/s at the peak batch"),
-            ("peak_batch", "peak batch")]
+    keys = [("total_tok_s", "total tok/s (whole run)"),
+            ("decode_tok_s_at_peak_batch", "decode tok/s at the peak batch"), ("peak_batch", "peak batch")]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6))
     for ax, (k, title) in zip(axes, keys):
         for j, base in enumerate(("uncompressed", "flashinfer")):
@@ -576,14 +579,14 @@ def main(argv=None):
         why = skip_reason(mode, (SMOKE if args.smoke else SCENARIOS)[name], args.device)
         if why:
             log(f"[{i + 1}/{len(jobs)}] {name} / {mode}: skipped ({why})")
-            records[i] = {"scenario": name, "mode": mode, "skipped": why}
-            return
-        log(f"[{i + 1}/{len(jobs)}] {name} / {mode} (elapsed {time.perf_counter() - t0:.0f} s) ...")
-        rec = records[i] = run_job(make_job(args, name, mode), args.timeout,
-                                   threads=1 if args.jobs > 1 and args.device == "cpu" else 0)
+            rec = records[i] = {"scenario": name, "mode": mode, "skipped": why}
+        else:
+            log(f"[{i + 1}/{len(jobs)}] {name} / {mode} (elapsed {time.perf_counter() - t0:.0f} s) ...")
+            rec = records[i] = run_job(make_job(args, name, mode), args.timeout,
+                                       threads=1 if args.jobs > 1 and args.device == "cpu" else 0)
         if "error" in rec:
             log(f"  {name} / {mode} FAILED after {rec['process_s']:.0f} s: {rec['error'][-400:]}")
-        else:
+        elif "skipped" not in rec:
             meta["device"] = rec["device"]
             log(f"  {name} / {mode} done in {rec['process_s']:.0f} s: wall {rec['wall_s']:.1f} s, total "
                 f"{rec['total_tok_s']:,.0f} tok/s, peak batch {rec['peak_batch']}, {rec['preemptions']} preemptions")

@@ -25,7 +25,8 @@ def test_smoke_both_modes_identical_deterministic_outputs(tmp_path):
     p = run("--smoke", "--scenarios", "deterministic,burst", "--out", str(tmp_path))
     result = json.loads((tmp_path / "workloads.json").read_text())
     recs = {(r["scenario"], r["mode"]): r for r in result["records"]}
-    assert set(recs) == {(s, m) for s in ("deterministic", "burst") for m in ("compressed", "uncompressed", "flashinfer")}
+    assert set(recs) == {(s, m) for s in ("deterministic", "burst")
+                         for m in ("compressed", "uncompressed", "flashinfer")}
     for s in ("deterministic", "burst"):
         assert "CUDA" in recs[(s, "flashinfer")]["skipped"]                   # the CPU: skipped, with the reason
         for m in ("compressed", "uncompressed"):
@@ -36,7 +37,8 @@ def test_smoke_both_modes_identical_deterministic_outputs(tmp_path):
             assert r["total_tok_s"] > r["output_tok_s"] > 0
             assert r["prefill_tokens_computed"] >= r["prompt_tokens"] > 0
     # deterministic mode: the same ids in both modes (one SHA-256 of every output id, in request order)
-    assert recs[("deterministic", "compressed")]["outputs_sha256"] == recs[("deterministic", "uncompressed")]["outputs_sha256"]
+    det = [recs[("deterministic", m)]["outputs_sha256"] for m in ("compressed", "uncompressed")]
+    assert det[0] == det[1]
     assert result["identical_outputs"]["deterministic"] is True
     assert recs[("burst", "compressed")]["stored_ratio"] < 1.0 == recs[("burst", "uncompressed")]["stored_ratio"]
     assert set(result["ratios"]) == {"deterministic", "burst"}
