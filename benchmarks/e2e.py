@@ -18,7 +18,8 @@ exact compressible fractions (decode-only steps at the largest batch that fits, 
 benchmarks/engine.py's ``decode_bench``: requests filled straight into the arena, compressed
 as the engine does, then engine decode steps = CUDA-graph replay + sampling + sync).
 Uncompressed methods do not depend on the data: one synthetic measurement serves every fraction
-(``data_independent: true``). Every speed number carries its compressible fraction.
+(``data_independent: true``). Every speed number carries its compressible fraction. Whole runs
+(long generation among them) are benchmarks/workloads.py's, whose harness runs the ``model`` point.
 
 Each engine method runs in its own process (``--worker METHOD``).
 
@@ -57,41 +58,36 @@ def log(*a):
 
 
 # ------------------------------------------------------------------------------ worker
-def burst(model, method: str, args, prompt: int, max_tokens: int) -> dict:
-    """The write-up's workload through the public API; the model's own KV. Decode tok/s the
-    write-up's way (:func:`writeup_tokens_s`)."""
+def burst(model, method: str, args) -> dict:
+    """The write-up's workload through the public API, run by benchmarks/workloads.py's harness
+    (warm-up, every request at once, the step loop, the numbers); the model's own KV. Decode tok/s
+    the write-up's way (:func:`writeup_tokens_s`)."""
     import torch
-    from load import step, summarize, warm_up
-    from zipfusion import LLM, SamplingParams
+    from workloads import random_prompts, run_requests, summarize, warm_up
+    from zipfusion import LLM
     from engine import weight_bytes
+    prompt, max_len = args.prompt, args.prompt + args.max_tokens + 16
     llm = LLM(args.model, prebuilt_model=model, device=args.device, kv_memory_gb=args.kv_gb,
-              max_model_len=prompt + max_tokens + 16, max_num_seqs=args.max_num_seqs, **ENGINE_KW[method])
+              max_model_len=max_len, max_num_seqs=args.max_num_seqs, **ENGINE_KW[method])
     eng = llm.engine
-    V = eng.model_config.vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    rand = lambda n: torch.randint(10, V - 10, (n,), generator=g).tolist()  # noqa: E731
-    sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
-    warm_up(eng, rand, sp, prompt)
-    t0 = time.perf_counter()
-    reqs = [eng.add_request(rand(prompt), sp(max_tokens)) for _ in range(args.requests)]
-    probe = None
-    while eng.has_work():
-        res = step(eng)
-        if probe is None and res.prefill_tokens == 0:    # first pure decode step: all
-            probe = _probe(eng, prompt, method == "uncompressed-twin" and args.nvcomp)   # admitted are in
-    rec = summarize(eng, reqs, time.perf_counter() - t0, "burst", method, prompt)
+    prompts = random_prompts([prompt] * args.requests, eng.model_config.vocab_size, args.seed)
+    warm_up(eng, max_len)
+    probe = {}
+
+    def on_step(eng, res):                   # the first pure decode step: all admitted are in
+        if not probe and res.prefill_tokens == 0:
+            probe.update(_probe(eng, prompt, method == "uncompressed-twin" and args.nvcomp))
+    base = eng.cache.stats()
+    reqs, steps, wall = run_requests(eng, prompts, [args.max_tokens] * len(prompts), on_step=on_step,
+                                     label=f"[{method}]")
+    rec = {"scenario": "burst", "mode": method, **summarize(eng, reqs, steps, wall, base)}
     if probe:
         rec["compressible_fraction"] = probe["compressible_fraction"]
-    steps = eng.step_log
-    peak = rec["peak_batch"]
     writeup_tokens_s(rec)
-    kv = (eng.peak_kv_stats or eng.cache.stats())
-    rec["kv_bytes_at_peak"] = kv.get("bytes_in_use", 0)
-    rec["weight_bytes"] = weight_bytes(model, peak)
-    rec["seal_s_per_decode_step"] = (sum(x.seal_s for x in steps if x.prefill_tokens == 0)
-                                     / max(1, sum(1 for x in steps if x.prefill_tokens == 0)))
-    rec.pop("step_log", None)
-    del llm, eng, reqs
+    rec["weight_bytes"] = weight_bytes(model, rec["peak_batch"])
+    dec = [x for x in steps if x.prefill_tokens == 0]
+    rec["seal_s_per_decode_step"] = sum(x.seal_s for x in dec) / max(1, len(dec))
+    del llm, eng, reqs, steps
     _free(torch)
     if probe and probe.get("pages") is not None:
         from e2e_methods import nvcomp_measure
@@ -145,7 +141,7 @@ def synthetic(model, method: str, args, fraction: float, batches, max_batch=None
 
 
 def writeup_tokens_s(rec: dict) -> None:
-    """Decode throughput the write-up's way: decode-only steps at the peak batch (load.py's median
+    """Decode throughput the write-up's way: decode-only steps at the peak batch (benchmarks/workloads.py's median
     over steps with >= 90 % of the peak's rows; steps that seal pages count: sealing generated pages
     is part of steady decoding here, where the write-up compressed only prompts)."""
     rec["decode_tok_s_writeup"] = rec["decode_tok_s_at_peak_batch"]
@@ -165,7 +161,7 @@ def worker(args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     if method != "unfused" and "model" in args.points:
         log(f"[{method}] burst: {args.requests} x ({args.prompt} + {args.max_tokens})")
-        out["burst"] = burst(model, method, args, args.prompt, args.max_tokens)
+        out["burst"] = burst(model, method, args)
     fractions = [float(f) for f in args.fractions.split(",")] if args.fractions and "synthetic" in args.points else []
     if method.startswith("uncompressed") and "synthetic" in args.points:
         fractions = fractions[:1] or [0.85]                     # data-independent: one point
@@ -175,9 +171,6 @@ def worker(args) -> dict:
     for f in fractions:
         log(f"[{method}] synthetic KV at {f:.0%} compressible")
         out["synthetic"].append(synthetic(model, method, args, f, batches if f == sweep_at else []))
-    if args.long and method in ("fused", "uncompressed-flashinfer", "uncompressed-twin"):
-        log(f"[{method}] long generation: {args.requests} x ({args.long_prompt} + {args.long_tokens})")
-        out["long"] = burst(model, method, args, args.long_prompt, args.long_tokens)
     if method == "uncompressed-twin" and args.nvcomp:
         out["nvcomp"] = nvcomp_points(model, args, out)
     return out
@@ -251,7 +244,7 @@ def parse(argv=None):
     ap.add_argument("--requests", type=int, default=72, help="burst size (more than fit: the peak is the max batch)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--points", default="model,synthetic", help="model (a burst through LLM), synthetic "
-                    "(exact fractions); anything else (e.g. long, with --long) runs neither")
+                    "(exact fractions)")
     ap.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS))
     ap.add_argument("--unfused-fractions", default="0.85")
     ap.add_argument("--batches", default="1,8,16,32", help="extra batch sizes timed (throughput vs batch)")
@@ -259,9 +252,6 @@ def parse(argv=None):
     ap.add_argument("--pool-pages", type=int, default=512)
     ap.add_argument("--nvcomp", type=int, default=1, help="1: measure nvCOMP in the uncompressed-twin worker")
     ap.add_argument("--nvcomp-sample-mb", type=int, default=1024)
-    ap.add_argument("--long", action="store_true", help="past the write-up: 1K prompt + 8K generated tokens")
-    ap.add_argument("--long-prompt", type=int, default=1024)
-    ap.add_argument("--long-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", metavar="E2E_JSON", help="keep the methods that finished in this earlier "
                     "e2e.json (same options) and run only the others")
@@ -270,15 +260,13 @@ def parse(argv=None):
     if args.smoke:                      # tiny sizes, wherever the command line left the default
         smoke = dict(model="demo", device="cpu", kv_gb=0.02, prompt=64, max_tokens=6, requests=4, max_num_seqs=8,
                      fractions="1,0.6", unfused_fractions="0.85", batches="1", steps=2, pool_pages=8, nvcomp=0,
-                     long_prompt=32, long_tokens=24, methods="fused,uncompressed-twin,unfused")
+                     methods="fused,uncompressed-twin,unfused")
         for k, v in smoke.items():
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
     keep = ("model", "device", "kv_gb", "prompt", "max_tokens", "requests", "max_num_seqs", "points", "fractions",
-            "unfused_fractions", "batches", "steps", "pool_pages", "nvcomp", "nvcomp_sample_mb", "long_prompt",
-            "long_tokens", "seed")
+            "unfused_fractions", "batches", "steps", "pool_pages", "nvcomp", "nvcomp_sample_mb", "seed")
     args.passthrough = [x for k in keep for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
-    args.passthrough += ["--long"] if args.long else []
     return args
 
 
@@ -304,8 +292,7 @@ def main(argv=None):
                 "model": args.model, "kv_budget_gb": args.kv_gb, "prompt": args.prompt,
                 "max_tokens": args.max_tokens, "requests": args.requests, "fractions": args.fractions,
                 "smoke": args.smoke, "seconds": time.perf_counter() - t0, "methods_done": list(raw),
-                "points": args.points, **({"long_prompt": args.long_prompt, "long_tokens": args.long_tokens}
-                                          if args.long else {}),
+                "points": args.points,
                 "device": next((r.get("device") for r in raw.values() if r.get("device")), "?")}
         return write_outputs({"meta": meta, "records": assemble(raw, args), "raw": raw}, args.out)
 

@@ -34,22 +34,18 @@ def _synthetic_record(method, info, bw, data_independent=False) -> dict:
                 rows=[dict(batch=x["batch"], tok_s=x["batch"] / x["step_s"]) for x in info.get("rows", [])])
 
 
-def _burst_record(b: dict, bw: float, long: bool = False) -> dict:
-    """A public-API burst. The write-up's workload: decode at the peak batch, with its roofline
-    fraction (every request holds its whole prompt then). Long generation: contexts grow from the
-    prompt to prompt + tokens and the peak batch comes early, so decode is over every decode-only
-    step and the roofline (which needs one context length) is left out."""
+def _burst_record(b: dict, bw: float) -> dict:
+    """A public-API burst, the write-up's workload: decode at the peak batch, with its roofline
+    fraction (every request holds its whole prompt then). ``total_tok_s`` here is generated tokens /
+    wall, as in the committed runs (workloads.py's ``total_tok_s`` counts prompt tokens too)."""
     step = b.get("decode_step_s_at_peak", NAN)
-    roof = (b["weight_bytes"] + b["kv_bytes_at_peak"]) / bw / step if step == step and step and not long else NAN
-    return dict(point="long-generation" if long else "model",
-                compressible_fraction=b.get("compressible_fraction", NAN),
-                max_batch=b["peak_batch"], decode_tok_s=b["decode_tok_s"] if long else b["decode_tok_s_writeup"],
-                total_tok_s=b["total_tok_s"], step_s=step, roofline_fraction=roof, stored_ratio=b.get("stored_ratio"),
-                source=("engine, model's own KV, long generation (all decode steps; pages sealed as they fill)"
-                        if long else "engine, model's own KV (public API burst)"), data_independent=False,
-                requests=b["requests"], preemptions=b["preemptions"], ttft_p50_s=b.get("ttft_p50_s"),
-                mean_batch=b.get("mean_batch"), compactions=b.get("compactions"),
-                compaction_share_of_decode=b.get("compaction_share_of_decode"),
+    roof = (b["weight_bytes"] + b["kv_bytes_at_peak"]) / bw / step if step == step and step else NAN
+    return dict(point="model", compressible_fraction=b.get("compressible_fraction", NAN),
+                max_batch=b["peak_batch"], decode_tok_s=b["decode_tok_s_writeup"],
+                total_tok_s=b.get("output_tok_s", b["total_tok_s"]), step_s=step, roofline_fraction=roof,
+                stored_ratio=b.get("stored_ratio"), source="engine, model's own KV (public API burst)",
+                data_independent=False, requests=b["requests"], preemptions=b["preemptions"],
+                ttft_p50_s=b.get("ttft_p50_s"), mean_batch=b.get("mean_batch"), compactions=b.get("compactions"),
                 seal_s_per_decode_step=b.get("seal_s_per_decode_step"), wall_s=b.get("wall_s"))
 
 
@@ -101,8 +97,6 @@ def assemble(raw: dict, args) -> list[dict]:
                     mine.append({**rec, "point": f, "compressible_fraction": float(f), "rows": rec["rows"]})
             else:
                 mine.append(rec)
-        if "long" in out:
-            mine.append(_burst_record(out["long"], bw, long=True))
         for r in mine:
             recs.append({"method": method, **r})
         if "nvcomp" in out:
@@ -144,8 +138,6 @@ def plot(records: list[dict], path: str) -> None:
     if plt is None:
         return
     ok = [r for r in records if "error" not in r]
-    if ok and all(r["point"] == "long-generation" for r in ok):
-        return _plot_long(plt, ok, path)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     seen = set()
     for r in ok:
@@ -159,7 +151,7 @@ def plot(records: list[dict], path: str) -> None:
     a1.legend(fontsize=7)
     for method in sorted({r["method"] for r in ok} - {BASE}):
         pts = sorted((r["compressible_fraction"], r["speedup_vs_uncompressed_flashinfer"]) for r in ok
-                     if r["method"] == method and r["point"] not in ("model", "long-generation")
+                     if r["method"] == method and r["point"] != "model"
                      and r["speedup_vs_uncompressed_flashinfer"] == r["speedup_vs_uncompressed_flashinfer"])
         if pts:
             a2.plot([100 * p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
@@ -180,18 +172,8 @@ def write_outputs(result: dict, out: str) -> str:
         json.dump(result, f, indent=1, default=float)
     m = result["meta"]
     work = f"{m['prompt']} + {m['max_tokens']} tokens"
-    if m.get("long_tokens"):
-        work = (f"long generation {m['long_prompt']} + {m['long_tokens']} tokens" if m.get("points") == "long"
-                else work + f", long generation {m['long_prompt']} + {m['long_tokens']}")
     md = (f"## End to end ({m['model']}, KV budget {m['kv_budget_gb']} GiB, {m['requests']} requests of {work}; "
           f"{m['device']}, {m['date']})\n\nCommand: `{m['command']}`\n\n" + table(result["records"]) + "\n")
-    longs = [r for r in result["records"] if r.get("point") == "long-generation"]
-    if longs:
-        md += "\nLong generation: " + "; ".join(
-            f"{r['method']}: mean batch {_fmt(r['mean_batch'], '{:.1f}')}, {r['preemptions']} preemptions, "
-            f"wall {_fmt(r['wall_s'], '{:.1f}')} s, seal {_fmt(1e3 * r['seal_s_per_decode_step'], '{:.2f}')} ms "
-            f"per decode step, compaction {_fmt(r['compaction_share_of_decode'], '{:.2%}')} of decode"
-            for r in longs) + "\n"
     with open(os.path.join(out, "e2e.md"), "w") as f:
         f.write(md)
     try:
@@ -199,22 +181,3 @@ def write_outputs(result: dict, out: str) -> str:
     except Exception as exc:                 # a figure must not lose the numbers
         md += f"\n(no figure: {exc})\n"
     return md
-
-
-def _plot_long(plt, recs: list[dict], path: str) -> None:
-    """Long generation: throughput and batch per method, side by side."""
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    names = [r["method"] for r in recs]
-    for ax, key, label in zip(axes, ("decode_tok_s", "total_tok_s", "mean_batch"),
-                              ("decode tok/s (all decode steps)", "total tok/s (whole run)", "mean batch")):
-        vals = [r.get(key) or 0 for r in recs]
-        ax.bar(range(len(recs)), vals, color=["C0" if n == "fused" else "C7" for n in names])
-        ax.set_xticks(range(len(recs)), names, fontsize=7)
-        ax.set_title(label, fontsize=9)
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:,.0f}" if v > 100 else f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-    r0 = recs[0]
-    fig.suptitle(f"long generation: {r0['requests']} requests at once, {r0['kv_budget_gb']:g} GiB KV, "
-                 f"{r0['compressible_fraction']:.0%} compressible (model's own KV)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

@@ -18,13 +18,8 @@ python3 -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__
   2>&1 | tee -a "$OUT/e2e_tests.log"
 python3 -c "from nvidia import nvcomp; print('nvcomp', nvcomp.__version__)" 2>&1 | tee -a "$OUT/e2e_tests.log"
 
-# past the write-up, in its own call (E2E_LONG=1; ~2.5 min fused + ~3 min FlashInfer, incl. its JIT build):
-#    64 requests of 1K prompt + 8K generated tokens at once, pages compressed as they fill
-if [ "${E2E_LONG:-0}" = 1 ]; then
-  timeout 560 python3 benchmarks/e2e.py --out "$OUT/long" --methods fused,uncompressed-flashinfer \
-    --points long --long --requests 64 --worker-timeout 300 2>&1 | tail -12 | tee -a "$OUT/e2e.log"
-  exit 0
-fi
+# Whole runs (long generation among them: 64 x (1K prompt + 8K generated)) are benchmarks/workloads.py's:
+#    bash scripts/workloads_gpu.sh (docs/benchmarks.md, "Workloads")
 
 # 1. correctness first (also builds FlashInfer's tensor-core decode for head_dim 128 into /tmp)
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer_decode.py 2>&1 | tee -a "$OUT/e2e_tests.log"

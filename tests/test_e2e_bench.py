@@ -35,39 +35,6 @@ def test_smoke_run_writes_records(tmp_path):
     assert (tmp_path / "e2e.md").read_text().count("| fused |") == len(fused)
 
 
-def test_smoke_long_generation_records(tmp_path):
-    """--long (1K prompt + 8K generated at full size; tiny here): a record per method with the
-    compression cost per decode step, and --points model leaves the synthetic points out."""
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e.py"), "--smoke", "--long", "--out",
-                        str(tmp_path), "--methods", "fused", "--points", "model"],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    recs = json.loads((tmp_path / "e2e.json").read_text())["records"]
-    assert {r["point"] for r in recs} == {"model", "long-generation"}
-    long = next(r for r in recs if r["point"] == "long-generation")
-    assert long["decode_tok_s"] > 0 and long["max_batch"] >= 1 and "seal_s_per_decode_step" in long
-
-
-def test_smoke_points_long_alone(tmp_path):
-    """--points long: only long-generation rows (an uncompressed method measures no synthetic point),
-    decode over all decode steps with no roofline (contexts grow), and the bar figure."""
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e.py"), "--smoke", "--long", "--out",
-                        str(tmp_path), "--methods", "fused,uncompressed-twin", "--points", "long"],
-                       capture_output=True, text=True, env=env, timeout=180)
-    assert p.returncode == 0, p.stderr[-2000:]
-    result = json.loads((tmp_path / "e2e.json").read_text())
-    assert result["raw"]["uncompressed-twin"]["synthetic"] == []
-    recs = result["records"]
-    assert {(r["method"], r["point"]) for r in recs} == {("fused", "long-generation"),
-                                                         ("uncompressed-twin", "long-generation")}
-    assert all(r["decode_tok_s"] > 0 and r["roofline_fraction"] != r["roofline_fraction"] for r in recs)
-    md = (tmp_path / "e2e.md").read_text()
-    assert "long generation 32 + 24 tokens" in md and "mean batch" in md
-    assert (tmp_path / "e2e.png").stat().st_size > 0
-
-
 def test_composite_batch_counts_pages_and_one_layer_workspace():
     # 10 units per request open, 2 layers: ratio 0.5 -> 10 * (0.5 + 0.5) + 1 = 11 per request
     assert composite_batch(110, 10, 1, 2, 0.5) == 10

@@ -1,0 +1,610 @@
+#!/usr/bin/env python3
+"""The workload benchmark (issue 20): whole runs the way a user measures them, one harness.
+
+Each (scenario, mode) runs in its own process: ``LLM(model, kv_compression=..., kv_memory_gb=GB,
+max_num_seqs=256, max_num_batched_tokens=8192)``, a warm-up that builds every step shape, then
+every request of the scenario submitted at once (random token ids from a seeded generator, the
+same in every mode; greedy, ``ignore_eos``) and the engine stepped until done (``LLM.generate``'s
+loop, keeping each ``StepResult``). Wall time runs from the first request to the last token.
+
+Scenarios (``SCENARIOS``; prompt + generated tokens per request, KV GiB):
+  burst            72 x (8192 + 256), 52 GiB
+  mix              600 requests, prompt ~ lognormal (median 1,200, cap 7,000), output ~ lognormal
+                   (median 300, cap 2,000), sigma 0.8 both, 12 GiB
+  long             16 x (32768 + 512), 24 GiB
+  deterministic    24 x (8192 + 128), 16 GiB, LLM(deterministic=True)
+  long_generation  64 x (1024 + 8192), 52 GiB
+  prefill          (not by default) one prompt alone at a time: 8192, 8192 again, 32768; TTFT and MFU
+Modes: compressed, uncompressed, flashinfer (uncompressed KV, attention_backend="flashinfer";
+skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode).
+
+    python3 benchmarks/workloads.py --out DIR                        # H200: everything (~35 min)
+    python3 benchmarks/workloads.py --scale 0.25 --scenarios burst,mix --out DIR
+    python3 benchmarks/workloads.py --smoke --out DIR                # CPU, demo model, tiny (< 60 s)
+    python3 benchmarks/workloads.py --merge A/workloads.json B/workloads.json --out DIR
+Writes DIR/workloads.json ({"meta", "records"}), workloads.md, workloads.png and steps.json (each
+record's step log). --scale multiplies request counts and KV GiB alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MODES = ("compressed", "uncompressed", "flashinfer")
+BF16_PEAK = 989.4e12          # H100/H200 SXM dense bf16 FLOP/s (datasheet): the prefill MFU denominator
+SIGMA = 0.8                   # lognormal lengths of the mix: sigma of ln(length)
+# issue 20's goals, total tok/s compressed / uncompressed (and / FlashInfer)
+GOALS = {"burst": 1.03, "mix": 1.12, "long": 1.10, "long_generation": 1.25}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    requests: int
+    prompt: int | tuple            # tokens per prompt; a tuple: each request's (no scaling)
+    output: int                    # generated tokens per request
+    kv_gb: float
+    prompt_cap: int = 0            # > 0: prompt ~ lognormal(median=prompt, SIGMA) capped here
+    output_cap: int = 0            # > 0: output ~ lognormal(median=output, SIGMA) capped here
+    deterministic: bool = False
+    sequential: bool = False       # one request at a time (prefill), instead of all at once
+
+
+SCENARIOS = {
+    "burst": Scenario(72, 8192, 256, 52.0),
+    "mix": Scenario(600, 1200, 300, 12.0, prompt_cap=7000, output_cap=2000),
+    "long": Scenario(16, 32768, 512, 24.0),
+    "deterministic": Scenario(24, 8192, 128, 16.0, deterministic=True),
+    "long_generation": Scenario(64, 1024, 8192, 52.0),
+    "prefill": Scenario(3, (8192, 8192, 32768), 1, 24.0, sequential=True),
+}
+DEFAULT_SCENARIOS = ("burst", "mix", "long", "deterministic", "long_generation")
+# --smoke: the demo model on the CPU (3 layers, 2 KV heads x 64: 1.5 KiB of KV per token), each
+# scenario shrunk but still binding its KV budget where the full one does
+SMOKE = {
+    "burst": Scenario(6, 64, 8, 0.0005),
+    "mix": Scenario(12, 40, 4, 0.0005, prompt_cap=160, output_cap=12),
+    "long": Scenario(2, 300, 6, 0.0007),
+    "deterministic": Scenario(6, 64, 8, 0.0004, deterministic=True),
+    "long_generation": Scenario(4, 16, 40, 0.0003),
+    "prefill": Scenario(3, (128, 128, 512), 1, 0.002, sequential=True),
+}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+# ============================================================================ the harness
+def lengths(median: int, cap: int, n: int, rng: random.Random) -> list[int]:
+    if not cap:
+        return [median] * n
+    return [max(1, min(cap, round(math.exp(math.log(median) + SIGMA * rng.gauss(0.0, 1.0))))) for _ in range(n)]
+
+
+def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The job's prompts (token ids) and output lengths: a function of the job and the seed alone,
+    so that every mode gets the same requests."""
+    rng = random.Random(job["seed"])
+    n = job["requests"]
+    explicit = isinstance(job["prompt"], list)
+    plens = list(job["prompt"]) if explicit else lengths(job["prompt"], job["prompt_cap"], n, rng)
+    return random_prompts(plens, vocab, job["seed"]), lengths(job["output"], job["output_cap"], n, rng)
+
+
+def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab - 10, (n,), generator=g).tolist() for n in lens]
+
+
+def warm_up(eng, max_len: int) -> None:
+    """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
+    over its sealed pages alone, then beside a prompt of more than one chunk (mixed steps with a
+    first chunk and a continuation); then the engine's counters start afresh. (The decode steps'
+    CUDA graphs are captured when the engine is built.)"""
+    import torch
+    from zipfusion import SamplingParams
+    vocab, batched = eng.model_config.vocab_size, eng.config.max_num_batched_tokens
+    decode = 20 if eng.device.type == "cuda" else 3                 # the CPU's reference paths are slow
+    g = torch.Generator().manual_seed(12345)
+    rand = lambda n: torch.randint(10, vocab - 10, (n,), generator=g).tolist()  # noqa: E731
+    sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    first = eng.add_request(rand(min(1024, max_len // 2)), sp(2 * decode))
+    while len(first.output_ids) < decode:
+        eng.step()
+    eng.add_request(rand(max(1, min(batched + batched // 8, max_len - 8))), sp(4))
+    while eng.has_work():
+        eng.step()
+    eng.scheduler.num_preemptions = 0
+    eng.peak_kv_stats = None
+
+
+def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label=""):
+    """Every request added at once (or, ``sequential``, each after the previous one finished), the
+    engine stepped until none is left. Returns (requests in order, StepResults without their
+    logits, wall seconds from the first request to the last token)."""
+    from zipfusion import SamplingParams
+    sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    steps, reqs = [], []
+    t0 = last = time.perf_counter()
+    pending = list(zip(prompts, outs))
+    while pending or eng.has_work():
+        if pending and (not sequential or not eng.has_work()):
+            batch = pending if not sequential else pending[:1]
+            reqs += [eng.add_request(p, sp(o)) for p, o in batch]
+            pending = pending[len(batch):]
+        res = eng.step()
+        steps.append(res._replace(logits=None))
+        if on_step is not None:
+            on_step(eng, res)
+        if time.perf_counter() - last > progress_s:
+            last = time.perf_counter()
+            done = sum(r.finish_reason is not None for r in reqs)
+            log(f"  {label} {last - t0:.0f} s: {done}/{len(prompts)} requests done, {len(steps)} steps, "
+                f"{res.running} running, {eng.scheduler.num_preemptions} preemptions")
+    return reqs, steps, time.perf_counter() - t0
+
+
+def model_flops(cfg, tokens: int, context: float) -> float:
+    """Forward FLOPs of ``tokens`` tokens attending over ``context`` keys each on average:
+    2 x (non-embedding parameters + lm head) per token, plus 4·L·Hq·D per (query, key) pair."""
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
+    return 2 * tokens * L * per_layer + 4 * L * cfg.num_attention_heads * cfg.head_dim * tokens * context
+
+
+STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
+               "forward_s", "seal_s")
+
+
+def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
+    """A run's numbers; ``base``: cache.stats() after the warm-up (compaction counters are cumulative)."""
+    dec = [x for x in steps if x.prefill_tokens == 0 and x.decode_rows > 0]
+    dec_s = sum(x.seconds for x in dec)
+    pre = [x for x in steps if x.prefill_tokens > 0]
+    peak = max((x.running for x in steps), default=0)
+    at_peak = [x.decode_rows / x.seconds for x in dec if x.decode_rows >= 0.9 * peak and x.seconds > 0]
+    out_tokens = sum(len(r.output_ids) for r in reqs)
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    ttft = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times]
+    itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
+    now = eng.cache.stats()
+    kv = eng.peak_kv_stats or now                      # at the peak of pages in use: the end holds none
+    fracs = [x["compressible_fraction"] for x in kv.get("layers", [])
+             if x["compressible_fraction"] == x["compressible_fraction"]]
+    computed = sum(x.prefill_tokens for x in steps)
+    nan = float("nan")
+    return {
+        "requests": len(reqs), "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+        "total_tok_s": (prompt_tokens + out_tokens) / wall, "output_tok_s": out_tokens / wall,
+        "decode_tok_s": sum(x.decode_rows for x in dec) / dec_s if dec_s else nan,
+        "decode_tok_s_at_peak_batch": statistics.median(at_peak) if at_peak else nan,
+        "peak_batch": peak, "mean_batch": statistics.mean(x.decode_rows for x in dec) if dec else 0.0,
+        "preemptions": eng.scheduler.num_preemptions,
+        "prefill_tokens_computed": computed, "recompute_ratio": computed / prompt_tokens if prompt_tokens else nan,
+        "prefill_steps_s": sum(x.seconds for x in pre), "decode_steps_s": dec_s,
+        "prefill_step_s_p50": statistics.median(x.seconds for x in pre) if pre else nan,
+        "seal_s": sum(x.seal_s for x in steps), "schedule_s": sum(x.schedule_s for x in steps),
+        "forward_s": sum(x.forward_s for x in steps), "sealed_pages": sum(x.sealed_pages for x in steps),
+        "compactions": now.get("compactions", 0) - base.get("compactions", 0),
+        "compaction_bytes": now.get("bytes_moved", 0) - base.get("bytes_moved", 0),
+        "kv_bytes_at_peak": kv.get("bytes_in_use", 0),
+        "compressible_fraction": statistics.mean(fracs) if fracs else nan,
+        "stored_ratio": kv.get("stored_ratio", 1.0),
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+        "steps": len(steps), "decode_steps": len(dec), "prefill_steps": len(pre),
+        "outputs_sha256": hashlib.sha256(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest(),
+    }
+
+
+def step_rows(steps) -> list:
+    return [[round(v, 6) if isinstance(v, float) else v for v in (getattr(x, f) for f in STEP_FIELDS)] for x in steps]
+
+
+def engine_kwargs(mode: str) -> dict:
+    return {"compressed": dict(kv_compression=True), "uncompressed": dict(kv_compression=False),
+            "flashinfer": dict(kv_compression=False, attention_backend="flashinfer")}[mode]
+
+
+def kv_floor_gb(model: str, max_len: int) -> float:
+    """KV GiB that one request of ``max_len`` tokens needs (open pages, plus the arena's reserve):
+    a --scale below it would refuse to start."""
+    from zipfusion.models import model_config
+    c = model_config(model)
+    return 1.1 * max_len * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2 / 2**30 + 0.25
+
+
+def worker(job: dict) -> dict:
+    import torch
+    from zipfusion import LLM
+    max_len = max(job["prompt"] if isinstance(job["prompt"], list) else [job["prompt_cap"] or job["prompt"]]) \
+        + (job["output_cap"] or job["output"]) + 16
+    kv_gb = job["kv_gb"]
+    if job["model"] != "demo" and kv_gb < kv_floor_gb(job["model"], max_len):
+        job["kv_gb_scaled"], kv_gb = kv_gb, round(kv_floor_gb(job["model"], max_len), 2)
+        log(f"  KV {job['kv_gb_scaled']:.2f} GiB holds no {max_len}-token request: {kv_gb} GiB")
+    t0 = time.perf_counter()
+    llm = LLM(job["model"], kv_memory_gb=kv_gb, max_num_seqs=job["max_num_seqs"],
+              max_num_batched_tokens=job["batched_tokens"], max_model_len=max_len, device=job["device"],
+              deterministic=job["deterministic"], **engine_kwargs(job["mode"]))
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    prompts, outs = workload(job, vocab)
+    build_s = time.perf_counter() - t0
+    warm_up(eng, max_len)
+    warm_s = time.perf_counter() - t0 - build_s
+    base = eng.cache.stats()
+    label = f"[{job['scenario']}/{job['mode']}]"
+    reqs, steps, wall = run_requests(eng, prompts, outs, job["sequential"], label=label)
+    rec = {"scenario": job["scenario"], "mode": job["mode"], **summarize(eng, reqs, steps, wall, base),
+           "kv_memory_gb": kv_gb, "max_model_len": max_len, "build_s": build_s, "warm_up_s": warm_s,
+           "device": torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu",
+           "job": job, "step_fields": list(STEP_FIELDS), "step_log": step_rows(steps)}
+    if job["sequential"]:               # prefill: each prompt alone; TTFT and model FLOP utilization
+        rec["prefill"] = [{"tokens": len(r.prompt_ids), "ttft_s": r.token_times[0] - r.arrival_time,
+                           "mfu": model_flops(eng.model_config, len(r.prompt_ids), len(r.prompt_ids) / 2)
+                           / (r.token_times[0] - r.arrival_time) / BF16_PEAK} for r in reqs]
+    return rec
+
+
+# ============================================================================ the driver
+def skip_reason(mode: str, scen: Scenario, device: str) -> str | None:
+    if mode != "flashinfer":
+        return None
+    if device == "cpu":
+        return "FlashInfer runs on CUDA only; the device is cpu"
+    if scen.deterministic:
+        return "FlashInfer's decode is not batch-invariant (the engine refuses deterministic=True with it)"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed (pip install flashinfer-python, or scripts/carry_wheels.sh)"
+    return None
+
+
+def make_job(args, name: str, mode: str) -> dict:
+    scen = (SMOKE if args.smoke else SCENARIOS)[name]
+    explicit = isinstance(scen.prompt, tuple)
+    return {"scenario": name, "mode": mode, "model": args.model, "device": args.device, "seed": args.seed,
+            "requests": scen.requests if explicit else max(1, round(scen.requests * args.scale)),
+            "prompt": list(scen.prompt) if explicit else scen.prompt, "prompt_cap": scen.prompt_cap,
+            "output": scen.output, "output_cap": scen.output_cap, "kv_gb": scen.kv_gb * args.scale,
+            "deterministic": scen.deterministic, "sequential": scen.sequential, "scale": args.scale,
+            "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens}
+
+
+def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
+    """One (scenario, mode) in its own process; its stderr (progress) is shown as it comes.
+    ``threads``: the worker's CPU threads (0: torch's default)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)]
+    tail = collections.deque(maxlen=30)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                  **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
+
+        def pump():
+            for line in p.stderr:
+                tail.append(line)
+                sys.stderr.write("    " + line)
+        th = threading.Thread(target=pump, daemon=True)
+        th.start()
+        timed_out = False
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:               # SIGTERM (timeout(1)) or Ctrl-C: leave no worker behind
+            p.kill()
+            raise
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        th.join(5)
+        out.seek(0)
+        lines = [ln for ln in out.read().splitlines() if ln.startswith("RESULT ")]
+    base = {"scenario": job["scenario"], "mode": job["mode"], "requests": job["requests"],
+            "process_s": time.perf_counter() - t0}
+    if timed_out:
+        return {**base, "error": f"timed out after {timeout:g} s; last output: {''.join(tail)[-600:]}"}
+    if p.returncode or not lines:
+        return {**base, "error": f"worker exit {p.returncode}: {''.join(tail)[-1500:]}"}
+    return {**json.loads(lines[-1][len("RESULT "):]), "process_s": base["process_s"]}
+
+
+def ratios(records: list[dict]) -> dict:
+    """Per scenario: compressed / uncompressed and compressed / flashinfer of the throughput keys."""
+    keys = ("total_tok_s", "output_tok_s", "decode_tok_s", "decode_tok_s_at_peak_batch", "peak_batch")
+    by = {(r["scenario"], r["mode"]): r for r in records if "error" not in r and "skipped" not in r}
+    out = {}
+    for scen in dict.fromkeys(r["scenario"] for r in records):
+        c = by.get((scen, "compressed"))
+        for base in ("uncompressed", "flashinfer"):
+            b = by.get((scen, base))
+            if c and b:
+                out.setdefault(scen, {})[f"compressed/{base}"] = {k: c[k] / b[k] if b.get(k) else float("nan")
+                                                                 for k in keys}
+    return out
+
+
+def identical_outputs(records: list[dict]) -> dict:
+    hashes = {}
+    for r in records:
+        if "outputs_sha256" in r:
+            hashes.setdefault(r["scenario"], set()).add(r["outputs_sha256"])
+    return {s: len(h) == 1 for s, h in hashes.items()}
+
+
+def _f(v, fmt="{:,.0f}"):
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return fmt.format(v)
+
+
+COLUMNS = [("scenario", "{}"), ("mode", "{}"), ("requests", "{}"), ("wall_s", "{:.1f}"), ("total_tok_s", "{:,.0f}"),
+           ("output_tok_s", "{:,.0f}"), ("decode_tok_s", "{:,.0f}"), ("decode_tok_s_at_peak_batch", "{:,.0f}"),
+           ("peak_batch", "{}"), ("mean_batch", "{:.1f}"), ("preemptions", "{}"), ("prefill_tokens_computed", "{:,}"),
+           ("prompt_tokens", "{:,}"), ("prefill_steps_s", "{:.1f}"), ("seal_s", "{:.2f}"),
+           ("compaction_bytes", "{:.3g}"), ("compressible_fraction", "{:.1%}"), ("stored_ratio", "{:.3f}")]
+
+
+def table(records: list[dict], cols=COLUMNS) -> str:
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for r in records:
+        if "error" in r or "skipped" in r:
+            why = r.get("skipped") or "error: " + r["error"].splitlines()[0][:120]
+            lines.append(f"| {r['scenario']} | {r['mode']} | {why} |" + " |" * (len(cols) - 3))
+            continue
+        lines.append("| " + " | ".join(_f(r.get(c), fmt) for c, fmt in cols) + " |")
+    return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    m, recs = result["meta"], result["records"]
+    md = [f"## Workloads ({m['model']}, {m['device']}; {m['date']})", "",
+          f"Command: `{m['command']}`"
+          + (f" (scale {m['scale']:g}: request counts and KV GiB)" if m["scale"] != 1 else ""),
+          f"torch {m['torch']}, triton {m['triton']}, flashinfer {m['flashinfer']}; max_num_seqs {m['max_num_seqs']}, "
+          f"max_num_batched_tokens {m['batched_tokens']}. total tok/s = (prompt + output tokens) / wall; "
+          "output tok/s = output tokens / wall; decode = pure decode steps (at peak: those with >= 0.9 x the "
+          "peak batch, median).", "", table(recs), "", "| scenario | ratio | total tok/s | output tok/s | "
+          "decode tok/s | at peak | peak batch | goal (total) |", "|---|---|---|---|---|---|---|---|"]
+    for scen, rs in result["ratios"].items():
+        for name, r in rs.items():
+            goal = GOALS.get(scen)
+            md.append(f"| {scen} | {name} | " + " | ".join(_f(r[k], "{:.3f}x") for k in
+                      ("total_tok_s", "output_tok_s", "decode_tok_s", "decode_tok_s_at_peak_batch", "peak_batch"))
+                      + f" | {'>= %.2fx' % goal if goal else ''} |")
+    md += ["", "Identical outputs across modes (SHA-256 of all output ids): "
+           + ", ".join(f"{s}: {v}" for s, v in result["identical_outputs"].items())]
+    pre = [r for r in recs if r.get("prefill")]
+    for r in pre:
+        md.append(f"Prefill alone, {r['mode']}: " + "; ".join(f"{p['tokens']} tokens TTFT {p['ttft_s']:.3f} s, "
+                                                           f"MFU {p['mfu']:.2f}" for p in r["prefill"]))
+    return "\n".join(md) + "\n"
+
+
+def plot(result: dict, path: str) -> bool:
+    from common import pyplot
+    plt = pyplot()
+    if plt is None or not result["ratios"]:
+        return False
+    scen = list(result["ratios"])
+    keys = [("total_tok_s", "total tok/s (whole run)"),
+            ("decode_tok_s_at_peak_batch", "decode tok/s at the peak batch"), ("peak_batch", "peak batch")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6))
+    for ax, (k, title) in zip(axes, keys):
+        for j, base in enumerate(("uncompressed", "flashinfer")):
+            vals = [result["ratios"][s].get(f"compressed/{base}", {}).get(k, float("nan")) for s in scen]
+            xs = [i + 0.38 * j for i in range(len(scen))]
+            ax.bar(xs, [v if v == v else 0 for v in vals], width=0.38, label=f"compressed / {base}")
+            for x, v in zip(xs, vals):
+                if v == v:
+                    ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+        if k == "total_tok_s":
+            for i, s in enumerate(scen):
+                if s in GOALS:
+                    ax.plot([i - 0.2, i + 0.58], [GOALS[s]] * 2, "k:", lw=1)
+        ax.axhline(1.0, color="gray", lw=1, ls="--")
+        ax.set_xticks([i + 0.19 for i in range(len(scen))], scen, fontsize=7, rotation=15)
+        ax.set_title(title, fontsize=9)
+    axes[-1].legend(fontsize=7, loc="lower right")
+    m = result["meta"]
+    fig.suptitle(f"{m['model']} on {m['device']}, scale {m['scale']:g} (dotted: goal)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def write_outputs(result: dict, out: str, steps: dict | None = None) -> str:
+    """workloads.json, workloads.md, workloads.png, and steps.json: the records' step logs (taken
+    out of the records, plus ``steps`` of earlier runs)."""
+    from common import write_json
+    steps = dict(steps or {})
+    for r in result["records"]:
+        if "step_log" in r:
+            steps[f"{r['scenario']}/{r['mode']}"] = {"fields": r.pop("step_fields"), "rows": r.pop("step_log")}
+    result["ratios"], result["identical_outputs"] = ratios(result["records"]), identical_outputs(result["records"])
+    write_json(result, os.path.join(out, "workloads.json"))
+    if steps:
+        write_json(steps, os.path.join(out, "steps.json"))
+    md = report(result)
+    with open(os.path.join(out, "workloads.md"), "w") as f:
+        f.write(md)
+    try:
+        plot(result, os.path.join(out, "workloads.png"))
+    except Exception as exc:                        # a figure must not lose the numbers
+        log(f"no figure: {exc}")
+    return md
+
+
+def versions() -> dict:
+    import torch
+    from importlib.metadata import PackageNotFoundError, version
+    v = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for pkg, dists in (("triton", ("triton",)), ("flashinfer", ("flashinfer-python", "flashinfer"))):
+        v[pkg] = None
+        for dist in dists:
+            try:
+                v[pkg] = version(dist)
+                break
+            except PackageNotFoundError:
+                pass
+    try:
+        v["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                                         text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        v["git_commit"] = None
+    return v
+
+
+def short_table(records: list[dict]) -> str:
+    cols = [("scenario", "{}"), ("mode", "{}"), ("total_tok_s", "{:,.0f}"), ("output_tok_s", "{:,.0f}"),
+            ("decode_tok_s_at_peak_batch", "{:,.0f}"), ("peak_batch", "{}"), ("preemptions", "{}"),
+            ("recompute_ratio", "{:.2f}"), ("wall_s", "{:.1f}")]
+    rows = [[c for c, _ in cols]] + [
+        [r["scenario"], r["mode"], r.get("skipped") and "skipped" or "error"] if ("error" in r or "skipped" in r)
+        else [_f(r.get(c), f) for c, f in cols] for r in records]
+    w = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(cols))]
+    return "\n".join("  ".join(x.rjust(w[i]) if i > 1 else x.ljust(w[i]) for i, x in enumerate(row)) for row in rows)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/workloads")
+    ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"of {list(SCENARIOS)}")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and KV GiB")
+    ap.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes (each scenario shrunk)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per (scenario, mode) process")
+    ap.add_argument("--model", default="llama-3.1-8b-random")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes at a time (timings need 1; --smoke: 2)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier workloads.json files (the later "
+                    "file wins for a (scenario, mode) pair that ran ok) into --out; runs nothing")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:                      # wherever the command line left the default
+        for k, v in dict(model="demo", device="cpu", batched_tokens=256, jobs=2).items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+    if args.device == "auto":
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def merge(paths: list[str], out: str) -> str:
+    """Several runs (e.g. one device call per scenario) as one result; each run's steps.json, where
+    it lies beside its workloads.json, comes along."""
+    recs, parts, steps = {}, [], {}
+    for p in paths:
+        res = json.load(open(p))
+        parts.append(res["meta"])
+        for r in res["records"]:
+            key = (r["scenario"], r["mode"])
+            if key not in recs or not ("error" in r or "skipped" in r):
+                recs[key] = r
+        sp = os.path.join(os.path.dirname(p), "steps.json")
+        if os.path.exists(sp):
+            steps.update(json.load(open(sp)))
+    keep = {f"{s}/{m}" for s, m in recs}
+    meta = {**parts[-1], "command": "; ".join(m["command"] for m in parts), "parts": parts,
+            "scale": max(m["scale"] for m in parts)}
+    os.makedirs(out, exist_ok=True)
+    return write_outputs({"meta": meta, "records": list(recs.values())}, out,
+                         {k: v for k, v in steps.items() if k in keep})
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None):
+    if argv is None and "--worker" in sys.argv:        # the worker needs no driver argument parsing
+        job = json.loads(sys.argv[sys.argv.index("--worker") + 1])
+        print("RESULT " + json.dumps(worker(job), default=float), flush=True)
+        return
+    args = parse(argv)
+    signal.signal(signal.SIGTERM, _terminate)           # e.g. timeout(1): the running worker is killed too
+    if args.merge:
+        print(merge(args.merge, args.out))
+        return
+    names, modes = [s for s in args.scenarios.split(",") if s], [m for m in args.modes.split(",") if m]
+    bad = sorted(set(names) - set(SCENARIOS)) + sorted(set(modes) - set(MODES))
+    if bad:
+        raise SystemExit(f"unknown scenario or mode {bad}; scenarios {list(SCENARIOS)}, modes {list(MODES)}")
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python3 benchmarks/workloads.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "model": args.model, "device": args.device, "scale": args.scale, "smoke": args.smoke,
+            "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens, "seed": args.seed,
+            "lognormal_sigma": SIGMA, "timeout_s": args.timeout, **versions()}
+    t0 = time.perf_counter()
+    jobs = [(s, m) for s in names for m in modes]
+    records: list[dict | None] = [None] * len(jobs)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        name, mode = jobs[i]
+        why = skip_reason(mode, (SMOKE if args.smoke else SCENARIOS)[name], args.device)
+        if why:
+            log(f"[{i + 1}/{len(jobs)}] {name} / {mode}: skipped ({why})")
+            rec = records[i] = {"scenario": name, "mode": mode, "skipped": why}
+        else:
+            log(f"[{i + 1}/{len(jobs)}] {name} / {mode} (elapsed {time.perf_counter() - t0:.0f} s) ...")
+            rec = records[i] = run_job(make_job(args, name, mode), args.timeout,
+                                       threads=1 if args.jobs > 1 and args.device == "cpu" else 0)
+        if "error" in rec:
+            log(f"  {name} / {mode} FAILED after {rec['process_s']:.0f} s: {rec['error'][-400:]}")
+        elif "skipped" not in rec:
+            meta["device"] = rec["device"]
+            log(f"  {name} / {mode} done in {rec['process_s']:.0f} s: wall {rec['wall_s']:.1f} s, total "
+                f"{rec['total_tok_s']:,.0f} tok/s, peak batch {rec['peak_batch']}, {rec['preemptions']} preemptions")
+        with lock:                  # partial results kept after each process
+            meta["seconds"] = time.perf_counter() - t0
+            write_outputs({"meta": meta, "records": [dict(r) for r in records if r is not None]}, args.out)
+
+    if args.jobs > 1:               # --smoke: processes side by side (the numbers mean nothing there)
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(one, range(len(jobs))))
+    else:
+        for i in range(len(jobs)):
+            one(i)
+    print(short_table(records))
+    print("ratios: " + json.dumps({s: {k: round(v["total_tok_s"], 3) for k, v in rs.items()}
+                                   for s, rs in ratios(records).items()}))
+
+
+if __name__ == "__main__":
+    main()

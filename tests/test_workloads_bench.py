@@ -1,0 +1,68 @@
+"""benchmarks/workloads.py on the CPU (--smoke: demo model, tiny sizes): each (scenario, mode) in its
+own process through the public engine; the records, the cross-mode output check, the report files;
+and --merge of two runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "workloads.py")
+KEYS = ("scenario", "mode", "requests", "total_tok_s", "output_tok_s", "decode_tok_s", "decode_tok_s_at_peak_batch",
+        "peak_batch", "mean_batch", "preemptions", "prefill_tokens_computed", "prompt_tokens", "prefill_steps_s",
+        "seal_s", "compaction_bytes", "compressible_fraction", "stored_ratio", "outputs_sha256", "wall_s")
+
+
+def run(*args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    p = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def test_smoke_both_modes_identical_deterministic_outputs(tmp_path):
+    p = run("--smoke", "--scenarios", "deterministic,burst", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "workloads.json").read_text())
+    recs = {(r["scenario"], r["mode"]): r for r in result["records"]}
+    assert set(recs) == {(s, m) for s in ("deterministic", "burst")
+                         for m in ("compressed", "uncompressed", "flashinfer")}
+    for s in ("deterministic", "burst"):
+        assert "CUDA" in recs[(s, "flashinfer")]["skipped"]                   # the CPU: skipped, with the reason
+        for m in ("compressed", "uncompressed"):
+            r = recs[(s, m)]
+            assert "error" not in r, r.get("error")
+            assert all(k in r for k in KEYS), sorted(set(KEYS) - set(r))
+            assert r["requests"] == r["job"]["requests"] >= 2 and r["peak_batch"] >= 1
+            assert r["total_tok_s"] > r["output_tok_s"] > 0
+            assert r["prefill_tokens_computed"] >= r["prompt_tokens"] > 0
+    # deterministic mode: the same ids in both modes (one SHA-256 of every output id, in request order)
+    det = [recs[("deterministic", m)]["outputs_sha256"] for m in ("compressed", "uncompressed")]
+    assert det[0] == det[1]
+    assert result["identical_outputs"]["deterministic"] is True
+    assert recs[("burst", "compressed")]["stored_ratio"] < 1.0 == recs[("burst", "uncompressed")]["stored_ratio"]
+    assert set(result["ratios"]) == {"deterministic", "burst"}
+    assert result["meta"]["scale"] == 1.0 and result["meta"]["smoke"] and result["meta"]["torch"]
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert len(steps["burst/compressed"]["rows"]) == recs[("burst", "compressed")]["steps"]
+    assert "| deterministic | compressed |" in (tmp_path / "workloads.md").read_text()
+    assert (tmp_path / "workloads.png").stat().st_size > 0
+    assert "burst" in p.stdout.splitlines()[-3]                              # the short table comes last
+
+
+def test_merge_keeps_each_pair(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, scen in ((a, "burst"), (b, "mix")):
+        d.mkdir()
+        recs = [{"scenario": scen, "mode": m, "requests": 2, "total_tok_s": 10.0 + i, "output_tok_s": 1.0,
+                 "decode_tok_s": 5.0, "decode_tok_s_at_peak_batch": 5.0, "peak_batch": 2, "outputs_sha256": "x"}
+                for i, m in enumerate(("compressed", "uncompressed"))]
+        meta = {"command": f"run {scen}", "scale": 0.5, "model": "demo", "device": "cpu", "date": "d", "torch": "t",
+                "triton": None, "flashinfer": None, "max_num_seqs": 256, "batched_tokens": 256}
+        (d / "workloads.json").write_text(json.dumps({"meta": meta, "records": recs}))
+    run("--merge", str(a / "workloads.json"), str(b / "workloads.json"), "--out", str(tmp_path / "m"), timeout=60)
+    merged = json.loads((tmp_path / "m" / "workloads.json").read_text())
+    assert {(r["scenario"], r["mode"]) for r in merged["records"]} == {
+        (s, m) for s in ("burst", "mix") for m in ("compressed", "uncompressed")}
+    assert abs(merged["ratios"]["mix"]["compressed/uncompressed"]["total_tok_s"] - 10 / 11) < 1e-9
+    assert merged["meta"]["command"] == "run burst; run mix" and len(merged["meta"]["parts"]) == 2
