@@ -59,12 +59,12 @@ class SimCache(ArenaKVCache):
         super().__init__(L, H, D, budget_bytes, "meta", compress=compress, attention_backend="torch")
         self.rng, self.fraction = np.random.default_rng(seed), fraction
 
-    def seal(self, ids):
+    def seal(self, ids, min_capacity: int = 0):
         if not ids or not self.compress:
             return []
         nc = self.rng.binomial(LAYOUT.num_blocks, self.fraction, size=(L, len(ids)))
         sizes = LAYOUT.page_bytes(0) - nc * 256
-        return self.manager.compress_pages(list(ids), sizes=sizes)
+        return self.manager.compress_pages(list(ids), sizes=sizes, min_capacity=min_capacity)
 
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
