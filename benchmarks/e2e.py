@@ -127,7 +127,7 @@ def synthetic(model, method: str, args, fraction: float, batches, max_batch=None
     compress = ENGINE_KW[method]["kv_compression"]
     cache_kw, prepare, budget = None, None, kv_gb or args.kv_gb
     if method == "uncompressed-flashinfer":
-        cache_kw = dict(attention_backend="flashinfer", num_qo_heads=cfg.num_attention_heads)
+        cache_kw = dict(attention="flashinfer")
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     if method == "unfused":
         budget, prepare = unfused_kv_gb(budget, L, fraction), install_unfused

@@ -35,9 +35,10 @@ def unfused_kv_gb(kv_gb: float, num_layers: int, compressible_fraction: float) -
     return kv_gb / (1 + 1 / (num_layers * r))
 
 
-def install_unfused(cache) -> None:
-    """Make ``cache.decode_attention`` decompress then run the twin: one plan per layer over the
-    pages now in the cache, all sharing one workspace (the batch's pages of one layer)."""
+def install_unfused(backend) -> None:
+    """Make the attention backend's ``decode`` decompress then run the twin: one plan per layer
+    over the pages now in the cache, all sharing one workspace (the batch's pages of one layer)."""
+    cache = backend.cache
     from zipfusion.kernels import decode_attention_unfused, plan_unfused
     plans, scratch = [], None
     for layer in range(cache.num_layers):          # each plan's own workspace is dropped at once
@@ -48,11 +49,11 @@ def install_unfused(cache) -> None:
             raise ValueError("layers hold different page counts; the unfused workspace is one layer's")
         plans.append(dataclasses.replace(p, scratch=scratch[:p.scratch.shape[0]]))
 
-    def attend(layer, q, block_table, context_lens, sm_scale):
+    def attend(layer, q, block_table, context_lens):
         return decode_attention_unfused(q, cache.arena, cache.page_loc[layer], block_table, context_lens,
-                                        cache.layout, sm_scale, plan=plans[layer], validate=False)
+                                        cache.layout, backend.sm_scale, plan=plans[layer], validate=False)
 
-    cache.decode_attention = attend
+    backend.decode = attend
     cache.unfused_workspace_bytes = scratch.numel() * scratch.element_size()
 
 

@@ -37,6 +37,7 @@ from common import copy_bandwidth, pyplot, replay_seconds  # noqa: E402  (benchm
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
+from zipfusion.engine.attention import AttentionBackend  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.engine.request import PAGE_TOKENS, Request  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402
@@ -144,13 +145,15 @@ def weight_bytes(model, batch):
 
 def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, pool, deterministic=False,
                  cache_kw=None, prepare=None):
-    """``cache_kw``: more ArenaKVCache options (attention_backend, num_qo_heads); ``prepare(cache)``:
+    """``cache_kw``: {"attention": backend kind} ("auto" by default); ``prepare(backend)``:
     called once the requests are filled, before the CUDA graphs are captured (benchmarks/e2e.py
     swaps the attention there)."""
     cfg = model.config
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress, deterministic=deterministic,
-                         **(cache_kw or {}))
+    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress)
+    backend = AttentionBackend(cache, (cache_kw or {}).get("attention", "auto"), compressed=compress,
+                               deterministic=deterministic, num_qo_heads=cfg.num_attention_heads,
+                               sm_scale=cfg.head_dim ** -0.5)
     model.set_deterministic(deterministic)
     t0 = time.perf_counter()
     reqs = fill_requests(cache, ctx, pool, max_batch, compress)
@@ -161,12 +164,12 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
     open_page = cache.layout.open_page_bytes
     kv_full_per_req = stored / n_max if compress else (ctx // PAGE_TOKENS) * L * open_page
     sizes = sorted({b for b in batches if b <= n_max} | {n_max})
-    runner = ModelRunner(model, cache, max_model_len=ctx + PAGE_TOKENS, max_num_seqs=max(sizes),
+    runner = ModelRunner(model, backend, max_model_len=ctx + PAGE_TOKENS, max_num_seqs=max(sizes),
                          use_cuda_graphs=dev.type == "cuda")
     if prepare is not None:
         if runner.use_cuda_graphs:
             runner.reserve_scratch_page()         # the padding rows' page exists before prepare sees the pages
-        prepare(cache)
+        prepare(backend)
     t0 = time.perf_counter()
     runner.capture_cuda_graphs(sizes=sizes)
     capture_s = time.perf_counter() - t0

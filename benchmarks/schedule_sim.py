@@ -56,7 +56,7 @@ class SimCache(ArenaKVCache):
     """An ArenaKVCache on the meta device whose sealed pages get drawn sizes."""
 
     def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int):
-        super().__init__(L, H, D, budget_bytes, "meta", compress=compress, attention_backend="torch")
+        super().__init__(L, H, D, budget_bytes, "meta", compress=compress)
         self.rng, self.fraction = np.random.default_rng(seed), fraction
 
     def seal(self, ids, min_capacity: int = 0):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zipfusion.config import EngineConfig
+from zipfusion.engine.attention import AttentionBackend
 from zipfusion.engine.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
 from zipfusion.kernels import flashinfer_decode as fid
@@ -31,11 +32,10 @@ def test_config_accepts_flashinfer_and_rejects_unknown_backend():
         EngineConfig(attention_backend="flash")
 
 
-def test_cache_rejects_flashinfer_on_compressed_or_cpu():
-    with pytest.raises(ValueError, match="kv_compression=False"):
-        ArenaKVCache(1, 2, 64, 1 << 20, "cpu", compress=True, attention_backend="flashinfer", num_qo_heads=4)
+def test_backend_rejects_flashinfer_on_cpu():
+    cache = ArenaKVCache(1, 2, 64, 1 << 20, "cpu", compress=False)
     with pytest.raises(ValueError, match="CUDA only"):
-        ArenaKVCache(1, 2, 64, 1 << 20, "cpu", compress=False, attention_backend="flashinfer", num_qo_heads=4)
+        AttentionBackend(cache, "flashinfer", compressed=False, num_qo_heads=4, sm_scale=0.125)
 
 
 def test_engine_rejects_flashinfer_off_cuda():
@@ -97,8 +97,7 @@ def test_arena_view_indices_address_the_open_pages():
 
 # ------------------------------------------------------------------------------ GPU
 def _filled_cache(H=8, D=128, lens=(8192, 100, 17, 1), seed=0):
-    cache = ArenaKVCache(2, H, D, 512 << 20, "cuda", compress=False, attention_backend="flashinfer",
-                         num_qo_heads=4 * H)
+    cache = ArenaKVCache(2, H, D, 512 << 20, "cuda", compress=False)
     W = -(-max(lens) // PAGE_TOKENS)
     table = torch.zeros(len(lens), W, dtype=torch.int32)
     for b, n in enumerate(lens):
@@ -117,25 +116,26 @@ def test_flashinfer_matches_twin_on_the_arena(graph):
     from zipfusion.kernels import decode_attention_twin
     cache, table, lens = _filled_cache()
     B, Hq, D, scale = table.shape[0], 32, 128, 128 ** -0.5
+    attn = AttentionBackend(cache, "flashinfer", compressed=False, num_qo_heads=Hq, sm_scale=scale)
     q = torch.randn(B, Hq, D, device="cuda").to(torch.bfloat16)
-    cache.prepare_decode(lens, table, scale, graph=graph)
+    attn.prepare_decode(lens, table, graph=graph)
     dt, dl = table.cuda(), lens.cuda()
     if graph:
         out = torch.empty(2, B, Hq, D, dtype=torch.bfloat16, device="cuda")
         for _ in range(2):                                      # warm-up (JIT, plan caches)
-            cache.decode_attention(0, q, dt, dl, scale)
+            attn.decode(0, q, dt, dl)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for layer in range(2):
-                out[layer].copy_(cache.decode_attention(layer, q, dt, dl, scale))
+                out[layer].copy_(attn.decode(layer, q, dt, dl))
         lens[1] = 300                                           # a new step: longer context, re-plan
         dl.copy_(lens)
-        cache.prepare_decode(lens, table, scale, graph=True)
+        attn.prepare_decode(lens, table, graph=True)
         g.replay()
         torch.cuda.synchronize()
         got = list(out)
     else:
-        got = [cache.decode_attention(layer, q, dt, dl, scale) for layer in range(2)]
+        got = [attn.decode(layer, q, dt, dl) for layer in range(2)]
     for layer in range(2):
         want = decode_attention_twin(q, cache.arena, cache.page_loc[layer], dt, dl, cache.layout, scale)
         torch.testing.assert_close(got[layer].float(), want.float(), atol=2e-2, rtol=2e-2)

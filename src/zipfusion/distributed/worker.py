@@ -60,6 +60,7 @@ def worker_main(cfg, rank: int, world: int, device_type: str, port: int, threads
 def serve(cfg, comm: Comm) -> None:
     """Build this rank's model and cache, then follow rank 0 until it says exit."""
     from ..engine.llm_engine import LLMEngine, parse_dtype
+    from ..engine.attention import AttentionBackend
     from ..engine.runner import ModelRunner
     from ..models import build_model, model_config, resolve_model
     from ..models.parallel import TensorParallel, use
@@ -88,7 +89,8 @@ def serve(cfg, comm: Comm) -> None:
         if kind == "exit":
             break
         if kind == "runner":
-            runner = ModelRunner(model, cache, msg["max_model_len"], msg["max_num_seqs"],
+            runner = ModelRunner(model, AttentionBackend.from_config(cfg, cache, mc, comm.world),
+                                 msg["max_model_len"], msg["max_num_seqs"],
                                  use_cuda_graphs=msg["use_cuda_graphs"])
         elif kind == "capture":
             runner.capture_cuda_graphs(*msg["args"], **msg["kwargs"])

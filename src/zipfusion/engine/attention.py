@@ -1,24 +1,41 @@
-"""The KV side of one forward step: what the model's layers store and attend to.
+"""The engine's attention: one backend object, made once from the EngineConfig, planned once per
+step and run per layer (FlashInfer's plan/run shape). It is the only reader of
+``attention_backend``, ``kv_compression`` (which kernel twin reads the pages) and
+``deterministic`` for attention; the KV cache (kv_cache.py) only holds memory.
 
 A step's tokens are flattened as ``[decode rows | prefill chunk 1 | prefill chunk 2 ...]``:
 each decode row is one request's newest token, each chunk a run of one request's prompt (or
-recomputed) tokens. :class:`StepKV` is the model's :class:`~zipfusion.models.llama.KVCacheStep`
-for that batch:
+recomputed) tokens. :meth:`AttentionBackend.plan` turns that into a :class:`StepKV`, the model's
+:class:`~zipfusion.models.llama.KVCacheStep`:
 
-* ``store``: rope and K/V of every token written into its page slot (one call per layer);
-* ``attend``: decode rows run the paged decode kernel over their pages (compressed or open);
-  each prefill chunk attends causally over its request's earlier tokens (read back from the
-  pages, decoded if compressed) followed by its own, through :func:`prefill_attention`.
+* ``store``: rope and K/V of every token written into its page slot (one call per layer), so a
+  chunk's own K/V are in its pages before it attends;
+* ``attend``: decode rows run the paged decode kernel over their pages (compressed or open;
+  FlashInfer's, or torch's, as configured); a prefill chunk attends causally to its request's
+  pages:
 
-Deterministic mode (``cache.deterministic``): a prefill token attends exactly as it would as a
-decode row -- the decode kernel over the request's pages with its own context length (its K/V
-were stored first) -- so a token's attention sums in the same order whether it was computed
-in a prompt chunk of any size, a recompute after preemption, or a decode step.
+  - a whole prompt (``start == 0``) on its fresh K/V with torch SDPA (cuDNN/FlashAttention on the
+    GPU): nothing to read back;
+  - a continuation (``start > 0``, a later chunk of a long prompt) through the pages where they
+    lie: short chunks (at most ``PAGED_PREFILL_MAX_TOKENS`` queries, all chunks on the CPU) with
+    the paged prefill kernel (kernels/prefill_attention.py: one launch for all such chunks,
+    restoring compressed blocks in registers); long ones by restoring the request's pages into
+    one contiguous K/V (``gather_kv``, the same restore routine, one launch, linear in the
+    prefix) and SDPA, which on the H200 runs long causal attention ~4x faster than our paged
+    kernel does today (docs/benchmarks.md). Which path a chunk takes depends only on its
+    length, so compressed and uncompressed runs of one schedule take the same paths and give
+    the same bits.
+
+Deterministic mode: a prefill token attends exactly as it would as a decode row (the decode
+kernel over its request's pages with its own context length, a fixed split of
+``DETERMINISTIC_SPLIT_PAGES``), so its sums run in the same order whether it was computed in a
+prompt chunk of any size, a recompute after preemption, or a decode step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +44,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..format import PAGE_TOKENS
-from .kv_cache import KVCache
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
 CUDA_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]
+# deterministic mode: the attention kernels split every request's KV into runs of this many
+# pages, whatever the batch (a split count chosen from the batch would order the sums differently)
+DETERMINISTIC_SPLIT_PAGES = 64
+# continuation chunks of at most this many tokens attend through the paged prefill kernel on
+# the GPU; longer ones restore their pages once and use SDPA (see the module docstring)
+PAGED_PREFILL_MAX_TOKENS = 512
 
 
 @dataclass
@@ -44,47 +66,213 @@ class ChunkView:
     pages: list[int]
 
 
+class AttentionBackend:
+    """Decode and prefill attention over a KV cache, as the engine's config says.
+
+    ``kind``: "kernel" (our kernels: CUDA C++ / Triton decode, the paged prefill kernel; on CPU
+    tensors through the Triton interpreter, slowly), "torch" (fp32/fp64 torch over read pages),
+    "flashinfer" (FlashInfer's paged decode over open pages) or "auto" (kernel on CUDA, torch
+    on the CPU). ``compressed``: the cache compresses full pages (the fused kernels read them;
+    otherwise the uncompressed twins, bit-identical on open pages).
+    """
+
+    def __init__(self, cache, kind: str = "auto", *, compressed: bool, deterministic: bool = False,
+                 num_qo_heads: int | None = None, sm_scale: float):
+        cuda = cache.device.type == "cuda"
+        if kind == "flashinfer" and not cuda:
+            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the KV cache is on {cache.device}")
+        arena = getattr(cache, "arena", None)
+        if kind in ("kernel", "flashinfer") and arena is None:
+            raise ValueError(f"attention_backend={kind!r} reads bfloat16 pages; dtype {cache.dtype} runs with "
+                             "attention_backend='torch' (or 'auto')")
+        self.kind = ("kernel" if cuda and arena is not None else "torch") if kind == "auto" else kind
+        self.cache, self.compressed, self.deterministic = cache, compressed, deterministic
+        self.sm_scale, self.num_qo_heads = sm_scale, num_qo_heads
+        self._flashinfer = None
+        if self.kind == "flashinfer":
+            from ..kernels.flashinfer_decode import FlashInferDecode
+            self._flashinfer = FlashInferDecode(arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes)
+
+    @classmethod
+    def from_config(cls, config, cache, model_config, tp_size: int = 1) -> "AttentionBackend":
+        """The engine's backend (``tp_size``: this rank holds 1/tp_size of the heads)."""
+        return cls(cache, config.attention_backend, compressed=bool(getattr(cache, "compress", False)),
+                   deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
+                   sm_scale=1.0 / math.sqrt(model_config.head_dim))
+
+    # -- per step ---------------------------------------------------------------------------
+    def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> None:
+        """Host-side set-up of a step's decode rows before the forward (or the CUDA-graph
+        replay; ``graph``: the batch is a graph bucket): host ``context_lens`` [B] and
+        ``block_table`` [B, W]. Only FlashInfer needs it (its plan)."""
+        if self._flashinfer is not None:
+            self._flashinfer.prepare(context_lens, block_table, self.sm_scale, graph)
+
+    def plan(self, page_ids: torch.Tensor, slots: torch.Tensor, num_decode: int = 0,
+             block_table: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
+             chunks: list[ChunkView] = ()) -> "StepKV":
+        """The step's :class:`StepKV`: where each token's K/V go (``page_ids``, ``slots`` [T],
+        on the device) and what each row attends to."""
+        return StepKV(self, page_ids, slots, num_decode, block_table, context_lens, list(chunks))
+
+    # -- per layer --------------------------------------------------------------------------
+    def decode(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor):
+        """q [B, Hq, D] -> [B, Hq, D]: each row over its request's pages."""
+        cache = self.cache
+        if self._flashinfer is not None:
+            return self._flashinfer.run(q, cache.page_loc[layer])
+        if self.kind == "kernel":
+            from ..kernels import decode_attention, decode_attention_twin
+            kernel = decode_attention if self.compressed else decode_attention_twin
+            kw = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if self.deterministic else {}
+            # the engine builds valid tables; validate=False keeps the call free of host syncs
+            return kernel(q, cache.arena, cache.page_loc[layer], block_table, context_lens,
+                          cache.layout, self.sm_scale, validate=False, **kw)
+        return torch_decode_attention(q, lambda ids: cache.read_pages(layer, ids), block_table,
+                                      context_lens, self.sm_scale, exact=self.deterministic)
+
+    def paged_prefill(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
+        """The paged prefill kernel over the chunks of ``plan`` (a :class:`PagedChunks`)."""
+        from ..kernels.prefill_attention import paged_prefill_attention
+        c = self.cache
+        return paged_prefill_attention(q, c.arena, c.page_loc[layer], plan.block_table, plan.q_indptr,
+                                       plan.q_start, c.layout, self.sm_scale, compressed=self.compressed,
+                                       plan=plan.work, validate=False)
+
+    def read_context(self, layer: int, pages: torch.Tensor, num_tokens: int):
+        """K, V [num_tokens, H, D] of a request's first tokens, restored from its pages."""
+        if self.kind == "kernel":
+            from ..kernels.prefill_attention import gather_kv
+            c = self.cache
+            return gather_kv(c.arena, c.page_loc[layer], pages, num_tokens, c.layout, compressed=self.compressed)
+        return self.cache.read_tokens(layer, pages.tolist(), num_tokens)
+
+    def uses_paged_prefill(self, ch: ChunkView) -> bool:
+        return (self.kind == "kernel" and ch.start > 0 and not self.deterministic
+                and (self.cache.device.type == "cpu" or ch.length <= PAGED_PREFILL_MAX_TOKENS))
+
+
+@dataclass
+class PagedChunks:
+    """The step's continuation chunks that go through the paged prefill kernel: their rows'
+    positions in the step, and the kernel's inputs and plan (made once, used by every layer)."""
+    rows: torch.Tensor          # int64 [n]: rows of the step's q
+    block_table: torch.Tensor
+    q_indptr: torch.Tensor
+    q_start: torch.Tensor
+    work: object                # kernels.prefill_attention.PrefillPlan
+
+
 class StepKV:
-    def __init__(self, cache: KVCache, sm_scale: float, page_ids: torch.Tensor, slots: torch.Tensor,
-                 num_decode: int = 0, block_table: torch.Tensor | None = None,
-                 context_lens: torch.Tensor | None = None, chunks: list[ChunkView] = ()):
-        self.cache, self.sm_scale = cache, sm_scale
+    """One step's KV side (the model's ``KVCacheStep``), made by :meth:`AttentionBackend.plan`."""
+
+    def __init__(self, backend: AttentionBackend, page_ids, slots, num_decode, block_table, context_lens,
+                 chunks: list[ChunkView]):
+        self.backend, self.cache = backend, backend.cache
         self.page_ids, self.slots = page_ids, slots
         self.num_decode, self.block_table, self.context_lens = num_decode, block_table, context_lens
-        self.chunks = list(chunks)
+        self.chunks = chunks
+        device = page_ids.device
         # deterministic mode: every prefill token as a decode row (its request's pages, its length)
-        self._as_decode = [self._decode_rows(ch, page_ids.device) for ch in self.chunks] \
-            if cache.deterministic else None
-
-    @staticmethod
-    def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
-        pages = ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)]
-        table = torch.tensor(pages, dtype=torch.int32, device=device).expand(ch.length, len(pages))
-        lens = torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device)
-        return table, lens
+        self._as_decode = [_decode_rows(ch, device) for ch in chunks] if backend.deterministic else None
+        self._paged = _paged_chunks(backend, chunks, num_decode, device)
+        self._pages = {i: torch.tensor(ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)], dtype=torch.int32,
+                                       device=device)
+                       for i, ch in enumerate(chunks) if ch.start and not backend.uses_paged_prefill(ch)} \
+            if self._as_decode is None else {}
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
 
     def attend(self, layer, q, k, v):
-        n = self.num_decode
-        outs = []
+        n, b = self.num_decode, self.backend
+        if not self.chunks:
+            return b.decode(layer, q, self.block_table, self.context_lens)
+        out = torch.empty_like(q)
         if n:
-            outs.append(self.cache.decode_attention(layer, q[:n], self.block_table, self.context_lens,
-                                                    self.sm_scale))
+            out[:n] = b.decode(layer, q[:n], self.block_table, self.context_lens)
+        if self._paged is not None:
+            out[self._paged.rows] = b.paged_prefill(layer, q[self._paged.rows], self._paged)
         off = n
         for i, ch in enumerate(self.chunks):
-            qi, ki, vi = q[off:off + ch.length], k[off:off + ch.length], v[off:off + ch.length]
-            if self._as_decode is not None:
-                outs.append(self.cache.decode_attention(layer, qi, *self._as_decode[i], self.sm_scale))
-                off += ch.length
-                continue
-            if ch.start:
-                kp, vp = self.cache.read_tokens(layer, ch.pages, ch.start)
-                ki, vi = torch.cat([kp.to(ki.dtype), ki]), torch.cat([vp.to(vi.dtype), vi])
-            outs.append(prefill_attention(qi, ki, vi, ch.start, self.sm_scale))
+            sl = slice(off, off + ch.length)
             off += ch.length
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            if self._as_decode is not None:
+                out[sl] = b.decode(layer, q[sl], *self._as_decode[i])
+            elif ch.start == 0:
+                out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, b.sm_scale)
+            elif i in self._pages:
+                kc, vc = b.read_context(layer, self._pages[i], ch.start + ch.length)
+                out[sl] = prefill_attention(q[sl], kc.to(q.dtype), vc.to(q.dtype), ch.start, b.sm_scale)
+        return out
+
+
+def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
+    pages = ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)]
+    table = torch.tensor(pages, dtype=torch.int32, device=device).expand(ch.length, len(pages))
+    lens = torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device)
+    return table, lens
+
+
+def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], num_decode: int, device) -> PagedChunks | None:
+    """The inputs and plan of the paged prefill kernel for the chunks that use it (host work:
+    the step's only launch set-up; every layer reuses it)."""
+    if backend.deterministic:
+        return None
+    picked, off = [], num_decode
+    for ch in chunks:
+        if backend.uses_paged_prefill(ch):
+            picked.append((ch, off))
+        off += ch.length
+    if not picked:
+        return None
+    from ..kernels.prefill_attention import plan_prefill
+    rows = torch.cat([torch.arange(o, o + ch.length) for ch, o in picked])
+    width = max(-(-(ch.start + ch.length) // PAGE_TOKENS) for ch, _ in picked)
+    table = torch.zeros(len(picked), width, dtype=torch.int32)
+    for j, (ch, _) in enumerate(picked):
+        n = -(-(ch.start + ch.length) // PAGE_TOKENS)
+        table[j, :n] = torch.tensor(ch.pages[:n], dtype=torch.int32)
+    indptr = [0]
+    for ch, _ in picked:
+        indptr.append(indptr[-1] + ch.length)
+    starts = [ch.start for ch, _ in picked]
+    work = plan_prefill(indptr, starts, backend.num_qo_heads or 1, backend.cache.num_kv_heads, device=device) \
+        if backend.num_qo_heads else None
+    return PagedChunks(rows.to(device), table.to(device), torch.tensor(indptr, dtype=torch.int32, device=device),
+                       torch.tensor(starts, dtype=torch.int32, device=device), work)
+
+
+def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, exact: bool = False):
+    """Decode attention in fp32 torch (fp64 when ``exact``: then a row's result does not depend
+    on the batch's padding, up to ~1e-16 relative before the final rounding):
+    q [B, Hq, D]; ``read_pages(ids) -> [n, 2, 16, H, D]``.
+
+    o_b = softmax(sm_scale · q_b K_bᵀ) V_b over the first context_lens[b] tokens of request b,
+    query head i reading KV head i // (Hq / H).
+    """
+    ftype = torch.float64 if exact else torch.float32
+    B, Hq, D = q.shape
+    lens = context_lens.to(torch.int64)
+    max_pages = int(-(-int(lens.max()) // PAGE_TOKENS))
+    table = block_table[:, :max_pages].to(torch.int64)
+    used = torch.arange(max_pages, device=q.device)[None, :] * PAGE_TOKENS < lens[:, None]
+    ids = torch.where(used, table, torch.zeros_like(table))
+    uniq, inverse = torch.unique(ids[used], return_inverse=True)
+    pages = read_pages(uniq)                                    # [n, 2, 16, H, D]
+    H = pages.shape[3]
+    slot = torch.zeros_like(ids)
+    slot[used] = inverse
+    kv = pages[slot]                                            # [B, P, 2, 16, H, D]
+    k = kv[:, :, 0].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
+    v = kv[:, :, 1].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
+    qg = q.to(ftype).reshape(B, H, Hq // H, D)
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * sm_scale
+    valid = torch.arange(max_pages * PAGE_TOKENS, device=q.device)[None, :] < lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)           # unwritten slots may hold NaN bits
+    out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v)
+    return out.reshape(B, Hq, D).float().to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

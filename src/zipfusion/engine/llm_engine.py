@@ -15,6 +15,8 @@ from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..models.parallel import TensorParallel, use as use_parallel
 from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL_LEN, GPU_MEMORY_UTILIZATION,
                      EngineConfig)
+from ..memory import BudgetTooSmall
+from .attention import AttentionBackend
 from .kv_cache import ArenaKVCache, DenseKVCache
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
@@ -90,8 +92,6 @@ class LLMEngine:
             raise TypeError(f"pass options in the EngineConfig, not beside it: {sorted(options)}")
         cfg = self.config = config
         self.dtype, self.device = parse_dtype(cfg.dtype), parse_device(cfg.device)
-        if cfg.attention_backend == "flashinfer" and self.device.type != "cuda":
-            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the device is {self.device}")
         if cfg.kv_compression and self.dtype != torch.bfloat16:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
                              f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
@@ -116,8 +116,9 @@ class LLMEngine:
         sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission)
+        self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         # CUDA graphs need the arena path (the dense cache's torch attention has dynamic shapes)
-        self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cfg.max_num_seqs,
+        self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and isinstance(self.cache, ArenaKVCache))
         if self.tp:
             self.runner = self.tp.wrap_runner(self.runner, self.max_model_len)
@@ -160,17 +161,11 @@ class LLMEngine:
         budget = int(gb * 2**30)
         L, H, D = mc.num_hidden_layers, mc.num_key_value_heads // tp_size, mc.head_dim
         if self.dtype != torch.bfloat16:
-            cache = DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
-            cache.deterministic = cfg.deterministic
-            return cache
+            return DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
         kw = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
         try:
-            return ArenaKVCache(L, H, D, budget, self.device, compress=cfg.kv_compression,
-                                attention_backend=cfg.attention_backend, deterministic=cfg.deterministic,
-                                num_qo_heads=mc.num_attention_heads // tp_size, **kw)
-        except ValueError as exc:
-            if "flashinfer" in str(exc):
-                raise
+            return ArenaKVCache(L, H, D, budget, self.device, compress=cfg.kv_compression, **kw)
+        except BudgetTooSmall as exc:
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
 
     def _check_one_request_fits(self, asked: bool) -> None:

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from ..models import CausalLM
-from .attention import StepKV
-from .kv_cache import KVCache, default_sm_scale
+from .attention import AttentionBackend
 from .request import PAGE_TOKENS, Request
 from .scheduler import SchedulerOutput
 
@@ -27,12 +26,11 @@ GRAPH_BUCKETS = (1, 2, 4) + tuple(range(8, 513, 8))
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, max_model_len: int, max_num_seqs: int,
+    def __init__(self, model: CausalLM, attention: AttentionBackend, max_model_len: int, max_num_seqs: int,
                  use_cuda_graphs: bool = True):
         self.model = model
-        self.cache = cache
+        self.attention, self.cache = attention, attention.cache
         self.device = next(model.parameters()).device
-        self.sm_scale = default_sm_scale(model.config.head_dim)
         self.max_pages_per_req = -(-max_model_len // PAGE_TOKENS)
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -50,7 +48,7 @@ class ModelRunner:
         n = len(out.decode)
         dec = self._decode_inputs(out.decode, n) if n else None
         if dec is not None:
-            self.cache.prepare_decode(dec["context_lens"], dec["block_table"], self.sm_scale)
+            self.attention.prepare_decode(dec["context_lens"], dec["block_table"])
         ids, pos, pages, slots, last = [], [], [], [], []
         off = n
         for ch in out.prefill:
@@ -67,10 +65,10 @@ class ModelRunner:
         if dec is not None:
             vec = np.concatenate([dec["vec"].numpy(), vec], axis=1)
         vec = torch.from_numpy(vec).to(self.device)
-        kv = StepKV(self.cache, self.sm_scale, vec[2], vec[3], num_decode=n,
-                    block_table=dec and dec["block_table"].to(self.device),
-                    context_lens=dec and dec["context_lens"].to(self.device),
-                    chunks=[ch.view() for ch in out.prefill])
+        kv = self.attention.plan(vec[2], vec[3], num_decode=n,
+                                 block_table=dec and dec["block_table"].to(self.device),
+                                 context_lens=dec and dec["context_lens"].to(self.device),
+                                 chunks=[ch.view() for ch in out.prefill])
         hidden = self.model(vec[0], vec[1], kv)
         rows = torch.tensor(list(range(n)) + last, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows])
@@ -134,8 +132,8 @@ class ModelRunner:
         self._row_owner = [None if o is not None and o[0] == request_id else o for o in self._row_owner]
 
     def _decode_forward(self, b: dict) -> torch.Tensor:
-        kv = StepKV(self.cache, self.sm_scale, b["page_ids"], b["slots"], num_decode=b["input_ids"].shape[0],
-                    block_table=b["block_table"], context_lens=b["context_lens"])
+        kv = self.attention.plan(b["page_ids"], b["slots"], num_decode=b["input_ids"].shape[0],
+                                 block_table=b["block_table"], context_lens=b["context_lens"])
         hidden = self.model(b["input_ids"], b["positions"], kv)
         return self.model.compute_logits(hidden)
 
@@ -146,13 +144,13 @@ class ModelRunner:
         i = bisect.bisect_left(self._buckets, n)              # the smallest captured size >= n
         if i == len(self._buckets):
             host = self._decode_inputs(reqs, n)
-            self.cache.prepare_decode(host["context_lens"], host["block_table"], self.sm_scale)
+            self.attention.prepare_decode(host["context_lens"], host["block_table"])
             return self._decode_forward({k: v.to(self.device, non_blocking=True) for k, v in host.items()})
         bucket = self._buckets[i]
         self._staged.synchronize()                 # the last step's copies have left the staging buffers
         self._decode_inputs(reqs, bucket, self._host)
-        self.cache.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
-                                  self.sm_scale, graph=True)
+        self.attention.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
+                                      graph=True)
         self._static["vec"].copy_(self._host["vec"], non_blocking=True)
         for k in ("block_table", "context_lens"):
             self._static[k][:bucket].copy_(self._host[k][:bucket], non_blocking=True)
@@ -188,8 +186,8 @@ class ModelRunner:
         pool = None
         for bs in reversed(buckets):                        # one memory pool; every graph writes its
             b = self._named(self._static, bs)               # logits into the one output buffer
-            self.cache.prepare_decode(self._host["context_lens"][:bs], self._host["block_table"][:bs],
-                                      self.sm_scale, graph=True)
+            self.attention.prepare_decode(self._host["context_lens"][:bs], self._host["block_table"][:bs],
+                                          graph=True)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

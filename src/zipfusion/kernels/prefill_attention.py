@@ -55,6 +55,7 @@ _TA = triton_attention
 if triton.knobs.runtime.interpret and not _TA._interpreting():
     _TA = interpreted_copy(_TA.__name__, _TA.__file__)
 _load_meta, _tile_load, _tile_compute = _TA._load_meta, _TA._tile_load, _TA._tile_compute
+_restore_tile = _TA._restore_tile
 
 
 def _interpreting() -> bool:
@@ -281,4 +282,57 @@ def prefill_flops(q_indptr, q_start, num_q_heads: int, head_dim: int) -> float:
     return 4.0 * head_dim * num_q_heads * keys
 
 
-__all__ = ["PrefillPlan", "plan_prefill", "paged_prefill_attention", "prefill_flops"]
+
+
+# ------------------------------------------------------------------------------------------
+# Restoring a request's pages into contiguous K/V (for a library attention kernel)
+# ------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
+def _gather_kernel(arena32, page_loc_ptr, bt_ptr, k_ptr, v_ptr, stride_bt, num_tokens,
+                   H: tl.constexpr, D: tl.constexpr, TP: tl.constexpr,
+                   COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (tile of TP pages, KV head h): the tile's K and V rows, restored by the
+    attention kernels' own routine (every page source yields the same bf16 values), stored at
+    token order into k, v [num_tokens, H, D]."""
+    p0 = tl.program_id(0) * TP
+    h = tl.program_id(1)
+    r = tl.arange(0, TP * 16)
+    t = r % 16
+    slot = r // 16
+    p_end = (num_tokens + 15) // 16
+    row = h * 0                     # the one block-table row (a tensor, as _load_meta wants)
+    loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, row, stride_bt, p0,
+                                                 slot, p_end, h, D, COMPRESSED)
+    valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = _tile_load(
+        p0, num_tokens, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1, H, D,
+        COMPRESSED)
+    k = _restore_tile(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, INTERPRET)
+    v = _restore_tile(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, INTERPRET)
+    d = tl.arange(0, D)
+    off = ((p0 * 16 + r).to(tl.int64) * H + h)[:, None] * D + d[None, :]
+    tl.store(k_ptr + off, k, mask=valid[:, None])
+    tl.store(v_ptr + off, v, mask=valid[:, None])
+
+
+def gather_kv(arena, page_loc_layer, pages, num_tokens: int, layout, *, compressed: bool,
+              tile_pages: int = 2):
+    """K, V [num_tokens, H, D] bf16 of the first ``num_tokens`` tokens held in ``pages`` (int32
+    [>= ceil(num_tokens/16)] page ids on the arena's device), open or compressed, restored with
+    the attention kernels' routine in one launch. The engine's tables are trusted (no checks)."""
+    H, D = layout.num_kv_heads, layout.head_dim
+    k = torch.empty(num_tokens, H, D, dtype=torch.bfloat16, device=arena.device)
+    v = torch.empty_like(k)
+    if num_tokens == 0:
+        return k, v
+    kernel = kernel_module(arena.device, __name__, __file__, _interpreting())._gather_kernel
+    interp = arena.device.type == "cpu"
+    TP = 1 if interp else tile_pages
+    n_tiles = -(-num_tokens // (16 * TP))
+    arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
+    kernel[(n_tiles, H)](arena32, page_loc_layer, pages, k, v, pages.numel(), num_tokens,
+                         H=H, D=D, TP=TP, COMPRESSED=bool(compressed), INTERPRET=interp, num_warps=4)
+    return k, v
+
+
+__all__ = ["PrefillPlan", "plan_prefill", "paged_prefill_attention", "prefill_flops", "gather_kv"]

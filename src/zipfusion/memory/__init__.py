@@ -5,9 +5,9 @@ the scheduler its admission numbers; ``MemoryExhausted`` is the preemption signa
 """
 
 from .admission import Admission, RunningRequest, pages_for_tokens
-from .errors import MemoryExhausted
+from .errors import BudgetTooSmall, MemoryExhausted
 from .manager import KVCacheManager
 from .stats import LayerStats, MemoryStats
 
-__all__ = ["Admission", "KVCacheManager", "LayerStats", "MemoryExhausted", "MemoryStats",
+__all__ = ["Admission", "BudgetTooSmall", "KVCacheManager", "LayerStats", "MemoryExhausted", "MemoryStats",
            "RunningRequest", "pages_for_tokens"]

@@ -8,6 +8,11 @@ Bad arguments (unknown page ids, double frees, wrong shapes) raise ``ValueError`
 from __future__ import annotations
 
 
+class BudgetTooSmall(ValueError):
+    """The KV budget does not hold the smallest arena for this layout (one open page in every
+    layer plus the compression reserve)."""
+
+
 class MemoryExhausted(RuntimeError):
     """Not enough KV memory for the requested pages; the manager's state is unchanged.
 

@@ -46,7 +46,7 @@ from ..format.layout import COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES
 from . import codec
 from .chunks import ChunkPool, groups_available
 from .copy import move_ranges
-from .errors import MemoryExhausted
+from .errors import BudgetTooSmall, MemoryExhausted
 from .open_pages import OpenGroups
 from .packed import PackedSpace
 from .page_table import OPEN, STATE_NAMES, STORED, PageTable
@@ -99,7 +99,7 @@ class KVCacheManager:
         L = num_layers
         self.num_chunks = num_chunks = int(budget_bytes) // C
         if num_chunks // L < 1 + self.reserve:
-            raise ValueError(
+            raise BudgetTooSmall(
                 f"budget_bytes={budget_bytes} is too small: one open page in each of {L} layers plus "
                 f"{self.reserve} compression reserve chunk(s) per layer needs {L * (1 + self.reserve)} "
                 f"chunks of {C} bytes = {L * (1 + self.reserve) * C} bytes; raise the budget or lower chunk_bytes")
