@@ -170,7 +170,7 @@ def test_plan_covers_every_row_once_heaviest_first():
 @pytest.fixture(scope="module")
 def small():
     c = make_case([(10, 30), (0, 2)], 1, 2, 64, 5)
-    assert c["comp"][c["bt"][0, :2].long()].any(), "the case needs a compressed page"
+    assert c["comp"][c["bt"][0, :2].long().cpu()].any(), "the case needs a compressed page"
     return c
 
 
