@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: every gpu-marked test and the kernel/engine test files on the GPU, then the
+# workload benchmark (arguments go to workloads.py) in what is left of a 10-minute call.
+#   bash scripts/gpu_engine.sh --scenarios burst --modes compressed,uncompressed
+set -u
+OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+if [ -d .carry ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl
+  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
+         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
+fi
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_marked.log" | tail -6
+  timeout 90 python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" tests/test_prefill_attention.py \
+    tests/test_engine_kernel.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -4
+fi
+timeout -k 10 $(( ${BUDGET_S:-560} - SECONDS )) python3 benchmarks/workloads.py --out "$OUT" "$@" 2>&1 | tee "$OUT/workloads.log" | tail -25
+echo "total ${SECONDS}s"
