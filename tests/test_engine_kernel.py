@@ -47,7 +47,7 @@ def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
 
 @pytest.mark.parametrize("budget,lengths", [
     (8192, (40, 5, 17)),                  # whole prompts
-    (16, (40, 5, 17)),                    # later chunks attend to their pages: the paged prefill kernel
+    (32, (70, 5, 33)),                    # later chunks attend to their pages: paged kernel, decode rows
     pytest.param(700, (1500, 40), marks=pytest.mark.gpu),   # long later chunks: pages restored + SDPA
 ])
 def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt, budget, lengths):

@@ -16,15 +16,23 @@ recomputed) tokens. :meth:`AttentionBackend.plan` turns that into a :class:`Step
 
   - a whole prompt (``start == 0``) on its fresh K/V with torch SDPA (cuDNN/FlashAttention on the
     GPU): nothing to read back;
-  - a continuation (``start > 0``, a later chunk of a long prompt) through the pages where they
-    lie: short chunks (at most ``PAGED_PREFILL_MAX_TOKENS`` queries, all chunks on the CPU) with
-    the paged prefill kernel (kernels/prefill_attention.py: one launch for all such chunks,
-    restoring compressed blocks in registers); long ones by restoring the request's pages into
-    one contiguous K/V (``gather_kv``, the same restore routine, one launch, linear in the
-    prefix) and SDPA, which on the H200 runs long causal attention ~4x faster than our paged
-    kernel does today (docs/benchmarks.md). Which path a chunk takes depends only on its
-    length, so compressed and uncompressed runs of one schedule take the same paths and give
-    the same bits.
+  - a continuation (``start > 0``: a later chunk of a long prompt) over its request's pages,
+    which already hold its prefix, by one of three routes (:meth:`AttentionBackend.route`):
+
+    * ``"rows"``: each token as a decode row of the decode kernel, with its own context length
+      (split-KV, pages read in place, compressed blocks restored in registers). For the tails a
+      token budget cuts off (``ROWS_MAX_TOKENS`` tokens or fewer: the mixed steps of a burst
+      end almost every prompt with one), and for every chunk in deterministic mode;
+    * ``"paged"``: the paged prefill kernel (kernels/prefill_attention.py: query tiles x paged
+      K/V, one launch for all such chunks, planned once per step). On the GPU it is not chosen
+      yet: measured on the H200 it runs at 67-97 TFLOP/s against FlashAttention's ~340, and a
+      short chunk gives it too few programs (docs/benchmarks.md); the CPU's kernel backend
+      uses it for every longer continuation, so it stays exercised and tested;
+    * ``"gather"``: restore the request's pages into one contiguous K/V (``gather_kv``: the
+      kernels' restore routine, one launch, linear in the prefix), then SDPA.
+
+    The route depends only on the chunk's length, the backend and the device, so compressed and
+    uncompressed runs of one schedule take the same routes and give the same bits.
 
 Deterministic mode: a prefill token attends exactly as it would as a decode row (the decode
 kernel over its request's pages with its own context length, a fixed split of
@@ -52,9 +60,8 @@ CUDA_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.
 # deterministic mode: the attention kernels split every request's KV into runs of this many
 # pages, whatever the batch (a split count chosen from the batch would order the sums differently)
 DETERMINISTIC_SPLIT_PAGES = 64
-# continuation chunks of at most this many tokens attend through the paged prefill kernel on
-# the GPU; longer ones restore their pages once and use SDPA (see the module docstring)
-PAGED_PREFILL_MAX_TOKENS = 512
+# continuation chunks of at most this many tokens attend as decode rows (see the module docstring)
+ROWS_MAX_TOKENS = 16
 
 
 @dataclass
@@ -141,15 +148,23 @@ class AttentionBackend:
 
     def read_context(self, layer: int, pages: torch.Tensor, num_tokens: int):
         """K, V [num_tokens, H, D] of a request's first tokens, restored from its pages."""
-        if self.kind == "kernel":
+        if self.kind == "kernel" or (self.kind == "flashinfer" and hasattr(self.cache, "arena")):
             from ..kernels.prefill_attention import gather_kv
             c = self.cache
             return gather_kv(c.arena, c.page_loc[layer], pages, num_tokens, c.layout, compressed=self.compressed)
         return self.cache.read_tokens(layer, pages.tolist(), num_tokens)
 
-    def uses_paged_prefill(self, ch: ChunkView) -> bool:
-        return (self.kind == "kernel" and ch.start > 0 and not self.deterministic
-                and (self.cache.device.type == "cpu" or ch.length <= PAGED_PREFILL_MAX_TOKENS))
+    def route(self, ch: ChunkView) -> str:
+        """How a prefill chunk attends: "fresh", "rows", "paged" or "gather" (module docstring)."""
+        if self.deterministic:
+            return "rows"
+        if ch.start == 0:
+            return "fresh"
+        if self.kind == "kernel" and ch.length <= ROWS_MAX_TOKENS:
+            return "rows"
+        if self.kind == "kernel" and self.cache.device.type == "cpu":
+            return "paged"
+        return "gather"
 
 
 @dataclass
@@ -173,13 +188,13 @@ class StepKV:
         self.num_decode, self.block_table, self.context_lens = num_decode, block_table, context_lens
         self.chunks = chunks
         device = page_ids.device
-        # deterministic mode: every prefill token as a decode row (its request's pages, its length)
-        self._as_decode = [_decode_rows(ch, device) for ch in chunks] if backend.deterministic else None
-        self._paged = _paged_chunks(backend, chunks, num_decode, device)
+        self._routes = [backend.route(ch) for ch in chunks]
+        # "rows": the chunk's tokens as decode rows (its request's pages, each token's length)
+        self._rows = {i: _decode_rows(ch, device) for i, ch in enumerate(chunks) if self._routes[i] == "rows"}
+        self._paged = _paged_chunks(backend, chunks, self._routes, num_decode, device)
         self._pages = {i: torch.tensor(ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)], dtype=torch.int32,
                                        device=device)
-                       for i, ch in enumerate(chunks) if ch.start and not backend.uses_paged_prefill(ch)} \
-            if self._as_decode is None else {}
+                       for i, ch in enumerate(chunks) if self._routes[i] == "gather"}
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
@@ -197,11 +212,12 @@ class StepKV:
         for i, ch in enumerate(self.chunks):
             sl = slice(off, off + ch.length)
             off += ch.length
-            if self._as_decode is not None:
-                out[sl] = b.decode(layer, q[sl], *self._as_decode[i])
-            elif ch.start == 0:
+            route = self._routes[i]
+            if route == "rows":
+                out[sl] = b.decode(layer, q[sl], *self._rows[i])
+            elif route == "fresh":
                 out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, b.sm_scale)
-            elif i in self._pages:
+            elif route == "gather":
                 kc, vc = b.read_context(layer, self._pages[i], ch.start + ch.length)
                 out[sl] = prefill_attention(q[sl], kc.to(q.dtype), vc.to(q.dtype), ch.start, b.sm_scale)
         return out
@@ -214,14 +230,13 @@ def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
     return table, lens
 
 
-def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], num_decode: int, device) -> PagedChunks | None:
-    """The inputs and plan of the paged prefill kernel for the chunks that use it (host work:
+def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], routes: list[str], num_decode: int,
+                  device) -> PagedChunks | None:
+    """The inputs and plan of the paged prefill kernel for the chunks routed to it (host work:
     the step's only launch set-up; every layer reuses it)."""
-    if backend.deterministic:
-        return None
     picked, off = [], num_decode
-    for ch in chunks:
-        if backend.uses_paged_prefill(ch):
+    for ch, route in zip(chunks, routes):
+        if route == "paged":
             picked.append((ch, off))
         off += ch.length
     if not picked:
