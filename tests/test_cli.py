@@ -26,7 +26,8 @@ def test_generate_prints_what_the_api_returns(tmp_path, capsys):
 
 def test_cli_errors_are_short(tmp_path, capsys):
     save_tiny_checkpoint(tmp_path)
-    assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--device", "cpu", "--dtype", "float32"]) == 2
+    assert main(["generate", "--model", str(tmp_path), "--prompt-token-ids", "1,2", "--device", "cpu",
+                 "--dtype", "float32"]) == 2
     assert "bfloat16" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x", "--device", "cpu"]) == 2
     assert "no such folder" in capsys.readouterr().err
@@ -137,7 +138,7 @@ def test_max_model_len_beyond_the_model_is_one_line(capsys):
 def test_missing_extras_say_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "uvicorn", None)            # as if not installed
     assert main(["serve", "--model", "demo"]) == 2
-    _one_error_line(capsys.readouterr().err, "pip install 'zipfusion[server]'")
+    _one_error_line(capsys.readouterr().err, "pip install -e '.[server]'", "checkout")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["analyze", "--model", "demo", "--plot", "kv.png"]) == 2
     _one_error_line(capsys.readouterr().err, "pip install", "matplotlib")
@@ -197,3 +198,87 @@ def test_serve_end_to_end_logs_and_api_key_from_env():
         _, err = proc.communicate(timeout=30)
     assert "zipfusion engine: model demo" in err and "bfloat16 on cpu" in err       # the engine's start-up line
     assert f"serving kjv on http://127.0.0.1:{port}" in err and "free pages" in err
+
+
+# -- issue 24: a newcomer's first minutes ---------------------------------------------------------------
+
+def test_a_tokenizer_less_model_is_refused_before_its_weights_are_built(monkeypatch, capsys):
+    import zipfusion.models.loader as loader
+
+    def must_not_build(*a, **k):
+        raise AssertionError("the weights were built before the tokenizer was checked")
+
+    monkeypatch.setattr(loader, "build_model", must_not_build)
+    monkeypatch.setattr("zipfusion.engine.llm_engine.build_model", must_not_build)
+    t0 = time.perf_counter()
+    assert main(["generate", "--model", "llama-3.1-8b-random", "--prompt", "hi", "--device", "cpu"]) == 2
+    assert time.perf_counter() - t0 < 5
+    _one_error_line(capsys.readouterr().err, "no tokenizer", "--prompt-token-ids")
+    assert main(["generate", "--model", "demo", "--device", "cpu"]) == 2
+    _one_error_line(capsys.readouterr().err, "--prompt")
+
+
+def test_generate_takes_prompt_token_ids(tmp_path, capsys):
+    save_tiny_checkpoint(tmp_path)                                     # no tokenizer files
+    args = ["generate", "--model", str(tmp_path), "--prompt-token-ids", "5,6,7", "--prompt-token-ids", "9 3",
+            "--device", "cpu", "--dtype", "float32", "--no-kv-compression", "--max-tokens", "4", "--ignore-eos"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    llm = zipfusion.LLM(str(tmp_path), device="cpu", dtype="float32", kv_compression=False)
+    ref = llm.generate([[5, 6, 7], [9, 3]], zipfusion.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    for o in ref:
+        assert " ".join(map(str, o.token_ids)) in out
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "demo", "--prompt-token-ids", "1,x"])
+    assert "token ids like 1,2,3" in capsys.readouterr().err
+
+
+def test_a_long_model_build_logs_its_progress(caplog):
+    import torch
+
+    from zipfusion.models.loader import BuildProgress
+    caplog.set_level("INFO", logger="zipfusion.models")
+    with BuildProgress("big-model", every=0.05) as progress:
+        for i in range(5):
+            progress.step("random weights", i, 5)
+            time.sleep(0.06)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("building model big-model: random weights:" in line and "% of 0.00B parameters" in line
+               for line in lines), lines
+    assert any("model big-model built in" in line for line in lines)
+    caplog.clear()
+    with BuildProgress("quick", every=30):
+        pass
+    assert not caplog.records                                          # a quick build says nothing
+    assert torch.get_num_threads() >= 1
+
+
+def test_cpu_threads_default_and_option(monkeypatch):
+    import torch
+
+    from zipfusion.cli import set_cpu_threads
+    from zipfusion.config import default_cpu_threads
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(2)), raising=False)
+        assert default_cpu_threads() == 1                              # 2 cores: 1 thread (measured)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)), raising=False)
+        assert default_cpu_threads() == 8
+        assert set_cpu_threads(3) == 3 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_serve_help_shows_limits_and_the_serving_chunk_budget(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-request-bytes", "--max-sequences-per-request", "--max-stop", "--cpu-threads",
+                 "--served-model-name"):
+        assert flag in out, flag
+    assert "zipfusion serve: 8192 on a GPU with >= 70 GiB, 2048 on a smaller one, 128 on the CPU" in out
+    assert "never its path" in out
+    from zipfusion.config import EngineConfig, serving_max_num_batched_tokens
+    assert EngineConfig().max_num_batched_tokens == 8192                # offline default
+    assert serving_max_num_batched_tokens("cpu") == 128

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi", reason="server tests need fastapi (pip install 'zipfusion[server]')")
+pytest.importorskip("fastapi", reason="server tests need fastapi (pip install -e '.[server]')")
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
@@ -131,8 +131,7 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
         ({"prompt": "x", "max_tokens": 300}, "max_model_len"),
         ({"prompt": [10**9], "max_tokens": 4}, "token ids"),
         ({"prompt": [], "max_tokens": 4}, "empty"),
-        ({"prompt": "x", "foo": 1}, "'foo'"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "'response_format'"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
         ({"prompt": "x", "logprobs": 21}, "max_logprobs"),
         ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
@@ -428,26 +427,32 @@ def test_client_disconnect_aborts_and_frees_pages(live, live_engine, streaming, 
     assert any("aborted (client disconnected)" in r.getMessage() for r in caplog.records)
 
 
-def test_health_answers_while_a_huge_prompt_is_tokenized(live):
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(live, live_engine, monkeypatch):
+    """2.75 MB of text cannot be under max_model_len tokens: refused at once, never tokenized,
+    and /health answers meanwhile."""
     url, _ = live
+    calls = []
+    monkeypatch.setattr(live_engine.tokenizer, "encode_many", lambda texts: calls.append(texts) or [[1]] * len(texts))
     huge = "In the beginning God created the heaven and the earth. " * 50000      # 2.75 MB
     result = {}
 
     def post():
+        t0 = time.perf_counter()
         result["r"] = httpx.post(url + "/v1/completions", json={"prompt": huge, "max_tokens": 1}, timeout=T)
+        result["s"] = time.perf_counter() - t0
 
     t = threading.Thread(target=post)
     t.start()
-    time.sleep(0.3)                                     # the body is in, tokenization is running
     latencies = []
     while t.is_alive() and len(latencies) < 20:
         t0 = time.perf_counter()
         assert httpx.get(url + "/health", timeout=T).status_code == 200
         latencies.append(time.perf_counter() - t0)
-        time.sleep(0.05)
     t.join(T)
-    assert result["r"].status_code == 400 and "max_model_len" in result["r"].json()["error"]["message"]
-    assert latencies and max(latencies) < 0.5, latencies
+    r = result["r"]
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "prompt" and not calls
+    assert result["s"] < 2.0 and max(latencies, default=0) < 0.5, (result, latencies)
 
 
 def test_a_request_that_can_never_fit_is_a_400_and_small_ones_all_succeed():
@@ -484,3 +489,131 @@ def test_load_test_script_runs_against_a_live_server(live):
     assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 24
     # one chunk per token with text (an end-of-sequence token, ignored, streams no text)
     assert r["ttft_s"]["n"] == 4 and 4 * 2 <= r["itl_s"]["n"] <= 4 * 5 and r["ttft_s"]["p50"] > 0
+
+
+# -- issue 24: limits, strict values, unknown fields, the OpenAPI document --------------------------------
+
+HOSTILE = [      # (raw body, status, words in the message, param)
+    (b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "surrogate", "prompt"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 400, "surrogate", "messages"),
+    (b'{"prompt": "x", "temperature": NaN}', 400, "finite", "temperature"),
+    (b'{"prompt": "x", "temperature": Infinity}', 400, "finite", "temperature"),
+    (b'{"prompt": "x", "top_p": -Infinity}', 400, "finite", "top_p"),
+    (b'{"prompt": "x", "stream": "yes"}', 400, "boolean", "stream"),
+    (b'{"prompt": "x", "max_tokens": "5"}', 400, "integer", "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 5.0}', 400, "integer", "max_tokens"),
+    (b'{"prompt": "x", "temperature": "0.5"}', 400, "number", "temperature"),
+    (b'{"prompt": "x", "seed": 18446744073709551616}', 400, "seed", "seed"),
+    (b'{"prompt": "x", "seed": 9223372036854775807, "n": 2}', 400, "seed", "seed"),
+    (b'{"prompt": "x", "min_tokens": 9, "max_tokens": 2}', 400, "min_tokens", "min_tokens"),
+    (b'{"prompt": "x", "top_p": 0}', 400, "top_p", "top_p"),
+    (b'{"prompt": "x", "top_k": -2}', 400, "top_k", "top_k"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty", "repetition_penalty"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias", "logit_bias.5"),
+    (b'{"prompt": [-1]}', 400, "prompt", "prompt.str"),
+    (b'{"prompt": "x", "tem', 400, "not valid JSON", None),
+    (b'{"prompt": "\xff\xfe"}', 400, "UTF-8", None),
+    (b'[1, 2]', 400, "JSON object", None),
+    (b'{"prompt": [[1, 2, 3], [1, 2, 3]], "n": 64, "max_tokens": 1}', 400, "2 prompt(s) x n=64 = 128 sequences",
+     "prompt"),
+    (b'{"prompt": "x", "n": 65}', 400, "--max-sequences-per-request", "n"),
+    (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]}',
+     400, "17 stop strings", "stop"),
+    (b'{"prompt": "x", "stop": "' + b"s" * 257 + b'"}', 400, "257 characters", "stop"),
+    (b'{"prompt": "x", "functions": [{"name": "f"}]}', 400, "function calling", "functions"),
+    (b'{"prompt": "' + b"word " * 30000 + b'"}', 400, "max_model_len", "prompt"),
+]
+
+
+def test_hostile_values_get_a_400_in_openai_shape_and_the_server_goes_on(live, live_engine):
+    """Each value of issue 24 on one keep-alive connection: a 4xx with a one-line message
+    naming the field, the connection still usable, a running stream undisturbed."""
+    url, _ = live
+    body = {"prompt": "In the beginning", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=T) as c, httpx.Client(timeout=T) as s, \
+            s.stream("POST", url + "/v1/completions", json=body) as running:
+        lines = running.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))        # the stream runs
+        for raw, status, words, param in HOSTILE:
+            r = c.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == status, (raw[:80], r.text)
+            err = r.json()["error"]
+            assert words in err["message"] and "\n" not in err["message"], (raw[:80], err)
+            assert err["param"] == param and err["code"] == status and err["type"] == "invalid_request_error", err
+        r = c.post(url + "/v1/completions", json={"prompt": "In", "max_tokens": 2})     # same connection
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+    chunks = sum(1 for line in rest if line.startswith("data: {"))
+    assert chunks >= 30                               # the stream got its tokens (one chunk each, give or take)
+    wait_until(lambda: not live_engine.scheduler.has_work(), what="the stream's end")
+
+
+def test_unknown_fields_are_ignored_with_a_warning(client, caplog):
+    caplog.set_level("WARNING", logger="zipfusion.server")
+    base = {"prompt": "In the beginning", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    ref = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    known = {"store": True, "reasoning_effort": "low", "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto"}
+    r = client.post("/v1/completions", json={**base, **known})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+    assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()]
+    r = client.post("/v1/completions", json={**base, "foo": 1, "prediction": {"type": "content"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+    warned = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(warned) == 1 and "'foo'" in warned[0] and "'prediction'" in warned[0]
+    chat = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 2, **known, "parallel_tool_calls": True}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_body_limit_is_a_413_before_the_body_is_read():
+    from zipfusion.server.limits import ServerLimits
+    limits = ServerLimits(max_request_bytes=2000, max_sequences=3, max_stop=1)
+    app = create_app(LLMEngine("demo", device="cpu", kv_memory_gb=0.01), limits=limits)
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * 3000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413 and "--max-request-bytes" in r.text
+
+        def chunked():                                  # no Content-Length: counted as it comes
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"y" * 500
+            yield b'"}'
+        r = c.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        r = c.post("/v1/completions", json={"prompt": [[1, 2]] * 2, "n": 2, "max_tokens": 1})
+        assert r.status_code == 400 and "at most 3" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "x", "stop": ["a", "b"], "max_tokens": 1})
+        assert r.status_code == 400 and "at most 1" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "In", "max_tokens": 2, "n": 3})
+        assert r.status_code == 200
+        assert metric(c.get("/metrics").text, "zipfusion:requests_rejected_total") == 4
+
+
+def test_openapi_says_what_the_server_does(client):
+    doc = client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "404", "413", "500"}, responses     # no 422; 401 only with a key
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert "error" in responses["400"]["content"]["application/json"]["schema"]["properties"]
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert client.get("/metrics").headers["content-type"].startswith("text/plain")
+    props = schemas["CompletionRequest"]["properties"]
+    assert props["max_tokens"]["anyOf"][0]["maximum"] == 255                     # max_model_len - 1
+    assert props["n"]["maximum"] == 64                                           # max_num_seqs 256 // 4
+    with_key = TestClient(create_app(LLMEngine("demo", device="cpu", kv_memory_gb=0.01), api_key="k"))
+    doc = with_key.get("/openapi.json").json()
+    assert "401" in doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert doc["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+
+
+def test_served_name_defaults_to_the_file_stem_not_its_path():
+    from types import SimpleNamespace
+
+    from zipfusion.server.openai import default_model_name
+    assert default_model_name(SimpleNamespace(name="/abs/models/SmolLM2-135M.Q4_1.gguf")) == "SmolLM2-135M.Q4_1"
+    assert default_model_name(SimpleNamespace(name="/abs/ckpt/Llama-3.1-8B/")) == "Llama-3.1-8B"
+    assert default_model_name(SimpleNamespace(name="demo")) == "demo"
+    assert default_model_name(SimpleNamespace(name="llama-3.1-8b-random")) == "llama-3.1-8b-random"

@@ -1,6 +1,7 @@
 """Command line: ``zipfusion generate``, ``demo``, ``serve`` and ``analyze``.
 
     zipfusion generate --model demo --prompt "In the beginning" --max-tokens 40 --device cpu
+    zipfusion generate --model llama-3.1-8b-random --prompt-token-ids 1,2,3 --device cpu
     zipfusion demo
     zipfusion serve --model PATH --port 8000
     zipfusion analyze --model PATH --text corpus.txt --plot kv.png
@@ -26,6 +27,12 @@ class CLIError(Exception):
     """A user error the CLI reports in one line (exit status 2)."""
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra, as the README installs zipfusion: editable, from the checkout
+    (``zipfusion`` is not a package on the public index: a name anyone could register there)."""
+    return f"from the zipfusion checkout: pip install -e '.[{extra}]'"
+
+
 def _require(modules: tuple[str, ...], extra: str, what: str) -> None:
     """Import ``modules`` now, or fail in one line saying what to pip install."""
     import importlib
@@ -33,7 +40,40 @@ def _require(modules: tuple[str, ...], extra: str, what: str) -> None:
         try:
             importlib.import_module(name)
         except ImportError:
-            raise CLIError(f"{what} needs {name}, which is not installed: pip install 'zipfusion[{extra}]'") from None
+            raise CLIError(f"{what} needs {name}, which is not installed; {install_hint(extra)}") from None
+
+
+def _token_ids(text: str) -> list[int]:
+    """``--prompt-token-ids 1,2,3`` (commas and/or spaces)."""
+    parts = text.replace(",", " ").split()
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got {text!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"expected one or more token ids >= 0, got {text!r}")
+    return ids
+
+
+def set_cpu_threads(threads: int | None) -> int:
+    """torch's CPU threads: ``threads``, or :func:`~zipfusion.config.default_cpu_threads`."""
+    import torch
+
+    from .config import default_cpu_threads
+    n = default_cpu_threads() if threads is None else threads
+    if n < 1:
+        raise CLIError(f"--cpu-threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    return n
+
+
+def _show_build_progress() -> None:
+    """A model build that takes long (an 8B model on the CPU: minutes) logs its progress on stderr."""
+    import logging
+
+    from .server import configure_logging
+    configure_logging("warning")
+    logging.getLogger("zipfusion.models").setLevel(logging.INFO)
 
 DEMO_PROMPTS = [
     "In the beginning God created the heaven and the earth.",
@@ -49,14 +89,28 @@ def _default_device() -> str:
 
 
 def cmd_generate(args) -> int:
+    texts, id_prompts = list(args.prompt or []), list(args.prompt_token_ids or [])
+    if not texts and not id_prompts:
+        raise CLIError("give a prompt: --prompt TEXT or --prompt-token-ids 1,2,3 (repeatable)")
+    if args.chat and id_prompts:
+        raise CLIError("--chat wraps text prompts in the chat template; it does not take --prompt-token-ids")
+    from .models import resolve_model
+    source = resolve_model(args.model, args.load_format)        # cheap: before any weight is built
+    if source.tokenizer_dir is None and (texts or args.chat):
+        raise CLIError(f"model {args.model!r} has no tokenizer, so it cannot take text: pass "
+                       "--prompt-token-ids 1,2,3 instead of --prompt (output is printed as token ids), or a "
+                       "checkpoint with tokenizer files")
+    set_cpu_threads(args.cpu_threads)
+    _show_build_progress()
     import zipfusion
     from .config import config_from_args
     llm = zipfusion.LLM(**vars(config_from_args(args, skip=("seed",))))
-    prompts = list(args.prompt)
+    prompts = list(texts)
     if args.chat:
         if llm.tokenizer is None:
             raise CLIError("--chat needs a model with a tokenizer")
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    prompts += id_prompts
     sp = zipfusion.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                   max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
                                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -64,7 +118,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t0
-    for prompt, o in zip(args.prompt, outs):
+    for prompt, o in zip(texts + [",".join(map(str, ids)) for ids in id_prompts], outs):
         if len(outs) > 1:
             print(f"--- {prompt!r}")
         print(o.text if llm.tokenizer is not None else " ".join(map(str, o.token_ids)))
@@ -133,13 +187,20 @@ def cmd_demo(args) -> int:
 
 def cmd_serve(args) -> int:
     _require(("fastapi", "uvicorn", "prometheus_client"), "server", "zipfusion serve")
-    from .config import config_from_args
+    from .config import config_from_args, serving_max_num_batched_tokens
     from .server import bind_socket, serve
+    from .server.limits import limits_from_args
+    limits = limits_from_args(args)
+    if args.max_num_batched_tokens is None:      # sized for interactivity on this device
+        args.max_num_batched_tokens = serving_max_num_batched_tokens(args.device)
     cfg = config_from_args(args)
+    if args.default_max_tokens < 1:
+        raise CLIError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    set_cpu_threads(args.cpu_threads)
     sock = bind_socket(args.host, args.port)      # a busy port fails here, before the model loads
     api_key = args.api_key or os.environ.get("ZIPFUSION_API_KEY") or None
     serve(cfg, sock=sock, api_key=api_key, served_model_name=args.served_model_name, log_level=args.log_level,
-          default_max_tokens=args.default_max_tokens)
+          default_max_tokens=args.default_max_tokens, limits=limits)
     return 0
 
 
@@ -172,14 +233,24 @@ zipfusion.SamplingParams() defaults to temperature 1.0 (vLLM's default); pass --
 for the same distribution."""
 
 
+def _add_cpu_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads for CPU work (default: half the cores this process may use, 1 to 8; "
+                             "torch's every-core default ran up to 55x slower on a shared 2-core box)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .server.limits import add_limit_args
     parser = argparse.ArgumentParser(prog="zipfusion", description="LLM inference with a losslessly compressed KV cache")
     parser.add_argument("--version", action="version", version=f"zipfusion {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one or more prompts",
                        description="Generate text for one or more prompts and print it.", epilog=GENERATE_SAMPLING)
     add_cli_args(g, skip=("seed",))
-    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    _add_cpu_threads(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    g.add_argument("--prompt-token-ids", action="append", type=_token_ids, metavar="IDS",
+                   help="a prompt as token ids, e.g. 1,2,3 (repeatable; for a model without a tokenizer)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default: 0; note SamplingParams() defaults to 1.0)")
@@ -196,17 +267,21 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="compress synthetic KV, then generate with the embedded model on CPU")
     d.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (default: 48)")
     d.set_defaults(func=cmd_demo)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs zipfusion[server])",
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra: "
+                                     "pip install -e '.[server]')",
                        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
                                    "/health, /metrics (prometheus).")
     add_cli_args(s)
+    _add_cpu_threads(s)
+    add_limit_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 route (default: $ZIPFUSION_API_KEY, "
                         "else no key)")
     s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the API answers to; the first is reported (default: the model's name)")
+                   help="name(s) the API answers to; the first is reported (default: the model's name: "
+                        "a checkpoint folder's name or a .gguf file's stem, never its path)")
     s.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a request that gives none, capped by what is left of max_model_len "
                         "(default: 256)")

@@ -17,6 +17,15 @@ CPU_KV_MEMORY_GB = 0.25          # KV arena on the CPU when kv_memory_gb is not 
 GPU_MEMORY_UTILIZATION = 0.90    # share of the GPU's free memory (after the weights) the engine may use
 ACTIVATION_RESERVE_GB = 4.0      # of that share, kept for activations, CUDA graphs and the allocator
 DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows more
+# Prefill chunk budget (max_num_batched_tokens) when none is given. Offline (LLM, generate) a step
+# may be long: throughput is what counts. A server's step is also every running stream's
+# inter-token gap, so ``zipfusion serve`` sizes it for the device (vLLM does the same: its online
+# default is half its offline one on an H100-class GPU, a quarter elsewhere). On the CPU, with
+# SmolLM2-135M on a loaded 2-core box, a stream's inter-token gap while 2,000-token prompts were
+# prefilled was 0.63 s p50 / 1.15 s p99 with 128-token chunks, 4.9 / 5.6 s with 8192 (at the cost
+# of 2x the long prompt's own latency; docs/benchmarks.md, "The server under hostile requests").
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
+SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 ADMISSION_POLICIES = ("estimate", "conservative", "optimistic")
 
 
@@ -39,7 +48,12 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's, "
                                            f"at most {DEFAULT_MAX_MODEL_LEN})")
     max_num_seqs: int = _opt(256, "most requests running at once")
-    max_num_batched_tokens: int = _opt(8192, "most tokens in one step (decode tokens + prefill chunks)")
+    max_num_batched_tokens: int | None = _opt(
+        None, "most tokens in one step (decode tokens + prefill chunks); a long prompt is prefilled in "
+              f"chunks of this size (default: {OFFLINE_MAX_NUM_BATCHED_TOKENS} offline; zipfusion serve: "
+              f"{SERVING_MAX_NUM_BATCHED_TOKENS['big_gpu']} on a GPU with >= 70 GiB, "
+              f"{SERVING_MAX_NUM_BATCHED_TOKENS['gpu']} on a smaller one, {SERVING_MAX_NUM_BATCHED_TOKENS['cpu']} "
+              "on the CPU, so running streams keep a short inter-token gap)")
     seed: int = _opt(0, "seed for random weights and for requests sampled without a seed")
     load_format: str = _opt("auto", "auto, safetensors, gguf, or random (ignore the weights)",
                             choices=("auto", "safetensors", "gguf", "random"))
@@ -61,6 +75,8 @@ class EngineConfig:
     max_logprobs: int = _opt(20, "most top log-probabilities a request may ask for (SamplingParams.logprobs)")
 
     def __post_init__(self):
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = OFFLINE_MAX_NUM_BATCHED_TOKENS
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -99,6 +115,32 @@ class EngineConfig:
         return cls(**({"model": model} if model is not None else {}), **options)
 
 
+def serving_max_num_batched_tokens(device: str = "auto") -> int:
+    """The chunk budget ``zipfusion serve`` uses when none is given: sized for interactivity on
+    ``device`` (see :data:`SERVING_MAX_NUM_BATCHED_TOKENS`). Imports torch."""
+    import torch
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return SERVING_MAX_NUM_BATCHED_TOKENS["cpu"]
+    index = torch.device(device).index or 0
+    big = torch.cuda.get_device_properties(index).total_memory >= 70 * 2**30
+    return SERVING_MAX_NUM_BATCHED_TOKENS["big_gpu" if big else "gpu"]
+
+
+def default_cpu_threads() -> int:
+    """torch threads on the CPU when --cpu-threads is not given: half the cores this process may
+    use, at least 1, at most 8. torch's default (every core) was up to 55x slower than 1 thread at
+    decode on a 2-core box with other work running (spinning OpenMP threads fight for the cores;
+    docs/benchmarks.md, "CPU threads"; an idle box and larger machines are not measured)."""
+    import os
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):          # pragma: no cover - non-Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
+
+
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One ``--option`` per field (``--no-kv-compression`` for a bool that defaults to True)."""
     for f in dataclasses.fields(EngineConfig):
@@ -113,8 +155,9 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             parser.add_argument(flag, dest=f.name, action="store_true", help=help)
         else:
             kind = float if "float" in f.type else int if "int" in f.type else str   # annotations are strings
+            shown = "" if "(default:" in help else f" (default: {f.default})"
             parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                                choices=f.metadata.get("choices"), help=f"{help} (default: {f.default})")
+                                choices=f.metadata.get("choices"), help=help + shown)
 
 
 def config_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:

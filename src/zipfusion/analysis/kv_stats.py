@@ -132,7 +132,7 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib "
-                              "(it comes with pip install 'zipfusion[models]')") from None
+                              "(it comes with pip install -e '.[models]' from the zipfusion checkout)") from None
 
 
 def _spans(blocks: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 GGUF_MAGIC = b"GGUF"
 # general.architecture -> architecture name in config.json
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-PIP_HINT = "pip install gguf  (or: pip install 'zipfusion[models]')"
+PIP_HINT = "pip install gguf  (or, from the zipfusion checkout: pip install -e '.[models]')"
 
 # GGUF tensor name (with N for the layer) -> Hugging Face name
 _GLOBAL = {

@@ -10,6 +10,9 @@ exactly one and no config.json; see :mod:`zipfusion.models.gguf`), by ``"demo"``
 from __future__ import annotations
 
 import json
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,41 @@ RANDOM_MODELS = {
     "qwen3-8b-random": CONFIG_DIR / "qwen3-8b.json",
 }
 INIT_STD = 0.02
+PROGRESS_EVERY_S = 10.0          # a long build logs where it is this often
+
+log = logging.getLogger("zipfusion.models")
+
+
+class BuildProgress:
+    """Logs, every ``every`` seconds while a model is built, what phase it is in and how far it
+    got (an 8B model on the CPU takes minutes); nothing for a build that ends sooner."""
+
+    def __init__(self, name: str, every: float | None = None):
+        self.name, self.t0 = name, time.perf_counter()
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.phase, self.done, self.total = "allocating the parameters", 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zipfusion-build-progress", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        elapsed = time.perf_counter() - self.t0
+        if exc[0] is None and elapsed >= self.every:
+            log.info("model %s built in %.0f s", self.name, elapsed)
+
+    def step(self, phase: str, done: int, total: int) -> None:
+        self.phase, self.done, self.total = phase, done, total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            share = f": {self.done / self.total:.0%} of {self.total / 1e9:.2f}B parameters" if self.total else ""
+            log.info("building model %s: %s%s (%.0f s so far)", self.name, self.phase, share,
+                     time.perf_counter() - self.t0)
 
 
 @dataclass
@@ -142,13 +180,17 @@ def _gguf_tensors(file: Path, cfg: ModelConfig):
         yield file.name, name, tensor
 
 
-def load_weights(model: CausalLM, folder: Path) -> None:
+def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None = None) -> None:
     """Fill ``model`` from the safetensors in ``folder`` (or from a .gguf file, dequantized);
     every parameter must be found."""
     tensors = _gguf_tensors(folder, model.config) if is_gguf_path(folder) else _safetensors_tensors(folder)
     params = dict(model.named_parameters())
     done: set[tuple[str, int]] = set()
+    total, loaded_numel = sum(p.numel() for p in params.values()), 0
     for file, name, tensor in tensors:
+        if progress is not None:
+            loaded_numel += tensor.numel()
+            progress.step(f"loading weights from {file}", min(loaded_numel, total), total)
         if name == "lm_head.weight" and model.lm_head is None:
             continue                                   # tied: embed_tokens is the head
         target, part = _target(name)
@@ -174,11 +216,15 @@ def load_weights(model: CausalLM, folder: Path) -> None:
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD) -> None:
+def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress: BuildProgress | None = None) -> None:
     """Normal(0, std) for matrices and embeddings, ones for norms, zeros for biases."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    total, done = sum(p.numel() for p in model.parameters()), 0
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if progress is not None:
+                progress.step("random weights", done, total)
+                done += p.numel()
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("bias"):
@@ -199,15 +245,17 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
     if isinstance(source, str):
         source = resolve_model(source)
     cfg = load_config(source.config_path)
-    with torch.device(device):
-        model = CausalLM(cfg)
-    model.to(dtype=dtype)
-    # rope frequencies stay fp32 (recomputed: .to(dtype) has rounded the buffer)
-    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
-    if source.weights_dir is None:
-        random_init(model, seed=seed)
-    else:
-        load_weights(model, source.weights_dir)
+    with BuildProgress(source.name if source.weights_dir is None else Path(source.name).name) as progress:
+        with torch.device(device):
+            model = CausalLM(cfg)
+        progress.step(f"converting to {str(dtype).replace('torch.', '')}", 0, 0)
+        model.to(dtype=dtype)
+        # rope frequencies stay fp32 (recomputed: .to(dtype) has rounded the buffer)
+        model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
+        if source.weights_dir is None:
+            random_init(model, seed=seed, progress=progress)
+        else:
+            load_weights(model, source.weights_dir, progress=progress)
     return model.eval().requires_grad_(False)
 
 

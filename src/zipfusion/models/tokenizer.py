@@ -21,13 +21,15 @@ class Tokenizer:
             try:
                 from transformers import AutoTokenizer
             except ImportError:
-                raise ImportError("loading this tokenizer needs transformers: pip install 'zipfusion[models]'") from None
+                raise ImportError("loading this tokenizer needs transformers: pip install -e '.[models]' "
+                                  "from the zipfusion checkout") from None
             self._hf = AutoTokenizer.from_pretrained(str(folder))
         elif (folder / "tokenizer.json").is_file():
             try:
                 from tokenizers import Tokenizer as RawTokenizer
             except ImportError:
-                raise ImportError("loading this tokenizer needs tokenizers: pip install 'zipfusion[models]'") from None
+                raise ImportError("loading this tokenizer needs tokenizers: pip install -e '.[models]' "
+                                  "from the zipfusion checkout") from None
             self._tok = RawTokenizer.from_file(str(folder / "tokenizer.json"))
         else:
             raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {folder}")
@@ -43,6 +45,25 @@ class Tokenizer:
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=True)
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]`` in one call (the Rust tokenizer's batch path)."""
+        if self._hf is not None:
+            return [list(ids) for ids in self._hf(list(texts), add_special_tokens=True)["input_ids"]]
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts))]
+
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for (special tokens included), plus a
+        margin of 4 for a leading space a tokenizer's decode strips. A text of more than
+        ``n`` x this many bytes has more than ``n`` tokens (for a tokenizer that does not drop
+        characters: byte-level BPE, SentencePiece)."""
+        if self._hf is not None:
+            n = len(self._hf)
+            texts = self._hf.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+        else:
+            n = self._tok.get_vocab_size(with_added_tokens=True)
+            texts = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        return max((len(t.encode("utf-8", "replace")) for t in texts), default=1) + 4
 
     @property
     def eos_token_ids(self) -> tuple:
@@ -62,7 +83,7 @@ def _gguf_tokenizer(file: Path):
         from transformers import PreTrainedTokenizerFast
     except ImportError:
         raise MissingDependencyError("loading a GGUF tokenizer needs transformers: "
-                                     "pip install 'zipfusion[models]'") from None
+                                     "pip install -e '.[models]' from the zipfusion checkout") from None
     import transformers
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()          # no "converting tokenizer" chatter

@@ -1,4 +1,5 @@
-"""OpenAI-compatible serving: ``zipfusion serve --model PATH`` (needs ``pip install 'zipfusion[server]'``).
+"""OpenAI-compatible serving: ``zipfusion serve --model PATH`` (needs the ``server`` extra: from
+the zipfusion checkout, ``pip install -e '.[server]'``).
 
 Importing this package imports neither fastapi nor torch; :func:`serve` does.
 """
@@ -56,29 +57,42 @@ def configure_logging(level: str = "info") -> None:
         logger.addHandler(handler)
 
 
+SERVER_EXTRA_HINT = "from the zipfusion checkout: pip install -e '.[server]'"
+
+
 def serve(model="demo", host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None,
           api_key: str | None = None, served_model_name: str | list[str] | None = None, log_level: str = "info",
-          default_max_tokens: int = 256, **engine_kwargs) -> None:
+          default_max_tokens: int = 256, limits=None, **engine_kwargs) -> None:
     """Load ``model`` (a name or an :class:`~zipfusion.config.EngineConfig`) into an engine and
-    serve it over HTTP until interrupted. ``sock``: an already bound socket (see :func:`bind_socket`)."""
+    serve it over HTTP until interrupted. ``sock``: an already bound socket (see :func:`bind_socket`);
+    ``limits``: a :class:`~.limits.ServerLimits`. Given a name, ``max_num_batched_tokens`` defaults
+    to the serving budget for the device (:func:`~zipfusion.config.serving_max_num_batched_tokens`);
+    an EngineConfig is used as it is."""
     try:
         import uvicorn
     except ImportError:
-        raise ImportError("serving needs fastapi and uvicorn: pip install 'zipfusion[server]'") from None
+        raise ImportError(f"serving needs fastapi and uvicorn: {SERVER_EXTRA_HINT}") from None
     configure_logging(log_level)
     if sock is None:
         sock = bind_socket(host, port)
     try:
-        from ..config import EngineConfig
+        from ..config import EngineConfig, serving_max_num_batched_tokens
         from ..engine import LLMEngine
         from .openai import create_app
 
+        if not isinstance(model, EngineConfig) and engine_kwargs.get("max_num_batched_tokens") is None:
+            device = engine_kwargs.get("device", "auto")
+            engine_kwargs["max_num_batched_tokens"] = serving_max_num_batched_tokens(device)
         engine = LLMEngine(model) if isinstance(model, EngineConfig) else LLMEngine(model, **engine_kwargs)
-        app = create_app(engine, served_model_name, default_max_tokens=default_max_tokens, api_key=api_key)
+        app = create_app(engine, served_model_name, default_max_tokens=default_max_tokens, api_key=api_key,
+                         limits=limits)
         bound = sock.getsockname()
-        log.info("serving %s on http://%s:%d (KV: %d free pages of 16 tokens, max_model_len %d%s)",
+        lim = app.state.limits
+        log.info("serving %s on http://%s:%d (KV: %d free pages of 16 tokens, max_model_len %d, prefill chunks "
+                 "of %d tokens, at most %d sequences and %d bytes a request%s)",
                  app.state.model_names[0], bound[0], bound[1], engine.cache.capacity_new_pages(),
-                 engine.max_model_len, ", API key required" if api_key else "")
+                 engine.max_model_len, engine.config.max_num_batched_tokens, lim.max_sequences,
+                 lim.max_request_bytes, ", API key required" if api_key else "")
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
         server.run(sockets=[sock])
     finally:

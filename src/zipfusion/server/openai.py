@@ -6,9 +6,15 @@ Same request and response shapes as vLLM (non-OpenAI options such as ``top_k`` a
 Every error, 404 and 405 included, comes back as ``{"error": {"message", "type", "param", "code"}}``
 (:mod:`.errors`); a refused request never disturbs the requests already running.
 
+- Limits (:mod:`.limits`): body size (413), prompts x n, prompt length, stop strings; each is
+  checked before the work it guards (a text that cannot fit is refused before it is tokenized).
+- Values are checked at the edge (:mod:`.protocol`): strict types, finite numbers, ranges, valid
+  Unicode; an unknown field is ignored with a warning in the log (vLLM's behaviour).
 - A request that can never fit (prompt + max_tokens beyond max_model_len) is refused with a
   400 before it enters the batch; the engine checked at start-up that one max_model_len request
   fits in the KV memory, so an accepted request does not fail for lack of memory.
+- /openapi.json describes what the server sends: every status (400, 401 with a key, 404, 413,
+  500; no 422), both content types of a generation route and /metrics as Prometheus text.
 - A client that disconnects, streaming or not, has its requests aborted and their pages freed
   at the next step boundary.
 - Tokenization, chat templates and the final detokenization run on a tokenizer thread, never
@@ -25,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -33,8 +41,21 @@ from ..engine import LLMEngine
 from .auth import APIKeyMiddleware
 from .engine_loop import EngineLoop, Group
 from .errors import error_response, install_error_handlers
+from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, _Body
+
+log = logging.getLogger("zipfusion.server")
+
+
+def default_model_name(source) -> str:
+    """The name a model is served under when --served-model-name is not given: a checkpoint
+    folder's name or a .gguf file's stem, never the absolute path the server was given."""
+    name = str(source.name)
+    if name == "demo" or "/" not in name and "\\" not in name and not name.lower().endswith(".gguf"):
+        return name
+    path = Path(name)
+    return (path.stem if path.suffix.lower() == ".gguf" else path.name) or name
 from .responses import ChatReply, CompletionReply, Reply
 from .streaming import abort_on_disconnect, collect, event_stream
 
@@ -44,9 +65,11 @@ class OpenAIServer:
     tokenizer thread of one app. The route methods carry no return annotation: FastAPI would
     take it for a response model."""
 
-    def __init__(self, engine: LLMEngine, names: list[str], default_max_tokens: int):
+    def __init__(self, engine: LLMEngine, names: list[str], default_max_tokens: int, limits: ServerLimits):
         self.engine, self.names, self.name = engine, names, names[0]
         self.default_max_tokens = default_max_tokens
+        self.limits = limits.resolved(engine.config.max_num_seqs)
+        self.max_token_bytes: int | None = None      # the tokenizer's longest token in bytes (at start-up)
         self.metrics = Metrics(self.name)
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zipfusion-tokenizer")
         self._loop: EngineLoop | None = None
@@ -59,6 +82,8 @@ class OpenAIServer:
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
         self.engine_loop()
+        if self.engine.tokenizer is not None:
+            self.max_token_bytes = await self.off_loop(self.engine.tokenizer.longest_token_bytes)
         yield
         self._loop.shutdown()
         self._loop = None
@@ -73,7 +98,7 @@ class OpenAIServer:
 
     async def models(self):
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "zipfusion",
-                                            "root": self.engine.source.name,
+                                            "root": self.name,
                                             "max_model_len": self.engine.max_model_len}
                                            for n in self.names]}
 
@@ -88,23 +113,50 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, http: Request):
         self.check_model(body)
         body.check()
-        texts, prompts = await self.completion_prompts(body.prompt)
+        self.warn_unknown(body, "/v1/completions")
+        p = body.prompt
+        count = 1 if isinstance(p, str) or all(isinstance(x, int) for x in p) else len(p)
+        body.check_limits(self.limits, count)
+        texts, prompts = await self.completion_prompts(p)
         reply = CompletionReply(self.engine, self.name, self.off_loop, body, prompts, texts)
         return await self.generate(http, body, prompts, reply)
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
         self.check_model(body)
         body.check()
+        self.warn_unknown(body, "/v1/chat/completions")
+        body.check_limits(self.limits)
         if self.engine.tokenizer is None:
             raise BadRequest("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token ids")
+        conversation = body.conversation()
+        self.check_text_fits([m["content"] for m in conversation], "messages")
         try:
-            prompt_ids = await self.off_loop(self.render_chat, body.conversation())
+            prompt_ids = await self.off_loop(self.render_chat, conversation)
         except ValueError as exc:
             raise BadRequest(f"{exc}; use /v1/completions instead") from None
         reply = ChatReply(self.engine, self.name, self.off_loop, body, [prompt_ids])
         return await self.generate(http, body, [prompt_ids], reply)
 
     # -- a generation request, from the body to the reply ------------------------------------------
+    @staticmethod
+    def warn_unknown(body: _Body, route: str) -> None:
+        unknown = body.unknown_fields()
+        if unknown:
+            log.warning("%s: ignored field(s) this server does not know: %s", route,
+                        ", ".join(repr(n)[:64] for n in unknown[:8]) + (" ..." if len(unknown) > 8 else ""))
+
+    def check_text_fits(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot be shorter than max_model_len tokens:
+        more UTF-8 bytes than max_model_len x the longest token (``texts``: one prompt's parts)."""
+        if self.max_token_bytes is None:
+            return
+        limit = self.engine.max_model_len * self.max_token_bytes
+        size = sum(len(t.encode("utf-8")) for t in texts)        # the body limit bounds this work
+        if size > limit:
+            raise BadRequest(f"{param} is {size} bytes of text, more than this model's maximum context length "
+                             f"(max_model_len) of {self.engine.max_model_len} tokens can hold (a token is at most "
+                             f"{self.max_token_bytes} bytes); shorten the prompt", param=param)
+
     def check_model(self, body: _Body) -> None:
         if body.model is not None and body.model not in self.names:
             raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.name!r} "
@@ -123,10 +175,9 @@ class OpenAIServer:
     async def tokenize(self, texts: list[str]) -> list[list[int]]:
         if self.engine.tokenizer is None:
             raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        return await self.off_loop(self.encode_many, texts)
-
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        return [self.engine.tokenizer.encode(t) for t in texts]
+        for i, text in enumerate(texts):
+            self.check_text_fits([text], f"prompt[{i}]" if len(texts) > 1 else "prompt")
+        return await self.off_loop(self.engine.tokenizer.encode_many, texts)
 
     def render_chat(self, conversation: list[dict]) -> list[int]:
         return self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(conversation))
@@ -154,21 +205,130 @@ class OpenAIServer:
         return JSONResponse(await reply.body(group.requests))
 
 
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["integer", "string", "null"]}}}}}
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+
+
+def _responses(api_key: bool, *codes: int) -> dict:
+    text = {400: "A malformed or refused request (OpenAI's error shape)",
+            401: "Missing or wrong API key", 404: "The model named is not served here",
+            413: "The request body is larger than --max-request-bytes",
+            500: "The engine failed while the request ran"}
+    return {c: _error(text[c]) for c in codes if c != 401 or api_key}
+
+
+def _walk(schema, fn) -> None:
+    """Call ``fn`` on ``schema`` and every schema nested in it."""
+    if isinstance(schema, dict):
+        fn(schema)
+        for v in schema.values():
+            _walk(v, fn)
+    elif isinstance(schema, list):
+        for v in schema:
+            _walk(v, fn)
+
+
+def _document_limits(schemas: dict, server: "OpenAIServer") -> None:
+    """The limits of this server and model as JSON-schema bounds (what a request may not
+    exceed); rules across fields (prompt + max_tokens <= max_model_len, best_of == n,
+    top_logprobs needs logprobs) stay 400s, described in the 400's text."""
+    engine, lim = server.engine, server.limits
+    vocab, mml = engine.model_config.vocab_size, engine.max_model_len
+
+    def token_ids(sch):
+        if sch.get("type") == "integer" and sch.get("minimum") == 0:
+            sch["maximum"] = vocab - 1
+
+    def nonempty(sch):
+        if sch.get("type") == "array":
+            sch["minItems"] = 1
+
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas.get(name, {}).get("properties", {})
+        for key in ("max_tokens", "max_completion_tokens"):
+            _walk(props.get(key), lambda sch: sch.update(maximum=mml - 1) if sch.get("type") == "integer" else None)
+        for key in ("logprobs", "top_logprobs"):
+            _walk(props.get(key), lambda sch: sch.update(maximum=engine.config.max_logprobs)
+                  if sch.get("type") == "integer" else None)
+        if "n" in props:
+            props["n"]["maximum"] = min(props["n"].get("maximum", lim.max_sequences), lim.max_sequences)
+        _walk(props.get("stop_token_ids"), token_ids)
+        _walk(props.get("stop_token_ids"), lambda sch: sch.update(maxItems=lim.max_stop_token_ids)
+              if sch.get("type") == "array" else None)
+        _walk(props.get("stop"), lambda sch: sch.update(maxItems=lim.max_stop) if sch.get("type") == "array"
+              else sch.update(maxLength=lim.max_stop_chars) if sch.get("type") == "string" else None)
+        if "prompt" in props:
+            _walk(props["prompt"], token_ids)
+            _walk(props["prompt"], nonempty)
+            for alt in props["prompt"].get("anyOf", []):
+                if alt.get("type") == "array" and alt.get("items", {}).get("type") in ("array", "string"):
+                    alt["maxItems"] = lim.max_sequences
+                elif alt.get("type") == "array":
+                    alt["maxItems"] = mml - 1
+
+
+def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
+    """FastAPI's document, made to say what the server does: no 422 (a bad body is a 400),
+    no validation-error schemas, /metrics as Prometheus text, the served limits as maxima."""
+    def build() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for item in doc.get("paths", {}).values():
+            for op in item.values():
+                op.get("responses", {}).pop("422", None)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        _document_limits(schemas, server)
+        if api_key:
+            doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for path, item in doc.get("paths", {}).items():
+                if path.startswith("/v1"):
+                    for op in item.values():
+                        op["security"] = [{"bearer": []}]
+        app.openapi_schema = doc
+        return doc
+    return build
+
+
 def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, default_max_tokens: int = 256,
-               api_key: str | None = None) -> FastAPI:
-    names = [model_name] if isinstance(model_name, str) else list(model_name or []) or [engine.source.name]
-    server = OpenAIServer(engine, names, default_max_tokens)
+               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """The app serving ``engine``. ``model_name``: the name(s) it answers to (default: the
+    checkpoint folder's name or the .gguf file's stem); ``limits``: see :mod:`.limits`."""
+    names = ([model_name] if isinstance(model_name, str) else list(model_name or [])) or [
+        default_model_name(engine.source)]
+    server = OpenAIServer(engine, names, default_max_tokens, limits or ServerLimits())
     app = FastAPI(title="zipfusion", description="OpenAI-compatible server with a losslessly compressed KV cache",
                   lifespan=server.lifespan)
+    app.add_middleware(BodyLimitMiddleware, limit=server.limits.max_request_bytes,
+                       on_reject=server.metrics.rejected.inc)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)     # outermost: no body is read without the key
     install_error_handlers(app, server.metrics)
     app.state.engine_loop = server.engine_loop
     app.state.metrics = server.metrics
     app.state.model_names = names
+    app.state.limits = server.limits
+    key = bool(api_key)
+    generation = {200: {"description": "The completion (JSON), or server-sent events with stream=true",
+                        "content": {"application/json": {"schema": {"type": "object"}},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                  **_responses(key, 400, 401, 404, 413, 500)}
     app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
-    app.add_api_route("/metrics", server.prometheus, methods=["GET"])
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"], responses=_responses(key, 401))
+    app.add_api_route("/metrics", server.prometheus, methods=["GET"], response_class=PlainTextResponse,
+                      responses={200: {"description": "Prometheus text format",
+                                       "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"], responses=generation)
+    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], responses=generation)
+    app.openapi = _openapi(app, server, key)
     return app

@@ -1,20 +1,31 @@
 """Request bodies of the OpenAI-compatible API and their translation into SamplingParams.
 
-Every field OpenAI defines is either implemented or refused with a 400 that names it; a field
-neither OpenAI nor vLLM defines is refused the same way (``extra="forbid"``), so nothing a
-client asks for is silently ignored. vLLM's extras ``top_k``, ``min_tokens``,
-``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos`` are accepted too.
+Every value is checked here, at the edge, before any work: types are strict (a string is not a
+number or a boolean: ``"max_tokens": "5"`` and ``"stream": "yes"`` are 400s), numbers are finite
+(no NaN or Infinity) and within their ranges, text is valid Unicode (a lone surrogate such as
+``"\ud800"`` is a 400). A field OpenAI defines that this server does not implement (tools,
+JSON mode, ``suffix``) is refused with a 400 that names it. A field nobody here knows is
+accepted and ignored with a warning in the log, as vLLM does (clients send fields newer than
+any server); ``store``, ``metadata``, ``user``, ``service_tier`` and ``reasoning_effort`` are
+accepted and have no effect. vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
+``stop_token_ids`` and ``ignore_eos`` are implemented.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+from typing_extensions import Annotated
 
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 
-MAX_N = 128          # most samples one request may ask for
+MAX_N = 128                   # most samples one request may ask for
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1      # a 64-bit signed seed (vLLM's range)
+Annotated_bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+Annotated_token = Annotated[int, Field(ge=0)]
 
 
 class BadRequest(Exception):
@@ -25,36 +36,130 @@ class BadRequest(Exception):
         self.status, self.param = status, param
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def bad_text(value, where: str = "") -> str | None:
+    """Where in ``value`` (a parsed JSON body) a string is not valid Unicode (a lone surrogate,
+    which JSON's \\uXXXX escapes can carry and UTF-8 cannot): its path, else None. The common
+    case (none) is one pass in C; only a body that has one is walked to name the place."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError):     # not JSON data (a caller's object): walk it
+        pass
+    stack = [(where, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+            bad_key = next((k for k in v if isinstance(k, str) and bad_text(k) is not None), None)
+            if bad_key is not None:
+                return path or "body"
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+class _Strict(BaseModel):
+    """Strict types, finite numbers, valid Unicode."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = bad_text(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_text", "{where}: the text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                "escape), which is not valid Unicode; send UTF-8 text", {"where": where})
+        return data
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# accepted, no effect on the output (OpenAI bookkeeping and reasoning-model knobs)
+ACCEPTED_NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort")
+# not declared, yet refused rather than ignored: ignoring them would change what the client gets
+REFUSED_EXTRAS = {"functions": "functions (function calling) are not supported by this server",
+                  "function_call": "function_call (function calling) is not supported by this server",
+                  "audio": "audio output is not supported by this server (text only)"}
+
+
+class _Body(_Strict):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float = 1.0
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None                      # an end-user id: logged by OpenAI, no effect on output
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, Annotated_bias] | None = None
+    # accepted, no effect (see ACCEPTED_NO_EFFECT)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
     # vLLM / SGLang extras
-    top_k: int = -1
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
+    top_k: int = Field(default=-1, ge=-1)
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    stop_token_ids: list[Annotated_token] | None = None
     ignore_eos: bool = False
 
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
     def check_common(self) -> None:
+        extra = self.model_extra or {}
+        for name in sorted(extra):
+            if name in REFUSED_EXTRAS:
+                raise BadRequest(REFUSED_EXTRAS[name], param=name)
+        # the chat route's refusals, when a client sends them to /v1/completions
+        fmt = extra.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise BadRequest(f"response_format {fmt!r} is not supported (only {{'type': 'text'}}: no JSON mode or "
+                             "structured output)", param="response_format")
+        if extra.get("tools") or extra.get("tool_choice") not in (None, "none"):
+            raise BadRequest("tools are not supported by this server (no function calling)", param="tools")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
+        asked = self.requested_max_tokens()
+        if asked is not None and self.min_tokens > asked:
+            raise BadRequest(f"min_tokens={self.min_tokens} is more than max_tokens={asked}; lower min_tokens",
+                             param="min_tokens")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise BadRequest(f"seed + n - 1 must be <= {SEED_MAX} (sample i uses seed + i); pick a smaller seed",
+                             param="seed")
+
+    def check_limits(self, limits, prompts: int = 1) -> None:
+        """The server's per-request limits (:class:`~.limits.ServerLimits`) that need no tokenizer."""
+        if prompts * self.n > limits.max_sequences:
+            raise BadRequest(f"{prompts} prompt(s) x n={self.n} = {prompts * self.n} sequences; this server takes "
+                             f"at most {limits.max_sequences} per request (--max-sequences-per-request): "
+                             "split the request", param="n" if prompts == 1 else "prompt")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > limits.max_stop:
+            raise BadRequest(f"{len(stops)} stop strings; at most {limits.max_stop} are allowed", param="stop")
+        long = [s for s in stops if len(s) > limits.max_stop_chars]
+        if long:
+            raise BadRequest(f"a stop string of {len(long[0])} characters; at most {limits.max_stop_chars} are "
+                             "allowed", param="stop")
+        if len(self.stop_token_ids or ()) > limits.max_stop_token_ids:
+            raise BadRequest(f"{len(self.stop_token_ids)} stop_token_ids; at most {limits.max_stop_token_ids} "
+                             "are allowed", param="stop_token_ids")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -90,10 +195,10 @@ class _Body(BaseModel):
 
 
 class CompletionRequest(_Body):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[Annotated_token], list[list[Annotated_token]]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
     return_token_ids: bool = False        # vLLM's: each choice (and each streamed chunk) carries its token ids
 
@@ -112,8 +217,7 @@ class CompletionRequest(_Body):
         return self.logprobs
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
