@@ -100,6 +100,12 @@ class AttentionBackend:
             from ..kernels.flashinfer_decode import FlashInferDecode
             self._flashinfer = FlashInferDecode(arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step can be captured as a CUDA graph (torch attention reads the
+        context lengths on the host: dynamic shapes)."""
+        return self.kind != "torch"
+
     @classmethod
     def from_config(cls, config, cache, model_config, tp_size: int = 1) -> "AttentionBackend":
         """The engine's backend (``tp_size``: this rank holds 1/tp_size of the heads)."""

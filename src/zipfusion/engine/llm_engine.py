@@ -117,9 +117,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
-        # CUDA graphs need the arena path (the dense cache's torch attention has dynamic shapes)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
-                                  use_cuda_graphs=not cfg.enforce_eager and isinstance(self.cache, ArenaKVCache))
+                                  use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
         if self.tp:
             self.runner = self.tp.wrap_runner(self.runner, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
