@@ -94,3 +94,37 @@ def test_fused_rope_store_is_the_torch_path_bit_for_bit(ckpt):
         for x, y in zip(kva, kvb):                                 # K, V incl. the decoded token
             assert torch.equal(x, y)
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
+    """Deterministic mode, compressed pages: a long prefill chunk's rows run the twin over an
+    open copy of the request's pages; that gives the fused kernel's bits on the pages themselves,
+    and the run's tokens and logits equal the uncompressed run's and a whole-prompt run's."""
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (50, 9)]
+    res = {}
+    for name, kw in (("compressed", dict(kv_compression=True)), ("uncompressed", dict(kv_compression=False)),
+                     ("whole", dict(kv_compression=True, max_num_batched_tokens=8192))):
+        opts = dict(dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                    deterministic=True, max_num_batched_tokens=24, max_model_len=512)
+        opts.update(kw)
+        eng = LLM(str(ckpt), **opts).engine
+        reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in ps]
+        run_to_completion(eng, reqs, keep_logits=True)
+        res[name] = reqs
+        if name == "compressed":                          # the copy against the pages themselves
+            eng.scheduler.seal_full_pages([], force=True)
+            r = eng.add_request(ps[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            eng.step()
+            eng.step()                                    # 48 prompt tokens, sealed
+            eng.scheduler.seal_full_pages([], force=True)
+            assert eng.cache.manager.page_state(r.pages[0]) == "compressed"
+            q = torch.randn(20, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+            pages = torch.tensor(r.pages[:2], dtype=torch.int32, device=DEVICE)
+            lens = torch.arange(13, 33, dtype=torch.int32, device=DEVICE)
+            a = eng.attention.decode_over_open_copy(0, q, pages, lens)
+            b = eng.attention.decode(0, q, pages.expand(20, 2).contiguous(), lens)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b, w in zip(res["compressed"], res["uncompressed"], res["whole"]):
+        assert a.output_ids == b.output_ids == w.output_ids
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a.logits, b.logits, w.logits))

@@ -37,7 +37,10 @@ recomputed) tokens. :meth:`AttentionBackend.plan` turns that into a :class:`Step
 Deterministic mode: a prefill token attends exactly as it would as a decode row (the decode
 kernel over its request's pages with its own context length, a fixed split of
 ``DETERMINISTIC_SPLIT_PAGES``), so its sums run in the same order whether it was computed in a
-prompt chunk of any size, a recompute after preemption, or a decode step.
+prompt chunk of any size, a recompute after preemption, or a decode step. With compressed pages a
+long chunk's rows run the *twin* over an open copy of the request's pages (restored once per
+layer by ``gather_kv``): the twin gives the fused kernel's bits (the same arithmetic after the
+restore), and thousands of rows re-reading one prefix no longer restore it thousands of times.
 """
 
 from __future__ import annotations
@@ -152,6 +155,22 @@ class AttentionBackend:
                                        plan.q_start, c.layout, self.sm_scale, compressed=self.compressed,
                                        plan=plan.work, validate=False)
 
+    def decode_over_open_copy(self, layer: int, q: torch.Tensor, pages: torch.Tensor, context_lens: torch.Tensor):
+        """The decode kernel's rows (q [n, Hq, D], each with its context length) over an open copy
+        of one request's ``pages``: the twin on restored pages, bit-identical to the fused kernel
+        on the pages themselves (see the module docstring)."""
+        from ..kernels import decode_attention_twin
+        c, P = self.cache, pages.numel()
+        k, v = self.read_context(layer, pages, P * PAGE_TOKENS)          # whole pages, as stored
+        H, D = c.num_kv_heads, c.head_dim
+        copy = torch.stack([k.view(P, PAGE_TOKENS, H, D), v.view(P, PAGE_TOKENS, H, D)], dim=1)
+        arena = copy.view(-1).view(torch.uint8)
+        loc = torch.arange(P, dtype=torch.int64, device=q.device) * c.layout.open_page_bytes + 1
+        table = torch.arange(P, dtype=torch.int32, device=q.device).expand(q.shape[0], P)
+        kw = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if self.deterministic else {}
+        return decode_attention_twin(q, arena, loc, table, context_lens, c.layout, self.sm_scale,
+                                     validate=False, **kw)
+
     def read_context(self, layer: int, pages: torch.Tensor, num_tokens: int):
         """K, V [num_tokens, H, D] of a request's first tokens, restored from its pages."""
         if self.kind == "kernel" or (self.kind == "flashinfer" and hasattr(self.cache, "arena")):
@@ -198,9 +217,13 @@ class StepKV:
         # "rows": the chunk's tokens as decode rows (its request's pages, each token's length)
         self._rows = {i: _decode_rows(ch, device) for i, ch in enumerate(chunks) if self._routes[i] == "rows"}
         self._paged = _paged_chunks(backend, chunks, self._routes, num_decode, device)
+        # "gather", and long "rows" chunks over compressed pages: the request's pages, as a tensor
+        self._copy = backend.kind == "kernel" and backend.compressed
         self._pages = {i: torch.tensor(ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)], dtype=torch.int32,
                                        device=device)
-                       for i, ch in enumerate(chunks) if self._routes[i] == "gather"}
+                       for i, ch in enumerate(chunks)
+                       if self._routes[i] == "gather" or (self._routes[i] == "rows" and self._copy
+                                                          and ch.length > ROWS_MAX_TOKENS)}
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
@@ -219,7 +242,9 @@ class StepKV:
             sl = slice(off, off + ch.length)
             off += ch.length
             route = self._routes[i]
-            if route == "rows":
+            if route == "rows" and i in self._pages:
+                out[sl] = b.decode_over_open_copy(layer, q[sl], self._pages[i], self._rows[i][1])
+            elif route == "rows":
                 out[sl] = b.decode(layer, q[sl], *self._rows[i])
             elif route == "fresh":
                 out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, b.sm_scale)
