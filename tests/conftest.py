@@ -11,6 +11,7 @@ GPU machine ``python -m pytest -m gpu`` runs all of them.
 """
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -41,6 +42,12 @@ def pytest_collection_modifyitems(config, items):
 settings.register_profile("ci", derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture
+def seed(request):
+    """A fixed seed per test and parametrization (from its id): reruns draw the same inputs."""
+    return zlib.crc32(request.node.nodeid.encode()) % 2**31
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,7 +5,6 @@ sizes; the tests marked gpu (large shapes, the CUDA kernel, the Triton kernel co
 only where a CUDA GPU is present. Every random draw is seeded; a failing check names its seed.
 """
 
-import zlib
 
 import pytest
 import torch
@@ -19,12 +18,6 @@ from zipfusion.kernels import (decode_attention, decode_attention_twin, decode_a
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
-
-
-@pytest.fixture
-def seed(request):
-    """A fixed seed per test and parametrization (from its id): reruns draw the same inputs."""
-    return zlib.crc32(request.node.nodeid.encode()) % 2**31
 
 
 def make_case(contexts, H, G, D, kind, seed, device=DEV):

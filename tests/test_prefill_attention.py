@@ -4,7 +4,6 @@ CPU tests run the Triton kernel under the interpreter (tests/conftest.py) at tin
 tests marked gpu run the compiled kernel at the benchmark's shapes. Every draw is seeded.
 """
 
-import zlib
 
 import pytest
 import torch
@@ -19,11 +18,6 @@ from zipfusion.kernels import (paged_prefill_attention, plan_prefill,
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
-
-
-@pytest.fixture
-def seed(request):
-    return zlib.crc32(request.node.nodeid.encode()) % 2**31
 
 
 def adversarial(pages, gen):

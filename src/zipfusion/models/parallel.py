@@ -34,11 +34,7 @@ class TensorParallel:
         if not ordered or self.size == 2:
             torch.distributed.all_reduce(x, group=self.group)
             return x
-        x2 = x.contiguous()
-        parts = torch.empty((self.size * x2.shape[0],) + tuple(x2.shape[1:]), dtype=x.dtype, device=x.device)
-        dist = torch.distributed
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x2, group=self.group)
-        parts = parts.view(self.size, *x2.shape)
+        parts = self._gather(x)
         acc = parts[0].float()
         for i in range(1, self.size):
             acc = acc + parts[i].float()
@@ -49,12 +45,16 @@ class TensorParallel:
         """[..., n] on every rank -> [..., size·n]: the ranks' parts side by side, rank order."""
         if self.size == 1:
             return x
+        out = self._gather(x)
+        return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x, in rank order."""
         x = x.contiguous()
         out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist = torch.distributed
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=self.group)
-        out = out.view(self.size, *x.shape)
-        return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+        return out.view(self.size, *x.shape)
 
 
 _TP = TensorParallel()
