@@ -30,7 +30,8 @@ from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402
 from zipfusion.engine.sampling import Sampler  # noqa: E402
 from zipfusion.models import build_model, resolve_model  # noqa: E402
-from zipfusion.models.fused import rmsnorm, rope_and_store, silu_and_mul  # noqa: E402
+from zipfusion.kernels.rope_store import rope_and_store  # noqa: E402
+from zipfusion.models.fused import rmsnorm, silu_and_mul  # noqa: E402
 
 
 def graph_ms(fn, reps=10):

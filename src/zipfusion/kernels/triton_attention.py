@@ -5,8 +5,8 @@ This is the CPU-checkable reference (Triton interpreter) and the GPU fallback of
 checked, and this kernel chosen, by ``decode_attention.py``.
 
 One query token per request. The KV cache lives in one ``uint8`` arena (docs/design.md): a page
-is either *open* (``[2, 16, H, D]`` bf16, ``page_loc = offset | 1``) or *compressed*
-(docs/format.md, ``page_loc = offset``). The fused kernel restores compressed blocks to BF16 in
+is either *open* (``[2, 16, H, D]`` bf16) or *compressed* (docs/format.md), as its
+``page_loc`` says (format/layout.py: ``loc_is_open``, ``loc_offset``). The fused kernel restores compressed blocks to BF16 in
 registers -- nothing decompressed is written to global memory -- and runs flash-decoding on them.
 
 Work split (flash decoding, ``splits.py``). Program ``(b, h, s)`` takes request ``b``, KV head
@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..format.layout import loc_is_compressed, loc_is_open, loc_offset
 from ..triton_interpreter import kernel_module
 from .splits import plan_splits
 
@@ -69,6 +70,13 @@ def _kernels(device: torch.device):
     compiled import: from this module's interpreted copy)."""
     m = kernel_module(device, __name__, __file__, _interpreting())
     return m._decode_attention_kernel, m._merge_kernel, device.type == "cpu"
+
+
+# The page-location tag (format/layout.py), made here so that this module's interpreted copy
+# makes interpreted twins.
+_loc_is_open = triton.jit(loc_is_open)
+_loc_is_compressed = triton.jit(loc_is_compressed)
+_loc_offset = triton.jit(loc_offset)
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,8 +234,8 @@ def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
     pid = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page, mask=in_range, other=0)
     loc = tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1)
     if COMPRESSED:
-        cm = in_range & ((loc & 1) == 0)
-        rec = (loc - (loc & 1)) // 4 + h * (2 * REC_W)
+        cm = in_range & _loc_is_compressed(loc)
+        rec = _loc_offset(loc) // 4 + h * (2 * REC_W)
         kf = tl.load(arena32 + rec, mask=cm, other=0)
         kh0 = tl.load(arena32 + rec + 1, mask=cm, other=0)
         vf = tl.load(arena32 + rec + REC_W, mask=cm, other=0)
@@ -264,8 +272,8 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
     TPB: tl.constexpr = 512 // D
     page = p0 + slot
     valid = (page < p_end) & (page * 16 + t < ctx)
-    is_open = (loc & 1) != 0
-    base_w = (loc - (loc & 1)) // 4                      # page start, in 32-bit words
+    is_open = _loc_is_open(loc)
+    base_w = _loc_offset(loc) // 4                      # page start, in 32-bit words
     g = tl.arange(0, NG)[None, :]
     tt = t[:, None]
     # ---- K: group (t, g) lies in block j = g // 4, group t·4 + g % 4 of that block

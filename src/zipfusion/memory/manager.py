@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from ..format import PageLayout
-from ..format.layout import COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES
+from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_open, loc_offset, moved_loc,
+                             open_loc)
 from . import codec
 from .chunks import ChunkPool, groups_available
 from .copy import move_ranges
@@ -169,7 +170,7 @@ class KVCacheManager:
         ids = t.take_ids(n)
         t.state[ids] = OPEN
         t.group[ids], t.slot[ids] = groups, slots
-        t.loc[:, ids] = self.open.offsets(groups, slots) | 1
+        t.loc[:, ids] = open_loc(self.open.offsets(groups, slots))
         t.sync(ids)
         self._counts[OPEN] += n
         return ids.tolist()
@@ -204,7 +205,7 @@ class KVCacheManager:
         if op.size:
             self._release_groups(self.open.free(t.group[op], t.slot[op]))
         if st.size:
-            locs = t.loc[:, st] & ~1
+            locs = loc_offset(t.loc[:, st])
             sizes = t.size[:, st]
             self._comp_blocks -= self._compressible_blocks(sizes).sum(1)
             self._stored_bytes -= int(sizes.sum())
@@ -267,7 +268,7 @@ class KVCacheManager:
             return []
         state = None
         if sizes is None:
-            state, flat = codec.analyze(self.arena, (t.loc[:, ids] & ~1).reshape(-1), self.layout)
+            state, flat = codec.analyze(self.arena, loc_offset(t.loc[:, ids]).reshape(-1), self.layout)
             sizes = flat.reshape(L, n)
         order = np.lexsort((t.slot[ids], t.group[ids]))
         S = self.slots_per_chunk
@@ -331,9 +332,9 @@ class KVCacheManager:
             enc = ~as_open
             codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
             if as_open.any():
-                src = t.loc[:, batch] & ~1
+                src = loc_offset(t.loc[:, batch])
                 move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
-        t.loc[:, batch] = np.where(as_open, dst | 1, dst)
+        t.loc[:, batch] = np.where(as_open, open_loc(dst), dst)
         t.size[:, batch] = stored
         t.state[batch] = STORED
         self._comp_blocks += self._compressible_blocks(sizes).sum(1)
@@ -416,7 +417,7 @@ class KVCacheManager:
             return 0
         t = self.table
         ids = np.nonzero(t.state == STORED)[0]
-        locs = t.loc[layer, ids] & ~1
+        locs = loc_offset(t.loc[layer, ids])
         sizes = t.size[layer, ids]
         plan = self.packed.plan_repack(layer, locs, sizes, want)
         if plan is None:                  # nothing to gain: leave the pages where they are
@@ -425,7 +426,7 @@ class KVCacheManager:
         moved = order[new_locs[order] != locs[order]]
         self._timed_move(locs[moved], new_locs[moved], sizes[moved])
         self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
-        t.loc[layer, ids] = new_locs | (t.loc[layer, ids] & 1)
+        t.loc[layer, ids] = moved_loc(t.loc[layer, ids], new_locs)
         self.pool.release([(c, self.pool.pool_of(layer)) for c in freed])
         self.pages_moved += int(moved.size)
         self.bytes_moved += int(sizes[moved].sum())
@@ -457,7 +458,7 @@ class KVCacheManager:
         """View [2, 16, H, D] bf16 of an open page in the arena (write new tokens through it)."""
         self._check_layer(layer)
         pid = int(self.table.check([page_id], OPEN, "open_page")[0])
-        loc = int(self.table.loc[layer, pid]) & ~1
+        loc = loc_offset(int(self.table.loc[layer, pid]))
         n = self.layout.open_page_bytes
         return self.arena[loc:loc + n].view(torch.bfloat16).view(2, 16, self.layout.num_kv_heads,
                                                                   self.layout.head_dim)
@@ -470,11 +471,11 @@ class KVCacheManager:
         H, D = self.layout.num_kv_heads, self.layout.head_dim
         out = torch.empty(ids.size, 2, 16, H, D, dtype=torch.bfloat16, device=self.device)
         loc = t.loc[layer, ids]
-        is_open = (loc & 1) == 1
+        is_open = loc_is_open(loc)
         if is_open.any():
             sel = np.nonzero(is_open)[0]
             out[torch.from_numpy(sel).to(self.device)] = codec.gather_open_pages(
-                self.arena, torch.from_numpy(loc[sel] & ~1), self.layout)
+                self.arena, torch.from_numpy(loc_offset(loc[sel])), self.layout)
         if (~is_open).any():
             sel = np.nonzero(~is_open)[0]
             out[torch.from_numpy(sel).to(self.device)] = codec.decode(
