@@ -438,8 +438,8 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, n
 # Host side
 # ------------------------------------------------------------------------------------------
 
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages: int,
-                       device: torch.device) -> int:
+def _default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages: int,
+                        device: torch.device) -> int:
     """Split-KV factor: about 4 programs per SM, each with at least 4 tiles of work."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -473,7 +473,7 @@ def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens,
         return out
     max_pages = block_table.shape[1]
     plan = plan_splits(out, max_pages, num_splits, split_pages,
-                       lambda: default_num_splits(B, H, max_pages, TP, q.device), TP)
+                       lambda: _default_num_splits(B, H, max_pages, TP, q.device), TP)
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
     attn_kernel[(B, H, plan.count)](
         q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,

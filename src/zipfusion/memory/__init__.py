@@ -4,10 +4,10 @@
 the scheduler its admission numbers; ``MemoryExhausted`` is the preemption signal.
 """
 
-from .admission import Admission, RunningRequest, pages_for_tokens
+from .admission import Admission, RunningRequest
 from .errors import BudgetTooSmall, MemoryExhausted
 from .manager import KVCacheManager
 from .stats import LayerStats, MemoryStats
 
 __all__ = ["Admission", "BudgetTooSmall", "KVCacheManager", "LayerStats", "MemoryExhausted", "MemoryStats",
-           "RunningRequest", "pages_for_tokens"]
+           "RunningRequest"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..format import PageLayout, decode_pages, encode_pages_into, page_sizes
+from ..format import PAGE_TOKENS, PageLayout, decode_pages, encode_pages_into, page_sizes
 from .copy import to_device
 
 try:                                          # needs Triton; optional on CPU
@@ -42,7 +42,7 @@ def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: Pa
     else:
         idx = src_offsets.to(arena.device)[:, None] + torch.arange(nbytes, device=arena.device)
         pages = arena[idx.reshape(-1)].view(torch.bfloat16)
-    return pages.view(-1, 2, 16, layout.num_kv_heads, layout.head_dim)
+    return pages.view(-1, 2, PAGE_TOKENS, layout.num_kv_heads, layout.head_dim)
 
 
 def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout):

@@ -297,7 +297,7 @@ class KVCacheManager:
         A prefix's fresh chunks per layer are the placement's chunk ordinal at its last page.
         """
         S, m = self.slots_per_chunk, stored.shape[1]
-        plan = self.packed._split(stored)
+        plan = self.packed.placement(stored)
         ends = np.minimum(np.arange(S, m + S, S), m) - 1
         need = plan.ordinal[:, ends]                                   # [L, batches]
         if self.pool.shared:
@@ -377,7 +377,7 @@ class KVCacheManager:
         that placing ``stored`` [L, k] needs (the reserve may be used), compacting if it must;
         None if even compaction cannot make the room. Compaction moves fill pointers, so the
         need is recomputed after it."""
-        split = self.packed._split(stored)
+        split = self.packed.placement(stored)
         need = self.packed.chunks_needed(stored, split)
         if self.pool.shared:
             for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
@@ -385,13 +385,13 @@ class KVCacheManager:
                 if missing <= 0:
                     break
                 if self._compact_layer(layer, want=missing):
-                    split = self.packed._split(stored)
+                    split = self.packed.placement(stored)
                     need = self.packed.chunks_needed(stored, split)
             return split if self.pool.available(0) >= need.sum() else None
         for layer in np.nonzero(need)[0].tolist():
             missing = int(need[layer]) - self.pool.available(layer)
             if missing > 0 and self._compact_layer(layer, want=missing):
-                split = self.packed._split(stored)
+                split = self.packed.placement(stored)
                 need = self.packed.chunks_needed(stored, split)
             if self.pool.available(layer) < need[layer]:
                 return None
