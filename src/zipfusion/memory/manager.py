@@ -17,8 +17,9 @@ once: free slots of the open groups plus ``S`` per group of ``L`` chunks the poo
 baseline), counting chunks that compaction is sure to free, and keeping ``reserve`` chunks per
 layer for compression (compressed space is taken before the open slots are freed).
 
-``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short:
-the scheduler's signal to preempt. ``compress_pages`` never fails: a page that finds no room
+``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short
+(the scheduler asks ``capacity_new_pages()`` first and preempts before allocating, so the
+engine never meets it). ``compress_pages`` never fails: a page that finds no room
 stays open (still a valid page) and is returned to be sealed again later.
 
 Compaction is incremental: it evacuates a layer's emptiest packed chunks, just enough of them
