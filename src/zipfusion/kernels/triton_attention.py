@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..format.layout import loc_is_compressed, loc_is_open, loc_offset
+from ..format.layout import PAGE_TOKENS, loc_is_compressed, loc_is_open, loc_offset
 from ..triton_interpreter import kernel_module
 from .splits import plan_splits
 
@@ -77,6 +77,7 @@ def _kernels(device: torch.device):
 _loc_is_open = triton.jit(loc_is_open)
 _loc_is_compressed = triton.jit(loc_is_compressed)
 _loc_offset = triton.jit(loc_offset)
+PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
 
 
 # ------------------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
     NG: tl.constexpr = D // 8
     TPB: tl.constexpr = 512 // D
     page = p0 + slot
-    valid = (page < p_end) & (page * 16 + t < ctx)
+    valid = (page < p_end) & (page * PT + t < ctx)
     is_open = _loc_is_open(loc)
     base_w = _loc_offset(loc) // 4                      # page start, in 32-bit words
     g = tl.arange(0, NG)[None, :]
@@ -293,7 +294,7 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
         k_lo, k_code, k_plain, k_packed, k_hb = _open_only(k_open)
     kv_valid = valid[:, None] & (g >= 0)
     # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
-    v_open = base_w[:, None] + ((16 + tt) * H + h) * (D // 2) + 4 * g
+    v_open = base_w[:, None] + ((PT + tt) * H + h) * (D // 2) + 4 * g
     if COMPRESSED:
         jv = t // TPB
         cumv = _role_bytes(vh0, vh1, NB)
@@ -351,10 +352,10 @@ def _decode_attention_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    R: tl.constexpr = TP * 16
+    R: tl.constexpr = TP * PT
 
     ctx = tl.load(ctx_ptr + b)
-    n_pages = (ctx + 15) // 16
+    n_pages = (ctx + PT - 1) // PT
     p_begin = s * pages_per_split
     p_end = tl.minimum(p_begin + pages_per_split, n_pages)
 
@@ -365,8 +366,8 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=qmask, other=0.0)
 
     r = tl.arange(0, R)
-    t = r % 16                      # token inside its page
-    slot = r // 16                  # page inside the tile
+    t = r % PT                      # token inside its page
+    slot = r // PT                  # page inside the tile
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)
     l_i = tl.full([G_PAD], 0.0, tl.float32)
     acc = tl.full([G_PAD, D], 0.0, tl.float32)
@@ -414,7 +415,7 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, n
     table's width) when the split size is fixed.
     """
     row = tl.program_id(0).to(tl.int64)
-    n_pages = (tl.load(ctx_ptr + row // HQ) + 15) // 16
+    n_pages = (tl.load(ctx_ptr + row // HQ) + PT - 1) // PT
     n = tl.minimum(tl.maximum((n_pages + pages_per_split - 1) // pages_per_split, 1), num_splits)
     base = row * num_splits
     d = tl.arange(0, D)
