@@ -418,7 +418,7 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
     check(keep)
     moved = m.bytes_moved - b0
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else device,
-           "torch": torch.__version__, "codec": "triton" if codec._use_triton(m.arena) else "torch reference",
+           "torch": torch.__version__, "codec": "triton" if codec.uses_triton(m.arena) else "torch reference",
            "layers": layers, "pages": len(ids), "budget_bytes": budget, "fraction": 0.8,
            "bit_exact_after_compress_and_compaction": True,
            "compress_prefill_chunk_128_pages_ms_median": 1e3 * statistics.median(t_chunk[1:] or t_chunk),

@@ -23,7 +23,7 @@ Uncompressed methods do not depend on the data: one synthetic measurement serves
 
 Each engine method runs in its own process (``--worker METHOD``).
 
-    python3 benchmarks/e2e.py --out DIR                  # H200 (scripts/e2e_gpu.sh)
+    python3 benchmarks/e2e.py --out DIR                  # H200 (scripts/gpu/e2e_gpu.sh)
     python3 benchmarks/e2e.py --smoke --out DIR          # CPU, demo model, tiny: checks the script
 Writes DIR/e2e.json ({"meta", "records"}), DIR/e2e.md, DIR/e2e.png.
 """

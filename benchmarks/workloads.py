@@ -282,7 +282,7 @@ def skip_reason(mode: str, scen: Scenario, device: str) -> str | None:
     if scen.deterministic:
         return "FlashInfer's decode is not batch-invariant (the engine refuses deterministic=True with it)"
     if importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer is not installed (pip install flashinfer-python, or scripts/carry_wheels.sh)"
+        return "flashinfer is not installed (pip install flashinfer-python, or scripts/gpu/carry_wheels.sh)"
     return None
 
 

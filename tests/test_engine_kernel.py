@@ -33,7 +33,7 @@ def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
     eng.step()                                                      # prefill
     eng.scheduler.seal_full_pages([], force=True)                   # full pages compressed now
     assert eng.cache.manager.page_state(reqs[0].pages[0]) == "compressed"
-    b = eng.runner._decode_inputs(reqs, 4)                          # one padding row
+    b = eng.runner.decode_inputs(reqs, 4)                          # one padding row
     q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
     lens = b["context_lens"] - 1                                    # tokens already written
     lens[3] = 1

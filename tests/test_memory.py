@@ -455,7 +455,7 @@ def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
         pytest.skip("zipfusion.format.triton_codec is not importable")
     results = []
     for use_triton in (False, True):
-        monkeypatch.setattr(codec, "_use_triton", lambda arena, use=use_triton: use)
+        monkeypatch.setattr(codec, "uses_triton", lambda arena, use=use_triton: use)
         m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
         ids = m.alloc_pages(6)
         written = fill(m, ids, [0.7, 0.0])

@@ -57,7 +57,7 @@ def test_rope_and_store_is_the_torch_rope_bit_for_bit_and_writes_the_open_pages(
     """One rope arithmetic: the kernel's rotated q and k (and the K/V it stores) are the torch
     path's bits (models.layers.apply_rope + PageLayout.open_elements)."""
     from zipfusion.format import PageLayout
-    from zipfusion.models.fused import rope_and_store
+    from zipfusion.kernels.rope_store import rope_and_store
     from zipfusion.models.layers import apply_rope
     T, Hq, H, D = 3, 4, 2, 64
     qkv = (torch.randn(T, (Hq + 2 * H) * D, generator=torch.Generator().manual_seed(2)) * 3).to(dtype).to(device)

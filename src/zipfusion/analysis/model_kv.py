@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.attention import prefill_attention
+from ..format.layout import PAGE_TOKENS
 from ..models import build_model, load_tokenizer, resolve_model
 from ..models.layers import apply_rope
 from .kv_stats import KVReport, analyze_kv
@@ -74,15 +75,16 @@ def load_for_analysis(model: str, *, device: str = "cpu", load_format: str = "au
 
 def text_ids(tokenizer, text: str, max_tokens: int) -> list[int]:
     ids = tokenizer.encode(text)[:max_tokens]
-    if len(ids) < 16:
-        raise ValueError(f"a text of {len(ids)} tokens fills no 16-token page; give longer texts")
+    if len(ids) < PAGE_TOKENS:
+        raise ValueError(f"a text of {len(ids)} tokens fills no {PAGE_TOKENS}-token page; give longer texts")
     return ids
 
 
 def merge_full_pages(per_text: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) of several texts, each text cut to whole 16-token pages, concatenated."""
-    return [(torch.cat([t[i][0][: t[i][0].shape[0] // 16 * 16] for t in per_text]),
-             torch.cat([t[i][1][: t[i][1].shape[0] // 16 * 16] for t in per_text]))
+    def whole(x):
+        return x[: x.shape[0] // PAGE_TOKENS * PAGE_TOKENS]
+    return [(torch.cat([whole(t[i][0]) for t in per_text]), torch.cat([whole(t[i][1]) for t in per_text]))
             for i in range(len(per_text[0]))]
 
 

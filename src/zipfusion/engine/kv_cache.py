@@ -97,7 +97,7 @@ class ArenaKVCache(KVCache):
         the open pages at (page_ids[t], slots[t]); returns (q, k, v) rotated (k, v None unless
         ``want_kv``: decode rows read everything from the pages)."""
         if self.fused_store:
-            from ..models.fused import rope_and_store
+            from ..kernels.rope_store import rope_and_store
             q, k = rope_and_store(q, k, v, cos, sin, self.arena, self.page_loc[layer], page_ids, slots,
                                   want_k=want_kv)
             return q, k, (v if want_kv else None)

@@ -15,6 +15,7 @@ from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..models.parallel import TensorParallel, use as use_parallel
 from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL_LEN, GPU_MEMORY_UTILIZATION,
                      EngineConfig)
+from ..format.layout import PAGE_TOKENS
 from ..memory import BudgetTooSmall
 from .attention import AttentionBackend
 from .kv_cache import ArenaKVCache, DenseKVCache
@@ -171,10 +172,10 @@ class LLMEngine:
         """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
         max_model_len given explicitly that does not fit is an error; a default one is lowered."""
         graphs = self.device.type == "cuda" and not self.config.enforce_eager and isinstance(self.cache, ArenaKVCache)
-        fits = (self.cache.capacity_new_pages() - graphs) * 16          # CUDA graphs take a scratch page
+        fits = (self.cache.capacity_new_pages() - graphs) * PAGE_TOKENS          # CUDA graphs take a scratch page
         if fits >= self.max_model_len:
             return
-        if asked or fits < 16:
+        if asked or fits < PAGE_TOKENS:
             raise ValueError(f"the KV memory ({self.kv_memory_gb:g} GiB) holds {max(fits, 0)} tokens, fewer than "
                              f"max_model_len={self.max_model_len}; give more kv_memory_gb or a smaller max_model_len")
         log.warning("max_model_len lowered from %d to %d: what %.3g GiB of KV memory holds",

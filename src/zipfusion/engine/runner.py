@@ -46,7 +46,7 @@ class ModelRunner:
         if not out.prefill:
             return self.decode(out.decode)
         n = len(out.decode)
-        dec = self._decode_inputs(out.decode, n) if n else None
+        dec = self.decode_inputs(out.decode, n) if n else None
         if dec is not None:
             self.attention.prepare_decode(dec["context_lens"], dec["block_table"])
         ids, pos, pages, slots, last = [], [], [], [], []
@@ -80,7 +80,7 @@ class ModelRunner:
     # asynchronous copies; without graphs, in fresh host arrays.
     VECTORS = ("input_ids", "positions", "page_ids", "slots")         # int64, rows of one buffer
 
-    def _decode_inputs(self, reqs: list[Request], bs: int, host: dict | None = None) -> dict:
+    def decode_inputs(self, reqs: list[Request], bs: int, host: dict | None = None) -> dict:
         """Host decode inputs, padded to ``bs`` rows with the scratch page (written into
         ``host``, the staging buffers, when given)."""
         W = self.max_pages_per_req
@@ -143,12 +143,12 @@ class ModelRunner:
         n = len(reqs)
         i = bisect.bisect_left(self._buckets, n)              # the smallest captured size >= n
         if i == len(self._buckets):
-            host = self._decode_inputs(reqs, n)
+            host = self.decode_inputs(reqs, n)
             self.attention.prepare_decode(host["context_lens"], host["block_table"])
             return self._decode_forward({k: v.to(self.device, non_blocking=True) for k, v in host.items()})
         bucket = self._buckets[i]
         self._staged.synchronize()                 # the last step's copies have left the staging buffers
-        self._decode_inputs(reqs, bucket, self._host)
+        self.decode_inputs(reqs, bucket, self._host)
         self.attention.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
                                       graph=True)
         self._static["vec"].copy_(self._host["vec"], non_blocking=True)
@@ -179,7 +179,7 @@ class ModelRunner:
         top = buckets[-1]
         self._row_owner = [None] * top
         self._host = {k: v.pin_memory() for k, v in self._new_buffers(top).items()}
-        self._decode_inputs([], top, self._host)                       # all rows padding
+        self.decode_inputs([], top, self._host)                       # all rows padding
         self._static = {k: v.to(self.device) for k, v in self._host.items()}
         self._staged = torch.cuda.Event()
         self._logits = torch.empty(top, self.model.config.vocab_size, dtype=torch.float32, device=self.device)

@@ -67,7 +67,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 8192, admission: str = "estimate", seal_max_wait: int = SEAL_MAX_WAIT):
+                 max_model_len: int = 8192, admission: str = "estimate"):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
@@ -78,7 +78,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.seal_min_pages, self.seal_max_wait = getattr(cache, "seal_batch", 1), seal_max_wait
+        self.seal_min_pages = getattr(cache, "seal_batch", 1)
         self._to_seal: set[int] = set()        # full pages not sealed yet (or left open: no room)
         self._seal_wait = 0
 
@@ -197,7 +197,7 @@ class Scheduler:
                 self._to_seal.update(r.pages[r.num_sealed_pages:full])
                 r.num_sealed_pages = full
         self._seal_wait += 1
-        waiting = len(self._to_seal) < self.seal_min_pages and self._seal_wait < self.seal_max_wait
+        waiting = len(self._to_seal) < self.seal_min_pages and self._seal_wait < SEAL_MAX_WAIT
         if not self._to_seal or (waiting and not force):
             return 0
         ids = sorted(self._to_seal)

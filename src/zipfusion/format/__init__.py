@@ -8,12 +8,12 @@ the memory manager picks between the two (:mod:`zipfusion.memory.codec`).
 """
 
 from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, RAW_BLOCK_BYTES, RAW_MARK,
-                     SUPPORTED_HEAD_DIMS, PageLayout, from_blocks, to_blocks)
+                     PageLayout, from_blocks, to_blocks)
 from .reference import (CorruptPageError, analyze_pages, decode_page, decode_pages, encode_page,
                         encode_pages_into, page_sizes)
 
 __all__ = [
     "BLOCK_VALUES", "COMPRESSED_BLOCK_BYTES", "PAGE_TOKENS", "RAW_BLOCK_BYTES", "RAW_MARK",
-    "SUPPORTED_HEAD_DIMS", "PageLayout", "CorruptPageError", "analyze_pages", "decode_page",
+    "PageLayout", "CorruptPageError", "analyze_pages", "decode_page",
     "decode_pages", "encode_page", "encode_pages_into", "page_sizes", "from_blocks", "to_blocks",
 ]

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+try:       # the Triton interpreter runs a @jit function only where triton.language is visible to it
+    import triton.language as tl  # noqa: F401  (the tag functions below are kernels' twins too)
+except ImportError:                 # no Triton on this platform: the torch/NumPy uses still work
+    tl = None
+
 PAGE_TOKENS = 16          # tokens per KV page
 BLOCK_VALUES = 512        # values per block
 GROUP_VALUES = 8          # values restored together (one 8-byte + one 4-byte load)
@@ -17,6 +22,44 @@ COMPRESSED_BLOCK_BYTES = 768
 RAW_BLOCK_BYTES = 1024
 RAW_MARK = 0xFF           # metadata byte of a block stored raw
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+# ---- the page-location tag ---------------------------------------------------------------
+# ``page_loc`` holds, per layer and page id, the page's byte offset in the arena with bit 0 set
+# for a page in open form ([2, 16, H, D] bf16) and clear for a compressed one; -1 for no page.
+# Offsets are multiples of 16, so bit 0 is free. These are the only functions that read or
+# write the tag. Each is plain integer arithmetic, so one body serves Python ints, NumPy arrays,
+# torch tensors and Triton kernels: a kernel module makes its twin with ``triton.jit(loc_offset)``
+# (in its own import, so that the twin is interpreted exactly when its kernels are).
+
+def loc_is_open(loc):
+    """Whether the page at ``loc`` is in open form (bit 0 set)."""
+    return (loc & 1) != 0
+
+
+def loc_is_compressed(loc):
+    """Whether ``loc`` holds a compressed page (bit 0 clear; -1, no page, is neither)."""
+    return (loc & 1) == 0
+
+
+def loc_offset(loc):
+    """The page's byte offset in the arena (bit 0 cleared)."""
+    return loc - (loc & 1)
+
+
+def open_loc(offset):
+    """The location of an open page at byte ``offset``."""
+    return offset | 1
+
+
+def moved_loc(loc, offset):
+    """The location of the page at ``loc`` moved to byte ``offset``, in the same form."""
+    return offset | (loc & 1)
+
+
+def open_bf16_index(loc):
+    """Element index of the open page at ``loc`` into ``arena.view(torch.bfloat16)``."""
+    return loc >> 1
 
 
 @dataclass(frozen=True)
@@ -67,15 +110,15 @@ class PageLayout:
         return self.header_bytes + self.num_blocks * RAW_BLOCK_BYTES
 
     def open_elements(self, page_loc: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Where token slot ``slots[t]`` of the open page at ``page_loc[t]`` (byte offset | 1)
-        lives: bf16 element indices [T, 2, H, D] into ``arena.view(torch.bfloat16)``, role r
-        (0 = K, 1 = V), head h, channel c at ``page_loc // 2 + ((r·16 + slot)·H + h)·D + c``.
+        """Where token slot ``slots[t]`` of the open page at ``page_loc[t]`` lives: bf16 element
+        indices [T, 2, H, D] into ``arena.view(torch.bfloat16)``, role r (0 = K, 1 = V), head h,
+        channel c at ``open_bf16_index(page_loc) + ((r·16 + slot)·H + h)·D + c``.
         The one statement of the open-page layout; the Triton store kernels compute the same."""
         H, D = self.num_kv_heads, self.head_dim
         dev = page_loc.device
         rhc = ((torch.arange(2, device=dev).view(2, 1, 1) * PAGE_TOKENS * H
                 + torch.arange(H, device=dev).view(1, H, 1)) * D + torch.arange(D, device=dev).view(1, 1, D))
-        return (page_loc >> 1).view(-1, 1, 1, 1) + slots.view(-1, 1, 1, 1) * (H * D) + rhc[None]
+        return open_bf16_index(page_loc).view(-1, 1, 1, 1) + slots.view(-1, 1, 1, 1) * (H * D) + rhc[None]
 
     def page_bytes(self, num_compressed_blocks: int) -> int:
         n_raw = self.num_blocks - num_compressed_blocks

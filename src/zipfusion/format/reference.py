@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, GROUP_VALUES, RAW_BLOCK_BYTES,
-                     RAW_MARK, PageLayout, from_blocks, to_blocks)
+from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, GROUP_VALUES, PAGE_TOKENS,
+                     RAW_BLOCK_BYTES, RAW_MARK, PageLayout, from_blocks, to_blocks)
 
 
 class CorruptPageError(ValueError):
@@ -73,7 +73,7 @@ def _check_pages(pages: torch.Tensor) -> PageLayout:
     if pages.dtype != torch.bfloat16:
         raise TypeError(f"KV pages must be torch.bfloat16 (the format is BF16-only), got {pages.dtype}; "
                         "convert with .to(torch.bfloat16) or run without KV compression")
-    if pages.dim() != 5 or pages.shape[1] != 2 or pages.shape[2] != 16:
+    if pages.dim() != 5 or pages.shape[1] != 2 or pages.shape[2] != PAGE_TOKENS:
         raise ValueError("expected pages of shape [num_pages, 2, 16, num_kv_heads, head_dim] "
                          f"(K then V, 16 tokens), got {list(pages.shape)}")
     if not pages.is_contiguous():
@@ -141,7 +141,7 @@ def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch
 
 def encode_page(kv: torch.Tensor) -> torch.Tensor:
     """One page [2, 16, H, D] bf16 -> 1-D uint8 tensor (metadata + blocks), same device."""
-    if isinstance(kv, torch.Tensor) and (kv.dim() != 4 or kv.shape[:2] != (2, 16)):
+    if isinstance(kv, torch.Tensor) and (kv.dim() != 4 or kv.shape[:2] != (2, PAGE_TOKENS)):
         raise ValueError("expected one page of shape [2, 16, num_kv_heads, head_dim] (K then V, "
                          f"16 tokens), got {list(kv.shape)}")
     pages = kv[None] if isinstance(kv, torch.Tensor) else kv

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ..triton_interpreter import kernel_module
-from .layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, RAW_MARK, PageLayout)
+from .layout import COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, RAW_BLOCK_BYTES, RAW_MARK, PageLayout
 from . import reference
 from .triton_checks import check_arena, check_index, check_layout, check_offsets
 
@@ -439,7 +439,7 @@ def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLay
     off = check_offsets("offsets", offsets, device, arena_bytes=arena.numel(),
                          page_bytes=layout.min_page_bytes if validate else None, validate=validate)
     P, H, D = off.numel(), layout.num_kv_heads, layout.head_dim
-    shape = (P, 2, 16, H, D)
+    shape = (P, 2, PAGE_TOKENS, H, D)
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=device)
     elif not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != shape:

@@ -12,9 +12,8 @@ use); the Triton kernel in ``triton_attention.py`` is the fallback and the CPU-c
 from .decode_attention import decode_attention, decode_attention_twin
 from .prefill_attention import PrefillPlan, paged_prefill_attention, plan_prefill
 from .reference import reference_decode_attention, reference_prefill_attention
-from .triton_attention import default_num_splits
-from .unfused import UnfusedPlan, decode_attention_unfused, plan_unfused
+from .unfused import decode_attention_unfused, plan_unfused
 
 __all__ = ["decode_attention", "decode_attention_twin", "decode_attention_unfused",
-           "plan_unfused", "UnfusedPlan", "default_num_splits", "reference_decode_attention",
+           "plan_unfused", "reference_decode_attention",
            "paged_prefill_attention", "plan_prefill", "PrefillPlan", "reference_prefill_attention"]

@@ -140,7 +140,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: to
 
     The slots are the fused kernel's at its default depth (4 stages, 3 CTAs per SM) for the twin
     too: the split count fixes the order of the final sums, so fused and twin must agree on it
-    to give the same bits. Measured on the H200 (scripts/profile_engine.py, batch 32 x 8K,
+    to give the same bits. Measured on the H200 (benchmarks/profile_engine.py, batch 32 x 8K,
     8 KV heads, 396 slots): S = 3 / 6 / 12 / 8 / 4 / 5 took 7.13 / 7.23 / 7.43 / 7.52 / 7.53 /
     7.85 ms for the 32 layers (fused), the model's order; c = 2.5 pages fits those times. The
     twin (3 stages) at S = 4 / 3 / 5: 8.38 / 8.54 / 8.53 ms. Uniform contexts are the case

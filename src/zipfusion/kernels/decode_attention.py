@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..format.layout import PAGE_TOKENS, PageLayout
+from ..format.layout import PAGE_TOKENS, PageLayout, loc_is_compressed, loc_is_open, loc_offset
 from . import cuda_attention
 from .splits import check_split_args
 from .triton_attention import decode_attention_triton
@@ -112,16 +112,16 @@ def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: st
     loc = page_loc_layer[ids]
     if int(loc.min()) < 0:
         raise ValueError("a page inside the context has page_loc = -1 (no page)")
-    is_open = (loc & 1) == 1
-    start = loc & ~1
+    is_open = loc_is_open(loc)
+    start = loc_offset(loc)
     if bool(((start % 16) != 0).any()):
-        raise ValueError("page locations must be 16-byte aligned (offset | 1 for open pages)")
+        raise ValueError("page locations must be 16-byte aligned (format/layout.py: the page-location tag)")
     end = torch.where(is_open, start + layout.open_page_bytes, start + layout.min_page_bytes)
     if int(end.max()) > arena.numel():
         raise ValueError("a page location points past the end of the arena")
     last = block_table.to(torch.int64).gather(1, (n_pages - 1)[:, None])[:, 0]
     partial = (lens % PAGE_TOKENS) != 0
-    if bool((partial & ((page_loc_layer[last] & 1) == 0)).any()):
+    if bool((partial & loc_is_compressed(page_loc_layer[last])).any()):
         raise ValueError("the last, partial page of a request must be open (uncompressed)")
     if twin and not bool(is_open.all()):
         raise ValueError(f"{twin} reads open pages only; use the fused kernel for compressed "

@@ -4,10 +4,10 @@ The baseline a user of SGLang would run: FlashInfer's ``BatchDecodeWithPagedKVCa
 (tensor cores for GQA groups >= 4, as SGLang does) reading our open pages in place.
 
 Layout. An open page is ``[2, 16, H, D]`` bf16 (K then V, token-major: docs/format.md) at byte
-``page_loc[layer, id] - 1`` of the arena, which is FlashInfer's NHD paged layout
+``loc_offset(page_loc[layer, id])`` of the arena (format/layout.py), which is FlashInfer's NHD paged layout
 ``[num_pages, 2, page_size, H, D]`` with page_size 16. Open pages sit in chunks of whole open
 pages, so the arena viewed as ``[arena_bytes // open_page_bytes, 2, 16, H, D]`` holds every open
-page at index ``(page_loc - 1) // open_page_bytes`` (:func:`page_indices`).
+page at index ``loc_offset(page_loc) // open_page_bytes`` (:func:`page_indices`).
 
 Per layer indices. Our page ids are shared by all layers but their locations are not (each
 layer's pages live in its own chunks), so FlashInfer's page indices differ per layer while its
@@ -66,7 +66,8 @@ def paged_plan(context_lens, block_table) -> tuple[np.ndarray, np.ndarray, np.nd
 
 def page_indices(page_loc_layer: torch.Tensor, page_ids: torch.Tensor, open_page_bytes: int) -> torch.Tensor:
     """FlashInfer page index (int32) of each open page: its byte offset / open_page_bytes
-    (``page_loc`` is offset | 1, the offset a multiple of the open page size)."""
+    (the offset is a multiple of the open page size, so the open tag, bit 0 of ``page_loc``,
+    drops out of the floor division: no ``loc_offset`` op in the captured graph)."""
     return torch.div(page_loc_layer[page_ids], open_page_bytes, rounding_mode="floor").to(torch.int32)
 
 

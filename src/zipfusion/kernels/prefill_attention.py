@@ -56,6 +56,7 @@ if triton.knobs.runtime.interpret and not _TA._interpreting():
     _TA = interpreted_copy(_TA.__name__, _TA.__file__)
 _load_meta, _tile_load, _tile_compute = _TA._load_meta, _TA._tile_load, _TA._tile_compute
 _restore_tile = _TA._restore_tile
+PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
 
 
 def _interpreting() -> bool:
@@ -68,16 +69,16 @@ def _kv_tiles(p_lo, p_hi, ctx, pos, q, m_i, l_i, acc, qk_scale, arena32, page_lo
               COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr, MASKED: tl.constexpr):
     """Online softmax over the K/V tiles of pages p_lo .. p_hi - 1 (a multiple of TP apart, or
     up to the tile holding key ctx - 1); ``MASKED``: keys past a row's position ``pos``."""
-    r = tl.arange(0, TP * 16)
-    t = r % 16                      # token inside its page
-    slot = r // 16                  # page inside the tile
+    r = tl.arange(0, TP * PT)
+    t = r % PT                      # token inside its page
+    slot = r // PT                  # page inside the tile
     for p0 in range(p_lo, p_hi, TP):
         loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, c, stride_bt,
                                                      p0, slot, p_hi, h, D, COMPRESSED)
         valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = \
             _tile_load(p0, ctx, p_hi, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1,
                        H, D, COMPRESSED)
-        mask = valid[None, :] & (((p0 + slot) * 16 + t)[None, :] <= pos[:, None])
+        mask = valid[None, :] & (((p0 + slot) * PT + t)[None, :] <= pos[:, None])
         m_i, l_i, acc = _tile_compute(mask, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo,
                                       v_code, v_hb, v_packed, q, m_i, l_i, acc, qk_scale,
                                       COMPRESSED, INTERPRET, MASKED)
@@ -109,14 +110,14 @@ def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr,
     q = tl.load(q_ptr + rows[:, None] + d[None, :], mask=row_ok, other=0.0)
 
     ctx = start + tl.minimum(m0 + BT, n_rows)       # keys 0 .. ctx - 1 are read
-    p_full = (start + m0 + 1) // (16 * TP) * TP     # pages of the tiles before the first query
+    p_full = (start + m0 + 1) // (PT * TP) * TP     # pages of the tiles before the first query
     m_i = tl.full([BT * G_PAD], -1.0e30, tl.float32)
     l_i = tl.full([BT * G_PAD], 0.0, tl.float32)
     acc = tl.full([BT * G_PAD, D], 0.0, tl.float32)
     m_i, l_i, acc = _kv_tiles(0, p_full, ctx, pos, q, m_i, l_i, acc, qk_scale, arena32,
                               page_loc_ptr, bt_ptr, c, stride_bt, h, H, D, TP, COMPRESSED,
                               INTERPRET, False)
-    m_i, l_i, acc = _kv_tiles(p_full, (ctx + 15) // 16, ctx, pos, q, m_i, l_i, acc, qk_scale,
+    m_i, l_i, acc = _kv_tiles(p_full, (ctx + PT - 1) // PT, ctx, pos, q, m_i, l_i, acc, qk_scale,
                               arena32, page_loc_ptr, bt_ptr, c, stride_bt, h, H, D, TP,
                               COMPRESSED, INTERPRET, True)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -297,10 +298,10 @@ def _gather_kernel(arena32, page_loc_ptr, bt_ptr, k_ptr, v_ptr, stride_bt, num_t
     token order into k, v [num_tokens, H, D]."""
     p0 = tl.program_id(0) * TP
     h = tl.program_id(1)
-    r = tl.arange(0, TP * 16)
-    t = r % 16
-    slot = r // 16
-    p_end = (num_tokens + 15) // 16
+    r = tl.arange(0, TP * PT)
+    t = r % PT
+    slot = r // PT
+    p_end = (num_tokens + PT - 1) // PT
     row = h * 0                     # the one block-table row (a tensor, as _load_meta wants)
     loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, row, stride_bt, p0,
                                                  slot, p_end, h, D, COMPRESSED)
@@ -310,7 +311,7 @@ def _gather_kernel(arena32, page_loc_ptr, bt_ptr, k_ptr, v_ptr, stride_bt, num_t
     k = _restore_tile(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, INTERPRET)
     v = _restore_tile(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, INTERPRET)
     d = tl.arange(0, D)
-    off = ((p0 * 16 + r).to(tl.int64) * H + h)[:, None] * D + d[None, :]
+    off = ((p0 * PT + r).to(tl.int64) * H + h)[:, None] * D + d[None, :]
     tl.store(k_ptr + off, k, mask=valid[:, None])
     tl.store(v_ptr + off, v, mask=valid[:, None])
 
@@ -328,7 +329,7 @@ def gather_kv(arena, page_loc_layer, pages, num_tokens: int, layout, *, compress
     kernel = kernel_module(arena.device, __name__, __file__, _interpreting())._gather_kernel
     interp = arena.device.type == "cpu"
     TP = 1 if interp else tile_pages
-    n_tiles = -(-num_tokens // (16 * TP))
+    n_tiles = -(-num_tokens // (PAGE_TOKENS * TP))
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
     kernel[(n_tiles, H)](arena32, page_loc_layer, pages, k, v, pages.numel(), num_tokens,
                          H=H, D=D, TP=TP, COMPRESSED=bool(compressed), INTERPRET=interp, num_warps=4)

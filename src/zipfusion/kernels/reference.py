@@ -1,6 +1,6 @@
 """Torch reference for paged decode attention over the arena (float64 math, any device).
 
-Reads pages exactly as the kernels must: ``page_loc & 1`` = open page stored as
+Reads pages exactly as the kernels must: ``loc_is_open(page_loc)``: an open page stored as
 ``[2, 16, H, D]`` bf16, else a compressed page decoded with the format's reference codec.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..format.layout import PAGE_TOKENS, PageLayout
+from ..format.layout import PAGE_TOKENS, PageLayout, loc_is_open, loc_offset
 from ..format.reference import decode_pages
 
 
@@ -19,10 +19,10 @@ def gather_request_kv(arena: torch.Tensor, page_loc_layer: torch.Tensor, page_id
     loc = page_loc_layer[page_ids.to(torch.int64)].cpu()
     pages = torch.empty(len(page_ids), 2, PAGE_TOKENS, H, D, dtype=torch.bfloat16,
                         device=arena.device)
-    is_open = (loc & 1) == 1
+    is_open = loc_is_open(loc)
     n = layout.open_page_bytes
     for i in torch.nonzero(is_open).flatten().tolist():
-        start = int(loc[i]) - 1
+        start = loc_offset(int(loc[i]))
         pages[i] = arena[start:start + n].view(torch.bfloat16).view(2, PAGE_TOKENS, H, D)
     comp = torch.nonzero(~is_open).flatten()
     if comp.numel():

@@ -5,8 +5,8 @@ This is the CPU-checkable reference (Triton interpreter) and the GPU fallback of
 checked, and this kernel chosen, by ``decode_attention.py``.
 
 One query token per request. The KV cache lives in one ``uint8`` arena (docs/design.md): a page
-is either *open* (``[2, 16, H, D]`` bf16, ``page_loc = offset | 1``) or *compressed*
-(docs/format.md, ``page_loc = offset``). The fused kernel restores compressed blocks to BF16 in
+is either *open* (``[2, 16, H, D]`` bf16) or *compressed* (docs/format.md), as its
+``page_loc`` says (format/layout.py: ``loc_is_open``, ``loc_offset``). The fused kernel restores compressed blocks to BF16 in
 registers -- nothing decompressed is written to global memory -- and runs flash-decoding on them.
 
 Work split (flash decoding, ``splits.py``). Program ``(b, h, s)`` takes request ``b``, KV head
@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..format.layout import PAGE_TOKENS, loc_is_compressed, loc_is_open, loc_offset
 from ..triton_interpreter import kernel_module
 from .splits import plan_splits
 
@@ -69,6 +70,14 @@ def _kernels(device: torch.device):
     compiled import: from this module's interpreted copy)."""
     m = kernel_module(device, __name__, __file__, _interpreting())
     return m._decode_attention_kernel, m._merge_kernel, device.type == "cpu"
+
+
+# The page-location tag (format/layout.py), made here so that this module's interpreted copy
+# makes interpreted twins.
+_loc_is_open = triton.jit(loc_is_open)
+_loc_is_compressed = triton.jit(loc_is_compressed)
+_loc_offset = triton.jit(loc_offset)
+PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,8 +235,8 @@ def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
     pid = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page, mask=in_range, other=0)
     loc = tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1)
     if COMPRESSED:
-        cm = in_range & ((loc & 1) == 0)
-        rec = (loc - (loc & 1)) // 4 + h * (2 * REC_W)
+        cm = in_range & _loc_is_compressed(loc)
+        rec = _loc_offset(loc) // 4 + h * (2 * REC_W)
         kf = tl.load(arena32 + rec, mask=cm, other=0)
         kh0 = tl.load(arena32 + rec + 1, mask=cm, other=0)
         vf = tl.load(arena32 + rec + REC_W, mask=cm, other=0)
@@ -263,9 +272,9 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
     NG: tl.constexpr = D // 8
     TPB: tl.constexpr = 512 // D
     page = p0 + slot
-    valid = (page < p_end) & (page * 16 + t < ctx)
-    is_open = (loc & 1) != 0
-    base_w = (loc - (loc & 1)) // 4                      # page start, in 32-bit words
+    valid = (page < p_end) & (page * PT + t < ctx)
+    is_open = _loc_is_open(loc)
+    base_w = _loc_offset(loc) // 4                      # page start, in 32-bit words
     g = tl.arange(0, NG)[None, :]
     tt = t[:, None]
     # ---- K: group (t, g) lies in block j = g // 4, group t·4 + g % 4 of that block
@@ -285,7 +294,7 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
         k_lo, k_code, k_plain, k_packed, k_hb = _open_only(k_open)
     kv_valid = valid[:, None] & (g >= 0)
     # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
-    v_open = base_w[:, None] + ((16 + tt) * H + h) * (D // 2) + 4 * g
+    v_open = base_w[:, None] + ((PT + tt) * H + h) * (D // 2) + 4 * g
     if COMPRESSED:
         jv = t // TPB
         cumv = _role_bytes(vh0, vh1, NB)
@@ -343,10 +352,10 @@ def _decode_attention_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    R: tl.constexpr = TP * 16
+    R: tl.constexpr = TP * PT
 
     ctx = tl.load(ctx_ptr + b)
-    n_pages = (ctx + 15) // 16
+    n_pages = (ctx + PT - 1) // PT
     p_begin = s * pages_per_split
     p_end = tl.minimum(p_begin + pages_per_split, n_pages)
 
@@ -357,8 +366,8 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=qmask, other=0.0)
 
     r = tl.arange(0, R)
-    t = r % 16                      # token inside its page
-    slot = r // 16                  # page inside the tile
+    t = r % PT                      # token inside its page
+    slot = r // PT                  # page inside the tile
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)
     l_i = tl.full([G_PAD], 0.0, tl.float32)
     acc = tl.full([G_PAD, D], 0.0, tl.float32)
@@ -406,7 +415,7 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, n
     table's width) when the split size is fixed.
     """
     row = tl.program_id(0).to(tl.int64)
-    n_pages = (tl.load(ctx_ptr + row // HQ) + 15) // 16
+    n_pages = (tl.load(ctx_ptr + row // HQ) + PT - 1) // PT
     n = tl.minimum(tl.maximum((n_pages + pages_per_split - 1) // pages_per_split, 1), num_splits)
     base = row * num_splits
     d = tl.arange(0, D)
@@ -430,8 +439,8 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, n
 # Host side
 # ------------------------------------------------------------------------------------------
 
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages: int,
-                       device: torch.device) -> int:
+def _default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages: int,
+                        device: torch.device) -> int:
     """Split-KV factor: about 4 programs per SM, each with at least 4 tiles of work."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -465,7 +474,7 @@ def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens,
         return out
     max_pages = block_table.shape[1]
     plan = plan_splits(out, max_pages, num_splits, split_pages,
-                       lambda: default_num_splits(B, H, max_pages, TP, q.device), TP)
+                       lambda: _default_num_splits(B, H, max_pages, TP, q.device), TP)
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
     attn_kernel[(B, H, plan.count)](
         q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,

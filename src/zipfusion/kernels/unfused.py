@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format import triton_codec
-from ..format.layout import PAGE_TOKENS, PageLayout
+from ..format.layout import PAGE_TOKENS, PageLayout, loc_is_compressed, loc_is_open, open_bf16_index, open_loc
 from .decode_attention import _check_inputs, decode_attention_twin
 
 
@@ -23,7 +23,7 @@ class UnfusedPlan:
     comp_offsets: torch.Tensor    # [Pc] int64 byte offsets of the compressed pages
     open_starts: torch.Tensor     # [Po] int64 bf16-element offsets of the open pages
     scratch: torch.Tensor         # [Pc + Po, 2, 16, H, D] bf16
-    scratch_loc: torch.Tensor     # [max_pages] int64: page id -> slot · open_bytes | 1 (or -1)
+    scratch_loc: torch.Tensor     # [max_pages] int64: page id -> open_loc(slot · open_bytes) (or -1)
 
 
 def plan_unfused(arena: torch.Tensor, page_loc_layer: torch.Tensor,
@@ -31,18 +31,18 @@ def plan_unfused(arena: torch.Tensor, page_loc_layer: torch.Tensor,
     """Which pages to decompress or copy, and where they land (one device sync)."""
     loc = page_loc_layer
     present = loc >= 0
-    comp = present & ((loc & 1) == 0)
-    opn = present & ((loc & 1) == 1)
+    comp = present & loc_is_compressed(loc)
+    opn = present & loc_is_open(loc)
     comp_ids = torch.nonzero(comp).flatten()
     open_ids = torch.nonzero(opn).flatten()
     slots = torch.full_like(loc, -1)
     slots[comp_ids] = torch.arange(comp_ids.numel(), device=loc.device)
     slots[open_ids] = comp_ids.numel() + torch.arange(open_ids.numel(), device=loc.device)
-    scratch_loc = torch.where(slots >= 0, slots * layout.open_page_bytes | 1, slots)
+    scratch_loc = torch.where(slots >= 0, open_loc(slots * layout.open_page_bytes), slots)
     n = comp_ids.numel() + open_ids.numel()
     scratch = torch.empty(n, 2, PAGE_TOKENS, layout.num_kv_heads, layout.head_dim,
                           dtype=torch.bfloat16, device=arena.device)
-    return UnfusedPlan(loc[comp_ids].contiguous(), (loc[open_ids] - 1) // 2, scratch, scratch_loc)
+    return UnfusedPlan(loc[comp_ids].contiguous(), open_bf16_index(loc[open_ids]), scratch, scratch_loc)
 
 
 def decode_attention_unfused(q, arena, page_loc_layer, block_table, context_lens, layout,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..format import PageLayout, decode_pages, encode_pages_into, page_sizes
+from ..format import PAGE_TOKENS, PageLayout, decode_pages, encode_pages_into, page_sizes
 from .copy import to_device
 
 try:                                          # needs Triton; optional on CPU
@@ -28,7 +28,8 @@ except ImportError:                           # pragma: no cover - depends on th
     analyze_open_pages = compress_open_pages = decompress_pages = None
 
 
-def _use_triton(arena: torch.Tensor) -> bool:
+def uses_triton(arena: torch.Tensor) -> bool:
+    """Whether pages in ``arena`` go through the Triton codec (CUDA) or the torch reference."""
     return arena.device.type == "cuda" and analyze_open_pages is not None
 
 
@@ -42,13 +43,13 @@ def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: Pa
     else:
         idx = src_offsets.to(arena.device)[:, None] + torch.arange(nbytes, device=arena.device)
         pages = arena[idx.reshape(-1)].view(torch.bfloat16)
-    return pages.view(-1, 2, 16, layout.num_kv_heads, layout.head_dim)
+    return pages.view(-1, 2, PAGE_TOKENS, layout.num_kv_heads, layout.head_dim)
 
 
 def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout):
     """Encoded size of each open page at ``src_offsets`` -> (codec state, sizes np.int64 [P])."""
     src = to_device(src_offsets, arena.device)
-    if _use_triton(arena):
+    if uses_triton(arena):
         base_half, sizes = analyze_open_pages(arena, src, layout, validate=False)
         return ("triton", src, base_half), sizes.cpu().numpy()
     pages = gather_open_pages(arena, src, layout)
@@ -69,6 +70,6 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
 
 def decode(arena: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     """Decoded compressed pages at byte ``offsets`` -> [P, 2, 16, H, D] bf16 (metadata checked)."""
-    if _use_triton(arena):
+    if uses_triton(arena):
         return decompress_pages(arena, offsets.to(arena.device), layout)
     return decode_pages(arena, offsets.to(arena.device), layout.num_kv_heads, layout.head_dim, sizes=sizes)

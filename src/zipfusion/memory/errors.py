@@ -1,7 +1,7 @@
 """Errors the memory manager raises.
 
-``MemoryExhausted`` is the scheduler's signal: the request that asked for pages did not get
-them, nothing changed, and the scheduler should preempt (free) the newest request and retry.
+``MemoryExhausted``: the pages asked for did not fit and nothing changed. The engine's scheduler
+never meets it: it asks ``capacity_new_pages()`` first and preempts before allocating.
 Bad arguments (unknown page ids, double frees, wrong shapes) raise ``ValueError``/``TypeError``.
 """
 
@@ -16,8 +16,7 @@ class BudgetTooSmall(ValueError):
 class MemoryExhausted(RuntimeError):
     """Not enough KV memory for the requested pages; the manager's state is unchanged.
 
-    ``needed`` and ``available`` are in new open pages (per layer) for ``alloc_pages`` and in
-    chunks for compression.
+    ``needed`` and ``available`` are in new open pages (per layer).
     """
 
     def __init__(self, message: str, *, needed: int, available: int):

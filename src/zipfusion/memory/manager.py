@@ -17,8 +17,9 @@ once: free slots of the open groups plus ``S`` per group of ``L`` chunks the poo
 baseline), counting chunks that compaction is sure to free, and keeping ``reserve`` chunks per
 layer for compression (compressed space is taken before the open slots are freed).
 
-``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short:
-the scheduler's signal to preempt. ``compress_pages`` never fails: a page that finds no room
+``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short
+(the scheduler asks ``capacity_new_pages()`` first and preempts before allocating, so the
+engine never meets it). ``compress_pages`` never fails: a page that finds no room
 stays open (still a valid page) and is returned to be sealed again later.
 
 Compaction is incremental: it evacuates a layer's emptiest packed chunks, just enough of them
@@ -42,7 +43,8 @@ import numpy as np
 import torch
 
 from ..format import PageLayout
-from ..format.layout import COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES
+from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_open, loc_offset, moved_loc,
+                             open_loc)
 from . import codec
 from .chunks import ChunkPool, groups_available
 from .copy import move_ranges
@@ -169,7 +171,7 @@ class KVCacheManager:
         ids = t.take_ids(n)
         t.state[ids] = OPEN
         t.group[ids], t.slot[ids] = groups, slots
-        t.loc[:, ids] = self.open.offsets(groups, slots) | 1
+        t.loc[:, ids] = open_loc(self.open.offsets(groups, slots))
         t.sync(ids)
         self._counts[OPEN] += n
         return ids.tolist()
@@ -204,7 +206,7 @@ class KVCacheManager:
         if op.size:
             self._release_groups(self.open.free(t.group[op], t.slot[op]))
         if st.size:
-            locs = t.loc[:, st] & ~1
+            locs = loc_offset(t.loc[:, st])
             sizes = t.size[:, st]
             self._comp_blocks -= self._compressible_blocks(sizes).sum(1)
             self._stored_bytes -= int(sizes.sum())
@@ -267,7 +269,7 @@ class KVCacheManager:
             return []
         state = None
         if sizes is None:
-            state, flat = codec.analyze(self.arena, (t.loc[:, ids] & ~1).reshape(-1), self.layout)
+            state, flat = codec.analyze(self.arena, loc_offset(t.loc[:, ids]).reshape(-1), self.layout)
             sizes = flat.reshape(L, n)
         order = np.lexsort((t.slot[ids], t.group[ids]))
         S = self.slots_per_chunk
@@ -296,7 +298,7 @@ class KVCacheManager:
         A prefix's fresh chunks per layer are the placement's chunk ordinal at its last page.
         """
         S, m = self.slots_per_chunk, stored.shape[1]
-        plan = self.packed._split(stored)
+        plan = self.packed.placement(stored)
         ends = np.minimum(np.arange(S, m + S, S), m) - 1
         need = plan.ordinal[:, ends]                                   # [L, batches]
         if self.pool.shared:
@@ -331,9 +333,9 @@ class KVCacheManager:
             enc = ~as_open
             codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
             if as_open.any():
-                src = t.loc[:, batch] & ~1
+                src = loc_offset(t.loc[:, batch])
                 move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
-        t.loc[:, batch] = np.where(as_open, dst | 1, dst)
+        t.loc[:, batch] = np.where(as_open, open_loc(dst), dst)
         t.size[:, batch] = stored
         t.state[batch] = STORED
         self._comp_blocks += self._compressible_blocks(sizes).sum(1)
@@ -376,7 +378,7 @@ class KVCacheManager:
         that placing ``stored`` [L, k] needs (the reserve may be used), compacting if it must;
         None if even compaction cannot make the room. Compaction moves fill pointers, so the
         need is recomputed after it."""
-        split = self.packed._split(stored)
+        split = self.packed.placement(stored)
         need = self.packed.chunks_needed(stored, split)
         if self.pool.shared:
             for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
@@ -384,13 +386,13 @@ class KVCacheManager:
                 if missing <= 0:
                     break
                 if self._compact_layer(layer, want=missing):
-                    split = self.packed._split(stored)
+                    split = self.packed.placement(stored)
                     need = self.packed.chunks_needed(stored, split)
             return split if self.pool.available(0) >= need.sum() else None
         for layer in np.nonzero(need)[0].tolist():
             missing = int(need[layer]) - self.pool.available(layer)
             if missing > 0 and self._compact_layer(layer, want=missing):
-                split = self.packed._split(stored)
+                split = self.packed.placement(stored)
                 need = self.packed.chunks_needed(stored, split)
             if self.pool.available(layer) < need[layer]:
                 return None
@@ -416,7 +418,7 @@ class KVCacheManager:
             return 0
         t = self.table
         ids = np.nonzero(t.state == STORED)[0]
-        locs = t.loc[layer, ids] & ~1
+        locs = loc_offset(t.loc[layer, ids])
         sizes = t.size[layer, ids]
         plan = self.packed.plan_repack(layer, locs, sizes, want)
         if plan is None:                  # nothing to gain: leave the pages where they are
@@ -425,7 +427,7 @@ class KVCacheManager:
         moved = order[new_locs[order] != locs[order]]
         self._timed_move(locs[moved], new_locs[moved], sizes[moved])
         self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
-        t.loc[layer, ids] = new_locs | (t.loc[layer, ids] & 1)
+        t.loc[layer, ids] = moved_loc(t.loc[layer, ids], new_locs)
         self.pool.release([(c, self.pool.pool_of(layer)) for c in freed])
         self.pages_moved += int(moved.size)
         self.bytes_moved += int(sizes[moved].sum())
@@ -457,7 +459,7 @@ class KVCacheManager:
         """View [2, 16, H, D] bf16 of an open page in the arena (write new tokens through it)."""
         self._check_layer(layer)
         pid = int(self.table.check([page_id], OPEN, "open_page")[0])
-        loc = int(self.table.loc[layer, pid]) & ~1
+        loc = loc_offset(int(self.table.loc[layer, pid]))
         n = self.layout.open_page_bytes
         return self.arena[loc:loc + n].view(torch.bfloat16).view(2, 16, self.layout.num_kv_heads,
                                                                   self.layout.head_dim)
@@ -470,11 +472,11 @@ class KVCacheManager:
         H, D = self.layout.num_kv_heads, self.layout.head_dim
         out = torch.empty(ids.size, 2, 16, H, D, dtype=torch.bfloat16, device=self.device)
         loc = t.loc[layer, ids]
-        is_open = (loc & 1) == 1
+        is_open = loc_is_open(loc)
         if is_open.any():
             sel = np.nonzero(is_open)[0]
             out[torch.from_numpy(sel).to(self.device)] = codec.gather_open_pages(
-                self.arena, torch.from_numpy(loc[sel] & ~1), self.layout)
+                self.arena, torch.from_numpy(loc_offset(loc[sel])), self.layout)
         if (~is_open).any():
             sel = np.nonzero(~is_open)[0]
             out[torch.from_numpy(sel).to(self.device)] = codec.decode(

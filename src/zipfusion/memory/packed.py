@@ -58,7 +58,7 @@ class PackedSpace:
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
 
     # ---------------------------------------------------------------- placement
-    def _split(self, sizes: np.ndarray) -> "Placement":
+    def placement(self, sizes: np.ndarray) -> "Placement":
         """Next fit of pages ``sizes`` [L, n] (in order) from each layer's fill pointer, vectorised
         over layers, one round per destination chunk (no state change).
 
@@ -96,9 +96,9 @@ class PackedSpace:
     def chunks_needed(self, sizes: np.ndarray, split=None) -> np.ndarray:
         """New chunks each layer needs to place ``sizes`` [L, n] (no state change).
 
-        ``split``: ``_split(sizes)`` if the caller already has it (then pass it to ``place``).
+        ``split``: ``placement(sizes)`` if the caller already has it (then pass it to ``place``).
         """
-        return (self._split(sizes) if split is None else split).need
+        return (self.placement(sizes) if split is None else split).need
 
     def place(self, sizes: np.ndarray, take_chunk, split=None) -> np.ndarray:
         """Bump-allocate pages of ``sizes`` [L, n]; returns byte offsets [L, n].
@@ -111,7 +111,7 @@ class PackedSpace:
         C = self.chunk_bytes
         if n == 0:
             return np.empty((L, 0), dtype=np.int64)
-        plan = self._split(sizes) if split is None else split
+        plan = self.placement(sizes) if split is None else split
         need = plan.need
         table = np.full((L, int(need.max()) + 1), -1, dtype=np.int64)    # [layer, ordinal] -> chunk
         table[:, 0] = self.fill_chunk

@@ -46,9 +46,6 @@ class PageTable:
         self._free_ids.extend(ids.tolist())
         self.sync(ids)
 
-    def count(self, state: int) -> int:
-        return int((self.state == state).sum())
-
     def sync(self, ids: np.ndarray) -> None:
         """Mirror the host columns ``ids`` to the device table."""
         if not self.mirrored or ids.size == 0:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import (FUSED_OPS_ON_CUDA, ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
                      RowParallelLinear, VocabParallelEmbedding, linear)
 from .parallel import tp
 
@@ -81,7 +81,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and FUSED_OPS_ON_CUDA:
+        if gate_up.is_cuda:                 # the Triton kernel (models/fused.py)
             from .fused import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: every gpu-marked test and the kernel/engine test files on the GPU, then the
 # workload benchmark (arguments go to workloads.py) in what is left of a 10-minute call.
-#   bash scripts/gpu_engine.sh --scenarios burst --modes compressed,uncompressed
+#   bash scripts/gpu/gpu_engine.sh --scenarios burst --modes compressed,uncompressed
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1

@@ -2,11 +2,11 @@
 # Issue 13 on one H200: FlashInfer GPU tests, then benchmarks/e2e.py (Llama-3.1-8B shape, 52 GiB KV,
 # 8192 + 256 tokens; fused / uncompressed-twin / uncompressed-flashinfer / unfused / nvCOMP composites),
 # then, if time is left, the Qwen3-8B shape for fused vs FlashInfer at 85 % compressible.
-# Needs .carry/ (bash scripts/carry_wheels.sh: FlashInfer trimmed wheel, apache_tvm_ffi, typing_extensions, nvidia_nvcomp_cu13,
+# Needs .carry/ (bash scripts/gpu/carry_wheels.sh: FlashInfer trimmed wheel, apache_tvm_ffi, typing_extensions, nvidia_nvcomp_cu13,
 # nvidia_libnvcomp_cu13) sent along. Writes into $OUT (at most 8 files):
 #   e2e.json e2e.md e2e.png e2e.log e2e_tests.log [qwen3/e2e.json qwen3/e2e.md qwen3/e2e.png]
 # Budget: under 8 minutes (tests ~1.5 min incl. FlashInfer's JIT build, Llama run ~5 min).
-#   bash scripts/e2e_gpu.sh
+#   bash scripts/gpu/e2e_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/e2e_out}
 mkdir -p "$OUT"
@@ -19,7 +19,7 @@ python3 -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__
 python3 -c "from nvidia import nvcomp; print('nvcomp', nvcomp.__version__)" 2>&1 | tee -a "$OUT/e2e_tests.log"
 
 # Whole runs (long generation among them: 64 x (1K prompt + 8K generated)) are benchmarks/workloads.py's:
-#    bash scripts/workloads_gpu.sh (docs/benchmarks.md, "Workloads")
+#    bash scripts/gpu/workloads_gpu.sh (docs/benchmarks.md, "Workloads")
 
 # 1. correctness first (also builds FlashInfer's tensor-core decode for head_dim 128 into /tmp)
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer_decode.py 2>&1 | tee -a "$OUT/e2e_tests.log"

@@ -3,7 +3,7 @@
 shapes), each kernel called a few times. Usage on the GPU machine:
 
     ncu --clock-control none -k regex:attention_kernel --launch-skip 2 --launch-count 1 \
-        python3 scripts/profile_attention.py --kernel fused --fraction 1.0 --stages 4 --splits 8
+        python3 benchmarks/profile_attention.py --kernel fused --fraction 1.0 --stages 4 --splits 8
 """
 import argparse
 import os
@@ -11,7 +11,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import attention as bench  # noqa: E402  (benchmarks/attention.py)
 

@@ -2,11 +2,11 @@
 # One device call: every test of the suite marked gpu, then the other tests of the kernel and
 # codec files (on the GPU's tensors) and two GPU tests of files that do not mark them yet, the
 # capacity GPU check and the codec benchmark. Results and logs under $OUT (device tool) or
-# ./gpu_out. Send .carry along (scripts/carry_wheels.sh) so that no GPU test skips for a missing package.
+# ./gpu_out. Send .carry along (scripts/gpu/carry_wheels.sh) so that no GPU test skips for a missing package.
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-if [ -d .carry ]; then            # scripts/carry_wheels.sh: FlashInfer, nvCOMP, server and GGUF extras
+if [ -d .carry ]; then            # scripts/gpu/carry_wheels.sh: FlashInfer, nvCOMP, server and GGUF extras
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl
   export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
          FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the prefill kernel: its tests compiled on the GPU (the CPU tests run on
 # CUDA tensors, plus the gpu-marked ones), then the benchmark vs SDPA. Usage:
-#   bash scripts/gpu_prefill.sh                 # tests + the 4 cases (defaults)
-#   bash scripts/gpu_prefill.sh --sweep         # + the knob sweep (about 6 min more)
+#   bash scripts/gpu/gpu_prefill.sh                 # tests + the 4 cases (defaults)
+#   bash scripts/gpu/gpu_prefill.sh --sweep         # + the knob sweep (about 6 min more)
 # Results and logs under $OUT (device tool) or ./gpu_out.
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the attention kernels: build the CUDA kernel, run the GPU attention
-# tests, then tune/benchmark against FlashInfer. Usage: bash scripts/gpu_attention.sh [bench args]
+# tests, then tune/benchmark against FlashInfer. Usage: bash scripts/gpu/gpu_attention.sh [bench args]
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 ZIPFUSION_CACHE=/tmp/zfcache

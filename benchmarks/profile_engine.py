@@ -5,9 +5,10 @@
 Each piece of the step is captured alone in a CUDA graph over all 32 layers (so weights come
 from HBM as in the real step, not from L2) and timed; the sum is set against the replay of
 the whole step's graph, and the host's part of a step (inputs, copies, sampling, the sync) is
-timed apart. Prints one table (ms per step, bytes, TB/s) and writes it as JSON.
+timed apart. Prints one table (ms per step, bytes, TB/s) and writes it as JSON. Public APIs
+only: the runner's decode inputs, the cache's store (rope + K/V store), the decode kernels.
 
-    python3 scripts/profile_engine.py --batch 32 --out DIR
+    python3 benchmarks/profile_engine.py --batch 32 --out DIR
 """
 from __future__ import annotations
 
@@ -20,17 +21,17 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from common import copy_bandwidth, replay_seconds  # noqa: E402
 from engine import fill_requests, weight_bytes  # noqa: E402  (benchmarks/engine.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
+from zipfusion.engine.attention import AttentionBackend  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402
 from zipfusion.engine.sampling import Sampler  # noqa: E402
 from zipfusion.models import build_model, resolve_model  # noqa: E402
-from zipfusion.models.fused import rmsnorm, rope_and_store, silu_and_mul  # noqa: E402
+from zipfusion.models.fused import rmsnorm, silu_and_mul  # noqa: E402
 
 
 def graph_ms(fn, reps=10):
@@ -54,7 +55,6 @@ def main():
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--uncompressed", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--variants", default="", help="NAME=nvcc -D flags;... : attention kernel builds to time")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -66,18 +66,21 @@ def main():
     cache = ArenaKVCache(L, H, D, int(args.kv_gb * 2**30), dev, compress=not args.uncompressed)
     reqs = fill_requests(cache, args.ctx, pool.to(dev), args.batch, not args.uncompressed)
     B = len(reqs)
-    runner = ModelRunner(model, cache, max_model_len=args.ctx + 16, max_num_seqs=B)
+    compressed = not args.uncompressed
+    attention = AttentionBackend(cache, "kernel", compressed=compressed, num_qo_heads=Hq, sm_scale=D ** -0.5)
+    runner = ModelRunner(model, attention, max_model_len=args.ctx + 16, max_num_seqs=B)
     runner.capture_cuda_graphs(sizes=[B])
-    b = {k: v.to(dev) for k, v in runner._decode_inputs(reqs, B).items()}
+    b = {k: v.to(dev) for k, v in runner.decode_inputs(reqs, B).items()}
     layers = model.model.layers
     x = torch.randn(B, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
     r = torch.randn_like(x)
-    qkv = torch.randn(B, (Hq + 2 * H) * D, device=dev, dtype=torch.bfloat16)
+    qkv = torch.randn(B, Hq + 2 * H, D, device=dev, dtype=torch.bfloat16)
+    q_, k_, v_ = qkv.split([Hq, H, H], dim=1)
     gu = torch.randn(B, 2 * cfg.intermediate_size, device=dev, dtype=torch.bfloat16)
     act = torch.randn(B, cfg.intermediate_size, device=dev, dtype=torch.bfloat16)
     q = torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16)
     o = torch.randn(B, Hq * D, device=dev, dtype=torch.bfloat16)
-    cos, sin = model.rotary.cos_sin(b["positions"], torch.bfloat16)
+    cos, sin = model.rotary.cos_sin(b["positions"])
     hidden = torch.randn(B, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
 
     def per_layer(f):
@@ -94,15 +97,15 @@ def main():
                          sum(nbytes(m.mlp.gate_up_proj.weight) for m in layers)),
         "down_proj": (per_layer(lambda i, m: m.mlp.down_proj(act)), sum(nbytes(m.mlp.down_proj.weight) for m in layers)),
         "lm_head": (lambda: model.compute_logits(hidden), nbytes(model.lm_head_weight)),
-        "attention": (per_layer(lambda i, m: cache.decode_attention(i, q, b["block_table"], b["context_lens"],
-                                                                    runner.sm_scale)), kv_read),
-        "rope_store": (per_layer(lambda i, m: rope_and_store(qkv, cos, sin, Hq, H, D, cache.arena, cache.page_loc[i],
-                                                             b["page_ids"], b["slots"])), 0),
+        "attention": (per_layer(lambda i, m: cache_attention(cache, i, q, b, attention.sm_scale, None, None)),
+                      kv_read),
+        "rope_store": (per_layer(lambda i, m: cache.store(i, q_, k_, v_, cos, sin, b["page_ids"], b["slots"],
+                                                          want_kv=False)), 0),
         "add_rmsnorm x2": (per_layer(lambda i, m: (rmsnorm(x, m.input_layernorm.weight, 1e-5, r),
                                                    rmsnorm(x, m.post_attention_layernorm.weight, 1e-5, r))), 0),
         "silu_mul": (per_layer(lambda i, m: silu_and_mul(gu)), 0),
         "embed+rope tables": (lambda: (model.model.embed_tokens(b["input_ids"]),
-                                       model.rotary.cos_sin(b["positions"], torch.bfloat16)), 0),
+                                       model.rotary.cos_sin(b["positions"])), 0),
     }
     rows = []
     for name, (fn, by) in parts.items():
@@ -116,19 +119,19 @@ def main():
         torch.backends.cuda.preferred_blas_library(lib)
         blas[lib] = {n: graph_ms(parts[n][0]) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
     torch.backends.cuda.preferred_blas_library(default)
-    attn = _attention_variants(cache, q, b, runner.sm_scale, args.variants)
+    attn = _attention_sweep(cache, q, b, attention.sm_scale)
 
     # the whole step: graph replay alone, and what one engine step adds on the host
     sampler = Sampler(dev)
-    host_inputs = []
+    host_inputs = []                            # (into fresh buffers; the step reuses pinned ones)
     for _ in range(20):
         t0 = time.perf_counter()
-        runner._decode_inputs(reqs, B, runner._host)
+        runner.decode_inputs(reqs, B)
         host_inputs.append(time.perf_counter() - t0)
     whole = {}                                  # the whole step's graph, per BLAS front end
     for lib in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(lib)
-        run = ModelRunner(model, cache, max_model_len=args.ctx + 16, max_num_seqs=B)
+        run = ModelRunner(model, attention, max_model_len=args.ctx + 16, max_num_seqs=B)
         run.capture_cuda_graphs(sizes=[B])
         whole[lib] = _step_times(run, sampler, reqs)
         del run
@@ -150,7 +153,7 @@ def main():
     for lib, t in blas.items():
         print(f"{lib:20s} " + ", ".join(f"{n} {v:.3f}" for n, v in t.items()))
     for r_ in attn:
-        print(f"attention {r_['build']:10s} splits {r_['splits']:2d} stages {r_['stages']}: {r_['ms']:.3f} ms")
+        print(f"attention splits {r_['splits']:2d} stages {r_['stages']}: {r_['ms']:.3f} ms")
     print(f"{'sum of parts':20s} {total_parts:8.3f}")
     print(f"{'graph replay':20s} {replay:8.3f}   (gaps = replay - sum: {replay - total_parts:.3f})")
     print(f"{'engine step':20s} {step:8.3f}   (host inputs {info['host_inputs_ms']:.3f})")
@@ -166,33 +169,14 @@ def main():
             json.dump(info, f, indent=1)
 
 
-def _attention_variants(cache, q, b, sm_scale, spec):
-    """Decode attention over all layers for split counts x stages, with the default kernel
-    build and with each build named in ``spec`` ("name=-DX=1 -DY=2;name2=...")."""
-    import subprocess
-    from zipfusion.kernels import cuda_attention as ca
-    arch = ca._arch(q.device)
-    default = ca._library(arch)
-    builds = {"default": default}
-    for item in filter(None, spec.split(";")):
-        name, flags = item.split("=", 1)
-        lib = f"/tmp/zf_variant_{name}.so"
-        subprocess.run([ca._nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-                        f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags.split(), "-o", lib, str(ca.SOURCE)],
-                       check=True)
-        builds[name] = ca.load_library(lib)
+def _attention_sweep(cache, q, b, sm_scale):
+    """Decode attention over all layers for split counts x stages (the kernel's knobs)."""
     rows = []
-    ref = cache_attention(cache, 0, q, b, sm_scale, None, None).float()
-    for name, lib in builds.items():
-        ca._BUILT[arch] = lib
-        got = cache_attention(cache, 0, q, b, sm_scale, None, None).float()
-        print(f"attention build {name}: max |out - default build| = {(got - ref).abs().max().item():.3g}")
-        for S in (3, 4, 5, 6, 8, 12):
-            for stages in (3, 4) if not cache.compress else (4, 6):
-                ms = graph_ms(lambda: [cache_attention(cache, i, q, b, sm_scale, S, stages)
-                                       for i in range(cache.num_layers)])
-                rows.append(dict(build=name, splits=S, stages=stages, ms=ms))
-    ca._BUILT[arch] = default
+    for S in (3, 4, 5, 6, 8, 12):
+        for stages in (3, 4) if not cache.compress else (4, 6):
+            ms = graph_ms(lambda: [cache_attention(cache, i, q, b, sm_scale, S, stages)
+                                   for i in range(cache.num_layers)])
+            rows.append(dict(splits=S, stages=stages, ms=ms))
     return rows
 
 
@@ -200,7 +184,7 @@ def cache_attention(cache, layer, q, b, sm_scale, splits, stages):
     from zipfusion.kernels import decode_attention, decode_attention_twin
     kernel = decode_attention if cache.compress else decode_attention_twin
     return kernel(q, cache.arena, cache.page_loc[layer], b["block_table"], b["context_lens"],
-                            cache.layout, sm_scale, validate=False, num_splits=splits, stages=stages)
+                  cache.layout, sm_scale, validate=False, num_splits=splits, stages=stages)
 
 
 def _step_times(runner, sampler, reqs, reps=15):

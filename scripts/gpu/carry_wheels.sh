@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine lacks (it has no network) into .carry/ (git-ignored): FlashInfer's trimmed
 # build, nvCOMP, and the pure-Python extras the server and GGUF tests need. Send .carry along
-# (device tool: carry=[".carry"]); scripts/gpu_check.sh and scripts/e2e_gpu.sh install it there.
-#   bash scripts/carry_wheels.sh
+# (device tool: carry=[".carry"]); scripts/gpu/gpu_check.sh and scripts/gpu/e2e_gpu.sh install it there.
+#   bash scripts/gpu/carry_wheels.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mkdir -p .carry/extra .git/info
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo /.carry/ >> .git/info/exclude
 cp ../shared/tools/flashinfer/carry/*.whl .carry/

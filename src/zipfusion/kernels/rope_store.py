@@ -1,0 +1,102 @@
+"""Rope + K/V store into the arena (Triton, CUDA): the kernel that writes the KV cache, beside
+the attention kernels that read it.
+
+Written as torch ops, rope is ~8 kernels per tensor and the K/V store ~5; this kernel does them in
+one. The torch version (models/layers.py, engine/kv_cache.py) stays the reference and the tests
+compare both under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..format.layout import PAGE_TOKENS, open_bf16_index
+
+_open_bf16_index = triton.jit(open_bf16_index)
+PAGE_TOKENS_C = tl.constexpr(PAGE_TOKENS)
+
+
+# ------------------------------------------------------------------------------------------
+# Rope + K/V store. Program (t, head): heads 0..Hq-1 rotate q into q_out; heads Hq..Hq+H-1
+# rotate k (into k_out when asked: prefill attends over it) and store k and v of KV head h
+# into the open page of token t. Rope (RotaryEmbedding's arithmetic, models/layers.py):
+#   out1 = x1*cos - x2*sin,  out2 = x2*cos + x1*sin      (x1, x2: halves of the head)
+# with cos/sin fp32 and the products and sums in fp64 (exact products, so FMA or not gives the
+# same bits), rounded to fp32 and then to the output dtype: the torch version's exact bits.
+# Arena addressing: format/layout.py, PageLayout.open_elements (bf16 element of role r, slot s,
+# head h, channel c).
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _rotate(src, cos, sin, c, HALF: tl.constexpr):
+    x1 = tl.load(src + c).to(tl.float64)
+    x2 = tl.load(src + HALF + c).to(tl.float64)
+    return (x1 * cos - x2 * sin).to(tl.float32), (x2 * cos + x1 * sin).to(tl.float32)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 -> ``dtype``. bf16: round to nearest even by integer ops, torch's rounding on every
+    backend (the Triton interpreter's own cast truncates); NaN -> the canonical bf16 NaN."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        b = tl.where(x != x, 0x7FC0, b)
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, arena16_ptr,
+                       page_loc_ptr, page_ids_ptr, slots_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
+                       HQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, STORE_K: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    c = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + t * HALF + c).to(tl.float64)
+    sin = tl.load(sin_ptr + t * HALF + c).to(tl.float64)
+    if head < HQ:
+        o1, o2 = _rotate(q_ptr + t * sq_t + head * sq_h, cos, sin, c, HALF)
+        dst = q_out_ptr + (t * HQ + head) * D
+        tl.store(dst + c, _round(o1, q_out_ptr.dtype.element_ty))
+        tl.store(dst + HALF + c, _round(o2, q_out_ptr.dtype.element_ty))
+    else:
+        h = head - HQ
+        o1, o2 = _rotate(k_ptr + t * sk_t + h * sk_h, cos, sin, c, HALF)
+        k1, k2 = _round(o1, tl.bfloat16), _round(o2, tl.bfloat16)
+        if STORE_K:
+            dst = k_out_ptr + (t * H + h) * D
+            tl.store(dst + c, _round(o1, k_out_ptr.dtype.element_ty))
+            tl.store(dst + HALF + c, _round(o2, k_out_ptr.dtype.element_ty))
+        vsrc = v_ptr + t * sv_t + h * sv_h
+        page = tl.load(page_ids_ptr + t)
+        slot = tl.load(slots_ptr + t)
+        base = _open_bf16_index(tl.load(page_loc_ptr + page))      # an open page
+        k_dst = arena16_ptr + base + (slot * H + h) * D
+        v_dst = arena16_ptr + base + ((PAGE_TOKENS_C + slot) * H + h) * D
+        tl.store(k_dst + c, k1)
+        tl.store(k_dst + HALF + c, k2)
+        tl.store(v_dst + c, _round(tl.load(vsrc + c).to(tl.float32), tl.bfloat16))
+        tl.store(v_dst + HALF + c, _round(tl.load(vsrc + HALF + c).to(tl.float32), tl.bfloat16))
+
+
+def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, want_k: bool = False):
+    """q [T, Hq, D], k, v [T, H, D] (views with unit channel stride), cos/sin [T, D/2] fp32 ->
+    (rotated q [T, Hq, D], rotated k [T, H, D] if ``want_k`` else None); rotated k and v are
+    written as bf16 into the open pages ``page_ids[t]`` at slot ``slots[t]`` of this layer."""
+    import torch
+    T, HQ, D = q.shape
+    H = k.shape[1]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(2) != 1:
+            raise ValueError(f"rope_and_store: {name} needs unit stride over channels")
+    q_out = torch.empty(T, HQ, D, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, H, D, dtype=k.dtype, device=k.device) if want_k else q_out
+    if T:
+        n2 = arena.numel() // 2 * 2
+        _rope_store_kernel[(T, HQ + H)](
+            q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_out, arena[:n2].view(torch.bfloat16),
+            page_loc_layer, page_ids, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), HQ=HQ, H=H, D=D, STORE_K=want_k)
+    return q_out, (k_out if want_k else None)
