@@ -17,6 +17,7 @@ for the accounting-only ``meta`` device) chunks return at once.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -115,3 +116,21 @@ def groups_available(free_chunks: list[int], num_layers: int, reserve: int) -> i
         raise ValueError(f"free_chunks needs 1 (shared pool) or {num_layers} (one per layer) "
                          f"entries, got {len(free_chunks)}")
     return max(0, min(free_chunks) - reserve)
+
+
+MAX_CHUNK_BYTES = 2 << 20          # largest chunk: 2 MiB (one Llama-8B group of 32 open pages)
+
+
+def default_chunk_bytes(budget_bytes: int, num_layers: int, layout, reserve_chunks: int = 2) -> int:
+    """Chunks of S open pages, S a power of two. Two costs pull S apart: next fit leaves on
+    average half a compressed page unused at the end of each packed chunk (a share ~1/(2S) of
+    the arena), and the compression reserve keeps ``reserve_chunks`` chunks per layer (a share
+    ~reserve·S/N, N open pages per layer). Their sum is smallest near S = sqrt(N / (2·reserve)):
+    small arenas get small chunks, large ones 2 MiB."""
+    open_bytes = layout.open_page_bytes
+    n = max(1, int(budget_bytes) // num_layers // open_bytes)
+    best = math.sqrt(n / (2 * max(1, reserve_chunks)))
+    S = 1
+    while 2 * S * open_bytes <= MAX_CHUNK_BYTES and 2 * S <= 64 and abs(math.log2(2 * S / best)) < abs(math.log2(S / best)):
+        S *= 2
+    return S * open_bytes

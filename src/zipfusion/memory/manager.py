@@ -18,25 +18,19 @@ baseline), counting chunks that compaction is sure to free, and keeping ``reserv
 layer for compression (compressed space is taken before the open slots are freed).
 
 ``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short
-(the scheduler asks ``capacity_new_pages()`` first and preempts before allocating, so the
-engine never meets it). ``compress_pages`` never fails: a page that finds no room
-stays open (still a valid page) and is returned to be sealed again later.
-
+(the scheduler asks first, so the engine never meets it). ``compress_pages`` never fails and
+never lowers the capacity below what was promised (``min_capacity``): a page that finds no room
+it may take stays open (still a valid page) and is returned, to be sealed again later.
 Compaction is incremental: it evacuates a layer's emptiest packed chunks, just enough of them
-to free the chunks asked for, so the bytes it moves stay proportional to what it frees.
-
-Device: "cuda" (Triton codec and copy kernels), "cpu" (torch reference codec), or "meta":
-accounting only, no bytes (benchmarks); then ``compress_pages`` needs the encoded ``sizes``.
-
-Reads in flight: freed chunks reach another layer only after a CUDA event recorded at the
-free has completed (chunks.py). Compaction and compression copy on the current stream, so
-kernels enqueued earlier on that stream read the old bytes before they move; a caller using
-several streams must order them against the current one.
+to free the chunks asked for. Device: "cuda" (Triton codec and copy kernels), "cpu" (torch
+reference codec), or "meta" (accounting only; ``compress_pages`` then takes the ``sizes``).
+Reads in flight: freed chunks reach another layer only after a CUDA event recorded at the free
+has completed (chunks.py); compaction and compression copy on the current stream, so a caller
+using several streams must order them against it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -46,31 +40,13 @@ from ..format import PageLayout
 from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_open, loc_offset, moved_loc,
                              open_loc)
 from . import codec
-from .chunks import ChunkPool, groups_available
+from .chunks import ChunkPool, default_chunk_bytes, groups_available
 from .copy import move_ranges
 from .errors import BudgetTooSmall, MemoryExhausted
 from .open_pages import OpenGroups
 from .packed import PackedSpace
 from .page_table import OPEN, STATE_NAMES, STORED, PageTable
 from .stats import LayerStats, MemoryStats
-
-MAX_CHUNK_BYTES = 2 << 20          # largest chunk: 2 MiB (one Llama-8B group of 32 open pages)
-
-
-def default_chunk_bytes(budget_bytes: int, num_layers: int, layout: PageLayout, reserve_chunks: int = 2) -> int:
-    """Chunks of S open pages, S a power of two. Two costs pull S apart: next fit leaves on
-    average half a compressed page unused at the end of each packed chunk (a share ~1/(2S) of
-    the arena), and the compression reserve keeps ``reserve_chunks`` chunks per layer (a share
-    ~reserve·S/N, N open pages per layer). Their sum is smallest near S = sqrt(N / (2·reserve)):
-    small arenas get small chunks, large ones 2 MiB."""
-    open_bytes = layout.open_page_bytes
-    n = max(1, int(budget_bytes) // num_layers // open_bytes)
-    best = math.sqrt(n / (2 * max(1, reserve_chunks)))
-    S = 1
-    while 2 * S * open_bytes <= MAX_CHUNK_BYTES and 2 * S <= 64 and abs(math.log2(2 * S / best)) < abs(math.log2(S / best)):
-        S *= 2
-    return S * open_bytes
-
 
 class KVCacheManager:
     def __init__(self, num_layers: int, layout: PageLayout, budget_bytes: int,
@@ -258,13 +234,7 @@ class KVCacheManager:
                              "accounting-only manager (device='meta')")
         L, n = self.num_layers, ids.size
         if sizes is not None:
-            sizes = np.asarray(sizes, dtype=np.int64)
-            if sizes.shape != (L, n):
-                raise ValueError(f"compress_pages: sizes must have shape [num_layers, len(ids)] = "
-                                 f"{[L, n]}, got {list(sizes.shape)}")
-            if ((sizes < self.layout.min_page_bytes) | (sizes > self.layout.max_page_bytes) | (sizes % 16 != 0)).any():
-                raise ValueError("compress_pages: sizes must be page sizes of the format "
-                                 f"({self.layout.min_page_bytes}..{self.layout.max_page_bytes}, multiples of 16)")
+            sizes = self._checked_sizes(sizes, n)
         if n == 0:
             return []
         state = None
@@ -288,6 +258,15 @@ class KVCacheManager:
             i += k
         t.sync(ids)                        # one copy of the touched page_loc columns to the device
         return left
+
+    def _checked_sizes(self, sizes, n: int) -> np.ndarray:
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if sizes.shape != (self.num_layers, n):
+            raise ValueError(f"compress_pages: sizes must be [num_layers, len(ids)] = {[self.num_layers, n]}, got {list(sizes.shape)}")
+        lo, hi = self.layout.min_page_bytes, self.layout.max_page_bytes
+        if ((sizes < lo) | (sizes > hi) | (sizes % 16 != 0)).any():
+            raise ValueError(f"compress_pages: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
+        return sizes
 
     def _wave(self, stored: np.ndarray):
         """The next wave of pages ``stored`` [L, m] (open-slot order): (pages, placement) for the
