@@ -36,8 +36,9 @@ from common import copy_bandwidth, pyplot  # noqa: E402  (benchmarks/common.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction  # noqa: E402
 from zipfusion.format import PageLayout, encode_pages_into, page_sizes  # noqa: E402
-from zipfusion.kernels import (decode_attention, decode_attention_twin,  # noqa: E402
-                               decode_attention_unfused, plan_unfused)
+from zipfusion.kernels import decode_attention, decode_attention_twin  # noqa: E402
+
+from unfused import decode_attention_unfused, plan_unfused  # noqa: E402  (benchmarks/unfused.py)
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 TUNABLE = ("stages", "num_splits", "tma")   # knobs of the CUDA kernel

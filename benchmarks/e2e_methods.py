@@ -1,7 +1,7 @@
 """The KV methods of benchmarks/e2e.py that are baselines, not engine features.
 
 * ``unfused``: our format, decompressed into a one-layer BF16 workspace with the Triton codec,
-  then the twin (zipfusion.kernels.decode_attention_unfused), inside the engine's decode step
+  then the twin (benchmarks/unfused.py), inside the engine's decode step
   (CUDA graphs included): the plans are made once the requests are filled.
 * ``nvcomp-ans`` / ``nvcomp-bitcomp``: decompress-then-attend with NVIDIA nvCOMP's Python API,
   measured as an honest *composite*: the ratio and decode speed of the codec on the same KV
@@ -39,7 +39,7 @@ def install_unfused(backend) -> None:
     """Make the attention backend's ``decode`` decompress then run the twin: one plan per layer
     over the pages now in the cache, all sharing one workspace (the batch's pages of one layer)."""
     cache = backend.cache
-    from zipfusion.kernels import decode_attention_unfused, plan_unfused
+    from unfused import decode_attention_unfused, plan_unfused
     plans, scratch = [], None
     for layer in range(cache.num_layers):          # each plan's own workspace is dropped at once
         p = plan_unfused(cache.arena, cache.page_loc[layer], cache.layout)

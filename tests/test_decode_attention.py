@@ -5,6 +5,8 @@ sizes; the tests marked gpu (large shapes, the CUDA kernel, the Triton kernel co
 only where a CUDA GPU is present. Every random draw is seeded; a failing check names its seed.
 """
 
+import os
+import sys
 
 import pytest
 import torch
@@ -13,8 +15,10 @@ from hypothesis import given, settings, strategies as st
 from helpers import build_arena
 from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
 from zipfusion.format import PageLayout
-from zipfusion.kernels import (decode_attention, decode_attention_twin, decode_attention_unfused,
-                               reference_decode_attention)
+from zipfusion.kernels import decode_attention, decode_attention_twin
+from zipfusion.testing import reference_decode_attention
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from unfused import decode_attention_unfused  # noqa: E402  (benchmarks/unfused.py: the baseline)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

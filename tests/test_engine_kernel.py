@@ -26,7 +26,7 @@ def prompts():
 
 
 def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
-    from zipfusion.kernels import reference_decode_attention
+    from zipfusion.testing import reference_decode_attention
     llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
     eng = llm.engine
     reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in prompts()]

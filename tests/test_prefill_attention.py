@@ -4,7 +4,6 @@ CPU tests run the Triton kernel under the interpreter (tests/conftest.py) at tin
 tests marked gpu run the compiled kernel at the benchmark's shapes. Every draw is seeded.
 """
 
-
 import pytest
 import torch
 
@@ -13,8 +12,8 @@ from zipfusion.analysis.synthetic import realistic_pages
 from zipfusion.format import PageLayout
 from zipfusion.format.layout import RAW_MARK
 from zipfusion.format.reference import analyze_pages
-from zipfusion.kernels import (paged_prefill_attention, plan_prefill,
-                               reference_prefill_attention)
+from zipfusion.kernels import paged_prefill_attention, plan_prefill
+from zipfusion.testing import reference_prefill_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu

@@ -1,7 +1,15 @@
-"""Helpers for tests and benchmarks that drive an engine step by step (nothing in the engine
-calls this module)."""
+"""Helpers for tests and benchmarks (nothing in the engine calls this module): driving an engine
+step by step, and torch references for paged attention over the arena (float64 math, any
+device), reading pages exactly as the kernels must: ``loc_is_open(page_loc)``: an open page
+stored as ``[2, 16, H, D]`` bf16, else a compressed page decoded with the format's reference
+codec."""
 
 from __future__ import annotations
+
+import torch
+
+from .format.layout import PAGE_TOKENS, PageLayout, loc_is_open, loc_offset
+from .format.reference import decode_pages
 
 
 def run_to_completion(engine, reqs=(), keep_logits: bool = False) -> None:
@@ -17,3 +25,72 @@ def run_to_completion(engine, reqs=(), keep_logits: bool = False) -> None:
             for r, row in zip(res.sampled, rows):
                 if r.request_id in want:
                     want[r.request_id].logits.append(row.clone())
+
+
+def gather_request_kv(arena: torch.Tensor, page_loc_layer: torch.Tensor, page_ids: torch.Tensor,
+                      layout: PageLayout) -> torch.Tensor:
+    """The pages ``page_ids`` of one layer as [n, 2, 16, H, D] bf16 (open or decoded)."""
+    H, D = layout.num_kv_heads, layout.head_dim
+    loc = page_loc_layer[page_ids.to(torch.int64)].cpu()
+    pages = torch.empty(len(page_ids), 2, PAGE_TOKENS, H, D, dtype=torch.bfloat16,
+                        device=arena.device)
+    is_open = loc_is_open(loc)
+    n = layout.open_page_bytes
+    for i in torch.nonzero(is_open).flatten().tolist():
+        start = loc_offset(int(loc[i]))
+        pages[i] = arena[start:start + n].view(torch.bfloat16).view(2, PAGE_TOKENS, H, D)
+    comp = torch.nonzero(~is_open).flatten()
+    if comp.numel():
+        pages[comp.to(pages.device)] = decode_pages(arena, loc[comp].to(arena.device), H, D)
+    return pages
+
+
+def reference_decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout,
+                               sm_scale, out=None, *, out_dtype=torch.bfloat16):
+    """softmax(sm_scale · q Kᵀ) V per request and query head, in float64.
+
+    Same inputs as :func:`zipfusion.kernels.decode_attention`. Returns ``out_dtype``
+    (bf16 by default; pass torch.float64 to compare kernels against the exact result).
+    """
+    B, Hq, D = q.shape
+    H = layout.num_kv_heads
+    G = Hq // H
+    res = torch.empty(B, Hq, D, dtype=torch.float64, device=q.device)
+    lens = context_lens.cpu().tolist()
+    for b in range(B):
+        L = int(lens[b])
+        n = -(-L // PAGE_TOKENS)
+        kv = gather_request_kv(arena, page_loc_layer, block_table[b, :n], layout)
+        kv = kv.to(torch.float64).transpose(0, 1).reshape(2, n * PAGE_TOKENS, H, D)[:, :L]
+        k, v = kv[0], kv[1]                                           # [L, H, D]
+        qb = q[b].to(torch.float64).view(H, G, D)
+        s = torch.einsum("hgd,lhd->hgl", qb, k) * sm_scale
+        res[b] = torch.einsum("hgl,lhd->hgd", torch.softmax(s, -1), v).reshape(Hq, D)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res.to(out_dtype)
+
+
+def reference_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout,
+                                sm_scale, *, out_dtype=torch.bfloat16):
+    """Causal softmax(sm_scale · q Kᵀ) V per chunk and query head, in float64: the query at
+    position p sees keys 0..p of its chunk's request. Same inputs as
+    :func:`zipfusion.kernels.paged_prefill_attention` (no ``compressed``: pages are read as
+    ``page_loc_layer`` says)."""
+    T, Hq, D = q.shape
+    H = layout.num_kv_heads
+    res = torch.empty(T, Hq, D, dtype=torch.float64, device=q.device)
+    indptr, start = q_indptr.tolist(), q_start.tolist()
+    for c, s in enumerate(start):
+        a, b = indptr[c], indptr[c + 1]
+        L = s + b - a
+        n = -(-L // PAGE_TOKENS)
+        kv = gather_request_kv(arena, page_loc_layer, block_table[c, :n], layout)
+        kv = kv.to(torch.float64).transpose(0, 1).reshape(2, n * PAGE_TOKENS, H, D)[:, :L]
+        k, v = kv[0].repeat_interleave(Hq // H, 1), kv[1].repeat_interleave(Hq // H, 1)
+        sc = torch.einsum("thd,lhd->htl", q[a:b].to(torch.float64), k) * sm_scale
+        pos = torch.arange(s, L, device=q.device)[:, None]
+        sc = sc.masked_fill(torch.arange(L, device=q.device)[None, :] > pos, float("-inf"))
+        res[a:b] = torch.einsum("htl,lhd->thd", torch.softmax(sc, -1), v)
+    return res.to(out_dtype)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import triton_codec
-from ..format.layout import PAGE_TOKENS, PageLayout, loc_is_compressed, loc_is_open, open_bf16_index, open_loc
-from .decode_attention import _check_inputs, decode_attention_twin
+from zipfusion.format import triton_codec
+from zipfusion.format.layout import PAGE_TOKENS, PageLayout, loc_is_compressed, loc_is_open, open_bf16_index, open_loc
+from zipfusion.kernels.decode_attention import _check_inputs, decode_attention_twin
 
 
 @dataclass
