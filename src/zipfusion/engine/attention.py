@@ -55,6 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..format import PAGE_TOKENS
+from ..format.layout import open_loc
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
@@ -75,6 +76,11 @@ class ChunkView:
     length: int
     pages: list[int]
 
+    @property
+    def used_pages(self) -> list[int]:
+        """The pages holding the chunk's request up to its last token."""
+        return self.pages[:-(-(self.start + self.length) // PAGE_TOKENS)]
+
 
 class AttentionBackend:
     """Decode and prefill attention over a KV cache, as the engine's config says.
@@ -87,7 +93,7 @@ class AttentionBackend:
     """
 
     def __init__(self, cache, kind: str = "auto", *, compressed: bool, deterministic: bool = False,
-                 num_qo_heads: int | None = None, sm_scale: float):
+                 num_qo_heads: int, sm_scale: float):
         cuda = cache.device.type == "cuda"
         if kind == "flashinfer" and not cuda:
             raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the KV cache is on {cache.device}")
@@ -98,6 +104,8 @@ class AttentionBackend:
         self.kind = ("kernel" if cuda and arena is not None else "torch") if kind == "auto" else kind
         self.cache, self.compressed, self.deterministic = cache, compressed, deterministic
         self.sm_scale, self.num_qo_heads = sm_scale, num_qo_heads
+        # deterministic: a fixed split of every request's pages, whatever the batch
+        self._split = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if deterministic else {}
         self._flashinfer = None
         if self.kind == "flashinfer":
             from ..kernels.flashinfer_decode import FlashInferDecode
@@ -140,10 +148,9 @@ class AttentionBackend:
         if self.kind == "kernel":
             from ..kernels import decode_attention, decode_attention_twin
             kernel = decode_attention if self.compressed else decode_attention_twin
-            kw = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if self.deterministic else {}
             # the engine builds valid tables; validate=False keeps the call free of host syncs
             return kernel(q, cache.arena, cache.page_loc[layer], block_table, context_lens,
-                          cache.layout, self.sm_scale, validate=False, **kw)
+                          cache.layout, self.sm_scale, validate=False, **self._split)
         return torch_decode_attention(q, lambda ids: cache.read_pages(layer, ids), block_table,
                                       context_lens, self.sm_scale, exact=self.deterministic)
 
@@ -165,24 +172,25 @@ class AttentionBackend:
         H, D = c.num_kv_heads, c.head_dim
         copy = torch.stack([k.view(P, PAGE_TOKENS, H, D), v.view(P, PAGE_TOKENS, H, D)], dim=1)
         arena = copy.view(-1).view(torch.uint8)
-        loc = torch.arange(P, dtype=torch.int64, device=q.device) * c.layout.open_page_bytes + 1
+        loc = open_loc(torch.arange(P, dtype=torch.int64, device=q.device) * c.layout.open_page_bytes)
         table = torch.arange(P, dtype=torch.int32, device=q.device).expand(q.shape[0], P)
-        kw = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if self.deterministic else {}
         return decode_attention_twin(q, arena, loc, table, context_lens, c.layout, self.sm_scale,
-                                     validate=False, **kw)
+                                     validate=False, **self._split)
 
     def read_context(self, layer: int, pages: torch.Tensor, num_tokens: int):
         """K, V [num_tokens, H, D] of a request's first tokens, restored from its pages."""
-        if self.kind == "kernel" or (self.kind == "flashinfer" and hasattr(self.cache, "arena")):
+        if self.kind in ("kernel", "flashinfer"):                         # the arena's pages
             from ..kernels.prefill_attention import gather_kv
             c = self.cache
             return gather_kv(c.arena, c.page_loc[layer], pages, num_tokens, c.layout, compressed=self.compressed)
         return self.cache.read_tokens(layer, pages.tolist(), num_tokens)
 
     def route(self, ch: ChunkView) -> str:
-        """How a prefill chunk attends: "fresh", "rows", "paged" or "gather" (module docstring)."""
+        """How a prefill chunk attends: "fresh", "rows", "copy" (rows over an open copy of the
+        pages), "paged" or "gather" (module docstring)."""
         if self.deterministic:
-            return "rows"
+            long_compressed = self.kind == "kernel" and self.compressed and ch.length > ROWS_MAX_TOKENS
+            return "copy" if long_compressed else "rows"
         if ch.start == 0:
             return "fresh"
         if self.kind == "kernel" and ch.length <= ROWS_MAX_TOKENS:
@@ -217,13 +225,10 @@ class StepKV:
         # "rows": the chunk's tokens as decode rows (its request's pages, each token's length)
         self._rows = {i: _decode_rows(ch, device) for i, ch in enumerate(chunks) if self._routes[i] == "rows"}
         self._paged = _paged_chunks(backend, chunks, self._routes, num_decode, device)
-        # "gather", and long "rows" chunks over compressed pages: the request's pages, as a tensor
-        self._copy = backend.kind == "kernel" and backend.compressed
-        self._pages = {i: torch.tensor(ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)], dtype=torch.int32,
-                                       device=device)
-                       for i, ch in enumerate(chunks)
-                       if self._routes[i] == "gather" or (self._routes[i] == "rows" and self._copy
-                                                          and ch.length > ROWS_MAX_TOKENS)}
+        # "gather" and "copy": the request's pages and each token's context length
+        self._pages = {i: (torch.tensor(ch.used_pages, dtype=torch.int32, device=device),
+                           torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device))
+                       for i, ch in enumerate(chunks) if self._routes[i] in ("gather", "copy")}
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
@@ -242,20 +247,20 @@ class StepKV:
             sl = slice(off, off + ch.length)
             off += ch.length
             route = self._routes[i]
-            if route == "rows" and i in self._pages:
-                out[sl] = b.decode_over_open_copy(layer, q[sl], self._pages[i], self._rows[i][1])
+            if route == "copy":
+                out[sl] = b.decode_over_open_copy(layer, q[sl], *self._pages[i])
             elif route == "rows":
                 out[sl] = b.decode(layer, q[sl], *self._rows[i])
             elif route == "fresh":
                 out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, b.sm_scale)
             elif route == "gather":
-                kc, vc = b.read_context(layer, self._pages[i], ch.start + ch.length)
+                kc, vc = b.read_context(layer, self._pages[i][0], ch.start + ch.length)
                 out[sl] = prefill_attention(q[sl], kc.to(q.dtype), vc.to(q.dtype), ch.start, b.sm_scale)
         return out
 
 
 def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
-    pages = ch.pages[:-(-(ch.start + ch.length) // PAGE_TOKENS)]
+    pages = ch.used_pages
     table = torch.tensor(pages, dtype=torch.int32, device=device).expand(ch.length, len(pages))
     lens = torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device)
     return table, lens
@@ -274,17 +279,15 @@ def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], routes: li
         return None
     from ..kernels.prefill_attention import plan_prefill
     rows = torch.cat([torch.arange(o, o + ch.length) for ch, o in picked])
-    width = max(-(-(ch.start + ch.length) // PAGE_TOKENS) for ch, _ in picked)
+    width = max(len(ch.used_pages) for ch, _ in picked)
     table = torch.zeros(len(picked), width, dtype=torch.int32)
     for j, (ch, _) in enumerate(picked):
-        n = -(-(ch.start + ch.length) // PAGE_TOKENS)
-        table[j, :n] = torch.tensor(ch.pages[:n], dtype=torch.int32)
+        table[j, :len(ch.used_pages)] = torch.tensor(ch.used_pages, dtype=torch.int32)
     indptr = [0]
     for ch, _ in picked:
         indptr.append(indptr[-1] + ch.length)
     starts = [ch.start for ch, _ in picked]
-    work = plan_prefill(indptr, starts, backend.num_qo_heads or 1, backend.cache.num_kv_heads, device=device) \
-        if backend.num_qo_heads else None
+    work = plan_prefill(indptr, starts, backend.num_qo_heads, backend.cache.num_kv_heads, device=device)
     return PagedChunks(rows.to(device), table.to(device), torch.tensor(indptr, dtype=torch.int32, device=device),
                        torch.tensor(starts, dtype=torch.int32, device=device), work)
 
