@@ -105,7 +105,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Compress full pages (and those left open before), as the engine's seal does."""
         ids = sorted(self.unsealed | set(ids))
         if ids:
-            promised = self.adm.reserved_pages([RunningRequest(len(r.pages), r.ntok, r.total) for r in self.reqs])
+            promised = self.adm.promised_pages([RunningRequest(len(r.pages), r.ntok, r.total) for r in self.reqs])
             self.unsealed = set(self.m.compress_pages(ids, min_capacity=promised))
 
     # ------------------------------------------------------------------ rules

@@ -40,7 +40,6 @@ class KVCache:
         return 1.0
 
 
-
 class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 

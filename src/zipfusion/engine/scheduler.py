@@ -201,7 +201,7 @@ class Scheduler:
         if not self._to_seal or (waiting and not force):
             return 0
         ids = sorted(self._to_seal)
-        promised = self.admission.reserved_pages(self._running_needs()) if self.admission.mode != "optimistic" else 0
+        promised = self.admission.promised_pages(self._running_needs())
         self._to_seal, self._seal_wait = set(self.cache.seal(ids, min_capacity=promised)), 0
         return len(ids)
 

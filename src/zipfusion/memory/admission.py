@@ -90,6 +90,11 @@ class Admission:
                      for q in running)
         return math.ceil(self.ratio() * future)
 
+    def promised_pages(self, running: Iterable[RunningRequest]) -> int:
+        """New pages the running requests were promised: what a seal must leave room for (none
+        in the optimistic mode, which promises nothing)."""
+        return 0 if self.mode == "optimistic" else self.reserved_pages(running)
+
     def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = ()) -> bool:
         """Whether a new request fits beside what ``running`` requests still need."""
         if prompt_tokens < 1 or max_new_tokens < 0:
