@@ -99,15 +99,19 @@ class KVCacheManager:
         self._move_ms = 0.0
 
     # ================================================================== capacity
-    def _groups_available(self, include_compaction: bool = True, keep_reserve: bool = True) -> int:
+    def _groups_available(self, include_compaction: bool = True, keep_reserve: bool = True,
+                          gained: np.ndarray | int = 0, reclaim: np.ndarray | None = None) -> int:
         """New open groups the pool(s) can give now (compaction included), the compression
-        reserve kept unless ``keep_reserve`` is False."""
+        reserve kept unless ``keep_reserve`` is False. ``gained`` [L] chunks each layer's pool
+        would gain (negative: lose) and ``reclaim`` [L] a compaction bound: for a state to come."""
         L = self.num_layers
-        reclaim = self.packed.reclaimable_bound() if include_compaction else np.zeros(L, np.int64)
+        if reclaim is None:
+            reclaim = self.packed.reclaimable_bound() if include_compaction else np.zeros(L, np.int64)
+        free = reclaim + gained
         reserve = self.reserve if keep_reserve else 0
         if self.pool.shared:
-            return groups_available([self.pool.available(0) + int(reclaim.sum())], L, reserve)
-        return groups_available([self.pool.available(l) + int(reclaim[l]) for l in range(L)], L, reserve)
+            return groups_available([self.pool.available(0) + int(free.sum())], L, reserve)
+        return groups_available([self.pool.available(l) + int(free[l]) for l in range(L)], L, reserve)
 
     def capacity_new_pages(self, include_compaction: bool = True, keep_reserve: bool = True) -> int:
         """New open pages that fit in every layer at once (pool and compaction included).
@@ -334,23 +338,15 @@ class KVCacheManager:
         enough pages fill those chunks; when that would cut into promised room the batch waits,
         open, until it pays for itself (at most about ``S`` pages wait at a time). Closed form
         of the state after ``place`` + ``open.free``; no state changed."""
-        t, L, S = self.table, self.num_layers, self.slots_per_chunk
+        t, S = self.table, self.slots_per_chunk
         need = self.packed.chunks_needed(stored, split)
         groups, counts = np.unique(t.group[batch], return_counts=True)
         live = np.array([S - len(self.open.free_slots[g]) for g in groups.tolist()], dtype=np.int64)
         released = int((counts == live).sum())
-        free_slots = self.open.num_free_slots + batch.size - S * released
-        reclaim = np.zeros(L, np.int64)
-        per_chunk = self.chunk_bytes - self.packed.max_page_bytes
-        if per_chunk > 0:
-            held = self.packed.held + need
-            reclaim = np.maximum(held - -(-(self.packed.layer_live + stored.sum(1)) // per_chunk), 0)
-        if self.pool.shared:
-            free = [self.pool.available(0) - int(need.sum()) + L * released + int(reclaim.sum())]
-        else:
-            free = [self.pool.available(l) - int(need[l]) + released + int(reclaim[l]) for l in range(L)]
-        after = free_slots + S * groups_available(free, L, self.reserve)
-        return after >= min(self.capacity_new_pages(), min_capacity)
+        free_slots = self.open.num_free_slots + batch.size - S * released     # a released group: a chunk a layer
+        groups = self._groups_available(gained=released - need,
+                                        reclaim=self.packed.reclaimable_bound(need, stored.sum(1)))
+        return free_slots + S * groups >= min(self.capacity_new_pages(), min_capacity)
 
     def _make_room_for_packing(self, stored: np.ndarray):
         """The placement split for ``packed.place`` once every layer can take the fresh chunks

@@ -153,13 +153,14 @@ class PackedSpace:
         return emptied
 
     # ---------------------------------------------------------------- compaction
-    def reclaimable_bound(self) -> np.ndarray:
-        """Chunks per layer that compaction is sure to free (next-fit bound), [L]."""
+    def reclaimable_bound(self, more_held=0, more_live=0) -> np.ndarray:
+        """Chunks per layer that compaction is sure to free (next-fit bound), [L]; with
+        ``more_held`` chunks and ``more_live`` bytes per layer: the bound after a placement."""
         per_chunk = self.chunk_bytes - self.max_page_bytes
         if per_chunk <= 0:           # one page per chunk: nothing to gain from packing
             return np.zeros(self.num_layers, dtype=np.int64)
-        needed = -(-self.layer_live // per_chunk)
-        return np.maximum(self.held - needed, 0)
+        needed = -(-(self.layer_live + more_live) // per_chunk)
+        return np.maximum(self.held + more_held - needed, 0)
 
     def victims(self, layer: int) -> np.ndarray:
         """The layer's chunks with at least one page's worth of free bytes (holes or tail).
