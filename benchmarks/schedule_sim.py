@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import random
 import sys
 import time
 
@@ -28,6 +28,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
+from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths  # noqa: E402  (benchmarks/workloads.py)
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402
 
@@ -35,21 +36,13 @@ L, H, D = 32, 8, 128                      # Llama-3.1-8B's KV shape
 LAYOUT = PageLayout(H, D)
 
 
-def lognormal(rng, n, median, sigma, cap, floor=1):
-    return np.clip(np.round(rng.lognormal(math.log(median), sigma, n)), floor, cap).astype(int).tolist()
-
-
-def scenarios(seed: int = 0) -> dict:
-    """name -> (kv GiB, [(prompt tokens, max_tokens)], engine options); issue 20's table."""
-    rng = np.random.default_rng(seed)
-    mix_p, mix_o = lognormal(rng, 600, 1200, 0.8, 7000, 16), lognormal(rng, 600, 300, 0.8, 2000)
-    return {
-        "burst": (52, [(8192, 256)] * 72, {}),
-        "mix": (12, list(zip(mix_p, mix_o)), {}),
-        "long": (24, [(32768, 512)] * 16, {}),
-        "deterministic": (16, [(8192, 128)] * 24, {"deterministic": True}),
-        "long_generation": (52, [(1024, 8192)] * 64, {}),
-    }
+def requests(name: str, seed: int = 0) -> tuple:
+    """(scenario, [(prompt tokens, max_tokens)]): workloads.py's scenario and the very lengths
+    its worker draws for that seed (prompts, then outputs, from one generator)."""
+    sc = SCENARIOS[name]
+    rng = random.Random(seed)
+    prompts = list(sc.prompt) if isinstance(sc.prompt, tuple) else lengths(sc.prompt, sc.prompt_cap, sc.requests, rng)
+    return sc, list(zip(prompts, lengths(sc.output, sc.output_cap, len(prompts), rng)))
 
 
 class SimCache(ArenaKVCache):
@@ -72,7 +65,8 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     import torch
     from zipfusion import LLMEngine, SamplingParams
     from zipfusion.engine.scheduler import Scheduler
-    gb, reqs, opts = scenarios(seed)[name]
+    sc, reqs = requests(name, seed)
+    gb = sc.kv_gb
     eng = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, max_model_len=256)
     longest = max(p + o for p, o in reqs) + 16
     eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed)
@@ -101,7 +95,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", default="burst,mix,long,deterministic,long_generation")
+    ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS))
     ap.add_argument("--modes", default="compressed,uncompressed")
     ap.add_argument("--admission", default="estimate", choices=("estimate", "conservative", "optimistic"))
     ap.add_argument("--fraction", type=float, default=0.96)
