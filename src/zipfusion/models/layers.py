@@ -188,21 +188,12 @@ class VocabParallelEmbedding(nn.Module):
         return self._tp.all_reduce(y)
 
 
-class ParallelLMHead(nn.Module):
-    """An untied LM head split by vocabulary rows like :class:`VocabParallelEmbedding`;
-    ``CausalLM.compute_logits`` gathers the ranks' logits."""
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the rows of :class:`VocabParallelEmbedding`, the same split (weights
+    only: ``CausalLM.compute_logits`` multiplies by them and gathers the ranks' logits)."""
 
     def __init__(self, hidden_size: int, vocab_size: int):
-        super().__init__()
-        self._tp = t = tp()
-        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
-        self.shard = -(-vocab_size // t.size)
-        self.start = t.rank * self.shard
-        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size))
-        self.weight.weight_loader = self.weight_loader
-        _full(self.weight, (vocab_size, hidden_size))
-
-    weight_loader = VocabParallelEmbedding.weight_loader
+        super().__init__(vocab_size, hidden_size)
 
 
 def _full(param: nn.Parameter, shape: tuple, parts: list[int] | None = None) -> None:
