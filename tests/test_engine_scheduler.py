@@ -34,7 +34,8 @@ class FakeCache:
 
 
 def req(i, n, max_tokens=16):
-    return Request(i, list(range(3, 3 + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
+    """Request ``i`` with ``n`` prompt tokens of its own (no prefix shared with another)."""
+    return Request(i, list(range(1000 * i + 3, 1000 * i + 3 + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
 
 
 def advance(sched, out):
@@ -78,9 +79,12 @@ def test_admission_waits_for_capacity_and_max_num_seqs():
     assert len(s.waiting) == 1 and cache.capacity_new_pages() == 0
 
 
-def test_decode_preempts_the_newest_and_recomputes():
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_decode_preempts_the_newest_and_recomputes(prefix_caching):
+    """Without the prefix cache the preempted request recomputes everything; with it, its full
+    page waits in the cache (evictable, not needed) and the resumed request starts after it."""
     cache = FakeCache(4)
-    s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic")
+    s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic", prefix_caching=prefix_caching)
     a, b = req(0, 32), req(1, 31)                                   # 2 pages each, all memory
     s.add(a)
     s.add(b)
@@ -92,7 +96,8 @@ def test_decode_preempts_the_newest_and_recomputes():
     advance(s, out)
     s.finish(a, "length")
     out = s.schedule()                                             # b comes back: prompt + its token
-    assert [(c.request.request_id, c.start, c.length) for c in out.prefill] == [(1, 0, 32)]
+    start = 16 if prefix_caching else 0
+    assert [(c.request.request_id, c.start, c.length) for c in out.prefill] == [(1, start, 32 - start)]
 
 
 def test_one_request_larger_than_memory_is_an_error():

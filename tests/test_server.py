@@ -284,6 +284,17 @@ def test_chat_content_parts_and_stream_shape(client):
     assert content == client.post("/v1/chat/completions", json=text).json()["choices"][0]["message"]["content"]
 
 
+def test_usage_reports_cached_prompt_tokens(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: a repeated prompt is read from the prefix cache."""
+    body = {"prompt": "The prefix cache keeps full pages of sixteen tokens. " * 6, "max_tokens": 2}
+    first = client.post("/v1/completions", json=body).json()["usage"]
+    again = client.post("/v1/completions", json=body).json()["usage"]
+    assert again["prompt_tokens"] == first["prompt_tokens"] >= 32
+    assert again["prompt_tokens_details"]["cached_tokens"] == (first["prompt_tokens"] - 1) // 16 * 16
+    text = client.get("/metrics").text
+    assert metric(text, "zipfusion:prefix_cache_hits_total") >= again["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_completion_stream_usage_chunk(client):
     with client.stream("POST", "/v1/completions", json={"prompt": "In the beginning", "max_tokens": 4, "temperature": 0,
                                                          "ignore_eos": True, "stream": True,
@@ -398,7 +409,10 @@ def live(live_engine):
 
 
 def kv_pages_in_use(app, engine) -> int:
-    return app.state.engine_loop().call(engine.cache.stats).result(timeout=T)["pages_in_use"]
+    """Pages held by requests (the prefix cache keeps finished requests' full pages)."""
+    numbers = lambda: {**engine.cache.stats(), **engine.prefix_cache_stats()}      # noqa: E731
+    s = app.state.engine_loop().call(numbers).result(timeout=T)
+    return s["pages_in_use"] - s["prefix_cache_evictable_pages"]
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -66,6 +66,9 @@ class EngineConfig:
                                       "keeping room for running requests; conservative: at open size; "
                                       "optimistic: whatever fits now (preempt later)",
                           choices=ADMISSION_POLICIES)
+    enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "
+                                             "(full pages, compressed as they are; evicted least recently "
+                                             "used when memory is needed)")
     deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
                                       "parameters and seed (batch-invariant kernels; slower)")
     chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")

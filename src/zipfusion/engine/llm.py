@@ -86,5 +86,10 @@ class LLM:
         return [eng.output_of(r, text) for r, (_, text) in zip(reqs, parsed)]
 
     def kv_stats(self) -> dict:
-        """KV memory numbers at the busiest step of the last runs (pages, bytes, ratio)."""
-        return dict(self.engine.peak_kv_stats or self.engine.cache.stats())
+        """KV memory numbers at the busiest step of the last runs (pages, bytes, ratio), and the
+        prefix cache's counters now (``prefix_cache_*``)."""
+        return {**(self.engine.peak_kv_stats or self.engine.cache.stats()), **self.engine.prefix_cache_stats()}
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix no request holds (vLLM's ``reset_prefix_cache``); pages freed."""
+        return self.engine.scheduler.reset_prefix_cache()

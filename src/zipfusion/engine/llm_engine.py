@@ -116,7 +116,7 @@ class LLMEngine:
         self._check_one_request_fits(cfg.max_model_len is not None)
         sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                                   admission=cfg.admission)
+                                   admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
@@ -310,6 +310,14 @@ class LLMEngine:
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 
+    def prefix_cache_stats(self) -> dict:
+        """The prefix cache now: hits over lookups (in prompt tokens), pages cached / evictable."""
+        p = self.scheduler.prefix
+        return {"prefix_cache_enabled": p.enabled, "prefix_cache_queried_tokens": p.stats.queried_tokens,
+                "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,
+                "prefix_cache_pages": p.num_cached_pages, "prefix_cache_evictable_pages": p.num_evictable_pages,
+                "prefix_cache_evicted_pages": p.stats.evicted_pages}
+
     def output_of(self, r: Request, prompt: str | None) -> RequestOutput:
         text = r.text
         if r.stop_reason is None or not isinstance(r.stop_reason, str):
@@ -317,4 +325,5 @@ class LLMEngine:
         return RequestOutput(r.request_id, prompt, r.prompt_ids,
                              [CompletionOutput(0, text, list(r.output_ids), r.finish_reason, r.stop_reason,
                                                list(r.logprobs) if r.params.logprobs is not None else None)],
-                             finished=r.status == Status.FINISHED, num_preemptions=r.num_preemptions)
+                             finished=r.status == Status.FINISHED, num_preemptions=r.num_preemptions,
+                             num_cached_tokens=r.num_cached_tokens or 0)

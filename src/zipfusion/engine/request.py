@@ -30,6 +30,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_sealed_pages: int = 0          # full pages already handed to the memory manager to compress
+    prefix_node: int = 0               # prefix-cache node naming pages[:num_sealed_pages] (0: none)
+    num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -60,6 +62,13 @@ class Request:
         otherwise the next step is a decode step feeding the last token."""
         return self.num_computed < self.num_tokens - 1
 
+    def token_block(self, i: int) -> list[int]:
+        """The 16 tokens of page ``i`` (it must be full)."""
+        a, b, n = i * PAGE_TOKENS, (i + 1) * PAGE_TOKENS, len(self.prompt_ids)
+        if b <= n:
+            return self.prompt_ids[a:b]
+        return self.prompt_ids[a:] + self.output_ids[max(0, a - n):b - n]
+
     def pages_needed(self, upto_tokens: int) -> int:
         """New pages needed to hold K/V of the first ``upto_tokens`` tokens."""
         return max(0, -(-upto_tokens // PAGE_TOKENS) - len(self.pages))
@@ -89,6 +98,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_preemptions: int = 0
+    num_cached_tokens: int = 0         # prompt tokens read from the prefix cache instead of computed
 
     @property
     def text(self) -> str:

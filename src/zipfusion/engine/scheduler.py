@@ -13,6 +13,13 @@ needs more pages than fit, the newest running request is preempted: its pages ar
 goes back to the front of the waiting queue, to be prefilled again from its prompt and the
 tokens it already generated (its sampler state is kept). With the default admission this is a
 rare correction, and each one makes admission more careful for a while.
+
+Prefix caching (memory/prefix_cache.py): full pages are offered to the prefix cache as they are
+sealed; a request being admitted first takes the cached pages its tokens start with (it then
+prefills from there, attending to them in place). Pages nobody holds stay cached until memory
+is needed: capacity is asked of the cache after evicting what is evictable, least recently used
+first, and only as much as the request at hand needs. A preempted request's full pages become
+evictable too, so a resumed request usually finds them still there.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..memory import Admission, RunningRequest
+from ..memory.prefix_cache import ROOT, PrefixCache
 from .attention import ChunkView
 from .kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
@@ -67,7 +75,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 8192, admission: str = "estimate"):
+                 max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
@@ -75,6 +83,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
+        self.prefix = PrefixCache(cache.free, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
+                                  enabled=prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -118,7 +128,7 @@ class Scheduler:
         while True:
             batch = [r for r in self.running if not r.in_prefill]
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
-            if need <= self.cache.capacity_new_pages(keep_reserve=False) or not batch:
+            if not batch or need <= self._room(need, keep_reserve=False):
                 break
             if len(self.running) == 1:
                 r = self.running[0]
@@ -143,12 +153,18 @@ class Scheduler:
             if budget <= 0:
                 break
             admitted = req.status == Status.RUNNING
-            if not admitted and (len(self.running) >= self.max_num_seqs or not self._can_admit(req)):
-                break
+            if not admitted:
+                if len(self.running) >= self.max_num_seqs or not self._admit(req):
+                    break
+                free = self.cache.capacity_new_pages()
             # the chunk: what is left of the prompt, within the budget and the pages free now
-            room = (len(req.pages) + free) * PAGE_TOKENS - req.num_computed
-            n = min(req.num_tokens - req.num_computed, budget, room)
+            want = min(req.num_tokens - req.num_computed, budget)
+            if req.pages_needed(req.num_computed + want) > free:
+                free = self._room(req.pages_needed(req.num_computed + want))
+            n = min(want, (len(req.pages) + free) * PAGE_TOKENS - req.num_computed)
             if n <= 0:
+                if not admitted:
+                    self._unadmit(req)
                 break
             new_pages = req.pages_needed(req.num_computed + n)
             if new_pages:
@@ -161,6 +177,43 @@ class Scheduler:
             out.prefill.append(PrefillChunk(req, req.num_computed, n))
             budget -= n
 
+    def _room(self, n: int, keep_reserve: bool = True) -> int:
+        """The cache's capacity for new pages, after evicting cached pages nobody holds until
+        ``n`` fit (or none is left)."""
+        cap, evicted = self.prefix.make_room(n, keep_reserve)
+        self._to_seal.difference_update(evicted)
+        return cap
+
+    def _admit(self, req: Request) -> bool:
+        """Take the request's cached prefix, then ask admission (evicting cached pages nobody
+        holds when that is what is missing); on a refusal the prefix is let go again."""
+        chain = self.prefix.match(req.tokens, (req.num_tokens - 1) // PAGE_TOKENS) if not req.pages else []
+        if chain:
+            req.pages = self.prefix.acquire(chain)
+            req.num_sealed_pages = len(chain)
+            req.num_computed = len(chain) * PAGE_TOKENS
+            req.prefix_node = chain[-1].node_id
+        if self.running:
+            args = (req.num_tokens, self._max_total_tokens(req) - req.num_tokens, self._running_needs(),
+                    len(req.pages))
+            short = self.admission.shortfall(*args)
+            if 0 < short <= self.prefix.num_evictable_pages:       # an evicted page gives at most one
+                self._room(self.cache.capacity_new_pages() + short)
+                short = self.admission.shortfall(*args)
+            if short > 0:
+                self._unadmit(req)
+                return False
+        self.prefix.note_lookup(req.num_tokens, req.num_computed)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed
+        return True
+
+    def _unadmit(self, req: Request) -> None:
+        """Undo ``_admit``'s prefix: the request waits holding nothing."""
+        self._free_pages(req)
+        req.num_computed = req.num_sealed_pages = 0
+        req.prefix_node = ROOT
+
     def _max_total_tokens(self, r: Request) -> int:
         """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
@@ -168,17 +221,11 @@ class Scheduler:
     def _running_needs(self) -> list[RunningRequest]:
         return [RunningRequest(len(r.pages), r.num_tokens, self._max_total_tokens(r)) for r in self.running]
 
-    def _can_admit(self, req: Request) -> bool:
-        if not self.running:
-            return True                          # alone it either fits or is refused as too large
-        return self.admission.can_admit(req.num_tokens, self._max_total_tokens(req) - req.num_tokens,
-                                        self._running_needs())
-
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
         self.running.remove(req)
         self._free_pages(req)
-        req.num_computed, req.num_sealed_pages = 0, 0
+        req.num_computed, req.num_sealed_pages, req.prefix_node = 0, 0, ROOT
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -188,11 +235,14 @@ class Scheduler:
 
     # -- after a step -----------------------------------------------------------------------
     def seal_full_pages(self, reqs, force: bool = False) -> int:
-        """Collect the pages that just filled up; hand them to the cache for compression (one
-        call) once a compress batch of them waits or SEAL_MAX_WAIT steps have passed since the
-        last seal (or now, with ``force``). Returns how many pages were handed over."""
+        """Collect the pages that just filled up: offer them to the prefix cache and hand them
+        to the cache for compression (one call) once a compress batch of them waits or
+        SEAL_MAX_WAIT steps have passed since the last seal (or now, with ``force``). Returns
+        how many pages were handed over."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
+            for i in range(r.num_sealed_pages, full):
+                r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
             if full > r.num_sealed_pages:
                 self._to_seal.update(r.pages[r.num_sealed_pages:full])
                 r.num_sealed_pages = full
@@ -220,6 +270,12 @@ class Scheduler:
         self._free_pages(req)
 
     def _free_pages(self, req: Request) -> None:
-        self._to_seal.difference_update(req.pages)
-        self.cache.free(req.pages)
+        """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
+        self._to_seal.difference_update(self.prefix.release(req.pages))
         req.pages = []
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached page nobody holds; how many were freed."""
+        evicted = self.prefix.clear()
+        self._to_seal.difference_update(evicted)
+        return len(evicted)

@@ -95,18 +95,25 @@ class Admission:
         in the optimistic mode, which promises nothing)."""
         return 0 if self.mode == "optimistic" else self.reserved_pages(running)
 
-    def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = ()) -> bool:
-        """Whether a new request fits beside what ``running`` requests still need."""
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = (),
+                  held_pages: int = 0) -> bool:
+        """Whether a new request fits beside what ``running`` requests still need (``held_pages``:
+        its first pages, already in memory: a prefix-cache hit)."""
+        return self.shortfall(prompt_tokens, max_new_tokens, running, held_pages) <= 0
+
+    def shortfall(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = (),
+                  held_pages: int = 0) -> int:
+        """New pages missing for the request to be admitted (<= 0: it fits)."""
         if prompt_tokens < 1 or max_new_tokens < 0:
             raise ValueError(f"need prompt_tokens >= 1 and max_new_tokens >= 0, got "
                              f"{prompt_tokens}, {max_new_tokens}")
         if self.mode == "optimistic":
-            return True
+            return 0
         r = self.ratio()
         whole = self.expected_tokens(prompt_tokens, prompt_tokens + max_new_tokens)    # the prompt is certain
-        new = math.ceil(r * (pages_for_tokens(whole) - 1)) + 1
+        new = math.ceil(r * max(0, pages_for_tokens(whole) - held_pages - 1)) + 1
         transient = math.ceil((1.0 - r) * self.step_pages)
-        return self.cache.capacity_new_pages() - self.reserved_pages(running) >= new + transient
+        return new + transient + self.reserved_pages(running) - self.cache.capacity_new_pages()
 
     # -- adapting ---------------------------------------------------------------------------
     def on_step(self) -> None:

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 # numeric fields of the memory manager's stats, exported as zipfusion:kv_<name>
 KV_FIELDS = ("arena_bytes", "pool_chunks", "pending_chunks", "open_pages", "stored_pages",
              "capacity_new_pages", "pages_compressed", "pages_moved", "compactions", "stored_ratio",
-             "pages_in_use", "bytes_in_use", "open_bytes_equivalent")
+             "pages_in_use", "bytes_in_use", "open_bytes_equivalent", "prefix_cache_pages",
+             "prefix_cache_evictable_pages")
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -67,7 +68,10 @@ class Metrics:
         self.kv_usage = gauge("zipfusion:kv_cache_usage_perc", "Share of the KV arena in use (0..1)")
         self.layer_fraction = Gauge("zipfusion:kv_compressible_fraction", "Compressible blocks among stored pages",
                                     names + ["layer"], registry=r)
+        self.prefix_queries = counter("zipfusion:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("zipfusion:prefix_cache_hits", "Of them, tokens found cached (not computed)")
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
 
     # -- from the engine thread -------------------------------------------------------------
     def on_tokens(self, req, sent: int, new: int) -> None:
@@ -97,6 +101,12 @@ class Metrics:
         if total > self._preemptions_seen:
             self.preemptions.inc(total - self._preemptions_seen)
             self._preemptions_seen = total
+        prefix = getattr(sched, "prefix", None)
+        if prefix is not None:
+            seen, now = self._prefix_seen, (prefix.stats.queried_tokens, prefix.stats.hit_tokens)
+            self.prefix_queries.inc(now[0] - seen[0])
+            self.prefix_hits.inc(now[1] - seen[1])
+            self._prefix_seen = now
 
     # -- scrape -----------------------------------------------------------------------------
     def set_kv(self, stats: dict) -> None:

@@ -19,7 +19,9 @@ from .protocol import CompletionRequest, _Body
 def usage(prompts: list[list[int]], requests: list) -> dict:
     p = sum(len(ids) for ids in prompts)
     c = sum(len(r.output_ids) for r in requests if r is not None)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(r.num_cached_tokens or 0 for r in requests if r is not None)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def top_entries(entry: dict, k: int) -> list[tuple[int, float]]:

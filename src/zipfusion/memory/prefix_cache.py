@@ -1,0 +1,170 @@
+"""Prefix caching: full, sealed pages shared by every request that starts with the same tokens.
+
+A page's K/V depends only on its 16 tokens and everything before them, so a page is named by
+the chain of token blocks that leads to it (vLLM's chained block hash, here exact): the key of
+page ``i`` of a sequence is ``(node id of page i - 1, its 16 token ids)``, the first page's
+parent being the root (0). Node ids are never reused, so a key names one prefix for good; no
+hash can collide because the dict compares the token tuples themselves.
+
+The seed's rule: a page is shared only once it is full and handed to the seal (it never
+changes again, whether the memory manager has compressed it yet or not); the open last page of
+a request is never shared. Life of a cached page:
+
+* **inserted** by the request that computed it (``insert``), which holds it (``refs`` = 1);
+* **hit** by a later request whose tokens start with its chain (``match`` then ``acquire``):
+  ``refs`` += 1, no copy, the hit's prefill attends to it in place;
+* **released** when a holder finishes or is preempted: at ``refs`` 0 it stays cached but
+  *evictable*, on an LRU list (a request's pages are released tail first, so a prefix outlives
+  its continuations);
+* **evicted** (its page freed) only when memory is needed: ``make_room`` frees evictable
+  pages, least recently used first, until the cache can give what is asked.
+
+A page whose chain parent was evicted can no longer be matched (its key names a dead node) and
+is evicted in its turn. Two requests that compute the same page at once each keep their own
+copy; the second one chains its later pages through the first one's node. Everything here is
+bookkeeping on page ids (no torch): the KV cache frees, counts and stores.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..format import PAGE_TOKENS
+
+ROOT = 0
+
+
+@dataclass
+class Node:
+    node_id: int
+    page: int
+    key: tuple
+    refs: int = 1
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0     # prompt tokens looked up at admission
+    hit_tokens: int = 0         # of them found cached (computed by nobody this time)
+    evicted_pages: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class PrefixCache:
+    """Page reference counts, the prefix index and the LRU list of evictable pages.
+
+    ``free``: frees page ids in the KV cache; ``capacity``: the KV cache's new-page capacity
+    (``capacity(keep_reserve)``). With ``enabled=False`` nothing is cached: ``release`` frees
+    every page at once, so the scheduler has one path either way.
+    """
+
+    def __init__(self, free: Callable[[list[int]], None], capacity: Callable[[bool], int], enabled: bool = True):
+        self.enabled = enabled
+        self._free, self._capacity = free, capacity
+        self._by_key: dict[tuple, Node] = {}
+        self._by_page: dict[int, Node] = {}
+        self._evictable: OrderedDict[int, Node] = OrderedDict()     # oldest first
+        self._next_id = ROOT + 1
+        self.stats = PrefixCacheStats()
+
+    # -- what is cached -----------------------------------------------------------------------
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._by_page)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return len(self._evictable)
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._by_page
+
+    # -- hits ---------------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], max_pages: int) -> list[Node]:
+        """The cached chain of pages that ``tokens`` start with, at most ``max_pages`` long."""
+        if not self.enabled:
+            return []
+        chain, parent = [], ROOT
+        for i in range(max_pages):
+            node = self._by_key.get((parent, tuple(tokens[i * PAGE_TOKENS:(i + 1) * PAGE_TOKENS])))
+            if node is None:
+                break
+            chain.append(node)
+            parent = node.node_id
+        return chain
+
+    def acquire(self, chain: list[Node]) -> list[int]:
+        """Hold the pages of a matched chain (out of the LRU list); their page ids."""
+        for node in chain:
+            node.refs += 1
+            self._evictable.pop(node.page, None)
+        return [node.page for node in chain]
+
+    def note_lookup(self, queried: int, hit: int) -> None:
+        self.stats.queried_tokens += queried
+        self.stats.hit_tokens += hit
+
+    # -- inserting ----------------------------------------------------------------------------
+    def insert(self, parent: int, tokens: Sequence[int], page: int) -> int:
+        """Offer ``page`` (full, sealed, held by the caller) holding ``tokens`` after the chain
+        node ``parent``; returns the node id that names this prefix (the page's own new node,
+        or the node of an identical page cached before: then ``page`` stays the caller's)."""
+        if not self.enabled:
+            return ROOT
+        key = (parent, tuple(tokens))
+        node = self._by_key.get(key)
+        if node is None:
+            node = Node(self._next_id, page, key)
+            self._next_id += 1
+            self._by_key[key] = node
+            self._by_page[page] = node
+        return node.node_id
+
+    # -- releasing and evicting -------------------------------------------------------------------
+    def release(self, pages: Sequence[int]) -> list[int]:
+        """A holder lets go of ``pages`` (a request's, in order): cached pages it was the last
+        to hold become evictable (tail first), the others are freed. Returns the freed ids."""
+        freed = []
+        for page in reversed(pages):
+            node = self._by_page.get(page)
+            if node is None:
+                freed.append(page)
+                continue
+            node.refs -= 1
+            if node.refs == 0:
+                self._evictable[page] = node
+        if freed:
+            self._free(freed)
+        return freed
+
+    def evict(self, n: int) -> list[int]:
+        """Free the ``n`` least recently used evictable pages; their ids."""
+        pages = []
+        while self._evictable and len(pages) < n:
+            page, node = self._evictable.popitem(last=False)
+            del self._by_key[node.key], self._by_page[page]
+            pages.append(page)
+        if pages:
+            self._free(pages)
+            self.stats.evicted_pages += len(pages)
+        return pages
+
+    def make_room(self, n: int, keep_reserve: bool = True) -> tuple[int, list[int]]:
+        """Evict until the cache has room for ``n`` new pages or nothing is evictable; returns
+        (the capacity then, the evicted page ids). A stored page frees less than an open one,
+        so each round evicts what is missing and asks again."""
+        evicted = []
+        cap = self._capacity(keep_reserve)
+        while cap < n and self._evictable:
+            evicted += self.evict(max(n - cap, 1))
+            cap = self._capacity(keep_reserve)
+        return cap, evicted
+
+    def clear(self) -> list[int]:
+        """Evict everything evictable (``LLM.reset_prefix_cache``); the freed ids."""
+        return self.evict(len(self._evictable))
