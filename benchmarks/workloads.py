@@ -15,6 +15,11 @@ Scenarios (``SCENARIOS``; prompt + generated tokens per request, KV GiB):
   deterministic    24 x (8192 + 128), 16 GiB, LLM(deterministic=True)
   long_generation  64 x (1024 + 8192), 52 GiB
   prefill          (not by default) one prompt alone at a time: 8192, 8192 again, 32768; TTFT and MFU
+  shared_prefix    32 groups x 16 requests sharing a 4,096-token system prompt, 256-token questions,
+                   256 out, 16 GiB (prefix caching)
+  multi_turn       64 conversations x 8 turns: each turn's prompt is the conversation so far (first
+                   prompt 1,024 tokens, then 256 new tokens a turn), 256 out a turn, 24 GiB
+Prefix caching: --prefix-cache on (default), off, or on,off (each record says ``prefix_cache``).
 Modes: compressed, uncompressed, flashinfer (uncompressed KV, attention_backend="flashinfer";
 skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode).
 
@@ -66,6 +71,10 @@ class Scenario:
     output_cap: int = 0            # > 0: output ~ lognormal(median=output, SIGMA) capped here
     deterministic: bool = False
     sequential: bool = False       # one request at a time (prefill), instead of all at once
+    shared_prefix: int = 0         # > 0: requests in groups of ``group``, each group's prompts start alike
+    group: int = 1
+    turns: int = 1                 # > 1: conversations; turn t + 1 = turn t's prompt + answer + ``turn_prompt``
+    turn_prompt: int = 0
 
 
 SCENARIOS = {
@@ -75,6 +84,8 @@ SCENARIOS = {
     "deterministic": Scenario(24, 8192, 128, 16.0, deterministic=True),
     "long_generation": Scenario(64, 1024, 8192, 52.0),
     "prefill": Scenario(3, (8192, 8192, 32768), 1, 24.0, sequential=True),
+    "shared_prefix": Scenario(512, 256, 256, 16.0, shared_prefix=4096, group=16),
+    "multi_turn": Scenario(64, 1024, 256, 24.0, turns=8, turn_prompt=256),
 }
 DEFAULT_SCENARIOS = ("burst", "mix", "long", "deterministic", "long_generation")
 # --smoke: the demo model on the CPU (3 layers, 2 KV heads x 64: 1.5 KiB of KV per token), each
@@ -86,6 +97,8 @@ SMOKE = {
     "deterministic": Scenario(6, 64, 8, 0.0004, deterministic=True),
     "long_generation": Scenario(4, 16, 40, 0.0003),
     "prefill": Scenario(3, (128, 128, 512), 1, 0.002, sequential=True),
+    "shared_prefix": Scenario(12, 16, 6, 0.002, shared_prefix=96, group=4),
+    "multi_turn": Scenario(4, 40, 6, 0.002, turns=3, turn_prompt=20),
 }
 
 
@@ -107,14 +120,21 @@ def lengths(median: int, cap: int, n: int, rng: random.Random) -> list[int]:
     return [max(1, min(cap, round(math.exp(math.log(median) + SIGMA * rng.gauss(0.0, 1.0))))) for _ in range(n)]
 
 
-def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int]]:
-    """The job's prompts (token ids) and output lengths: a function of the job and the seed alone,
-    so that every mode gets the same requests."""
+def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int], list[list[list[int]]]]:
+    """The job's prompts (token ids), output lengths and each request's later turns (the user's
+    next messages): a function of the job and the seed alone, so that every mode gets the same."""
     rng = random.Random(job["seed"])
     n = job["requests"]
     explicit = isinstance(job["prompt"], list)
     plens = list(job["prompt"]) if explicit else lengths(job["prompt"], job["prompt_cap"], n, rng)
-    return random_prompts(plens, vocab, job["seed"]), lengths(job["output"], job["output_cap"], n, rng)
+    prompts = random_prompts(plens, vocab, job["seed"])
+    if job.get("shared_prefix"):               # each group's requests behind one system prompt
+        groups = -(-n // job["group"])
+        system = random_prompts([job["shared_prefix"]] * groups, vocab, job["seed"] + 1)
+        prompts = [system[i // job["group"]] + p for i, p in enumerate(prompts)]
+    later = random_prompts([job["turn_prompt"]] * (n * (job.get("turns", 1) - 1)), vocab, job["seed"] + 2)
+    turns = [later[i::n] for i in range(n)]
+    return prompts, lengths(job["output"], job["output_cap"], n, rng), turns
 
 
 def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -142,24 +162,34 @@ def warm_up(eng, max_len: int) -> None:
     while eng.has_work():
         eng.step()
     eng.scheduler.num_preemptions = 0
+    eng.scheduler.reset_prefix_cache()                              # the run starts with a cold cache
+    eng.scheduler.prefix.stats = type(eng.scheduler.prefix.stats)()
     eng.peak_kv_stats = None
 
 
-def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label=""):
+def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label="", turns=None):
     """Every request added at once (or, ``sequential``, each after the previous one finished), the
-    engine stepped until none is left. Returns (requests in order, StepResults without their
-    logits, wall seconds from the first request to the last token)."""
+    engine stepped until none is left; ``turns[i]``: request i's conversation goes on, each message
+    sent when the previous answer is done (prompt + answer + message). Returns (requests in order
+    of arrival, StepResults without their logits, wall seconds from the first request to the last
+    token)."""
     from zipfusion import SamplingParams
     sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
-    steps, reqs = [], []
+    steps, reqs, follow = [], [], {}
     t0 = last = time.perf_counter()
-    pending = list(zip(prompts, outs))
+    pending = list(zip(prompts, outs, turns or [[]] * len(prompts)))
     while pending or eng.has_work():
         if pending and (not sequential or not eng.has_work()):
             batch = pending if not sequential else pending[:1]
-            reqs += [eng.add_request(p, sp(o)) for p, o in batch]
+            for p, o, more in batch:
+                reqs.append(eng.add_request(p, sp(o)))
+                follow[reqs[-1].request_id] = (o, more)
             pending = pending[len(batch):]
         res = eng.step()
+        for r in res.finished:                      # a conversation's next turn
+            o, more = follow.pop(r.request_id)
+            if more:
+                pending.append((r.prompt_ids + r.output_ids + more[0], o, more[1:]))
         steps.append(res._replace(logits=None))
         if on_step is not None:
             on_step(eng, res)
@@ -200,6 +230,9 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
              if x["compressible_fraction"] == x["compressible_fraction"]]
     computed = sum(x.prefill_tokens for x in steps)
     nan = float("nan")
+    hit = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and r.num_cached_tokens]
+    miss = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and not r.num_cached_tokens]
+    pc = eng.prefix_cache_stats()
     return {
         "requests": len(reqs), "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "total_tok_s": (prompt_tokens + out_tokens) / wall, "output_tok_s": out_tokens / wall,
@@ -219,6 +252,9 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "stored_ratio": kv.get("stored_ratio", 1.0),
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
         "steps": len(steps), "decode_steps": len(dec), "prefill_steps": len(pre),
+        "prefix_cache": pc["prefix_cache_enabled"], "prefix_hit_tokens": pc["prefix_cache_hit_tokens"],
+        "prefix_hit_rate": pc["prefix_cache_hit_rate"], "prefix_evicted_pages": pc["prefix_cache_evicted_pages"],
+        "ttft_hit_p50_s": pct(hit, 50), "ttft_miss_p50_s": pct(miss, 50), "hits": len(hit),
         "outputs_sha256": hashlib.sha256(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest(),
     }
 
@@ -243,8 +279,9 @@ def kv_floor_gb(model: str, max_len: int) -> float:
 def worker(job: dict) -> dict:
     import torch
     from zipfusion import LLM
+    out = job["output_cap"] or job["output"]
     max_len = max(job["prompt"] if isinstance(job["prompt"], list) else [job["prompt_cap"] or job["prompt"]]) \
-        + (job["output_cap"] or job["output"]) + 16
+        + job.get("shared_prefix", 0) + (job.get("turns", 1) - 1) * (out + job.get("turn_prompt", 0)) + out + 16
     kv_gb = job["kv_gb"]
     if job["model"] != "demo" and kv_gb < kv_floor_gb(job["model"], max_len):
         job["kv_gb_scaled"], kv_gb = kv_gb, round(kv_floor_gb(job["model"], max_len), 2)
@@ -252,17 +289,20 @@ def worker(job: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(job["model"], kv_memory_gb=kv_gb, max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["batched_tokens"], max_model_len=max_len, device=job["device"],
-              deterministic=job["deterministic"], **engine_kwargs(job["mode"]))
+              deterministic=job["deterministic"], enable_prefix_caching=job["prefix_cache"],
+              **engine_kwargs(job["mode"]))
     eng = llm.engine
     vocab = eng.model_config.vocab_size
-    prompts, outs = workload(job, vocab)
+    prompts, outs, turns = workload(job, vocab)
     build_s = time.perf_counter() - t0
     warm_up(eng, max_len)
     warm_s = time.perf_counter() - t0 - build_s
     base = eng.cache.stats()
     label = f"[{job['scenario']}/{job['mode']}]"
-    reqs, steps, wall = run_requests(eng, prompts, outs, job["sequential"], label=label)
+    reqs, steps, wall = run_requests(eng, prompts, outs, job["sequential"], label=label, turns=turns)
+    new = sum(map(len, prompts)) + sum(len(m) for t in turns for m in t)    # tokens no earlier turn had
     rec = {"scenario": job["scenario"], "mode": job["mode"], **summarize(eng, reqs, steps, wall, base),
+           "new_prompt_tokens": new,
            "kv_memory_gb": kv_gb, "max_model_len": max_len, "build_s": build_s, "warm_up_s": warm_s,
            "device": torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu",
            "job": job, "step_fields": list(STEP_FIELDS), "step_log": step_rows(steps)}
@@ -286,7 +326,7 @@ def skip_reason(mode: str, scen: Scenario, device: str) -> str | None:
     return None
 
 
-def make_job(args, name: str, mode: str) -> dict:
+def make_job(args, name: str, mode: str, prefix_cache: bool = True) -> dict:
     scen = (SMOKE if args.smoke else SCENARIOS)[name]
     explicit = isinstance(scen.prompt, tuple)
     return {"scenario": name, "mode": mode, "model": args.model, "device": args.device, "seed": args.seed,
@@ -294,6 +334,8 @@ def make_job(args, name: str, mode: str) -> dict:
             "prompt": list(scen.prompt) if explicit else scen.prompt, "prompt_cap": scen.prompt_cap,
             "output": scen.output, "output_cap": scen.output_cap, "kv_gb": scen.kv_gb * args.scale,
             "deterministic": scen.deterministic, "sequential": scen.sequential, "scale": args.scale,
+            "shared_prefix": scen.shared_prefix, "group": scen.group, "turns": scen.turns,
+            "turn_prompt": scen.turn_prompt, "prefix_cache": prefix_cache,
             "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens}
 
 
@@ -330,7 +372,7 @@ def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
         out.seek(0)
         lines = [ln for ln in out.read().splitlines() if ln.startswith("RESULT ")]
     base = {"scenario": job["scenario"], "mode": job["mode"], "requests": job["requests"],
-            "process_s": time.perf_counter() - t0}
+            "prefix_cache": job["prefix_cache"], "process_s": time.perf_counter() - t0}
     if timed_out:
         return {**base, "error": f"timed out after {timeout:g} s; last output: {''.join(tail)[-600:]}"}
     if p.returncode or not lines:
@@ -338,18 +380,30 @@ def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
     return {**json.loads(lines[-1][len("RESULT "):]), "process_s": base["process_s"]}
 
 
+def label(r: dict) -> str:
+    """A record's scenario, marked when it ran without the prefix cache (records from before the
+    cache existed carry no ``prefix_cache``)."""
+    return r["scenario"] + ("/no-cache" if r.get("prefix_cache") is False else "")
+
+
 def ratios(records: list[dict]) -> dict:
-    """Per scenario: compressed / uncompressed and compressed / flashinfer of the throughput keys."""
+    """Per scenario: compressed / uncompressed and compressed / flashinfer of the throughput keys;
+    where a mode ran with and without the prefix cache, cache on / off too."""
     keys = ("total_tok_s", "output_tok_s", "decode_tok_s", "decode_tok_s_at_peak_batch", "peak_batch")
-    by = {(r["scenario"], r["mode"]): r for r in records if "error" not in r and "skipped" not in r}
+    by = {(label(r), r["mode"]): r for r in records if "error" not in r and "skipped" not in r}
     out = {}
-    for scen in dict.fromkeys(r["scenario"] for r in records):
+
+    def put(scen, name, a, b):
+        out.setdefault(scen, {})[name] = {k: a[k] / b[k] if b.get(k) else float("nan") for k in keys}
+    for scen in dict.fromkeys(label(r) for r in records):
         c = by.get((scen, "compressed"))
         for base in ("uncompressed", "flashinfer"):
-            b = by.get((scen, base))
-            if c and b:
-                out.setdefault(scen, {})[f"compressed/{base}"] = {k: c[k] / b[k] if b.get(k) else float("nan")
-                                                                 for k in keys}
+            if c and by.get((scen, base)):
+                put(scen, f"compressed/{base}", c, by[(scen, base)])
+        for mode in MODES:
+            off = by.get((scen + "/no-cache", mode))
+            if by.get((scen, mode)) and off:
+                put(scen, f"{mode}: cache on/off", by[(scen, mode)], off)
     return out
 
 
@@ -357,7 +411,7 @@ def identical_outputs(records: list[dict]) -> dict:
     hashes = {}
     for r in records:
         if "outputs_sha256" in r:
-            hashes.setdefault(r["scenario"], set()).add(r["outputs_sha256"])
+            hashes.setdefault(r["scenario"], set()).add(r["outputs_sha256"])     # with and without the cache
     return {s: len(h) == 1 for s, h in hashes.items()}
 
 
@@ -371,7 +425,9 @@ COLUMNS = [("scenario", "{}"), ("mode", "{}"), ("requests", "{}"), ("wall_s", "{
            ("output_tok_s", "{:,.0f}"), ("decode_tok_s", "{:,.0f}"), ("decode_tok_s_at_peak_batch", "{:,.0f}"),
            ("peak_batch", "{}"), ("mean_batch", "{:.1f}"), ("preemptions", "{}"), ("prefill_tokens_computed", "{:,}"),
            ("prompt_tokens", "{:,}"), ("prefill_steps_s", "{:.1f}"), ("seal_s", "{:.2f}"),
-           ("compaction_bytes", "{:.3g}"), ("compressible_fraction", "{:.1%}"), ("stored_ratio", "{:.3f}")]
+           ("compaction_bytes", "{:.3g}"), ("compressible_fraction", "{:.1%}"), ("stored_ratio", "{:.3f}"),
+           ("prefix_hit_tokens", "{:,}"), ("new_prompt_tokens", "{:,}"), ("ttft_hit_p50_s", "{:.3f}"),
+           ("ttft_miss_p50_s", "{:.3f}")]
 
 
 def table(records: list[dict], cols=COLUMNS) -> str:
@@ -379,9 +435,9 @@ def table(records: list[dict], cols=COLUMNS) -> str:
     for r in records:
         if "error" in r or "skipped" in r:
             why = r.get("skipped") or "error: " + r["error"].splitlines()[0][:120]
-            lines.append(f"| {r['scenario']} | {r['mode']} | {why} |" + " |" * (len(cols) - 3))
+            lines.append(f"| {label(r)} | {r['mode']} | {why} |" + " |" * (len(cols) - 3))
             continue
-        lines.append("| " + " | ".join(_f(r.get(c), fmt) for c, fmt in cols) + " |")
+        lines.append("| " + " | ".join(_f(label(r) if c == "scenario" else r.get(c), fmt) for c, fmt in cols) + " |")
     return "\n".join(lines)
 
 
@@ -449,7 +505,7 @@ def write_outputs(result: dict, out: str, steps: dict | None = None) -> str:
     steps = dict(steps or {})
     for r in result["records"]:
         if "step_log" in r:
-            steps[f"{r['scenario']}/{r['mode']}"] = {"fields": r.pop("step_fields"), "rows": r.pop("step_log")}
+            steps[f"{label(r)}/{r['mode']}"] = {"fields": r.pop("step_fields"), "rows": r.pop("step_log")}
     result["ratios"], result["identical_outputs"] = ratios(result["records"]), identical_outputs(result["records"])
     write_json(result, os.path.join(out, "workloads.json"))
     if steps:
@@ -489,8 +545,8 @@ def short_table(records: list[dict]) -> str:
             ("decode_tok_s_at_peak_batch", "{:,.0f}"), ("peak_batch", "{}"), ("preemptions", "{}"),
             ("recompute_ratio", "{:.2f}"), ("wall_s", "{:.1f}")]
     rows = [[c for c, _ in cols]] + [
-        [r["scenario"], r["mode"], r.get("skipped") and "skipped" or "error"] if ("error" in r or "skipped" in r)
-        else [_f(r.get(c), f) for c, f in cols] for r in records]
+        [label(r), r["mode"], r.get("skipped") and "skipped" or "error"] if ("error" in r or "skipped" in r)
+        else [_f(label(r) if c == "scenario" else r.get(c), f) for c, f in cols] for r in records]
     w = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(cols))]
     return "\n".join("  ".join(x.rjust(w[i]) if i > 1 else x.ljust(w[i]) for i, x in enumerate(row)) for row in rows)
 
@@ -500,6 +556,7 @@ def parse(argv=None):
     ap.add_argument("--out", default="benchmarks/results/workloads")
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"of {list(SCENARIOS)}")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--prefix-cache", default="on", help="on, off, or on,off (both, each its own process)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and KV GiB")
     ap.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes (each scenario shrunk)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per (scenario, mode) process")
@@ -531,7 +588,7 @@ def merge(paths: list[str], out: str) -> str:
         res = json.load(open(p))
         parts.append(res["meta"])
         for r in res["records"]:
-            key = (r["scenario"], r["mode"])
+            key = (label(r), r["mode"])
             if key not in recs or not ("error" in r or "skipped" in r):
                 recs[key] = r
         sp = os.path.join(os.path.dirname(p), "steps.json")
@@ -570,25 +627,27 @@ def main(argv=None):
             "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens, "seed": args.seed,
             "lognormal_sigma": SIGMA, "timeout_s": args.timeout, **versions()}
     t0 = time.perf_counter()
-    jobs = [(s, m) for s in names for m in modes]
+    caches = [{"on": True, "off": False}[c] for c in args.prefix_cache.split(",") if c]
+    jobs = [(s, m, c) for s in names for c in caches for m in modes]
     records: list[dict | None] = [None] * len(jobs)
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        name, mode = jobs[i]
+        name, mode, cache = jobs[i]
         why = skip_reason(mode, (SMOKE if args.smoke else SCENARIOS)[name], args.device)
+        name_c = label({"scenario": name, "prefix_cache": cache})
         if why:
-            log(f"[{i + 1}/{len(jobs)}] {name} / {mode}: skipped ({why})")
-            rec = records[i] = {"scenario": name, "mode": mode, "skipped": why}
+            log(f"[{i + 1}/{len(jobs)}] {name_c} / {mode}: skipped ({why})")
+            rec = records[i] = {"scenario": name, "mode": mode, "prefix_cache": cache, "skipped": why}
         else:
-            log(f"[{i + 1}/{len(jobs)}] {name} / {mode} (elapsed {time.perf_counter() - t0:.0f} s) ...")
-            rec = records[i] = run_job(make_job(args, name, mode), args.timeout,
+            log(f"[{i + 1}/{len(jobs)}] {name_c} / {mode} (elapsed {time.perf_counter() - t0:.0f} s) ...")
+            rec = records[i] = run_job(make_job(args, name, mode, cache), args.timeout,
                                        threads=1 if args.jobs > 1 and args.device == "cpu" else 0)
         if "error" in rec:
-            log(f"  {name} / {mode} FAILED after {rec['process_s']:.0f} s: {rec['error'][-400:]}")
+            log(f"  {name_c} / {mode} FAILED after {rec['process_s']:.0f} s: {rec['error'][-400:]}")
         elif "skipped" not in rec:
             meta["device"] = rec["device"]
-            log(f"  {name} / {mode} done in {rec['process_s']:.0f} s: wall {rec['wall_s']:.1f} s, total "
+            log(f"  {name_c} / {mode} done in {rec['process_s']:.0f} s: wall {rec['wall_s']:.1f} s, total "
                 f"{rec['total_tok_s']:,.0f} tok/s, peak batch {rec['peak_batch']}, {rec['preemptions']} preemptions")
         with lock:                  # partial results kept after each process
             meta["seconds"] = time.perf_counter() - t0

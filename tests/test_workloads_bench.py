@@ -50,6 +50,24 @@ def test_smoke_both_modes_identical_deterministic_outputs(tmp_path):
     assert "burst" in p.stdout.splitlines()[-3]                              # the short table comes last
 
 
+def test_smoke_prefix_cache_scenarios_on_and_off(tmp_path):
+    """shared_prefix and multi_turn with the prefix cache and without: the same outputs, fewer
+    prompt tokens computed with it, and the cache on/off ratios."""
+    run("--smoke", "--scenarios", "shared_prefix,multi_turn", "--modes", "compressed", "--prefix-cache", "on,off",
+        "--out", str(tmp_path))
+    result = json.loads((tmp_path / "workloads.json").read_text())
+    recs = {(r["scenario"], r["prefix_cache"]): r for r in result["records"]}
+    assert set(recs) == {(s, c) for s in ("shared_prefix", "multi_turn") for c in (True, False)}
+    for s in ("shared_prefix", "multi_turn"):
+        on, off = recs[(s, True)], recs[(s, False)]
+        assert on["outputs_sha256"] == off["outputs_sha256"] and on["prompt_tokens"] == off["prompt_tokens"]
+        assert off["prefill_tokens_computed"] >= off["prompt_tokens"] > on["prefill_tokens_computed"]
+        assert on["prefix_hit_tokens"] > 0 == off["prefix_hit_tokens"] and on["hits"] > 0
+        assert "compressed: cache on/off" in result["ratios"][s]
+    turns = recs[("multi_turn", True)]
+    assert turns["requests"] == 4 * 3 and turns["new_prompt_tokens"] == 4 * 40 + 4 * 2 * 20
+
+
 def test_merge_keeps_each_pair(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for d, scen in ((a, "burst"), (b, "mix")):
