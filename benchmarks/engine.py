@@ -150,8 +150,8 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
     swaps the attention there)."""
     cfg = model.config
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress)
-    backend = AttentionBackend(cache, (cache_kw or {}).get("attention", "auto"), compressed=compress,
+    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, kv_compression=compress)
+    backend = AttentionBackend(cache, (cache_kw or {}).get("attention", "auto"), kv_compression=compress,
                                deterministic=deterministic, num_qo_heads=cfg.num_attention_heads,
                                sm_scale=cfg.head_dim ** -0.5)
     model.set_deterministic(deterministic)

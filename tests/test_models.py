@@ -11,13 +11,14 @@ pytest.importorskip("safetensors")
 
 from zipfusion.models import build_model, config_from_dict, load_config, resolve_model  # noqa: E402
 from zipfusion.models.layers import apply_rope, rope_inv_freq  # noqa: E402
+from zipfusion.models.llama import KVCacheStep  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 
 
-class DenseCausal:
+class DenseKVCacheStep(KVCacheStep):
     """Reference KV for one sequence, no cache: torch rope, dense causal attention."""
 
     def store(self, layer, q, k, v, cos, sin):
@@ -31,7 +32,7 @@ class DenseCausal:
 
 
 def our_logits(model, ids):
-    hidden = model(ids, torch.arange(len(ids)), DenseCausal())
+    hidden = model(ids, torch.arange(len(ids)), DenseKVCacheStep())
     return model.compute_logits(hidden)
 
 

@@ -156,9 +156,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def _target(name: str) -> tuple[str, int]:
-    for frag, (fused, part) in STACKED.items():
+    for frag, (stacked, part) in STACKED.items():
         if f".{frag}." in name:
-            return name.replace(frag, fused), part
+            return name.replace(frag, stacked), part
     return name, 0
 
 
