@@ -95,8 +95,6 @@ class KVCacheManager:
         self._stored_bytes = 0                             # all layers, stored pages
         self._counts = {OPEN: 0, STORED: 0}
         self.pages_compressed = self.pages_moved = self.bytes_moved = self.compactions = 0
-        self._move_events: list = []                       # (start, end) CUDA events of compaction copies
-        self._move_ms = 0.0
 
     # ================================================================== capacity
     def _groups_available(self, include_compaction: bool = True, keep_reserve: bool = True,
@@ -400,7 +398,7 @@ class KVCacheManager:
             return 0
         order, new_locs, kept, freed, fill_chunk, fill_ptr = plan
         moved = order[new_locs[order] != locs[order]]
-        self._timed_move(locs[moved], new_locs[moved], sizes[moved])
+        move_ranges(self.arena, locs[moved], new_locs[moved], sizes[moved], self.compaction_batch_bytes)
         self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
         t.loc[layer, ids] = moved_loc(t.loc[layer, ids], new_locs)
         self.pool.release([(c, self.pool.pool_of(layer)) for c in freed])
@@ -410,24 +408,6 @@ class KVCacheManager:
         if moved.size:
             t.sync_layer(layer)
         return len(freed)
-
-    def _timed_move(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-        if self.device.type == "cuda" and src.size:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            move_ranges(self.arena, src, dst, nbytes, self.compaction_batch_bytes)
-            end.record()
-            self._move_events.append((start, end))
-        else:
-            move_ranges(self.arena, src, dst, nbytes, self.compaction_batch_bytes)
-
-    def compaction_seconds(self) -> float:
-        """GPU time of compaction copies so far (CUDA; 0 elsewhere). Waits for them to finish."""
-        for start, end in self._move_events:
-            end.synchronize()
-            self._move_ms += start.elapsed_time(end)
-        self._move_events.clear()
-        return self._move_ms / 1e3
 
     # ================================================================== page data
     def open_page(self, layer: int, page_id: int) -> torch.Tensor:

@@ -76,10 +76,6 @@ class ModelSource:
     weights_dir: Path | None        # checkpoint folder or .gguf file; None: random weights
     tokenizer_dir: Path | None      # folder with tokenizer files, or a .gguf file
 
-    @property
-    def is_gguf(self) -> bool:
-        return is_gguf_path(self.config_path)
-
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
 
