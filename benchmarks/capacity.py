@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from zipfusion.format import PageLayout
+from zipfusion.format.layout import loc_offset
 from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
 
 L, H, D = 32, 8, 128
@@ -376,7 +377,7 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
         idx = torch.tensor(ids, device=device)
         for l in range(layers):
             src = data[l][idx % 128].view(torch.uint8).reshape(len(ids), nrow, 16)
-            base = (m.page_loc[l, idx] & ~1) // 16
+            base = loc_offset(m.page_loc[l, idx]) // 16
             rows[(base[:, None] + torch.arange(nrow, device=device)).reshape(-1)] = src.reshape(-1, 16)
 
     def check(ids):
@@ -385,27 +386,23 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
             got = m.read_pages(l, ids)
             assert torch.equal(got.view(torch.int16), data[l][idx.to(device) % 128].view(torch.int16)), l
 
-    ids, t_chunk = [], []
-    for start in range(0, n_pages, 128):
-        new = m.alloc_pages(128)
+    ids = []
+
+    def timed_seal(n: int) -> float:
+        """Seconds of seal_pages for n new pages written with the data (kept in ids)."""
+        new = m.alloc_pages(n)
         write(new)
         sync()
         t0 = time.perf_counter()
         m.seal_pages(new)
         sync()
-        t_chunk.append(time.perf_counter() - t0)
-        ids += new
+        dt_s = time.perf_counter() - t0
+        ids.extend(new)
+        return dt_s
+
+    t_chunk = [timed_seal(128) for _ in range(0, n_pages, 128)]
     check(ids)
-    t_step = []
-    for _ in range(20):                        # a decode step: 4 requests' pages fill
-        new = m.alloc_pages(4)
-        write(new)
-        sync()
-        t0 = time.perf_counter()
-        m.seal_pages(new)
-        sync()
-        t_step.append(time.perf_counter() - t0)
-        ids += new
+    t_step = [timed_seal(4) for _ in range(20)]        # a decode step: 4 requests' pages fill
     check(ids)
     m.free_pages(ids[::2])
     keep = ids[1::2]

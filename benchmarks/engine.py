@@ -39,6 +39,7 @@ from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages 
 from zipfusion.engine import SamplingParams  # noqa: E402
 from zipfusion.engine.attention import AttentionBackend  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.format.layout import open_bf16_index  # noqa: E402
 from zipfusion.engine.request import PAGE_TOKENS, Request  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402
 from zipfusion.engine.sampling import Sampler  # noqa: E402
@@ -104,7 +105,7 @@ def fill_requests(cache, ctx, pool, max_requests, compress):
         ids = cache.alloc(per_req)
         full = torch.tensor(ids[:n_full], device=cache.device)
         for layer in range(L):
-            base = cache.page_loc[layer, full] >> 1
+            base = open_bf16_index(cache.page_loc[layer, full])
             src = (torch.arange(n_full, device=cache.device) + i * 7 + layer * 13) % P   # vary pages
             arena16[(base[:, None] + ar[None, :]).reshape(-1)] = pool[src].reshape(-1)
         if compress:

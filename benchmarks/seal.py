@@ -64,6 +64,7 @@ import torch
 
 from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction
 from zipfusion.format import PageLayout, encode_pages_into
+from zipfusion.format.layout import loc_is_compressed, loc_offset
 from zipfusion.memory import KVCacheManager, codec
 
 GB = 1e9
@@ -118,7 +119,7 @@ def fill(m: KVCacheManager, ids: list[int], pool: torch.Tensor) -> dict:
     written = {}
     for layer in range(m.num_layers):
         pick = (torch.arange(n) + 7 * layer) % pool.shape[0]
-        loc = torch.from_numpy((m.table.loc[layer, ids] & ~1) // open_bytes)
+        loc = torch.from_numpy(loc_offset(m.table.loc[layer, ids]) // open_bytes)
         rows[loc.to(m.device)] = src[pick.to(m.device)]
         written[layer] = pick
     return written
@@ -131,7 +132,7 @@ def check(m: KVCacheManager, ids: list[int], pool: torch.Tensor, written: dict) 
             f"layer {layer}: pages read back differ from those written"
     for layer in {0, m.num_layers - 1}:
         loc = m.table.loc[layer, ids]
-        comp = (loc & 1) == 0
+        comp = loc_is_compressed(loc)
         off = torch.from_numpy(loc[comp])
         pages = pool[written[layer].to(pool.device)][torch.from_numpy(np.nonzero(comp)[0]).to(pool.device)]
         ref = torch.zeros_like(m.arena)
