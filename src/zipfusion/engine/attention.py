@@ -96,12 +96,8 @@ class AttentionBackend:
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
                  num_qo_heads: int, sm_scale: float):
         cuda = cache.device.type == "cuda"
-        if kind == "flashinfer" and not cuda:
-            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the KV cache is on {cache.device}")
         arena = getattr(cache, "arena", None)
-        if kind in ("kernel", "flashinfer") and arena is None:
-            raise ValueError(f"attention_backend={kind!r} reads bfloat16 pages; dtype {cache.dtype} runs with "
-                             "attention_backend='torch' (or 'auto')")
+        self.check_kind(kind, cache.device, cache.dtype)
         self.kind = ("kernel" if cuda and arena is not None else "torch") if kind == "auto" else kind
         self.cache, self.kv_compression, self.deterministic = cache, kv_compression, deterministic
         self.sm_scale, self.num_qo_heads = sm_scale, num_qo_heads
@@ -111,6 +107,16 @@ class AttentionBackend:
         if self.kind == "flashinfer":
             from ..kernels.flashinfer_decode import FlashInferDecode
             self._flashinfer = FlashInferDecode(arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes)
+
+    @staticmethod
+    def check_kind(kind: str, device: torch.device, dtype: torch.dtype) -> None:
+        """The rules of a backend kind that need the resolved device and dtype (the EngineConfig
+        checks those between options); the engine asks before it builds the model."""
+        if kind in ("kernel", "flashinfer") and dtype != torch.bfloat16:
+            raise ValueError(f"attention_backend={kind!r} reads bfloat16 pages; dtype {dtype} runs with "
+                             "attention_backend='torch' (or 'auto')")
+        if kind == "flashinfer" and device.type != "cuda":
+            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the KV cache is on {device}")
 
     @property
     def graph_safe(self) -> bool:

@@ -94,6 +94,7 @@ class LLMEngine:
         if cfg.kv_compression and self.dtype != torch.bfloat16:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
                              f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
+        AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
         self.source = resolve_model(cfg.model, cfg.load_format)
         self.model_config = mc = model_config(self.source)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
