@@ -2,7 +2,7 @@
 
 Runs on CPU with the real KVCacheManager in accounting mode (device="meta": page tables,
 chunks, open groups, packed space and compaction planning all run; no arena bytes exist, so
-``compress_pages`` is handed each page's encoded size instead of running the codec). Page sizes
+``seal_pages`` is handed each page's encoded size instead of running the codec). Page sizes
 follow the format exactly: a page with ``n`` compressible blocks out of 64 is
 ``header + 768 n + 1024 (64 - n)`` bytes; ``n`` is drawn per page and layer as Binomial(64, f)
 for the layer's compressible-block fraction ``f``.
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from zipfusion.format import PageLayout
+from zipfusion.format.layout import loc_offset
 from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
 
 L, H, D = 32, 8, 128
@@ -90,7 +91,7 @@ class Sizes:
 
 def make_manager(budget: float, mode: str) -> KVCacheManager:
     return KVCacheManager(L, LAYOUT, int(budget), device="meta",
-                          compression=(mode != "none"), shared_pool=(mode != "no pool"))
+                          kv_compression=(mode != "none"), shared_pool=(mode != "no pool"))
 
 
 def prefill(m: KVCacheManager, sizes: Sizes, mode: str) -> list[int]:
@@ -100,7 +101,7 @@ def prefill(m: KVCacheManager, sizes: Sizes, mode: str) -> list[int]:
         new = m.alloc_pages(n)
         pages += new
         if mode != "none":
-            m.compress_pages(new, sizes=sizes(n))
+            m.seal_pages(new, sizes=sizes(n))
     return pages
 
 
@@ -112,7 +113,7 @@ def all_fit(budget: float, mode: str, fractions: np.ndarray, n: int) -> bool:
         for _ in range(OUTPUT // 16):
             new = m.alloc_pages(n)
             if mode != "none":
-                m.compress_pages(new, sizes=sizes(n))
+                m.seal_pages(new, sizes=sizes(n))
             for r, p in zip(reqs, new):
                 r.append(p)
     except MemoryExhausted:
@@ -145,7 +146,7 @@ def admitted(budget: float, mode: str, fractions: np.ndarray, policy: str) -> di
                 m.free_pages(reqs.pop())        # preempt the newest; it would be recomputed later
                 preempted += 1
         if mode != "none":
-            m.compress_pages(new, sizes=sizes(len(reqs)))
+            m.seal_pages(new, sizes=sizes(len(reqs)))
         for r, p in zip(reqs, new):
             r.append(p)
     return {"admitted": len(reqs) + preempted, "completed_together": len(reqs), "preempted": preempted}
@@ -179,7 +180,7 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
                 r["pages"] += m.alloc_pages(extra)
                 full = r["pages"][PROMPT // 16:PROMPT // 16 + (r["tok"] - PROMPT) // 16]
                 if full:
-                    m.compress_pages(full, sizes=sizes(len(full)))
+                    m.seal_pages(full, sizes=sizes(len(full)))
             reqs.append(r)
         crossing = [r for r in reqs if r["tok"] % 16 == 0 and r["tok"] < PROMPT + OUTPUT]
         if crossing:                         # the next token starts a new page
@@ -190,7 +191,7 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
             r["tok"] += 1
         filled = [r["pages"][-1] for r in reqs if r["tok"] % 16 == 0]
         if filled:
-            m.compress_pages(filled, sizes=sizes(len(filled)))
+            m.seal_pages(filled, sizes=sizes(len(filled)))
         m.capacity_new_pages()               # what the scheduler reads every step
         dt_ = time.perf_counter() - t0
         (prefill_t if admitted_now else decode_t).append(dt_)
@@ -199,7 +200,7 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
 
 def time_compaction(budget: float, fractions: np.ndarray, reqs, m: KVCacheManager, adversarial: bool):
     if adversarial:                          # every other stored page of every request freed
-        victims = [p for r in reqs for p in r["pages"][::2] if m.page_state(p) == "compressed"]
+        victims = [p for r in reqs for p in r["pages"][::2] if m.page_state(p) == "stored"]
         m.free_pages(victims)
         for r in reqs:
             r["pages"] = [p for p in r["pages"] if m.page_state(p) != "free"]
@@ -321,7 +322,7 @@ def write_markdown(res: dict, path: Path) -> None:
     if g:
         lines += [f"Real bytes on {g['device']} (torch {g['torch']}, codec: {g['codec']}; {g['layers']} "
                   f"layers, 8x128 heads, {g['pages']} pages at 80 % compressible, every page checked "
-                  f"bit-exact after compression and after compaction): compress_pages of a 128-page "
+                  f"bit-exact after compression and after compaction): seal_pages of a 128-page "
                   f"prefill chunk {g['compress_prefill_chunk_128_pages_ms_median']:.2f} ms, of a 4-page "
                   f"decode step {g['compress_decode_step_4_pages_ms_median']:.2f} ms (analyze, size "
                   f"sync, placement, encode); compaction after freeing every other page: "
@@ -359,7 +360,7 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
               layout: PageLayout = LAYOUT, layers: int = L) -> dict:
     """Real bytes on the GPU: compress (Triton codec dispatch), read back, free half, compact.
 
-    Checks every page bit-exactly after compression and after compaction, times compress_pages
+    Checks every page bit-exactly after compression and after compaction, times seal_pages
     for a decode step (a few pages) and for a prefill chunk, and times compaction's byte moves.
     """
     from zipfusion.analysis.synthetic import pages_with_fraction
@@ -376,7 +377,7 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
         idx = torch.tensor(ids, device=device)
         for l in range(layers):
             src = data[l][idx % 128].view(torch.uint8).reshape(len(ids), nrow, 16)
-            base = (m.page_loc[l, idx] & ~1) // 16
+            base = loc_offset(m.page_loc[l, idx]) // 16
             rows[(base[:, None] + torch.arange(nrow, device=device)).reshape(-1)] = src.reshape(-1, 16)
 
     def check(ids):
@@ -385,27 +386,23 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
             got = m.read_pages(l, ids)
             assert torch.equal(got.view(torch.int16), data[l][idx.to(device) % 128].view(torch.int16)), l
 
-    ids, t_chunk = [], []
-    for start in range(0, n_pages, 128):
-        new = m.alloc_pages(128)
+    ids = []
+
+    def timed_seal(n: int) -> float:
+        """Seconds of seal_pages for n new pages written with the data (kept in ids)."""
+        new = m.alloc_pages(n)
         write(new)
         sync()
         t0 = time.perf_counter()
-        m.compress_pages(new)
+        m.seal_pages(new)
         sync()
-        t_chunk.append(time.perf_counter() - t0)
-        ids += new
+        dt_s = time.perf_counter() - t0
+        ids.extend(new)
+        return dt_s
+
+    t_chunk = [timed_seal(128) for _ in range(0, n_pages, 128)]
     check(ids)
-    t_step = []
-    for _ in range(20):                        # a decode step: 4 requests' pages fill
-        new = m.alloc_pages(4)
-        write(new)
-        sync()
-        t0 = time.perf_counter()
-        m.compress_pages(new)
-        sync()
-        t_step.append(time.perf_counter() - t0)
-        ids += new
+    t_step = [timed_seal(4) for _ in range(20)]        # a decode step: 4 requests' pages fill
     check(ids)
     m.free_pages(ids[::2])
     keep = ids[1::2]

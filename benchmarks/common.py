@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmarks (imported as ``common`` by scripts in this folder): the copy
-bandwidth that achieved bandwidths are compared with, CUDA-graph replay timing, and pyplot."""
+"""Helpers shared by the benchmarks (imported as ``common`` by scripts in this folder): engines on
+weights built once, the copy bandwidth that achieved bandwidths are compared with, CUDA-graph
+replay timing, and pyplot."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ import re
 import statistics
 
 import torch
+
+
+def engine_on(model_name: str, model=None, **options):
+    """An LLMEngine for ``model_name`` (options: EngineConfig fields) that runs ``model``, weights
+    the benchmark built once and shares between several engines, instead of building its own
+    (``model=None``: the engine builds them). Through LLMEngine's public seam,
+    :meth:`~zipfusion.engine.llm_engine.LLMEngine.build_model`."""
+    from zipfusion import LLMEngine
+    if model is None:
+        return LLMEngine(model_name, **options)
+    if options.get("tensor_parallel_size", 1) > 1:
+        raise ValueError("weights built in this process cannot be split over ranks")
+
+    class SharedWeightsEngine(LLMEngine):
+        def build_model(self):
+            return model
+    return SharedWeightsEngine(model_name, **options)
 
 
 def write_json(obj, path) -> None:

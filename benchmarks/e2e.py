@@ -12,8 +12,8 @@ prompts, 256 generated tokens, as many requests as fit. Methods (record key ``me
   benchmarks/e2e_methods.py): measured ratio and decode speed, the engine's uncompressed step at
   the batch that fits, plus the decompression of the batch's KV of every layer.
 
-Compressibility points: ``model`` (the model's own prefill KV, through the public API: ``LLM``,
-``add_request``, ``step``; whole-run and decode throughput) and prompt pages filled with KV at
+Compressibility points: ``model`` (the model's own prefill KV, through the public API: an ``LLMEngine``
+on the worker's weights (common.engine_on), ``add_request``, ``step``; whole-run and decode throughput) and prompt pages filled with KV at
 exact compressible fractions (decode-only steps at the largest batch that fits, through
 benchmarks/engine.py's ``decode_bench``: requests filled straight into the arena, compressed
 as the engine does, then engine decode steps = CUDA-graph replay + sampling + sync).
@@ -64,12 +64,11 @@ def burst(model, method: str, args) -> dict:
     the write-up's way (:func:`writeup_tokens_s`)."""
     import torch
     from workloads import random_prompts, run_requests, summarize, warm_up
-    from zipfusion import LLM
+    from common import engine_on
     from engine import weight_bytes
     prompt, max_len = args.prompt, args.prompt + args.max_tokens + 16
-    llm = LLM(args.model, prebuilt_model=model, device=args.device, kv_memory_gb=args.kv_gb,
-              max_model_len=max_len, max_num_seqs=args.max_num_seqs, **ENGINE_KW[method])
-    eng = llm.engine
+    eng = engine_on(args.model, model, device=args.device, kv_memory_gb=args.kv_gb,
+                    max_model_len=max_len, max_num_seqs=args.max_num_seqs, **ENGINE_KW[method])
     prompts = random_prompts([prompt] * args.requests, eng.model_config.vocab_size, args.seed)
     warm_up(eng, max_len)
     probe = {}
@@ -87,7 +86,7 @@ def burst(model, method: str, args) -> dict:
     rec["weight_bytes"] = weight_bytes(model, rec["peak_batch"])
     dec = [x for x in steps if x.prefill_tokens == 0]
     rec["seal_s_per_decode_step"] = sum(x.seal_s for x in dec) / max(1, len(dec))
-    del llm, eng, reqs, steps
+    del eng, reqs, steps
     _free(torch)
     if probe and probe.get("pages") is not None:
         from e2e_methods import nvcomp_measure
@@ -243,7 +242,7 @@ def parse(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--requests", type=int, default=72, help="burst size (more than fit: the peak is the max batch)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--points", default="model,synthetic", help="model (a burst through LLM), synthetic "
+    ap.add_argument("--points", default="model,synthetic", help="model (a burst through the engine), synthetic "
                     "(exact fractions)")
     ap.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS))
     ap.add_argument("--unfused-fractions", default="0.85")

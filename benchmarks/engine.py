@@ -33,15 +33,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import copy_bandwidth, pyplot, replay_seconds  # noqa: E402  (benchmarks/common.py)
+from common import copy_bandwidth, engine_on, pyplot, replay_seconds  # noqa: E402  (benchmarks/common.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
-from zipfusion.engine import LLM, SamplingParams  # noqa: E402
+from zipfusion.engine import SamplingParams  # noqa: E402
 from zipfusion.engine.attention import AttentionBackend  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.format.layout import open_bf16_index  # noqa: E402
 from zipfusion.engine.request import PAGE_TOKENS, Request  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402
 from zipfusion.engine.sampling import Sampler  # noqa: E402
+from zipfusion.testing import run_to_completion  # noqa: E402
 from zipfusion.models import build_model, resolve_model  # noqa: E402
 
 
@@ -54,22 +56,22 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def exactness(model_name, dev, prebuilt=None, lengths=(700, 100, 333), max_tokens=24, kv_gb=4.0):
+def exactness(model_name, dev, prebuilt=None, lengths=(700, 100, 333), max_tokens=24, kv_gb=4.0,
+               max_model_len=2048):
     g = torch.Generator().manual_seed(0)
     runs = {}
     for name, kw in (("compressed", dict(kv_compression=True)), ("uncompressed", dict(kv_compression=False)),
                      ("compressed-eager", dict(kv_compression=True, enforce_eager=True))):
-        llm = LLM(model_name, device=str(dev), dtype="bfloat16", kv_memory_gb=kv_gb, max_num_seqs=8,
-                  max_num_batched_tokens=512, max_model_len=2048, prebuilt_model=prebuilt, **kw)
-        vocab = llm.engine.model_config.vocab_size
+        eng = engine_on(model_name, prebuilt, device=str(dev), dtype="bfloat16", kv_memory_gb=kv_gb, max_num_seqs=8,
+                        max_num_batched_tokens=512, max_model_len=max_model_len, **kw)
+        vocab = eng.model_config.vocab_size
         g.manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-        eng = llm.engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
                 for p in prompts]
         run_to_completion(eng, reqs, keep_logits=True)
-        runs[name] = (reqs, llm.kv_stats(), eng.graph_buckets)
-        del llm, eng
+        runs[name] = (reqs, eng.peak_kv_stats, eng.graph_buckets)
+        del eng
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -103,7 +105,7 @@ def fill_requests(cache, ctx, pool, max_requests, compress):
         ids = cache.alloc(per_req)
         full = torch.tensor(ids[:n_full], device=cache.device)
         for layer in range(L):
-            base = cache.page_loc[layer, full] >> 1
+            base = open_bf16_index(cache.page_loc[layer, full])
             src = (torch.arange(n_full, device=cache.device) + i * 7 + layer * 13) % P   # vary pages
             arena16[(base[:, None] + ar[None, :]).reshape(-1)] = pool[src].reshape(-1)
         if compress:
@@ -150,8 +152,8 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
     swaps the attention there)."""
     cfg = model.config
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, compress=compress)
-    backend = AttentionBackend(cache, (cache_kw or {}).get("attention", "auto"), compressed=compress,
+    cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, kv_compression=compress)
+    backend = AttentionBackend(cache, (cache_kw or {}).get("attention", "auto"), kv_compression=compress,
                                deterministic=deterministic, num_qo_heads=cfg.num_attention_heads,
                                sm_scale=cfg.head_dim ** -0.5)
     model.set_deterministic(deterministic)
@@ -229,7 +231,8 @@ def main():
             t0 = time.perf_counter()
             ex = exactness(args.model, dev, prebuilt=model,
                            lengths=(40, 7, 23) if args.smoke else (600, 60, 250),
-                           max_tokens=6 if args.smoke else 16, kv_gb=0.02 if args.smoke else 4.0)
+                           max_tokens=6 if args.smoke else 16, kv_gb=0.02 if args.smoke else 4.0,
+                           max_model_len=256 if args.smoke else 2048)
             ex["seconds"] = time.perf_counter() - t0
             info["exactness"] = ex
             log(f"exactness: {ex}")

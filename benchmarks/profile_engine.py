@@ -31,7 +31,7 @@ from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402
 from zipfusion.engine.sampling import Sampler  # noqa: E402
 from zipfusion.models import build_model, resolve_model  # noqa: E402
-from zipfusion.models.fused import rmsnorm, silu_and_mul  # noqa: E402
+from zipfusion.models.merged_ops import rmsnorm, silu_and_mul  # noqa: E402
 
 
 def graph_ms(fn, reps=10):
@@ -63,11 +63,11 @@ def main():
     L, H, Hq, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     pool = realistic_pages(512, H, D, seed=1)
     frac = compressible_fraction(pool)
-    cache = ArenaKVCache(L, H, D, int(args.kv_gb * 2**30), dev, compress=not args.uncompressed)
+    cache = ArenaKVCache(L, H, D, int(args.kv_gb * 2**30), dev, kv_compression=not args.uncompressed)
     reqs = fill_requests(cache, args.ctx, pool.to(dev), args.batch, not args.uncompressed)
     B = len(reqs)
     compressed = not args.uncompressed
-    attention = AttentionBackend(cache, "kernel", compressed=compressed, num_qo_heads=Hq, sm_scale=D ** -0.5)
+    attention = AttentionBackend(cache, "kernel", kv_compression=compressed, num_qo_heads=Hq, sm_scale=D ** -0.5)
     runner = ModelRunner(model, attention, max_model_len=args.ctx + 16, max_num_seqs=B)
     runner.capture_cuda_graphs(sizes=[B])
     b = {k: v.to(dev) for k, v in runner.decode_inputs(reqs, B).items()}
@@ -173,7 +173,7 @@ def _attention_sweep(cache, q, b, sm_scale):
     """Decode attention over all layers for split counts x stages (the kernel's knobs)."""
     rows = []
     for S in (3, 4, 5, 6, 8, 12):
-        for stages in (3, 4) if not cache.compress else (4, 6):
+        for stages in (3, 4) if not cache.kv_compression else (4, 6):
             ms = graph_ms(lambda: [cache_attention(cache, i, q, b, sm_scale, S, stages)
                                    for i in range(cache.num_layers)])
             rows.append(dict(splits=S, stages=stages, ms=ms))
@@ -182,7 +182,7 @@ def _attention_sweep(cache, q, b, sm_scale):
 
 def cache_attention(cache, layer, q, b, sm_scale, splits, stages):
     from zipfusion.kernels import decode_attention, decode_attention_twin
-    kernel = decode_attention if cache.compress else decode_attention_twin
+    kernel = decode_attention if cache.kv_compression else decode_attention_twin
     return kernel(q, cache.arena, cache.page_loc[layer], b["block_table"], b["context_lens"],
                   cache.layout, sm_scale, validate=False, num_splits=splits, stages=stages)
 

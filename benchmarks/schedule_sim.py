@@ -49,15 +49,15 @@ class SimCache(ArenaKVCache):
     """An ArenaKVCache on the meta device whose sealed pages get drawn sizes."""
 
     def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int):
-        super().__init__(L, H, D, budget_bytes, "meta", compress=compress)
+        super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress)
         self.rng, self.fraction = np.random.default_rng(seed), fraction
 
     def seal(self, ids, min_capacity: int = 0):
-        if not ids or not self.compress:
+        if not ids or not self.kv_compression:
             return []
         nc = self.rng.binomial(LAYOUT.num_blocks, self.fraction, size=(L, len(ids)))
         sizes = LAYOUT.page_bytes(0) - nc * 256
-        return self.manager.compress_pages(list(ids), sizes=sizes, min_capacity=min_capacity)
+        return self.manager.seal_pages(list(ids), sizes=sizes, min_capacity=min_capacity)
 
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,

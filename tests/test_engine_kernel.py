@@ -1,4 +1,4 @@
-"""The engine's kernel path (fused rope + store, decode kernels over the arena) at tiny size:
+"""The engine's kernel path (merged rope + store, decode kernels over the arena) at tiny size:
 compiled on a GPU, through the Triton interpreter on the CPU (tests/conftest.py chooses). The
 plumbing (page_loc, block tables, scratch padding, fused vs twin) is the one the GPU uses."""
 
@@ -32,7 +32,7 @@ def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
     reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in prompts()]
     eng.step()                                                      # prefill
     eng.scheduler.seal_full_pages([], force=True)                   # full pages compressed now
-    assert eng.cache.manager.page_state(reqs[0].pages[0]) == "compressed"
+    assert eng.cache.manager.page_state(reqs[0].pages[0]) == "stored"
     b = eng.runner.decode_inputs(reqs, 4)                          # one padding row
     q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
     lens = b["context_lens"] - 1                                    # tokens already written
@@ -72,14 +72,14 @@ def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt, budg
         assert float((x - y).norm() / y.norm()) < 2e-2
 
 
-def test_fused_rope_store_is_the_torch_path_bit_for_bit(ckpt):
+def test_merged_rope_store_is_the_torch_path_bit_for_bit(ckpt):
     """The CUDA path's rope + K/V-store kernel (forced on here, prefill and decode) and the torch
     rope + write give the same K/V bits in the pages and the same logits."""
     res = {}
-    for fused in (True, False):
+    for merged in (True, False):
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
         eng = llm.engine
-        eng.cache.fused_store = fused
+        eng.cache.merged_store = merged
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)) for p in prompts()]
         for r in reqs:
             r.logits = []
@@ -88,7 +88,7 @@ def test_fused_rope_store_is_the_torch_path_bit_for_bit(ckpt):
             for r, row in zip(step.sampled, step.logits.cpu()):
                 r.logits.append(row.clone())
         kv = [eng.cache.read_tokens(0, r.pages, r.num_computed) for r in reqs]
-        res[fused] = (reqs, kv)
+        res[merged] = (reqs, kv)
     for (a, kva), (b, kvb) in zip(zip(*res[True]), zip(*res[False])):
         assert a.output_ids == b.output_ids
         for x, y in zip(kva, kvb):                                 # K, V incl. the decoded token
@@ -118,7 +118,7 @@ def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
             eng.step()
             eng.step()                                    # 48 prompt tokens, sealed
             eng.scheduler.seal_full_pages([], force=True)
-            assert eng.cache.manager.page_state(r.pages[0]) == "compressed"
+            assert eng.cache.manager.page_state(r.pages[0]) == "stored"
             q = torch.randn(20, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
             pages = torch.tensor(r.pages[:2], dtype=torch.int32, device=DEVICE)
             lens = torch.arange(13, 33, dtype=torch.int32, device=DEVICE)

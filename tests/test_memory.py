@@ -65,7 +65,7 @@ def _two_layer(shared: bool) -> tuple[KVCacheManager, dict, list[int]]:
                        shared_pool=shared, reserve_chunks=0)
     ids = m.alloc_pages(40)
     written = fill(m, ids, [1.0, 0.0])
-    m.compress_pages(ids)
+    m.seal_pages(ids)
     assert [len(m.packed.chunks[l]) for l in range(2)] == [8, 10]
     return m, written, ids
 
@@ -103,7 +103,7 @@ def test_page_loc_encoding_and_round_trip():
     loc = m.page_loc[:, ids]
     assert bool(((loc & 1) == 1).all()) and bool(((loc & ~1) % 16 == 0).all())
     written = fill(m, ids, [1.0, 0.8, 0.0])
-    m.compress_pages(ids[:4])
+    m.seal_pages(ids[:4])
     loc = m.page_loc[:, ids]
     assert bool((loc[:2, :4] & 1 == 0).all())          # compressed
     assert bool((loc[2, :4] & 1 == 1).all())           # all-raw pages are kept in open form
@@ -114,7 +114,7 @@ def test_page_loc_encoding_and_round_trip():
     assert_contents(m, written)
     m.free_pages(ids[1:3])
     assert bool((m.page_loc[:, ids[1:3]] == -1).all())
-    assert m.page_state(ids[1]) == "free" and m.page_state(ids[0]) == "compressed"
+    assert m.page_state(ids[1]) == "free" and m.page_state(ids[0]) == "stored"
 
 
 def test_stats_report_layers():
@@ -155,7 +155,7 @@ def test_compaction_moves_bytes_exactly_and_frees_chunks():
     m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     ids = m.alloc_pages(40)
     written = fill(m, ids, [1.0, 0.6])
-    m.compress_pages(ids)
+    m.seal_pages(ids)
     m.free_pages(ids[::2])                 # holes everywhere, no chunk empties
     for pid in ids[::2]:
         del written[0, pid], written[1, pid]
@@ -183,7 +183,7 @@ def test_alloc_compacts_when_the_pool_is_short():
     m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     ids = m.alloc_pages(m.capacity_new_pages())
     written = fill(m, ids, [1.0, 1.0])
-    m.compress_pages(ids)
+    m.seal_pages(ids)
     m.free_pages(ids[1::2])
     for pid in ids[1::2]:
         del written[0, pid], written[1, pid]
@@ -210,7 +210,7 @@ def test_bad_ids_and_double_free_leave_state_unchanged():
     m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
     ids = m.alloc_pages(3)
     fill(m, ids, [1.0, 1.0])
-    m.compress_pages(ids[:1])
+    m.seal_pages(ids[:1])
     m.free_pages([ids[2]])
     before = snapshot(m)
     cases = [
@@ -219,8 +219,8 @@ def test_bad_ids_and_double_free_leave_state_unchanged():
         (m.free_pages, [m.max_pages], "does not exist"),
         (m.free_pages, [-1], "does not exist"),
         (m.free_pages, [ids[0], ids[0]], "repeat"),
-        (m.compress_pages, [ids[0]], "already compressed"),
-        (m.compress_pages, [ids[2]], "not allocated"),
+        (m.seal_pages, [ids[0]], "already compressed"),
+        (m.seal_pages, [ids[2]], "not allocated"),
         (m.alloc_pages, -1, "non-negative"),
     ]
     for fn, arg, msg in cases:
@@ -232,7 +232,7 @@ def test_bad_ids_and_double_free_leave_state_unchanged():
     with pytest.raises(ValueError, match="does not exist"):
         m.open_page(2, ids[1])
     with pytest.raises(ValueError, match="sizes="):
-        m.compress_pages([ids[1]], sizes=np.full((2, 1), OPEN))
+        m.seal_pages([ids[1]], sizes=np.full((2, 1), OPEN))
     assert_same(before, snapshot(m))
 
 
@@ -254,13 +254,13 @@ def test_meta_device_accounting():
     cap = m.capacity_new_pages()
     ids = m.alloc_pages(512)
     assert m.capacity_new_pages() == cap - 512
-    m.compress_pages(ids, sizes=np.full((32, 512), L8B.min_page_bytes))
+    m.seal_pages(ids, sizes=np.full((32, 512), L8B.min_page_bytes))
     assert m.capacity_new_pages() > cap - 512
     assert m.stored_ratio() == pytest.approx(L8B.min_page_bytes / L8B.open_page_bytes)
     with pytest.raises(ValueError, match="sizes"):
-        m.compress_pages(m.alloc_pages(1))
+        m.seal_pages(m.alloc_pages(1))
     with pytest.raises(ValueError, match="page sizes"):
-        m.compress_pages(m.alloc_pages(1), sizes=np.full((32, 1), 100))
+        m.seal_pages(m.alloc_pages(1), sizes=np.full((32, 1), 100))
 
 
 def test_admission_conservative_and_estimate():
@@ -279,7 +279,7 @@ def test_admission_conservative_and_estimate():
         adm.can_admit(0, 16)
     ids = m.alloc_pages(40)
     fill(m, ids, [1.0, 1.0])
-    m.compress_pages(ids)
+    m.seal_pages(ids)
     est = Admission(m, mode="estimate")
     r = LAYOUT.min_page_bytes / OPEN
     assert est.ratio() == pytest.approx(r * 1.02)           # the observed ratio + the base margin
@@ -293,7 +293,7 @@ def test_estimate_admission_adapts():
     m = KVCacheManager(2, LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 1.0])
-    m.compress_pages(ids)
+    m.seal_pages(ids)
     est = Admission(m, mode="estimate")
     base = est.ratio()
     est.on_preempt()
@@ -339,7 +339,7 @@ def test_cuda_round_trip_and_pending_chunks():
     m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, device="cuda", chunk_bytes=chunk)
     ids = m.alloc_pages(8)
     written = {k: v.cuda() for k, v in fill(m, ids, [1.0, 0.5]).items()}
-    m.compress_pages(ids)
+    m.seal_pages(ids)
     assert m.page_loc.device.type == "cuda"
     assert torch.equal(m.page_loc.cpu(), torch.from_numpy(m.table.loc))
     assert_contents(m, written)
@@ -356,7 +356,7 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
     m = KVCacheManager(2, LAYOUT, budget_bytes=16 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     old = m.alloc_pages(5)
     written = fill(m, old, [1.0, 1.0])
-    m.compress_pages(old)                                  # observed ratio ~0.75
+    m.seal_pages(old)                                  # observed ratio ~0.75
     est, cons = Admission(m, mode="estimate"), Admission(m, mode="conservative")
     tokens = 16 * 26
     assert est.can_admit(tokens, 0) and not cons.can_admit(tokens, 0)
@@ -371,7 +371,7 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
         for layer in range(2):
             m.open_page(layer, mine[-1]).copy_(raw[i])
             written[layer, mine[-1]] = raw[i]
-        m.compress_pages([mine[-1]])
+        m.seal_pages([mine[-1]])
     assert hit
     assert_contents(m, written)
     m.free_pages(mine)                                     # preempt the newest request
@@ -420,7 +420,7 @@ def test_packed_place_general_next_fit_matches_reference(seed):
     (False, 18, 4),     # per-layer pools: a wave of 2 batches, then no room
 ])
 def test_waves_seal_like_batch_by_batch(monkeypatch, shared, budget, spare):
-    """compress_pages in waves (several batches per placement and encode) ends where sealing one
+    """seal_pages in waves (several batches per placement and encode) ends where sealing one
     batch of S at a time does, in pools so tight that later batches need the chunks earlier
     ones free, or compaction: same pages left open, sizes, pool, stored bytes and contents."""
     chunk = 4 * OPEN
@@ -433,11 +433,11 @@ def test_waves_seal_like_batch_by_batch(monkeypatch, shared, budget, spare):
                            shared_pool=shared, reserve_chunks=1)
         old = m.alloc_pages(6)
         written = fill(m, old, [0.9, 0.4], seed=3)
-        m.compress_pages(old[:3])
+        m.seal_pages(old[:3])
         m.free_pages(old[1:3])                             # holes: compaction has work
         ids = m.alloc_pages(m.capacity_new_pages() - spare)
         written.update(fill(m, ids, [1.0, 0.6], seed=4))
-        left = m.compress_pages(ids)
+        left = m.seal_pages(ids)
         assert_contents(m, {k: v for k, v in written.items() if k[1] in ids or k[1] == old[0]})
         results.append((left, m.table.size[:, ids].copy(), [m.pool.available(p) for p in range(m.pool.num_pools)],
                         m.stored_ratio(), m.capacity_new_pages(), m.compactions))
@@ -459,7 +459,7 @@ def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
         m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
         ids = m.alloc_pages(6)
         written = fill(m, ids, [0.7, 0.0])
-        m.compress_pages(ids)
+        m.seal_pages(ids)
         assert_contents(m, written)
         results.append((m.arena, m.page_loc.clone(), m.table.size.copy()))
     (a0, loc0, size0), (a1, loc1, size1) = results

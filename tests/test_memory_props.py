@@ -106,7 +106,7 @@ class ManagerMachine(RuleBasedStateMachine):
         ids = sorted(self.unsealed | set(ids))
         if ids:
             promised = self.adm.promised_pages([RunningRequest(len(r.pages), r.ntok, r.total) for r in self.reqs])
-            self.unsealed = set(self.m.compress_pages(ids, min_capacity=promised))
+            self.unsealed = set(self.m.seal_pages(ids, min_capacity=promised))
 
     # ------------------------------------------------------------------ rules
     @rule(prompt=st.integers(1, 200), out=st.integers(0, 60))

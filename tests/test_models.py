@@ -11,13 +11,15 @@ pytest.importorskip("safetensors")
 
 from zipfusion.models import build_model, config_from_dict, load_config, resolve_model  # noqa: E402
 from zipfusion.models.layers import apply_rope, rope_inv_freq  # noqa: E402
+from zipfusion.models.gguf import is_gguf_path  # noqa: E402
+from zipfusion.models.llama import KVCacheStep  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 
 
-class DenseCausal:
+class DenseKVCacheStep(KVCacheStep):
     """Reference KV for one sequence, no cache: torch rope, dense causal attention."""
 
     def store(self, layer, q, k, v, cos, sin):
@@ -31,7 +33,7 @@ class DenseCausal:
 
 
 def our_logits(model, ids):
-    hidden = model(ids, torch.arange(len(ids)), DenseCausal())
+    hidden = model(ids, torch.arange(len(ids)), DenseKVCacheStep())
     return model.compute_logits(hidden)
 
 
@@ -84,11 +86,20 @@ def test_llama3_inv_freq_matches_transformers():
     torch.testing.assert_close(rope_inv_freq(128, ours.rope), ref.float(), rtol=1e-6, atol=0)
 
 
+def num_parameters(c) -> int:
+    """A ModelConfig's parameter count (embeddings, layers, final norm; lm_head unless tied)."""
+    h, i, L, V = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    per_layer = h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 3 * h * i + 2 * h
+    if c.qk_norm:
+        per_layer += 2 * c.head_dim
+    return V * h * (1 if c.tie_word_embeddings else 2) + L * per_layer + h
+
+
 def test_shipped_configs():
     llama = load_config(resolve_model("llama-3.1-8b-random").config_path)
     qwen = load_config(resolve_model("qwen3-8b-random").config_path)
-    assert abs(llama.num_parameters() - 8.03e9) < 0.01e9 and llama.rope.rope_type == "llama3"
-    assert abs(qwen.num_parameters() - 8.19e9) < 0.01e9 and qwen.qk_norm and not llama.qk_norm
+    assert abs(num_parameters(llama) - 8.03e9) < 0.01e9 and llama.rope.rope_type == "llama3"
+    assert abs(num_parameters(qwen) - 8.19e9) < 0.01e9 and qwen.qk_norm and not llama.qk_norm
 
 
 def test_random_init_stays_finite_over_many_layers():
@@ -314,7 +325,7 @@ def test_gguf_tokenizer_and_chat_template_from_the_file(tmp_path):
     (tmp_path / "only").mkdir()
     (tmp_path / "m.gguf").rename(tmp_path / "only" / "m.gguf")
     src = resolve_model(str(tmp_path / "only"))
-    assert src.is_gguf and src.config_path == tmp_path / "only" / "m.gguf" and src.tokenizer_dir == src.config_path
+    assert is_gguf_path(src.config_path) and src.config_path == tmp_path / "only" / "m.gguf" and src.tokenizer_dir == src.config_path
 
 
 def test_gguf_errors_are_one_line(tmp_path, monkeypatch):

@@ -142,7 +142,7 @@ def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm,
     for factor in (1.0, 1.05, 1.3, 2.0, 4.0, 256 * 2**20 / one_request):
         counts = {}
         for compress in (True, False):
-            m = KVCacheManager(L, layout, int(one_request * factor), device="meta", compression=compress)
+            m = KVCacheManager(L, layout, int(one_request * factor), device="meta", kv_compression=compress)
             n = 0
             while True:
                 try:
@@ -150,7 +150,7 @@ def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm,
                 except MemoryExhausted:
                     break
                 if compress:
-                    m.compress_pages(new, sizes=sizes[:, n % sizes.shape[1], None])
+                    m.seal_pages(new, sizes=sizes[:, n % sizes.shape[1], None])
                 n += 1
             counts[compress] = n
         assert counts[True] >= counts[False] >= 8192 // 16, (factor, counts)

@@ -230,8 +230,8 @@ def test_lockstep_ids_agree_and_capacity_is_the_tightest_ranks():
     from zipfusion.distributed.lockstep import LockstepCache
     L, H, D = 2, 1, 64
     binding = 0
-    a = ArenaKVCache(L, H, D, 80 * 4096 * L, "cpu", compress=True)
-    b = ArenaKVCache(L, H, D, 80 * 4096 * L, "cpu", compress=True)
+    a = ArenaKVCache(L, H, D, 80 * 4096 * L, "cpu", kv_compression=True)
+    b = ArenaKVCache(L, H, D, 80 * 4096 * L, "cpu", kv_compression=True)
     a.arena.zero_()                                            # rank 0: pages of zeros compress well
     b.arena.copy_(torch.randint(0, 256, b.arena.shape, dtype=torch.uint8))   # the worker: noise, not at all
     drv = _FakeDriver(b)

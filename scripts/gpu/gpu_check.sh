@@ -16,7 +16,7 @@ timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests \
   2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -25
 timeout 180 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" \
   tests/test_decode_attention.py tests/test_triton_codec.py tests/test_format.py \
-  tests/test_prefill_attention.py tests/test_engine_kernel.py tests/test_models_fused.py \
+  tests/test_prefill_attention.py tests/test_engine_kernel.py tests/test_merged_ops.py \
   "tests/test_memory.py::test_cuda_round_trip_and_pending_chunks" \
   "tests/test_engine.py::test_gpu_compression_on_off_identical_with_cuda_graphs" \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25

@@ -51,19 +51,6 @@ class KVReport:
     def value_fraction(self) -> float:
         return sum(s.value_fraction for s in self.layers) / len(self.layers) if self.layers else 0.0
 
-    def to_dict(self) -> dict:
-        """The numbers as plain JSON-able values (span histograms summed over layers)."""
-        return {
-            "pages_per_layer": self.pages, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "compressible_fraction": self.compressible_fraction, "key_fraction": self.key_fraction,
-            "value_fraction": self.value_fraction, "size_ratio": self.size_ratio,
-            "capacity_gain": self.capacity_gain,
-            "layers": [{"layer": s.layer, "key_fraction": s.key_fraction, "value_fraction": s.value_fraction,
-                        "size_ratio": s.compressed_bytes / s.open_bytes} for s in self.layers],
-            "key_spans": sum(s.key_spans for s in self.layers).tolist(),
-            "value_spans": sum(s.value_spans for s in self.layers).tolist(),
-        }
-
     @property
     def size_ratio(self) -> float:
         """Compressed bytes / open bytes over all layers (0.75 is the format's floor)."""

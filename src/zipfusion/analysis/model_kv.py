@@ -13,6 +13,7 @@ from ..engine.attention import prefill_attention
 from ..format.layout import PAGE_TOKENS
 from ..models import build_model, load_tokenizer, resolve_model
 from ..models.layers import apply_rope
+from ..models.llama import KVCacheStep
 from .kv_stats import KVReport, analyze_kv
 
 # Used when no text is given: English prose, a list, and Python code, so that the numbers are
@@ -39,7 +40,7 @@ where it stayed for the rest of the season. Nobody complained; the view was bett
 """
 
 
-class _CaptureKV:
+class _CaptureKVCacheStep(KVCacheStep):
     """A :class:`~zipfusion.models.llama.KVCacheStep` for one causal pass with no cache: keeps
     each layer's rotated K and V."""
 
@@ -58,7 +59,7 @@ class _CaptureKV:
 @torch.inference_mode()
 def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One forward pass over ``input_ids`` [T]; returns each layer's (K, V), [T, H, D] bf16."""
-    capture = _CaptureKV(model.config.head_dim ** -0.5)
+    capture = _CaptureKVCacheStep(model.config.head_dim ** -0.5)
     model(input_ids, torch.arange(input_ids.numel(), device=input_ids.device), capture)
     return [capture.kv[i] for i in range(len(capture.kv))]
 

@@ -5,8 +5,8 @@ step and run per layer (FlashInfer's plan/run shape). It is the only reader of
 
 A step's tokens are flattened as ``[decode rows | prefill chunk 1 | prefill chunk 2 ...]``:
 each decode row is one request's newest token, each chunk a run of one request's prompt (or
-recomputed) tokens. :meth:`AttentionBackend.plan` turns that into a :class:`StepKV`, the model's
-:class:`~zipfusion.models.llama.KVCacheStep`:
+recomputed) tokens. :meth:`AttentionBackend.plan` turns that into a :class:`PagedKVCacheStep`, the
+engine's implementation of the model's :class:`~zipfusion.models.llama.KVCacheStep`:
 
 * ``store``: rope and K/V of every token written into its page slot (one call per layer), so a
   chunk's own K/V are in its pages before it attends;
@@ -56,6 +56,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..format import PAGE_TOKENS
 from ..format.layout import open_loc
+from ..models.llama import KVCacheStep
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
@@ -88,21 +89,17 @@ class AttentionBackend:
     ``kind``: "kernel" (our kernels: CUDA C++ / Triton decode, the paged prefill kernel; on CPU
     tensors through the Triton interpreter, slowly), "torch" (fp32/fp64 torch over read pages),
     "flashinfer" (FlashInfer's paged decode over open pages) or "auto" (kernel on CUDA, torch
-    on the CPU). ``compressed``: the cache compresses full pages (the fused kernels read them;
+    on the CPU). ``kv_compression``: the cache compresses full pages (the fused kernels read them;
     otherwise the uncompressed twins, bit-identical on open pages).
     """
 
-    def __init__(self, cache, kind: str = "auto", *, compressed: bool, deterministic: bool = False,
+    def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
                  num_qo_heads: int, sm_scale: float):
         cuda = cache.device.type == "cuda"
-        if kind == "flashinfer" and not cuda:
-            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the KV cache is on {cache.device}")
         arena = getattr(cache, "arena", None)
-        if kind in ("kernel", "flashinfer") and arena is None:
-            raise ValueError(f"attention_backend={kind!r} reads bfloat16 pages; dtype {cache.dtype} runs with "
-                             "attention_backend='torch' (or 'auto')")
+        self.check_kind(kind, cache.device, cache.dtype)
         self.kind = ("kernel" if cuda and arena is not None else "torch") if kind == "auto" else kind
-        self.cache, self.compressed, self.deterministic = cache, compressed, deterministic
+        self.cache, self.kv_compression, self.deterministic = cache, kv_compression, deterministic
         self.sm_scale, self.num_qo_heads = sm_scale, num_qo_heads
         # deterministic: a fixed split of every request's pages, whatever the batch
         self._split = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if deterministic else {}
@@ -110,6 +107,16 @@ class AttentionBackend:
         if self.kind == "flashinfer":
             from ..kernels.flashinfer_decode import FlashInferDecode
             self._flashinfer = FlashInferDecode(arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes)
+
+    @staticmethod
+    def check_kind(kind: str, device: torch.device, dtype: torch.dtype) -> None:
+        """The rules of a backend kind that need the resolved device and dtype (the EngineConfig
+        checks those between options); the engine asks before it builds the model."""
+        if kind in ("kernel", "flashinfer") and dtype != torch.bfloat16:
+            raise ValueError(f"attention_backend={kind!r} reads bfloat16 pages; dtype {dtype} runs with "
+                             "attention_backend='torch' (or 'auto')")
+        if kind == "flashinfer" and device.type != "cuda":
+            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the KV cache is on {device}")
 
     @property
     def graph_safe(self) -> bool:
@@ -120,7 +127,7 @@ class AttentionBackend:
     @classmethod
     def from_config(cls, config, cache, model_config, tp_size: int = 1) -> "AttentionBackend":
         """The engine's backend (``tp_size``: this rank holds 1/tp_size of the heads)."""
-        return cls(cache, config.attention_backend, compressed=bool(getattr(cache, "compress", False)),
+        return cls(cache, config.attention_backend, kv_compression=cache.kv_compression,
                    deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
                    sm_scale=1.0 / math.sqrt(model_config.head_dim))
 
@@ -134,10 +141,10 @@ class AttentionBackend:
 
     def plan(self, page_ids: torch.Tensor, slots: torch.Tensor, num_decode: int = 0,
              block_table: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
-             chunks: list[ChunkView] = ()) -> "StepKV":
-        """The step's :class:`StepKV`: where each token's K/V go (``page_ids``, ``slots`` [T],
+             chunks: list[ChunkView] = ()) -> "PagedKVCacheStep":
+        """The step's :class:`PagedKVCacheStep`: where each token's K/V go (``page_ids``, ``slots`` [T],
         on the device) and what each row attends to."""
-        return StepKV(self, page_ids, slots, num_decode, block_table, context_lens, list(chunks))
+        return PagedKVCacheStep(self, page_ids, slots, num_decode, block_table, context_lens, list(chunks))
 
     # -- per layer --------------------------------------------------------------------------
     def decode(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor):
@@ -147,7 +154,7 @@ class AttentionBackend:
             return self._flashinfer.run(q, cache.page_loc[layer])
         if self.kind == "kernel":
             from ..kernels import decode_attention, decode_attention_twin
-            kernel = decode_attention if self.compressed else decode_attention_twin
+            kernel = decode_attention if self.kv_compression else decode_attention_twin
             # the engine builds valid tables; validate=False keeps the call free of host syncs
             return kernel(q, cache.arena, cache.page_loc[layer], block_table, context_lens,
                           cache.layout, self.sm_scale, validate=False, **self._split)
@@ -159,7 +166,7 @@ class AttentionBackend:
         from ..kernels.prefill_attention import paged_prefill_attention
         c = self.cache
         return paged_prefill_attention(q, c.arena, c.page_loc[layer], plan.block_table, plan.q_indptr,
-                                       plan.q_start, c.layout, self.sm_scale, compressed=self.compressed,
+                                       plan.q_start, c.layout, self.sm_scale, compressed=self.kv_compression,
                                        plan=plan.work, validate=False)
 
     def decode_over_open_copy(self, layer: int, q: torch.Tensor, pages: torch.Tensor, context_lens: torch.Tensor):
@@ -182,14 +189,14 @@ class AttentionBackend:
         if self.kind in ("kernel", "flashinfer"):                         # the arena's pages
             from ..kernels.prefill_attention import gather_kv
             c = self.cache
-            return gather_kv(c.arena, c.page_loc[layer], pages, num_tokens, c.layout, compressed=self.compressed)
+            return gather_kv(c.arena, c.page_loc[layer], pages, num_tokens, c.layout, compressed=self.kv_compression)
         return self.cache.read_tokens(layer, pages.tolist(), num_tokens)
 
     def route(self, ch: ChunkView) -> str:
         """How a prefill chunk attends: "fresh", "rows", "copy" (rows over an open copy of the
         pages), "paged" or "gather" (module docstring)."""
         if self.deterministic:
-            long_compressed = self.kind == "kernel" and self.compressed and ch.length > ROWS_MAX_TOKENS
+            long_compressed = self.kind == "kernel" and self.kv_compression and ch.length > ROWS_MAX_TOKENS
             return "copy" if long_compressed else "rows"
         if ch.start == 0:
             return "fresh"
@@ -211,8 +218,9 @@ class PagedChunks:
     work: object                # kernels.prefill_attention.PrefillPlan
 
 
-class StepKV:
-    """One step's KV side (the model's ``KVCacheStep``), made by :meth:`AttentionBackend.plan`."""
+class PagedKVCacheStep(KVCacheStep):
+    """The model's :class:`KVCacheStep` over the engine's paged KV cache for one step, made by
+    :meth:`AttentionBackend.plan`."""
 
     def __init__(self, backend: AttentionBackend, page_ids, slots, num_decode, block_table, context_lens,
                  chunks: list[ChunkView]):

@@ -1,7 +1,7 @@
 """The engine's view of the KV cache: pages to allocate, K/V to store, pages to attend over.
 
 * :class:`ArenaKVCache` -- BF16 pages in the memory manager's arena (docs/design.md). Full pages
-  are compressed when ``compress=True``. On CUDA, rope + store is one Triton kernel.
+  are compressed when ``kv_compression=True``. On CUDA, rope + store is one Triton kernel.
 * :class:`DenseKVCache` -- pages of any dtype (float32 for exactness tests) in one tensor,
   never compressed.
 
@@ -26,7 +26,7 @@ class KVCache:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    compress: bool = False
+    kv_compression: bool = False
 
     def read_tokens(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [n_tokens, H, D] of a request's first ``n_tokens`` tokens (its prefix)."""
@@ -44,16 +44,17 @@ class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
-                 device, compress: bool = True, fused_store: bool | None = None, **manager_kwargs):
-        """``compress``: full pages are compressed (the memory manager's ``compression``).
-        ``fused_store``: rope + K/V store as one Triton kernel (default: on CUDA)."""
+                 device, kv_compression: bool = True, merged_store: bool | None = None, **manager_kwargs):
+        """``kv_compression``: full pages are compressed (passed on to the memory manager).
+        ``merged_store``: rope + K/V store merged into one Triton kernel (default: on CUDA)."""
         from ..memory import KVCacheManager
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = PageLayout(num_kv_heads, head_dim)
-        self.dtype, self.device, self.compress = torch.bfloat16, torch.device(device), compress
+        self.dtype, self.device = torch.bfloat16, torch.device(device)
+        self.kv_compression = kv_compression
         self.manager = KVCacheManager(num_layers, self.layout, int(budget_bytes), self.device,
-                                      compression=compress, **manager_kwargs)
-        self.fused_store = self.device.type == "cuda" if fused_store is None else fused_store
+                                      kv_compression=kv_compression, **manager_kwargs)
+        self.merged_store = self.device.type == "cuda" if merged_store is None else merged_store
 
     @property
     def arena(self) -> torch.Tensor:
@@ -61,8 +62,8 @@ class ArenaKVCache(KVCache):
 
     @property
     def seal_batch(self) -> int:
-        """Full pages worth one compress call (the manager compresses a group's worth at a time)."""
-        return self.manager.slots_per_chunk if self.compress else 1
+        """Full pages worth one seal (the manager seals a group's worth at a time)."""
+        return self.manager.slots_per_chunk if self.kv_compression else 1
 
     @property
     def page_loc(self) -> torch.Tensor:
@@ -76,12 +77,12 @@ class ArenaKVCache(KVCache):
             self.manager.free_pages(list(ids))
 
     def seal(self, ids, min_capacity: int = 0):
-        """Compress full pages; returns the ids left open (no room yet, or room promised to
+        """Seal full pages (open -> stored); returns the ids left open (no room yet, or room promised to
         running requests: ``min_capacity`` new pages must still fit). They stay readable as
         open pages; the scheduler offers them again later."""
-        if not ids or not self.compress:
+        if not ids or not self.kv_compression:
             return []
-        return self.manager.compress_pages(list(ids), min_capacity=min_capacity)
+        return self.manager.seal_pages(list(ids), min_capacity=min_capacity)
 
     def capacity_new_pages(self, keep_reserve: bool = True):
         """New pages that fit now; ``keep_reserve=False`` counts the compression reserve too
@@ -95,7 +96,7 @@ class ArenaKVCache(KVCache):
         """Rotate q, k (models.layers.RotaryEmbedding's arithmetic) and write k, v as bf16 into
         the open pages at (page_ids[t], slots[t]); returns (q, k, v) rotated (k, v None unless
         ``want_kv``: decode rows read everything from the pages)."""
-        if self.fused_store:
+        if self.merged_store:
             from ..kernels.rope_store import rope_and_store
             q, k = rope_and_store(q, k, v, cos, sin, self.arena, self.page_loc[layer], page_ids, slots,
                                   want_k=want_kv)

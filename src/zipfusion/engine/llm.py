@@ -22,8 +22,8 @@ class LLM:
     ``kv_memory_gb``, ``device`` ("auto" by default), ``deterministic``.
     """
 
-    def __init__(self, model: str = "demo", *, prebuilt_model=None, **options):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **options), prebuilt_model=prebuilt_model)
+    def __init__(self, model: str = "demo", **options):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **options))
 
     @property
     def tokenizer(self):

@@ -83,10 +83,8 @@ def free_memory_gb(device: torch.device) -> float:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | str | None = None, *, prebuilt_model=None, **options):
-        """``LLMEngine(EngineConfig(...))`` or ``LLMEngine("model", **options)``.
-        ``prebuilt_model``: reuse weights already built (benchmarks run several engines on one
-        set of 8B weights)."""
+    def __init__(self, config: EngineConfig | str | None = None, **options):
+        """``LLMEngine(EngineConfig(...))`` or ``LLMEngine("model", **options)``."""
         if not isinstance(config, EngineConfig):
             config = EngineConfig.from_kwargs(config, **options)
         elif options:
@@ -96,18 +94,16 @@ class LLMEngine:
         if cfg.kv_compression and self.dtype != torch.bfloat16:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
                              f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
+        AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
         self.source = resolve_model(cfg.model, cfg.load_format)
         self.model_config = mc = model_config(self.source)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
         self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
         if cfg.tensor_parallel_size > 1:
-            if prebuilt_model is not None:
-                raise ValueError("prebuilt_model cannot be split over ranks; drop it or tensor_parallel_size")
             from ..distributed.driver import start
             self.tp = start(cfg, self.device, mc)
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
-            self.model = prebuilt_model if prebuilt_model is not None else build_model(
-                self.source, dtype=self.dtype, device=self.device, seed=cfg.seed)
+            self.model = self.build_model()
         self.model.set_deterministic(cfg.deterministic)
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
@@ -134,6 +130,12 @@ class LLMEngine:
                  self.max_model_len, cfg.max_num_seqs)
 
     # -- building ---------------------------------------------------------------------------
+    def build_model(self):
+        """The model's weights, built from ``self.source`` in ``self.dtype`` on ``self.device``
+        (this rank's shard under tensor parallelism). A subclass may return weights it already
+        holds instead (benchmarks run several engines on one set of 8B weights)."""
+        return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed)
+
     @staticmethod
     def _max_model_len(asked: int | None, positions: int) -> int:
         if asked is None:
@@ -164,7 +166,7 @@ class LLMEngine:
             return DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
         kw = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
         try:
-            return ArenaKVCache(L, H, D, budget, self.device, compress=cfg.kv_compression, **kw)
+            return ArenaKVCache(L, H, D, budget, self.device, kv_compression=cfg.kv_compression, **kw)
         except BudgetTooSmall as exc:
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
 

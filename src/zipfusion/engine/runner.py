@@ -3,7 +3,7 @@
 A step's tokens are ``[decode rows | prefill chunks]`` (engine/attention.py). A pure decode step
 on CUDA replays a captured CUDA graph per batch-size bucket (padding rows write into and read
 from one scratch page); a step with prefill chunks runs eagerly. Either way the layers reach
-the KV cache through a :class:`~zipfusion.engine.attention.StepKV`.
+the KV cache through a :class:`~zipfusion.engine.attention.PagedKVCacheStep`.
 """
 
 from __future__ import annotations

@@ -91,8 +91,6 @@ class FlashInferDecode:
     """Paged decode attention with FlashInfer over the open pages of an uncompressed arena."""
 
     def __init__(self, arena: torch.Tensor, layout: PageLayout, num_qo_heads: int, chunk_bytes: int):
-        if arena.device.type != "cuda":
-            raise ValueError(f"attention_backend='flashinfer' runs on CUDA only, the KV cache is on {arena.device}")
         ob = layout.open_page_bytes
         if chunk_bytes % ob:
             raise ValueError(f"attention_backend='flashinfer' needs chunk_bytes a multiple of the open page "

@@ -18,12 +18,12 @@ baseline), counting chunks that compaction is sure to free, and keeping ``reserv
 layer for compression (compressed space is taken before the open slots are freed).
 
 ``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short
-(the scheduler asks first, so the engine never meets it). ``compress_pages`` never fails and
+(the scheduler asks first, so the engine never meets it). ``seal_pages`` never fails and
 never lowers the capacity below what was promised (``min_capacity``): a page that finds no room
 it may take stays open (still a valid page) and is returned, to be sealed again later.
 Compaction is incremental: it evacuates a layer's emptiest packed chunks, just enough of them
 to free the chunks asked for. Device: "cuda" (Triton codec and copy kernels), "cpu" (torch
-reference codec), or "meta" (accounting only; ``compress_pages`` then takes the ``sizes``).
+reference codec), or "meta" (accounting only; ``seal_pages`` then takes the ``sizes``).
 Reads in flight: freed chunks reach another layer only after a CUDA event recorded at the free
 has completed (chunks.py); compaction and compression copy on the current stream, so a caller
 using several streams must order them against it.
@@ -51,7 +51,7 @@ from .stats import LayerStats, MemoryStats
 class KVCacheManager:
     def __init__(self, num_layers: int, layout: PageLayout, budget_bytes: int,
                  device: str | torch.device = "cpu", chunk_bytes: int | None = None, *,
-                 shared_pool: bool = True, compression: bool = True, reserve_chunks: int = 2,
+                 shared_pool: bool = True, kv_compression: bool = True, reserve_chunks: int = 2,
                  max_pages: int | None = None, compaction_batch_bytes: int = 64 << 20):
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -71,8 +71,8 @@ class KVCacheManager:
         self.num_layers, self.layout = num_layers, layout
         self.device = torch.device(device)
         self.chunk_bytes = C = int(chunk_bytes)
-        self.compression = compression
-        self.reserve = int(reserve_chunks) if compression else 0
+        self.kv_compression = kv_compression
+        self.reserve = int(reserve_chunks) if kv_compression else 0
         self.compaction_batch_bytes = compaction_batch_bytes
         L = num_layers
         self.num_chunks = num_chunks = int(budget_bytes) // C
@@ -95,8 +95,6 @@ class KVCacheManager:
         self._stored_bytes = 0                             # all layers, stored pages
         self._counts = {OPEN: 0, STORED: 0}
         self.pages_compressed = self.pages_moved = self.bytes_moved = self.compactions = 0
-        self._move_events: list = []                       # (start, end) CUDA events of compaction copies
-        self._move_ms = 0.0
 
     # ================================================================== capacity
     def _groups_available(self, include_compaction: bool = True, keep_reserve: bool = True,
@@ -207,7 +205,7 @@ class KVCacheManager:
         return np.where(sizes >= self.layout.open_page_bytes, 0,
                         saved // (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES))
 
-    def compress_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None,
+    def seal_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None,
                        min_capacity: int = 0) -> list[int]:
         """Full open pages -> compressed pages in every layer; returns the ids left open.
 
@@ -229,12 +227,12 @@ class KVCacheManager:
         ``device="meta"``.
         """
         t = self.table
-        ids = t.check(ids, OPEN, "compress_pages")
-        if not self.compression:
-            raise ValueError("compress_pages: this manager was built with compression=False")
+        ids = t.check(ids, OPEN, "seal_pages")
+        if not self.kv_compression:
+            raise ValueError("seal_pages: this manager was built with kv_compression=False")
         meta = self.device.type == "meta"
         if meta != (sizes is not None):
-            raise ValueError("compress_pages: sizes= must be given exactly when the manager is an "
+            raise ValueError("seal_pages: sizes= must be given exactly when the manager is an "
                              "accounting-only manager (device='meta')")
         L, n = self.num_layers, ids.size
         if sizes is not None:
@@ -266,10 +264,10 @@ class KVCacheManager:
     def _checked_sizes(self, sizes, n: int) -> np.ndarray:
         sizes = np.asarray(sizes, dtype=np.int64)
         if sizes.shape != (self.num_layers, n):
-            raise ValueError(f"compress_pages: sizes must be [num_layers, len(ids)] = {[self.num_layers, n]}, got {list(sizes.shape)}")
+            raise ValueError(f"seal_pages: sizes must be [num_layers, len(ids)] = {[self.num_layers, n]}, got {list(sizes.shape)}")
         lo, hi = self.layout.min_page_bytes, self.layout.max_page_bytes
         if ((sizes < lo) | (sizes > hi) | (sizes % 16 != 0)).any():
-            raise ValueError(f"compress_pages: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
+            raise ValueError(f"seal_pages: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
         return sizes
 
     def _wave(self, stored: np.ndarray):
@@ -400,7 +398,7 @@ class KVCacheManager:
             return 0
         order, new_locs, kept, freed, fill_chunk, fill_ptr = plan
         moved = order[new_locs[order] != locs[order]]
-        self._timed_move(locs[moved], new_locs[moved], sizes[moved])
+        move_ranges(self.arena, locs[moved], new_locs[moved], sizes[moved], self.compaction_batch_bytes)
         self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
         t.loc[layer, ids] = moved_loc(t.loc[layer, ids], new_locs)
         self.pool.release([(c, self.pool.pool_of(layer)) for c in freed])
@@ -410,24 +408,6 @@ class KVCacheManager:
         if moved.size:
             t.sync_layer(layer)
         return len(freed)
-
-    def _timed_move(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-        if self.device.type == "cuda" and src.size:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            move_ranges(self.arena, src, dst, nbytes, self.compaction_batch_bytes)
-            end.record()
-            self._move_events.append((start, end))
-        else:
-            move_ranges(self.arena, src, dst, nbytes, self.compaction_batch_bytes)
-
-    def compaction_seconds(self) -> float:
-        """GPU time of compaction copies so far (CUDA; 0 elsewhere). Waits for them to finish."""
-        for start, end in self._move_events:
-            end.synchronize()
-            self._move_ms += start.elapsed_time(end)
-        self._move_events.clear()
-        return self._move_ms / 1e3
 
     # ================================================================== page data
     def open_page(self, layer: int, page_id: int) -> torch.Tensor:
@@ -465,7 +445,7 @@ class KVCacheManager:
 
     # ================================================================== numbers
     def page_state(self, page_id: int) -> str:
-        """"free", "open" or "compressed" (stored in open form counts as compressed)."""
+        """"free", "open" or "stored" (sealed: compressed, or in open form where that is not larger)."""
         return STATE_NAMES[int(self.table.state[int(page_id)])]
 
     def stored_ratio(self) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 FREE, OPEN, STORED = 0, 1, 2
-STATE_NAMES = ("free", "open", "compressed")
+STATE_NAMES = ("free", "open", "stored")
 
 
 class PageTable:

@@ -59,13 +59,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        h, i, L, V = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
-        return V * h * (1 if self.tie_word_embeddings else 2) + L * per_layer + h
-
 
 def _rope_from(raw: dict) -> RopeConfig:
     """Both spellings -> RopeConfig. ``rope_parameters`` wins when present."""

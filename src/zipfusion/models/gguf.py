@@ -21,7 +21,6 @@ files opened is kept (keyed by path, size and modification time).
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
 
@@ -303,13 +302,3 @@ def iter_weights(path: str | Path, cfg):
         elif permute and ".attn_k." in name:
             w = unpermute_qk(w, cfg.num_key_value_heads)
         yield target, w
-
-
-def gguf_summary(path: str | Path) -> dict:
-    """Counts of tensor types and the metadata's name, for reports."""
-    f = open_gguf(path)
-    types: dict[str, int] = {}
-    for t in f.tensors.values():
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-    return {"file": os.fspath(f.path), "name": f.get("general.name"), "architecture": f.architecture,
-            "tensor_types": types, "bytes": f.path.stat().st_size}

@@ -1,7 +1,7 @@
 """Building blocks: RMSNorm, rotary embedding, tensor-parallel-ready linear layers.
 
 Linear layers follow the Megatron split. A *column-parallel* layer keeps rows
-``rank·n/tp .. (rank+1)·n/tp`` of every fused output part (q|k|v, gate|up) and needs no
+``rank·n/tp .. (rank+1)·n/tp`` of every stacked output part (q|k|v, gate|up) and needs no
 communication; a *row-parallel* layer keeps the matching input columns and all-reduces its
 partial sums. Each parameter has a ``weight_loader(param, loaded, shard)`` that cuts the full
 checkpoint tensor down to this rank's part, so the loader stays the same at any TP size.
@@ -64,8 +64,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:                       # the Triton kernel (models/fused.py)
-            from .fused import rmsnorm
+        if x.is_cuda:                       # the Triton kernel (models/merged_ops.py)
+            from .merged_ops import rmsnorm
             return rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = residual = x + residual
@@ -199,7 +199,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 def _full(param: nn.Parameter, shape: tuple, parts: list[int] | None = None) -> None:
     """Note on a sharded parameter what the whole tensor (all ranks) looks like: random
     initialisation draws the whole one and hands it to ``weight_loader``, so a random model is
-    the same at every TP size (``parts``: the fused parts' row counts, loader shard order)."""
+    the same at every TP size (``parts``: the stacked parts' row counts, loader shard order)."""
     param.full_shape = tuple(shape)
     param.part_sizes = list(parts) if parts else None
 
@@ -232,7 +232,7 @@ class RotaryEmbedding(nn.Module):
 
         out1 = x1·cos - x2·sin,   out2 = x2·cos + x1·sin.
 
-    One arithmetic on every path (this torch version, the fused Triton kernel, CPU and GPU,
+    One arithmetic on every path (this torch version, the merged Triton kernel, CPU and GPU,
     prefill and decode): cos/sin in fp32, the products and the sum in fp64 -- where the products
     of fp32 (or bf16) numbers are exact, so it does not matter whether a compiler fuses them
     into an FMA -- then rounded to fp32 and to the model's dtype. A key is thus the same bits

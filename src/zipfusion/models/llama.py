@@ -3,7 +3,7 @@
 The model knows the KV cache only through :class:`KVCacheStep`: each layer hands its q, k, v
 to ``kv.store`` (which rotates q and k by position and writes k, v into the cache) and then
 asks ``kv.attend`` for the attention output. Tokens of all requests in a step are flattened into one ``[T]`` batch.
-Parameter names match the Hugging Face checkpoints, except that q|k|v and gate|up are fused
+Parameter names match the Hugging Face checkpoints, except that q|k|v and gate|up are stacked
 (:data:`STACKED` says how the loader fills them).
 """
 
@@ -20,7 +20,7 @@ from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedd
                      RowParallelLinear, VocabParallelEmbedding, linear)
 from .parallel import tp
 
-# checkpoint name fragment -> (our fused parameter's fragment, part index)
+# checkpoint name fragment -> (our stacked parameter's fragment, part index)
 STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -28,7 +28,8 @@ STACKED = {
 
 class KVCacheStep(Protocol):
     """What a model needs from the KV cache during one forward step (the engine's
-    ``engine.attention.StepKV`` on its pages; the analyzer's capture; tests' references)."""
+    ``engine.attention.PagedKVCacheStep`` on its pages; the analyzer's capture; tests' references;
+    each subclasses this protocol)."""
 
     def store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,8 +82,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:                 # the Triton kernel (models/fused.py)
-            from .fused import silu_and_mul
+        if gate_up.is_cuda:                 # the Triton kernel (models/merged_ops.py)
+            from .merged_ops import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -76,10 +76,6 @@ class ModelSource:
     weights_dir: Path | None        # checkpoint folder or .gguf file; None: random weights
     tokenizer_dir: Path | None      # folder with tokenizer files, or a .gguf file
 
-    @property
-    def is_gguf(self) -> bool:
-        return is_gguf_path(self.config_path)
-
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
 
@@ -156,9 +152,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def _target(name: str) -> tuple[str, int]:
-    for frag, (fused, part) in STACKED.items():
+    for frag, (stacked, part) in STACKED.items():
         if f".{frag}." in name:
-            return name.replace(frag, fused), part
+            return name.replace(frag, stacked), part
     return name, 0
 
 

@@ -1,4 +1,4 @@
-"""The fused Triton ops of the CUDA step against the torch ops: compiled on a GPU, through the
+"""The merged small ops (one Triton kernel each) of the CUDA step against the torch ops: compiled on a GPU, through the
 Triton interpreter on the CPU (tests/conftest.py chooses).
 
 RMSNorm and SiLU-and-mul are compared to bf16 tolerance (their kernels round with Triton's own
@@ -20,7 +20,7 @@ def bf16(*shape, seed=0, scale=1.0):
 
 
 def test_rmsnorm_matches_torch():
-    from zipfusion.models.fused import rmsnorm
+    from zipfusion.models.merged_ops import rmsnorm
     norm = RMSNorm(200, 1e-5)
     norm.weight.data = 1 + 0.1 * bf16(200, seed=9)
     x = bf16(6, 200, scale=3.0)
@@ -30,7 +30,7 @@ def test_rmsnorm_matches_torch():
 
 
 def test_rmsnorm_with_residual_adds_first_and_returns_the_sum():
-    from zipfusion.models.fused import rmsnorm
+    from zipfusion.models.merged_ops import rmsnorm
     norm = RMSNorm(300, 1e-6)
     norm.weight.data = 1 + 0.1 * bf16(300, seed=8)
     x, r = bf16(5, 300, seed=3, scale=2.0), bf16(5, 300, seed=4, scale=5.0)
@@ -44,7 +44,7 @@ def test_rmsnorm_with_residual_adds_first_and_returns_the_sum():
 
 
 def test_silu_and_mul_matches_torch():
-    from zipfusion.models.fused import silu_and_mul
+    from zipfusion.models.merged_ops import silu_and_mul
     gu = bf16(5, 2 * 1500, seed=1, scale=2.0)
     gate, up = gu.chunk(2, dim=-1)
     ref = F.silu(gate) * up

@@ -1,5 +1,7 @@
-"""Fused small ops for the decode step on CUDA (Triton): residual add + RMSNorm and SiLU-and-mul
-(rope + K/V store into the arena, which writes the cache, is kernels/rope_store.py).
+"""Merged small ops for the decode step on CUDA (Triton): residual add + RMSNorm and SiLU-and-mul,
+each several torch ops merged into one kernel ("fused" is kept for the attention kernel that
+restores compressed pages; rope + K/V store into the arena, which writes the cache, is
+kernels/rope_store.py).
 
 In a decode step the weight GEMMs and the attention kernel move the bytes; everything else is
 tiny elementwise work whose cost is the number of kernels. Written as torch ops, RMSNorm is ~6
