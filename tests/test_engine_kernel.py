@@ -106,7 +106,8 @@ def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
     for name, kw in (("compressed", dict(kv_compression=True)), ("uncompressed", dict(kv_compression=False)),
                      ("whole", dict(kv_compression=True, max_num_batched_tokens=8192))):
         opts = dict(dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
-                    deterministic=True, max_num_batched_tokens=24, max_model_len=512)
+                    deterministic=True, max_num_batched_tokens=24, max_model_len=512,
+                    enable_prefix_caching=False)              # the repeated prompt computes its pages
         opts.update(kw)
         eng = LLM(str(ckpt), **opts).engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in ps]
@@ -128,3 +129,26 @@ def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
     for a, b, w in zip(res["compressed"], res["uncompressed"], res["whole"]):
         assert a.output_ids == b.output_ids == w.output_ids
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a.logits, b.logits, w.logits))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen FlashAttention runs on CUDA only")
+def test_varlen_gather_route_matches_per_chunk_sdpa():
+    """The "gather" chunks of a step in one varlen FlashAttention call (bottom-right causal, GQA)
+    give what SDPA gives chunk by chunk (bf16 kernels: a few bf16 ulps apart)."""
+    from zipfusion.engine.attention import ChunkView, _varlen_batch, prefill_attention, varlen_prefill
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Hq, H, D = 32, 8, 128
+    chunks = [ChunkView(4096, 256, []), ChunkView(40, 700, []), ChunkView(1000, 17, [])]
+    vb = _varlen_batch(chunks, ["gather"] * 3, 5, torch.device("cuda"))
+    n = 5 + sum(ch.length for ch in chunks)
+    q = torch.randn(n, Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    ks = [torch.randn(ch.start + ch.length, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for ch in chunks]
+    vs = [torch.randn_like(k) for k in ks]
+    got = varlen_prefill(q[vb.rows], torch.cat(ks), torch.cat(vs), vb, D ** -0.5)
+    off, want = 5, []
+    for ch, k, v in zip(chunks, ks, vs):
+        want.append(prefill_attention(q[off:off + ch.length], k, v, ch.start, D ** -0.5))
+        off += ch.length
+    torch.testing.assert_close(got, torch.cat(want), atol=2e-2, rtol=2e-2)
+    assert (got - torch.cat(want)).abs().float().mean() < 1e-3

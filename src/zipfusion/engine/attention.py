@@ -29,7 +29,10 @@ engine's implementation of the model's :class:`~zipfusion.models.llama.KVCacheSt
       short chunk gives it too few programs (docs/benchmarks.md); the CPU's kernel backend
       uses it for every longer continuation, so it stays exercised and tested;
     * ``"gather"``: restore the request's pages into one contiguous K/V (``gather_kv``: the
-      kernels' restore routine, one launch, linear in the prefix), then SDPA.
+      kernels' restore routine, one launch, linear in the prefix), then attention: on CUDA every
+      such chunk of the step in one variable-length FlashAttention call (``varlen_prefill``:
+      bottom-right causal, GQA without repeating K/V heads), elsewhere SDPA per chunk. Prefix-cache
+      hits land here: many short chunks over long cached prefixes.
 
     The route depends only on the chunk's length, the backend and the device, so compressed and
     uncompressed runs of one schedule take the same routes and give the same bits.
@@ -237,6 +240,7 @@ class PagedKVCacheStep(KVCacheStep):
         self._pages = {i: (torch.tensor(ch.used_pages, dtype=torch.int32, device=device),
                            torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device))
                        for i, ch in enumerate(chunks) if self._routes[i] in ("gather", "copy")}
+        self._varlen = _varlen_batch(chunks, self._routes, num_decode, device) if device.type == "cuda" else None
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
@@ -250,6 +254,12 @@ class PagedKVCacheStep(KVCacheStep):
             out[:n] = b.decode(layer, q[:n], self.block_table, self.context_lens)
         if self._paged is not None:
             out[self._paged.rows] = b.paged_prefill(layer, q[self._paged.rows], self._paged)
+        if self._varlen is not None:                       # every "gather" chunk in one call
+            vb = self._varlen
+            kv = [b.read_context(layer, self._pages[i][0], self.chunks[i].start + self.chunks[i].length)
+                  for i in vb.chunks]
+            out[vb.rows] = varlen_prefill(q[vb.rows], torch.cat([k for k, _ in kv]).to(q.dtype),
+                                          torch.cat([v for _, v in kv]).to(q.dtype), vb, b.sm_scale)
         off = n
         for i, ch in enumerate(self.chunks):
             sl = slice(off, off + ch.length)
@@ -261,10 +271,67 @@ class PagedKVCacheStep(KVCacheStep):
                 out[sl] = b.decode(layer, q[sl], *self._rows[i])
             elif route == "fresh":
                 out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, b.sm_scale)
-            elif route == "gather":
+            elif route == "gather" and self._varlen is None:
                 kc, vc = b.read_context(layer, self._pages[i][0], ch.start + ch.length)
                 out[sl] = prefill_attention(q[sl], kc.to(q.dtype), vc.to(q.dtype), ch.start, b.sm_scale)
         return out
+
+
+@dataclass
+class VarlenBatch:
+    """The step's "gather" chunks as one variable-length attention: their rows in the step's q,
+    cumulative query / key lengths (keys: each request's prefix and chunk)."""
+    chunks: list[int]
+    rows: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, device) -> VarlenBatch | None:
+    picked, rows, cu_q, cu_k, off = [], [], [0], [0], num_decode
+    for i, (ch, route) in enumerate(zip(chunks, routes)):
+        if route == "gather":
+            picked.append(i)
+            rows.append(torch.arange(off, off + ch.length))
+            cu_q.append(cu_q[-1] + ch.length)
+            cu_k.append(cu_k[-1] + ch.start + ch.length)
+        off += ch.length
+    if not picked or _varlen_attn() is None:
+        return None
+    as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return VarlenBatch(picked, torch.cat(rows).to(device), as_dev(cu_q), as_dev(cu_k),
+                       max(chunks[i].length for i in picked), max(chunks[i].start + chunks[i].length for i in picked))
+
+
+def _varlen_attn():
+    """torch's variable-length FlashAttention (``torch.nn.attention.varlen``, torch >= 2.9), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vb: VarlenBatch, scale: float) -> torch.Tensor:
+    """Causal attention of several chunks at once: chunk j's queries (rows cu_q[j]..cu_q[j+1]) are
+    the last tokens of its keys (cu_k[j]..cu_k[j+1]); query i of a chunk of n sees the keys up to
+    its own position (bottom-right causal). K/V heads are shared by query-head groups (GQA)."""
+    import inspect
+    attn = _varlen_attn()
+    params = inspect.signature(attn).parameters
+    kw = {"scale": scale}
+    if "window_size" in params:                 # torch >= 2.12: causal as a (left, right) window
+        kw["window_size"] = (-1, 0)
+    else:
+        kw["is_causal"] = True
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = q.shape[1] != k.shape[1]
+    elif q.shape[1] != k.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return attn(q, k, v, vb.cu_q, vb.cu_k, vb.max_q, vb.max_k, **kw)
 
 
 def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
