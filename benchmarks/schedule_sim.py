@@ -76,7 +76,8 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
     eng.runner.forget = lambda rid: None
     t0 = time.perf_counter()
-    rs = [eng.add_request([1] * p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)) for p, o in reqs]
+    rs = [eng.add_request([10 + i] * p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))  # no shared
+          for i, (p, o) in enumerate(reqs)]                                                        # prefix
     steps = []
     while eng.has_work():
         res = eng.step()

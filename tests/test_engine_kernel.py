@@ -152,3 +152,22 @@ def test_varlen_gather_route_matches_per_chunk_sdpa():
         off += ch.length
     torch.testing.assert_close(got, torch.cat(want), atol=2e-2, rtol=2e-2)
     assert (got - torch.cat(want)).abs().float().mean() < 1e-3
+
+
+def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
+    """Chunks behind one cached prefix share its pages: the batch restores each page once, and its
+    token index gives every chunk exactly its own keys (prefix, then its chunk), in order."""
+    from zipfusion.engine.attention import ChunkView, _varlen_batch
+    prefix = [7, 3, 9]
+    chunks = [ChunkView(48, 20, prefix + [11, 12]), ChunkView(40, 10, prefix + [20]), ChunkView(0, 30, [5, 6])]
+    vb = _varlen_batch(chunks, ["gather", "gather", "fresh"], 4, torch.device("cpu"), need_attn=False)
+    assert vb.pages.tolist() == [3, 7, 9, 11, 12, 20] and vb.cu_k.tolist() == [0, 68, 118]
+    assert vb.rows.tolist() == list(range(4, 34)) and (vb.max_q, vb.max_k) == (20, 68)
+
+    def read(pages, n):        # token s of page p restored as the value 1000 p + s
+        vals = (pages.to(torch.int64)[:, None] * 1000 + torch.arange(16)).reshape(-1)[:n]
+        return vals, -vals
+    k, v = vb.keys(read)
+    want = [1000 * p + s for ch in chunks[:2] for t in range(ch.start + ch.length)
+            for p, s in [(ch.pages[t // 16], t % 16)]]
+    assert k.tolist() == want and v.tolist() == [-x for x in want]

@@ -256,10 +256,8 @@ class PagedKVCacheStep(KVCacheStep):
             out[self._paged.rows] = b.paged_prefill(layer, q[self._paged.rows], self._paged)
         if self._varlen is not None:                       # every "gather" chunk in one call
             vb = self._varlen
-            kv = [b.read_context(layer, self._pages[i][0], self.chunks[i].start + self.chunks[i].length)
-                  for i in vb.chunks]
-            out[vb.rows] = varlen_prefill(q[vb.rows], torch.cat([k for k, _ in kv]).to(q.dtype),
-                                          torch.cat([v for _, v in kv]).to(q.dtype), vb, b.sm_scale)
+            k, v = vb.keys(lambda pages, n: b.read_context(layer, pages, n))
+            out[vb.rows] = varlen_prefill(q[vb.rows], k.to(q.dtype), v.to(q.dtype), vb, b.sm_scale)
         off = n
         for i, ch in enumerate(self.chunks):
             sl = slice(off, off + ch.length)
@@ -280,29 +278,47 @@ class PagedKVCacheStep(KVCacheStep):
 @dataclass
 class VarlenBatch:
     """The step's "gather" chunks as one variable-length attention: their rows in the step's q,
-    cumulative query / key lengths (keys: each request's prefix and chunk)."""
-    chunks: list[int]
+    cumulative query / key lengths (keys: each request's prefix and chunk), and where each key
+    comes from: the chunks' distinct pages are restored once per layer (requests behind one cached
+    prefix share its pages) and ``token_index`` picks every chunk's keys out of them, in order."""
     rows: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    pages: torch.Tensor          # int32 [U]: the distinct pages
+    token_index: torch.Tensor    # int64 [cu_k[-1]]: key j of the batch is token token_index[j] of the restore
+
+    def keys(self, read) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [cu_k[-1], H, D]; ``read(pages, n)``: the first n tokens of those pages restored."""
+        k, v = read(self.pages, self.pages.numel() * PAGE_TOKENS)
+        return k[self.token_index], v[self.token_index]
 
 
-def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, device) -> VarlenBatch | None:
+def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, device,
+                  need_attn: bool = True) -> VarlenBatch | None:
     picked, rows, cu_q, cu_k, off = [], [], [0], [0], num_decode
-    for i, (ch, route) in enumerate(zip(chunks, routes)):
+    for ch, route in zip(chunks, routes):
         if route == "gather":
-            picked.append(i)
+            picked.append(ch)
             rows.append(torch.arange(off, off + ch.length))
             cu_q.append(cu_q[-1] + ch.length)
             cu_k.append(cu_k[-1] + ch.start + ch.length)
         off += ch.length
-    if not picked or _varlen_attn() is None:
+    if not picked or (need_attn and _varlen_attn() is None):
         return None
+    pages = torch.tensor([p for ch in picked for p in ch.used_pages], dtype=torch.int64)
+    uniq, inverse = torch.unique(pages, return_inverse=True)
+    index, at = [], 0
+    for ch in picked:                  # token t of a chunk's keys: slot t % 16 of its page t // 16
+        n, used = ch.start + ch.length, len(ch.used_pages)
+        t = torch.arange(n)
+        index.append(inverse[at:at + used][t // PAGE_TOKENS] * PAGE_TOKENS + t % PAGE_TOKENS)
+        at += used
     as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return VarlenBatch(picked, torch.cat(rows).to(device), as_dev(cu_q), as_dev(cu_k),
-                       max(chunks[i].length for i in picked), max(chunks[i].start + chunks[i].length for i in picked))
+    return VarlenBatch(torch.cat(rows).to(device), as_dev(cu_q), as_dev(cu_k), max(ch.length for ch in picked),
+                       max(ch.start + ch.length for ch in picked), uniq.to(torch.int32).to(device),
+                       torch.cat(index).to(device))
 
 
 def _varlen_attn():
