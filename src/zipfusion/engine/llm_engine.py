@@ -14,7 +14,7 @@ import torch
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..models.parallel import TensorParallel, use as use_parallel
 from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL_LEN, GPU_MEMORY_UTILIZATION,
-                     EngineConfig)
+                      HOST_TIER_SHARE, EngineConfig)
 from ..format.layout import PAGE_TOKENS
 from ..memory import BudgetTooSmall
 from .attention import AttentionBackend
@@ -112,7 +112,8 @@ class LLMEngine:
         self._check_one_request_fits(cfg.max_model_len is not None)
         sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                                   admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching)
+                                   admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
+                                   host_tier=self._build_host_tier())
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
@@ -169,6 +170,22 @@ class LLMEngine:
             return ArenaKVCache(L, H, D, budget, self.device, kv_compression=cfg.kv_compression, **kw)
         except BudgetTooSmall as exc:
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
+
+    def _build_host_tier(self):
+        """The KV host tier (memory/host_tier.py), or None: off without prefix caching, for a dense
+        cache and with tensor parallelism (each rank would need its own; not built yet)."""
+        cfg = self.config
+        gb = cfg.kv_host_memory_gb
+        if gb is None:
+            gb = (0.0 if self.device.type != "cuda" or self.tp else
+                  min(2 * self.kv_memory_gb, HOST_TIER_SHARE * free_memory_gb(torch.device("cpu"))))
+        if not gb or not cfg.enable_prefix_caching or not isinstance(self.cache, ArenaKVCache) or self.tp:
+            return None
+        if gb > free_memory_gb(torch.device("cpu")):
+            raise ValueError(f"kv_host_memory_gb={gb:g} is more than the host's free memory; pass a smaller one")
+        from ..memory.host_tier import HostTier
+        self.kv_host_memory_gb = gb
+        return HostTier(self.cache.manager, int(gb * 2**30))
 
     def _check_one_request_fits(self, asked: bool) -> None:
         """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
@@ -315,10 +332,17 @@ class LLMEngine:
     def prefix_cache_stats(self) -> dict:
         """The prefix cache now: hits over lookups (in prompt tokens), pages cached / evictable."""
         p = self.scheduler.prefix
-        return {"prefix_cache_enabled": p.enabled, "prefix_cache_queried_tokens": p.stats.queried_tokens,
-                "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,
-                "prefix_cache_pages": p.num_cached_pages, "prefix_cache_evictable_pages": p.num_evictable_pages,
-                "prefix_cache_evicted_pages": p.stats.evicted_pages}
+        out = {"prefix_cache_enabled": p.enabled, "prefix_cache_queried_tokens": p.stats.queried_tokens,
+               "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,
+               "prefix_cache_pages": p.num_cached_pages, "prefix_cache_evictable_pages": p.num_evictable_pages,
+               "prefix_cache_evicted_pages": p.stats.evicted_pages, "host_tier_bytes": 0,
+               "host_tier_budget_bytes": 0, "host_tier_pages": p.num_host_pages}
+        if p.host is not None:
+            h = p.host.stats
+            out.update(host_tier_bytes=p.host.used, host_tier_budget_bytes=p.host.budget, swapped_out_pages=h.pages_out,
+                       swapped_in_pages=h.pages_in, swapped_out_bytes=h.bytes_out, swapped_in_bytes=h.bytes_in,
+                       host_tier_dropped_pages=h.dropped)
+        return out
 
     def output_of(self, r: Request, prompt: str | None) -> RequestOutput:
         text = r.text

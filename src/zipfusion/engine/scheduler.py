@@ -75,7 +75,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True):
+                 max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
+                 host_tier=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
@@ -84,7 +85,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
         self.prefix = PrefixCache(cache.free, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
-                                  enabled=prefix_caching)
+                                  enabled=prefix_caching, host=host_tier)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -186,27 +187,51 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Take the request's cached prefix, then ask admission (evicting cached pages nobody
-        holds when that is what is missing); on a refusal the prefix is let go again."""
+        holds when that is what is missing); on a refusal the prefix is let go again. Pages of
+        the prefix on the host tier come back into new pages (or, with no room, are recomputed)."""
         chain = self.prefix.match(req.tokens, (req.num_tokens - 1) // PAGE_TOKENS) if not req.pages else []
-        if chain:
-            req.pages = self.prefix.acquire(chain)
-            req.num_sealed_pages = len(chain)
-            req.num_computed = len(chain) * PAGE_TOKENS
-            req.prefix_node = chain[-1].node_id
+        resident = [n for n in chain if n.page is not None]
+        self.prefix.acquire(resident)
         if self.running:
             args = (req.num_tokens, self._max_total_tokens(req) - req.num_tokens, self._running_needs(),
-                    len(req.pages))
+                    len(resident))
             short = self.admission.shortfall(*args)
             if 0 < short <= self.prefix.num_evictable_pages:       # an evicted page gives at most one
                 self._room(self.cache.capacity_new_pages() + short)
                 short = self.admission.shortfall(*args)
             if short > 0:
-                self._unadmit(req)
+                self.prefix.release([n.page for n in resident])
                 return False
+        chain = self._swap_in(chain)
+        if chain:
+            req.pages = [n.page for n in chain]
+            req.num_sealed_pages = len(chain)
+            req.num_computed = len(chain) * PAGE_TOKENS
+            req.prefix_node = chain[-1].node_id
         self.prefix.note_lookup(req.num_tokens, req.num_computed)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = req.num_computed
         return True
+
+    def _swap_in(self, chain: list) -> list:
+        """Bring the chain's host-tier pages back into new pages; with no room for them, the chain
+        up to its first such page (the rest is let go and recomputed)."""
+        away = [n for n in chain if n.page is None]
+        if not away:
+            return chain
+        self.prefix.touch_host(away)                # dropped last if making room fills the host tier
+        room = self._room(len(away))
+        lost = [n for n in away if n.host is None]
+        if room < len(away) or lost:
+            cut = chain.index(lost[0] if lost else away[0])
+            self.prefix.release([n.page for n in chain[cut:] if n.page is not None])
+            chain, away = chain[:cut], [n for n in chain[:cut] if n.page is None]
+            if not away:
+                return chain
+        pages = self.cache.alloc(len(away))
+        self.prefix.swap_in(away, pages)
+        self._to_seal.update(pages)                 # full pages, open again: sealed with the next seal
+        return chain
 
     def _unadmit(self, req: Request) -> None:
         """Undo ``_admit``'s prefix: the request waits holding nothing."""

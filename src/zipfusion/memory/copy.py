@@ -69,6 +69,24 @@ def _copy_cuda(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: np
     _copy_ranges_kernel[grid](temp, words, t, d, n, BLOCK=1024)
 
 
+def copy_ranges(src: torch.Tensor, dst: torch.Tensor, src_off: np.ndarray, dst_off: np.ndarray,
+                nbytes: np.ndarray) -> None:
+    """Copy ``nbytes[i]`` bytes from ``src`` at ``src_off[i]`` to ``dst`` at ``dst_off[i]`` (two
+    uint8 tensors on one device, ranges 16-byte aligned, no overlap): the host tier's gathers
+    and scatters."""
+    if len(src_off) == 0:
+        return
+    src_off, dst_off, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src_off, dst_off, nbytes))
+    if src.is_cuda and triton is not None:
+        s, d, n = to_device(np.stack([src_off, dst_off, nbytes]) // 4, src.device)
+        _copy_ranges_kernel[(len(src_off),)](src[:src.numel() // 4 * 4].view(torch.int32),
+                                             dst[:dst.numel() // 4 * 4].view(torch.int32), s, d, n, BLOCK=1024)
+        return
+    s_rows = torch.from_numpy(_row_index(src_off, nbytes)).to(src.device)
+    d_rows = torch.from_numpy(_row_index(dst_off, nbytes)).to(dst.device)
+    dst.view(-1, ROW)[d_rows] = src.view(-1, ROW)[s_rows]
+
+
 def move_ranges(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                 batch_bytes: int = 64 << 20) -> None:
     """Copy ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]``, in order, bit-exact."""

@@ -17,7 +17,10 @@ a request is never shared. Life of a cached page:
   *evictable*, on an LRU list (a request's pages are released tail first, so a prefix outlives
   its continuations);
 * **evicted** (its page freed) only when memory is needed: ``make_room`` frees evictable
-  pages, least recently used first, until the cache can give what is asked.
+  pages, least recently used first, until the cache can give what is asked. With a host tier
+  (host_tier.py) an evicted page's bytes move to host memory first and its node stays
+  matchable: a hit on it brings the page back (``swap_in``) instead of recomputing it; the
+  tier drops its own least recently stored pages when full.
 
 A page whose chain parent was evicted can no longer be matched (its key names a dead node) and
 is evicted in its turn. Two requests that compute the same page at once each keep their own
@@ -39,9 +42,10 @@ ROOT = 0
 @dataclass
 class Node:
     node_id: int
-    page: int
+    page: int | None              # None: on the host tier (``host`` holds its bytes)
     key: tuple
     refs: int = 1
+    host: object = None
 
 
 @dataclass
@@ -63,9 +67,12 @@ class PrefixCache:
     every page at once, so the scheduler has one path either way.
     """
 
-    def __init__(self, free: Callable[[list[int]], None], capacity: Callable[[bool], int], enabled: bool = True):
+    def __init__(self, free: Callable[[list[int]], None], capacity: Callable[[bool], int], enabled: bool = True,
+                 host=None):
         self.enabled = enabled
         self._free, self._capacity = free, capacity
+        self.host = host if enabled else None                      # a HostTier, or None
+        self._on_host: OrderedDict[int, Node] = OrderedDict()       # node id -> node, oldest first
         self._by_key: dict[tuple, Node] = {}
         self._by_page: dict[int, Node] = {}
         self._evictable: OrderedDict[int, Node] = OrderedDict()     # oldest first
@@ -99,11 +106,25 @@ class PrefixCache:
         return chain
 
     def acquire(self, chain: list[Node]) -> list[int]:
-        """Hold the pages of a matched chain (out of the LRU list); their page ids."""
+        """Hold the pages of a matched chain (out of the LRU list; all on the device); their ids."""
         for node in chain:
             node.refs += 1
             self._evictable.pop(node.page, None)
         return [node.page for node in chain]
+
+    def touch_host(self, nodes: list[Node]) -> None:
+        """Host-tier nodes about to come back: last in line to be dropped."""
+        for node in nodes:
+            self._on_host.move_to_end(node.node_id)
+
+    def swap_in(self, nodes: list[Node], pages: list[int]) -> None:
+        """Bring host-tier ``nodes`` back into the open ``pages`` (just allocated; the caller
+        holds them and seals them again)."""
+        self.host.take([n.host for n in nodes], pages)
+        for node, page in zip(nodes, pages):
+            del self._on_host[node.node_id]
+            node.page, node.host, node.refs = page, None, 1
+            self._by_page[page] = node
 
     def note_lookup(self, queried: int, hit: int) -> None:
         self.stats.queried_tokens += queried
@@ -142,17 +163,53 @@ class PrefixCache:
             self._free(freed)
         return freed
 
-    def evict(self, n: int) -> list[int]:
-        """Free the ``n`` least recently used evictable pages; their ids."""
-        pages = []
-        while self._evictable and len(pages) < n:
-            page, node = self._evictable.popitem(last=False)
-            del self._by_key[node.key], self._by_page[page]
-            pages.append(page)
-        if pages:
-            self._free(pages)
-            self.stats.evicted_pages += len(pages)
+    def evict(self, n: int, to_host: bool = True) -> list[int]:
+        """Free the ``n`` least recently used evictable pages (their bytes to the host tier, if
+        there is one with room); their ids."""
+        nodes = []
+        while self._evictable and len(nodes) < n:
+            nodes.append(self._evictable.popitem(last=False)[1])
+        if not nodes:
+            return []
+        kept = self._to_host(nodes) if to_host and self.host is not None else set()
+        for node in nodes:
+            del self._by_page[node.page]
+            if node.node_id not in kept:
+                del self._by_key[node.key]
+        pages = [node.page for node in nodes]
+        for node in nodes:
+            node.page = None
+        self._free(pages)
+        self.stats.evicted_pages += len(pages)
         return pages
+
+    def _to_host(self, nodes: list[Node]) -> set[int]:
+        """Copy the nodes' pages to the host tier, dropping its oldest pages for room; the ids of
+        the nodes now kept there."""
+        _, nbytes, _ = self.host.page_bytes([node.page for node in nodes])
+        sizes = nbytes.sum(0)
+        keep = [i for i, size in enumerate(sizes.tolist()) if size <= self.host.budget]
+        need = int(sizes[keep].sum())
+        while keep and not self.host.fits(need):
+            if self._on_host:
+                self._drop_host(1)
+            else:
+                need -= int(sizes[keep.pop()])
+        if not keep:
+            return set()
+        for i, rec in zip(keep, self.host.put([nodes[i].page for i in keep])):
+            nodes[i].host = rec
+            self._on_host[nodes[i].node_id] = nodes[i]
+        return {nodes[i].node_id for i in keep}
+
+    def _drop_host(self, n: int) -> None:
+        """Forget the ``n`` oldest pages of the host tier."""
+        for _ in range(min(n, len(self._on_host))):
+            _, node = self._on_host.popitem(last=False)
+            self.host.drop([node.host])
+            node.host = None
+            del self._by_key[node.key]
+            self.host.stats.dropped += 1
 
     def make_room(self, n: int, keep_reserve: bool = True) -> tuple[int, list[int]]:
         """Evict until the cache has room for ``n`` new pages or nothing is evictable; returns
@@ -166,5 +223,11 @@ class PrefixCache:
         return cap, evicted
 
     def clear(self) -> list[int]:
-        """Evict everything evictable (``LLM.reset_prefix_cache``); the freed ids."""
-        return self.evict(len(self._evictable))
+        """Forget everything nobody holds, host tier included (``LLM.reset_prefix_cache``); the
+        freed page ids."""
+        self._drop_host(len(self._on_host))
+        return self.evict(len(self._evictable), to_host=False)
+
+    @property
+    def num_host_pages(self) -> int:
+        return len(self._on_host)

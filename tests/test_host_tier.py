@@ -1,0 +1,176 @@
+"""The host tier (memory/host_tier.py) with the prefix cache: pages out to host memory as they are
+stored and back bit for bit (compressed, stored in open form, still open; adversarial bits), then
+a state machine over cache + host tier with a real arena (CPU): requests sharing prefixes come
+and go, full pages are sealed, memory pressure evicts to the host and hits bring pages back;
+after every step each held page reads back exactly the bytes its tokens were given, and at the
+end all memory is free. Last, through the engine: the same tokens with the tier as without it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from zipfusion import LLM, SamplingParams
+from zipfusion.format import PageLayout
+from zipfusion.memory import KVCacheManager
+from zipfusion.memory.host_tier import HostTier
+from zipfusion.memory.prefix_cache import ROOT, PrefixCache
+
+LAYOUT = PageLayout(1, 64)
+OPEN = LAYOUT.open_page_bytes
+L = 2
+
+
+def page_data(key: int) -> torch.Tensor:
+    """[L, 2, 16, 1, 64] bf16 for the page named ``key``: mostly compressible values, some keys
+    all raw bits (NaN/Inf/subnormal patterns: stored in open form), some with one outlier."""
+    g = torch.Generator().manual_seed(key)
+    if key % 5 == 0:
+        return torch.randint(-2**15, 2**15, (L, 2, 16, 1, 64), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    x = torch.randn(L, 2, 16, 1, 64, generator=g).clamp(-4, 4)
+    if key % 5 == 1:
+        x[0, 0, 3, 0, 7] = 2.0 ** 20
+    return x.to(torch.bfloat16)
+
+
+def manager(pages: int = 24) -> KVCacheManager:
+    chunk = 4 * OPEN
+    return KVCacheManager(L, LAYOUT, budget_bytes=(pages // 4 + 2 * L) * chunk, chunk_bytes=chunk)
+
+
+def write(m, page: int, data: torch.Tensor) -> None:
+    for layer in range(L):
+        m.open_page(layer, page).copy_(data[layer])
+
+
+def read(m, page: int) -> torch.Tensor:
+    return torch.stack([m.read_pages(layer, [page])[0] for layer in range(L)])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_round_trip_is_bit_exact_in_every_form():
+    m = manager()
+    ids = m.alloc_pages(10)
+    for i, p in enumerate(ids):
+        write(m, p, page_data(i))
+    assert m.seal_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
+    host = HostTier(m, 1 << 20)
+    recs = host.put(ids)
+    m.free_pages(ids)
+    assert host.used == sum(r.size for r in recs) and host.used < 10 * L * OPEN     # compressed bytes travel
+    back = m.alloc_pages(10)
+    host.take(recs, back)
+    for i, p in enumerate(back):
+        assert same_bits(read(m, p), page_data(i)), i
+    assert host.used == 0 and host.stats.pages_in == host.stats.pages_out == 10
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Requests are chains of page keys drawn from a few shared prefixes; a page's bytes are
+    ``page_data`` of its chain, so a wrong hit or a corrupted transfer shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = manager(16)
+        self.cap0 = self.m.capacity_new_pages()
+        self.host = HostTier(self.m, 6 * L * OPEN)
+        self.pc = PrefixCache(self.m.free_pages, lambda keep: self.m.capacity_new_pages(keep_reserve=keep),
+                              host=self.host)
+        self.reqs: list[tuple[list[int], list[int]]] = []          # (token blocks, pages)
+        self.to_seal: set[int] = set()
+
+    def _room(self, n: int) -> bool:
+        cap, evicted = self.pc.make_room(n)
+        self.to_seal.difference_update(evicted)
+        return cap >= n
+
+    @rule(prefix=st.integers(0, 2), shared=st.integers(0, 4), own=st.integers(0, 3), tag=st.integers(0, 9))
+    def admit(self, prefix, shared, own, tag):
+        blocks = [100 * prefix + i for i in range(shared)] + [1000 + 10 * tag + i for i in range(own)]
+        if not blocks:
+            return
+        tokens = [b for b in blocks for _ in range(16)]
+        chain = self.pc.match(tokens, len(blocks))
+        resident = [n for n in chain if n.page is not None]
+        self.pc.acquire(resident)
+        away = [n for n in chain if n.page is None]
+        self.pc.touch_host(away)
+        if not self._room(len(blocks) - len(resident)) or any(n.host is None for n in away):
+            self.pc.release([n.page for n in resident])
+            return
+        if away:
+            pages = self.m.alloc_pages(len(away))
+            self.pc.swap_in(away, pages)
+            self.to_seal.update(pages)
+        new = self.m.alloc_pages(len(blocks) - len(chain))
+        pages = [n.page for n in chain] + new
+        node = chain[-1].node_id if chain else ROOT
+        for i in range(len(chain), len(blocks)):
+            write(self.m, pages[i], page_data(hash(tuple(blocks[:i + 1])) & 0xFFFFFF))
+            node = self.pc.insert(node, tokens[16 * i:16 * i + 16], pages[i])
+        self.to_seal.update(new)
+        self.reqs.append((blocks, pages))
+
+    @rule()
+    def seal(self):
+        ids = sorted(p for p in self.to_seal if self.m.page_state(p) == "open")
+        self.to_seal = set(self.m.seal_pages(ids)) if ids else set()
+
+    @rule(which=st.integers(0, 10))
+    def finish(self, which):
+        if self.reqs:
+            _, pages = self.reqs.pop(which % len(self.reqs))
+            self.to_seal.difference_update(self.pc.release(pages))
+
+    @rule(n=st.integers(1, 6))
+    def evict(self, n):
+        self.to_seal.difference_update(self.pc.evict(n))
+
+    @invariant()
+    def pages_hold_their_bytes(self):
+        for blocks, pages in self.reqs:
+            for i, p in enumerate(pages):
+                assert same_bits(read(self.m, p), page_data(hash(tuple(blocks[:i + 1])) & 0xFFFFFF))
+        assert 0 <= self.host.used <= self.host.budget
+
+    def teardown(self):
+        for _, pages in self.reqs:
+            self.pc.release(pages)
+        self.pc.clear()
+        assert self.m.capacity_new_pages() == self.cap0 and self.host.used == 0
+
+
+TestCacheAndHostTier = CacheMachine.TestCase
+TestCacheAndHostTier.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_engine_with_a_host_tier_gives_the_same_tokens_and_swaps():
+    """A KV memory that preempts and evicts: with a host tier the evicted pages come back instead
+    of being recomputed, and every token is the one a run without the tier gives."""
+    shared = list(range(3, 203))
+    ps = [shared[:120] + [9 + i] * (5 + 9 * i) for i in range(12)]
+    sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    runs = {}
+    for gb in (0, 0.05, 0.0005):                                   # none, room, too little room: drops
+        eng = LLM("demo", kv_memory_gb=0.002, admission="optimistic", max_num_batched_tokens=64,
+                  deterministic=True, kv_host_memory_gb=gb).engine
+        reqs = [eng.add_request(p, sp) for p in ps]
+        computed = 0
+        while eng.has_work():
+            computed += eng.step().prefill_tokens
+        runs[gb] = (hashlib.sha256(repr([r.output_ids for r in reqs]).encode()).hexdigest(), computed,
+                    eng.prefix_cache_stats())
+        eng.scheduler.reset_prefix_cache()
+        assert eng.cache.stats()["pages_in_use"] == 0
+    assert runs[0][0] == runs[0.05][0] == runs[0.0005][0]
+    assert runs[0.05][2]["swapped_in_pages"] > 0 and runs[0.05][1] < runs[0][1]
+    assert runs[0.0005][2]["host_tier_dropped_pages"] > 0
+    assert "swapped_in_pages" not in runs[0][2]
