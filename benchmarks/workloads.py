@@ -19,6 +19,9 @@ Scenarios (``SCENARIOS``; prompt + generated tokens per request, KV GiB):
                    256 out, 16 GiB (prefix caching)
   multi_turn       64 conversations x 8 turns: each turn's prompt is the conversation so far (first
                    prompt 1,024 tokens, then 256 new tokens a turn), 256 out a turn, 24 GiB
+  long_swap        the long scenario with vLLM's optimistic admission (it preempts): a preempted
+                   request's pages go to a 48 GiB host tier and come back; long_recompute: the
+                   same without the tier (recomputed)
 Prefix caching: --prefix-cache on (default), off, or on,off (each record says ``prefix_cache``).
 Modes: compressed, uncompressed, flashinfer (uncompressed KV, attention_backend="flashinfer";
 skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode).
@@ -75,6 +78,8 @@ class Scenario:
     group: int = 1
     turns: int = 1                 # > 1: conversations; turn t + 1 = turn t's prompt + answer + ``turn_prompt``
     turn_prompt: int = 0
+    admission: str = "estimate"
+    host_gb: float | None = None   # kv_host_memory_gb (None: the engine's default)
 
 
 SCENARIOS = {
@@ -86,6 +91,8 @@ SCENARIOS = {
     "prefill": Scenario(3, (8192, 8192, 32768), 1, 24.0, sequential=True),
     "shared_prefix": Scenario(512, 256, 256, 16.0, shared_prefix=4096, group=16),
     "multi_turn": Scenario(64, 1024, 256, 24.0, turns=8, turn_prompt=256),
+    "long_swap": Scenario(16, 32768, 512, 24.0, admission="optimistic", host_gb=48.0),
+    "long_recompute": Scenario(16, 32768, 512, 24.0, admission="optimistic", host_gb=0.0),
 }
 DEFAULT_SCENARIOS = ("burst", "mix", "long", "deterministic", "long_generation")
 # --smoke: the demo model on the CPU (3 layers, 2 KV heads x 64: 1.5 KiB of KV per token), each
@@ -99,6 +106,8 @@ SMOKE = {
     "prefill": Scenario(3, (128, 128, 512), 1, 0.002, sequential=True),
     "shared_prefix": Scenario(12, 16, 6, 0.002, shared_prefix=96, group=4),
     "multi_turn": Scenario(4, 40, 6, 0.002, turns=3, turn_prompt=20),
+    "long_swap": Scenario(6, 200, 60, 0.0012, admission="optimistic", host_gb=0.05),
+    "long_recompute": Scenario(6, 200, 60, 0.0012, admission="optimistic", host_gb=0.0),
 }
 
 
@@ -255,6 +264,8 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "prefix_cache": pc["prefix_cache_enabled"], "prefix_hit_tokens": pc["prefix_cache_hit_tokens"],
         "prefix_hit_rate": pc["prefix_cache_hit_rate"], "prefix_evicted_pages": pc["prefix_cache_evicted_pages"],
         "ttft_hit_p50_s": pct(hit, 50), "ttft_miss_p50_s": pct(miss, 50), "hits": len(hit),
+        "swapped_in_pages": pc.get("swapped_in_pages", 0), "swapped_out_pages": pc.get("swapped_out_pages", 0),
+        "swapped_in_bytes": pc.get("swapped_in_bytes", 0),
         "outputs_sha256": hashlib.sha256(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest(),
     }
 
@@ -290,6 +301,7 @@ def worker(job: dict) -> dict:
     llm = LLM(job["model"], kv_memory_gb=kv_gb, max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["batched_tokens"], max_model_len=max_len, device=job["device"],
               deterministic=job["deterministic"], enable_prefix_caching=job["prefix_cache"],
+              admission=job.get("admission", "estimate"), kv_host_memory_gb=job.get("host_gb"),
               **engine_kwargs(job["mode"]))
     eng = llm.engine
     vocab = eng.model_config.vocab_size
@@ -335,7 +347,8 @@ def make_job(args, name: str, mode: str, prefix_cache: bool = True) -> dict:
             "output": scen.output, "output_cap": scen.output_cap, "kv_gb": scen.kv_gb * args.scale,
             "deterministic": scen.deterministic, "sequential": scen.sequential, "scale": args.scale,
             "shared_prefix": scen.shared_prefix, "group": scen.group, "turns": scen.turns,
-            "turn_prompt": scen.turn_prompt, "prefix_cache": prefix_cache,
+            "turn_prompt": scen.turn_prompt, "prefix_cache": prefix_cache, "admission": scen.admission,
+            "host_gb": scen.host_gb,
             "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens}
 
 

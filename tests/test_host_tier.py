@@ -37,9 +37,9 @@ def page_data(key: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def manager(pages: int = 24) -> KVCacheManager:
+def manager(pages: int = 24, device: str = "cpu") -> KVCacheManager:
     chunk = 4 * OPEN
-    return KVCacheManager(L, LAYOUT, budget_bytes=(pages // 4 + 2 * L) * chunk, chunk_bytes=chunk)
+    return KVCacheManager(L, LAYOUT, budget_bytes=(pages // 4 + 2 * L) * chunk, chunk_bytes=chunk, device=device)
 
 
 def write(m, page: int, data: torch.Tensor) -> None:
@@ -48,15 +48,22 @@ def write(m, page: int, data: torch.Tensor) -> None:
 
 
 def read(m, page: int) -> torch.Tensor:
-    return torch.stack([m.read_pages(layer, [page])[0] for layer in range(L)])
+    return torch.stack([m.read_pages(layer, [page])[0] for layer in range(L)]).cpu()
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def test_round_trip_is_bit_exact_in_every_form():
-    m = manager()
+import pytest  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="pinned host transfers and the Triton codec need CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_is_bit_exact_in_every_form(device):
+    m = manager(device=device)
     ids = m.alloc_pages(10)
     for i, p in enumerate(ids):
         write(m, p, page_data(i))

@@ -202,7 +202,10 @@ class Scheduler:
             if short > 0:
                 self.prefix.release([n.page for n in resident])
                 return False
-        chain = self._swap_in(chain)
+        chain = self._swap_in(chain, wait=bool(self.running))
+        if chain is None:                           # its pages on the host do not fit yet: wait
+            self.prefix.release([n.page for n in resident])
+            return False
         if chain:
             req.pages = [n.page for n in chain]
             req.num_sealed_pages = len(chain)
@@ -213,15 +216,21 @@ class Scheduler:
             req.num_cached_tokens = req.num_computed
         return True
 
-    def _swap_in(self, chain: list) -> list:
-        """Bring the chain's host-tier pages back into new pages; with no room for them, the chain
-        up to its first such page (the rest is let go and recomputed)."""
+    def _swap_in(self, chain: list, wait: bool) -> list | None:
+        """Bring the chain's host-tier pages back into new pages. With no room for them: None when
+        ``wait`` (the request waits for room), else the chain up to its first such page (the
+        rest is let go and recomputed)."""
         away = [n for n in chain if n.page is None]
         if not away:
             return chain
+        could = self.cache.capacity_new_pages() + self.prefix.num_evictable_pages >= len(away)
+        if wait and not could:
+            return None
         self.prefix.touch_host(away)                # dropped last if making room fills the host tier
-        room = self._room(len(away))
+        room = self._room(len(away)) if could else 0
         lost = [n for n in away if n.host is None]
+        if wait and room < len(away) and not lost:
+            return None
         if room < len(away) or lost:
             cut = chain.index(lost[0] if lost else away[0])
             self.prefix.release([n.page for n in chain[cut:] if n.page is not None])
