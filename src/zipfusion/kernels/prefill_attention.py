@@ -44,16 +44,14 @@ import triton
 import triton.language as tl
 
 from ..format.layout import PAGE_TOKENS
-from ..triton_interpreter import interpreted_copy, kernel_module
+from ..triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 from .decode_attention import (LOG2E, check_block_table, check_ids, check_q_and_arena,
                                check_scale_and_out, check_tensors)
 
 # The decode kernel's helpers, made the way this module's kernels are (this module's interpreted
 # copy, which serves CPU tensors in a compiled import, needs their interpreted copy).
-_TA = triton_attention
-if triton.knobs.runtime.interpret and not _TA._interpreting():
-    _TA = interpreted_copy(_TA.__name__, _TA.__file__)
+_TA = same_mode(triton_attention)
 _load_meta, _tile_load, _tile_compute = _TA._load_meta, _TA._tile_load, _TA._tile_compute
 _restore_tile = _TA._restore_tile
 PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
