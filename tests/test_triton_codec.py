@@ -158,14 +158,19 @@ def test_exact_fractions(fraction, escaped):
     assert float(flagged.float().mean()) == escaped
 
 
-def test_every_pattern_as_an_escape():
-    """Format v2: all 65,536 patterns as escapes (4 per block, every value index), the
-    adversarial 4- and 5-outlier blocks, and a trained model's outlier statistics."""
-    blocks = torch.cat([escape_pattern_blocks(), adversarial_escape_blocks()])
+def test_patterns_as_escapes():
+    """Format v2: patterns as escapes (4 per block; all 65,536 of them on the GPU, a seeded
+    sixteenth under the interpreter, which the reference's test covers in full) and the
+    adversarial 4- and 5-outlier blocks."""
+    blocks = escape_pattern_blocks()
+    if not CUDA:
+        blocks = blocks[torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(8))[:1024]]
+    n = blocks.shape[0]
+    blocks = torch.cat([blocks, adversarial_escape_blocks()])
     base_half = check_codec(pages_from_block_bits(blocks, 2, 256), DEVICE, seed=5).flatten()
-    assert bool(((base_half[:16384] & ESCAPE_FLAG) != 0).all())
-    assert base_half[16384:16394].tolist() == [0xBC, RAW_MARK, 0xBC, 0xBC, 0xBC, RAW_MARK,
-                                               0xBC, 0xBC, 0xFE, 0x80]
+    assert bool(((base_half[:n] & ESCAPE_FLAG) != 0).all())
+    assert base_half[n:n + 10].tolist() == [0xBC, RAW_MARK, 0xBC, 0xBC, 0xBC, RAW_MARK,
+                                            0xBC, 0xBC, 0xFE, 0x80]
 
 
 @pytest.mark.parametrize("H,D", [(2, 64), (1, 128)])
