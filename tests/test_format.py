@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from zipfusion.analysis.synthetic import model_like_pages, pages_with_fraction, realistic_pages
+from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
 from zipfusion.format import (ESCAPE_FLAG, MAX_ESCAPES, RAW_MARK, CorruptPageError, PageLayout, analyze_pages, decode_page,
                               decode_pages, encode_page, encode_pages_into, from_blocks, page_sizes,
                               to_blocks)

@@ -3,7 +3,8 @@
 All three work on pages living in the KV arena, a 1-D ``torch.uint8`` tensor (docs/design.md):
 
 * :func:`analyze_open_pages` reads full open pages ``[2, 16, H, D]`` bf16 and returns each
-  block's metadata byte (``b/2`` or ``0xFF``) and each page's encoded size;
+  block's metadata byte (``b/2``, ``0x80 | b/2`` with escapes, or ``0xFF``) and each page's
+  encoded size;
 * :func:`compress_open_pages` writes the compressed pages (metadata + block bodies) at the given
   destinations in the same arena, byte-identical to ``reference.encode_pages_into``;
 * :func:`decompress_pages` turns compressed pages back into ``[P, 2, 16, H, D]`` bf16,
@@ -29,13 +30,14 @@ two 16-bit halves (no lane can borrow from the other, see below)::
          s[j] << 7 | s[j+4] << 6 | d[j+4] << 3 | d[j]
     lo_0123 = low bytes of w_0, w_1;  lo_4567 = low bytes of w_2, w_3
 
-Decoding restores four high bytes with one add (docs/format.md section 2)::
+Format v2 escapes (a block flagged ``0x80 | b/2``): values outside the window get ``d = 0``
+(``triton_encode.clean`` sets their 7 exponent bits to ``b/2`` before the codes are made) and
+a record ``v | ((e >> 1) ^ b/2) << 9`` each, the 4 smallest ``v`` by 4 min-reductions
+(``triton_encode.escape_words``), stored after the codes.
 
-    hi_0123 = (c & 0x87878787) + bh·0x01010101
-    hi_4567 = ((c << 1) & 0x80808080 | (c >> 3) & 0x07070707) + bh·0x01010101
-
-and re-interleaves low and high bytes into the four words of the group. Raw blocks are copied
-word for word. Which blocks are raw is uniform per block, so it becomes a per-block mask on the
+Decoding is the shared restore (``triton_restore.restore_group``: four high bytes with one add,
+the escape records XORed in, bytes interleaved into the four words of the group). Raw blocks
+are copied word for word. Which blocks are raw is uniform per block, so it becomes a per-block mask on the
 loads/stores (both paths are computed, the stores are predicated).
 
 Trust: the kernels trust metadata written by our encoder. ``decompress_pages(...,
@@ -55,9 +57,9 @@ import triton
 import triton.language as tl
 
 from ..triton_interpreter import kernel_module, same_mode
-from .layout import (COMPRESSED_BLOCK_BYTES, ESCAPE_FLAG, ESCAPED_BLOCK_BYTES, MAX_ESCAPES,
-                     PAGE_TOKENS, RAW_BLOCK_BYTES, RAW_MARK, PageLayout, block_bytes)
-from . import reference, triton_restore
+from .layout import COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, PageLayout, block_bytes
+from . import reference, triton_encode, triton_restore
+from .triton_encode import COMPRESSED_C, ESCAPED_C, FLAG_C, RAW_C, RAW_MARK_C
 from .triton_checks import check_arena, check_index, check_layout, check_offsets
 
 __all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
@@ -65,42 +67,19 @@ __all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
 NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4}
 
-# The restore (one routine for every reader of the format), made as this module's kernels are.
+# The restore (one routine for every reader of the format) and the encoder's bit work, made as
+# this module's kernels are.
 _restore_group = same_mode(triton_restore).restore_group
+_E = same_mode(triton_encode)
+_sum, _minr, _maxr, _tile_bases = _E.sum_, _E.minr, _E.maxr, _E.tile_bases
+_lo16, _code16, _clean, _escape_words = _E.lo16, _E.code16, _E.clean, _E.escape_words
 PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
-RAW_MARK_C = tl.constexpr(RAW_MARK)
-FLAG_C = tl.constexpr(ESCAPE_FLAG)
-MAX_ESC_C = tl.constexpr(MAX_ESCAPES)
-COMPRESSED_C = tl.constexpr(COMPRESSED_BLOCK_BYTES)
-ESCAPED_C = tl.constexpr(ESCAPED_BLOCK_BYTES)
-RAW_C = tl.constexpr(RAW_BLOCK_BYTES)
 ESC_WORD = tl.constexpr(COMPRESSED_BLOCK_BYTES // 4)  # the escape chunk's first word in a block
 
 
 # --------------------------------------------------------------------------------------------
 # Index maps (jit helpers shared by the three kernels)
 # --------------------------------------------------------------------------------------------
-
-# Reductions: tl.reduce with triton.language's own combine functions, passed explicitly. The
-# Triton interpreter recognises these objects and reduces with numpy (fast); tl.sum/tl.min/
-# tl.max would not run under the interpreter copy of this module (see _kernel) when Triton was
-# imported without TRITON_INTERPRET=1, and our own combine functions would be reduced element
-# by element in Python (slow). On the GPU this is exactly what tl.sum/tl.min/tl.max compile to.
-
-@triton.jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
-def _minr(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_min)
-
-
-@triton.jit
-def _maxr(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
-
 
 @triton.jit
 def _group_index(NB: tl.constexpr):
@@ -156,55 +135,8 @@ def _block_size(meta):
 
 
 # --------------------------------------------------------------------------------------------
-# Analyze: per-block base and per-page size
+# Analyze (the rule itself: triton_encode.tile_bases)
 # --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _outside(e_lo, e_hi, b):
-    """n(b): values of each block outside its window [b, b+15], [NB] int32, for bases b [NB]."""
-    bb = b[:, None, None]
-    out = ((e_lo < bb) | (e_lo > bb + 15)).to(tl.int32) + ((e_hi < bb) | (e_hi > bb + 15)).to(tl.int32)
-    return _sum(_sum(out, axis=2), axis=1)
-
-
-@triton.jit
-def _min_above(e_lo, e_hi, u):
-    """The smallest exponent above u [NB] in each block, [NB] (256 if there is none)."""
-    uu = u[:, None, None]
-    m = tl.minimum(tl.where(e_lo > uu, e_lo, 256), tl.where(e_hi > uu, e_hi, 256))
-    return _minr(_minr(m, axis=2), axis=1)
-
-
-@triton.jit
-def _tile_bases(w):
-    """Tile [NB, 64, 4] of words -> per-block metadata byte [NB] and the tile's encoded bytes.
-
-    Exponents of each half of a word: e = (w >> 7) & 0xFF and (w >> 23) & 0xFF.
-    v1 form: b1 = min(e) & ~1 and n(b1) = 0 -> b1/2, 768 bytes. Else (format v2) the largest
-    even b <= 252 with the fewest values outside [b, b+15], which is one of the candidates
-    min(u_i, 252) & ~1 for the five smallest distinct exponents u_0 < .. < u_4 (docs/format.md
-    section 2): <= 4 outside -> 0x80 | b/2, 784 bytes; else raw, 0xFF, 1024 bytes.
-    """
-    u = w.to(tl.uint32, bitcast=True)
-    e_lo = ((u >> 7) & 0xFF).to(tl.int32)
-    e_hi = ((u >> 23) & 0xFF).to(tl.int32)
-    ui = _minr(_minr(tl.minimum(e_lo, e_hi), axis=2), axis=1)           # u_0, [NB]
-    b1 = ui & 0xFE
-    fits = _outside(e_lo, e_hi, b1) == 0
-    best_b = tl.minimum(ui, 252) & 0xFE
-    best_n = _outside(e_lo, e_hi, best_b)
-    for i in tl.static_range(MAX_ESC_C):
-        ui = _min_above(e_lo, e_hi, ui)                                   # u_1 .. u_4
-        c = tl.minimum(ui, 252) & 0xFE
-        n = _outside(e_lo, e_hi, c)
-        better = (n < best_n) | ((n == best_n) & (c > best_b))
-        best_b = tl.where(better, c, best_b)
-        best_n = tl.where(better, n, best_n)
-    esc = best_n <= MAX_ESC_C
-    meta = tl.where(fits, b1 >> 1, tl.where(esc, FLAG_C | (best_b >> 1), RAW_MARK_C))
-    size = tl.where(fits, COMPRESSED_C, tl.where(esc, ESCAPED_C, RAW_C))
-    return meta, _sum(size, axis=0)
-
 
 @triton.jit
 def _analyze_kernel(arena_ptr, src_ptr, base_half_ptr, sizes_ptr,
@@ -230,72 +162,6 @@ def _analyze_kernel(arena_ptr, src_ptr, base_half_ptr, sizes_ptr,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _lo16(w):
-    """Low bytes of the two values of a word, packed into 16 bits: lo(v0) | lo(v1) << 8."""
-    return (w & 0xFF) | ((w >> 8) & 0xFF00)
-
-
-@triton.jit
-def _code16(wa, wb, bh):
-    """Code bytes of the value pairs (wa: values j, j+1; wb: values j+4, j+5) -> 16 bits.
-
-    Lane-wise on the 16-bit halves: hi = high byte, d = (hi & 0x7F) − b/2 in 0..7, s = hi >> 7;
-    code = s[j] << 7 | s[j+4] << 6 | d[j+4] << 3 | d[j], then the two lanes' bytes packed.
-    The subtraction cannot borrow across lanes because (hi & 0x7F) >= b/2 in every lane of a
-    compressible block (raw blocks' codes are never stored).
-    """
-    bh2 = bh * 0x00010001
-    ha = (wa >> 8) & 0x00FF00FF
-    hb = (wb >> 8) & 0x00FF00FF
-    da = (ha & 0x007F007F) - bh2
-    db = (hb & 0x007F007F) - bh2
-    c = da | (db << 3) | (((hb >> 7) & 0x00010001) << 6) | (((ha >> 7) & 0x00010001) << 7)
-    return (c & 0xFF) | ((c >> 8) & 0xFF00)
-
-
-@triton.jit
-def _clean(w, bh):
-    """Word w (two values) with d = 0 for the values outside the window [b, b+15] (format v2
-    escapes): their high byte's 7 low bits, e >> 1, replaced by b/2. Inside the window
-    (e >> 1) - b/2 is 0..7; outside it is negative (wraps, unsigned) or above 7."""
-    esc_lo = (((w >> 8) & 0x7F) - bh) > 7
-    esc_hi = (((w >> 24) & 0x7F) - bh) > 7
-    w = tl.where(esc_lo, (w & 0xFFFF80FF) | (bh << 8), w)
-    return tl.where(esc_hi, (w & 0x80FFFFFF) | (bh << 24), w)
-
-
-@triton.jit
-def _escape_words(u, bh, g, k):
-    """The escape chunk's first two words per block, [NB] each: records r_0..r_3 (u16, index
-    order) of the values outside the window, r = v | ((e >> 1) ^ b/2) << 9, zero after the last.
-
-    Each value outside gets a key v << 7 | ((e >> 1) ^ b/2) (v: 9 bits, so keys order by v);
-    record i is the i-th smallest key (4 min-reductions, each above the previous key).
-    """
-    bh3 = bh[:, None, None].to(tl.int32)
-    v = 8 * g + 2 * k                                                   # value of the low half
-    e7_lo = ((u >> 8) & 0x7F).to(tl.int32)
-    e7_hi = ((u >> 24) & 0x7F).to(tl.int32)
-    BIG: tl.constexpr = 1 << 16
-    key_lo = tl.where((e7_lo - bh3 < 0) | (e7_lo - bh3 > 7), (v << 7) | (e7_lo ^ bh3), BIG)
-    key_hi = tl.where((e7_hi - bh3 < 0) | (e7_hi - bh3 > 7), ((v + 1) << 7) | (e7_hi ^ bh3), BIG)
-    prev = tl.full(bh.shape, -1, tl.int32)
-    words0 = tl.full(bh.shape, 0, tl.int32)
-    words1 = tl.full(bh.shape, 0, tl.int32)
-    for i in tl.static_range(MAX_ESC_C):
-        pv = prev[:, None, None]
-        m = tl.minimum(tl.where(key_lo > pv, key_lo, BIG), tl.where(key_hi > pv, key_hi, BIG))
-        key = _minr(_minr(m, axis=2), axis=1)
-        rec = tl.where(key < BIG, (key >> 7) | ((key & 0x7F) << 9), 0)
-        if i < 2:
-            words0 = words0 | (rec << (16 * i))
-        else:
-            words1 = words1 | (rec << (16 * (i - 2)))
-        prev = key
-    return words0, words1
-
-
-@triton.jit
 def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
                    D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
     """Write record (h, R) of a compressed page at word pointer dst: its M metadata bytes and
@@ -304,7 +170,7 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
     j, g, k = _group_index(NB)
     rec = h * 2 + R
     start, bh = _record_starts(first, bh_ptr, NB)                       # [NB] bytes, [NB]
-    # metadata record, M/4 words: u32 offset of block 0, then the NB bytes b/2|0xFF
+    # metadata record, M/4 words: u32 offset of block 0, then the NB metadata bytes
     # little-endian 4 to a word, zero padding
     tl.store(dst + rec * (M // 4), first)
     for q in tl.static_range(1, M // 4):
