@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
+from zipfusion.analysis.synthetic import model_like_pages, pages_with_fraction, realistic_pages
 from zipfusion.format import (ESCAPE_FLAG, MAX_ESCAPES, RAW_MARK, CorruptPageError, PageLayout, analyze_pages, decode_page,
                               decode_pages, encode_page, encode_pages_into, from_blocks, page_sizes,
                               to_blocks)
@@ -101,6 +101,28 @@ def test_every_pattern_as_an_escape(device):
     layout = PageLayout(2, 256)
     assert bool((page_sizes(pages) == layout.page_bytes(layout.num_blocks, layout.num_blocks)).all())
     roundtrip_batch(pages, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_v1_pages_still_read(device):
+    """Pages written in the seed format (version=1: blocks with outliers raw) decode to the same
+    values; where no block needs an escape, v1 and v2 write the same bytes."""
+    pages = model_like_pages(12, 2, 128, seed=5, counts={"K": (0.3, 0.1, 0.05, 0.05),
+                                                          "V": (0.2, 0.1, 0.05, 0.05)})
+    sizes = page_sizes(pages, version=1)
+    assert bool((sizes > page_sizes(pages)).all())
+    buf = torch.zeros(int(sizes.sum()), dtype=torch.uint8, device=device)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    encode_pages_into(pages.to(device), buf, offsets.to(device), version=1)
+    out = decode_pages(buf, offsets, 2, 128, sizes=sizes)
+    assert torch.equal(bits(out).cpu(), bits(pages))
+    plain = realistic_pages(2, 1, 64, seed=1, zero_fraction=0)
+    plain = pages_from_block_bits(bits(plain).to(torch.int32).view(-1, 512) & ~0x7F80 | 0x3F00, 1, 64)
+    v1, v2 = (torch.zeros(int(page_sizes(plain).sum()), dtype=torch.uint8) for _ in range(2))
+    offs = torch.cumsum(page_sizes(plain), 0) - page_sizes(plain)
+    encode_pages_into(plain, v1, offs, version=1)
+    encode_pages_into(plain, v2, offs)
+    assert torch.equal(v1, v2)
 
 
 def test_adversarial_escape_blocks():

@@ -173,6 +173,17 @@ def test_patterns_as_escapes():
                                             0xBC, 0xBC, 0xFE, 0x80]
 
 
+def test_v1_pages_decompress():
+    """Pages written in the seed format (no escapes: outlier blocks raw) still decompress."""
+    pages = model_like_pages(4, 2, 128, seed=2, counts={"K": (0.4, 0.1, 0, 0), "V": (0.3, 0, 0, 0)})
+    sizes = page_sizes(pages, version=1)
+    offsets = 16 * ((torch.cumsum(sizes, 0) - sizes) // 16)
+    arena = torch.zeros(int(sizes.sum()) + 64, dtype=torch.uint8)
+    encode_pages_into(pages, arena, offsets, version=1)
+    out = decompress_pages(arena.to(DEVICE), offsets.to(DEVICE), PageLayout(2, 128))
+    assert torch.equal(out.cpu().view(torch.int16), pages.view(torch.int16))
+
+
 @pytest.mark.parametrize("H,D", [(2, 64), (1, 128)])
 def test_model_like_pages(H, D):
     check_codec(model_like_pages(24, H, D, seed=D, counts={"K": (0.3, 0.1, 0.05, 0.05),

@@ -130,9 +130,9 @@ def model_like_pages(num_pages: int, num_kv_heads: int, head_dim: int, *, seed: 
     return from_blocks(x.to(torch.bfloat16)).contiguous()
 
 
-def compressible_fraction(pages: torch.Tensor) -> float:
-    """Fraction of the pages' 512-value blocks that the format compresses."""
+def compressible_fraction(pages: torch.Tensor, version: int = 2) -> float:
+    """Fraction of the pages' 512-value blocks that the format (``version`` 2 or 1) compresses."""
     from ..format.reference import analyze_pages
     from ..format.layout import RAW_MARK
-    base = analyze_pages(pages)
+    base = analyze_pages(pages, version)
     return float((base != RAW_MARK).float().mean()) if base.numel() else math.nan

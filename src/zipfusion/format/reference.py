@@ -51,6 +51,14 @@ def block_base_half(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(fits, v1 >> 1, meta).to(torch.int32)
 
 
+def block_base_half_v1(bits: torch.Tensor) -> torch.Tensor:
+    """The v1 rule (no escapes): b/2 if max(e) <= (min(e) & ~1) + 15, else RAW_MARK. v1 pages
+    are valid v2 pages; the encoder writes them with ``version=1`` (comparisons, tests)."""
+    e = (bits >> 7) & 0xFF
+    b = e.amin(-1) & ~1
+    return torch.where(e.amax(-1) <= b + 15, b >> 1, torch.full_like(b, RAW_MARK)).to(torch.int32)
+
+
 def _escape_records(bits: torch.Tensor, bh: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
     """The 16-byte escape chunk of each block, [..., 16] int32 bytes: the first MAX_ESCAPES
     escaped values in index order, record = v | ((e >> 1) ^ b/2) << 9 (u16), zero records after."""
@@ -125,16 +133,24 @@ def _check_pages(pages: torch.Tensor) -> PageLayout:
     return PageLayout(int(pages.shape[3]), int(pages.shape[4]))
 
 
-def analyze_pages(pages: torch.Tensor) -> torch.Tensor:
-    """Per-block metadata byte (b/2, 0x80 | b/2 or RAW_MARK), [P, H, 2, nb] int32."""
+def _rule(version: int):
+    if version not in (1, 2):
+        raise ValueError(f"format version must be 1 or 2, got {version!r}")
+    return block_base_half if version == 2 else block_base_half_v1
+
+
+def analyze_pages(pages: torch.Tensor, version: int = 2) -> torch.Tensor:
+    """Per-block metadata byte (b/2, 0x80 | b/2 or RAW_MARK), [P, H, 2, nb] int32.
+    ``version=1``: the seed format's rule (no escapes)."""
     _check_pages(pages)
-    return block_base_half(_bits(to_blocks(pages)))
+    return _rule(version)(_bits(to_blocks(pages)))
 
 
-def page_sizes(pages: torch.Tensor) -> torch.Tensor:
+def page_sizes(pages: torch.Tensor, version: int = 2) -> torch.Tensor:
     """Encoded size in bytes of each page, [P] int64, without encoding."""
     layout = _check_pages(pages)
-    return layout.header_bytes + block_bytes(analyze_pages(pages)).flatten(1).sum(1).to(torch.int64)
+    meta = analyze_pages(pages, version)
+    return layout.header_bytes + block_bytes(meta).flatten(1).sum(1).to(torch.int64)
 
 
 def _block_starts(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
@@ -154,15 +170,17 @@ def _headers(base_half: torch.Tensor, starts: torch.Tensor, layout: PageLayout) 
     return records.reshape(P, layout.header_bytes).to(torch.uint8)
 
 
-def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch.Tensor) -> torch.Tensor:
+def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch.Tensor,
+                      version: int = 2) -> torch.Tensor:
     """Encode pages [P, 2, 16, H, D] into the uint8 buffer ``out`` at byte offsets ``dst_offsets``.
 
     Returns each page's encoded size ([P] int64). ``out`` must have room: use
-    :func:`page_sizes` to size the destinations first.
+    :func:`page_sizes` to size the destinations first. ``version=1`` writes the seed format
+    (no escapes), which every decoder reads too.
     """
     layout = _check_pages(pages)
     bits = _bits(to_blocks(pages))
-    base_half = block_base_half(bits)
+    base_half = _rule(version)(bits)
     bodies = encode_blocks(bits, base_half)
     P = pages.shape[0]
     starts = _block_starts(base_half, layout)
