@@ -25,20 +25,21 @@ the slices that hold pages of the request (one such slice: its ``o``, rounded as
 launch rounds it). The loads are software-pipelined by hand: the K/V words of tile i+1 and the
 page locations and records of tile i+2 are issued before tile i is computed.
 
-Restoring a compressed block (docs/format.md section 2). Work is per *group*: 8 consecutive
-channels of one token, i.e. two 32-bit words of low bytes ``lo_0123, lo_4567`` and one word
-``w`` of 4-bit codes. Four high bytes at a time::
+Restoring a compressed block (docs/format.md section 2) is the format's one restore,
+``format/triton_restore.restore_group``, per *group* (8 consecutive channels of one token: two
+words of low bytes, one word ``w`` of 4-bit codes)::
 
     hi_0123 = (w & 0x87878787) + (b/2)·0x01010101
     hi_4567 = ((w << 1) & 0x80808080 | (w >> 3) & 0x07070707) + (b/2)·0x01010101
 
-and byte interleaving (``prmt`` selectors 0x5140 and 0x7362) makes four words of bf16 pairs
-``(lo_2k, hi_2k, lo_2k+1, hi_2k+1)`` = channels (2k, 2k+1), exactly the words an open page or
-a raw block holds at that place. Every source -- open page, raw block, compressed block --
-thus yields the same words, which are put back in channel order and split into the same bf16
-[R, D] tile. The arithmetic after that point is shared, so the output is bit-identical whether
-a page is open or compressed; the uncompressed *twin* is the same kernel compiled with
-``COMPRESSED=False`` (plain words only) and gives the same bits too.
+then, in blocks with escapes (format v2; the loads of their 4 records are masked to flagged
+blocks, and a tile without any skips the patch), each record XORs 7 bits into one high byte;
+byte interleaving (``prmt``) makes four words of bf16 pairs = channels (2k, 2k+1), exactly the
+words an open page or a raw block holds at that place. Every source -- open page, raw block,
+compressed block -- thus yields the same words, which are put back in channel order and split
+into the same bf16 [R, D] tile. The arithmetic after that point is shared, so the output is
+bit-identical whether a page is open or compressed; the uncompressed *twin* is the same kernel
+compiled with ``COMPRESSED=False`` (plain words only) and gives the same bits too.
 
 Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and masks, and the
 dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
