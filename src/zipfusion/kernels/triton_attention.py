@@ -317,7 +317,7 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
                        axis=0) != 0
     else:
         v_lo, v_code, v_plain, v_esc, v_packed, v_escaped, v_meta = _open_only(v_open)
-        any_esc = False
+        any_esc = ctx < 0          # unused by the twin; a scalar tensor like the fused kernel's
     k_p4, k_lo, k_code, k_esc = _group_load(arena32, k_lo, k_code, k_plain, k_esc, k_packed,
                                             k_escaped, kv_valid, COMPRESSED)
     v_p4, v_lo, v_code, v_esc = _group_load(arena32, v_lo, v_code, v_plain, v_esc, v_packed,
