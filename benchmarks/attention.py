@@ -6,7 +6,10 @@
 with --triton.
 
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with
-an exact fraction of compressible blocks (zipfusion.analysis.synthetic.pages_with_fraction).
+an exact fraction of compressible blocks (zipfusion.analysis.synthetic.pages_with_fraction;
+outlier blocks raw in format v1 and v2), and at "0.92" the real model's outlier statistics
+(model_like_pages: v1 compresses ~92 % of blocks, v2 all of them, ~8 % with escapes). Records
+carry the stored/raw ratio under v2 and v1 and the v1 fraction side by side.
 Every request's pages are scattered (random page ids); all full pages are compressed for the
 fused and unfused kernels; the twin and FlashInfer read the same values from open pages.
 Inputs are rotated over several copies so that no timed call finds its data in L2. Each
@@ -34,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from common import copy_bandwidth, pyplot  # noqa: E402  (benchmarks/common.py)
 
-from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction  # noqa: E402
+from zipfusion.analysis.synthetic import (compressible_fraction, model_like_pages,  # noqa: E402
+                                          pages_with_fraction)
 from zipfusion.format import PageLayout, encode_pages_into, page_sizes  # noqa: E402
 from zipfusion.kernels import decode_attention, decode_attention_twin  # noqa: E402
 
@@ -48,7 +52,8 @@ KERNELS = {"twin": ("run_twin", {}), "fused": ("run_fused", {}), "unfused": ("ru
            "fused_triton": ("run_fused", {"backend": "triton"})}
 LAYOUT = PageLayout(HKV, D)
 POOL = 1024                   # distinct pages per fraction; the arena repeats them
-REAL_MODEL_FRACTION = 0.92    # SmolLM2-135M's measured fraction with fp32 rope (docs/real_model.md)
+REAL_MODEL_FRACTION = 0.92    # SmolLM2-135M's v1 fraction with fp32 rope (docs/real_model.md); its
+                              # pool is model_like_pages: v2 compresses every block (~8 % escaped)
 ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
 DEV = torch.device("cuda")
 
@@ -95,9 +100,16 @@ class Pool:
     """POOL distinct pages with a given compressible fraction, open and encoded."""
 
     def __init__(self, fraction, seed):
-        self.pages = pages_with_fraction(POOL, HKV, D, fraction, seed=seed).to(DEV)
+        if fraction == REAL_MODEL_FRACTION:     # the real model's outlier statistics (issue 23)
+            self.pages = model_like_pages(POOL, HKV, D, seed=seed).to(DEV)
+        else:
+            self.pages = pages_with_fraction(POOL, HKV, D, fraction, seed=seed).to(DEV)
         self.fraction = compressible_fraction(self.pages[:64].cpu())
         self.sizes = page_sizes(self.pages)                         # [POOL] int64
+        raw = POOL * LAYOUT.open_page_bytes
+        self.formats = {"stored_ratio": float(self.sizes.sum()) / raw,
+                        "stored_ratio_v1": float(page_sizes(self.pages, version=1).sum()) / raw,
+                        "compressible_fraction_v1": compressible_fraction(self.pages[:64].cpu(), 1)}
         self.offsets = torch.cumsum(self.sizes, 0) - self.sizes
         self.buf = torch.empty(int(self.sizes.sum()), dtype=torch.uint8, device=DEV)
         encode_pages_into(self.pages, self.buf, self.offsets)
@@ -315,6 +327,7 @@ def main():
         for r in recs:
             r["compressible_fraction"] = pools[f].fraction
             r["compressible_fraction_nominal"] = f
+            r.update(pools[f].formats)
             if r["kernel"] != "flashinfer":
                 r["config"] = json.dumps(cfg)
         print(fmt(recs), flush=True)

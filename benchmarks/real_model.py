@@ -43,15 +43,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def report_dict(report) -> dict:
-    """A KVReport's numbers as plain JSON-able values (span histograms summed over layers)."""
+    """A KVReport's numbers as plain JSON-able values (span histograms summed over layers), format
+    v2 with v1 beside it."""
     layers = report.layers
     return {
         "pages_per_layer": report.pages, "num_kv_heads": report.num_kv_heads, "head_dim": report.head_dim,
-        "compressible_fraction": report.compressible_fraction, "key_fraction": report.key_fraction,
+        "format": "v2", "compressible_fraction": report.compressible_fraction, "key_fraction": report.key_fraction,
         "value_fraction": report.value_fraction, "size_ratio": report.size_ratio,
-        "capacity_gain": report.capacity_gain,
+        "capacity_gain": report.capacity_gain, "v1": report.v1, "outliers": report.outliers(),
         "layers": [{"layer": s.layer, "key_fraction": s.key_fraction, "value_fraction": s.value_fraction,
-                    "size_ratio": s.compressed_bytes / s.open_bytes} for s in layers],
+                    "size_ratio": s.compressed_bytes / s.open_bytes,
+                    "size_ratio_v1": s.compressed_bytes_v1 / s.open_bytes} for s in layers],
         "key_spans": sum(s.key_spans for s in layers).tolist(),
         "value_spans": sum(s.value_spans for s in layers).tolist(),
     }
@@ -108,11 +110,15 @@ def main(argv=None) -> int:
         report.plot(str(out / f"real_model_kv_{name}.png"),
                     title=f"{gguf.name}: {name} text, {len(seq)} tokens, BF16 KV")
         print(f"{name:>9}: {len(seq)} tokens, compressible blocks {report.compressible_fraction:.1%} "
-              f"(K {report.key_fraction:.1%}, V {report.value_fraction:.1%})", flush=True)
+              f"(K {report.key_fraction:.1%}, V {report.value_fraction:.1%}), stored/raw "
+              f"{report.size_ratio:.4f}; v1 {report.v1['compressible_fraction']:.1%}, "
+              f"{report.v1['size_ratio']:.4f}", flush=True)
     total = analyze_kv(merge_full_pages(captured))
     total.plot(str(out / "real_model_kv.png"), title=f"{gguf.name}: all texts, BF16 KV")
     doc = {
-        "what": "fraction of 512-value blocks of full 16-token BF16 KV pages that compress (exponent span <= 15)",
+        "what": "fraction of 512-value blocks of full 16-token BF16 KV pages that compress and the stored/raw "
+                "ratio, under format v2 (escapes: at most 4 values outside the window) and v1 ('v1': "
+                "exponent span <= 15)",
         "model": {"file": gguf.name, "architecture": cfg.architecture, "layers": cfg.num_hidden_layers,
                   "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rope_theta": cfg.rope.theta},
         "date": dt.date.today().isoformat(), "device": args.device,
@@ -122,8 +128,9 @@ def main(argv=None) -> int:
         "all": report_dict(total), "texts": results,
     }
     (out / "real_model_kv.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"KV blocks compressible: {total.compressible_fraction:.1%} overall (K {total.key_fraction:.1%}, "
-          f"V {total.value_fraction:.1%}), {len(ids)} texts x {args.tokens} tokens, "
+    print(f"KV blocks compressible: {total.compressible_fraction:.2%} overall (K {total.key_fraction:.2%}, "
+          f"V {total.value_fraction:.2%}), stored/raw {total.size_ratio:.4f}; format v1: "
+          f"{total.v1['compressible_fraction']:.2%}, {total.v1['size_ratio']:.4f}; {len(ids)} texts x {args.tokens} tokens, "
           f"{cfg.num_hidden_layers} layers -> {out / 'real_model_kv.json'}")
     return 0
 

@@ -9,7 +9,73 @@ from pathlib import Path
 
 import torch
 
-from zipfusion.format import PageLayout, encode_pages_into, page_sizes
+from zipfusion.format import PageLayout, encode_pages_into, from_blocks, page_sizes
+
+
+def pages_from_block_bits(block_bits, num_kv_heads=1, head_dim=128):
+    """[n, 512] int bit patterns -> pages whose blocks, in format order, are those blocks (the
+    last page filled up by repeating blocks)."""
+    layout = PageLayout(num_kv_heads, head_dim)
+    n = block_bits.shape[0]
+    pad = (-n) % layout.num_blocks
+    if pad:
+        block_bits = torch.cat([block_bits, block_bits[torch.arange(pad) % n]])
+    x = block_bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    return from_blocks(x.view(-1, num_kv_heads, 2, layout.blocks_per_head, 512)).contiguous()
+
+
+def _window_bulk(b: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """[n, 512] patterns whose exponents fill [b, min(b+15, 255)] (both ends present), random
+    signs and fractions: a block whose window is fixed at base b (even)."""
+    n = b.shape[0]
+    top = (b + 15).clamp(max=255).to(torch.int32)
+    e = (b[:, None].to(torch.int32) + torch.randint(0, 16, (n, 512), generator=g,
+                                                    dtype=torch.int32)).clamp(max=top[:, None])
+    e[:, 0], e[:, 1] = b, top
+    return (torch.randint(0, 2, (n, 512), generator=g, dtype=torch.int32) << 15) | (e << 7) \
+        | torch.randint(0, 128, (n, 512), generator=g, dtype=torch.int32)
+
+
+def escape_pattern_blocks(seed: int = 0) -> torch.Tensor:
+    """All 65,536 BF16 patterns as escapes (format v2): 16,384 blocks, block i holding patterns
+    4i .. 4i+3 (one sign and exponent e) at value indices (i + 128 j) % 512, j = 0..3 (every
+    index, several groups), the other 508 values filling a window just above e (d = -1 or -2)
+    or just below it (d = 16 or 17), alternating where both fit: each block needs exactly 4
+    escapes."""
+    g = torch.Generator().manual_seed(seed)
+    pats = torch.arange(65536, dtype=torch.int32).view(-1, 4)
+    e = (pats[:, 0] >> 7) & 0xFF
+    i = torch.arange(pats.shape[0])
+    above = (e + 1 + 1) // 2 * 2                      # window above e: b = e+1 rounded up to even
+    below = (e - 16) // 2 * 2                         # window below e: b + 15 < e
+    use_above = ((i % 2 == 0) | (below < 0)) & (above <= 240)
+    blocks = _window_bulk(torch.where(use_above, above, below), g)
+    pos = (i[:, None] + 128 * torch.arange(4)) % 512
+    blocks.scatter_(1, pos, pats)
+    return blocks
+
+
+def adversarial_escape_blocks(seed: int = 0) -> torch.Tensor:
+    """Blocks at the escape limit: exactly MAX_ESCAPES (4) and 5 outliers (zeros, subnormals,
+    inf, NaN, tiny and huge values), outliers sharing one group, one word, and b/2 = 126, 0."""
+    g = torch.Generator().manual_seed(seed)
+    bulk = _window_bulk(torch.tensor([120] * 8 + [240, 0], dtype=torch.int32), g)
+    specials = torch.tensor([0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFFC1, 0x0080, 0x7F7F],
+                            dtype=torch.int32)
+    for r, (where, vals) in enumerate([
+            ([3, 100, 200, 511], specials[:4]),       # 4 below the window: compressed
+            ([3, 100, 200, 511, 7], specials[:5]),    # 5: raw
+            ([8, 9, 10, 11], specials[4:]),           # 4 in one group (inf, NaN, tiny, huge)
+            ([0, 1, 500, 501], specials[[0, 4, 5, 3]]),   # two words with both halves escaped
+            ([17], specials[:1]),                     # one zero
+            ([17, 18, 19, 20, 21], specials[:5]),     # 5 consecutive: raw
+            ([511], specials[4:5]),                   # +inf in the last value
+            ([256, 257, 258], specials[5:])]):        # 3
+        bulk[r, where] = vals
+    bulk[8] = (bulk[8] & 0x807F) | ((254 + torch.arange(512) % 2) << 7).to(torch.int32)
+    bulk[8, 0] = 0x0000                               # exponents 254, 255 + a zero: b/2 = 126
+    bulk[9, 5] = 0x4000                               # exponents 0..15 + 2.0: b/2 = 0, escaped
+    return bulk
 
 
 def build_arena(pages: torch.Tensor, compressed: torch.Tensor, *, seed: int = 0,

@@ -12,8 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from helpers import build_arena
-from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
+from helpers import (adversarial_escape_blocks, build_arena, escape_pattern_blocks,
+                     pages_from_block_bits)
+from zipfusion.analysis.synthetic import model_like_pages, pages_with_fraction, realistic_pages
 from zipfusion.format import PageLayout
 from zipfusion.kernels import decode_attention, decode_attention_twin
 from zipfusion.testing import reference_decode_attention
@@ -27,8 +28,10 @@ gpu = pytest.mark.gpu
 def make_case(contexts, H, G, D, kind, seed, device=DEV):
     """Pages for requests of the given context lengths, their arenas and tables.
 
-    kind: 'compressible' (every block compressible), 'raw' (none), 'mixed' (realistic KV:
-    roughly half the blocks compressible, outlier channels, zeros). Full pages are
+    kind: 'compressible' (every block compressible without escapes), 'raw' (none), 'mixed'
+    (realistic KV: outlier channels, zeros; format v2 compresses every block, many of them
+    with escapes), 'escapes' (a trained model's outliers at raised rates: blocks with 1-4
+    escapes, raw blocks with 5, plain compressed ones, mixed in every page). Full pages are
     compressed in ``arena_c`` (except ~1/4 left open when ``kind == 'mixed'``, as a lazy memory
     manager would), the last partial page is open; ``arena_o`` holds the same pages all open.
     Pages are placed in random order with random gaps; page ids are shuffled. Every draw comes
@@ -41,6 +44,8 @@ def make_case(contexts, H, G, D, kind, seed, device=DEV):
         pages = pages_with_fraction(P, H, D, 1.0, seed=seed)
     elif kind == "raw":
         pages = pages_with_fraction(P, H, D, 0.0, seed=seed)
+    elif kind == "escapes":
+        pages = model_like_pages(P, H, D, seed=seed, counts=ESCAPE_RATES)
     else:
         pages = realistic_pages(P, H, D, seed=seed)
     ids = torch.randperm(P, generator=gen)
@@ -62,6 +67,10 @@ def make_case(contexts, H, G, D, kind, seed, device=DEV):
     lens = torch.tensor(contexts, dtype=torch.int32, device=device)
     return dict(q=q, arena_c=arena_c, loc_c=loc_c, arena_o=arena_o, loc_o=loc_o,
                 bt=bt.to(device), lens=lens, layout=PageLayout(H, D), scale=D ** -0.5, seed=seed)
+
+
+# blocks with k = 1..5 values outside the window (5: raw), per role
+ESCAPE_RATES = {"K": (0.25, 0.1, 0.05, 0.05, 0.1), "V": (0.2, 0.1, 0.05, 0.05, 0.1)}
 
 
 def poisoned(q):
@@ -109,6 +118,7 @@ SMALL = [
     ([15, 16], 1, 8, "compressible", 1, None, False),
     ([33, 5], 1, 1, "raw", 2, None, False),
     ([33], 2, 4, "mixed", 1, 2, False),
+    ([48, 7], 2, 4, "escapes", 2, None, True),
 ]
 
 
@@ -125,7 +135,7 @@ def test_other_head_dims(D, seed):
 
 @settings(max_examples=2, deadline=None)
 @given(st.lists(st.integers(1, 24), min_size=1, max_size=2), st.sampled_from([1, 2, 4, 8]),
-       st.sampled_from(["mixed", "compressible", "raw"]), st.integers(0, 2**20))
+       st.sampled_from(["mixed", "compressible", "raw", "escapes"]), st.integers(0, 2**20))
 def test_hypothesis_random_shapes(contexts, G, kind, seed):
     check_case(make_case(contexts, 1, G, 128, kind, seed), tile_pages=1, unfused=False)
 
@@ -281,6 +291,8 @@ LARGE = [
     ([1000] * 64, 1, "raw"),
     ([1000, 17, 16, 15, 1] * 6 + [8192, 32768], 8, "compressible"),
     ([700] * 64, 4, "mixed"),
+    ([8192] * 32, 4, "escapes"),
+    ([1, 15, 17, 1000, 8192, 333], 16, "escapes"),
 ]
 
 
@@ -302,13 +314,42 @@ def test_small_cases_cuda_kernel(contexts, H, G, kind, tp, splits, unfused, seed
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["mixed", "escapes"])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("stages,splits", [(3, None), (4, 1), (6, 7), (4, 64)])
-def test_cuda_kernel_pipeline_depths_and_splits(stages, splits, tma, seed):
+def test_cuda_kernel_pipeline_depths_and_splits(stages, splits, tma, kind, seed):
     if tma and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("bulk copies (TMA) need sm_90+")
-    check_case(make_case([3000, 17, 8192, 1], 8, 4, 128, "mixed", seed), num_splits=splits,
+    check_case(make_case([3000, 17, 8192, 1], 8, 4, 128, kind, seed), num_splits=splits,
                stages=stages, tma=tma, unfused=False, backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_escape_patterns_gpu(backend):
+    """Format v2 escapes in both decode kernels: blocks carrying every finite pattern of
+    exponent <= 140 as an escape (4 per block, next to windows just above or below it), and
+    the 4/5-outlier blocks made finite, compressed, against the same pages open (the twin).
+    (Every pattern, NaN and inf included, goes through the Triton restore bit for bit in
+    tests/test_prefill_attention.py::test_gather_restores_escape_patterns.)"""
+    blocks = escape_pattern_blocks()
+    blocks = blocks[((blocks >> 7) & 0xFF).amax(1) <= 140]
+    blocks = torch.cat([blocks, adversarial_escape_blocks()[:8]])
+    pages = pages_from_block_bits(blocks, 8, 128).nan_to_num(0.0, 1.0, -1.0)
+    P = pages.shape[0]
+    gen = torch.Generator().manual_seed(6)
+    arena_c, loc_c = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=4, device=DEV)
+    arena_o, loc_o = build_arena(pages, torch.zeros(P, dtype=torch.bool), seed=5, device=DEV)
+    order = torch.randperm(P, generator=gen).to(torch.int32)
+    B = 8                                                    # requests of P / 8 pages each
+    bt = order[:P // B * B].view(B, -1).to(DEV)
+    lens = torch.full((B,), 16 * bt.shape[1], dtype=torch.int32, device=DEV)
+    q = (torch.randn(B, 32, 128, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
+    args = (bt, lens, PageLayout(8, 128), 128 ** -0.5)
+    out_c = decode_attention(q, arena_c, loc_c, *args, backend=backend)
+    out_t = decode_attention_twin(q, arena_o, loc_o, *args, backend=backend)
+    assert torch.isfinite(out_t.float()).all()
+    assert same_bits(out_c, out_t), "fused (escapes) and twin give different bits"
 
 
 @gpu

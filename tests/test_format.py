@@ -2,31 +2,20 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
-from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
-from zipfusion.format import (RAW_MARK, CorruptPageError, PageLayout, analyze_pages, decode_page,
+from zipfusion.analysis.synthetic import model_like_pages, pages_with_fraction, realistic_pages
+from zipfusion.format import (ESCAPE_FLAG, MAX_ESCAPES, RAW_MARK, CorruptPageError, PageLayout, analyze_pages, decode_page,
                               decode_pages, encode_page, encode_pages_into, from_blocks, page_sizes,
                               to_blocks)
+
+from helpers import adversarial_escape_blocks, escape_pattern_blocks, pages_from_block_bits
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def bits(x):
     return x.view(torch.int16)
-
-
-def pages_from_block_bits(block_bits, num_kv_heads=1, head_dim=128):
-    """[n_blocks, 512] int patterns -> pages whose blocks, in format order, are those blocks."""
-    layout = PageLayout(num_kv_heads, head_dim)
-    per_page = layout.num_blocks
-    n = block_bits.shape[0]
-    pad = (-n) % per_page
-    if pad:   # fill the last page by repeating blocks
-        block_bits = torch.cat([block_bits, block_bits[torch.arange(pad) % n]])
-    x = block_bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
-    x = x.view(-1, num_kv_heads, 2, layout.blocks_per_head, 512)
-    return from_blocks(x).contiguous()
 
 
 def roundtrip_batch(pages, device="cpu"):
@@ -82,6 +71,75 @@ def test_every_pattern_in_raw_blocks(device):
     roundtrip_batch(pages, device)
 
 
+def brute_force_meta(bits):
+    """The v2 block rule straight from docs/format.md, by comparing every value with every even
+    base: [n, 512] bit patterns -> metadata bytes [n]."""
+    e = (bits >> 7) & 0xFF
+    b = torch.arange(0, 256, 2)
+    n = ((e[:, :, None] < b) | (e[:, :, None] > b + 15)).sum(1)          # [n, 128]
+    out = []
+    for row, ev in zip(n.tolist(), e):
+        v1 = int(ev.min()) & ~1
+        if row[v1 // 2] == 0:
+            out.append(v1 // 2)
+            continue
+        best = min(row[:127])
+        bh = max(i for i in range(127) if row[i] == best)
+        out.append(0x80 | bh if best <= MAX_ESCAPES else RAW_MARK)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_pattern_as_an_escape(device):
+    # 16,384 blocks with exactly 4 escapes each: every pattern once, at every value index,
+    # its exponent just outside the block's window (below or above)
+    blocks = escape_pattern_blocks()
+    pages = pages_from_block_bits(blocks, 2, 256)
+    meta = analyze_pages(pages).flatten()[:blocks.shape[0]]
+    assert bool(((meta & ESCAPE_FLAG) != 0).all() & (meta != RAW_MARK).all())
+    assert torch.equal(meta[:64], brute_force_meta(blocks[:64]))
+    layout = PageLayout(2, 256)
+    assert bool((page_sizes(pages) == layout.page_bytes(layout.num_blocks, layout.num_blocks)).all())
+    roundtrip_batch(pages, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_v1_pages_still_read(device):
+    """Pages written in the seed format (version=1: blocks with outliers raw) decode to the same
+    values; where no block needs an escape, v1 and v2 write the same bytes."""
+    pages = model_like_pages(12, 2, 128, seed=5, counts={"K": (0.3, 0.1, 0.05, 0.05),
+                                                          "V": (0.2, 0.1, 0.05, 0.05)})
+    sizes = page_sizes(pages, version=1)
+    assert bool((sizes > page_sizes(pages)).all())
+    buf = torch.zeros(int(sizes.sum()), dtype=torch.uint8, device=device)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    encode_pages_into(pages.to(device), buf, offsets.to(device), version=1)
+    out = decode_pages(buf, offsets, 2, 128, sizes=sizes)
+    assert torch.equal(bits(out).cpu(), bits(pages))
+    plain = realistic_pages(2, 1, 64, seed=1, zero_fraction=0)
+    plain = pages_from_block_bits(bits(plain).to(torch.int32).view(-1, 512) & ~0x7F80 | 0x3F00, 1, 64)
+    v1, v2 = (torch.zeros(int(page_sizes(plain).sum()), dtype=torch.uint8) for _ in range(2))
+    offs = torch.cumsum(page_sizes(plain), 0) - page_sizes(plain)
+    encode_pages_into(plain, v1, offs, version=1)
+    encode_pages_into(plain, v2, offs)
+    assert torch.equal(v1, v2)
+
+
+def test_adversarial_escape_blocks():
+    blocks = adversarial_escape_blocks()
+    pages = pages_from_block_bits(blocks, 1, 256)
+    meta = analyze_pages(pages).flatten()[:blocks.shape[0]]
+    assert meta.tolist() == [0xBC, RAW_MARK, 0xBC, 0xBC, 0xBC, RAW_MARK, 0xBC, 0xBC, 0xFE, 0x80]
+    assert torch.equal(meta, brute_force_meta(blocks))
+    roundtrip_batch(pages)
+    buf = encode_page(pages[0])
+    rec = buf[32 + 768:32 + 784].tolist()               # K block 0 of head 0, after 32 bytes of metadata
+    words = [rec[2 * i] | rec[2 * i + 1] << 8 for i in range(8)]
+    assert [w & 0x1FF for w in words[:4]] == [3, 100, 200, 511]     # index order
+    assert words[4:] == [0] * 4                                     # the reserved half
+    assert [w >> 9 for w in words[:4]] == [60] * 4                  # (e >> 1) ^ b/2, e = 0 or 1
+
+
 @pytest.mark.parametrize("lo,hi,compressible", [
     (120, 135, True),    # span 15 from an even base
     (120, 136, False),   # span 16
@@ -124,13 +182,17 @@ def test_realistic_kv_roundtrip(device, head_dim, heads):
         assert torch.equal(bits(decode_page(buf, heads, head_dim)).cpu(), bits(page))
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
-def test_sizes_follow_the_compressible_fraction(fraction):
+@pytest.mark.parametrize("fraction,escaped", [(0.0, 0.0), (0.5, 0.0), (1.0, 0.0), (0.5, 0.25),
+                                              (1.0, 1.0)])
+def test_sizes_follow_the_compressible_fraction(fraction, escaped):
     layout = PageLayout(8, 128)
-    pages = pages_with_fraction(4, 8, 128, fraction)
-    compressed = int((analyze_pages(pages) != RAW_MARK).sum())
+    pages = pages_with_fraction(4, 8, 128, fraction, escaped_fraction=escaped)
+    meta = analyze_pages(pages)
+    compressed = int((meta != RAW_MARK).sum())
+    n_esc = int(((meta & ESCAPE_FLAG != 0) & (meta != RAW_MARK)).sum())
     assert compressed == round(fraction * 4 * layout.num_blocks)
-    assert int(page_sizes(pages).sum()) == 4 * layout.page_bytes(0) - compressed * 256
+    assert n_esc == round(escaped * 4 * layout.num_blocks)
+    assert int(page_sizes(pages).sum()) == 4 * layout.page_bytes(0) - compressed * 256 + n_esc * 16
     roundtrip_batch(pages)
 
 
@@ -161,10 +223,29 @@ def test_worked_example():
     assert torch.equal(bits(decode_page(buf, 1, 128)), bits(kv))
 
 
+def test_worked_example_v2():
+    # docs/format.md section 4, v2: the same block with an exact zero at v = 5 -> one escape
+    page = torch.full((2, 16, 1, 128), 0x3C00, dtype=torch.int32)
+    page[0, 0, 0, 2] = 0x4280
+    page[0, 0, 0, 0] = 0xBF95
+    page[0, 0, 0, 4] = 0xC123
+    page[0, 0, 0, 5] = 0x0000                                          # exponent 0: below b = 120
+    kv = page.to(torch.int16).view(torch.bfloat16)
+    buf = encode_page(kv)
+    assert buf[:5].tolist() == [0x10, 0x00, 0x00, 0x00, 0xBC]          # 0x80 | b/2
+    assert buf[16 + 512] == 0xEB and buf[16 + 513] == 0x00             # value 5: d = 0
+    assert buf[16 + 768:16 + 784].tolist() == [0x05, 0x78] + [0] * 14   # 5 | (0 ^ 60) << 9
+    assert int.from_bytes(bytes(buf[8:12].tolist()), "little") == 16 + 784 + 3 * 768
+    assert buf.numel() == 16 + 784 + 7 * 768
+    assert torch.equal(bits(decode_page(buf, 1, 128)), bits(kv))
+
+
 # ------------------------------------------------------------------------------ hypothesis
 
 @st.composite
 def structured_pages(draw):
+    """A page whose blocks share an exponent range, plus a few arbitrary patterns (0..6 per
+    drawn position list: escapes, or too many of them) anywhere in the page."""
     heads = draw(st.integers(1, 2))
     head_dim = draw(st.sampled_from([64, 128, 256]))
     n = 2 * 16 * heads * head_dim
@@ -176,21 +257,25 @@ def structured_pages(draw):
     sign = torch.randint(0, 2, (n,), generator=g)
     frac = torch.randint(0, 128, (n,), generator=g)
     pattern = (sign << 15) | (e << 7) | frac
+    spots = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 65535)), max_size=6))
+    for i, p in spots:
+        pattern[i] = p
     return pattern.to(torch.int16).view(torch.bfloat16).view(2, 16, heads, head_dim)
 
 
 @settings(max_examples=60, deadline=None)
 @given(structured_pages())
+@example(torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16))
 def test_property_roundtrip_and_rule(kv):
     heads, head_dim = kv.shape[2], kv.shape[3]
     buf = encode_page(kv)
     assert torch.equal(bits(decode_page(buf, heads, head_dim)), bits(kv))
-    e = (to_blocks(kv[None]).view(torch.int16).to(torch.int32) >> 7) & 0xFF
-    b = e.amin(-1) & ~1
-    expect = torch.where(e.amax(-1) <= b + 15, b // 2, RAW_MARK)
+    blocks = to_blocks(kv[None]).view(torch.int16).to(torch.int32) & 0xFFFF
+    expect = brute_force_meta(blocks.view(-1, 512)).view(blocks.shape[:-1])
     assert torch.equal(analyze_pages(kv[None]), expect)
     n_c = int((expect != RAW_MARK).sum())
-    assert buf.numel() == PageLayout(heads, head_dim).page_bytes(n_c)
+    n_e = int(((expect & ESCAPE_FLAG) != 0).sum()) - (expect.numel() - n_c)
+    assert buf.numel() == PageLayout(heads, head_dim).page_bytes(n_c, n_e)
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -226,7 +311,7 @@ def test_corrupt_metadata_is_detected_not_read_past():
     base = analyze_pages(kv[None]).flatten()
     raw_byte = 4 + int((base[:4] == RAW_MARK).nonzero()[0]) if bool((base[:4] == RAW_MARK).any()) else None
     cases = {
-        "bad block byte": corrupt(buf, 4, 0x80),
+        "block byte changes its size": corrupt(buf, 4, 0x80),   # 784 bytes: offsets disagree
         "bad offset": corrupt(buf, 0, int(buf[0]) + 16),
         "truncated": buf[:-100].clone(),
         "extended": torch.cat([buf, torch.zeros(16, dtype=torch.uint8)]),

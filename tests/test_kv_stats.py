@@ -5,7 +5,7 @@ import torch
 from pathlib import Path
 
 from zipfusion.analysis.kv_stats import analyze_kv
-from zipfusion.analysis.synthetic import pages_with_fraction, realistic_pages
+from zipfusion.analysis.synthetic import model_like_pages, pages_with_fraction, realistic_pages
 from zipfusion.format import RAW_MARK, analyze_pages, page_sizes
 
 
@@ -28,6 +28,25 @@ def test_report_matches_codec(tmp_path):
     assert "compressible blocks" in report.render()
     report.plot(str(tmp_path / "kv.png"))
     assert (tmp_path / "kv.png").stat().st_size > 1000
+
+
+def test_v1_and_v2_side_by_side():
+    """Model-like KV (blocks failing v1 because of 1-4 values): v2 compresses every block,
+    v1 leaves those raw; the outlier histogram and the below-window share are what was put in."""
+    counts = {"K": (0.2, 0.05, 0.02, 0.01), "V": (0.1, 0.05, 0.0, 0.0)}
+    pages = model_like_pages(200, 2, 64, seed=3, counts=counts, below={"K": 1.0, "V": 0.5})
+    report = analyze_kv([as_layer(pages)])
+    assert report.compressible_fraction == 1.0
+    v1 = report.v1
+    assert v1["key_fraction"] == pytest.approx(1 - 0.28, abs=0.03)
+    assert v1["value_fraction"] == pytest.approx(1 - 0.15, abs=0.03)
+    assert v1["size_ratio"] > report.size_ratio > 0.75
+    out = report.outliers()
+    assert out["key"]["below_window"] == 1.0 and 0.3 < out["value"]["below_window"] < 0.7
+    hist = out["key"]["blocks_by_outliers"]
+    assert hist[0] == pytest.approx(v1["key_fraction"]) and hist[-1] == 0.0
+    assert hist[1] == pytest.approx(0.2, abs=0.03)
+    assert "v1" in report.render()
 
 
 def test_partial_page_is_left_out_and_bad_input_named():

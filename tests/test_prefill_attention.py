@@ -7,12 +7,14 @@ tests marked gpu run the compiled kernel at the benchmark's shapes. Every draw i
 import pytest
 import torch
 
-from helpers import build_arena
-from zipfusion.analysis.synthetic import realistic_pages
+from helpers import (adversarial_escape_blocks, build_arena, escape_pattern_blocks,
+                     pages_from_block_bits)
+from zipfusion.analysis.synthetic import model_like_pages, realistic_pages
 from zipfusion.format import PageLayout
 from zipfusion.format.layout import RAW_MARK
 from zipfusion.format.reference import analyze_pages
 from zipfusion.kernels import paged_prefill_attention, plan_prefill
+from zipfusion.kernels.prefill_attention import gather_kv
 from zipfusion.testing import reference_prefill_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,6 +48,9 @@ def make_case(chunks, H, G, D, seed, kind="mixed", device=DEV):
     n_pages = [-(-(s + n) // 16) for s, n in chunks]
     P = sum(n_pages) + 2
     pages = realistic_pages(P, H, D, seed=seed)
+    if kind == "escapes":                         # format v2: blocks with 1-4 escapes, raw, plain
+        pages = model_like_pages(P, H, D, seed=seed, counts={"K": (0.25, 0.1, 0.05, 0.05, 0.1),
+                                                             "V": (0.2, 0.1, 0.05, 0.05, 0.1)})
     if kind == "adversarial":
         pages = adversarial(pages, gen)
     ids = torch.randperm(P, generator=gen)
@@ -111,6 +116,31 @@ def test_against_reference_and_twin_d64(G, block_m, tp, seed):
 
 def test_against_reference_and_twin_d128(seed):
     check_case(make_case([(3, 30), (16, 1)], 2, 4, 128, seed), tile_pages=2, block_m=64)
+
+
+def test_escapes_against_reference_and_twin(seed):
+    """Format v2 pages: blocks with escapes, raw blocks and plain ones in every page."""
+    c = make_case(CHUNKS, 2, 4, 64, seed, kind="escapes")
+    base = analyze_pages(c["pages"][c["comp"]].nan_to_num())
+    assert ((base & 0x80 != 0) & (base != RAW_MARK)).any() and (base == RAW_MARK).any()
+    check_case(c, block_m=32, tile_pages=2, open_pages=True)
+
+
+def test_gather_restores_escape_patterns():
+    """The attention kernels' restore (gather_kv) gives back every pattern as an escape (all
+    65,536 on the GPU, a seeded sixteenth under the interpreter), NaN and inf included, and
+    the 4/5-outlier blocks, bit for bit, from compressed pages."""
+    blocks = escape_pattern_blocks()
+    if DEV == "cpu":
+        blocks = blocks[torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(9))[:1024]]
+    pages = pages_from_block_bits(torch.cat([blocks, adversarial_escape_blocks()]), 2, 128)
+    P = pages.shape[0]
+    arena, loc = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=3, device=DEV)
+    order = torch.randperm(P, generator=torch.Generator().manual_seed(4))
+    k, v = gather_kv(arena, loc, order.to(torch.int32).to(DEV), 16 * P, PageLayout(2, 128),
+                     compressed=True)
+    assert same_bits(k.cpu(), pages[order, 0].reshape(-1, 2, 128))
+    assert same_bits(v.cpu(), pages[order, 1].reshape(-1, 2, 128))
 
 
 def test_adversarial_pages_bit_identical_to_twin():

@@ -67,6 +67,16 @@ def mend_scalar_index() -> None:
 mend_scalar_index()
 
 
+def same_mode(module: ModuleType) -> ModuleType:
+    """``module`` (whose ``_interpreting()`` says whether its @jit functions were made by the
+    interpreter) or its interpreted copy: the one whose @jit helpers a kernel module being
+    imported now can call (an interpreted kernel cannot call compiled helpers)."""
+    import triton
+    if triton.knobs.runtime.interpret and not module._interpreting():
+        return interpreted_copy(module.__name__, module.__file__)
+    return module
+
+
 def interpreted_copy(module_name: str, module_file: str) -> ModuleType:
     """The module at ``module_file`` loaded again with TRITON_INTERPRET=1 (cached; registered in
     ``sys.modules`` as ``<module_name>_interpreted`` while and after it loads, as an import

@@ -2,9 +2,12 @@
 
 Input is what attention layers wrote: for each layer, K and V as [tokens, num_kv_heads, head_dim]
 BF16. Only full pages (16 tokens) are compressed by the engine, so a trailing partial page is
-left out. For each layer and role the report gives the fraction of compressible 512-value blocks,
-the distribution of exponent spans (max exponent minus the even base; <= 15 compresses), the
-bytes the format saves and what that means for concurrent requests.
+left out. For each layer and role the report gives the fraction of compressible 512-value blocks
+and the stored bytes under the format the engine writes (version 2: escapes) and under version
+1 (no escapes) side by side, the distribution of exponent spans (max exponent minus the even
+base; <= 15 compresses in v1), how many values keep each block from the v1 rule (0; 1..4:
+escaped in v2; 5+: raw) and how many of the escaped ones lie below the window, and what that
+means for concurrent requests.
 """
 
 from __future__ import annotations
@@ -13,13 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.layout import PAGE_TOKENS, PageLayout, to_blocks
+from ..format.layout import (ESCAPE_FLAG, MAX_ESCAPES, PAGE_TOKENS, RAW_MARK, PageLayout,
+                              block_bytes, to_blocks)
+from ..format.reference import block_base_half
 
 SPAN_BINS = 33   # spans 0..31 and ">= 32"
+OUTLIER_BINS = MAX_ESCAPES + 2   # blocks with 0, 1..4 (escaped in v2), 5+ (raw) values outside
 
 
 @dataclass
 class LayerStats:
+    """One layer: the format the engine writes (v2) and, with ``_v1``, the seed format."""
     layer: int
     key_fraction: float
     value_fraction: float
@@ -27,6 +34,13 @@ class LayerStats:
     compressed_bytes: int
     key_spans: torch.Tensor      # [SPAN_BINS] block counts
     value_spans: torch.Tensor
+    key_fraction_v1: float = 0.0
+    value_fraction_v1: float = 0.0
+    compressed_bytes_v1: int = 0
+    key_outliers: torch.Tensor = None    # [OUTLIER_BINS] blocks by values outside their window
+    value_outliers: torch.Tensor = None
+    key_below: int = 0           # escaped values below their block's window (the rest: above)
+    value_below: int = 0
 
 
 @dataclass
@@ -36,26 +50,50 @@ class KVReport:
     pages: int                    # full pages per layer that were analysed
     layers: list[LayerStats] = field(default_factory=list)
 
+    def _mean(self, field: str) -> float:
+        """A per-layer fraction averaged over layers (every layer has as many blocks)."""
+        return sum(getattr(s, field) for s in self.layers) / len(self.layers) if self.layers else 0.0
+
+    def _ratio(self, field: str) -> float:
+        open_bytes = sum(s.open_bytes for s in self.layers)
+        return sum(getattr(s, field) for s in self.layers) / open_bytes if open_bytes else 1.0
+
     @property
     def compressible_fraction(self) -> float:
-        if not self.layers:
-            return 0.0
-        return sum(s.key_fraction + s.value_fraction for s in self.layers) / (2 * len(self.layers))
+        return (self.key_fraction + self.value_fraction) / 2
 
     @property
     def key_fraction(self) -> float:
-        """Compressible fraction of K blocks over all layers (every layer has as many blocks)."""
-        return sum(s.key_fraction for s in self.layers) / len(self.layers) if self.layers else 0.0
+        """Compressible fraction of K blocks over all layers."""
+        return self._mean("key_fraction")
 
     @property
     def value_fraction(self) -> float:
-        return sum(s.value_fraction for s in self.layers) / len(self.layers) if self.layers else 0.0
+        return self._mean("value_fraction")
 
     @property
     def size_ratio(self) -> float:
         """Compressed bytes / open bytes over all layers (0.75 is the format's floor)."""
-        open_bytes = sum(s.open_bytes for s in self.layers)
-        return sum(s.compressed_bytes for s in self.layers) / open_bytes if open_bytes else 1.0
+        return self._ratio("compressed_bytes")
+
+    @property
+    def v1(self) -> dict:
+        """The seed format (no escapes): compressible fractions and stored/raw ratio."""
+        k, v = self._mean("key_fraction_v1"), self._mean("value_fraction_v1")
+        return {"compressible_fraction": (k + v) / 2, "key_fraction": k, "value_fraction": v,
+                "size_ratio": self._ratio("compressed_bytes_v1")}
+
+    def outliers(self) -> dict:
+        """Per role: blocks by values outside their window (0, 1..4, 5+, as fractions of all
+        blocks) and the share of escaped values that lie below the window."""
+        out = {}
+        for role in ("key", "value"):
+            hist = sum(getattr(s, f"{role}_outliers") for s in self.layers)
+            escaped = int((hist[1:-1] * torch.arange(1, OUTLIER_BINS - 1)).sum())
+            below = sum(getattr(s, f"{role}_below") for s in self.layers)
+            out[role] = {"blocks_by_outliers": (hist / hist.sum()).tolist(),
+                         "below_window": below / escaped if escaped else float("nan")}
+        return out
 
     @property
     def capacity_gain(self) -> float:
@@ -64,13 +102,18 @@ class KVReport:
 
     def render(self) -> str:
         lines = [f"KV compressibility: {len(self.layers)} layers, {self.pages} full pages of 16 tokens "
-                 f"per layer, {self.num_kv_heads} KV heads x {self.head_dim}",
-                 f"{'layer':>5} {'K blocks':>9} {'V blocks':>9} {'size':>7}"]
+                 f"per layer, {self.num_kv_heads} KV heads x {self.head_dim}; format v2 (escapes) "
+                 "and v1 (none)",
+                 f"{'layer':>5} {'K blocks':>9} {'V blocks':>9} {'size':>7} {'K v1':>7} {'V v1':>7} "
+                 f"{'size v1':>7}"]
         for s in self.layers:
             lines.append(f"{s.layer:>5} {s.key_fraction:>9.1%} {s.value_fraction:>9.1%} "
-                         f"{s.compressed_bytes / s.open_bytes:>7.1%}")
-        lines.append(f"all   compressible blocks {self.compressible_fraction:.1%}; KV size "
-                     f"{self.size_ratio:.1%} of BF16 (floor 75%); "
+                         f"{s.compressed_bytes / s.open_bytes:>7.1%} {s.key_fraction_v1:>7.1%} "
+                         f"{s.value_fraction_v1:>7.1%} {s.compressed_bytes_v1 / s.open_bytes:>7.1%}")
+        v1 = self.v1
+        lines.append(f"all   compressible blocks {self.compressible_fraction:.1%} (v1 "
+                     f"{v1['compressible_fraction']:.1%}); KV size {self.size_ratio:.1%} of BF16 "
+                     f"(v1 {v1['size_ratio']:.1%}; floor 75%); "
                      f"{self.capacity_gain:.3f}x tokens in the same memory")
         worst = min(self.layers, key=lambda s: s.key_fraction + s.value_fraction, default=None)
         if worst is not None:
@@ -128,6 +171,18 @@ def _spans(blocks: torch.Tensor) -> torch.Tensor:
     return torch.bincount(span.clamp(max=SPAN_BINS - 1).flatten(), minlength=SPAN_BINS)
 
 
+def _outlier_stats(bits: torch.Tensor):
+    """Blocks [..., 512] (bit patterns, int32) -> (metadata bytes, histogram [OUTLIER_BINS] of
+    values outside the chosen window per block, escaped values below their window)."""
+    meta = block_base_half(bits)
+    e = (bits >> 7) & 0xFF
+    b = (2 * (meta & 0x7F))[..., None]
+    below = ((e < b) & ((meta & ESCAPE_FLAG) != 0)[..., None] & (meta != RAW_MARK)[..., None])
+    n_out = ((e < b) | (e > b + 15)).sum(-1)
+    n_out = torch.where(meta == RAW_MARK, OUTLIER_BINS - 1, n_out)
+    return meta, torch.bincount(n_out.flatten(), minlength=OUTLIER_BINS), int(below.sum())
+
+
 def layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerStats:
     """Statistics of one layer's K and V, each [tokens, H, D] bf16."""
     if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
@@ -144,13 +199,19 @@ def layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerStats:
     pages = pages.view(2, P, PAGE_TOKENS, H, D).transpose(0, 1).contiguous().cpu()
     blocks = to_blocks(pages)                                          # [P, H, 2, nb, 512]
     spans_k, spans_v = _spans(blocks[:, :, 0]), _spans(blocks[:, :, 1])
-    ok_k = int(spans_k[:16].sum())
-    ok_v = int(spans_v[:16].sum())
+    ok_k, ok_v = int(spans_k[:16].sum()), int(spans_v[:16].sum())      # v1: span <= 15
+    bits = blocks.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    meta_k, out_k, below_k = _outlier_stats(bits[:, :, 0])
+    meta_v, out_v, below_v = _outlier_stats(bits[:, :, 1])
     n = P * H * layout.blocks_per_head
-    return LayerStats(layer=layer, key_fraction=ok_k / n, value_fraction=ok_v / n,
-                      open_bytes=P * layout.open_page_bytes,
-                      compressed_bytes=P * layout.page_bytes(0) - (ok_k + ok_v) * 256,
-                      key_spans=spans_k, value_spans=spans_v)
+    stored = P * layout.header_bytes + int(block_bytes(meta_k).sum() + block_bytes(meta_v).sum())
+    return LayerStats(layer=layer, key_fraction=int((meta_k != RAW_MARK).sum()) / n,
+                      value_fraction=int((meta_v != RAW_MARK).sum()) / n,
+                      open_bytes=P * layout.open_page_bytes, compressed_bytes=stored,
+                      key_spans=spans_k, value_spans=spans_v,
+                      key_fraction_v1=ok_k / n, value_fraction_v1=ok_v / n,
+                      compressed_bytes_v1=P * layout.page_bytes(0) - (ok_k + ok_v) * 256,
+                      key_outliers=out_k, value_outliers=out_v, key_below=below_k, value_below=below_v)
 
 
 def analyze_kv(layers) -> KVReport:

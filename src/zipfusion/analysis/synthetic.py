@@ -1,8 +1,10 @@
-"""Synthetic KV pages: realistic statistics, or an exact compressible-block fraction.
+"""Synthetic KV pages: realistic statistics, a trained model's outliers, or an exact fraction.
 
 ``realistic_pages`` imitates what attention layers write: keys with per-channel scales, a few
 large outlier channels and rope rotation (channel i paired with i + D/2), values whose scale
-varies by token, and a sprinkle of exact zeros. ``pages_with_fraction`` builds pages where a
+varies by token, and a sprinkle of exact zeros. ``model_like_pages`` reproduces what the
+analyzer measured on a trained model (issue 23): blocks that fail the v1 rule fail because of
+1-4 values, mostly tiny ones below the window. ``pages_with_fraction`` builds pages where a
 chosen fraction of the 512-value blocks is compressible, for benchmarks that must state it.
 """
 
@@ -12,7 +14,7 @@ import math
 
 import torch
 
-from ..format.layout import BLOCK_VALUES, PAGE_TOKENS, from_blocks, to_blocks
+from ..format.layout import BLOCK_VALUES, MAX_ESCAPES, PAGE_TOKENS, from_blocks
 
 
 def realistic_pages(num_pages: int, num_kv_heads: int, head_dim: int, *, seed: int = 0,
@@ -44,35 +46,94 @@ def realistic_pages(num_pages: int, num_kv_heads: int, head_dim: int, *, seed: i
     return kv.view(2, num_pages, PAGE_TOKENS, H, D).transpose(0, 1).contiguous()
 
 
+# Measured on SmolLM2-135M-Instruct (benchmarks/real_model.py, 2026-12-04; docs/benchmarks.md):
+# the fraction of 512-value blocks with exactly k = 1, 2, 3, 4 values outside the window format
+# v2 chooses (never 5 or more), and the share of those values below the window (tiny values;
+# the rest lie above it).
+OUTLIER_COUNTS = {"K": (0.0875, 0.0049, 0.00022, 0.000014), "V": (0.0684, 0.0034, 0.00014, 0.0)}
+BELOW_WINDOW = {"K": 0.998, "V": 0.993}
+
+
+def _distinct_positions(n_blocks: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """[n_blocks, k] distinct value indices per block (k smallest of random keys)."""
+    if n_blocks == 0 or k == 0:
+        return torch.zeros(n_blocks, k, dtype=torch.int64)
+    return torch.rand(n_blocks, BLOCK_VALUES, generator=g).topk(k, -1).indices
+
+
+def _set_outliers(flat: torch.Tensor, rows: torch.Tensor, k: int, below: torch.Tensor | float,
+                  g: torch.Generator) -> None:
+    """Give each block ``rows`` k values outside its window, in place: 2^-40 (far below the
+    blocks' exponents) where ``below`` holds, else 2^12 (far above); signs kept."""
+    where = _distinct_positions(rows.numel(), k, g)
+    low = torch.rand(rows.numel(), k, generator=g) < below
+    mag = torch.where(low, 2.0 ** -40, 2.0 ** 12)
+    r = rows[:, None].expand(-1, k)
+    flat[r, where] = mag * torch.where(flat[r, where] < 0, -1.0, 1.0)
+
+
+def _windowed_blocks(P: int, H: int, nb: int, g: torch.Generator) -> torch.Tensor:
+    """[P, H, 2, nb, 512] float values whose exponents span at most 12 in every block."""
+    x = torch.randn(P, H, 2, nb, BLOCK_VALUES, generator=g)
+    return torch.sign(x) * x.abs().clamp(min=2.0 ** -9, max=2.0 ** 2.5)       # exponents 118..129
+
+
 def pages_with_fraction(num_pages: int, num_kv_heads: int, head_dim: int,
-                        compressible_fraction: float, *, seed: int = 0,
-                        device: str | torch.device = "cpu") -> torch.Tensor:
-    """Pages in which exactly round(fraction * blocks) blocks are compressible.
+                        compressible_fraction: float, *, escaped_fraction: float = 0.0,
+                        seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Pages in which exactly round(fraction * blocks) blocks are compressible (format v2).
 
     Every block starts as Gaussian data clipped to an exponent span of 12 (compressible); the
-    chosen raw blocks get one value whose exponent is 20 above the block's smallest.
+    chosen raw blocks get MAX_ESCAPES + 1 values 2^12, beyond what escapes patch. Of the
+    compressible blocks, round(escaped_fraction * blocks) need escapes: 1 value 2^-40 below
+    their window (the common case on real KV). The v1 fraction is the difference of the two.
     """
-    if not 0.0 <= compressible_fraction <= 1.0:
-        raise ValueError(f"compressible_fraction must be in [0, 1], got {compressible_fraction}")
+    if not 0.0 <= escaped_fraction <= compressible_fraction <= 1.0:
+        raise ValueError(f"need 0 <= escaped_fraction <= compressible_fraction <= 1, got "
+                         f"{escaped_fraction} and {compressible_fraction}")
     g = torch.Generator().manual_seed(seed)
     P, H, D = num_pages, num_kv_heads, head_dim
     nb = PAGE_TOKENS * D // BLOCK_VALUES
-    x = torch.randn(P, H, 2, nb, BLOCK_VALUES, generator=g)
-    sign = torch.sign(x)
-    x = sign * x.abs().clamp(min=2.0 ** -9, max=2.0 ** 2.5)        # exponents 118..129
+    x = _windowed_blocks(P, H, nb, g)
     n_blocks = P * H * 2 * nb
-    n_raw = n_blocks - round(compressible_fraction * n_blocks)
-    raw = torch.randperm(n_blocks, generator=g)[:n_raw]
+    n_ok = round(compressible_fraction * n_blocks)
+    n_esc = min(round(escaped_fraction * n_blocks), n_ok)
+    order = torch.randperm(n_blocks, generator=g)
     flat = x.view(n_blocks, BLOCK_VALUES)
-    where = torch.randint(0, BLOCK_VALUES, (n_raw,), generator=g)
-    flat[raw, where] = 2.0 ** 12 * torch.where(flat[raw, where] < 0, -1.0, 1.0)
-    pages = from_blocks(x.to(torch.bfloat16))
-    return pages.contiguous().to(device)
+    _set_outliers(flat, order[n_ok:], MAX_ESCAPES + 1, 0.0, g)
+    _set_outliers(flat, order[:n_esc], 1, 1.0, g)
+    return from_blocks(x.to(torch.bfloat16)).contiguous().to(device)
 
 
-def compressible_fraction(pages: torch.Tensor) -> float:
-    """Fraction of the pages' 512-value blocks that the format compresses."""
+def model_like_pages(num_pages: int, num_kv_heads: int, head_dim: int, *, seed: int = 0,
+                     counts: dict | None = None, below: dict | None = None) -> torch.Tensor:
+    """[num_pages, 2, 16, H, D] bf16 KV with a trained model's outlier statistics.
+
+    Every block's bulk lies within an exponent span of 12 (the measured median); then a block
+    of role r ("K", "V") gets exactly k = 1..4 values outside its window with probability
+    ``counts[r][k-1]`` (default :data:`OUTLIER_COUNTS`), each below the window (2^-40) with
+    probability ``below[r]`` (:data:`BELOW_WINDOW`), else above it (2^12). So format v1 leaves
+    about 9 % of K and 7 % of V blocks raw, and v2 compresses every block.
+    """
+    counts, below = counts or OUTLIER_COUNTS, below or BELOW_WINDOW
+    g = torch.Generator().manual_seed(seed)
+    P, H, D = num_pages, num_kv_heads, head_dim
+    nb = PAGE_TOKENS * D // BLOCK_VALUES
+    x = _windowed_blocks(P, H, nb, g)
+    for r, role in enumerate(("K", "V")):
+        flat = x[:, :, r].reshape(-1, BLOCK_VALUES)
+        u = torch.rand(flat.shape[0], generator=g)
+        edges = torch.cumsum(torch.tensor((0.0,) + tuple(counts[role])), 0)
+        for k in range(1, len(edges)):
+            rows = torch.nonzero((u >= edges[k - 1]) & (u < edges[k])).flatten()
+            _set_outliers(flat, rows, k, below[role], g)
+        x[:, :, r] = flat.view(P, H, nb, BLOCK_VALUES)
+    return from_blocks(x.to(torch.bfloat16)).contiguous()
+
+
+def compressible_fraction(pages: torch.Tensor, version: int = 2) -> float:
+    """Fraction of the pages' 512-value blocks that the format (``version`` 2 or 1) compresses."""
     from ..format.reference import analyze_pages
     from ..format.layout import RAW_MARK
-    base = analyze_pages(pages)
+    base = analyze_pages(pages, version)
     return float((base != RAW_MARK).float().mean()) if base.numel() else math.nan

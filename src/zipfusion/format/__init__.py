@@ -7,13 +7,15 @@ Triton kernels of :mod:`zipfusion.format.triton_codec` produce the same bytes on
 the memory manager picks between the two (:mod:`zipfusion.memory.codec`).
 """
 
-from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, RAW_BLOCK_BYTES, RAW_MARK,
-                     PageLayout, from_blocks, to_blocks)
+from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, ESCAPE_FLAG, ESCAPED_BLOCK_BYTES,
+                     MAX_ESCAPES, PAGE_TOKENS, RAW_BLOCK_BYTES, RAW_MARK, PageLayout, block_bytes,
+                     from_blocks, to_blocks)
 from .reference import (CorruptPageError, analyze_pages, decode_page, decode_pages, encode_page,
                         encode_pages_into, page_sizes)
 
 __all__ = [
-    "BLOCK_VALUES", "COMPRESSED_BLOCK_BYTES", "PAGE_TOKENS", "RAW_BLOCK_BYTES", "RAW_MARK",
+    "BLOCK_VALUES", "COMPRESSED_BLOCK_BYTES", "ESCAPE_FLAG", "ESCAPED_BLOCK_BYTES", "MAX_ESCAPES",
+    "block_bytes", "PAGE_TOKENS", "RAW_BLOCK_BYTES", "RAW_MARK",
     "PageLayout", "CorruptPageError", "analyze_pages", "decode_page",
     "decode_pages", "encode_page", "encode_pages_into", "page_sizes", "from_blocks", "to_blocks",
 ]

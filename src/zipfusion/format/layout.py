@@ -19,8 +19,12 @@ PAGE_TOKENS = 16          # tokens per KV page
 BLOCK_VALUES = 512        # values per block
 GROUP_VALUES = 8          # values restored together (one 8-byte + one 4-byte load)
 COMPRESSED_BLOCK_BYTES = 768
+ESCAPE_CHUNK_BYTES = 16   # v2: the escape records appended to a compressed block
+ESCAPED_BLOCK_BYTES = COMPRESSED_BLOCK_BYTES + ESCAPE_CHUNK_BYTES
 RAW_BLOCK_BYTES = 1024
 RAW_MARK = 0xFF           # metadata byte of a block stored raw
+ESCAPE_FLAG = 0x80        # v2: metadata byte bit 7 (with b/2 <= 126 below it): the block has escapes
+MAX_ESCAPES = 4           # v2: escape records per block (a block with more outliers is raw)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -120,10 +124,21 @@ class PageLayout:
                 + torch.arange(H, device=dev).view(1, H, 1)) * D + torch.arange(D, device=dev).view(1, 1, D))
         return open_bf16_index(page_loc).view(-1, 1, 1, 1) + slots.view(-1, 1, 1, 1) * (H * D) + rhc[None]
 
-    def page_bytes(self, num_compressed_blocks: int) -> int:
+    def page_bytes(self, num_compressed_blocks, num_escaped_blocks=0):
+        """Size of a page with that many compressed blocks, ``num_escaped_blocks`` of them with
+        escapes (format v2); ints or integer arrays."""
         n_raw = self.num_blocks - num_compressed_blocks
         return (self.header_bytes + num_compressed_blocks * COMPRESSED_BLOCK_BYTES
-                + n_raw * RAW_BLOCK_BYTES)
+                + num_escaped_blocks * ESCAPE_CHUNK_BYTES + n_raw * RAW_BLOCK_BYTES)
+
+
+def block_bytes(meta):
+    """Stored size of a block from its metadata byte (int, NumPy or torch integers): 1024 for
+    RAW_MARK, 784 for a compressed block with escapes (bit 7 set), else 768."""
+    escaped = (meta & ESCAPE_FLAG) != 0
+    raw = meta == RAW_MARK
+    return COMPRESSED_BLOCK_BYTES + escaped * ESCAPE_CHUNK_BYTES \
+        + raw * (RAW_BLOCK_BYTES - ESCAPED_BLOCK_BYTES)
 
 
 def to_blocks(pages: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, GROUP_VALUES, PAGE_TOKENS,
-                     RAW_BLOCK_BYTES, RAW_MARK, PageLayout, from_blocks, to_blocks)
+from .layout import (BLOCK_VALUES, COMPRESSED_BLOCK_BYTES, ESCAPE_CHUNK_BYTES, ESCAPE_FLAG,
+                     ESCAPED_BLOCK_BYTES, GROUP_VALUES, MAX_ESCAPES, PAGE_TOKENS, RAW_BLOCK_BYTES,
+                     RAW_MARK, PageLayout, block_bytes, from_blocks, to_blocks)
 
 
 class CorruptPageError(ValueError):
@@ -27,38 +28,89 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_base_half(bits: torch.Tensor) -> torch.Tensor:
-    """bits [..., 512] (int32) -> b/2 for compressible blocks, RAW_MARK for raw ones (int32)."""
+    """bits [..., 512] (int32) -> each block's metadata byte (int32): ``b/2`` (compressed, v1
+    form), ``0x80 | b/2`` (compressed with 1..4 escapes, v2) or ``RAW_MARK`` (docs/format.md
+    section 2: the choice of b).
+
+    Straight from the definition: n(b), the values outside [b, b+15], for every even b from an
+    exponent histogram; no escapes needed -> b = min(e) & ~1 (as in v1); else the largest even
+    b <= 252 with the fewest outliers, if they are at most MAX_ESCAPES; else raw.
+    """
+    e = (bits >> 7) & 0xFF
+    hist = torch.zeros(*e.shape[:-1], 257, dtype=torch.int32, device=e.device)
+    hist.scatter_add_(-1, e + 1, torch.ones_like(e))
+    below = torch.cumsum(hist, -1)                                     # below[x] = #{e < x}
+    b = torch.arange(0, 256, 2, device=e.device)
+    n = e.shape[-1] - (below[..., (b + 16).clamp(max=256)] - below[..., b])   # [..., 128]
+    v1 = e.amin(-1) & ~1
+    fits = n.gather(-1, (v1 >> 1)[..., None])[..., 0] == 0
+    last = n[..., :127].flip(-1)                     # b/2 = 126 .. 0: argmin takes the largest b
+    bh = 126 - last.argmin(-1)
+    n_esc = last.amin(-1)
+    meta = torch.where(n_esc <= MAX_ESCAPES, ESCAPE_FLAG | bh, torch.full_like(bh, RAW_MARK))
+    return torch.where(fits, v1 >> 1, meta).to(torch.int32)
+
+
+def block_base_half_v1(bits: torch.Tensor) -> torch.Tensor:
+    """The v1 rule (no escapes): b/2 if max(e) <= (min(e) & ~1) + 15, else RAW_MARK. v1 pages
+    are valid v2 pages; the encoder writes them with ``version=1`` (comparisons, tests)."""
     e = (bits >> 7) & 0xFF
     b = e.amin(-1) & ~1
-    ok = e.amax(-1) <= b + 15
-    return torch.where(ok, b >> 1, torch.full_like(b, RAW_MARK))
+    return torch.where(e.amax(-1) <= b + 15, b >> 1, torch.full_like(b, RAW_MARK)).to(torch.int32)
+
+
+def _escape_records(bits: torch.Tensor, bh: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
+    """The 16-byte escape chunk of each block, [..., 16] int32 bytes: the first MAX_ESCAPES
+    escaped values in index order, record = v | ((e >> 1) ^ b/2) << 9 (u16), zero records after."""
+    v = torch.arange(bits.shape[-1], device=bits.device)
+    pos = torch.where(esc, v, bits.shape[-1]).topk(MAX_ESCAPES, -1, largest=False).values
+    hi7 = ((bits >> 8) & 0x7F).gather(-1, pos.clamp(max=bits.shape[-1] - 1))
+    rec = torch.where(pos < bits.shape[-1], pos | ((hi7 ^ bh[..., None]) << 9), 0)
+    chunk = torch.stack([rec & 0xFF, rec >> 8], -1).flatten(-2)                   # [..., 8]
+    return torch.nn.functional.pad(chunk, (0, ESCAPE_CHUNK_BYTES - 2 * MAX_ESCAPES))
 
 
 def encode_blocks(bits: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor:
-    """Block bodies, [..., 1024] uint8; a compressed block uses the first 768 bytes."""
+    """Block bodies, [..., 1024] uint8; a compressed block uses the first 768 bytes (784 with
+    escapes: the escaped values' codes hold d = 0, their records follow the codes)."""
     lo = bits & 0xFF
     s = bits >> 15
-    d = ((((bits >> 7) & 0xFF) - 2 * base_half[..., None]) >> 1).clamp(0, 7)
+    bh = base_half & 0x7F
+    d = (((bits >> 7) & 0xFF) - 2 * bh[..., None]) >> 1
+    esc = ((d < 0) | (d > 7)) & (base_half != RAW_MARK)[..., None]
+    d = torch.where(esc, 0, d)
+    chunk = _escape_records(bits, bh, esc)
     s = s.unflatten(-1, (-1, GROUP_VALUES))
     d = d.unflatten(-1, (-1, GROUP_VALUES))
     codes = (s[..., :4] << 7) | (s[..., 4:] << 6) | (d[..., 4:] << 3) | d[..., :4]
-    compressed = torch.cat([lo, codes.flatten(-2)], dim=-1).to(torch.uint8)
-    compressed = torch.nn.functional.pad(compressed, (0, RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES))
+    compressed = torch.cat([lo, codes.flatten(-2), chunk], dim=-1).to(torch.uint8)
+    compressed = torch.nn.functional.pad(compressed, (0, RAW_BLOCK_BYTES - ESCAPED_BLOCK_BYTES))
     raw = bits.to(torch.int16).contiguous().view(torch.uint8)   # little-endian words
     is_raw = (base_half == RAW_MARK)[..., None]
     return torch.where(is_raw, raw, compressed)
 
 
 def decode_blocks(bodies: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`encode_blocks`: bodies [..., 1024] uint8 -> bits [..., 512] int32."""
+    """Inverse of :func:`encode_blocks`: bodies [..., 1024] uint8 -> bits [..., 512] int32.
+
+    The torch form of the restore (docs/format.md section 2): four high bytes per group from
+    the codes and b/2, then each escape record XORs its 7 bits into its value's high byte
+    (zero records, and blocks without escapes, change nothing)."""
     b = bodies.to(torch.int32)
     raw = b[..., 0::2] | (b[..., 1::2] << 8)
     lo = b[..., :BLOCK_VALUES]
     codes = b[..., BLOCK_VALUES:COMPRESSED_BLOCK_BYTES].unflatten(-1, (-1, 4))
-    half = base_half[..., None, None].clamp(max=127)
+    half = (base_half & 0x7F)[..., None, None]
     hi_first = (codes & 0x87) + half                                  # values 0..3 of a group
     hi_last = (((codes << 1) & 0x80) | ((codes >> 3) & 0x07)) + half  # values 4..7
     hi = torch.cat([hi_first, hi_last], dim=-1).flatten(-2)
+    escaped = ((base_half & ESCAPE_FLAG) != 0) & (base_half != RAW_MARK)
+    rec = b[..., COMPRESSED_BLOCK_BYTES:ESCAPED_BLOCK_BYTES:2] \
+        | (b[..., COMPRESSED_BLOCK_BYTES + 1:ESCAPED_BLOCK_BYTES:2] << 8)
+    rec = torch.where(escaped[..., None], rec[..., :MAX_ESCAPES], 0)
+    v = torch.arange(BLOCK_VALUES, device=bodies.device)
+    for r in range(MAX_ESCAPES):
+        hi = hi ^ torch.where(v == (rec[..., r:r + 1] & 0x1FF), rec[..., r:r + 1] >> 9, 0)
     compressed = (hi << 8) | lo
     return torch.where((base_half == RAW_MARK)[..., None], raw, compressed)
 
@@ -81,24 +133,29 @@ def _check_pages(pages: torch.Tensor) -> PageLayout:
     return PageLayout(int(pages.shape[3]), int(pages.shape[4]))
 
 
-def analyze_pages(pages: torch.Tensor) -> torch.Tensor:
-    """Per-block b/2 or RAW_MARK, [P, H, 2, nb] int32 (what the metadata will say)."""
+def _rule(version: int):
+    if version not in (1, 2):
+        raise ValueError(f"format version must be 1 or 2, got {version!r}")
+    return block_base_half if version == 2 else block_base_half_v1
+
+
+def analyze_pages(pages: torch.Tensor, version: int = 2) -> torch.Tensor:
+    """Per-block metadata byte (b/2, 0x80 | b/2 or RAW_MARK), [P, H, 2, nb] int32.
+    ``version=1``: the seed format's rule (no escapes)."""
     _check_pages(pages)
-    return block_base_half(_bits(to_blocks(pages)))
+    return _rule(version)(_bits(to_blocks(pages)))
 
 
-def page_sizes(pages: torch.Tensor) -> torch.Tensor:
+def page_sizes(pages: torch.Tensor, version: int = 2) -> torch.Tensor:
     """Encoded size in bytes of each page, [P] int64, without encoding."""
     layout = _check_pages(pages)
-    base_half = analyze_pages(pages)
-    n_compressed = (base_half != RAW_MARK).flatten(1).sum(1).to(torch.int64)
-    return layout.page_bytes(0) - n_compressed * (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)
+    meta = analyze_pages(pages, version)
+    return layout.header_bytes + block_bytes(meta).flatten(1).sum(1).to(torch.int64)
 
 
 def _block_starts(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     """Byte offset of every block from its page's start, [P, NB] int64 (format order)."""
-    sizes = torch.where(base_half.flatten(1) == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
-    sizes = sizes.to(torch.int64)
+    sizes = block_bytes(base_half.flatten(1)).to(torch.int64)
     return layout.header_bytes + torch.cumsum(sizes, 1) - sizes
 
 
@@ -113,19 +170,21 @@ def _headers(base_half: torch.Tensor, starts: torch.Tensor, layout: PageLayout) 
     return records.reshape(P, layout.header_bytes).to(torch.uint8)
 
 
-def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch.Tensor) -> torch.Tensor:
+def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch.Tensor,
+                      version: int = 2) -> torch.Tensor:
     """Encode pages [P, 2, 16, H, D] into the uint8 buffer ``out`` at byte offsets ``dst_offsets``.
 
     Returns each page's encoded size ([P] int64). ``out`` must have room: use
-    :func:`page_sizes` to size the destinations first.
+    :func:`page_sizes` to size the destinations first. ``version=1`` writes the seed format
+    (no escapes), which every decoder reads too.
     """
     layout = _check_pages(pages)
     bits = _bits(to_blocks(pages))
-    base_half = block_base_half(bits)
+    base_half = _rule(version)(bits)
     bodies = encode_blocks(bits, base_half)
     P = pages.shape[0]
     starts = _block_starts(base_half, layout)
-    sizes = torch.where(base_half.flatten(1) == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
+    sizes = block_bytes(base_half.flatten(1))
     total = layout.header_bytes + sizes.sum(1).to(torch.int64)
     dst = dst_offsets.to(device=out.device, dtype=torch.int64).view(P, 1)
     if P and int((dst.view(-1) + total.to(dst.device)).max()) > out.numel():
@@ -164,9 +223,7 @@ def read_headers(buf: torch.Tensor, offsets: torch.Tensor, layout: PageLayout) -
         raise CorruptPageError("page location outside the buffer")
     hdr = buf[offsets + torch.arange(layout.header_bytes, device=buf.device)].to(torch.int64)
     rec = hdr.view(P, H, 2, M)
-    base_half = rec[..., 4:4 + nb]
-    if bool(((base_half > 127) & (base_half != RAW_MARK)).any()):
-        raise CorruptPageError("metadata holds a block byte that is neither b/2 (0..127) nor 0xFF (raw)")
+    base_half = rec[..., 4:4 + nb]       # every byte is valid: b/2, 0x80 | b/2 or 0xFF
     if bool((rec[..., 4 + nb:] != 0).any()):
         raise CorruptPageError("metadata padding bytes are not zero")
     first = rec[..., 0] | (rec[..., 1] << 8) | (rec[..., 2] << 16) | (rec[..., 3] << 24)
@@ -186,7 +243,7 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int, he
     _check_buffer(buf)
     base_half, starts = read_headers(buf, offsets, layout)
     P = offsets.numel()
-    block_sizes = torch.where(base_half.flatten(1) == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
+    block_sizes = block_bytes(base_half.flatten(1))
     ends = starts[:, -1] + block_sizes[:, -1] if P else starts.new_zeros(0)
     offs = offsets.to(device=buf.device, dtype=torch.int64).view(P)
     if P and int((offs + ends).max()) > buf.numel():

@@ -3,7 +3,8 @@
 All three work on pages living in the KV arena, a 1-D ``torch.uint8`` tensor (docs/design.md):
 
 * :func:`analyze_open_pages` reads full open pages ``[2, 16, H, D]`` bf16 and returns each
-  block's metadata byte (``b/2`` or ``0xFF``) and each page's encoded size;
+  block's metadata byte (``b/2``, ``0x80 | b/2`` with escapes, or ``0xFF``) and each page's
+  encoded size;
 * :func:`compress_open_pages` writes the compressed pages (metadata + block bodies) at the given
   destinations in the same arena, byte-identical to ``reference.encode_pages_into``;
 * :func:`decompress_pages` turns compressed pages back into ``[P, 2, 16, H, D]`` bf16,
@@ -29,13 +30,14 @@ two 16-bit halves (no lane can borrow from the other, see below)::
          s[j] << 7 | s[j+4] << 6 | d[j+4] << 3 | d[j]
     lo_0123 = low bytes of w_0, w_1;  lo_4567 = low bytes of w_2, w_3
 
-Decoding restores four high bytes with one add (docs/format.md section 2)::
+Format v2 escapes (a block flagged ``0x80 | b/2``): values outside the window get ``d = 0``
+(``triton_encode.clean`` sets their 7 exponent bits to ``b/2`` before the codes are made) and
+a record ``v | ((e >> 1) ^ b/2) << 9`` each, the 4 smallest ``v`` by 4 min-reductions
+(``triton_encode.escape_words``), stored after the codes.
 
-    hi_0123 = (c & 0x87878787) + bh·0x01010101
-    hi_4567 = ((c << 1) & 0x80808080 | (c >> 3) & 0x07070707) + bh·0x01010101
-
-and re-interleaves low and high bytes into the four words of the group. Raw blocks are copied
-word for word. Which blocks are raw is uniform per block, so it becomes a per-block mask on the
+Decoding is the shared restore (``triton_restore.restore_group``: four high bytes with one add,
+the escape records XORed in, bytes interleaved into the four words of the group). Raw blocks
+are copied word for word. Which blocks are raw is uniform per block, so it becomes a per-block mask on the
 loads/stores (both paths are computed, the stores are predicated).
 
 Trust: the kernels trust metadata written by our encoder. ``decompress_pages(...,
@@ -54,9 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_interpreter import kernel_module
-from .layout import COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, RAW_BLOCK_BYTES, RAW_MARK, PageLayout
-from . import reference
+from ..triton_interpreter import kernel_module, same_mode
+from .layout import COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, PageLayout, block_bytes
+from . import reference, triton_encode, triton_restore
+from .triton_encode import COMPRESSED_C, ESCAPED_C, FLAG_C, RAW_C, RAW_MARK_C
 from .triton_checks import check_arena, check_index, check_layout, check_offsets
 
 __all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
@@ -64,31 +67,19 @@ __all__ = ["analyze_open_pages", "compress_open_pages", "decompress_pages"]
 # Warps per program of each kernel (benchmarks/codec.py sweeps these on the GPU).
 NUM_WARPS = {"analyze": 2, "compress": 4, "decompress": 4}
 
+# The restore (one routine for every reader of the format) and the encoder's bit work, made as
+# this module's kernels are.
+_restore_group = same_mode(triton_restore).restore_group
+_E = same_mode(triton_encode)
+_sum, _minr, _maxr, _tile_bases = _E.sum_, _E.minr, _E.maxr, _E.tile_bases
+_lo16, _code16, _clean, _escape_words = _E.lo16, _E.code16, _E.clean, _E.escape_words
+PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
+ESC_WORD = tl.constexpr(COMPRESSED_BLOCK_BYTES // 4)  # the escape chunk's first word in a block
+
 
 # --------------------------------------------------------------------------------------------
 # Index maps (jit helpers shared by the three kernels)
 # --------------------------------------------------------------------------------------------
-
-# Reductions: tl.reduce with triton.language's own combine functions, passed explicitly. The
-# Triton interpreter recognises these objects and reduces with numpy (fast); tl.sum/tl.min/
-# tl.max would not run under the interpreter copy of this module (see _kernel) when Triton was
-# imported without TRITON_INTERPRET=1, and our own combine functions would be reduced element
-# by element in Python (slow). On the GPU this is exactly what tl.sum/tl.min/tl.max compile to.
-
-@triton.jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
-def _minr(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_min)
-
-
-@triton.jit
-def _maxr(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
-
 
 @triton.jit
 def _group_index(NB: tl.constexpr):
@@ -116,7 +107,7 @@ def _open_word_offsets(R: tl.constexpr, h, H: tl.constexpr, D: tl.constexpr, NB:
     else:
         t = (512 // D) * j + g // (D // 8)
         cw = 4 * (g % (D // 8)) + k
-    return (R * 16 + t) * (H * D // 2) + h * (D // 2) + cw
+    return (R * PT + t) * (H * D // 2) + h * (D // 2) + cw
 
 
 @triton.jit
@@ -124,42 +115,28 @@ def _record_starts(first, bh_ptr, NB: tl.constexpr):
     """Byte offsets from the page start of the NB blocks of one record, [NB] int32, and their
     metadata bytes [NB] uint32.
 
-    start(j) = first + Σ_{i < j} size(i), size = 768 for a b/2 byte, 1024 for 0xFF. NB <= 8, so
-    the prefix sum is NB-1 scalar terms (uniform scalar loads; no cross-thread reduction).
+    start(j) = first + Σ_{i < j} size(i), size = 768 for a b/2 byte, 784 for 0x80 | b/2, 1024
+    for 0xFF. NB <= 8, so the prefix sum is NB-1 scalar terms (uniform scalar loads; no
+    cross-thread reduction).
     """
     jj = tl.arange(0, NB)
     start = first + 0 * jj
     for i in tl.static_range(NB - 1):
-        size_i = tl.where(tl.load(bh_ptr + i) == RAW_MARK_C, 1024, 768)
-        start += tl.where(jj > i, size_i, 0)
+        start += tl.where(jj > i, _block_size(tl.load(bh_ptr + i)), 0)
     bh = tl.load(bh_ptr + jj).to(tl.uint32)
     return start, bh
 
 
-RAW_MARK_C = tl.constexpr(RAW_MARK)
-
-
-# --------------------------------------------------------------------------------------------
-# Analyze: per-block base and per-page size
-# --------------------------------------------------------------------------------------------
-
 @triton.jit
-def _tile_bases(w):
-    """Tile [NB, 64, 4] of words -> per-block metadata byte b/2 or 0xFF [NB], and the tile's
-    encoded bytes (scalar).
+def _block_size(meta):
+    """A block's stored bytes from its metadata byte: 1024 raw, 784 with escapes, else 768."""
+    return tl.where(meta == RAW_MARK_C, RAW_C, tl.where((meta & FLAG_C) != 0, ESCAPED_C,
+                                                           COMPRESSED_C))
 
-    Exponent of each half of a word: e = (w >> 7) & 0xFF and (w >> 23) & 0xFF.
-    b = min(e) & ~1; compressible iff max(e) <= b + 15; 768 bytes if so, else 1024.
-    """
-    u = w.to(tl.uint32, bitcast=True)
-    e_lo = (u >> 7) & 0xFF
-    e_hi = (u >> 23) & 0xFF
-    mn = _minr(_minr(tl.minimum(e_lo, e_hi), axis=2), axis=1)          # [NB]
-    mx = _maxr(_maxr(tl.maximum(e_lo, e_hi), axis=2), axis=1)
-    b = mn & 0xFE
-    ok = mx <= b + 15
-    return tl.where(ok, b >> 1, RAW_MARK_C), _sum(tl.where(ok, 768, 1024), axis=0)
 
+# --------------------------------------------------------------------------------------------
+# Analyze (the rule itself: triton_encode.tile_bases)
+# --------------------------------------------------------------------------------------------
 
 @triton.jit
 def _analyze_kernel(arena_ptr, src_ptr, base_half_ptr, sizes_ptr,
@@ -185,30 +162,6 @@ def _analyze_kernel(arena_ptr, src_ptr, base_half_ptr, sizes_ptr,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _lo16(w):
-    """Low bytes of the two values of a word, packed into 16 bits: lo(v0) | lo(v1) << 8."""
-    return (w & 0xFF) | ((w >> 8) & 0xFF00)
-
-
-@triton.jit
-def _code16(wa, wb, bh):
-    """Code bytes of the value pairs (wa: values j, j+1; wb: values j+4, j+5) -> 16 bits.
-
-    Lane-wise on the 16-bit halves: hi = high byte, d = (hi & 0x7F) − b/2 in 0..7, s = hi >> 7;
-    code = s[j] << 7 | s[j+4] << 6 | d[j+4] << 3 | d[j], then the two lanes' bytes packed.
-    The subtraction cannot borrow across lanes because (hi & 0x7F) >= b/2 in every lane of a
-    compressible block (raw blocks' codes are never stored).
-    """
-    bh2 = bh * 0x00010001
-    ha = (wa >> 8) & 0x00FF00FF
-    hb = (wb >> 8) & 0x00FF00FF
-    da = (ha & 0x007F007F) - bh2
-    db = (hb & 0x007F007F) - bh2
-    c = da | (db << 3) | (((hb >> 7) & 0x00010001) << 6) | (((ha >> 7) & 0x00010001) << 7)
-    return (c & 0xFF) | ((c >> 8) & 0xFF00)
-
-
-@triton.jit
 def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
                    D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
     """Write record (h, R) of a compressed page at word pointer dst: its M metadata bytes and
@@ -217,7 +170,7 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
     j, g, k = _group_index(NB)
     rec = h * 2 + R
     start, bh = _record_starts(first, bh_ptr, NB)                       # [NB] bytes, [NB]
-    # metadata record, M/4 words: u32 offset of block 0, then the NB bytes b/2|0xFF
+    # metadata record, M/4 words: u32 offset of block 0, then the NB metadata bytes
     # little-endian 4 to a word, zero padding
     tl.store(dst + rec * (M // 4), first)
     for q in tl.static_range(1, M // 4):
@@ -236,12 +189,14 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
     tl.store(dst + start_w + 4 * g + k, w, mask=is_raw)
     # compressed block: 2 words of low bytes at word 2g, 1 code word at word 128 + g
     u = w.to(tl.uint32, bitcast=True)
-    w02, w13 = tl.split(tl.reshape(u, (NB, 64, 2, 2)))   # [.., i, o] = w_{2i+o}
+    bh7 = bh & 0x7F                                                     # b/2 without the flag
+    cu = _clean(u, bh7[:, None, None])
+    w02, w13 = tl.split(tl.reshape(cu, (NB, 64, 2, 2)))   # [.., i, o] = w_{2i+o}
     w0, w2 = tl.split(w02)
     w1, w3 = tl.split(w13)
     lo_0123 = _lo16(w0) | (_lo16(w1) << 16)
     lo_4567 = _lo16(w2) | (_lo16(w3) << 16)
-    bhc = bh[:, None]
+    bhc = bh7[:, None]
     code = _code16(w0, w2, bhc) | (_code16(w1, w3, bhc) << 16)
     lo = tl.join(lo_0123, lo_4567).to(tl.int32, bitcast=True)          # [NB, 64, 2]
     m = tl.arange(0, 2)[None, None, :]
@@ -250,6 +205,12 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
     # computed in, instead of moving them between threads for 8-byte stores)
     code_off = tl.max_contiguous(start_w1[:, None] + 128 + tl.arange(0, 64)[None, :], [1, 1])
     tl.store(dst + code_off, code.to(tl.int32, bitcast=True), mask=~raw1[:, None])
+    # format v2: blocks with escapes get their 16-byte chunk after the codes (words 192..195)
+    esc1 = ((bh & FLAG_C) != 0) & ~raw1
+    e0, e1 = _escape_words(u, bh7, g, k)
+    m4 = tl.arange(0, 4)[None, :]
+    chunk = tl.where(m4 == 0, e0[:, None], tl.where(m4 == 1, e1[:, None], 0))
+    tl.store(dst + start_w1[:, None] + ESC_WORD + m4, chunk, mask=esc1[:, None])
 
 
 @triton.jit
@@ -261,11 +222,10 @@ def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, index_ptr,
     Output page i encodes analyzed page p = index[i] (p = i without an index): source
     src[p], metadata base_half[p], destination dst[i]. Record r = 2h + R starts its blocks at
 
-        first(r) = 2·H·M + r·NB·768 + 256 · #{raw blocks of records < r}
+        first(r) = 2·H·M + Σ_{blocks q of records < r} size(q)      (768, 784 or 1024)
 
-    (every block is 768 bytes plus 256 if raw), counted here from the page's 2·H·NB metadata
-    bytes (one small vector load, shared in L1/L2 by the page's H programs): no prefix-sum pass
-    and no gather before the launch.
+    counted here from the page's 2·H·NB metadata bytes (one small vector load, shared in L1/L2
+    by the page's H programs): no prefix-sum pass and no gather before the launch.
     """
     pid = tl.program_id(0)
     i = pid // H
@@ -279,16 +239,11 @@ def _compress_kernel(arena_ptr, src_ptr, dst_ptr, base_half_ptr, index_ptr,
     dst = words + tl.multiple_of(tl.load(dst_ptr + i) // 4, 4)
     meta = base_half_ptr + p.to(tl.int64) * (2 * H * NB)
     q = tl.arange(0, NBLK)
-    raw = tl.load(meta + q, mask=q < 2 * H * NB, other=0) == RAW_MARK_C
+    size = _block_size(tl.load(meta + q, mask=q < 2 * H * NB, other=0))
     for R in tl.static_range(2):
         rec = h * 2 + R
-        n_raw = _sum(tl.where(raw & (q < rec * NB), 1, 0), axis=0)
-        first = 2 * H * M + rec * (NB * COMPRESSED_C) + n_raw * (RAW_C - COMPRESSED_C)
+        first = 2 * H * M + _sum(tl.where(q < rec * NB, size, 0), axis=0)
         _encode_record(src, dst, meta + rec * NB, first, R, h, H, D, NB, M)
-
-
-COMPRESSED_C = tl.constexpr(COMPRESSED_BLOCK_BYTES)
-RAW_C = tl.constexpr(RAW_BLOCK_BYTES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +252,8 @@ RAW_C = tl.constexpr(RAW_BLOCK_BYTES)
 
 @triton.jit
 def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
-                       H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr):
+                       H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     """Program (p, h): decodes K and V of head h of compressed page p into out[p]."""
     pid = tl.program_id(0)
     p = pid // H
@@ -305,36 +261,38 @@ def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
     off = tl.load(offsets_ptr + p)
     words = arena_ptr.to(tl.pointer_type(tl.int32))
     page_w = words + tl.multiple_of(off // 4, 4)
-    out = out_ptr.to(tl.pointer_type(tl.int32)) + p.to(tl.int64) * (16 * H * D)
+    out = out_ptr.to(tl.pointer_type(tl.int32)) + p.to(tl.int64) * (2 * PT * H * D // 2)
     j, g, k = _group_index(NB)
     for R in tl.static_range(2):
         rec = (h * 2 + R) * M
         first = tl.load(page_w + rec // 4)                                # u32 offset of block 0
-        start, bh = _record_starts(first, arena_ptr + off + rec + 4, NB)  # b/2 or 0xFF bytes
+        start, bh = _record_starts(first, arena_ptr + off + rec + 4, NB)  # metadata bytes
         start_w1 = tl.multiple_of(start // 4, 4)
         start_w = start_w1[:, None, None]
         raw1 = bh == RAW_MARK_C
         is_raw = raw1[:, None, None]
         raw = tl.load(page_w + start_w + 4 * g + k, mask=is_raw, other=0)
-        # Every tensor below has the tile's shape [NB, 64, 4] and the same register layout
-        # (a thread owns the 4 words of a group), so no data moves between threads: each
-        # thread loads the 16 bytes that hold its group's code word (codes of groups
-        # 4(g/4) .. +3) and the 16 bytes that hold its two low-byte words (groups 2(g/2), +1),
-        # then picks its own words with an in-thread select-and-sum over the 4 lanes.
+        # Every tensor below has the tile's shape [NB, 64, 4] (or [NB, 64]) and the same
+        # register layout (a thread owns the 4 words of a group), so no data moves between
+        # threads: each thread loads the 16 bytes that hold its group's code word (codes of
+        # groups 4(g/4) .. +3) and the 16 bytes that hold its two low-byte words (groups
+        # 2(g/2), +1), then picks its own words with an in-thread select-and-sum over 4 lanes.
         cw4 = tl.load(page_w + start_w + 128 + 4 * (g // 4) + k, mask=~is_raw, other=0)
         lw4 = tl.load(page_w + start_w + 4 * (g // 2) + k, mask=~is_raw, other=0)
-        c = _sum(tl.where(k == g % 4, cw4, 0), axis=2)[:, :, None].to(tl.uint32, bitcast=True)
-        lo_a = _sum(tl.where(k == 2 * (g % 2), lw4, 0), axis=2)[:, :, None]       # values 0..3
-        lo_b = _sum(tl.where(k == 2 * (g % 2) + 1, lw4, 0), axis=2)[:, :, None]   # values 4..7
-        lo = tl.where(k < 2, lo_a, lo_b).to(tl.uint32, bitcast=True)    # word k: lo word k//2
-        # one add restores four high bytes; b/2 + d <= 127 so no byte carries into the next
-        base4 = (bh & 0x7F)[:, None, None] * 0x01010101
-        hi_0123 = (c & 0x87878787) + base4
-        hi_4567 = (((c << 1) & 0x80808080) | ((c >> 3) & 0x07070707)) + base4
-        hi = tl.where(k < 2, hi_0123, hi_4567)          # words 0,1: values 0..3; words 2,3: 4..7
-        sh = 16 * (k % 2)                                # word k takes bytes 2(k%2), 2(k%2)+1
-        y = (((lo >> sh) & 0xFF) | (((hi >> sh) & 0xFF) << 8)
-             | (((lo >> (sh + 8)) & 0xFF) << 16) | (((hi >> (sh + 8)) & 0xFF) << 24))
+        c = _sum(tl.where(k == g % 4, cw4, 0), axis=2).to(tl.uint32, bitcast=True)
+        lo0 = _sum(tl.where(k == 2 * (g % 2), lw4, 0), axis=2).to(tl.uint32, bitcast=True)
+        lo1 = _sum(tl.where(k == 2 * (g % 2) + 1, lw4, 0), axis=2).to(tl.uint32, bitcast=True)
+        # format v2: the escape records of blocks with escapes (0 elsewhere: no patch)
+        esc1 = ((bh & FLAG_C) != 0) & ~raw1
+        e0 = tl.load(page_w + start_w1 + ESC_WORD, mask=esc1, other=0).to(tl.uint32, bitcast=True)
+        e1 = tl.load(page_w + start_w1 + ESC_WORD + 1, mask=esc1, other=0).to(tl.uint32, bitcast=True)
+        gq = (tl.arange(0, 64)[None, :] + 0 * start[:, None]).to(tl.uint32)   # group in block
+        any_esc = _maxr(esc1.to(tl.int32), axis=0) != 0
+        w0, w1, w2, w3 = _restore_group(lo0, lo1, c, (bh & 0x7F)[:, None] + 0 * gq,
+                                        e0[:, None] + 0 * gq, e1[:, None] + 0 * gq, gq, any_esc,
+                                        INTERPRET)
+        y = tl.where(k == 0, w0[:, :, None], tl.where(k == 1, w1[:, :, None],
+                     tl.where(k == 2, w2[:, :, None], w3[:, :, None])))
         dst = out + _open_word_offsets(R, h, H, D, NB)
         tl.store(dst, raw, mask=is_raw)
         tl.store(dst, y.to(tl.int32, bitcast=True), mask=~is_raw)
@@ -376,8 +334,7 @@ def analyze_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: P
 
 
 def _encoded_sizes(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
-    n_raw = (base_half == RAW_MARK).sum(1)
-    return layout.min_page_bytes + n_raw * (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)
+    return layout.header_bytes + block_bytes(base_half.to(torch.int32)).sum(1)
 
 
 def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_half: torch.Tensor,
@@ -409,9 +366,6 @@ def compress_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, base_hal
     if index is not None:
         index = check_index(index, P, device, validate)
     K = P if index is None else index.numel()
-    if validate and P and bool(((base_half > 127) & (base_half != RAW_MARK)).any()):
-        raise ValueError("base_half holds bytes that are neither b/2 (0..127) nor 0xFF; pass the "
-                         "base_half returned by analyze_open_pages")
     sizes = None
     if validate:
         sizes = _encoded_sizes(base_half if index is None else base_half[index], layout)
@@ -451,11 +405,10 @@ def decompress_pages(arena: torch.Tensor, offsets: torch.Tensor, layout: PageLay
         return out
     if validate:
         base_half, starts = reference.read_headers(arena, off, layout)
-        last = base_half.flatten(1)[:, -1]
-        ends = off + starts[:, -1] + torch.where(last == RAW_MARK, RAW_BLOCK_BYTES, COMPRESSED_BLOCK_BYTES)
+        ends = off + starts[:, -1] + block_bytes(base_half.flatten(1)[:, -1])
         if bool((ends > arena.numel()).any()):
             raise reference.CorruptPageError("page metadata describes blocks past the end of the arena")
     kernel = _kernel("_decompress_kernel", device)
     kernel[(P * H,)](arena, off, out, H=H, D=D, NB=layout.blocks_per_head, M=layout.record_bytes,
-                     num_warps=NUM_WARPS["decompress"])
+                     INTERPRET=device.type == "cpu", num_warps=NUM_WARPS["decompress"])
     return out

@@ -44,16 +44,14 @@ import triton
 import triton.language as tl
 
 from ..format.layout import PAGE_TOKENS
-from ..triton_interpreter import interpreted_copy, kernel_module
+from ..triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 from .decode_attention import (LOG2E, check_block_table, check_ids, check_q_and_arena,
                                check_scale_and_out, check_tensors)
 
 # The decode kernel's helpers, made the way this module's kernels are (this module's interpreted
 # copy, which serves CPU tensors in a compiled import, needs their interpreted copy).
-_TA = triton_attention
-if triton.knobs.runtime.interpret and not _TA._interpreting():
-    _TA = interpreted_copy(_TA.__name__, _TA.__file__)
+_TA = same_mode(triton_attention)
 _load_meta, _tile_load, _tile_compute = _TA._load_meta, _TA._tile_load, _TA._tile_compute
 _restore_tile = _TA._restore_tile
 PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
@@ -75,13 +73,13 @@ def _kv_tiles(p_lo, p_hi, ctx, pos, q, m_i, l_i, acc, qk_scale, arena32, page_lo
     for p0 in range(p_lo, p_hi, TP):
         loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, c, stride_bt,
                                                      p0, slot, p_hi, h, D, COMPRESSED)
-        valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = \
-            _tile_load(p0, ctx, p_hi, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1,
-                       H, D, COMPRESSED)
+        (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta, v_esc,
+         v_packed, any_esc) = _tile_load(p0, ctx, p_hi, t, slot, h, arena32, loc, kf, kh0, kh1,
+                                         vf, vh0, vh1, H, D, COMPRESSED)
         mask = valid[None, :] & (((p0 + slot) * PT + t)[None, :] <= pos[:, None])
-        m_i, l_i, acc = _tile_compute(mask, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo,
-                                      v_code, v_hb, v_packed, q, m_i, l_i, acc, qk_scale,
-                                      COMPRESSED, INTERPRET, MASKED)
+        m_i, l_i, acc = _tile_compute(mask, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4,
+                                      v_lo, v_code, v_meta, v_esc, v_packed, any_esc, q, m_i,
+                                      l_i, acc, qk_scale, COMPRESSED, INTERPRET, MASKED)
     return m_i, l_i, acc
 
 
@@ -305,11 +303,11 @@ def _gather_kernel(arena32, page_loc_ptr, bt_ptr, k_ptr, v_ptr, stride_bt, num_t
     row = h * 0                     # the one block-table row (a tensor, as _load_meta wants)
     loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, row, stride_bt, p0,
                                                  slot, p_end, h, D, COMPRESSED)
-    valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = _tile_load(
-        p0, num_tokens, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1, H, D,
-        COMPRESSED)
-    k = _restore_tile(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, INTERPRET)
-    v = _restore_tile(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, INTERPRET)
+    (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta, v_esc,
+     v_packed, any_esc) = _tile_load(p0, num_tokens, p_end, t, slot, h, arena32, loc, kf, kh0,
+                                     kh1, vf, vh0, vh1, H, D, COMPRESSED)
+    k = _restore_tile(k_p4, k_lo, k_code, k_meta, k_esc, k_packed, any_esc, COMPRESSED, INTERPRET)
+    v = _restore_tile(v_p4, v_lo, v_code, v_meta, v_esc, v_packed, any_esc, COMPRESSED, INTERPRET)
     d = tl.arange(0, D)
     off = ((p0 * PT + r).to(tl.int64) * H + h)[:, None] * D + d[None, :]
     tl.store(k_ptr + off, k, mask=valid[:, None])

@@ -25,20 +25,21 @@ the slices that hold pages of the request (one such slice: its ``o``, rounded as
 launch rounds it). The loads are software-pipelined by hand: the K/V words of tile i+1 and the
 page locations and records of tile i+2 are issued before tile i is computed.
 
-Restoring a compressed block (docs/format.md section 2). Work is per *group*: 8 consecutive
-channels of one token, i.e. two 32-bit words of low bytes ``lo_0123, lo_4567`` and one word
-``w`` of 4-bit codes. Four high bytes at a time::
+Restoring a compressed block (docs/format.md section 2) is the format's one restore,
+``format/triton_restore.restore_group``, per *group* (8 consecutive channels of one token: two
+words of low bytes, one word ``w`` of 4-bit codes)::
 
     hi_0123 = (w & 0x87878787) + (b/2)·0x01010101
     hi_4567 = ((w << 1) & 0x80808080 | (w >> 3) & 0x07070707) + (b/2)·0x01010101
 
-and byte interleaving (``prmt`` selectors 0x5140 and 0x7362) makes four words of bf16 pairs
-``(lo_2k, hi_2k, lo_2k+1, hi_2k+1)`` = channels (2k, 2k+1), exactly the words an open page or
-a raw block holds at that place. Every source -- open page, raw block, compressed block --
-thus yields the same words, which are put back in channel order and split into the same bf16
-[R, D] tile. The arithmetic after that point is shared, so the output is bit-identical whether
-a page is open or compressed; the uncompressed *twin* is the same kernel compiled with
-``COMPRESSED=False`` (plain words only) and gives the same bits too.
+then, in blocks with escapes (format v2; the loads of their 4 records are masked to flagged
+blocks, and a tile without any skips the patch), each record XORs 7 bits into one high byte;
+byte interleaving (``prmt``) makes four words of bf16 pairs = channels (2k, 2k+1), exactly the
+words an open page or a raw block holds at that place. Every source -- open page, raw block,
+compressed block -- thus yields the same words, which are put back in channel order and split
+into the same bf16 [R, D] tile. The arithmetic after that point is shared, so the output is
+bit-identical whether a page is open or compressed; the uncompressed *twin* is the same kernel
+compiled with ``COMPRESSED=False`` (plain words only) and gives the same bits too.
 
 Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and masks, and the
 dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
@@ -55,8 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..format import triton_restore
 from ..format.layout import PAGE_TOKENS, loc_is_compressed, loc_is_open, loc_offset
-from ..triton_interpreter import kernel_module
+from ..triton_interpreter import kernel_module, same_mode
 from .splits import plan_splits
 
 
@@ -78,6 +80,7 @@ _loc_is_open = triton.jit(loc_is_open)
 _loc_is_compressed = triton.jit(loc_is_compressed)
 _loc_offset = triton.jit(loc_offset)
 PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
+_restore_group = same_mode(triton_restore).restore_group     # the format's one restore
 
 
 # ------------------------------------------------------------------------------------------
@@ -110,31 +113,11 @@ def _max(x, axis: tl.constexpr):
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _interleave(lo0, lo1, h0, h1, INTERPRET: tl.constexpr):
-    """Words of bf16 pairs w_k = bytes (lo_2k, hi_2k, lo_2k+1, hi_2k+1), k = 0..3, of a group.
-
-    lo0/lo1: low bytes of values 0..3 / 4..7; h0/h1: their high bytes (uint32 tiles).
-    """
-    if INTERPRET:           # no inline PTX on the CPU: the same bytes by shifts and masks
-        w0 = (lo0 & 0xFF) | ((h0 & 0xFF) << 8) | ((lo0 & 0xFF00) << 8) | ((h0 & 0xFF00) << 16)
-        w1 = ((lo0 >> 16) & 0xFF) | ((h0 >> 8) & 0xFF00) | ((lo0 >> 8) & 0xFF0000) \
-            | (h0 & 0xFF000000)
-        w2 = (lo1 & 0xFF) | ((h1 & 0xFF) << 8) | ((lo1 & 0xFF00) << 8) | ((h1 & 0xFF00) << 16)
-        w3 = ((lo1 >> 16) & 0xFF) | ((h1 >> 8) & 0xFF00) | ((lo1 >> 8) & 0xFF0000) \
-            | (h1 & 0xFF000000)
-    else:
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
-            "prmt.b32 $0, $4, $6, 0x5140; prmt.b32 $1, $4, $6, 0x7362; "
-            "prmt.b32 $2, $5, $7, 0x5140; prmt.b32 $3, $5, $7, 0x7362;",
-            "=r,=r,=r,=r,r,r,r,r", [lo0, lo1, h0, h1],
-            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-    return w0, w1, w2, w3
-
-
-@triton.jit
-def _group_load(arena32, lo_off, code_off, plain_off, packed, valid, COMPRESSED: tl.constexpr):
+def _group_load(arena32, lo_off, code_off, plain_off, esc_off, packed, escaped, valid,
+                COMPRESSED: tl.constexpr):
     """Loads for the groups (row, g) of a tile: plain words [R, NG, 4] (open page or raw
-    block), and for compressed groups low-byte words [R, NG, 2] and code words [R, NG]."""
+    block), and for compressed groups low-byte words [R, NG, 2], code words [R, NG] and their
+    block's escape records [R, NG, 2] (format v2; 0 for blocks without escapes)."""
     plain_off = tl.multiple_of(plain_off, [4, 4])
     if COMPRESSED:
         pm = valid & (packed == 0)
@@ -148,22 +131,24 @@ def _group_load(arena32, lo_off, code_off, plain_off, packed, valid, COMPRESSED:
         lo = tl.load(arena32 + lo_off[:, :, None] + tl.arange(0, 2)[None, None, :],
                      mask=cm[:, :, None], other=0)
         code = tl.load(arena32 + code_off, mask=cm, other=0)
+        esc = tl.load(arena32 + esc_off[:, :, None] + tl.arange(0, 2)[None, None, :],
+                      mask=(cm & escaped)[:, :, None], other=0)
     else:
         lo = p4
         code = p4
-    return p4, lo, code
+        esc = p4
+    return p4, lo, code, esc
 
 
 @triton.jit
-def _restore_tile(p4, lo, code, hb, packed, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
+def _restore_tile(p4, lo, code, meta, esc, packed, any_esc, COMPRESSED: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """The [R, D] bf16 tile of a loaded tile's groups, in channel order.
 
     Word k of group g holds channels 8g+2k (low half) and 8g+2k+1 (high half). Compressed
-    groups (docs/format.md section 2)::
-
-        h0 = (code & 0x87878787) + hb                                 high bytes, values 0..3
-        h1 = ((code << 1) & 0x80808080 | (code >> 3) & 0x07070707) + hb        values 4..7
-        w_k = interleave(lo, h)                                       (prmt on the GPU)
+    groups go through the format's one restore (``format/triton_restore.py``: high bytes from
+    the codes and b/2, escape records XORed in where ``any_esc``, bytes interleaved); ``meta``
+    packs b/2 (bits 0..6) and the group's index in its block (bits 8..).
     """
     R: tl.constexpr = p4.shape[0]
     NG: tl.constexpr = p4.shape[1]
@@ -173,10 +158,10 @@ def _restore_tile(p4, lo, code, hb, packed, COMPRESSED: tl.constexpr, INTERPRET:
     w1, w3 = tl.split(p_odd)
     if COMPRESSED:
         lo0, lo1 = tl.split(lo.to(tl.uint32, bitcast=True))
-        code = code.to(tl.uint32, bitcast=True)
-        h0 = (code & 0x87878787) + hb
-        h1 = (((code << 1) & 0x80808080) | ((code >> 3) & 0x07070707)) + hb
-        r0, r1, r2, r3 = _interleave(lo0, lo1, h0, h1, INTERPRET)
+        e0, e1 = tl.split(esc.to(tl.uint32, bitcast=True))
+        meta = meta.to(tl.uint32)
+        r0, r1, r2, r3 = _restore_group(lo0, lo1, code.to(tl.uint32, bitcast=True), meta & 0x7F,
+                                        e0, e1, meta >> 8, any_esc, INTERPRET)
         w0 = tl.where(packed, r0, w0)
         w1 = tl.where(packed, r1, w1)
         w2 = tl.where(packed, r2, w2)
@@ -203,17 +188,23 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _role_bytes(hw0, hw1, NB: tl.constexpr):
-    """Per row: the packed count of raw blocks before each block j (4 bits per j), [R] int32."""
+    """Per row: the packed counts of raw blocks and of blocks with escapes (format v2) before
+    each block j (4 bits per j each), [R] int32 twice. Block j starts at
+    768·j + 256·raw_before(j) + 16·escaped_before(j) after the record's first block."""
     cum = tl.full(hw0.shape, 0, hw0.dtype)
+    cume = tl.full(hw0.shape, 0, hw0.dtype)
     rb = tl.full(hw0.shape, 0, hw0.dtype)
+    eb = tl.full(hw0.shape, 0, hw0.dtype)
     for j in tl.static_range(NB):
         if j < 4:
             byte = (hw0 >> (8 * j)) & 0xFF
         else:
             byte = (hw1 >> (8 * (j - 4))) & 0xFF
         cum = cum | (rb << (4 * j))
+        cume = cume | (eb << (4 * j))
         rb = rb + (byte == 0xFF).to(tl.int32)
-    return cum
+        eb = eb + (((byte & 0x80) != 0) & (byte != 0xFF)).to(tl.int32)
+    return cum, cume
 
 
 @triton.jit
@@ -259,15 +250,25 @@ def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
 
 @triton.jit
 def _open_only(off):
-    """Twin: every group is plain words at ``off`` (lo, code, plain, packed, hb as in
-    _tile_load; the unused ones are placeholders of the right shape)."""
-    return off, off, off, off < 0, off.to(tl.uint32)
+    """Twin: every group is plain words at ``off`` (lo, code, plain, escape records, packed,
+    escaped, meta as in _tile_load; the unused ones are placeholders of the right shape)."""
+    return off, off, off, off, off < 0, off < 0, off.to(tl.uint32)
+
+
+@triton.jit
+def _escaped(byte):
+    """Whether a block's metadata byte flags escapes (0x80 | b/2; not 0xFF, raw)."""
+    return ((byte & 0x80) != 0) & (byte != 0xFF)
 
 
 @triton.jit
 def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1,
                H: tl.constexpr, D: tl.constexpr, COMPRESSED: tl.constexpr):
-    """Addresses and loads of one tile of TP pages (R token rows), K and V of head h."""
+    """Addresses and loads of one tile of TP pages (R token rows), K and V of head h.
+
+    Returns the valid rows, per role the loads and metadata of ``_restore_tile``, and
+    ``any_esc``: whether a block of the tile has escapes (format v2), a scalar: tiles without
+    escapes skip the patch."""
     NB: tl.constexpr = D // 32
     NG: tl.constexpr = D // 8
     TPB: tl.constexpr = 512 // D
@@ -277,42 +278,52 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
     base_w = _loc_offset(loc) // 4                      # page start, in 32-bit words
     g = tl.arange(0, NG)[None, :]
     tt = t[:, None]
+    kv_valid = valid[:, None] & (g >= 0)
     # ---- K: group (t, g) lies in block j = g // 4, group t·4 + g % 4 of that block
     k_open = base_w[:, None] + (tt * H + h) * (D // 2) + 4 * g
     if COMPRESSED:
         j = g // 4
-        cum = _role_bytes(kh0, kh1, NB)
+        cum, cume = _role_bytes(kh0, kh1, NB)
         byte = _select_byte(kh0[:, None], kh1[:, None], j, NB)
-        blk = base_w[:, None] + (kf[:, None] + 768 * j + 256 * ((cum[:, None] >> (4 * j)) & 0xF)) // 4
+        blk = base_w[:, None] + (kf[:, None] + 768 * j + 256 * ((cum[:, None] >> (4 * j)) & 0xF)
+                                 + 16 * ((cume[:, None] >> (4 * j)) & 0xF)) // 4
         gi = g % 4
         k_lo = blk + 8 * tt + 2 * gi
         k_code = blk + 128 + 4 * tt + gi
+        k_esc = blk + 192
         k_plain = tl.where(is_open[:, None], k_open, blk + 16 * tt + 4 * gi)
         k_packed = (byte != 0xFF) & (is_open[:, None] == 0)
-        k_hb = byte.to(tl.uint32) * 0x01010101
+        k_escaped = _escaped(byte) & k_packed
+        k_meta = (byte & 0x7F).to(tl.uint32) | ((4 * tt + gi).to(tl.uint32) << 8)
     else:
-        k_lo, k_code, k_plain, k_packed, k_hb = _open_only(k_open)
-    kv_valid = valid[:, None] & (g >= 0)
+        k_lo, k_code, k_plain, k_esc, k_packed, k_escaped, k_meta = _open_only(k_open)
     # ---- V: token row t lies in block j = t // TPB, row t % TPB of that block
     v_open = base_w[:, None] + ((PT + tt) * H + h) * (D // 2) + 4 * g
     if COMPRESSED:
         jv = t // TPB
-        cumv = _role_bytes(vh0, vh1, NB)
+        cumv, cumev = _role_bytes(vh0, vh1, NB)
         bytev = _select_byte(vh0, vh1, jv, NB)
-        blkv = base_w + (vf + 768 * jv + 256 * ((cumv >> (4 * jv)) & 0xF)) // 4
+        blkv = base_w + (vf + 768 * jv + 256 * ((cumv >> (4 * jv)) & 0xF)
+                         + 16 * ((cumev >> (4 * jv)) & 0xF)) // 4
         tr = (t % TPB)[:, None]
         v_lo = blkv[:, None] + tr * (D // 4) + 2 * g
         v_code = blkv[:, None] + 128 + tr * (D // 8) + g
+        v_esc = blkv[:, None] + 192 + 0 * g
         v_plain = tl.where(is_open[:, None], v_open, blkv[:, None] + tr * (D // 2) + 4 * g)
         v_packed = ((bytev != 0xFF) & (is_open == 0))[:, None] & (g >= 0)
-        v_hb = (bytev.to(tl.uint32) * 0x01010101)[:, None] + tl.full(g.shape, 0, tl.uint32)
+        v_escaped = _escaped(bytev)[:, None] & v_packed
+        v_meta = (bytev & 0x7F).to(tl.uint32)[:, None] | ((tr * (D // 8) + g).to(tl.uint32) << 8)
+        any_esc = _max(_max(tl.where((k_escaped | v_escaped) & kv_valid, 1, 0), axis=1),
+                       axis=0) != 0
     else:
-        v_lo, v_code, v_plain, v_packed, v_hb = _open_only(v_open)
-    k_p4, k_lo, k_code = _group_load(arena32, k_lo, k_code, k_plain, k_packed, kv_valid,
-                                     COMPRESSED)
-    v_p4, v_lo, v_code = _group_load(arena32, v_lo, v_code, v_plain, v_packed, kv_valid,
-                                     COMPRESSED)
-    return valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed
+        v_lo, v_code, v_plain, v_esc, v_packed, v_escaped, v_meta = _open_only(v_open)
+        any_esc = ctx < 0          # unused by the twin; a scalar tensor like the fused kernel's
+    k_p4, k_lo, k_code, k_esc = _group_load(arena32, k_lo, k_code, k_plain, k_esc, k_packed,
+                                            k_escaped, kv_valid, COMPRESSED)
+    v_p4, v_lo, v_code, v_esc = _group_load(arena32, v_lo, v_code, v_plain, v_esc, v_packed,
+                                            v_escaped, kv_valid, COMPRESSED)
+    return (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta,
+            v_esc, v_packed, any_esc)
 
 
 # ------------------------------------------------------------------------------------------
@@ -320,15 +331,15 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
 # ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _tile_compute(mask, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed,
-                  q, m_i, l_i, acc, qk_scale, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr,
+def _tile_compute(mask, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta,
+                  v_esc, v_packed, any_esc, q, m_i, l_i, acc, qk_scale, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr,
                   MASKED: tl.constexpr):
     """Restore K and V of a loaded tile, S = q·Kᵀ, one online-softmax update (base 2) of the
     running max m_i, sum l_i and accumulator acc [M, D] (M query rows). ``mask`` (broadcast to
     [M, R]) keeps the scores it is true for, where ``MASKED`` (else every score is kept)."""
-    k = _restore_tile(k_p4, k_lo, k_code, k_hb, k_packed, COMPRESSED, INTERPRET)
+    k = _restore_tile(k_p4, k_lo, k_code, k_meta, k_esc, k_packed, any_esc, COMPRESSED, INTERPRET)
     qk = _dot(q, tl.trans(k), tl.full([q.shape[0], k.shape[0]], 0.0, tl.float32), INTERPRET)
-    v = _restore_tile(v_p4, v_lo, v_code, v_hb, v_packed, COMPRESSED, INTERPRET)
+    v = _restore_tile(v_p4, v_lo, v_code, v_meta, v_esc, v_packed, any_esc, COMPRESSED, INTERPRET)
     if MASKED:
         qk = tl.where(mask, qk * qk_scale, float("-inf"))
     else:
@@ -377,9 +388,9 @@ def _decode_attention_kernel(
     # dots (the loop is compiled with num_stages=1: the pipelining is written out here).
     loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
                                                  p_begin, slot, p_end, h, D, COMPRESSED)
-    valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = _tile_load(
-        p_begin, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, vh1, H, D,
-        COMPRESSED)
+    (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta, v_esc,
+     v_packed, any_esc) = _tile_load(p_begin, ctx, p_end, t, slot, h, arena32, loc, kf, kh0,
+                                     kh1, vf, vh0, vh1, H, D, COMPRESSED)
     loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt,
                                                  p_begin + TP, slot, p_end, h, D, COMPRESSED)
     for p0 in range(p_begin, p_end, TP):
@@ -388,10 +399,11 @@ def _decode_attention_kernel(
         loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b,
                                                      stride_bt, p0 + 2 * TP, slot, p_end, h, D,
                                                      COMPRESSED)
-        m_i, l_i, acc = _tile_compute(valid[None, :], k_p4, k_lo, k_code, k_hb, k_packed, v_p4,
-                                      v_lo, v_code, v_hb, v_packed, q, m_i, l_i, acc, qk_scale,
-                                      COMPRESSED, INTERPRET, True)
-        valid, k_p4, k_lo, k_code, k_hb, k_packed, v_p4, v_lo, v_code, v_hb, v_packed = nxt
+        m_i, l_i, acc = _tile_compute(valid[None, :], k_p4, k_lo, k_code, k_meta, k_esc, k_packed,
+                                      v_p4, v_lo, v_code, v_meta, v_esc, v_packed, any_esc, q,
+                                      m_i, l_i, acc, qk_scale, COMPRESSED, INTERPRET, True)
+        (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta, v_esc,
+         v_packed, any_esc) = nxt
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     if num_splits == 1:

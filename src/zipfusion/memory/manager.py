@@ -200,10 +200,14 @@ class KVCacheManager:
 
     # ================================================================== compression
     def _compressible_blocks(self, sizes: np.ndarray) -> np.ndarray:
-        """Compressible blocks of a stored page from its encoded size (open form: counted raw)."""
+        """Compressible blocks of a stored page from its encoded size (open form: counted raw).
+
+        A page saves 256 bytes per compressed block less 16 per block with escapes (format v2),
+        so ceil(saved / 256) counts the compressed blocks exactly while a page has fewer than
+        16 blocks with escapes (and undercounts by one per 16 beyond)."""
         saved = self.layout.max_page_bytes - sizes
-        return np.where(sizes >= self.layout.open_page_bytes, 0,
-                        saved // (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES))
+        per_block = RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES
+        return np.where(sizes >= self.layout.open_page_bytes, 0, -(-saved // per_block))
 
     def seal_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None,
                        min_capacity: int = 0) -> list[int]:

@@ -3,7 +3,8 @@
 // Same contract as the Triton kernel in ../triton_attention.py (which stays the CPU-checkable
 // reference): one query token per request, the GQA group of G <= 16 query heads of one KV head
 // served together, head_dim 128, pages of 16 tokens that are either *open* ([2, 16, H, D] bf16 at
-// `page_loc & ~1`, low bit set) or *compressed* (docs/format.md). Nothing decompressed is
+// `page_loc & ~1`, low bit set) or *compressed* (docs/format.md, version 2: blocks raw,
+// compressed, or compressed with up to 4 escape records). Nothing decompressed is
 // written to global memory: compressed blocks are restored from shared memory into the
 // registers that feed the tensor cores.
 //
@@ -67,6 +68,8 @@ constexpr int THREADS = 32 * WARPS;
 constexpr int STAGE_BYTES = 4096; // one head's K (or V) bodies, all raw
 constexpr int RECORD = 8;         // metadata bytes per (head, role)
 constexpr uint32_t RAW = 0xFF;
+constexpr uint32_t ESCAPED = 0x80;  // format v2: metadata byte 0x80 | b/2 = compressed with escapes
+constexpr int ESCAPE_AT = 768;      // the escape chunk's offset in such a block (784 bytes long)
 constexpr unsigned FULL = 0xffffffffu;
 
 // ---------------------------------------------------------------------------------------------
@@ -160,7 +163,9 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__device__ __forceinline__ int block_bytes(uint32_t mark) { return mark == RAW ? 1024 : 768; }
+__device__ __forceinline__ int block_bytes(uint32_t mark) {
+  return mark == RAW ? 1024 : (mark & ESCAPED) ? 768 + 16 : 768;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory swizzles: where byte r of a staged block lives
@@ -173,22 +178,25 @@ __device__ __forceinline__ int block_bytes(uint32_t mark) { return mark == RAW ?
 //   compressed block, low bytes (r < 512):  bits 6,5 ^= bits 7,8
 //   compressed block, codes (r = 512 + r'):  bit 5 ^= bit 7 of r'
 //   raw block (r < 1024):                   bits 6,5 ^= bits 8,9
-// A block starts at a multiple of 256 bytes of its stage, and the swizzle is relative to it.
+// The swizzle is relative to the block's start (a multiple of 256 bytes of its stage where no
+// block before it has escapes; format v2's 784-byte blocks shift the next ones by 16 bytes,
+// which may cost bank conflicts there but not correctness). A block's escape chunk (16 bytes
+// at 768) is staged as it is: every lane reads the same 8 bytes (a broadcast).
 
 __device__ __forceinline__ int swz_lo(int r) { return r ^ (((r >> 1) & 64) | ((r >> 3) & 32)); }
 __device__ __forceinline__ int swz_code(int r) { return 512 + ((r - 512) ^ (((r - 512) >> 2) & 32)); }
 __device__ __forceinline__ int swz_raw(int r) { return r ^ (((r >> 2) & 64) | ((r >> 4) & 32)); }
 
 // A lane's (swizzled) offsets inside a block for one group index q: 8 low bytes at 8q, 4 code
-// bytes at 512 + 4q (compressed) or 16 bytes at 16q (raw).
+// bytes at 512 + 4q (compressed) or 16 bytes at 16q (raw); and q itself (escape records).
 struct Lane {
-  int lo, code, raw;
+  int lo, code, raw, q;
 };
 
 template <bool TMA>
 __device__ __forceinline__ Lane lane_offsets(int q) {
-  if (TMA) return Lane{8 * q, 512 + 4 * q, 16 * q};      // bulk copies keep the layout as is
-  return Lane{swz_lo(8 * q), swz_code(512 + 4 * q), swz_raw(16 * q)};
+  if (TMA) return Lane{8 * q, 512 + 4 * q, 16 * q, q};   // bulk copies keep the layout as is
+  return Lane{swz_lo(8 * q), swz_code(512 + 4 * q), swz_raw(16 * q), q};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -198,21 +206,40 @@ __device__ __forceinline__ Lane lane_offsets(int q) {
 // bytes per integer op:
 //   hi0123 = (w & 0x87878787) + (b/2)·0x01010101
 //   hi4567 = ((w << 1) & 0x80808080 | (w >> 3) & 0x07070707) + (b/2)·0x01010101
-// and prmt interleaves low and high bytes into bf16 pairs (values 2k, 2k+1).
-// A raw group is the same four words, read as they are.
+// Format v2: in a block with escapes (metadata byte 0x80 | b/2) each of its 4 escape records
+// r = v | x << 9 (u16, at byte 768 + 2i; zero records are no-ops) XORs x into the high byte of
+// value v: byte v mod 4 of hi0123 (v mod 8 < 4) or hi4567 of the group q = v >> 3.
+// Then prmt interleaves low and high bytes into bf16 pairs (values 2k, 2k+1).
+// A raw group is the same four words, read as they are. The twin of format/triton_restore.py.
 
 __device__ __forceinline__ void read_raw(const uint8_t* p, uint32_t (&w)[4]) {
   const uint4 r = *reinterpret_cast<const uint4*>(p);
   w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
 }
 
+__device__ __forceinline__ void patch_escapes(const uint8_t* blk, int q, uint32_t& hi0,
+                                              uint32_t& hi1) {
+  const uint2 e = *reinterpret_cast<const uint2*>(blk + ESCAPE_AT);
+  const uint32_t rec[4] = {e.x & 0xFFFFu, e.x >> 16, e.y & 0xFFFFu, e.y >> 16};
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint32_t v = rec[r] & 0x1FFu;
+    const uint32_t p = (int)(v >> 3) == q ? (rec[r] >> 9) << (8 * (v & 3)) : 0u;
+    hi0 ^= (v & 4) ? 0u : p;
+    hi1 ^= (v & 4) ? p : 0u;
+  }
+}
+
+// ESCAPES: the block may have escapes (its flag is tested by the caller, uniformly per block).
+template <bool ESCAPES>
 __device__ __forceinline__ void read_compressed(const uint8_t* blk, uint32_t mark, const Lane& o,
                                                 uint32_t (&w)[4]) {
   const uint2 lo = *reinterpret_cast<const uint2*>(blk + o.lo);
   const uint32_t code = *reinterpret_cast<const uint32_t*>(blk + o.code);
-  const uint32_t base = mark * 0x01010101u;
-  const uint32_t hi0 = (code & 0x87878787u) + base;
-  const uint32_t hi1 = (((code << 1) & 0x80808080u) | ((code >> 3) & 0x07070707u)) + base;
+  const uint32_t base = (mark & 0x7Fu) * 0x01010101u;
+  uint32_t hi0 = (code & 0x87878787u) + base;
+  uint32_t hi1 = (((code << 1) & 0x80808080u) | ((code >> 3) & 0x07070707u)) + base;
+  if (ESCAPES) patch_escapes(blk, o.q, hi0, hi1);
   w[0] = __byte_perm(lo.x, hi0, 0x5140);
   w[1] = __byte_perm(lo.x, hi0, 0x7362);
   w[2] = __byte_perm(lo.y, hi1, 0x5140);
@@ -233,18 +260,25 @@ __device__ __forceinline__ void block_at(uint32_t marks, int p, int& off, uint32
   // MIXED: the caller accumulates `off` block by block
 }
 
+// MIXED: raw, compressed or compressed with escapes, by the block's mark (the same for the
+// whole warp: every lane reads the same block, so the branches are uniform); blocks without
+// escapes pay the flag test only.
 template <int KIND>
 __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, const Lane& o,
                                            int raw, uint32_t (&w)[4]) {
-  if (KIND == ALL_COMPRESSED || (KIND == MIXED && mark != RAW)) read_compressed(blk, mark, o, w);
-  else read_raw(blk + raw, w);
+  if (KIND == ALL_COMPRESSED) read_compressed<false>(blk, mark, o, w);
+  else if (KIND == MIXED && mark != RAW) {
+    if (mark & ESCAPED) read_compressed<true>(blk, mark, o, w);
+    else read_compressed<false>(blk, mark, o, w);
+  } else read_raw(blk + raw, w);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Staging half a page (this head's K or V) into shared memory
 // ---------------------------------------------------------------------------------------------
-// Stage layout for both page kinds: the role's 4 blocks back to back, 768 (compressed) or 1024
-// (raw) bytes each, in the order of docs/format.md. Returns the 4 block marks.
+// Stage layout for both page kinds: the role's 4 blocks back to back, 768 (compressed), 784
+// (compressed with escapes) or 1024 (raw) bytes each, in the order of docs/format.md (at most
+// 4096 bytes: a raw block has no escapes). Returns the 4 block marks.
 
 template <bool COMPRESSED>
 __device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* arena,
@@ -265,6 +299,8 @@ __device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* ar
       } else {
         cp_async16(stage + off + lo0, src + off + 16 * lane);
         if (lane < 16) cp_async16(stage + off + code1, src + off + 512 + 16 * lane);
+        else if (lane == 16 && (mark & ESCAPED))          // the escape chunk, unswizzled
+          cp_async16(stage + off + ESCAPE_AT, src + off + ESCAPE_AT);
       }
       off += block_bytes(mark);
     }
@@ -295,7 +331,10 @@ __device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, ui
                                                int role, int h, int H, int lane) {
   if (COMPRESSED && !(loc & 1)) {
     if (lane == 0) {
-      const uint32_t bytes = 3072 + 256 * (__popc(__vcmpeq4(rec.y, 0xFFFFFFFFu)) >> 3);
+      // 768 a block, + 256 for each raw one (0xFF), + 16 for each with escapes (0x80..0xFE):
+      // bit 7 is set in both, so + 240 per raw block + 16 per byte with bit 7
+      const uint32_t bytes = 3072 + 240 * (__popc(__vcmpeq4(rec.y, 0xFFFFFFFFu)) >> 3)
+                             + 16 * __popc(rec.y & 0x80808080u);
       info[0] = rec.y; info[1] = 0;
       mbar_expect_tx(bar, bytes);
       bulk_copy(stage, arena + loc + rec.x, bytes, bar);
@@ -324,7 +363,7 @@ __device__ __forceinline__ int stage_kind(uint32_t marks, bool open_rows) {
   if (!COMPRESSED) return TMA ? OPEN_ROWS : ALL_RAW;      // the twin: open pages only
   if (open_rows) return OPEN_ROWS;
   if (marks == 0xFFFFFFFFu) return ALL_RAW;
-  return __vcmpeq4(marks, 0xFFFFFFFFu) == 0 ? ALL_COMPRESSED : MIXED;
+  return (marks & 0x80808080u) == 0 ? ALL_COMPRESSED : MIXED;   // no raw block, no escapes
 }
 
 // Sᵀ[16 tokens × 8 heads per n-tile] = K·Qᵀ over the 4 K blocks (chunk pair p = block p).
