@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks (imported as ``common`` by scripts in this folder): engines on
-weights built once, the copy bandwidth that achieved bandwidths are compared with, CUDA-graph
-replay timing, and pyplot."""
+weights built once (and a model of either mode on them), the copy bandwidth that achieved
+bandwidths are compared with, CUDA-graph replay timing, and pyplot."""
 
 from __future__ import annotations
 
@@ -11,10 +11,24 @@ import statistics
 import torch
 
 
+def on_weights_of(model, deterministic: bool):
+    """A model built with ``deterministic`` (a construction argument, never set later) that holds
+    ``model``'s weight tensors themselves, no copy: built on the meta device, then given them."""
+    from zipfusion.models import CausalLM
+    with torch.device("meta"):
+        view = CausalLM(model.config, deterministic=deterministic)
+    view.load_state_dict(model.state_dict(keep_vars=True), strict=True, assign=True)
+    for name, buf in model.named_buffers():             # also those outside the state dict (rope)
+        owner, _, attr = name.rpartition(".")
+        setattr(view.get_submodule(owner), attr, buf)
+    return view.eval()
+
+
 def engine_on(model_name: str, model=None, **options):
-    """An LLMEngine for ``model_name`` (options: EngineConfig fields) that runs ``model``, weights
-    the benchmark built once and shares between several engines, instead of building its own
-    (``model=None``: the engine builds them). Through LLMEngine's public seam,
+    """An LLMEngine for ``model_name`` (options: EngineConfig fields) that runs on ``model``'s
+    weights, built once by the benchmark and shared between several engines, instead of building
+    its own (``model=None``: the engine builds them); the engine's ``deterministic`` option holds
+    (:func:`on_weights_of`). Through LLMEngine's public seam,
     :meth:`~zipfusion.engine.llm_engine.LLMEngine.build_model`."""
     from zipfusion import LLMEngine
     if model is None:
@@ -24,7 +38,7 @@ def engine_on(model_name: str, model=None, **options):
 
     class SharedWeightsEngine(LLMEngine):
         def build_model(self):
-            return model
+            return on_weights_of(model, self.config.deterministic)
     return SharedWeightsEngine(model_name, **options)
 
 

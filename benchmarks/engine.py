@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import copy_bandwidth, engine_on, pyplot, replay_seconds  # noqa: E402  (benchmarks/common.py)
+from common import copy_bandwidth, engine_on, on_weights_of, pyplot, replay_seconds  # noqa: E402  (benchmarks/common.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
 from zipfusion.engine import SamplingParams  # noqa: E402
@@ -156,7 +156,7 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
     backend = AttentionBackend(cache, (cache_kw or {}).get("attention", "auto"), kv_compression=compress,
                                deterministic=deterministic, num_qo_heads=cfg.num_attention_heads,
                                sm_scale=cfg.head_dim ** -0.5)
-    model.set_deterministic(deterministic)
+    model = on_weights_of(model, deterministic)         # the same weights, this mode's arithmetic
     t0 = time.perf_counter()
     reqs = fill_requests(cache, ctx, pool, max_batch, compress)
     fill_s = time.perf_counter() - t0
@@ -185,10 +185,9 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
         rows.append(dict(batch=b, step_s=step, replay_s=replay, weight_bytes=wb, kv_bytes=kv))
         log(f"  compress={compress} deterministic={deterministic} batch={b}: step {step * 1e3:.2f} ms, "
             f"replay {replay * 1e3:.2f} ms")
-    model.set_deterministic(False)
     info = dict(compress=compress, deterministic=deterministic, max_batch=n_max, fill_s=fill_s, capture_s=capture_s,
                 stored_ratio=st["stored_ratio"], kv_bytes_per_request=kv_full_per_req, rows=rows)
-    del runner, cache, reqs
+    del runner, cache, reqs, model
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

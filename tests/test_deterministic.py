@@ -1,7 +1,9 @@
 """Deterministic mode: a request's tokens and logits depend only on its prompt, its sampling
 parameters and seed -- not on its batch mates or the batch size, the prefill chunk size,
 preemption and recompute, compression on or off, CUDA graphs or eager (CPU here; the GPU test
-runs the same check on the CUDA kernels)."""
+runs the same check on the CUDA kernels). The model takes the mode at construction."""
+
+import json
 
 import pytest
 import torch
@@ -9,6 +11,8 @@ import torch
 pytest.importorskip("transformers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
+from zipfusion.models import CausalLM, config_from_dict, resolve_model  # noqa: E402
+from zipfusion.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear  # noqa: E402
 from zipfusion.testing import run_to_completion  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 
@@ -59,6 +63,20 @@ def assert_same(a, b, what):
     for (ta, la), (tb, lb) in zip(a, b):
         assert ta == tb, what
         assert torch.equal(la, lb), what
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_mode_is_given_at_construction_to_every_layer_it_changes(deterministic):
+    raw = json.loads(resolve_model("qwen3-8b-random").config_path.read_text())      # q/k norms too
+    raw.update(num_hidden_layers=2)
+    with torch.device("meta"):
+        model = CausalLM(config_from_dict(raw), deterministic=deterministic)
+    kinds = (CausalLM, RMSNorm, ColumnParallelLinear, RowParallelLinear)
+    changed = [m for m in model.modules() if isinstance(m, kinds)]
+    assert len(changed) == 1 + 2 * (4 + 2 + 2) + 1         # model; per layer 4 norms, 2 column, 2 row; final norm
+    assert all(m.deterministic is deterministic for m in changed)
+    assert not any("deterministic" in vars(type(m)) for m in model.modules())     # no class attribute
+    assert not hasattr(model, "set_deterministic")                                 # nothing sets it later
 
 
 OPEN_PAGE = 2 * 16 * 2 * 64 * 2                    # bytes of one open page of the tiny model

@@ -71,8 +71,7 @@ def serve(cfg, comm: Comm) -> None:
     source = resolve_model(cfg.model, cfg.load_format)
     mc = model_config(source)
     with use(TensorParallel(comm.world, comm.rank, comm.tp_group)):
-        model = build_model(source, dtype=dtype, device=device, seed=cfg.seed)
-    model.set_deterministic(cfg.deterministic)
+        model = build_model(source, dtype=dtype, device=device, seed=cfg.seed, deterministic=cfg.deterministic)
     side = SimpleNamespace(size=comm.world, agree_budget=comm.min_over_ranks)
     # the engine's own cache construction (same budget rule, agreed with every rank)
     ns = SimpleNamespace(config=cfg, model_config=mc, dtype=dtype, device=device, tp=side)

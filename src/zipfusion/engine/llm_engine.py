@@ -104,7 +104,6 @@ class LLMEngine:
             self.tp = start(cfg, self.device, mc)
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
             self.model = self.build_model()
-        self.model.set_deterministic(cfg.deterministic)
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.cache = self._build_cache()
@@ -132,10 +131,12 @@ class LLMEngine:
 
     # -- building ---------------------------------------------------------------------------
     def build_model(self):
-        """The model's weights, built from ``self.source`` in ``self.dtype`` on ``self.device``
-        (this rank's shard under tensor parallelism). A subclass may return weights it already
-        holds instead (benchmarks run several engines on one set of 8B weights)."""
-        return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed)
+        """The model, built from ``self.source`` in ``self.dtype`` on ``self.device`` (this rank's
+        shard under tensor parallelism) with ``deterministic`` from the config. A subclass may
+        return a model on weights it already holds instead (benchmarks run several engines on
+        one set of 8B weights), built with the same ``deterministic``."""
+        return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed,
+                           deterministic=self.config.deterministic)
 
     @staticmethod
     def _max_model_len(asked: int | None, positions: int) -> int:

@@ -56,12 +56,11 @@ class RMSNorm(nn.Module):
     decoder's residual stream, one kernel on CUDA.
     """
 
-    deterministic = False            # CPU: statistics in fp64 (the CUDA kernel is one program per row)
-
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, deterministic: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.deterministic = deterministic   # CPU: statistics in fp64 (the CUDA kernel is one program per row)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:                       # the Triton kernel (models/merged_ops.py)
@@ -89,9 +88,10 @@ class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ (+ b) with W's output rows split over ranks; ``output_sizes`` fuses several
     projections (q|k|v or gate|up) into one GEMM, each part split separately."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, deterministic: bool = False):
         super().__init__()
         self._tp = t = tp()
+        self.deterministic = deterministic           # see ``linear``
         self.output_sizes = list(output_sizes)
         self.local_sizes = [_divide(n, t.size, "output size") for n in output_sizes]
         self.in_features = in_features
@@ -116,8 +116,6 @@ class ColumnParallelLinear(nn.Module):
         start = sum(self.local_sizes[:shard])
         param.data[start:start + size].copy_(loaded[t.rank * size:(t.rank + 1) * size])
 
-    deterministic = False
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.deterministic)
 
@@ -125,9 +123,10 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = Σ_ranks x_r W_rᵀ (+ b): W's input columns split over ranks, partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, deterministic: bool = False):
         super().__init__()
         self._tp = t = tp()
+        self.deterministic = deterministic           # see ``linear``; the all-reduce adds in rank order
         self.in_features, self.out_features = in_features, out_features
         self.local_in = _divide(in_features, t.size, "input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
@@ -147,8 +146,6 @@ class RowParallelLinear(nn.Module):
                              f"({self.out_features} x {self.in_features})")
         r = self._tp.rank
         param.data.copy_(loaded[:, r * self.local_in:(r + 1) * self.local_in])
-
-    deterministic = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._tp.all_reduce(linear(x, self.weight, None, self.deterministic), ordered=self.deterministic)

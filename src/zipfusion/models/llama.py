@@ -42,7 +42,7 @@ class KVCacheStep(Protocol):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, deterministic: bool):
         super().__init__()
         t = tp().size
         if cfg.num_key_value_heads % t:
@@ -52,11 +52,12 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads // t       # this rank's heads (KV heads split by rank)
         self.num_kv_heads = cfg.num_key_value_heads // t
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
-                                             bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+                                             bias=cfg.attention_bias, deterministic=deterministic)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias,
+                                        deterministic=deterministic)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, deterministic)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, deterministic)
         else:
             self.q_norm = self.k_norm = None
 
@@ -75,10 +76,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, deterministic: bool):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
+                                                 deterministic=deterministic)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                           deterministic=deterministic)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -90,12 +93,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, deterministic: bool):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, deterministic)
+        self.mlp = MLP(cfg, deterministic)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic)
 
     def forward(self, x, residual, cos, sin, kv: KVCacheStep):
         """x: the last layer's output (or the embeddings, with ``residual`` None); returns this
@@ -110,20 +113,25 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, deterministic: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, deterministic) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic)
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen3 causal LM. ``forward(input_ids [T], positions [T], kv) -> hidden [T, h]``."""
+    """Llama / Qwen3 causal LM. ``forward(input_ids [T], positions [T], kv) -> hidden [T, h]``.
 
-    def __init__(self, cfg: ModelConfig):
+    ``deterministic``: batch-invariant arithmetic -- every GEMM and norm computes a row the same
+    way whatever else is in the batch (models.layers.linear). Fixed at construction: each layer
+    that changes its arithmetic for it is given it when built."""
+
+    def __init__(self, cfg: ModelConfig, deterministic: bool = False):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.deterministic = deterministic          # read by compute_logits (the LM head's GEMM)
+        self.model = Backbone(cfg, deterministic)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self._tp = tp()
         if cfg.tie_word_embeddings:
@@ -142,16 +150,6 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, kv)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
-
-    deterministic = False
-
-    def set_deterministic(self, on: bool = True) -> "CausalLM":
-        """Batch-invariant arithmetic: every GEMM and norm computes a row the same way whatever
-        else is in the batch (models.layers.linear)."""
-        for m in self.modules():
-            if hasattr(type(m), "deterministic"):
-                m.deterministic = on
-        return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, h] -> logits [n, vocab] in fp32 (tensor parallel: every rank's vocabulary

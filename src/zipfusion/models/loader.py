@@ -236,14 +236,15 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
 
 
 def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                seed: int = 0) -> CausalLM:
-    """Construct the model on ``device`` in ``dtype`` and load or randomly initialise its weights."""
+                seed: int = 0, deterministic: bool = False) -> CausalLM:
+    """Construct the model on ``device`` in ``dtype`` (batch-invariant arithmetic if
+    ``deterministic``, see :class:`CausalLM`) and load or randomly initialise its weights."""
     if isinstance(source, str):
         source = resolve_model(source)
     cfg = load_config(source.config_path)
     with BuildProgress(source.name if source.weights_dir is None else Path(source.name).name) as progress:
         with torch.device(device):
-            model = CausalLM(cfg)
+            model = CausalLM(cfg, deterministic=deterministic)
         progress.step(f"converting to {str(dtype).replace('torch.', '')}", 0, 0)
         model.to(dtype=dtype)
         # rope frequencies stay fp32 (recomputed: .to(dtype) has rounded the buffer)
