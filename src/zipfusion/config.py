@@ -24,7 +24,6 @@ DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows mo
 # SmolLM2-135M on a loaded 2-core box, a stream's inter-token gap while 2,000-token prompts were
 # prefilled was 0.63 s p50 / 1.15 s p99 with 128-token chunks, 4.9 / 5.6 s with 8192 (at the cost
 # of 2x the long prompt's own latency; docs/benchmarks.md, "The server under hostile requests").
-HOST_TIER_SHARE = 0.25           # of the host's free memory, at most, for the KV host tier by default
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 ADMISSION_POLICIES = ("estimate", "conservative", "optimistic")
@@ -70,11 +69,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "
                                              "(full pages, compressed as they are; evicted least recently "
                                              "used when memory is needed)")
-    kv_host_memory_gb: float | None = _opt(
-        None, "GiB of host memory for KV pages the prefix cache evicts (kept as stored, brought back on a "
-              "hit instead of recomputed; a preempted request's pages too); 0 turns it off (default: on a "
-              f"GPU, the smaller of 2 x kv_memory_gb and {HOST_TIER_SHARE:g} of the host's free memory; 0 on "
-              "the CPU and with tensor parallelism)")
+    kv_host_memory_gb: float = _opt(
+        0.0, "GiB of host memory for KV pages the prefix cache evicts (kept as stored, brought back on a "
+             "hit instead of recomputed; a preempted request's pages too); 0: off (the default until its cost "
+             "on a GPU is measured: docs/design.md, 'Host tier'); not with tensor parallelism")
     deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
                                       "parameters and seed (batch-invariant kernels; slower)")
     chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")
@@ -100,8 +98,8 @@ class EngineConfig:
         if self.kv_memory_gb is not None and (isinstance(self.kv_memory_gb, bool) or not isinstance(
                 self.kv_memory_gb, (int, float)) or not self.kv_memory_gb > 0):
             raise ValueError(f"kv_memory_gb must be a positive number, got {self.kv_memory_gb!r}")
-        if self.kv_host_memory_gb is not None and (isinstance(self.kv_host_memory_gb, bool) or not isinstance(
-                self.kv_host_memory_gb, (int, float)) or not self.kv_host_memory_gb >= 0):
+        if isinstance(self.kv_host_memory_gb, bool) or not isinstance(self.kv_host_memory_gb, (int, float)) \
+                or not self.kv_host_memory_gb >= 0:
             raise ValueError(f"kv_host_memory_gb must be a number >= 0, got {self.kv_host_memory_gb!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")

@@ -14,7 +14,7 @@ import torch
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..models.parallel import TensorParallel, use as use_parallel
 from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL_LEN, GPU_MEMORY_UTILIZATION,
-                      HOST_TIER_SHARE, EngineConfig)
+                      EngineConfig)
 from ..format.layout import PAGE_TOKENS
 from ..memory import BudgetTooSmall
 from .attention import AttentionBackend
@@ -173,19 +173,17 @@ class LLMEngine:
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
 
     def _build_host_tier(self):
-        """The KV host tier (memory/host_tier.py), or None: off without prefix caching, for a dense
-        cache and with tensor parallelism (each rank would need its own; not built yet)."""
+        """The KV host tier (memory/host_tier.py), or None: off by default, without prefix caching,
+        for a dense cache, and with tensor parallelism (each rank would need its own; not built)."""
         cfg = self.config
         gb = cfg.kv_host_memory_gb
-        if gb is None:
-            gb = (0.0 if self.device.type != "cuda" or self.tp else
-                  min(2 * self.kv_memory_gb, HOST_TIER_SHARE * free_memory_gb(torch.device("cpu"))))
-        if not gb or not cfg.enable_prefix_caching or not isinstance(self.cache, ArenaKVCache) or self.tp:
+        if not gb or not cfg.enable_prefix_caching or not isinstance(self.cache, ArenaKVCache):
             return None
+        if self.tp:
+            raise ValueError("kv_host_memory_gb is not supported with tensor_parallel_size > 1 yet; pass 0")
         if gb > free_memory_gb(torch.device("cpu")):
             raise ValueError(f"kv_host_memory_gb={gb:g} is more than the host's free memory; pass a smaller one")
         from ..memory.host_tier import HostTier
-        self.kv_host_memory_gb = gb
         return HostTier(self.cache.manager, int(gb * 2**30))
 
     def _check_one_request_fits(self, asked: bool) -> None:
