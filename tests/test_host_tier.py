@@ -69,7 +69,7 @@ def test_round_trip_is_bit_exact_in_every_form(device):
         write(m, p, page_data(i))
     assert m.seal_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
     host = HostTier(m, 1 << 20)
-    recs = host.put(ids)
+    recs = host.put(ids, ids)
     m.free_pages(ids)
     assert host.used == sum(r.size for r in recs) and host.used < 10 * L * OPEN     # compressed bytes travel
     back = m.alloc_pages(10)
@@ -77,6 +77,37 @@ def test_round_trip_is_bit_exact_in_every_form(device):
     for i, p in enumerate(back):
         assert same_bits(read(m, p), page_data(i)), i
     assert host.used == 0 and host.stats.pages_in == host.stats.pages_out == 10
+
+
+def test_ring_drops_the_oldest_reuses_holes_and_wraps():
+    """The tier's one pinned buffer as a ring: full, it drops its oldest pages (telling their
+    owner); a page taken back leaves a hole reused once the tail passes it; bytes survive a wrap."""
+    def data(i):              # values in [1, 2): every block compressed, no escapes: one size
+        return (1 + torch.rand(L, 2, 16, 1, 64, generator=torch.Generator().manual_seed(i))).to(torch.bfloat16)
+    m = manager()
+    ids = m.alloc_pages(8)
+    for i, p in enumerate(ids):
+        write(m, p, data(i))
+    assert m.seal_pages(ids) == []
+    sizes = HostTier(m, 0).page_bytes(ids)[1].sum(0)
+    size = int(sizes[0])
+    assert (sizes == size).all() and size < L * OPEN
+    dropped = []
+    host = HostTier(m, 3 * size + size // 2, on_drop=dropped.append)
+    a = host.put(ids[:3], ["a0", "a1", "a2"])
+    assert dropped == [] and host.used == 3 * size
+    b = host.put(ids[3:4], ["b0"])                                  # no room at the head: a0 goes
+    assert dropped == ["a0"] and not a[0].live and b[0].start == 0   # wrapped to the front
+    back = m.alloc_pages(1)
+    host.take([a[2]], back)                                         # a hole at the head's end
+    assert same_bits(read(m, back[0]), data(2))
+    c = host.put(ids[4:6], ["c0", "c1"])                            # a1 goes; the hole is passed
+    assert dropped == ["a0", "a1"] and all(r.live for r in b + c)
+    again = m.alloc_pages(3)
+    host.take(b + c, again)
+    for p, k in zip(again, (3, 4, 5)):
+        assert same_bits(read(m, p), data(k))
+    assert host.used == 0 and not host.ring
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -108,7 +139,6 @@ class CacheMachine(RuleBasedStateMachine):
         resident = [n for n in chain if n.page is not None]
         self.pc.acquire(resident)
         away = [n for n in chain if n.page is None]
-        self.pc.touch_host(away)
         if not self._room(len(blocks) - len(resident)) or any(n.host is None for n in away):
             self.pc.release([n.page for n in resident])
             return

@@ -226,7 +226,6 @@ class Scheduler:
         could = self.cache.capacity_new_pages() + self.prefix.num_evictable_pages >= len(away)
         if wait and not could:
             return None
-        self.prefix.touch_host(away)                # dropped last if making room fills the host tier
         room = self._room(len(away)) if could else 0
         lost = [n for n in away if n.host is None]
         if wait and room < len(away) and not lost:

@@ -14,13 +14,16 @@ memory, and the H2D copy before the decode that reads it, so stream order alone 
 flight from being read or overwritten early. (They do not overlap the step's compute yet: a side
 stream would.) On the CPU the same code copies between tensors.
 
-Layout: one host tensor per ``put`` batch, each page a slice of it: its layers' byte ranges one
-after another (``Record``). The budget counts the pages' bytes; a batch tensor is freed when its
-last page is dropped or taken.
+Layout: one pinned buffer of the tier's budget, allocated at the first ``put`` (no host allocation
+per transfer: allocating pinned memory can stall the device) and used as a ring: each page's
+layers' byte ranges lie one after another (``Record``) at the head; space comes back from the
+tail, so when the tier is full it drops its oldest pages first (``on_drop`` tells the owner) and
+a page taken back leaves a hole that is reused once the tail passes it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +37,13 @@ from .page_table import OPEN, STORED
 
 @dataclass
 class Record:
-    """One page on the host: ``data`` (uint8, its layers' bytes in order), per layer the byte
-    count and whether the bytes are the page's open form."""
-    data: torch.Tensor
+    """One page on the host: its layers' bytes at ``start`` of the ring, per layer the byte count
+    and whether the bytes are the page's open form; ``owner``: who to tell if it is dropped."""
+    start: int
     nbytes: np.ndarray            # [L] int64
     open_form: np.ndarray         # [L] bool
+    owner: object = None
+    live: bool = True
 
     @property
     def size(self) -> int:
@@ -55,53 +60,106 @@ class HostTierStats:
 
 
 class HostTier:
-    def __init__(self, manager, budget_bytes: int):
-        self.m, self.budget = manager, int(budget_bytes)
-        self.used = 0
+    def __init__(self, manager, budget_bytes: int, on_drop=None):
+        self.m, self.budget = manager, int(budget_bytes) // 16 * 16
         self.pin = manager.device.type == "cuda"
+        self.on_drop = on_drop                  # called with a record's owner when it is dropped
+        self.buf: torch.Tensor | None = None
+        self.ring: deque[Record] = deque()       # allocation order: the tail first
+        self.head = 0
+        self.used = 0                            # bytes of live records
         self.stats = HostTierStats()
 
-    def fits(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.budget
-
-    def page_bytes(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
+        ids = np.asarray(ids, dtype=np.int64)
         t = self.m.table
         loc = t.loc[:, ids]
         stored = (t.state[ids] == STORED)[None, :]
         nbytes = np.where(stored, t.size[:, ids], self.m.layout.open_page_bytes)
         return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
 
-    def put(self, ids: list[int]) -> list[Record]:
-        """Copy pages (open or stored) to the host as they lie; the caller then frees them."""
+    # -- the ring --------------------------------------------------------------------------------
+    def _tail(self) -> int:
+        return self.ring[0].start if self.ring else self.head
+
+    def _alloc(self, n: int) -> int | None:
+        """Start of ``n`` contiguous bytes at the head, dropping the oldest records for room;
+        None when ``n`` is more than the whole budget."""
+        if n > self.budget:
+            return None
+        while True:
+            tail = self._tail()
+            if not self.ring:
+                self.head = 0
+                return 0
+            if self.head > tail or (self.head == tail and not self.ring):
+                if self.budget - self.head >= n:
+                    return self.head
+                if tail >= n:                        # wrap to the front
+                    return 0
+            elif tail - self.head >= n:
+                return self.head
+            self._pop_tail()
+
+    def _pop_tail(self) -> None:
+        rec = self.ring.popleft()
+        if rec.live:
+            rec.live = False
+            self.used -= rec.size
+            self.stats.dropped += 1
+            if self.on_drop is not None:
+                self.on_drop(rec.owner)
+        while self.ring and not self.ring[0].live:       # holes the tail now passes
+            self.ring.popleft()
+
+    # -- transfers -------------------------------------------------------------------------------
+    def put(self, ids, owners) -> list[Record | None]:
+        """Copy pages (open or stored) to the host as they lie, one record per page (None: a
+        page larger than the whole tier); the caller then frees them. The oldest records make
+        room (their owners are told)."""
         ids = np.asarray(ids, dtype=np.int64)
         off, nbytes, open_form = self.page_bytes(ids)
-        per_page = nbytes.T.reshape(-1)                              # page-major: a page's layers together
-        staged = torch.empty(int(per_page.sum()), dtype=torch.uint8, device=self.m.device)
-        dst = np.concatenate([[0], np.cumsum(per_page)[:-1]])
-        copy_ranges(self.m.arena, staged, off.T.reshape(-1), dst, per_page)
-        host = torch.empty(staged.numel(), dtype=torch.uint8, pin_memory=self.pin)
-        host.copy_(staged, non_blocking=self.pin)
-        out, start = [], 0
+        if self.buf is None:
+            self.buf = torch.empty(self.budget, dtype=torch.uint8, pin_memory=self.pin)
+        out = []
         for i in range(ids.size):
-            n = int(nbytes[:, i].sum())
-            out.append(Record(host[start:start + n], nbytes[:, i].copy(), open_form[:, i].copy()))
-            start += n
-        self.used += start
-        self.stats.pages_out += ids.size
-        self.stats.bytes_out += start
-        return out
+            size = int(nbytes[:, i].sum())
+            start = self._alloc(size)
+            if start is None:
+                out.append(None)
+                continue
+            rec = Record(start, nbytes[:, i].copy(), open_form[:, i].copy(), owners[i])
+            self.ring.append(rec)
+            self.head, self.used = start + size, self.used + size
+            out.append(rec)
+        keep = [i for i, r in enumerate(out) if r is not None and r.live]
+        if keep:
+            per_page = nbytes[:, keep].T.reshape(-1)                 # page-major: a page's layers together
+            staged = torch.empty(int(per_page.sum()), dtype=torch.uint8, device=self.m.device)
+            dst = np.concatenate([[0], np.cumsum(per_page)[:-1]])
+            copy_ranges(self.m.arena, staged, off[:, keep].T.reshape(-1), dst, per_page)
+            at = 0
+            for a, n in _runs([(out[i].start, out[i].size) for i in keep]):     # one copy per run
+                self.buf[a:a + n].copy_(staged[at:at + n], non_blocking=self.pin)
+                at += n
+            self.stats.pages_out += len(keep)
+            self.stats.bytes_out += at
+        return [r if r is not None and r.live else None for r in out]
 
-    def take(self, records: list[Record], ids: list[int]) -> None:
+    def take(self, records: list[Record], ids) -> None:
         """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit."""
         m, ids = self.m, np.asarray(ids, dtype=np.int64)
         if not ids.size:
             return
         if (m.table.state[ids] != OPEN).any():
             raise ValueError("HostTier.take: the destination pages must be open")
-        host = torch.empty(sum(r.size for r in records), dtype=torch.uint8, pin_memory=self.pin)
-        torch.cat([r.data for r in records], out=host)
-        staged = host.to(m.device, non_blocking=self.pin) if self.pin else host
+        total = sum(r.size for r in records)
+        staged = torch.empty(total, dtype=torch.uint8, device=m.device)
+        at = 0
+        for a, n in _runs([(r.start, r.size) for r in records]):
+            staged[at:at + n].copy_(self.buf[a:a + n], non_blocking=self.pin)
+            at += n
         nbytes = np.stack([r.nbytes for r in records], axis=1)      # [L, n]
         open_form = np.stack([r.open_form for r in records], axis=1)
         start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(ids.size, -1).T   # [L, n]
@@ -122,5 +180,24 @@ class HostTier:
         self.stats.bytes_in += int(nbytes.sum())
 
     def drop(self, records: list[Record]) -> None:
-        """Let go of pages on the host (taken back, or dropped for room)."""
-        self.used -= sum(r.size for r in records)
+        """Let go of records (taken back, or forgotten by their owner); their space returns when
+        the ring's tail passes it."""
+        for r in records:
+            if r.live:
+                r.live = False
+                self.used -= r.size
+        while self.ring and not self.ring[0].live:
+            self.ring.popleft()
+        if not self.ring:
+            self.head = 0
+
+
+def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, size) ranges in order, each run of adjacent ones merged into one."""
+    out: list[list[int]] = []
+    for a, n in ranges:
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1][1] += n
+        else:
+            out.append([a, n])
+    return [(a, n) for a, n in out]

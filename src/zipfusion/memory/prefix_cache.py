@@ -20,7 +20,7 @@ a request is never shared. Life of a cached page:
   pages, least recently used first, until the cache can give what is asked. With a host tier
   (host_tier.py) an evicted page's bytes move to host memory first and its node stays
   matchable: a hit on it brings the page back (``swap_in``) instead of recomputing it; the
-  tier drops its own least recently stored pages when full.
+  tier drops its oldest pages when full (and tells the cache, which forgets them).
 
 A page whose chain parent was evicted can no longer be matched (its key names a dead node) and
 is evicted in its turn. Two requests that compute the same page at once each keep their own
@@ -72,7 +72,9 @@ class PrefixCache:
         self.enabled = enabled
         self._free, self._capacity = free, capacity
         self.host = host if enabled else None                      # a HostTier, or None
-        self._on_host: OrderedDict[int, Node] = OrderedDict()       # node id -> node, oldest first
+        self._on_host: dict[int, Node] = {}                         # node id -> node
+        if self.host is not None:
+            self.host.on_drop = self._host_dropped
         self._by_key: dict[tuple, Node] = {}
         self._by_page: dict[int, Node] = {}
         self._evictable: OrderedDict[int, Node] = OrderedDict()     # oldest first
@@ -111,11 +113,6 @@ class PrefixCache:
             node.refs += 1
             self._evictable.pop(node.page, None)
         return [node.page for node in chain]
-
-    def touch_host(self, nodes: list[Node]) -> None:
-        """Host-tier nodes about to come back: last in line to be dropped."""
-        for node in nodes:
-            self._on_host.move_to_end(node.node_id)
 
     def swap_in(self, nodes: list[Node], pages: list[int]) -> None:
         """Bring host-tier ``nodes`` back into the open ``pages`` (just allocated; the caller
@@ -184,32 +181,27 @@ class PrefixCache:
         return pages
 
     def _to_host(self, nodes: list[Node]) -> set[int]:
-        """Copy the nodes' pages to the host tier, dropping its oldest pages for room; the ids of
-        the nodes now kept there."""
-        _, nbytes, _ = self.host.page_bytes([node.page for node in nodes])
-        sizes = nbytes.sum(0)
-        keep = [i for i, size in enumerate(sizes.tolist()) if size <= self.host.budget]
-        need = int(sizes[keep].sum())
-        while keep and not self.host.fits(need):
-            if self._on_host:
-                self._drop_host(1)
-            else:
-                need -= int(sizes[keep.pop()])
-        if not keep:
-            return set()
-        for i, rec in zip(keep, self.host.put([nodes[i].page for i in keep])):
-            nodes[i].host = rec
-            self._on_host[nodes[i].node_id] = nodes[i]
-        return {nodes[i].node_id for i in keep}
+        """Copy the nodes' pages to the host tier (it drops its oldest pages for room); the ids
+        of the nodes now kept there."""
+        kept = set()
+        for node, rec in zip(nodes, self.host.put([node.page for node in nodes], nodes)):
+            if rec is not None:
+                node.host = rec
+                self._on_host[node.node_id] = node
+                kept.add(node.node_id)
+        return kept
 
-    def _drop_host(self, n: int) -> None:
-        """Forget the ``n`` oldest pages of the host tier."""
-        for _ in range(min(n, len(self._on_host))):
-            _, node = self._on_host.popitem(last=False)
-            self.host.drop([node.host])
+    def _host_dropped(self, node: Node) -> None:
+        """The host tier dropped a node's page for room: forget the node."""
+        if self._on_host.pop(node.node_id, None) is not None:
             node.host = None
             del self._by_key[node.key]
-            self.host.stats.dropped += 1
+
+    def _drop_host(self) -> None:
+        """Forget every page on the host tier."""
+        for node in list(self._on_host.values()):
+            self.host.drop([node.host])
+            self._host_dropped(node)
 
     def make_room(self, n: int, keep_reserve: bool = True) -> tuple[int, list[int]]:
         """Evict until the cache has room for ``n`` new pages or nothing is evictable; returns
@@ -225,7 +217,8 @@ class PrefixCache:
     def clear(self) -> list[int]:
         """Forget everything nobody holds, host tier included (``LLM.reset_prefix_cache``); the
         freed page ids."""
-        self._drop_host(len(self._on_host))
+        if self.host is not None:
+            self._drop_host()
         return self.evict(len(self._evictable), to_host=False)
 
     @property
