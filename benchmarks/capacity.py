@@ -1,6 +1,6 @@
 """How many concurrent requests fit: no compression vs compression without / with the shared pool.
 
-Runs on CPU with the real KVCacheManager in accounting mode (device="meta": page tables,
+Runs on CPU with the real KVCacheManager in accounting mode (zipfusion.testing.AccountingManager: page tables,
 chunks, open groups, packed space and compaction planning all run; no arena bytes exist, so
 ``seal_pages`` is handed each page's encoded size instead of running the codec). Page sizes
 follow the format exactly: a page with ``n`` compressible blocks out of 64 is
@@ -40,6 +40,7 @@ import torch
 from zipfusion.format import PageLayout
 from zipfusion.format.layout import loc_offset
 from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
+from zipfusion.testing import AccountingManager
 
 L, H, D = 32, 8, 128
 LAYOUT = PageLayout(H, D)
@@ -90,8 +91,8 @@ class Sizes:
 
 
 def make_manager(budget: float, mode: str) -> KVCacheManager:
-    return KVCacheManager(L, LAYOUT, int(budget), device="meta",
-                          kv_compression=(mode != "none"), shared_pool=(mode != "no pool"))
+    return AccountingManager(L, LAYOUT, int(budget), kv_compression=(mode != "none"),
+                             shared_pool=(mode != "no pool"))
 
 
 def prefill(m: KVCacheManager, sizes: Sizes, mode: str) -> list[int]:

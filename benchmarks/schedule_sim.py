@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The engine's scheduling and memory at full size, without a GPU: the workload scenarios on the
 Llama-3.1-8B shape through the real ``LLMEngine.step`` (scheduler, admission, preemption, seal
-batching), the real ``KVCacheManager`` in accounting mode (``device="meta"``: page tables,
+batching), the real ``KVCacheManager`` in accounting mode (``zipfusion.testing.AccountingManager``: page tables,
 chunks, placement and compaction plans, no bytes) and no model (every row samples token 0).
 Each full page is "compressed" to the size of a page whose blocks are each compressible with
 probability ``--fraction`` (the measured 96 % of random-weight Llama KV, or 0.92 for SmolLM2).
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths  # noqa: E402  (benchmarks/workloads.py)
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.testing import AccountingManager  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402
 
 L, H, D = 32, 8, 128                      # Llama-3.1-8B's KV shape
@@ -50,6 +51,7 @@ class SimCache(ArenaKVCache):
 
     def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int):
         super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress)
+        self.manager = AccountingManager(L, self.layout, budget_bytes, kv_compression=compress)
         self.rng, self.fraction = np.random.default_rng(seed), fraction
 
     def seal(self, ids, min_capacity: int = 0):

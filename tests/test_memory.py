@@ -10,6 +10,7 @@ from zipfusion.analysis.synthetic import pages_with_fraction
 from zipfusion.format import PageLayout, decode_pages
 from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
 from zipfusion.memory.chunks import groups_available
+from zipfusion.testing import AccountingManager
 
 LAYOUT = PageLayout(1, 64)                 # open page 4096 bytes, smallest compressed 3088
 OPEN = LAYOUT.open_page_bytes
@@ -231,7 +232,7 @@ def test_bad_ids_and_double_free_leave_state_unchanged():
         m.free_pages(["a"])
     with pytest.raises(ValueError, match="does not exist"):
         m.open_page(2, ids[1])
-    with pytest.raises(ValueError, match="sizes="):
+    with pytest.raises(TypeError, match="sizes"):                  # a real manager analyzes the bytes
         m.seal_pages([ids[1]], sizes=np.full((2, 1), OPEN))
     assert_same(before, snapshot(m))
 
@@ -250,7 +251,7 @@ def test_memory_exhausted_leaves_state_unchanged():
 # ------------------------------------------------------------------------------ meta / admission
 def test_meta_device_accounting():
     L8B = PageLayout(8, 128)
-    m = KVCacheManager(32, L8B, budget_bytes=4 << 30, device="meta")
+    m = AccountingManager(32, L8B, budget_bytes=4 << 30)
     cap = m.capacity_new_pages()
     ids = m.alloc_pages(512)
     assert m.capacity_new_pages() == cap - 512

@@ -130,7 +130,8 @@ def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm,
     memory manager's placement, reserve and chunking as the engine runs them)."""
     from zipfusion.analysis.model_kv import capture_kv
     from zipfusion.format import PageLayout, page_sizes
-    from zipfusion.memory import KVCacheManager, MemoryExhausted
+    from zipfusion.memory import MemoryExhausted
+    from zipfusion.testing import AccountingManager
     ids = (sum(prompts, []) * 40)[:1024]
     layers = capture_kv(bf16_llm.engine.model, torch.tensor(ids))              # [(K, V) [T, H, D]] x 30
     pages = [torch.stack([k, v], 1).view(-1, 16, 2, *k.shape[1:]).transpose(1, 2) for k, v in layers]
@@ -142,7 +143,7 @@ def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm,
     for factor in (1.0, 1.05, 1.3, 2.0, 4.0, 256 * 2**20 / one_request):
         counts = {}
         for compress in (True, False):
-            m = KVCacheManager(L, layout, int(one_request * factor), device="meta", kv_compression=compress)
+            m = AccountingManager(L, layout, int(one_request * factor), kv_compression=compress)
             n = 0
             while True:
                 try:

@@ -1,15 +1,50 @@
 """Helpers for tests and benchmarks (nothing in the engine calls this module): driving an engine
-step by step, and torch references for paged attention over the arena (float64 math, any
+step by step, a memory manager that only counts (``AccountingManager``), and torch references for paged attention over the arena (float64 math, any
 device), reading pages exactly as the kernels must: ``loc_is_open(page_loc)``: an open page
 stored as ``[2, 16, H, D]`` bf16, else a compressed page decoded with the format's reference
 codec."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .format.layout import PAGE_TOKENS, PageLayout, loc_is_open, loc_offset
 from .format.reference import decode_pages
+from .memory import KVCacheManager
+
+
+class AccountingManager(KVCacheManager):
+    """A :class:`KVCacheManager` on the meta device: page tables, chunk pool, packing and
+    compaction plans, no bytes. Each seal takes the pages' encoded sizes ([L, len(ids)], drawn
+    by the caller) instead of analyzing their bytes (benchmarks/schedule_sim.py, capacity.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, device="meta", **kwargs)
+        self._sizes = None
+
+    def seal_pages(self, ids, sizes=None, min_capacity: int = 0) -> list[int]:
+        ids = list(ids)
+        self._sizes = self._checked(sizes, len(ids))
+        try:
+            return super().seal_pages(ids, min_capacity=min_capacity)
+        finally:
+            self._sizes = None
+
+    def _analyze(self, ids):
+        return None, self._sizes
+
+    def _checked(self, sizes, n: int) -> np.ndarray:
+        if sizes is None:
+            raise ValueError("AccountingManager.seal_pages needs the pages' encoded sizes (sizes=)")
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if sizes.shape != (self.num_layers, n):
+            raise ValueError(f"seal_pages: sizes must be [num_layers, len(ids)] = {[self.num_layers, n]}, "
+                             f"got {list(sizes.shape)}")
+        lo, hi = self.layout.min_page_bytes, self.layout.max_page_bytes
+        if ((sizes < lo) | (sizes > hi) | (sizes % 16 != 0)).any():
+            raise ValueError(f"seal_pages: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
+        return sizes
 
 
 def run_to_completion(engine, reqs=(), keep_logits: bool = False) -> None:

@@ -23,7 +23,8 @@ never lowers the capacity below what was promised (``min_capacity``): a page tha
 it may take stays open (still a valid page) and is returned, to be sealed again later.
 Compaction is incremental: it evacuates a layer's emptiest packed chunks, just enough of them
 to free the chunks asked for. Device: "cuda" (Triton codec and copy kernels), "cpu" (torch
-reference codec), or "meta" (accounting only; ``seal_pages`` then takes the ``sizes``).
+reference codec), or "meta" (no bytes: ``zipfusion.testing.AccountingManager`` seals pages of
+given sizes, for simulations).
 Reads in flight: freed chunks reach another layer only after a CUDA event recorded at the free
 has completed (chunks.py); compaction and compression copy on the current stream, so a caller
 using several streams must order them against it.
@@ -209,8 +210,7 @@ class KVCacheManager:
         per_block = RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES
         return np.where(sizes >= self.layout.open_page_bytes, 0, -(-saved // per_block))
 
-    def seal_pages(self, ids: Iterable[int], sizes: np.ndarray | None = None,
-                       min_capacity: int = 0) -> list[int]:
+    def seal_pages(self, ids: Iterable[int], min_capacity: int = 0) -> list[int]:
         """Full open pages -> compressed pages in every layer; returns the ids left open.
 
         ``min_capacity``: new pages promised to running requests (admission's reservation). A
@@ -227,26 +227,16 @@ class KVCacheManager:
         after it (the same placement as batch by batch: no batch of a wave needs the chunks an
         earlier one frees). A batch that does not fit is a wave alone and may compact; if even
         that finds no room it stays open, with every later one: valid open pages, to be
-        compressed again later. ``sizes`` ([L, len(ids)] encoded bytes) is only for
-        ``device="meta"``.
+        compressed again later.
         """
         t = self.table
         ids = t.check(ids, OPEN, "seal_pages")
         if not self.kv_compression:
             raise ValueError("seal_pages: this manager was built with kv_compression=False")
-        meta = self.device.type == "meta"
-        if meta != (sizes is not None):
-            raise ValueError("seal_pages: sizes= must be given exactly when the manager is an "
-                             "accounting-only manager (device='meta')")
-        L, n = self.num_layers, ids.size
-        if sizes is not None:
-            sizes = self._checked_sizes(sizes, n)
+        n = ids.size
         if n == 0:
             return []
-        state = None
-        if sizes is None:
-            state, flat = codec.analyze(self.arena, loc_offset(t.loc[:, ids]).reshape(-1), self.layout)
-            sizes = flat.reshape(L, n)
+        state, sizes = self._analyze(ids)
         order = np.lexsort((t.slot[ids], t.group[ids]))
         S = self.slots_per_chunk
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
@@ -265,14 +255,11 @@ class KVCacheManager:
         t.sync(ids)                        # one copy of the touched page_loc columns to the device
         return left
 
-    def _checked_sizes(self, sizes, n: int) -> np.ndarray:
-        sizes = np.asarray(sizes, dtype=np.int64)
-        if sizes.shape != (self.num_layers, n):
-            raise ValueError(f"seal_pages: sizes must be [num_layers, len(ids)] = {[self.num_layers, n]}, got {list(sizes.shape)}")
-        lo, hi = self.layout.min_page_bytes, self.layout.max_page_bytes
-        if ((sizes < lo) | (sizes > hi) | (sizes % 16 != 0)).any():
-            raise ValueError(f"seal_pages: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
-        return sizes
+    def _analyze(self, ids: np.ndarray):
+        """(codec state, encoded sizes [L, n]) of the open pages ``ids``: the seal's one device
+        sync. (zipfusion.testing.AccountingManager gives drawn sizes instead, with no bytes.)"""
+        state, flat = codec.analyze(self.arena, loc_offset(self.table.loc[:, ids]).reshape(-1), self.layout)
+        return state, flat.reshape(self.num_layers, ids.size)
 
     def _wave(self, stored: np.ndarray):
         """The next wave of pages ``stored`` [L, m] (open-slot order): (pages, placement) for the
