@@ -79,7 +79,7 @@ class Scenario:
     turns: int = 1                 # > 1: conversations; turn t + 1 = turn t's prompt + answer + ``turn_prompt``
     turn_prompt: int = 0
     admission: str = "estimate"
-    host_gb: float | None = None   # kv_host_memory_gb (None: the engine's default)
+    host_gb: float | None = None   # kv_host_memory_gb (None: the engine's default, off)
 
 
 SCENARIOS = {
@@ -301,8 +301,8 @@ def worker(job: dict) -> dict:
     llm = LLM(job["model"], kv_memory_gb=kv_gb, max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["batched_tokens"], max_model_len=max_len, device=job["device"],
               deterministic=job["deterministic"], enable_prefix_caching=job["prefix_cache"],
-              admission=job.get("admission", "estimate"), kv_host_memory_gb=job.get("host_gb"),
-              **engine_kwargs(job["mode"]))
+              admission=job.get("admission", "estimate"), **engine_kwargs(job["mode"]),
+              **({"kv_host_memory_gb": job["host_gb"]} if job.get("host_gb") is not None else {}))
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     prompts, outs, turns = workload(job, vocab)

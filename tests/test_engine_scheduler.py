@@ -110,12 +110,6 @@ def test_one_request_larger_than_memory_is_an_error():
         s.schedule()
 
 
-def test_prompt_longer_than_max_model_len_is_refused():
-    s = Scheduler(FakeCache(10), max_model_len=64)
-    with pytest.raises(ValueError, match="max_model_len"):
-        s.add(req(0, 64))
-
-
 def test_running_requests_decode_while_a_long_prompt_is_prefilled_in_chunks():
     cache = FakeCache(100)
     s = Scheduler(cache, max_num_batched_tokens=32)

@@ -77,9 +77,7 @@ class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
                  host_tier=None):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.cache = cache
+        self.cache = cache                       # the options were checked once, by EngineConfig
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -94,11 +92,8 @@ class Scheduler:
         self._seal_wait = 0
 
     def add(self, req: Request) -> None:
-        if len(req.prompt_ids) == 0:
-            raise ValueError(f"request {req.request_id}: empty prompt")
-        if len(req.prompt_ids) >= self.max_model_len:
-            raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens does not fit "
-                             f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len")
+        """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1
+        tokens)."""
         self.waiting.append(req)
 
     def has_work(self) -> bool:
