@@ -97,18 +97,21 @@ SCENARIOS = {
 DEFAULT_SCENARIOS = ("burst", "mix", "long", "deterministic", "long_generation")
 # --smoke: the demo model on the CPU (3 layers, 2 KV heads x 64: 1.5 KiB of KV per token), each
 # scenario shrunk but still binding its KV budget where the full one does
-SMOKE = {
-    "burst": Scenario(6, 64, 8, 0.0005),
-    "mix": Scenario(12, 40, 4, 0.0005, prompt_cap=160, output_cap=12),
-    "long": Scenario(2, 300, 6, 0.0007),
-    "deterministic": Scenario(6, 64, 8, 0.0004, deterministic=True),
-    "long_generation": Scenario(4, 16, 40, 0.0003),
-    "prefill": Scenario(3, (128, 128, 512), 1, 0.002, sequential=True),
-    "shared_prefix": Scenario(12, 16, 6, 0.002, shared_prefix=96, group=4),
-    "multi_turn": Scenario(4, 40, 6, 0.002, turns=3, turn_prompt=20),
-    "long_swap": Scenario(6, 200, 60, 0.0012, admission="optimistic", host_gb=0.05),
-    "long_recompute": Scenario(6, 200, 60, 0.0012, admission="optimistic", host_gb=0.0),
+SMOKE_SIZES = {      # requests, prompt, output, KV GiB, and what else shrinks; the rest as above
+    "burst": (6, 64, 8, 0.0005),
+    "mix": (12, 40, 4, 0.0005, dict(prompt_cap=160, output_cap=12)),
+    "long": (2, 300, 6, 0.0007),
+    "deterministic": (6, 64, 8, 0.0004),
+    "long_generation": (4, 16, 40, 0.0003),
+    "prefill": (3, (128, 128, 512), 1, 0.002),
+    "shared_prefix": (12, 16, 6, 0.002, dict(shared_prefix=96, group=4)),
+    "multi_turn": (4, 40, 6, 0.002, dict(turns=3, turn_prompt=20)),
+    "long_swap": (6, 200, 60, 0.0012, dict(host_gb=0.05)),
+    "long_recompute": (6, 200, 60, 0.0012),
 }
+SMOKE = {name: dataclasses.replace(SCENARIOS[name], requests=r, prompt=p, output=o, kv_gb=kv,
+                                   **(more[0] if more else {}))
+         for name, (r, p, o, kv, *more) in SMOKE_SIZES.items()}
 
 
 def log(*a):
