@@ -193,6 +193,12 @@ def test_bad_input_is_named(ckpts, tmp_path):
         LLM(str(path), dtype="float32", device="cpu", kv_compression=False, kv_memory_gb=1e6)
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(str(path), kv_compresion=False)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'yes'"):
+        LLM(str(path), enable_prefix_caching="yes")
+    with pytest.raises(ValueError, match="kv_host_memory_gb must be a number >= 0"):
+        LLM(str(path), kv_host_memory_gb=-1)
+    with pytest.raises(ValueError, match="kv_host_memory_gb=1e.06 is more than the host's free memory"):
+        LLM(str(path), dtype="bfloat16", device="cpu", kv_host_memory_gb=1e6)
     save_tiny_checkpoint(tmp_path)                                  # no tokenizer
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM(str(tmp_path), dtype="float32", device="cpu", kv_compression=False).generate("hello", use_tqdm=False)

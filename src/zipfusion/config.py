@@ -102,6 +102,8 @@ class EngineConfig:
                 or not self.kv_host_memory_gb >= 0:
             raise ValueError(f"kv_host_memory_gb must be a number >= 0, got {self.kv_host_memory_gb!r}")
         for f in dataclasses.fields(self):
+            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
