@@ -16,6 +16,10 @@ KV compression ratio). Results: ``OUT.json`` and, with matplotlib, ``OUT.png``.
     python benchmarks/serve_load.py --model llama-3.1-8b-random --device cuda --rates 4,8,16,32 \\
         --num-requests 256 --prompt-len 1024 --max-tokens 256 --out benchmarks/results/serve_load_h200
 
+``--shared-prefix N --group G``: requests in groups of G start with one N-token prefix of their
+group (a system prompt: the prefix cache's case); the cached prompt tokens the server reports
+(``usage.prompt_tokens_details.cached_tokens``) and its prefix-cache counters are recorded.
+
 Options this script does not know are passed to ``zipfusion serve`` (e.g. ``--kv-memory-gb 60``,
 ``--max-num-seqs 128``, ``--no-kv-compression``).
 """
@@ -77,6 +81,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
                     return rec
                 if event.get("usage"):
                     rec["completion_tokens"] = event["usage"]["completion_tokens"]
+                    rec["cached_tokens"] = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 if any(c.get("text") or c.get("token_ids") for c in event.get("choices", [])):
                     rec["chunks"].append(now)
         rec["done"] = time.perf_counter()
@@ -87,9 +92,13 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
 
 
 async def run_rate(url: str, rate: float, n: int, prompt_len: int, max_tokens: int, vocab: tuple[int, int],
-                   seed: int, model: str | None, timeout: float, max_concurrency: int | None) -> dict:
+                   seed: int, model: str | None, timeout: float, max_concurrency: int | None,
+                   shared_prefix: int = 0, group: int = 1) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(*vocab) for _ in range(prompt_len)] for _ in range(n)]
+    if shared_prefix:                            # groups of requests behind one system prompt each
+        prefixes = [[rng.randrange(*vocab) for _ in range(shared_prefix)] for _ in range(-(-n // group))]
+        prompts = [prefixes[i // group] + p for i, p in enumerate(prompts)]
     gaps = [rng.expovariate(rate) if rate > 0 else 0.0 for _ in range(n)]
     limits = httpx.Limits(max_connections=max(n, 1), max_keepalive_connections=max(n, 1))
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -120,7 +129,8 @@ async def run_rate(url: str, rate: float, n: int, prompt_len: int, max_tokens: i
             "errors": errors[:5], "duration_s": end - start, "output_tokens": out_tokens,
             "output_tok_s": out_tokens / (end - start), "requests_s": len(ok) / (end - start),
             "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "tpot_s": percentiles(tpot),
-            "e2e_s": percentiles(e2e), "at_last_arrival": busy}
+            "e2e_s": percentiles(e2e), "at_last_arrival": busy,
+            "prompt_tokens": sum(len(p) for p in prompts), "cached_tokens": sum(r.get("cached_tokens", 0) for r in ok)}
 
 
 def scrape(url: str) -> dict:
@@ -134,7 +144,8 @@ def scrape(url: str) -> dict:
     wanted = ("zipfusion:num_preemptions_total", "zipfusion:generation_tokens_total", "zipfusion:prompt_tokens_total",
               "zipfusion:kv_stored_ratio", "zipfusion:kv_arena_bytes", "zipfusion:time_to_first_token_seconds_sum",
               "zipfusion:time_to_first_token_seconds_count", "zipfusion:kv_cache_usage_perc",
-              "zipfusion:num_requests_running", "zipfusion:num_requests_waiting")
+              "zipfusion:num_requests_running", "zipfusion:num_requests_waiting",
+              "zipfusion:prefix_cache_queries_total", "zipfusion:prefix_cache_hits_total")
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
@@ -216,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix each group of requests shares")
+    p.add_argument("--group", type=int, default=16, help="requests per shared prefix")
     p.add_argument("--vocab", default="10,2000", help="prompt token ids are drawn from [lo, hi)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
     p.add_argument("--seed", type=int, default=0)
@@ -242,13 +255,14 @@ def main(argv=None) -> int:
         for i, rate in enumerate(rates):
             r = asyncio.run(run_rate(url, rate if rate != float("inf") else 0.0, args.num_requests, args.prompt_len,
                                      args.max_tokens, vocab, args.seed + i, args.served_model, args.timeout,
-                                     args.max_concurrency))
+                                     args.max_concurrency, args.shared_prefix, args.group))
             r["rate_req_s"] = rate
             results.append(r)
             print(f"rate {rate:g} req/s: {r['completed']}/{r['num_requests']} ok, "
                   f"TTFT p50 {1e3 * (r['ttft_s']['p50'] or 0):.0f} ms p99 {1e3 * (r['ttft_s']['p99'] or 0):.0f} ms, "
                   f"ITL p50 {1e3 * (r['itl_s']['p50'] or 0):.1f} ms p99 {1e3 * (r['itl_s']['p99'] or 0):.1f} ms, "
-                  f"{r['output_tok_s']:.1f} output tok/s", flush=True)
+                  f"{r['output_tok_s']:.1f} output tok/s, {r['cached_tokens']} of {r['prompt_tokens']} prompt tokens "
+                  "cached", flush=True)
         after = scrape(url)
     finally:
         if proc is not None:
@@ -268,6 +282,7 @@ def main(argv=None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "model": args.model, "device": args.device, "device_name": device_name, "cpus": os.cpu_count(),
               "server_args": extra, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "shared_prefix": args.shared_prefix, "group": args.group,
               "results": results,
               "server_metrics": {k: after.get(k, 0) - before.get(k, 0) if k.endswith(("_total", "_sum", "_count"))
                                  else after.get(k) for k in after},

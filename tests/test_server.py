@@ -503,6 +503,9 @@ def test_load_test_script_runs_against_a_live_server(live):
     assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 24
     # one chunk per token with text (an end-of-sequence token, ignored, streams no text)
     assert r["ttft_s"]["n"] == 4 and 4 * 2 <= r["itl_s"]["n"] <= 4 * 5 and r["ttft_s"]["p50"] > 0
+    # groups of 3 behind a shared 40-token prefix: the ones after the first find it cached
+    r = asyncio.run(mod.run_rate(url, 0.0, 6, 8, 2, (10, 2000), 1, None, T, 1, shared_prefix=40, group=3))
+    assert r["completed"] == 6 and r["prompt_tokens"] == 6 * 48 and r["cached_tokens"] >= 4 * 32
 
 
 # -- issue 24: limits, strict values, unknown fields, the OpenAPI document --------------------------------
