@@ -2,7 +2,8 @@
 
 Pages start at 16-byte aligned offsets and their sizes are multiples of 16. Moves are done in
 batches of at most ``batch_bytes``: every range of a batch is first copied into a temporary
-buffer, then from it to its destination, so a page may slide onto its own old bytes or onto
+buffer, then from it to its destination (``copy_ranges`` twice; ``copy_ranges`` alone also
+copies between two tensors), so a page may slide onto its own old bytes or onto
 another's already-read bytes (compaction relies on the order argument in packed.py for bytes of
 later batches).
 
@@ -59,32 +60,25 @@ def _row_index(starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     return first + np.arange(total, dtype=np.int64)
 
 
-def _copy_cuda(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-    words = arena[:arena.numel() // 4 * 4].view(torch.int32)
-    temp = torch.empty(int(nbytes.sum()) // 4, dtype=torch.int32, device=arena.device)
-    packed = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
-    s, d, t, n = to_device(np.stack([src, dst, packed, nbytes]) // 4, arena.device)   # words, one copy
-    grid = (len(src),)
-    _copy_ranges_kernel[grid](words, temp, s, t, n, BLOCK=1024)
-    _copy_ranges_kernel[grid](temp, words, t, d, n, BLOCK=1024)
+def _words(t: torch.Tensor) -> torch.Tensor:
+    return t[:t.numel() // 4 * 4].view(torch.int32)
 
 
 def copy_ranges(src: torch.Tensor, dst: torch.Tensor, src_off: np.ndarray, dst_off: np.ndarray,
                 nbytes: np.ndarray) -> None:
-    """Copy ``nbytes[i]`` bytes from ``src`` at ``src_off[i]`` to ``dst`` at ``dst_off[i]`` (two
-    uint8 tensors on one device, ranges 16-byte aligned, no overlap): the host tier's gathers
-    and scatters."""
+    """Copy ``nbytes[i]`` bytes from ``src`` at ``src_off[i]`` to ``dst`` at ``dst_off[i]`` (uint8
+    tensors on one device, ranges 16-byte aligned; ``src`` and ``dst`` may be one tensor only if
+    no destination overlaps a source: ``move_ranges`` is for that)."""
     if len(src_off) == 0:
         return
     src_off, dst_off, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src_off, dst_off, nbytes))
     if src.is_cuda and triton is not None:
-        s, d, n = to_device(np.stack([src_off, dst_off, nbytes]) // 4, src.device)
-        _copy_ranges_kernel[(len(src_off),)](src[:src.numel() // 4 * 4].view(torch.int32),
-                                             dst[:dst.numel() // 4 * 4].view(torch.int32), s, d, n, BLOCK=1024)
+        s, d, n = to_device(np.stack([src_off, dst_off, nbytes]) // 4, src.device)    # words, one copy
+        _copy_ranges_kernel[(len(src_off),)](_words(src), _words(dst), s, d, n, BLOCK=1024)
         return
     s_rows = torch.from_numpy(_row_index(src_off, nbytes)).to(src.device)
     d_rows = torch.from_numpy(_row_index(dst_off, nbytes)).to(dst.device)
-    dst.view(-1, ROW)[d_rows] = src.view(-1, ROW)[s_rows]
+    dst.view(-1, ROW)[d_rows] = src.view(-1, ROW)[s_rows]      # advanced indexing: a gather first
 
 
 def move_ranges(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
@@ -93,16 +87,16 @@ def move_ranges(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: n
     if len(src) == 0 or arena.device.type == "meta":
         return
     src, dst, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src, dst, nbytes))
-    rows = arena.view(-1, ROW)
     i, n = 0, len(src)
     csum = np.concatenate([[0], np.cumsum(nbytes)])
     while i < n:
         j = int(np.searchsorted(csum, csum[i] + batch_bytes, side="right")) - 1
         j = min(max(j, i + 1), n)
-        if arena.is_cuda and triton is not None:
-            _copy_cuda(arena, src[i:j], dst[i:j], nbytes[i:j])
-        else:
-            s_rows = torch.from_numpy(_row_index(src[i:j], nbytes[i:j])).to(arena.device)
-            d_rows = torch.from_numpy(_row_index(dst[i:j], nbytes[i:j])).to(arena.device)
-            rows[d_rows] = rows[s_rows]        # advanced indexing: gathers into a temporary first
+        if arena.is_cuda and triton is not None:    # through a temporary: sources first, then dests
+            temp = torch.empty(int(csum[j] - csum[i]), dtype=torch.uint8, device=arena.device)
+            packed = csum[i:j] - csum[i]
+            copy_ranges(arena, temp, src[i:j], packed, nbytes[i:j])
+            copy_ranges(temp, arena, packed, dst[i:j], nbytes[i:j])
+        else:                                       # the CPU gathers into a temporary first itself
+            copy_ranges(arena, arena, src[i:j], dst[i:j], nbytes[i:j])
         i = j
