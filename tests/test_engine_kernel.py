@@ -160,7 +160,7 @@ def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
     from zipfusion.engine.attention import ChunkView, _varlen_batch
     prefix = [7, 3, 9]
     chunks = [ChunkView(48, 20, prefix + [11, 12]), ChunkView(40, 10, prefix + [20]), ChunkView(0, 30, [5, 6])]
-    vb = _varlen_batch(chunks, ["gather", "gather", "fresh"], 4, torch.device("cpu"), need_attn=False)
+    vb = _varlen_batch(chunks, ["gather", "gather", "fresh"], 4, torch.device("cpu"))
     assert vb.pages.tolist() == [3, 7, 9, 11, 12, 20] and vb.cu_k.tolist() == [0, 68, 118]
     assert vb.rows.tolist() == list(range(4, 34)) and (vb.max_q, vb.max_k) == (20, 68)
 

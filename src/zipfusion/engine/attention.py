@@ -49,6 +49,8 @@ restore), and thousands of rows re-reading one prefix no longer restore it thous
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -240,7 +242,8 @@ class PagedKVCacheStep(KVCacheStep):
         self._pages = {i: (torch.tensor(ch.used_pages, dtype=torch.int32, device=device),
                            torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device))
                        for i, ch in enumerate(chunks) if self._routes[i] in ("gather", "copy")}
-        self._varlen = _varlen_batch(chunks, self._routes, num_decode, device) if device.type == "cuda" else None
+        self._varlen = (_varlen_batch(chunks, self._routes, num_decode, device)
+                        if device.type == "cuda" and _varlen_options() is not None else None)
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
@@ -295,8 +298,7 @@ class VarlenBatch:
         return k[self.token_index], v[self.token_index]
 
 
-def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, device,
-                  need_attn: bool = True) -> VarlenBatch | None:
+def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, device) -> VarlenBatch | None:
     picked, rows, cu_q, cu_k, off = [], [], [0], [0], num_decode
     for ch, route in zip(chunks, routes):
         if route == "gather":
@@ -305,7 +307,7 @@ def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, d
             cu_q.append(cu_q[-1] + ch.length)
             cu_k.append(cu_k[-1] + ch.start + ch.length)
         off += ch.length
-    if not picked or (need_attn and _varlen_attn() is None):
+    if not picked:
         return None
     pages = torch.tensor([p for ch in picked for p in ch.used_pages], dtype=torch.int64)
     uniq, inverse = torch.unique(pages, return_inverse=True)
@@ -321,28 +323,26 @@ def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, d
                        torch.cat(index).to(device))
 
 
-def _varlen_attn():
-    """torch's variable-length FlashAttention (``torch.nn.attention.varlen``, torch >= 2.9), or None."""
+@functools.cache
+def _varlen_options():
+    """torch's variable-length FlashAttention (``torch.nn.attention.varlen``, torch >= 2.9) and
+    how this torch says "causal" and whether it takes GQA (asked once); None without it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # a (left, right) window
+    return varlen_attn, causal, "enable_gqa" in params
 
 
 def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vb: VarlenBatch, scale: float) -> torch.Tensor:
     """Causal attention of several chunks at once: chunk j's queries (rows cu_q[j]..cu_q[j+1]) are
     the last tokens of its keys (cu_k[j]..cu_k[j+1]); query i of a chunk of n sees the keys up to
     its own position (bottom-right causal). K/V heads are shared by query-head groups (GQA)."""
-    import inspect
-    attn = _varlen_attn()
-    params = inspect.signature(attn).parameters
-    kw = {"scale": scale}
-    if "window_size" in params:                 # torch >= 2.12: causal as a (left, right) window
-        kw["window_size"] = (-1, 0)
-    else:
-        kw["is_causal"] = True
-    if "enable_gqa" in params:
+    attn, causal, takes_gqa = _varlen_options()
+    kw = {"scale": scale, **causal}
+    if takes_gqa:
         kw["enable_gqa"] = q.shape[1] != k.shape[1]
     elif q.shape[1] != k.shape[1]:
         g = q.shape[1] // k.shape[1]
