@@ -213,27 +213,29 @@ class Scheduler:
 
     def _swap_in(self, chain: list, wait: bool) -> list | None:
         """Bring the chain's host-tier pages back into new pages. With no room for them: None when
-        ``wait`` (the request waits for room), else the chain up to its first such page (the
-        rest is let go and recomputed)."""
+        ``wait`` (the request waits for room), else the chain up to its first such page. Pages
+        the tier dropped while room was made end the chain there too (the rest is recomputed)."""
         away = [n for n in chain if n.page is None]
         if not away:
             return chain
         could = self.cache.capacity_new_pages() + self.prefix.num_evictable_pages >= len(away)
-        if wait and not could:
-            return None
-        room = self._room(len(away)) if could else 0
+        room = self._room(len(away)) if could else 0               # no eviction that cannot help
+        keep = len(chain)
+        if room < len(away):
+            if wait:
+                return None
+            keep = chain.index(away[0])
         lost = [n for n in away if n.host is None]
-        if wait and room < len(away) and not lost:
-            return None
-        if room < len(away) or lost:
-            cut = chain.index(lost[0] if lost else away[0])
-            self.prefix.release([n.page for n in chain[cut:] if n.page is not None])
-            chain, away = chain[:cut], [n for n in chain[:cut] if n.page is None]
-            if not away:
-                return chain
-        pages = self.cache.alloc(len(away))
-        self.prefix.swap_in(away, pages)
-        self._to_seal.update(pages)                 # full pages, open again: sealed with the next seal
+        if lost:
+            keep = min(keep, chain.index(lost[0]))
+        if keep < len(chain):
+            self.prefix.release([n.page for n in chain[keep:] if n.page is not None])
+            chain = chain[:keep]
+            away = [n for n in chain if n.page is None]
+        if away:
+            pages = self.cache.alloc(len(away))
+            self.prefix.swap_in(away, pages)
+            self._to_seal.update(pages)             # full pages, open again: sealed with the next seal
         return chain
 
     def _unadmit(self, req: Request) -> None:
