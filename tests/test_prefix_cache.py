@@ -80,8 +80,7 @@ def test_a_duplicate_page_stays_its_owners_and_chains_through_the_first():
     a, b = fake.alloc(2), fake.alloc(2)
     insert_all(pc, blocks(1, 2), a)
     insert_all(pc, blocks(1, 2), b)                               # computed at the same time
-    assert not pc.is_cached(b[0]) and not pc.is_cached(b[1])
-    assert pc.release(b) == [b[1], b[0]]                          # freed at once: nobody can hit them
+    assert pc.release(b) == [b[1], b[0]] and pc.num_evictable_pages == 0    # not cached: freed at once
     assert [n.page for n in pc.match(blocks(1, 2), 10)] == a
 
 

@@ -90,9 +90,6 @@ class PrefixCache:
     def num_evictable_pages(self) -> int:
         return len(self._evictable)
 
-    def is_cached(self, page: int) -> bool:
-        return page in self._by_page
-
     # -- hits ---------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], max_pages: int) -> list[Node]:
         """The cached chain of pages that ``tokens`` start with, at most ``max_pages`` long."""
