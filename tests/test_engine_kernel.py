@@ -139,7 +139,9 @@ def test_varlen_gather_route_matches_per_chunk_sdpa():
     from zipfusion.engine.attention import ChunkView, _varlen_batch, prefill_attention, varlen_prefill
     g = torch.Generator(device="cuda").manual_seed(0)
     Hq, H, D = 32, 8, 128
-    chunks = [ChunkView(4096, 256, []), ChunkView(40, 700, []), ChunkView(1000, 17, [])]
+    spans = [(4096, 256), (40, 700), (1000, 17)]
+    first = [0, 272, 320]                   # each chunk's own pages (the key order is cu_k's here)
+    chunks = [ChunkView(s, n, list(range(f, f + -(-(s + n) // 16)))) for (s, n), f in zip(spans, first)]
     vb = _varlen_batch(chunks, ["gather"] * 3, 5, torch.device("cuda"))
     n = 5 + sum(ch.length for ch in chunks)
     q = torch.randn(n, Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)

@@ -238,12 +238,11 @@ class PagedKVCacheStep(KVCacheStep):
         # "rows": the chunk's tokens as decode rows (its request's pages, each token's length)
         self._rows = {i: _decode_rows(ch, device) for i, ch in enumerate(chunks) if self._routes[i] == "rows"}
         self._paged = _paged_chunks(backend, chunks, self._routes, num_decode, device)
-        # "gather" and "copy": the request's pages and each token's context length
+        # "copy": the request's pages and each token's context length
         self._pages = {i: (torch.tensor(ch.used_pages, dtype=torch.int32, device=device),
                            torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device))
-                       for i, ch in enumerate(chunks) if self._routes[i] in ("gather", "copy")}
-        self._varlen = (_varlen_batch(chunks, self._routes, num_decode, device)
-                        if device.type == "cuda" and _varlen_options() is not None else None)
+                       for i, ch in enumerate(chunks) if self._routes[i] == "copy"}
+        self._gather = _varlen_batch(chunks, self._routes, num_decode, device)
 
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
@@ -257,10 +256,10 @@ class PagedKVCacheStep(KVCacheStep):
             out[:n] = b.decode(layer, q[:n], self.block_table, self.context_lens)
         if self._paged is not None:
             out[self._paged.rows] = b.paged_prefill(layer, q[self._paged.rows], self._paged)
-        if self._varlen is not None:                       # every "gather" chunk in one call
-            vb = self._varlen
-            k, v = vb.keys(lambda pages, n: b.read_context(layer, pages, n))
-            out[vb.rows] = varlen_prefill(q[vb.rows], k.to(q.dtype), v.to(q.dtype), vb, b.sm_scale)
+        if self._gather is not None:                       # every "gather" chunk in one call
+            vb = self._gather                              # (k, v stay this step's fresh K/V)
+            kg, vg = vb.keys(lambda pages, n: b.read_context(layer, pages, n))
+            out[vb.rows] = varlen_prefill(q[vb.rows], kg.to(q.dtype), vg.to(q.dtype), vb, b.sm_scale)
         off = n
         for i, ch in enumerate(self.chunks):
             sl = slice(off, off + ch.length)
@@ -272,9 +271,6 @@ class PagedKVCacheStep(KVCacheStep):
                 out[sl] = b.decode(layer, q[sl], *self._rows[i])
             elif route == "fresh":
                 out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, b.sm_scale)
-            elif route == "gather" and self._varlen is None:
-                kc, vc = b.read_context(layer, self._pages[i][0], ch.start + ch.length)
-                out[sl] = prefill_attention(q[sl], kc.to(q.dtype), vc.to(q.dtype), ch.start, b.sm_scale)
         return out
 
 
@@ -291,6 +287,7 @@ class VarlenBatch:
     max_k: int
     pages: torch.Tensor          # int32 [U]: the distinct pages
     token_index: torch.Tensor    # int64 [cu_k[-1]]: key j of the batch is token token_index[j] of the restore
+    spans: list[tuple[int, int, int, int]]   # per chunk (q from, q to, k from, k to), on the host
 
     def keys(self, read) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [cu_k[-1], H, D]; ``read(pages, n)``: the first n tokens of those pages restored."""
@@ -320,7 +317,7 @@ def _varlen_batch(chunks: list[ChunkView], routes: list[str], num_decode: int, d
     as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return VarlenBatch(torch.cat(rows).to(device), as_dev(cu_q), as_dev(cu_k), max(ch.length for ch in picked),
                        max(ch.start + ch.length for ch in picked), uniq.to(torch.int32).to(device),
-                       torch.cat(index).to(device))
+                       torch.cat(index).to(device), list(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])))
 
 
 @functools.cache
@@ -339,7 +336,11 @@ def _varlen_options():
 def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vb: VarlenBatch, scale: float) -> torch.Tensor:
     """Causal attention of several chunks at once: chunk j's queries (rows cu_q[j]..cu_q[j+1]) are
     the last tokens of its keys (cu_k[j]..cu_k[j+1]); query i of a chunk of n sees the keys up to
-    its own position (bottom-right causal). K/V heads are shared by query-head groups (GQA)."""
+    its own position (bottom-right causal). K/V heads are shared by query-head groups (GQA).
+    One varlen FlashAttention call on CUDA; elsewhere (the CPU) SDPA chunk by chunk."""
+    if not q.is_cuda or _varlen_options() is None:
+        return torch.cat([prefill_attention(q[q0:q1], k[k0:k1], v[k0:k1], (k1 - k0) - (q1 - q0), scale)
+                          for q0, q1, k0, k1 in vb.spans])
     attn, causal, takes_gqa = _varlen_options()
     kw = {"scale": scale, **causal}
     if takes_gqa:
