@@ -79,7 +79,7 @@ class Scenario:
     turns: int = 1                 # > 1: conversations; turn t + 1 = turn t's prompt + answer + ``turn_prompt``
     turn_prompt: int = 0
     admission: str = "estimate"
-    host_gb: float | None = None   # kv_host_memory_gb (None: the engine's default, off)
+    host_gb: float | None = None   # kv_host_memory_gb (None: the engine's default)
 
 
 SCENARIOS = {
@@ -311,6 +311,8 @@ def worker(job: dict) -> dict:
     prompts, outs, turns = workload(job, vocab)
     build_s = time.perf_counter() - t0
     warm_up(eng, max_len)
+    if eng.host_tier is not None:
+        eng.host_tier.start(wait=True)            # its pinned buffer, before the clock starts
     warm_s = time.perf_counter() - t0 - build_s
     base = eng.cache.stats()
     label = f"[{job['scenario']}/{job['mode']}]"
@@ -318,7 +320,8 @@ def worker(job: dict) -> dict:
     new = sum(map(len, prompts)) + sum(len(m) for t in turns for m in t)    # tokens no earlier turn had
     rec = {"scenario": job["scenario"], "mode": job["mode"], **summarize(eng, reqs, steps, wall, base),
            "new_prompt_tokens": new,
-           "kv_memory_gb": kv_gb, "max_model_len": max_len, "build_s": build_s, "warm_up_s": warm_s,
+           "kv_memory_gb": kv_gb, "host_tier_gb": eng.host_tier.budget / 2**30 if eng.host_tier else 0.0,
+           "max_model_len": max_len, "build_s": build_s, "warm_up_s": warm_s,
            "device": torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu",
            "job": job, "step_fields": list(STEP_FIELDS), "step_log": step_rows(steps)}
     if job["sequential"]:               # prefill: each prompt alone; TTFT and model FLOP utilization

@@ -69,6 +69,7 @@ def test_round_trip_is_bit_exact_in_every_form(device):
         write(m, p, page_data(i))
     assert m.seal_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
     host = HostTier(m, 1 << 20)
+    host.start(wait=True)                        # CUDA: pinned by its thread
     recs = host.put(ids, ids)
     m.free_pages(ids)
     assert host.used == sum(r.size for r in recs) and host.used < 10 * L * OPEN     # compressed bytes travel
@@ -108,6 +109,32 @@ def test_ring_drops_the_oldest_reuses_holes_and_wraps():
     for p, k in zip(again, (3, 4, 5)):
         assert same_bits(read(m, p), data(k))
     assert host.used == 0 and not host.ring
+
+
+def test_a_tier_still_being_pinned_keeps_nothing_then_works():
+    """On CUDA the buffer is pinned by a background thread: until it exists ``put`` keeps no page
+    (as without a tier: they are recomputed) and the step goes on; then pages round-trip."""
+    m = manager()
+    ids = m.alloc_pages(2)
+    for i, p in enumerate(ids):
+        write(m, p, page_data(10 + i))
+    host = HostTier(m, 1 << 20)
+    host.pin = True                              # as on CUDA before the thread has finished
+    assert not host.ready and host.put(ids, ["x", "y"]) == [None, None] and host.stats.pages_out == 0
+    host.pin = False
+    host._allocate()
+    assert host.ready
+    recs = host.put(ids, ["x", "y"])
+    back = m.alloc_pages(2)
+    host.take(recs, back)
+    assert all(same_bits(read(m, b), page_data(10 + i)) for i, b in enumerate(back))
+
+
+def test_host_tier_default_is_on_for_gpus_only():
+    """kv_host_memory_gb=None: on the CPU no tier (host memory is the device's); 0 turns it off."""
+    assert LLM("demo", device="cpu").engine.host_tier is None
+    with pytest.raises(ValueError, match="kv_host_memory_gb must be a number >= 0"):
+        LLM("demo", device="cpu", kv_host_memory_gb="lots")
 
 
 class CacheMachine(RuleBasedStateMachine):

@@ -69,10 +69,11 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "
                                              "(full pages, compressed as they are; evicted least recently "
                                              "used when memory is needed)")
-    kv_host_memory_gb: float = _opt(
-        0.0, "GiB of host memory for KV pages the prefix cache evicts (kept as stored, brought back on a "
-             "hit instead of recomputed; a preempted request's pages too); 0: off (the default until its cost "
-             "on a GPU is measured: docs/design.md, 'Host tier'); not with tensor parallelism")
+    kv_host_memory_gb: float | None = _opt(
+        None, "GiB of pinned host memory for KV pages the prefix cache evicts (kept as stored, brought back "
+              "on a hit instead of recomputed; a preempted request's pages too); default on a GPU: "
+              "min(2 x kv_memory_gb, a quarter of the host's free memory); 0: off (the default on the CPU "
+              "and with tensor parallelism)")
     deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
                                       "parameters and seed (batch-invariant kernels; slower)")
     chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")
@@ -98,8 +99,9 @@ class EngineConfig:
         if self.kv_memory_gb is not None and (isinstance(self.kv_memory_gb, bool) or not isinstance(
                 self.kv_memory_gb, (int, float)) or not self.kv_memory_gb > 0):
             raise ValueError(f"kv_memory_gb must be a positive number, got {self.kv_memory_gb!r}")
-        if isinstance(self.kv_host_memory_gb, bool) or not isinstance(self.kv_host_memory_gb, (int, float)) \
-                or not self.kv_host_memory_gb >= 0:
+        if self.kv_host_memory_gb is not None and (
+                isinstance(self.kv_host_memory_gb, bool) or not isinstance(self.kv_host_memory_gb, (int, float))
+                or not self.kv_host_memory_gb >= 0):
             raise ValueError(f"kv_host_memory_gb must be a number >= 0, got {self.kv_host_memory_gb!r}")
         for f in dataclasses.fields(self):
             if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):

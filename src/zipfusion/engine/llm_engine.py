@@ -110,9 +110,10 @@ class LLMEngine:
         self._len_note = ""
         self._check_one_request_fits(cfg.max_model_len is not None)
         sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
+        self.host_tier = self._build_host_tier()
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
-                                   host_tier=self._build_host_tier())
+                                   host_tier=self.host_tier)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
@@ -120,6 +121,8 @@ class LLMEngine:
             self.runner = self.tp.wrap_runner(self.runner, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
         self.graph_buckets = self.runner.capture_cuda_graphs()
+        if self.host_tier is not None:
+            self.host_tier.start()                 # pinned in the background, after the capture
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
         self._peak_pages = -1
@@ -173,10 +176,14 @@ class LLMEngine:
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
 
     def _build_host_tier(self):
-        """The KV host tier (memory/host_tier.py), or None: off by default, without prefix caching,
-        for a dense cache, and with tensor parallelism (each rank would need its own; not built)."""
+        """The KV host tier (memory/host_tier.py), or None: off without prefix caching, for a dense
+        cache, and with tensor parallelism (each rank would need its own; not built). By default
+        on a GPU only: min(2 x the KV memory, a quarter of the host's free memory)."""
         cfg = self.config
         gb = cfg.kv_host_memory_gb
+        if gb is None:
+            default_on = self.device.type == "cuda" and not self.tp
+            gb = min(2 * self.kv_memory_gb, free_memory_gb(torch.device("cpu")) / 4) if default_on else 0.0
         if not gb or not cfg.enable_prefix_caching or not isinstance(self.cache, ArenaKVCache):
             return None
         if self.tp:

@@ -14,8 +14,9 @@ memory, and the H2D copy before the decode that reads it, so stream order alone 
 flight from being read or overwritten early. (They do not overlap the step's compute yet: a side
 stream would.) On the CPU the same code copies between tensors.
 
-Layout: one pinned buffer of the tier's budget, allocated at the first ``put`` (no host allocation
-per transfer: allocating pinned memory can stall the device) and used as a ring: each page's
+Layout: one pinned buffer of the tier's budget (no host allocation per transfer: allocating pinned
+memory can stall the device). On CUDA a background thread pins it once the engine has started
+(``start``; tens of GiB take seconds); until it is ready ``put`` keeps nothing, as without a tier. It is used as a ring: each page's
 layers' byte ranges lie one after another (``Record``) at the head; space comes back from the
 tail, so when the tier is full it drops its oldest pages first (``on_drop`` tells the owner) and
 a page taken back leaves a hole that is reused once the tail passes it.
@@ -23,6 +24,7 @@ a page taken back leaves a hole that is reused once the tail passes it.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -65,10 +67,21 @@ class HostTier:
         self.pin = manager.device.type == "cuda"
         self.on_drop = on_drop                  # called with a record's owner when it is dropped
         self.buf: torch.Tensor | None = None
+        self._pinning: threading.Thread | None = None
         self.ring: deque[Record] = deque()       # allocation order: the tail first
         self.head = 0
         self.used = 0                            # bytes of live records
         self.stats = HostTierStats()
+
+    def start(self, wait: bool = False) -> None:
+        """Begin pinning the buffer in the background (CUDA; the engine calls this once its CUDA
+        graphs are captured: no host allocation may run beside a capture); ``wait``: until it is
+        done. The CPU allocates at the first ``put``."""
+        if self.pin and self.budget and self._pinning is None and self.buf is None:
+            self._pinning = threading.Thread(target=self._allocate, name="zipfusion-host-tier", daemon=True)
+            self._pinning.start()
+        if wait and self._pinning is not None:
+            self._pinning.join()
 
     def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
@@ -78,6 +91,14 @@ class HostTier:
         stored = (t.state[ids] == STORED)[None, :]
         nbytes = np.where(stored, t.size[:, ids], self.m.layout.open_page_bytes)
         return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
+
+    def _allocate(self) -> None:
+        self.buf = torch.empty(self.budget, dtype=torch.uint8, pin_memory=self.pin)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the buffer exists (on CUDA: pinned by the background thread)."""
+        return self.buf is not None
 
     # -- the ring --------------------------------------------------------------------------------
     def _tail(self) -> int:
@@ -119,9 +140,11 @@ class HostTier:
         page larger than the whole tier); the caller then frees them. The oldest records make
         room (their owners are told)."""
         ids = np.asarray(ids, dtype=np.int64)
+        if self.buf is None and not self.pin:
+            self._allocate()                                  # the CPU: at once
+        if self.buf is None:                                  # still being pinned: nothing kept
+            return [None] * ids.size
         off, nbytes, open_form = self.page_bytes(ids)
-        if self.buf is None:
-            self.buf = torch.empty(self.budget, dtype=torch.uint8, pin_memory=self.pin)
         out = []
         for i in range(ids.size):
             size = int(nbytes[:, i].sum())
