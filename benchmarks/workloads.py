@@ -158,7 +158,8 @@ def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
 def warm_up(eng, max_len: int) -> None:
     """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
     over its sealed pages alone, then beside a prompt of more than one chunk (mixed steps with a
-    first chunk and a continuation); then the engine's counters start afresh. (The decode steps'
+    first chunk and a continuation); two prompts then hit its cached prefix; then the engine's
+    counters start afresh. (The decode steps'
     CUDA graphs are captured when the engine is built.)"""
     import torch
     from zipfusion import SamplingParams
@@ -171,6 +172,12 @@ def warm_up(eng, max_len: int) -> None:
     while len(first.output_ids) < decode:
         eng.step()
     eng.add_request(rand(max(1, min(batched + batched // 8, max_len - 8))), sp(4))
+    while eng.has_work():
+        eng.step()
+    for n in (40, 300):                    # prefix-cache hits: short and long chunks over cached pages
+        n = min(n, max_len - 4 - len(first.prompt_ids))
+        if n > 0:
+            eng.add_request(first.prompt_ids + rand(n), sp(2))
     while eng.has_work():
         eng.step()
     eng.scheduler.num_preemptions = 0
