@@ -74,9 +74,7 @@ def test_round_trip_is_bit_exact_in_every_form(device):
     m.free_pages(ids)
     assert host.used == sum(r.size for r in recs) and host.used < 10 * L * OPEN     # compressed bytes travel
     back = m.alloc_pages(10)
-    left = host.take(recs, back)
-    assert back[8:] == left[-2:] and len(left) < 10              # stored pages come back stored (room allowing)
-    assert all(m.page_state(p) == ("open" if p in left else "stored") for p in back)
+    host.take(recs, back)
     for i, p in enumerate(back):
         assert same_bits(read(m, p), page_data(i)), i
     assert host.used == 0 and host.stats.pages_in == host.stats.pages_out == 10
@@ -173,7 +171,8 @@ class CacheMachine(RuleBasedStateMachine):
             return
         if away:
             pages = self.m.alloc_pages(len(away))
-            self.to_seal.update(self.pc.swap_in(away, pages))       # the rest came back stored
+            self.pc.swap_in(away, pages)
+            self.to_seal.update(pages)
         new = self.m.alloc_pages(len(blocks) - len(chain))
         pages = [n.page for n in chain] + new
         node = chain[-1].node_id if chain else ROOT

@@ -234,7 +234,8 @@ class Scheduler:
             away = [n for n in chain if n.page is None]
         if away:
             pages = self.cache.alloc(len(away))
-            self._to_seal.update(self.prefix.swap_in(away, pages))      # those back open: the next seal
+            self.prefix.swap_in(away, pages)
+            self._to_seal.update(pages)             # full pages, open again: sealed with the next seal
         return chain
 
     def _unadmit(self, req: Request) -> None:

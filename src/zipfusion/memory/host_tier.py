@@ -3,8 +3,8 @@
 When the prefix cache evicts a page nobody holds (memory is needed: often the pages of a
 preempted request), the page's bytes go here as they lie in the arena -- compressed pages
 compressed, so fewer bytes cross PCIe -- and the page id is freed. A later request whose tokens
-match the page takes it back: a new page is allocated and the bytes come back to the device as
-they were, a stored page placed stored again (nothing decoded, analyzed or encoded), bit for bit. Nothing
+match the page takes it back: a new open page is allocated, the bytes come back to the device
+and are decoded into it (bit for bit), and the page is sealed again with the next seal. Nothing
 is recomputed. When the tier is full its least recently stored pages are dropped (then they are
 recomputed, as without a tier).
 
@@ -46,7 +46,6 @@ class Record:
     open_form: np.ndarray         # [L] bool
     owner: object = None
     live: bool = True
-    sealed: bool = False          # the page was stored (sealed), not still open
 
     @property
     def size(self) -> int:
@@ -84,15 +83,14 @@ class HostTier:
         if wait and self._pinning is not None:
             self._pinning.join()
 
-    def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena, and
-        whether each is stored [n]."""
+    def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
         ids = np.asarray(ids, dtype=np.int64)
         t = self.m.table
         loc = t.loc[:, ids]
-        stored = t.state[ids] == STORED
-        nbytes = np.where(stored[None, :], t.size[:, ids], self.m.layout.open_page_bytes)
-        return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored[None, :], stored
+        stored = (t.state[ids] == STORED)[None, :]
+        nbytes = np.where(stored, t.size[:, ids], self.m.layout.open_page_bytes)
+        return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
 
     def _allocate(self) -> None:
         self.buf = torch.empty(self.budget, dtype=torch.uint8, pin_memory=self.pin)
@@ -146,7 +144,7 @@ class HostTier:
             self._allocate()                                  # the CPU: at once
         if self.buf is None:                                  # still being pinned: nothing kept
             return [None] * ids.size
-        off, nbytes, open_form, sealed = self.page_bytes(ids)
+        off, nbytes, open_form = self.page_bytes(ids)
         out = []
         for i in range(ids.size):
             size = int(nbytes[:, i].sum())
@@ -154,7 +152,7 @@ class HostTier:
             if start is None:
                 out.append(None)
                 continue
-            rec = Record(start, nbytes[:, i].copy(), open_form[:, i].copy(), owners[i], sealed=bool(sealed[i]))
+            rec = Record(start, nbytes[:, i].copy(), open_form[:, i].copy(), owners[i])
             self.ring.append(rec)
             self.head, self.used = start + size, self.used + size
             out.append(rec)
@@ -172,15 +170,11 @@ class HostTier:
             self.stats.bytes_out += at
         return [r if r is not None and r.live else None for r in out]
 
-    def take(self, records: list[Record], ids) -> list[int]:
-        """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit. A page
-        that was stored goes back stored: its bytes are placed as they are
-        (``seal_pages(stored=)``, nothing decoded or encoded again) where that costs no
-        capacity (room the scheduler counted on stays); any other page is written in open form.
-        Returns the ids left open (the caller seals them later)."""
+    def take(self, records: list[Record], ids) -> None:
+        """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit."""
         m, ids = self.m, np.asarray(ids, dtype=np.int64)
         if not ids.size:
-            return []
+            return
         if (m.table.state[ids] != OPEN).any():
             raise ValueError("HostTier.take: the destination pages must be open")
         total = sum(r.size for r in records)
@@ -194,22 +188,19 @@ class HostTier:
         start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(ids.size, -1).T   # [L, n]
         dst = loc_offset(m.table.loc[:, ids])
         page = m.layout.open_page_bytes
-        copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
-        still_open = np.ones(ids.size, dtype=bool)
-        sealed = np.array([r.sealed for r in records]) & m.kv_compression
-        if sealed.any():
-            left = m.seal_pages(ids[sealed], m.capacity_new_pages(), stored=(staged, start[:, sealed], nbytes[:, sealed]))
-            still_open = ~sealed | np.isin(ids, left)
-        decode = ~open_form & still_open[None, :]                  # compressed bytes into open pages
-        if decode.any():
-            pages = codec.decode(staged, torch.from_numpy(start[decode]), torch.from_numpy(nbytes[decode]), m.layout)
-            flat = pages.contiguous().view(torch.uint8).reshape(-1)
-            k = int(decode.sum())
-            copy_ranges(flat, m.arena, np.arange(k) * page, dst[decode], np.full(k, page))
+        for layer in range(m.num_layers):
+            comp = ~open_form[layer]
+            if comp.any():
+                pages = codec.decode(staged, torch.from_numpy(start[layer, comp]),
+                                     torch.from_numpy(nbytes[layer, comp]), m.layout)
+                flat = pages.contiguous().view(torch.uint8).reshape(-1)
+                copy_ranges(flat, m.arena, np.arange(int(comp.sum())) * page, dst[layer, comp],
+                            np.full(int(comp.sum()), page))
+            if (~comp).any():
+                copy_ranges(staged, m.arena, start[layer, ~comp], dst[layer, ~comp], np.full(int((~comp).sum()), page))
         self.drop(records)
         self.stats.pages_in += ids.size
         self.stats.bytes_in += int(nbytes.sum())
-        return ids[still_open].tolist()
 
     def drop(self, records: list[Record]) -> None:
         """Let go of records (taken back, or forgotten by their owner); their space returns when

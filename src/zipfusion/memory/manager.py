@@ -42,7 +42,7 @@ from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_ope
                              open_loc)
 from . import codec
 from .chunks import ChunkPool, default_chunk_bytes, groups_available
-from .copy import copy_ranges, move_ranges
+from .copy import move_ranges
 from .errors import BudgetTooSmall, MemoryExhausted
 from .open_pages import OpenGroups
 from .packed import PackedSpace
@@ -210,13 +210,8 @@ class KVCacheManager:
         per_block = RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES
         return np.where(sizes >= self.layout.open_page_bytes, 0, -(-saved // per_block))
 
-    def seal_pages(self, ids: Iterable[int], min_capacity: int = 0, stored=None) -> list[int]:
+    def seal_pages(self, ids: Iterable[int], min_capacity: int = 0) -> list[int]:
         """Full open pages -> compressed pages in every layer; returns the ids left open.
-
-        ``stored``: ``(src, offsets, sizes)``, the pages' bytes as an earlier seal stored them
-        (a uint8 tensor on the arena's device, byte offsets and sizes [L, len(ids)]; the host
-        tier brings them back): placed as they are, nothing analyzed or encoded. A layer stored
-        in open form (size = open page) is taken from the page's open slot, like a seal's.
 
         ``min_capacity``: new pages promised to running requests (admission's reservation). A
         batch is compressed only if ``capacity_new_pages()`` stays at least that high (or, if it
@@ -241,13 +236,7 @@ class KVCacheManager:
         n = ids.size
         if n == 0:
             return []
-        src = None
-        if stored is None:
-            state, sizes = self._analyze(ids)
-        else:
-            src, src_off, sizes = stored
-            state, src = None, (src, np.asarray(src_off, dtype=np.int64))
-            sizes = np.asarray(sizes, dtype=np.int64)
+        state, sizes = self._analyze(ids)
         order = np.lexsort((t.slot[ids], t.group[ids]))
         S = self.slots_per_chunk
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
@@ -255,10 +244,10 @@ class KVCacheManager:
         while i < n:
             k, split = self._wave(stored[:, order[i:]])
             part = order[i:i + k]
-            ok = self._compress_batch(ids, part, sizes[:, part], state, split, min_capacity, src)
+            ok = self._compress_batch(ids, part, sizes[:, part], state, split, min_capacity)
             if not ok and k > S:           # the wave would cut into promised room: one batch
                 k, part = S, order[i:i + S]
-                ok = self._compress_batch(ids, part, sizes[:, part], state, None, min_capacity, src)
+                ok = self._compress_batch(ids, part, sizes[:, part], state, None, min_capacity)
             if not ok:
                 left = ids[order[i:]].tolist()
                 break
@@ -296,12 +285,11 @@ class KVCacheManager:
         return k, plan.prefix(k)
 
     def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state,
-                        split=None, min_capacity: int = 0, src=None) -> bool:
+                        split=None, min_capacity: int = 0) -> bool:
         """Place, encode (one launch) and account the pages ``ids[part]`` (encoded ``sizes``
         [L, k]); then free their open slots. ``split``: their placement when the caller knows
-        it fits, else ``_make_room_for_packing`` makes room. ``src``: (tensor, offsets [L, n])
-        of bytes already encoded, copied instead (``seal_pages(stored=)``). False (nothing
-        changed): no room, or not ``_affordable``."""
+        it fits, else ``_make_room_for_packing`` makes room. False (nothing changed): no room,
+        or not ``_affordable``."""
         t = self.table
         open_bytes = self.layout.open_page_bytes
         batch = ids[part]
@@ -312,15 +300,13 @@ class KVCacheManager:
         if split is None or not self._affordable(batch, stored, split, min_capacity):
             return False
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
-        enc = ~as_open
-        if src is not None:
-            copy_ranges(src[0], self.arena, src[1][:, part][enc], dst[enc], sizes[enc])
-        elif state is not None:
+        if state is not None:
             flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
+            enc = ~as_open
             codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
-        if as_open.any() and (src is not None or state is not None):     # (the meta device has no bytes)
-            slot = loc_offset(t.loc[:, batch])
-            move_ranges(self.arena, slot[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
+            if as_open.any():
+                src = loc_offset(t.loc[:, batch])
+                move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
         t.loc[:, batch] = np.where(as_open, open_loc(dst), dst)
         t.size[:, batch] = stored
         t.state[batch] = STORED

@@ -111,15 +111,14 @@ class PrefixCache:
             self._evictable.pop(node.page, None)
         return [node.page for node in chain]
 
-    def swap_in(self, nodes: list[Node], pages: list[int]) -> list[int]:
+    def swap_in(self, nodes: list[Node], pages: list[int]) -> None:
         """Bring host-tier ``nodes`` back into the open ``pages`` (just allocated; the caller
-        holds them); returns those left open, for the caller to seal (``HostTier.take``)."""
-        left = self.host.take([n.host for n in nodes], pages)
+        holds them and seals them again)."""
+        self.host.take([n.host for n in nodes], pages)
         for node, page in zip(nodes, pages):
             del self._on_host[node.node_id]
             node.page, node.host, node.refs = page, None, 1
             self._by_page[page] = node
-        return left
 
     def note_lookup(self, queried: int, hit: int) -> None:
         self.stats.queried_tokens += queried
