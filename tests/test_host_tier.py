@@ -80,6 +80,13 @@ def test_round_trip_is_bit_exact_in_every_form(device):
     assert host.used == 0 and host.stats.pages_in == host.stats.pages_out == 10
 
 
+def test_round_trip_in_one_page_decode_batches(monkeypatch):
+    """A swap-in decodes its compressed bytes in bounded batches: one page at a time, too."""
+    import zipfusion.memory.host_tier as host_tier
+    monkeypatch.setattr(host_tier, "DECODE_BATCH_BYTES", 1)
+    test_round_trip_is_bit_exact_in_every_form("cpu")
+
+
 def test_ring_drops_the_oldest_reuses_holes_and_wraps():
     """The tier's one pinned buffer as a ring: full, it drops its oldest pages (telling their
     owner); a page taken back leaves a hole reused once the tail passes it; bytes survive a wrap."""

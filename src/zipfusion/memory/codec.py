@@ -11,7 +11,8 @@ Two steps, because the manager must know the sizes before it can choose destinat
 ``encode(..., state, keep, dst_offsets)`` for any subset of the analysis (on CUDA: one launch,
 indices and destinations in one asynchronous copy, no gather, no sync). ``decode`` reads
 compressed pages back (prefill over earlier chunks, the CPU attention path): the Triton
-``decompress_pages`` on CUDA, the reference elsewhere; both check the metadata first.
+``decompress_pages`` on CUDA, the reference elsewhere; both check the metadata first unless the
+bytes are trusted (the host tier's own).
 """
 
 from __future__ import annotations
@@ -68,8 +69,13 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
         encode_pages_into(payload[keep_t].contiguous(), arena, dst)
 
 
-def decode(arena: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, layout: PageLayout) -> torch.Tensor:
-    """Decoded compressed pages at byte ``offsets`` -> [P, 2, 16, H, D] bf16 (metadata checked)."""
+def decode(arena: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, layout: PageLayout,
+           trusted: bool = False) -> torch.Tensor:
+    """Decoded compressed pages at byte ``offsets`` (sizes in bytes) -> [P, 2, 16, H, D] bf16.
+    The metadata is checked first, unless ``trusted`` (bytes this process's encoder wrote, such
+    as the host tier's: then no check and, on CUDA, no host sync)."""
+    off = to_device(offsets, arena.device)
     if uses_triton(arena):
-        return decompress_pages(arena, offsets.to(arena.device), layout)
-    return decode_pages(arena, offsets.to(arena.device), layout.num_kv_heads, layout.head_dim, sizes=sizes)
+        return decompress_pages(arena, off, layout, validate=not trusted)
+    return decode_pages(arena, off, layout.num_kv_heads, layout.head_dim,
+                        sizes=None if trusted else torch.from_numpy(np.asarray(sizes, dtype=np.int64)))

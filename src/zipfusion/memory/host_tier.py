@@ -61,6 +61,9 @@ class HostTierStats:
     dropped: int = 0
 
 
+DECODE_BATCH_BYTES = 256 << 20     # a swap-in decodes at most this many open-page bytes per launch
+
+
 class HostTier:
     def __init__(self, manager, budget_bytes: int, on_drop=None):
         self.m, self.budget = manager, int(budget_bytes) // 16 * 16
@@ -188,16 +191,17 @@ class HostTier:
         start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(ids.size, -1).T   # [L, n]
         dst = loc_offset(m.table.loc[:, ids])
         page = m.layout.open_page_bytes
-        for layer in range(m.num_layers):
-            comp = ~open_form[layer]
-            if comp.any():
-                pages = codec.decode(staged, torch.from_numpy(start[layer, comp]),
-                                     torch.from_numpy(nbytes[layer, comp]), m.layout)
-                flat = pages.contiguous().view(torch.uint8).reshape(-1)
-                copy_ranges(flat, m.arena, np.arange(int(comp.sum())) * page, dst[layer, comp],
-                            np.full(int(comp.sum()), page))
-            if (~comp).any():
-                copy_ranges(staged, m.arena, start[layer, ~comp], dst[layer, ~comp], np.full(int((~comp).sum()), page))
+        # all layers together (few launches, no host sync): open forms copied, compressed bytes
+        # decoded (trusted: this process encoded them) and copied into the open pages
+        copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
+        comp = ~open_form
+        src, size, to = start[comp], nbytes[comp], dst[comp]
+        step = max(1, DECODE_BATCH_BYTES // page)              # bounded scratch for the decoded pages
+        for i in range(0, src.size, step):
+            pages = codec.decode(staged, src[i:i + step], size[i:i + step], m.layout, trusted=True)
+            k = pages.shape[0]
+            copy_ranges(pages.view(torch.uint8).reshape(-1), m.arena, np.arange(k) * page, to[i:i + step],
+                        np.full(k, page))
         self.drop(records)
         self.stats.pages_in += ids.size
         self.stats.bytes_in += int(nbytes.sum())

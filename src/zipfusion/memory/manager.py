@@ -426,8 +426,7 @@ class KVCacheManager:
         if (~is_open).any():
             sel = np.nonzero(~is_open)[0]
             out[torch.from_numpy(sel).to(self.device)] = codec.decode(
-                self.arena, torch.from_numpy(loc[sel]), torch.from_numpy(t.size[layer, ids[sel]]),
-                self.layout)
+                self.arena, loc[sel], t.size[layer, ids[sel]], self.layout)
         return out
 
     def _check_layer(self, layer) -> None:
