@@ -8,7 +8,8 @@ probability ``--fraction`` (the measured 96 % of random-weight Llama KV, or 0.92
 
 What it answers in seconds on a CPU: preemptions, prefill tokens computed vs prompt tokens,
 peak and mean batch, pages sealed and left open, compaction bytes -- the numbers issue 20's goals
-put on admission and capacity. It cannot say anything about time.
+put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-cache hits (no
+host tier: the meta device holds no bytes). It cannot say anything about time.
 
     python3 benchmarks/schedule_sim.py                       # every scenario, both modes
     python3 benchmarks/schedule_sim.py --scenarios mix --modes compressed --admission conservative
@@ -28,7 +29,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths  # noqa: E402  (benchmarks/workloads.py)
+from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.testing import AccountingManager  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402
@@ -64,32 +65,40 @@ class SimCache(ArenaKVCache):
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
              max_num_batched_tokens: int = 8192) -> dict:
+    """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
+    made of shared system prompts or conversations (shared_prefix, multi_turn): their very token
+    ids from workloads.py, turns sent as answers finish, the prefix cache on."""
     import torch
-    from zipfusion import LLMEngine, SamplingParams
+    from zipfusion import LLMEngine
     from zipfusion.engine.scheduler import Scheduler
     sc, reqs = requests(name, seed)
     gb = sc.kv_gb
     eng = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, max_model_len=256)
-    longest = max(p + o for p, o in reqs) + 16
+    V = eng.model_config.vocab_size
+    if sc.shared_prefix or sc.turns > 1:
+        job = {"seed": seed, "requests": sc.requests, "prompt": sc.prompt, "prompt_cap": sc.prompt_cap,
+               "output": sc.output, "output_cap": sc.output_cap, "shared_prefix": sc.shared_prefix,
+               "group": sc.group, "turns": sc.turns, "turn_prompt": sc.turn_prompt}
+        prompts, outs, turns = workload(job, V)
+    else:                                             # distinct prompts: no shared prefix
+        prompts, outs, turns = [[10 + i] * p for i, (p, _) in enumerate(reqs)], [o for _, o in reqs], None
+    longest = max(len(p) + (sc.turns - 1) * (o + sc.turn_prompt) + o for p, o in zip(prompts, outs)) + 16
     eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed)
     eng.max_model_len = longest
     eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission)
-    V = eng.model_config.vocab_size
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
     eng.runner.forget = lambda rid: None
     t0 = time.perf_counter()
-    rs = [eng.add_request([10 + i] * p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))  # no shared
-          for i, (p, o) in enumerate(reqs)]                                                        # prefix
-    steps = []
-    while eng.has_work():
-        res = eng.step()
-        steps.append((res.decode_rows, res.prefill_tokens, res.running))
+    rs, results, _ = run_requests(eng, prompts, outs, turns=turns, progress_s=1e9)
+    steps = [(res.decode_rows, res.prefill_tokens, res.running) for res in results]
     m = eng.cache.manager
     peak = max(s[2] for s in steps)
     stats = eng.peak_kv_stats or {}
     return {"scenario": name, "mode": mode, "admission": admission, "fraction": fraction, "kv_gb": gb,
             "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
-            "prompt_tokens": sum(p for p, _ in reqs),
+            "prompt_tokens": sum(len(r.prompt_ids) for r in rs),
+            "new_prompt_tokens": sum(map(len, prompts)) + sum(len(x) for t in (turns or []) for x in t),
+            "prefix_hit_tokens": eng.scheduler.prefix.stats.hit_tokens,
             "prefill_tokens_computed": sum(s[1] for s in steps),
             "peak_batch": peak, "mean_batch": float(np.mean([s[0] for s in steps if s[1] == 0] or [0])),
             "steps": len(steps), "pages_compressed": m.pages_compressed, "compaction_bytes": m.bytes_moved,

@@ -159,8 +159,7 @@ def warm_up(eng, max_len: int) -> None:
     """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
     over its sealed pages alone, then beside a prompt of more than one chunk (mixed steps with a
     first chunk and a continuation); two prompts then hit its cached prefix; then the engine's
-    counters start afresh. (The decode steps'
-    CUDA graphs are captured when the engine is built.)"""
+    counters start afresh. (The decode steps' CUDA graphs are captured when the engine is built.)"""
     import torch
     from zipfusion import SamplingParams
     vocab, batched = eng.model_config.vocab_size, eng.config.max_num_batched_tokens

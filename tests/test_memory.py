@@ -196,6 +196,45 @@ def test_alloc_compacts_when_the_pool_is_short():
     assert_contents(m, written)
 
 
+@pytest.mark.parametrize("droppable", ["none", "some", "all"])
+def test_compaction_drops_what_the_reclaim_hook_frees_instead_of_moving_it(droppable):
+    """The hook (the prefix cache's pages nobody holds) is offered the pages a compaction would
+    move; those it frees are not moved, the rest are moved bit for bit, and the chunks asked for
+    come free either way."""
+    def run(hook_on: bool):
+        chunk = 4 * OPEN
+        m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+        ids = m.alloc_pages(m.capacity_new_pages())
+        written = fill(m, ids, [1.0, 1.0])
+        m.seal_pages(ids)
+        m.free_pages(ids[1::2])                              # holes: alloc below must compact
+        live = ids[0::2]
+        can_drop = {"none": [], "some": live[::3], "all": live}[droppable]
+        offered = []
+
+        def reclaim(pages):
+            offered.extend(int(p) for p in pages)
+            drop = [int(p) for p in pages if int(p) in can_drop]
+            m.free_pages(drop)
+            for p in drop:
+                del written[0, p], written[1, p]
+        if hook_on:
+            m.reclaim = reclaim
+        for p in ids[1::2]:
+            del written[0, p], written[1, p]
+        new = m.alloc_pages(m.capacity_new_pages())          # compacts
+        written.update(fill(m, new, [0.3, 0.9], seed=3))
+        assert_contents(m, written)
+        return m, offered, len(new)
+    base, _, n_base = run(False)
+    m, offered, n = run(True)
+    assert offered and set(offered) <= set(range(m.max_pages))
+    if droppable == "none":
+        assert m.bytes_moved == base.bytes_moved and m.pages_reclaimed == 0 and n == n_base
+    else:
+        assert m.pages_reclaimed > 0 and m.bytes_moved < base.bytes_moved and n >= n_base
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_budget_too_small():
     with pytest.raises(ValueError, match="too small"):

@@ -155,6 +155,7 @@ def test_eviction_under_pressure_keeps_outputs_and_frees_everything():
     assert got == ref
     s = llm.kv_stats()
     assert s["prefix_cache_evicted_pages"] > 0 and sum(o.num_cached_tokens for o in outs) > 0
+    assert llm.engine.cache.stats()["pages_reclaimed"] > 0      # compaction dropped cached pages
     assert s["prefix_cache_pages"] == s["prefix_cache_evictable_pages"]        # nobody holds a page
     llm.reset_prefix_cache()
     assert llm.engine.cache.stats()["pages_in_use"] == 0 and llm.engine.cache.capacity_new_pages() == cap0

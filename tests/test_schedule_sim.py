@@ -20,3 +20,13 @@ def test_full_size_scenarios_run_without_preemption(scenario, mode):
     assert r["prompt_tokens"] - r["requests"] <= r["prefill_tokens_computed"] <= r["prompt_tokens"]
     open_peak = {"deterministic": 15, "burst": 50}[scenario]      # what fits at open size
     assert r["peak_batch"] > open_peak if mode == "compressed" else r["peak_batch"] == open_peak
+
+
+def test_multi_turn_reuses_each_conversation_through_the_prefix_cache():
+    """The conversation scenario at full size: every later turn's prompt starts with the one
+    before (the very token ids workloads.py sends), so the cache serves part of it; at 24 GiB the
+    conversations outgrow memory and some turns recompute evicted pages (no host tier here)."""
+    r = schedule_sim.simulate("multi_turn", "compressed", 0.96, "estimate")
+    assert r["requests"] == 64 * 8 and r["preemptions"] == 0
+    assert r["prefix_hit_tokens"] > 0
+    assert r["new_prompt_tokens"] < r["prefill_tokens_computed"] < r["prompt_tokens"]

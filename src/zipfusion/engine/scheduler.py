@@ -84,6 +84,9 @@ class Scheduler:
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
         self.prefix = PrefixCache(cache.free, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
                                   enabled=prefix_caching, host=host_tier)
+        manager = getattr(cache, "manager", None)          # the arena's (not under TP's lockstep)
+        if prefix_caching and hasattr(manager, "reclaim"):
+            manager.reclaim = self._reclaim               # compaction drops cached pages, not moves them
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -179,6 +182,11 @@ class Scheduler:
         cap, evicted = self.prefix.make_room(n, keep_reserve)
         self._to_seal.difference_update(evicted)
         return cap
+
+    def _reclaim(self, pages) -> None:
+        """The memory manager's compaction would move these pages: those cached and held by
+        nobody are evicted instead (to the host tier, if any)."""
+        self._to_seal.difference_update(self.prefix.evict_pages(pages))
 
     def _admit(self, req: Request) -> bool:
         """Take the request's cached prefix, then ask admission (evicting cached pages nobody

@@ -32,7 +32,7 @@ using several streams must order them against it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -96,6 +96,10 @@ class KVCacheManager:
         self._stored_bytes = 0                             # all layers, stored pages
         self._counts = {OPEN: 0, STORED: 0}
         self.pages_compressed = self.pages_moved = self.bytes_moved = self.compactions = 0
+        # compaction asks this first to free pages it would otherwise move (the prefix cache's
+        # pages nobody holds: dropping one costs a possible hit, moving it costs its bytes)
+        self.reclaim: Callable[[np.ndarray], object] | None = None
+        self.pages_reclaimed = 0
 
     # ================================================================== capacity
     def _groups_available(self, include_compaction: bool = True, keep_reserve: bool = True,
@@ -377,17 +381,40 @@ class KVCacheManager:
 
     def _compact_layer(self, layer: int, want: int | None = None) -> int:
         """Repack the layer's emptiest packed chunks, enough to free ``want`` chunks (all of
-        them when None); returns the chunks freed."""
+        them when None); returns the chunks freed. Pages the ``reclaim`` hook frees (cached
+        pages nobody holds) are dropped instead of moved."""
         if self.packed.held[layer] < 2:
             return 0
+        plan = self._repack_plan(layer, want)
+        if plan is not None and self.reclaim is not None:
+            held = int(self.packed.held[layer])
+            ids, locs, _, (order, new_locs, *_) = plan
+            before = self._counts[STORED]
+            self.reclaim(ids[order[new_locs[order] != locs[order]]])
+            self.pages_reclaimed += before - self._counts[STORED]
+            gone = held - int(self.packed.held[layer])           # chunks emptied by the frees
+            if want is not None and gone >= want:
+                return gone
+            plan = self._repack_plan(layer, None if want is None else want - gone) if self.packed.held[layer] >= 2 else None
+            if plan is None:
+                return gone
+            return gone + self._repack(layer, plan)
+        return 0 if plan is None else self._repack(layer, plan)
+
+    def _repack_plan(self, layer: int, want: int | None):
+        """(stored page ids, their offsets and sizes in the layer, packed.plan_repack's plan),
+        or None when repacking would free nothing."""
         t = self.table
         ids = np.nonzero(t.state == STORED)[0]
         locs = loc_offset(t.loc[layer, ids])
         sizes = t.size[layer, ids]
         plan = self.packed.plan_repack(layer, locs, sizes, want)
-        if plan is None:                  # nothing to gain: leave the pages where they are
-            return 0
-        order, new_locs, kept, freed, fill_chunk, fill_ptr = plan
+        return None if plan is None else (ids, locs, sizes, plan)
+
+    def _repack(self, layer: int, plan) -> int:
+        """Carry out a repack plan: move the pages, free the emptied chunks."""
+        t = self.table
+        ids, locs, sizes, (order, new_locs, kept, freed, fill_chunk, fill_ptr) = plan
         moved = order[new_locs[order] != locs[order]]
         move_ranges(self.arena, locs[moved], new_locs[moved], sizes[moved], self.compaction_batch_bytes)
         self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
@@ -463,4 +490,5 @@ class KVCacheManager:
             pending_chunks=self.pool.pending(), open_pages=n_open, stored_pages=n_stored,
             capacity_new_pages=self.capacity_new_pages(), pages_compressed=self.pages_compressed,
             pages_moved=self.pages_moved, bytes_moved=self.bytes_moved, compactions=self.compactions,
+            pages_reclaimed=self.pages_reclaimed,
             stored_ratio=self.stored_ratio(), layers=layers)

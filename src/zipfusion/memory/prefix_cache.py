@@ -163,6 +163,15 @@ class PrefixCache:
         nodes = []
         while self._evictable and len(nodes) < n:
             nodes.append(self._evictable.popitem(last=False)[1])
+        return self._evict(nodes, to_host)
+
+    def evict_pages(self, pages) -> list[int]:
+        """Free those of ``pages`` that are cached and held by nobody (to the host tier, if any):
+        the memory manager's compaction drops them rather than move them. Their ids."""
+        nodes = [self._evictable.pop(int(p)) for p in pages if int(p) in self._evictable]
+        return self._evict(nodes, True)
+
+    def _evict(self, nodes: list[Node], to_host: bool) -> list[int]:
         if not nodes:
             return []
         kept = self._to_host(nodes) if to_host and self.host is not None else set()

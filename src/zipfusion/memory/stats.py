@@ -30,6 +30,7 @@ class MemoryStats:
     pages_moved: int             # cumulative, by compaction
     bytes_moved: int
     compactions: int
+    pages_reclaimed: int         # cumulative: cached pages compaction dropped instead of moving
     stored_ratio: float          # stored bytes of full pages / their open size (1.0 if none)
     layers: list[LayerStats] = field(default_factory=list)
 
