@@ -265,6 +265,7 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "forward_s": sum(x.forward_s for x in steps), "sealed_pages": sum(x.sealed_pages for x in steps),
         "compactions": now.get("compactions", 0) - base.get("compactions", 0),
         "compaction_bytes": now.get("bytes_moved", 0) - base.get("bytes_moved", 0),
+        "pages_reclaimed": now.get("pages_reclaimed", 0) - base.get("pages_reclaimed", 0),
         "kv_bytes_at_peak": kv.get("bytes_in_use", 0),
         "compressible_fraction": statistics.mean(fracs) if fracs else nan,
         "stored_ratio": kv.get("stored_ratio", 1.0),
