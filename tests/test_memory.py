@@ -348,6 +348,25 @@ def test_estimate_admission_adapts():
     assert 0.25 <= est.out_frac < 0.5 and est.reserved_pages(running) < before
     assert Admission(m, mode="optimistic").can_admit(16 * 10**6, 0)
 
+def test_a_certain_output_is_reserved_whole_not_clipped():
+    """An output nothing can end early (EOS ignored, no stops) is reserved for all its tokens,
+    past the estimate's clip and its learned output share; others are clipped."""
+    from zipfusion.engine.sampling import SamplingParams
+    from zipfusion.memory.admission import CLIP_TOKENS
+    m = KVCacheManager(2, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    est = Admission(m, mode="estimate")
+    est.out_frac = 0.5
+    long = 4 * CLIP_TOKENS
+    assert est.expected_tokens(100, 100 + long, certain=True) == 100 + long
+    assert est.expected_tokens(100, 100 + long) == 100 + CLIP_TOKENS // 2
+    running = [RunningRequest(1, 16, 16 + long, certain=c) for c in (False, True)]
+    assert est.reserved_pages(running[1:]) > 3 * est.reserved_pages(running[:1])
+    assert est.shortfall(16, long, certain=True) > est.shortfall(16, long)
+    assert SamplingParams(ignore_eos=True).fixed_length
+    assert not SamplingParams(ignore_eos=True, stop=["x"]).fixed_length
+    assert not SamplingParams(ignore_eos=True, stop_token_ids=[3]).fixed_length
+    assert not SamplingParams().fixed_length
+
 
 # ------------------------------------------------------------------------------ CUDA
 @pytest.mark.gpu

@@ -68,6 +68,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
 
+    @property
+    def fixed_length(self) -> bool:
+        """Whether the output is exactly ``max_tokens`` long (nothing can end it sooner: EOS
+        ignored, no stop strings or tokens); admission then reserves it whole."""
+        return self.ignore_eos and not self.stop and not self.stop_token_ids
+
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -197,7 +197,7 @@ class Scheduler:
         self.prefix.acquire(resident)
         if self.running:
             args = (req.num_tokens, self._max_total_tokens(req) - req.num_tokens, self._running_needs(),
-                    len(resident))
+                    len(resident), req.params.fixed_length)
             short = self.admission.shortfall(*args)
             if 0 < short <= self.prefix.num_evictable_pages:       # an evicted page gives at most one
                 self._room(self.cache.capacity_new_pages() + short)
@@ -257,7 +257,8 @@ class Scheduler:
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
 
     def _running_needs(self) -> list[RunningRequest]:
-        return [RunningRequest(len(r.pages), r.num_tokens, self._max_total_tokens(r)) for r in self.running]
+        return [RunningRequest(len(r.pages), r.num_tokens, self._max_total_tokens(r), r.params.fixed_length)
+                for r in self.running]
 
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
@@ -297,7 +298,7 @@ class Scheduler:
         """The request is done (or aborted): out of the queues, pages freed."""
         if req.status == Status.FINISHED:
             return
-        if req.status == Status.RUNNING and reason != "abort":
+        if req.status == Status.RUNNING and reason != "abort" and not req.params.fixed_length:
             self.admission.on_finish(len(req.output_ids), self._max_total_tokens(req) - len(req.prompt_ids))
         if req in self.running:
             self.running.remove(req)

@@ -13,7 +13,8 @@ admits a request only when
 
 ``P_i`` counts the rest of request i's prompt and its expected output,
 ``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens (in the conservative mode all of
-max_tokens, unclipped). In the conservative mode (r' = 1) this is exact: every page a request
+max_tokens, unclipped; the same for a request whose output length is certain: EOS ignored and no
+stop strings or tokens, ``SamplingParams.fixed_length``). In the conservative mode (r' = 1) this is exact: every page a request
 will ever hold is set aside, and since sealing never lowers the capacity (manager.py,
 ``_affordable``) an admitted request never meets a full cache. Two numbers are estimates that
 adapt, as SGLang's new-token ratio does:
@@ -57,6 +58,7 @@ class RunningRequest:
     pages_held: int          # pages allocated now
     num_tokens: int          # tokens it has now (prompt + generated)
     max_total_tokens: int    # prompt + max_tokens, capped by max_model_len
+    certain: bool = False    # it will reach max_total_tokens (SamplingParams.fixed_length)
 
 
 class Admission:
@@ -77,17 +79,18 @@ class Admission:
             return 1.0
         return min(1.0, self.cache.stored_ratio() * (1.0 + self.margin))
 
-    def expected_tokens(self, num_tokens: int, max_total_tokens: int) -> int:
-        """Tokens a request is expected to reach: what it has plus its expected output."""
+    def expected_tokens(self, num_tokens: int, max_total_tokens: int, certain: bool = False) -> int:
+        """Tokens a request is expected to reach: what it has plus its expected output (all of
+        it when ``certain``: nothing can end it sooner)."""
         left = max(0, max_total_tokens - num_tokens)
-        if self.mode != "estimate":              # conservative: every page, however long the output
+        if self.mode != "estimate" or certain:   # conservative: every page, however long the output
             return num_tokens + left
         return num_tokens + math.ceil(min(left, CLIP_TOKENS) * self.out_frac)
 
     def reserved_pages(self, running: Iterable[RunningRequest]) -> int:
         """Open-page units promised to running requests."""
-        future = sum(max(0, pages_for_tokens(self.expected_tokens(q.num_tokens, q.max_total_tokens)) - q.pages_held)
-                     for q in running)
+        future = sum(max(0, pages_for_tokens(self.expected_tokens(q.num_tokens, q.max_total_tokens, q.certain))
+                            - q.pages_held) for q in running)
         return math.ceil(self.ratio() * future)
 
     def promised_pages(self, running: Iterable[RunningRequest]) -> int:
@@ -96,13 +99,14 @@ class Admission:
         return 0 if self.mode == "optimistic" else self.reserved_pages(running)
 
     def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = (),
-                  held_pages: int = 0) -> bool:
+                  held_pages: int = 0, certain: bool = False) -> bool:
         """Whether a new request fits beside what ``running`` requests still need (``held_pages``:
-        its first pages, already in memory: a prefix-cache hit)."""
-        return self.shortfall(prompt_tokens, max_new_tokens, running, held_pages) <= 0
+        its first pages, already in memory: a prefix-cache hit; ``certain``: its output will be
+        all ``max_new_tokens``)."""
+        return self.shortfall(prompt_tokens, max_new_tokens, running, held_pages, certain) <= 0
 
     def shortfall(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = (),
-                  held_pages: int = 0) -> int:
+                  held_pages: int = 0, certain: bool = False) -> int:
         """New pages missing for the request to be admitted (<= 0: it fits)."""
         if prompt_tokens < 1 or max_new_tokens < 0:
             raise ValueError(f"need prompt_tokens >= 1 and max_new_tokens >= 0, got "
@@ -110,7 +114,7 @@ class Admission:
         if self.mode == "optimistic":
             return 0
         r = self.ratio()
-        whole = self.expected_tokens(prompt_tokens, prompt_tokens + max_new_tokens)    # the prompt is certain
+        whole = self.expected_tokens(prompt_tokens, prompt_tokens + max_new_tokens, certain)  # the prompt is certain
         new = math.ceil(r * max(0, pages_for_tokens(whole) - held_pages - 1)) + 1
         transient = math.ceil((1.0 - r) * self.step_pages)
         return new + transient + self.reserved_pages(running) - self.cache.capacity_new_pages()
