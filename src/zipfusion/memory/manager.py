@@ -96,8 +96,7 @@ class KVCacheManager:
         self._stored_bytes = 0                             # all layers, stored pages
         self._counts = {OPEN: 0, STORED: 0}
         self.pages_compressed = self.pages_moved = self.bytes_moved = self.compactions = 0
-        # compaction asks this first to free pages it would otherwise move (the prefix cache's
-        # pages nobody holds: dropping one costs a possible hit, moving it costs its bytes)
+        # compaction first offers the pages it would move (the prefix cache frees those nobody holds)
         self.reclaim: Callable[[np.ndarray], object] | None = None
         self.pages_reclaimed = 0
 
@@ -160,15 +159,22 @@ class KVCacheManager:
         return ids.tolist()
 
     def _make_room_for_groups(self, g: int, reserve: int) -> None:
-        """Compact until the pool(s) hold ``g`` groups beyond ``reserve`` chunks per layer: per
-        layer, just the chunks still missing, the emptiest packed chunks first."""
+        """Compact until the pool(s) hold ``g`` groups beyond ``reserve`` chunks per layer, the
+        emptiest chunks first. Shared pool: in rounds, each layer gives at most twice its share
+        (one layer asked for all would repack denser chunks while others hold near-empty ones)."""
         L = self.num_layers
         if self.pool.shared:
             missing = (g + reserve) * L - self.pool.available(0)
-            for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
-                if missing <= 0:
-                    break
-                missing -= self._compact_layer(layer, want=missing)
+            share = max(1, -(-2 * missing // L))
+            for last in (False, True):                 # rounds of shares, then whatever is left
+                while missing > 0:                     # (the bound promised it)
+                    before = missing
+                    for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
+                        if missing <= 0:
+                            break
+                        missing -= self._compact_layer(layer, want=missing if last else min(missing, share))
+                    if missing == before or last:
+                        break
         else:
             for layer in range(L):
                 missing = g + reserve - self.pool.available(layer)
