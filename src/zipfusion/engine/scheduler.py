@@ -84,7 +84,7 @@ class Scheduler:
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
         self.prefix = PrefixCache(cache.free, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
                                   enabled=prefix_caching, host=host_tier)
-        manager = getattr(cache, "manager", None)          # the arena's (not under TP's lockstep)
+        manager = getattr(cache, "manager", None)          # the arena's (TP: rank 0's; its frees are logged)
         if prefix_caching and hasattr(manager, "reclaim"):
             manager.reclaim = self._reclaim               # compaction drops cached pages, not moves them
         self.waiting: deque[Request] = deque()
@@ -247,7 +247,7 @@ class Scheduler:
         return chain
 
     def _unadmit(self, req: Request) -> None:
-        """Undo ``_admit``'s prefix: the request waits holding nothing."""
+        """Undo ``_admit`` (or a preempted run): the request waits holding nothing."""
         self._free_pages(req)
         req.num_computed = req.num_sealed_pages = 0
         req.prefix_node = ROOT
@@ -263,8 +263,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
         self.running.remove(req)
-        self._free_pages(req)
-        req.num_computed, req.num_sealed_pages, req.prefix_node = 0, 0, ROOT
+        self._unadmit(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -392,20 +392,20 @@ class KVCacheManager:
         if self.packed.held[layer] < 2:
             return 0
         plan = self._repack_plan(layer, want)
+        gone = 0
         if plan is not None and self.reclaim is not None:
             held = int(self.packed.held[layer])
             ids, locs, _, (order, new_locs, *_) = plan
             before = self._counts[STORED]
             self.reclaim(ids[order[new_locs[order] != locs[order]]])
-            self.pages_reclaimed += before - self._counts[STORED]
-            gone = held - int(self.packed.held[layer])           # chunks emptied by the frees
-            if want is not None and gone >= want:
-                return gone
-            plan = self._repack_plan(layer, None if want is None else want - gone) if self.packed.held[layer] >= 2 else None
-            if plan is None:
-                return gone
-            return gone + self._repack(layer, plan)
-        return 0 if plan is None else self._repack(layer, plan)
+            if self._counts[STORED] < before:                    # pages freed: plan again
+                self.pages_reclaimed += before - self._counts[STORED]
+                gone = held - int(self.packed.held[layer])       # chunks emptied by the frees
+                if want is not None and gone >= want:
+                    return gone
+                plan = (self._repack_plan(layer, None if want is None else want - gone)
+                        if self.packed.held[layer] >= 2 else None)
+        return gone + (0 if plan is None else self._repack(layer, plan))
 
     def _repack_plan(self, layer: int, want: int | None):
         """(stored page ids, their offsets and sizes in the layer, packed.plan_repack's plan),

@@ -17,7 +17,8 @@ a request is never shared. Life of a cached page:
   *evictable*, on an LRU list (a request's pages are released tail first, so a prefix outlives
   its continuations);
 * **evicted** (its page freed) only when memory is needed: ``make_room`` frees evictable
-  pages, least recently used first, until the cache can give what is asked. With a host tier
+  pages, least recently used first, until the cache can give what is asked; and compaction
+  drops the evictable pages it would otherwise move (``evict_pages``). With a host tier
   (host_tier.py) an evicted page's bytes move to host memory first and its node stays
   matchable: a hit on it brings the page back (``swap_in``) instead of recomputing it; the
   tier drops its oldest pages when full (and tells the cache, which forgets them).
