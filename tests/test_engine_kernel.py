@@ -173,3 +173,105 @@ def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
     want = [1000 * p + s for ch in chunks[:2] for t in range(ch.start + ch.length)
             for p, s in [(ch.pages[t // 16], t % 16)]]
     assert k.tolist() == want and v.tolist() == [-x for x in want]
+
+
+# ------------------------------------------------------------------------------------------
+# Cascade decode: rows behind one shared prefix read it once (engine/cascade.py)
+# ------------------------------------------------------------------------------------------
+
+def test_find_groups_takes_the_longest_common_prefix_before_each_newest_token():
+    import numpy as np
+    from zipfusion.engine.cascade import find_groups
+    t = np.array([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 3, 4, 0], [9, 9, 9, 9, 9], [9, 9, 9, 9, 9],
+                  [9, 9, 9, 9, 9], [4, 4, 4, 4, 4]], dtype=np.int32)
+    lens = np.array([80, 80, 80, 80, 40, 33, 80])        # full pages before the newest token: 4, 2, 2
+    groups = find_groups(lens, t, min_pages=2)
+    assert [(rows.tolist(), shared) for rows, shared in groups] == [([0, 1, 2], 2), ([3, 4, 5], 2)]
+    assert find_groups(lens, t, min_pages=3) == []       # the 9-rows are cut by rows 4, 5's newest tokens
+    assert [r.tolist() for r, _ in find_groups(lens[:2], t[:2], min_pages=3)] == [[0, 1]]
+    assert find_groups(lens[6:], t[6:], min_pages=1) == []                 # one row is no group
+
+
+def _shared_prefix_rows(eng, reqs):
+    """Decode rows over the engine's pages: rows 0-2 begin with request 0's two full pages (a
+    cached prefix), row 3 stands alone; each row's last page is its own, open."""
+    r = reqs
+    pages = [r[0].pages, r[0].pages[:2] + r[1].pages, r[0].pages[:2] + r[2].pages, r[3].pages]
+    lens = [40, 32 + 21, 32 + 37, 5]
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    for i, p in enumerate(pages):
+        table[i, :len(p)] = torch.tensor(p, dtype=torch.int32)
+    return torch.tensor(lens, dtype=torch.int32), table
+
+
+@pytest.mark.parametrize("piece_pages", [1, 32])
+def test_cascade_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, monkeypatch, piece_pages):
+    """The cascade's merged parts are the plain kernel's attention up to rounding (float64
+    reference), and the fused kernels on compressed pages give the twins' bits."""
+    from zipfusion.engine import cascade
+    from zipfusion.testing import reference_decode_attention
+    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(cascade, "PIECE_PAGES", piece_pages)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 21, 37, 5)]
+    q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    outs = {}
+    for compressed in (True, False):
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                  kv_compression=compressed, enable_prefix_caching=False)
+        eng = llm.engine
+        reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in ps]
+        eng.step()
+        eng.scheduler.seal_full_pages([], force=True)
+        assert (eng.cache.manager.page_state(reqs[0].pages[0]) == "stored") == compressed
+        lens, table = _shared_prefix_rows(eng, reqs)
+        be = eng.attention
+        assert be.cascade and not be.prepare_decode(lens, table)          # a cascade: no graph replay
+        step = be.plan(torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64,
+                       device=DEVICE), num_decode=4, block_table=table.to(DEVICE), context_lens=lens.to(DEVICE))
+        assert step.cascade is not None and step.cascade.grouped.tolist() == [0, 1, 2]
+        assert be._cascade is None                                        # used by one step only
+        got = step.decode(0, q)
+        plain = be.decode(0, q, table.to(DEVICE), lens.to(DEVICE))
+        ref = reference_decode_attention(q, eng.cache.arena, eng.cache.page_loc[0], table.to(DEVICE),
+                                         lens.to(DEVICE), eng.cache.layout, be.sm_scale, out_dtype=torch.float64)
+        for x in (got, plain):
+            assert float((x.double() - ref).norm() / ref.norm()) < 1e-2
+        assert torch.equal(got[3], plain[3])                              # the lone row: the plain kernel
+        outs[compressed] = got
+    assert torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16))
+
+
+def test_cascade_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt, monkeypatch):
+    """Prefix-cache hits decode through the cascade (eagerly, beside the CUDA graphs on a GPU):
+    compressed and uncompressed runs give the same tokens and logits; deterministic mode and
+    cascade_attention=False never cascade."""
+    from zipfusion.engine import attention, cascade
+    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(cascade, "PIECE_PAGES", 2)
+    planned = []
+    real = attention.plan_cascade
+    monkeypatch.setattr(attention, "plan_cascade", lambda *a: planned.append(p := real(*a)) or p)
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 256, (50,), generator=g).tolist()
+    ps = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 20)]
+    res = {}
+    for kw in (dict(cascade_attention=False), dict(deterministic=True)):
+        assert not LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                       **kw).engine.attention.cascade
+    for name, kw in (("fused", dict(kv_compression=True)), ("twin", dict(kv_compression=False))):
+        planned.clear()
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                  max_model_len=256, **kw)
+        eng = llm.engine
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        run_to_completion(eng, [eng.add_request(prefix + [7], sp)])        # caches the prefix's pages
+        reqs = [eng.add_request(p, sp) for p in ps]
+        run_to_completion(eng, reqs, keep_logits=True)
+        assert llm.kv_stats()["prefix_cache_hit_tokens"] >= 3 * 48
+        cascades = [p for p in planned if p is not None]
+        assert cascades and max(p.grouped.numel() for p in cascades) == 3, name
+        res[name] = reqs
+    for a, b in zip(res["fused"], res["twin"]):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

@@ -176,6 +176,49 @@ def test_rows_do_not_depend_on_the_other_chunks(seed):
             at += n
 
 
+def _reference_ended(c, kv_end):
+    """float64 attention of each row to keys 0 .. min(its position, kv_end - 1), and the
+    log2-sum-exp of its scores x scale·log2(e) (the kernel's ``lse``)."""
+    outs, lses = [], []
+    q, starts, indptr = c["q"].double(), c["start"].tolist(), c["indptr"].tolist()
+    H = c["layout"].num_kv_heads
+    for j, e in enumerate(kv_end):
+        k, v = gather_kv(c["arena_o"], c["loc_o"], c["bt"][j], e, c["layout"], compressed=False)
+        k, v = k.double(), v.double()
+        for i in range(indptr[j + 1] - indptr[j]):
+            pos = min(starts[j] + i, e - 1)
+            qr = q[indptr[j] + i].view(H, -1, q.shape[-1])                      # [H, G, D]
+            s = torch.einsum("hgd,thd->hgt", qr, k[:pos + 1]) * c["scale"]
+            outs.append(torch.einsum("hgt,thd->hgd", s.softmax(-1), v[:pos + 1]).reshape(-1, q.shape[-1]))
+            lses.append((torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64))).reshape(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def test_ended_chunks_and_lse(seed):
+    """``kv_end`` ends a chunk's keys early (a cascade's prefix piece: q_start = kv_end - 1, every
+    row sees the same keys; or part way through a chunk); fp32 ``out`` and ``lse`` match float64,
+    and fused (compressed pages) and twin give the same bits for both."""
+    c = make_case([(47, 5), (20, 12), (0, 3)], 2, 4, 64, seed)
+    kv_end = [48, 26, 3]                     # all rows at 47; rows 6.. clamped at 25; causal
+    plan = plan_prefill(c["indptr"].tolist(), c["start"].tolist(), 8, 2, block_m=16, device=DEV,
+                        kv_end=kv_end)
+    res = []
+    for compressed in (True, False):
+        arena, loc = (c["arena_c"], c["loc_c"]) if compressed else (c["arena_o"], c["loc_o"])
+        out = torch.full(c["q"].shape, float("nan"), device=DEV)
+        lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+        paged_prefill_attention(c["q"], arena, loc, c["bt"], c["indptr"], c["start"], c["layout"],
+                                c["scale"], out, compressed=compressed, plan=plan, lse=lse)
+        res.append((out, lse))
+    (out, lse), (out_t, lse_t) = res
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t), "fused and twin differ"
+    ref_o, ref_lse = _reference_ended(c, kv_end)
+    assert ((out.double().cpu() - ref_o).norm() / ref_o.norm()) < 1e-2
+    assert (lse.double().cpu() - ref_lse).abs().max() < 1e-3
+    with pytest.raises(ValueError, match="kv_end"):
+        plan_prefill([0, 5], [47], 8, 2, kv_end=[47])
+
+
 def test_plan_covers_every_row_once_heaviest_first():
     plan = plan_prefill([0, 5, 40, 41], [100, 0, 7], 8, 2, block_m=32)
     assert plan.block_tokens == 8 and plan.group_pad == 4

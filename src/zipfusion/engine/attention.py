@@ -62,6 +62,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..format import PAGE_TOKENS
 from ..format.layout import open_loc
 from ..models.llama import KVCacheStep
+from .cascade import CascadePlan, Chunks, plan_cascade
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
@@ -99,7 +100,7 @@ class AttentionBackend:
     """
 
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
-                 num_qo_heads: int, sm_scale: float):
+                 num_qo_heads: int, sm_scale: float, cascade: bool = True):
         cuda = cache.device.type == "cuda"
         arena = getattr(cache, "arena", None)
         self.check_kind(kind, cache.device, cache.dtype)
@@ -108,6 +109,9 @@ class AttentionBackend:
         self.sm_scale, self.num_qo_heads = sm_scale, num_qo_heads
         # deterministic: a fixed split of every request's pages, whatever the batch
         self._split = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if deterministic else {}
+        # decode rows behind one shared prefix read it once per step (cascade.py); not batch-invariant
+        self.cascade = cascade and self.kind == "kernel" and not deterministic
+        self._cascade: CascadePlan | None = None          # this step's, from prepare_decode
         self._flashinfer = None
         if self.kind == "flashinfer":
             from ..kernels.flashinfer_decode import FlashInferDecode
@@ -134,22 +138,30 @@ class AttentionBackend:
         """The engine's backend (``tp_size``: this rank holds 1/tp_size of the heads)."""
         return cls(cache, config.attention_backend, kv_compression=cache.kv_compression,
                    deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
-                   sm_scale=1.0 / math.sqrt(model_config.head_dim))
+                   sm_scale=1.0 / math.sqrt(model_config.head_dim), cascade=config.cascade_attention)
 
     # -- per step ---------------------------------------------------------------------------
-    def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> None:
+    def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> bool:
         """Host-side set-up of a step's decode rows before the forward (or the CUDA-graph
         replay; ``graph``: the batch is a graph bucket): host ``context_lens`` [B] and
-        ``block_table`` [B, W]. Only FlashInfer needs it (its plan)."""
+        ``block_table`` [B, W]: FlashInfer's plan, or the cascade over shared prefixes (used by
+        the next :meth:`plan`). Returns whether the step may replay a CUDA graph (not a cascade)."""
+        self._cascade = None
+        if self.cascade:
+            self._cascade = plan_cascade(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads,
+                                         self.cache.device)
         if self._flashinfer is not None:
             self._flashinfer.prepare(context_lens, block_table, self.sm_scale, graph)
+        return self._cascade is None
 
     def plan(self, page_ids: torch.Tensor, slots: torch.Tensor, num_decode: int = 0,
              block_table: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
              chunks: list[ChunkView] = ()) -> "PagedKVCacheStep":
         """The step's :class:`PagedKVCacheStep`: where each token's K/V go (``page_ids``, ``slots`` [T],
         on the device) and what each row attends to."""
-        return PagedKVCacheStep(self, page_ids, slots, num_decode, block_table, context_lens, list(chunks))
+        cascade, self._cascade = self._cascade, None         # prepare_decode's, for this step only
+        return PagedKVCacheStep(self, page_ids, slots, num_decode, block_table, context_lens, list(chunks),
+                                cascade if num_decode else None)
 
     # -- per layer --------------------------------------------------------------------------
     def decode(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor):
@@ -166,13 +178,13 @@ class AttentionBackend:
         return torch_decode_attention(q, lambda ids: cache.read_pages(layer, ids), block_table,
                                       context_lens, self.sm_scale, exact=self.deterministic)
 
-    def paged_prefill(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
-        """The paged prefill kernel over the chunks of ``plan`` (a :class:`PagedChunks`)."""
+    def paged_prefill(self, layer: int, q: torch.Tensor, plan: Chunks, out=None, lse=None) -> torch.Tensor:
+        """The paged prefill kernel over the chunks of ``plan`` (``out``/``lse``: the kernel's)."""
         from ..kernels.prefill_attention import paged_prefill_attention
         c = self.cache
         return paged_prefill_attention(q, c.arena, c.page_loc[layer], plan.block_table, plan.q_indptr,
-                                       plan.q_start, c.layout, self.sm_scale, compressed=self.kv_compression,
-                                       plan=plan.work, validate=False)
+                                       plan.q_start, c.layout, self.sm_scale, out, compressed=self.kv_compression,
+                                       plan=plan.work, lse=lse, validate=False)
 
     def decode_over_open_copy(self, layer: int, q: torch.Tensor, pages: torch.Tensor, context_lens: torch.Tensor):
         """The decode kernel's rows (q [n, Hq, D], each with its context length) over an open copy
@@ -212,24 +224,14 @@ class AttentionBackend:
         return "gather"
 
 
-@dataclass
-class PagedChunks:
-    """The step's continuation chunks that go through the paged prefill kernel: their rows'
-    positions in the step, and the kernel's inputs and plan (made once, used by every layer)."""
-    rows: torch.Tensor          # int64 [n]: rows of the step's q
-    block_table: torch.Tensor
-    q_indptr: torch.Tensor
-    q_start: torch.Tensor
-    work: object                # kernels.prefill_attention.PrefillPlan
-
-
 class PagedKVCacheStep(KVCacheStep):
     """The model's :class:`KVCacheStep` over the engine's paged KV cache for one step, made by
     :meth:`AttentionBackend.plan`."""
 
     def __init__(self, backend: AttentionBackend, page_ids, slots, num_decode, block_table, context_lens,
-                 chunks: list[ChunkView]):
+                 chunks: list[ChunkView], cascade: CascadePlan | None = None):
         self.backend, self.cache = backend, backend.cache
+        self.cascade = cascade
         self.page_ids, self.slots = page_ids, slots
         self.num_decode, self.block_table, self.context_lens = num_decode, block_table, context_lens
         self.chunks = chunks
@@ -247,13 +249,19 @@ class PagedKVCacheStep(KVCacheStep):
     def store(self, layer, q, k, v, cos, sin):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
 
+    def decode(self, layer, q):
+        """The step's decode rows: the cascade where the backend planned one, else the kernel."""
+        if self.cascade is not None:
+            return self.cascade.run(self.backend, layer, q)
+        return self.backend.decode(layer, q, self.block_table, self.context_lens)
+
     def attend(self, layer, q, k, v):
         n, b = self.num_decode, self.backend
         if not self.chunks:
-            return b.decode(layer, q, self.block_table, self.context_lens)
+            return self.decode(layer, q)
         out = torch.empty_like(q)
         if n:
-            out[:n] = b.decode(layer, q[:n], self.block_table, self.context_lens)
+            out[:n] = self.decode(layer, q[:n])
         if self._paged is not None:
             out[self._paged.rows] = b.paged_prefill(layer, q[self._paged.rows], self._paged)
         if self._gather is not None:                       # every "gather" chunk in one call
@@ -359,7 +367,7 @@ def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], routes: list[str], num_decode: int,
-                  device) -> PagedChunks | None:
+                  device) -> Chunks | None:
     """The inputs and plan of the paged prefill kernel for the chunks routed to it (host work:
     the step's only launch set-up; every layer reuses it)."""
     picked, off = [], num_decode
@@ -380,7 +388,7 @@ def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], routes: li
         indptr.append(indptr[-1] + ch.length)
     starts = [ch.start for ch, _ in picked]
     work = plan_prefill(indptr, starts, backend.num_qo_heads, backend.cache.num_kv_heads, device=device)
-    return PagedChunks(rows.to(device), table.to(device), torch.tensor(indptr, dtype=torch.int32, device=device),
+    return Chunks(rows.to(device), table.to(device), torch.tensor(indptr, dtype=torch.int32, device=device),
                        torch.tensor(starts, dtype=torch.int32, device=device), work)
 
 

@@ -2,7 +2,8 @@
 
 A step's tokens are ``[decode rows | prefill chunks]`` (engine/attention.py). A pure decode step
 on CUDA replays a captured CUDA graph per batch-size bucket (padding rows write into and read
-from one scratch page); a step with prefill chunks runs eagerly. Either way the layers reach
+from one scratch page); a step with prefill chunks, or whose decode rows cascade over a shared
+prefix (engine/cascade.py), runs eagerly. Either way the layers reach
 the KV cache through a :class:`~zipfusion.engine.attention.PagedKVCacheStep`.
 """
 
@@ -149,8 +150,12 @@ class ModelRunner:
         bucket = self._buckets[i]
         self._staged.synchronize()                 # the last step's copies have left the staging buffers
         self.decode_inputs(reqs, bucket, self._host)
-        self.attention.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
-                                      graph=True)
+        if not self.attention.prepare_decode(self._host["context_lens"][:bucket],
+                                             self._host["block_table"][:bucket], graph=True):
+            # a cascade over shared prefixes (its shapes vary with the groups): eagerly
+            dev = {k: v.to(self.device, non_blocking=True) for k, v in self._named(self._host, bucket).items()}
+            self._staged.record()
+            return self._decode_forward(dev)[:n]
         self._static["vec"].copy_(self._host["vec"], non_blocking=True)
         for k in ("block_table", "context_lens"):
             self._static[k][:bucket].copy_(self._host[k][:bucket], non_blocking=True)

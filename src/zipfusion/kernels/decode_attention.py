@@ -69,14 +69,15 @@ def check_block_table(block_table, rows: int, rows_name: str):
         raise ValueError("block_table rows must be contiguous; call .contiguous() first")
 
 
-def check_scale_and_out(sm_scale, out, q):
+def check_scale_and_out(sm_scale, out, q, dtypes=(torch.bfloat16,)):
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (float, int)) \
             or not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 \
+        if not isinstance(out, torch.Tensor) or out.dtype not in dtypes \
                 or out.shape != q.shape or out.device != q.device or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous bf16 tensor of shape {list(q.shape)} on "
+            names = " or ".join(str(t).removeprefix("torch.") for t in dtypes)
+            raise ValueError(f"out must be a contiguous {names} tensor of shape {list(q.shape)} on "
                              f"{q.device}")
 
 

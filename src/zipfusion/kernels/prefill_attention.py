@@ -5,7 +5,11 @@ requests, which the engine has already stored in the requests' pages: chunk ``c`
 ``q_indptr[c] : q_indptr[c+1]`` of ``q`` at token positions ``q_start[c] + i``, and its pages are
 row ``c`` of ``block_table``. Pages are read where they lie in the arena, open or compressed
 (docs/design.md, docs/format.md); nothing is gathered, decompressed to memory or repeated for
-GQA. Causal: the query at position p attends to keys 0..p of its request.
+GQA. Causal: the query at position p attends to keys 0..p of its request. A chunk may also end
+its keys early (``kv_end[c]``: row i sits at position ``min(q_start[c] + i, kv_end[c] - 1)``):
+with ``q_start = kv_end - 1`` every row sees exactly keys ``0 .. kv_end - 1``, which is how the
+engine's cascade decode attends a group of decode rows to the pages of their shared prefix once
+(engine/cascade.py); ``lse`` then gives each row's log-sum-exp for merging with the rest.
 
 Work split (FlashInfer-style plan/run). :func:`plan_prefill` cuts every chunk into query tiles
 of ``BT`` tokens and lists the (chunk, first token) work items, heaviest first; it runs once per
@@ -22,7 +26,8 @@ the whole group. K/V tiles of ``TP`` pages (``R = 16·TP`` keys) go in order fro
     P   = 2^(S - m')
     l   = l · 2^(m - m') + rowsum P
     acc = acc · 2^(m - m') + P_bf16 · V   [BLOCK_M, D]
-    o   = acc / l                          (bf16)
+    o   = acc / l                          (bf16, or fp32 into an fp32 ``out``)
+    lse = m + log2(l)                      (optional, base 2, in units of c·q·k)
 
 The tiles whose keys all precede the tile's first query need no mask (the first loop); the
 tiles up to the tile's last query are masked (the second loop); later tiles are skipped. The
@@ -84,11 +89,11 @@ def _kv_tiles(p_lo, p_hi, ctx, pos, q, m_i, l_i, acc, qk_scale, arena32, page_lo
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
-def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr, items_ptr,
-                    out_ptr, qk_scale, stride_bt,
+def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr, end_ptr, items_ptr,
+                    out_ptr, lse_ptr, qk_scale, stride_bt,
                     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                     BT: tl.constexpr, TP: tl.constexpr, COMPRESSED: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    INTERPRET: tl.constexpr, WRITE_LSE: tl.constexpr):
     pid = tl.program_id(0)
     item = pid // H                 # the KV heads of one item are neighbours in launch order
     h = pid % H
@@ -97,18 +102,20 @@ def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr,
     row0 = tl.load(indptr_ptr + c)
     n_rows = tl.load(indptr_ptr + c + 1) - row0
     start = tl.load(start_ptr + c)
+    kv_end = tl.load(end_ptr + c)   # keys past kv_end - 1 are never seen (a prefix piece's end)
 
     rm = tl.arange(0, BT * G_PAD)
     i = m0 + rm // G_PAD            # token of the chunk
     g = rm % G_PAD                  # query head inside the group
-    pos = start + i
+    pos = tl.minimum(start + i, kv_end - 1)
     rows = ((row0 + i).to(tl.int64) * (H * G) + h * G + g) * D
-    row_ok = ((i < n_rows) & (g < G))[:, None]
+    ok = (i < n_rows) & (g < G)
+    row_ok = ok[:, None]
     d = tl.arange(0, D)
     q = tl.load(q_ptr + rows[:, None] + d[None, :], mask=row_ok, other=0.0)
 
-    ctx = start + tl.minimum(m0 + BT, n_rows)       # keys 0 .. ctx - 1 are read
-    p_full = (start + m0 + 1) // (PT * TP) * TP     # pages of the tiles before the first query
+    ctx = tl.minimum(start + tl.minimum(m0 + BT, n_rows), kv_end)     # keys 0 .. ctx - 1 are read
+    p_full = (tl.minimum(start + m0, kv_end - 1) + 1) // (PT * TP) * TP  # tiles before the first query
     m_i = tl.full([BT * G_PAD], -1.0e30, tl.float32)
     l_i = tl.full([BT * G_PAD], 0.0, tl.float32)
     acc = tl.full([BT * G_PAD, D], 0.0, tl.float32)
@@ -119,7 +126,9 @@ def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr,
                               arena32, page_loc_ptr, bt_ptr, c, stride_bt, h, H, D, TP,
                               COMPRESSED, INTERPRET, True)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + rows[:, None] + d[None, :], o.to(tl.bfloat16), mask=row_ok)
+    tl.store(out_ptr + rows[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if WRITE_LSE:                   # log2 of the row's softmax denominator, in the scores' units
+        tl.store(lse_ptr + rows // D, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=ok)
 
 
 # ------------------------------------------------------------------------------------------
@@ -130,12 +139,16 @@ def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr,
 class PrefillPlan:
     """The work items of a prefill step: ``items`` int32 [N, 2] (chunk, first token of its query
     tile) on the device, heaviest first; ``block_tokens`` tokens per tile (x ``group_pad`` query
-    heads = the kernel's BLOCK_M rows). ``q_indptr``/``q_start`` are host copies, for checks."""
+    heads = the kernel's BLOCK_M rows); ``ends`` int32 [C] on the device, each chunk's key count
+    (``kv_end``, by default its last position + 1). ``q_indptr``/``q_start``/``kv_end`` are host
+    copies, for checks."""
     items: torch.Tensor
     block_tokens: int
     group_pad: int
     q_indptr: tuple[int, ...]
     q_start: tuple[int, ...]
+    ends: torch.Tensor
+    kv_end: tuple[int, ...]
 
     @property
     def num_chunks(self) -> int:
@@ -155,10 +168,12 @@ def _host_ints(x, name: str) -> list[int]:
 
 
 def plan_prefill(q_indptr, q_start, num_q_heads: int, num_kv_heads: int, *,
-                 block_m: int | None = None, device=None) -> PrefillPlan:
+                 block_m: int | None = None, device=None, kv_end=None) -> PrefillPlan:
     """Work items for :func:`paged_prefill_attention` (reusable by every layer of a step).
 
     ``q_indptr`` [C+1] and ``q_start`` [C]: sequences or tensors (host ones: no device sync).
+    ``kv_end`` [C] (optional, q_start < kv_end <= q_start + rows): chunk c's rows see no key at
+    or past kv_end[c] (the module docstring); by default each chunk is plainly causal.
     ``block_m``: query rows per program, tokens x the group padded to a power of 2 (default 128
     on the GPU, 64 under the interpreter); a tile holds at least 16 rows. ``device``: where the
     items go (default: that of ``q_indptr`` if a tensor, else CPU).
@@ -174,6 +189,10 @@ def plan_prefill(q_indptr, q_start, num_q_heads: int, num_kv_heads: int, *,
     if any(n < 1 for n in lens) or any(s < 0 for s in start):
         raise ValueError("every chunk must have at least one query row (q_indptr increasing) "
                          f"and q_start >= 0, got q_indptr {indptr[:8]}.., q_start {start[:8]}..")
+    end = [s + n for s, n in zip(start, lens)] if kv_end is None else _host_ints(kv_end, "kv_end")
+    if len(end) != len(start) or any(not s < e <= s + n for s, n, e in zip(start, lens, end)):
+        raise ValueError("kv_end must hold one value per chunk with q_start < kv_end <= q_start + "
+                         f"rows, got {end[:8]}..")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of "
                          f"num_kv_heads={num_kv_heads}")
@@ -184,14 +203,15 @@ def plan_prefill(q_indptr, q_start, num_q_heads: int, num_kv_heads: int, *,
             or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of 2, got {block_m!r}")
     bt = max(block_m, 16) // G_PAD or 1
-    items = sorted(((s + min(m0 + bt, n), c, m0) for c, (s, n) in enumerate(zip(start, lens))
+    items = sorted(((min(s + min(m0 + bt, n), e), c, m0) for c, (s, n, e) in enumerate(zip(start, lens, end))
                     for m0 in range(0, n, bt)), key=lambda w: (-w[0], w[1], w[2]))
     table = torch.tensor([(c, m0) for _, c, m0 in items], dtype=torch.int32).reshape(-1, 2)
-    return PrefillPlan(table.to(device), bt, G_PAD, tuple(indptr), tuple(start))
+    return PrefillPlan(table.to(device), bt, G_PAD, tuple(indptr), tuple(start),
+                       torch.tensor(end, dtype=torch.int32).to(device), tuple(end))
 
 
 def _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout, sm_scale,
-                   out):
+                   out, lse):
     check_tensors(layout, arena, q=q, page_loc_layer=page_loc_layer, block_table=block_table,
                   q_indptr=q_indptr, q_start=q_start)
     check_q_and_arena(q, arena, page_loc_layer, layout, "tokens")
@@ -203,7 +223,11 @@ def _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, lay
         raise TypeError(f"q_indptr must be torch.int32 [num_chunks + 1 = {C + 1}], got "
                          f"{q_indptr.dtype} {list(q_indptr.shape)}")
     check_block_table(block_table, C, "num_chunks")
-    check_scale_and_out(sm_scale, out, q)
+    check_scale_and_out(sm_scale, out, q, dtypes=(torch.bfloat16, torch.float32))
+    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                            or lse.shape != q.shape[:2] or lse.device != q.device
+                            or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous fp32 tensor of shape {list(q.shape[:2])} on {q.device}")
 
 
 def _check_plan(plan, q, num_chunks, num_kv_heads):
@@ -218,15 +242,17 @@ def _check_plan(plan, q, num_chunks, num_kv_heads):
 
 def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout,
                             sm_scale, out=None, *, compressed: bool, plan: PrefillPlan | None = None,
-                            validate: bool = True, block_m: int | None = None,
-                            tile_pages: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None):
+                            lse: torch.Tensor | None = None, validate: bool = True,
+                            block_m: int | None = None, tile_pages: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None):
     """Causal attention of C chunks' query rows to their requests' pages, read in place.
 
     q [T, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages] (``page_loc[layer]``);
     block_table int32 [C, W]; q_indptr int32 [C+1] (chunk c = rows q_indptr[c]:q_indptr[c+1]);
     q_start int32 [C] (position of each chunk's first row) -> [T, Hq, D] bf16 (into ``out`` if
-    given). The K/V of every position up to each chunk's last must already be stored.
+    given; an fp32 ``out`` keeps the result unrounded). The K/V of every position up to each
+    chunk's last must already be stored. ``lse`` (fp32 [T, Hq], optional) receives each row's
+    log2-sum-exp of its scores x sm_scale·log2(e); a plan with ``kv_end`` ends chunks' keys early.
 
     ``compressed``: True reads open and compressed pages (fused restore), False open pages only
     (the twin); both give the same bits for the same values. ``plan``: from
@@ -236,7 +262,7 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
     K/V tile, a power of 2; default 4, 1 under the interpreter), ``num_warps``, ``num_stages``.
     """
     _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout, sm_scale,
-                   out)
+                   out, lse)
     if plan is None:
         plan = plan_prefill(q_indptr, q_start, q.shape[1], layout.num_kv_heads,
                             block_m=block_m, device=arena.device)
@@ -249,8 +275,9 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
     TP = tile_pages or (1 if interp else 4)
     if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
         raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
-    if validate:
-        ends = [s + b - a for s, a, b in zip(plan.q_start, plan.q_indptr, plan.q_indptr[1:])]
+    if validate:              # an ended chunk's last page may be full and compressed: check whole pages
+        ends = [e if e == s + b - a else -(-e // PAGE_TOKENS) * PAGE_TOKENS
+                for s, e, a, b in zip(plan.q_start, plan.kv_end, plan.q_indptr, plan.q_indptr[1:])]
         if ends and max(ends) > PAGE_TOKENS * block_table.shape[1]:
             raise ValueError(f"a chunk ends at position {max(ends) - 1}, past the "
                              f"{block_table.shape[1]} pages of block_table")
@@ -265,10 +292,10 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
         return out
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
     kernel[(plan.items.shape[0] * H,)](
-        q, arena32, page_loc_layer, block_table, q_indptr, q_start, plan.items, out,
-        float(sm_scale) * LOG2E, block_table.stride(0),
+        q, arena32, page_loc_layer, block_table, q_indptr, q_start, plan.ends, plan.items, out,
+        out if lse is None else lse, float(sm_scale) * LOG2E, block_table.stride(0),
         H=H, D=layout.head_dim, G=q.shape[1] // H, G_PAD=plan.group_pad, BT=plan.block_tokens,
-        TP=TP, COMPRESSED=bool(compressed), INTERPRET=interp,
+        TP=TP, COMPRESSED=bool(compressed), INTERPRET=interp, WRITE_LSE=lse is not None,
         num_warps=num_warps or (4 if interp else 8), num_stages=num_stages or 2)
     return out
 
