@@ -38,6 +38,9 @@ from ..format import PAGE_TOKENS
 
 MIN_SHARED_PAGES = 16      # a shared prefix of 256 tokens or more is read once per group
 PIECE_PAGES = 32           # pages per prefix piece: several programs per group and KV head
+# query rows per program of a prefix piece (tokens x padded GQA group: 16 rows of a group of 4
+# heads); one size, so that a run compiles one kernel variant, in its warm-up
+PREFIX_BLOCK_M = 64
 
 
 @dataclass
@@ -153,9 +156,8 @@ def plan_cascade(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_he
     for p in piece_rows:
         parts[r:r + p.shape[0], :p.shape[1]] = p
         r += p.shape[0]
-    biggest = max(len(rows) for rows, _ in groups)
-    block_m = min(128, max(16, (1 << (biggest - 1).bit_length()) * g_pad))
-    prefix = _chunks(np.concatenate(q_rows), pages, counts, ends, num_q_heads, num_kv_heads, block_m, device)
+    prefix = _chunks(np.concatenate(q_rows), pages, counts, ends, num_q_heads, num_kv_heads, PREFIX_BLOCK_M,
+                     device)
     # 2. each grouped row's own pages after the shared ones (its newest token's page last)
     shared_of = np.concatenate([np.full(len(rows), shared) for rows, shared in groups])
     own = [table[row, s:-(-int(lens[row]) // PAGE_TOKENS)] for row, s in zip(grouped, shared_of)]
