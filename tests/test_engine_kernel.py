@@ -218,7 +218,7 @@ def test_cascade_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt,
     outs = {}
     for compressed in (True, False):
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
-                  kv_compression=compressed, enable_prefix_caching=False)
+                  kv_compression=compressed, enable_prefix_caching=False, cascade_attention=True)
         eng = llm.engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in ps]
         eng.step()
@@ -244,8 +244,8 @@ def test_cascade_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt,
 
 def test_cascade_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt, monkeypatch):
     """Prefix-cache hits decode through the cascade (eagerly, beside the CUDA graphs on a GPU):
-    compressed and uncompressed runs give the same tokens and logits; deterministic mode and
-    cascade_attention=False never cascade."""
+    compressed and uncompressed runs give the same tokens and logits; by default (and always in
+    deterministic mode) nothing cascades."""
     from zipfusion.engine import attention, cascade
     monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(cascade, "PIECE_PAGES", 2)
@@ -256,10 +256,11 @@ def test_cascade_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt,
     prefix = torch.randint(3, 256, (50,), generator=g).tolist()
     ps = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 20)]
     res = {}
-    for kw in (dict(cascade_attention=False), dict(deterministic=True)):
+    for kw in (dict(), dict(deterministic=True, cascade_attention=True)):
         assert not LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
                        **kw).engine.attention.cascade
     for name, kw in (("fused", dict(kv_compression=True)), ("twin", dict(kv_compression=False))):
+        kw["cascade_attention"] = True
         planned.clear()
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
                   max_model_len=256, **kw)

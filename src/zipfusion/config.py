@@ -69,9 +69,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "
                                              "(full pages, compressed as they are; evicted least recently "
                                              "used when memory is needed)")
-    cascade_attention: bool = _opt(True, "decode rows behind one shared prefix (prefix-cache hits) read its pages "
-                                         "once per step, their results merged by log-sum-exp (not with "
-                                         "deterministic=True)")
+    cascade_attention: bool = _opt(False, "experimental: decode rows behind one shared prefix (prefix-cache hits) "
+                                          "read its pages once per step, their results merged by log-sum-exp "
+                                          "(not with deterministic=True; slower on the H200 so far)")
     kv_host_memory_gb: float | None = _opt(
         None, "GiB of pinned host memory for KV pages the prefix cache evicts (kept as stored, brought back "
               "on a hit instead of recomputed; a preempted request's pages too); default on a GPU: "

@@ -100,7 +100,7 @@ class AttentionBackend:
     """
 
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
-                 num_qo_heads: int, sm_scale: float, cascade: bool = True):
+                 num_qo_heads: int, sm_scale: float, cascade: bool = False):
         cuda = cache.device.type == "cuda"
         arena = getattr(cache, "arena", None)
         self.check_kind(kind, cache.device, cache.dtype)

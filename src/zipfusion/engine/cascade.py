@@ -25,6 +25,13 @@ plain kernel's (the sums are grouped differently), but compressed and uncompress
 schedule take the same path and the twin's arithmetic, so they give the same bits; deterministic
 mode never cascades (the grouping depends on the batch). A cascade step runs eagerly (its shapes
 vary), not as a CUDA graph.
+
+Status: off by default (``cascade_attention=True`` turns it on). Correct and tested on CPU and
+on the H200 (fused == twin bits, close to the plain kernel), but its one whole run there
+(shared_prefix, compressed, 2026-12-04) was slower: 160 of 512 requests done after 40 s, then no
+step finished before the 140 s limit, where the run without it takes 39 s in all. Not yet
+profiled; suspects: the eager steps (no CUDA graph), ~20 small torch ops per layer for the merge,
+host-to-device copies of the plan each step (pageable: they wait for the stream).
 """
 
 from __future__ import annotations
