@@ -54,6 +54,7 @@ import inspect
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -62,7 +63,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..format import PAGE_TOKENS
 from ..format.layout import open_loc
 from ..models.llama import KVCacheStep
-from .cascade import CascadePlan, Chunks, plan_cascade
+from .cascade import CascadePlan, Chunks, make_chunks, plan_cascade
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
@@ -377,19 +378,9 @@ def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], routes: li
         off += ch.length
     if not picked:
         return None
-    from ..kernels.prefill_attention import plan_prefill
-    rows = torch.cat([torch.arange(o, o + ch.length) for ch, o in picked])
-    width = max(len(ch.used_pages) for ch, _ in picked)
-    table = torch.zeros(len(picked), width, dtype=torch.int32)
-    for j, (ch, _) in enumerate(picked):
-        table[j, :len(ch.used_pages)] = torch.tensor(ch.used_pages, dtype=torch.int32)
-    indptr = [0]
-    for ch, _ in picked:
-        indptr.append(indptr[-1] + ch.length)
-    starts = [ch.start for ch, _ in picked]
-    work = plan_prefill(indptr, starts, backend.num_qo_heads, backend.cache.num_kv_heads, device=device)
-    return Chunks(rows.to(device), table.to(device), torch.tensor(indptr, dtype=torch.int32, device=device),
-                       torch.tensor(starts, dtype=torch.int32, device=device), work)
+    rows = np.concatenate([np.arange(o, o + ch.length) for ch, o in picked])
+    return make_chunks(rows, [ch.used_pages for ch, _ in picked], [ch.length for ch, _ in picked],
+                       [ch.start for ch, _ in picked], backend.num_qo_heads, backend.cache.num_kv_heads, device)
 
 
 def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, exact: bool = False):

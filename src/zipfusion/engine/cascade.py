@@ -119,18 +119,20 @@ def find_groups(context_lens: np.ndarray, table: np.ndarray, min_pages: int | No
     return groups
 
 
-def _chunks(rows, pages, rows_per_chunk, kv_end, num_q_heads, num_kv_heads, block_m, device) -> Chunks:
+def make_chunks(rows, pages, rows_per_chunk, starts, num_q_heads: int, num_kv_heads: int, device, *,
+                kv_end=None, block_m: int | None = None) -> Chunks:
+    """A launch of the paged prefill kernel from host lists: the step's q ``rows`` it reads, each
+    chunk's ``pages`` (the block table, zero-padded), row count, start and optional key end."""
     from ..kernels.prefill_attention import plan_prefill
-    width = max(len(p) for p in pages)
-    table = np.zeros((len(pages), width), dtype=np.int32)
+    table = np.zeros((len(pages), max(len(p) for p in pages)), dtype=np.int32)
     for j, p in enumerate(pages):
         table[j, :len(p)] = p
     indptr = np.concatenate([[0], np.cumsum(rows_per_chunk)]).tolist()
-    start = [e - 1 for e in kv_end]
-    work = plan_prefill(indptr, start, num_q_heads, num_kv_heads, block_m=block_m, device=device, kv_end=kv_end)
+    starts = [int(x) for x in starts]
+    work = plan_prefill(indptr, starts, num_q_heads, num_kv_heads, block_m=block_m, device=device, kv_end=kv_end)
     as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return Chunks(torch.as_tensor(np.asarray(rows, dtype=np.int64)).to(device), torch.from_numpy(table).to(device),
-                  as_dev(indptr), as_dev(start), work)
+                  as_dev(indptr), as_dev(starts), work)
 
 
 def plan_cascade(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
@@ -141,7 +143,6 @@ def plan_cascade(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_he
     groups = find_groups(lens, table)
     if not groups:
         return None
-    g_pad = 1 << max(0, (num_q_heads // num_kv_heads - 1).bit_length())   # the kernel's padded group
     grouped = np.concatenate([rows for rows, _ in groups])
     # 1. prefix pieces: the group's rows against PIECE_PAGES of its shared pages each
     q_rows, pages, counts, ends, piece_rows = [], [], [], [], []
@@ -163,14 +164,14 @@ def plan_cascade(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_he
     for p in piece_rows:
         parts[r:r + p.shape[0], :p.shape[1]] = p
         r += p.shape[0]
-    prefix = _chunks(np.concatenate(q_rows), pages, counts, ends, num_q_heads, num_kv_heads, PREFIX_BLOCK_M,
-                     device)
+    prefix = make_chunks(np.concatenate(q_rows), pages, counts, [e - 1 for e in ends], num_q_heads, num_kv_heads,
+                         device, kv_end=ends, block_m=PREFIX_BLOCK_M)
     # 2. each grouped row's own pages after the shared ones (its newest token's page last)
     shared_of = np.concatenate([np.full(len(rows), shared) for rows, shared in groups])
     own = [table[row, s:-(-int(lens[row]) // PAGE_TOKENS)] for row, s in zip(grouped, shared_of)]
-    suffix = _chunks(grouped, own, [1] * grouped.size,
-                     (lens[grouped] - shared_of * PAGE_TOKENS).tolist(), num_q_heads, num_kv_heads,
-                     max(16, g_pad), device)
+    own_end = (lens[grouped] - shared_of * PAGE_TOKENS).tolist()
+    suffix = make_chunks(grouped, own, [1] * grouped.size, [e - 1 for e in own_end], num_q_heads, num_kv_heads,
+                         device, kv_end=own_end, block_m=16)       # one query: the smallest tile
     plain = np.setdiff1d(np.arange(lens.size), grouped)
     as_dev = lambda x: torch.as_tensor(x).to(device)  # noqa: E731
     return CascadePlan(as_dev(plain) if plain.size else None,
