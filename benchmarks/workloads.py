@@ -323,14 +323,7 @@ def worker(job: dict) -> dict:
     warm_s = time.perf_counter() - t0 - build_s
     base = eng.cache.stats()
     label = f"[{job['scenario']}/{job['mode']}]"
-    if job.get("profile"):              # --profile: where the host's time goes (slows the run)
-        import cProfile
-        prof = cProfile.Profile()
-        reqs, steps, wall = prof.runcall(run_requests, eng, prompts, outs, job["sequential"], label=label,
-                                         turns=turns)
-        write_profile(prof, os.path.join(job["profile"], f"profile_{job['scenario']}_{job['mode']}"))
-    else:
-        reqs, steps, wall = run_requests(eng, prompts, outs, job["sequential"], label=label, turns=turns)
+    reqs, steps, wall = run_requests(eng, prompts, outs, job["sequential"], label=label, turns=turns)
     new = sum(map(len, prompts)) + sum(len(m) for t in turns for m in t)    # tokens no earlier turn had
     rec = {"scenario": job["scenario"], "mode": job["mode"], **summarize(eng, reqs, steps, wall, base),
            "new_prompt_tokens": new,
@@ -343,18 +336,6 @@ def worker(job: dict) -> dict:
                            "mfu": model_flops(eng.model_config, len(r.prompt_ids), len(r.prompt_ids) / 2)
                            / (r.token_times[0] - r.arrival_time) / BF16_PEAK} for r in reqs]
     return rec
-
-
-def write_profile(prof, stem: str) -> None:
-    """``stem``.pstats and ``stem``.txt (the top functions by own time and by time inside)."""
-    import io
-    import pstats
-    prof.dump_stats(stem + ".pstats")
-    buf = io.StringIO()
-    for key in ("tottime", "cumulative"):
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(60)
-    with open(stem + ".txt", "w") as f:
-        f.write(buf.getvalue())
 
 
 # ============================================================================ the driver
@@ -381,8 +362,7 @@ def make_job(args, name: str, mode: str, prefix_cache: bool = True) -> dict:
             "shared_prefix": scen.shared_prefix, "group": scen.group, "turns": scen.turns,
             "turn_prompt": scen.turn_prompt, "prefix_cache": prefix_cache, "admission": scen.admission,
             "host_gb": scen.host_gb,
-            "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens,
-            "profile": os.path.abspath(args.out) if args.profile else None}
+            "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens}
 
 
 def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
@@ -612,8 +592,6 @@ def parse(argv=None):
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="worker processes at a time (timings need 1; --smoke: 2)")
-    ap.add_argument("--profile", action="store_true", help="cProfile each timed run (host time; slower): "
-                    "OUT/profile_SCENARIO_MODE.pstats and .txt")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier workloads.json files (the later "
                     "file wins for a (scenario, mode) pair that ran ok) into --out; runs nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
