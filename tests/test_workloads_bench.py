@@ -84,3 +84,17 @@ def test_merge_keeps_each_pair(tmp_path):
         (s, m) for s in ("burst", "mix") for m in ("compressed", "uncompressed")}
     assert abs(merged["ratios"]["mix"]["compressed/uncompressed"]["total_tok_s"] - 10 / 11) < 1e-9
     assert merged["meta"]["command"] == "run burst; run mix" and len(merged["meta"]["parts"]) == 2
+
+
+def test_host_timers_smoke(tmp_path):
+    """benchmarks/host_timers.py: the wrapped functions are called and timed, the run completes."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OUT": str(tmp_path)}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_timers.py"), "mix", "compressed",
+                        "1", "--smoke"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "timers_mix_compressed.json").read_text())
+    assert res["record"]["scenario"] == "mix" and res["record"]["requests"] >= 2
+    calls = {k: v[0] for k, v in res["timers"].items()}
+    steps = calls["LLMEngine.step"]
+    assert steps >= res["record"]["requests"] and calls["Scheduler.schedule"] == steps
+    assert calls["KVCacheManager.seal_pages"] >= 1 and calls["codec.analyze"] == calls["KVCacheManager._analyze"]
