@@ -24,15 +24,15 @@ from zipfusion.engine import llm_engine, runner, scheduler  # noqa: E402
 from zipfusion.memory import codec, host_tier, manager, page_table, prefix_cache  # noqa: E402
 
 TIMED = {
-    scheduler.Scheduler: ("schedule", "_schedule_prefill", "_schedule_decode", "_admit", "_room",
-                          "seal_full_pages", "_running_needs", "finish", "_reclaim", "_swap_in"),
+    scheduler.Scheduler: ("schedule", "_schedule_prefill", "_schedule_decode", "_admit", "_room", "start_seal",
+                          "finish_seal", "collect_full_pages", "_running_needs", "finish", "_reclaim", "_swap_in"),
     manager.KVCacheManager: ("alloc_pages", "_make_room_for_groups", "_compact_layer", "_repack", "_repack_plan",
-                             "seal_pages", "_analyze", "_compress_batch", "_wave", "_affordable", "free_pages",
+                             "analyze_pages", "seal_analyzed", "_analyze", "_compress_batch", "_wave", "_affordable", "free_pages",
                              "_make_room_for_packing", "capacity_new_pages"),
     page_table.PageTable: ("sync", "sync_layer", "check"),
     host_tier.HostTier: ("put", "take", "drop"),
     prefix_cache.PrefixCache: ("make_room", "evict_pages", "match", "release", "insert"),
-    llm_engine.LLMEngine: ("_note_kv_stats", "_sample", "step"),
+    llm_engine.LLMEngine: ("_note_kv_stats", "_launch_sample", "_finish_sample", "step"),
     runner.ModelRunner: ("run", "decode", "decode_inputs"),
     manager: ("move_ranges",),
     codec: ("analyze",),

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
-from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.engine.kv_cache import ArenaKVCache, KVCache  # noqa: E402
 from zipfusion.testing import AccountingManager  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402
 
@@ -54,6 +54,8 @@ class SimCache(ArenaKVCache):
         super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress)
         self.manager = AccountingManager(L, self.layout, budget_bytes, kv_compression=compress)
         self.rng, self.fraction = np.random.default_rng(seed), fraction
+
+    start_seal, finish_seal = KVCache.start_seal, KVCache.finish_seal     # sealed whole, by seal()
 
     def seal(self, ids, min_capacity: int = 0):
         if not ids or not self.kv_compression:

@@ -281,13 +281,13 @@ def test_pages_left_open_under_pressure_are_retried(ckpts):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     tight = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, admission="conservative",
                 kv_memory_gb=12 * chunk / 2**30, chunk_bytes=chunk, max_num_batched_tokens=64, deterministic=True)
-    calls, seal = [], tight.engine.cache.seal
+    calls, finish = [], tight.engine.cache.finish_seal
 
-    def logged(ids, min_capacity=0):
-        left = seal(ids, min_capacity=min_capacity)
-        calls.append((set(ids), set(left)))
+    def logged(job, min_capacity=0):                # the engine seals in two halves: the second
+        left = finish(job, min_capacity=min_capacity)
+        calls.append((set(job.ids.tolist()), set(left)))
         return left
-    tight.engine.cache.seal = logged
+    tight.engine.cache.finish_seal = logged
     got = [o.token_ids for o in tight.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
     left_open = [(i, left) for i, (_, left) in enumerate(calls) if left]
     assert left_open, "no seal left a page open: the test needs more pressure"

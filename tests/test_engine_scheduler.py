@@ -4,12 +4,13 @@ growth, preemption of the newest request, sealing of full pages."""
 
 import pytest
 
+from zipfusion.engine.kv_cache import KVCache
 from zipfusion.engine.request import Request, Status
 from zipfusion.engine.sampling import SamplingParams
 from zipfusion.engine.scheduler import KVCacheTooSmall, Scheduler
 
 
-class FakeCache:
+class FakeCache(KVCache):
     def __init__(self, pages):
         self.free_ids = list(range(pages))
         self.sealed = []

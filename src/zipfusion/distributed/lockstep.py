@@ -69,6 +69,12 @@ class LockstepCache:
         self._driver.send_ops()                        # the workers compress while rank 0 does
         return self._cache.seal(ids, min_capacity=min_capacity)
 
+    def start_seal(self, ids):                          # sealed whole (and logged) by finish_seal
+        return list(ids)
+
+    def finish_seal(self, ids, min_capacity: int = 0):
+        return self.seal(ids, min_capacity=min_capacity) if ids else []
+
     def take_log(self) -> list[tuple]:
         log, self.log = self.log, []
         self._unsent_allocs, self._unsent_frees = 0, False

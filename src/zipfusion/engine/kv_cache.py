@@ -39,6 +39,17 @@ class KVCache:
         """Bytes of stored full pages over their open size (1.0 when nothing is compressed)."""
         return 1.0
 
+    # A seal in two halves, so that the engine can do the host's part while a forward runs:
+    # ``start_seal`` before the step's forward (on the GPU: the size analysis launched),
+    # ``finish_seal`` after it is launched (placement and encoding); the pages must stay allocated
+    # in between. Here: all of it in ``finish_seal``.
+    def start_seal(self, ids):
+        return list(ids)
+
+    def finish_seal(self, job, min_capacity: int = 0) -> list[int]:
+        """``seal``'s result for the pages ``start_seal`` was given."""
+        return self.seal(job, min_capacity=min_capacity) if job else []
+
 
 class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
@@ -83,6 +94,14 @@ class ArenaKVCache(KVCache):
         if not ids or not self.kv_compression:
             return []
         return self.manager.seal_pages(list(ids), min_capacity=min_capacity)
+
+    def start_seal(self, ids):
+        if not ids or not self.kv_compression:
+            return None
+        return self.manager.analyze_pages(list(ids))
+
+    def finish_seal(self, job, min_capacity: int = 0) -> list[int]:
+        return [] if job is None else self.manager.seal_analyzed(job, min_capacity=min_capacity)
 
     def capacity_new_pages(self, keep_reserve: bool = True):
         """New pages that fit now; ``keep_reserve=False`` counts the compression reserve too

@@ -17,6 +17,7 @@ from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL
                       EngineConfig)
 from ..format.layout import PAGE_TOKENS
 from ..memory import BudgetTooSmall
+from ..memory.copy import HostArray
 from .attention import AttentionBackend
 from .kv_cache import ArenaKVCache, DenseKVCache
 from .request import CompletionOutput, Request, RequestOutput, Status
@@ -42,8 +43,8 @@ class StepResult(NamedTuple):
     start: float                     # time.perf_counter() at the step's start
     seconds: float
     schedule_s: float
-    forward_s: float                 # forward + sampling; synced when a token was sampled
-    seal_s: float
+    forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
+    seal_s: float                    # the host's part of sealing (analysis launch, placement, encode launch)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -251,39 +252,56 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Run one scheduled step; returns what it did (:class:`StepResult`)."""
+        """Run one scheduled step; returns what it did (:class:`StepResult`).
+
+        The order lets the host's part of sealing overlap the GPU: pages that filled up in
+        earlier steps have their sizes analysed before this step's forward is launched, and are
+        placed and encoded while it runs; the sampled tokens come back after that, and the pages
+        this step filled are collected for a later seal."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         running = len(self.scheduler.running)
         for r in out.preempted:
             self.runner.forget(r.request_id)
         t1 = time.perf_counter()
+        seal = self.scheduler.start_seal()
+        t2 = time.perf_counter()
         logits = self.runner.run(out)
         for ch in out.prefill:
             ch.request.num_computed += ch.length
         for r in out.decode:
             r.num_computed += 1
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
-        finished = self._sample(sampled, logits) if sampled else []
-        t2 = time.perf_counter()
-        sealed = self.scheduler.seal_full_pages(out.decode + [ch.request for ch in out.prefill])
+        tokens = self._launch_sample(sampled, logits) if sampled else None
+        t3 = time.perf_counter()
+        sealed = self.scheduler.finish_seal(seal)
+        t4 = time.perf_counter()
+        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
+        self.scheduler.collect_full_pages(out.decode + [ch.request for ch in out.prefill])
         self._note_kv_stats(sealed)
         for r, reason in finished:
             self.scheduler.finish(r, reason)
             self.runner.forget(r.request_id)
-        t3 = time.perf_counter()
+        t5 = time.perf_counter()
+        seal_s = (t2 - t1) + (t4 - t3)
         return StepResult([r for r, _ in finished], sampled, logits if sampled else None, len(out.decode),
                           sum(ch.length for ch in out.prefill), running,
-                          len(out.preempted), sealed, t0, t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+                          len(out.preempted), sealed, t0, t5 - t0, t1 - t0, t5 - t1 - seal_s, seal_s)
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, str]]:
-        """One token per request from its logits row; returns (request, reason) of those done."""
+    def _launch_sample(self, reqs: list[Request], logits: torch.Tensor):
+        """One token per request from its logits row, launched: (tokens on their way to the
+        host, the device tensor)."""
         params = [r.params for r in reqs]
         history = ([(r.prompt_ids, r.output_ids) if p.penalized else None for r, p in zip(reqs, params)]
                    if any(p.penalized for p in params) else None)
         sampled = self.sampler(logits, params, [r.generator for r in reqs], history)
+        return HostArray(sampled), sampled
+
+    def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[tuple[Request, str]]:
+        """Append each request's token; returns (request, reason) of those done."""
+        host, sampled = tokens
         self._note_logprobs(reqs, logits, sampled)
-        tokens = sampled.tolist()
+        tokens = host.get().tolist()
         now = time.perf_counter()
         finished = []
         for r, t in zip(reqs, tokens):

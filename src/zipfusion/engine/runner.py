@@ -14,6 +14,7 @@ import bisect
 import numpy as np
 import torch
 
+from ..memory.copy import to_device
 from ..models import CausalLM
 from .attention import AttentionBackend
 from .request import PAGE_TOKENS, Request
@@ -65,13 +66,15 @@ class ModelRunner:
         vec = np.stack([np.concatenate(x) for x in (ids, pos, pages, slots)])     # [4, T_prefill]
         if dec is not None:
             vec = np.concatenate([dec["vec"].numpy(), vec], axis=1)
-        vec = torch.from_numpy(vec).to(self.device)
+        # inputs through pinned memory: no host wait, so the host goes on (sealing) while the
+        # forward runs
+        vec = to_device(vec, self.device)
         kv = self.attention.plan(vec[2], vec[3], num_decode=n,
-                                 block_table=dec and dec["block_table"].to(self.device),
-                                 context_lens=dec and dec["context_lens"].to(self.device),
+                                 block_table=dec and to_device(dec["block_table"], self.device),
+                                 context_lens=dec and to_device(dec["context_lens"], self.device),
                                  chunks=[ch.view() for ch in out.prefill])
         hidden = self.model(vec[0], vec[1], kv)
-        rows = torch.tensor(list(range(n)) + last, dtype=torch.int64, device=self.device)
+        rows = to_device(np.array(list(range(n)) + last, dtype=np.int64), self.device)
         return self.model.compute_logits(hidden[rows])
 
     # -- decode -----------------------------------------------------------------------------

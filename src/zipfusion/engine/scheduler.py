@@ -108,7 +108,11 @@ class Scheduler:
         while True:
             self._schedule_decode(out)
             self._schedule_prefill(out, self.max_num_batched_tokens - len(out.decode))
-            if not out.empty or len(self.running) < 2:
+            if not out.empty:
+                break
+            if self._to_seal and self._seal_now():        # pages waiting to be sealed may make room
+                continue
+            if len(self.running) < 2:
                 break
             # only half-prefilled requests are running and none can grow: free the newest
             out.preempted.append(self._preempt(self.running[-1]))
@@ -129,6 +133,8 @@ class Scheduler:
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
             if not batch or need <= self._room(need, keep_reserve=False):
                 break
+            if self._to_seal and self._seal_now():
+                continue
             if len(self.running) == 1:
                 r = self.running[0]
                 raise KVCacheTooSmall(
@@ -272,11 +278,9 @@ class Scheduler:
         return req
 
     # -- after a step -----------------------------------------------------------------------
-    def seal_full_pages(self, reqs, force: bool = False) -> int:
-        """Collect the pages that just filled up: offer them to the prefix cache and hand them
-        to the cache for compression (one call) once a compress batch of them waits or
-        SEAL_MAX_WAIT steps have passed since the last seal (or now, with ``force``). Returns
-        how many pages were handed over."""
+    def collect_full_pages(self, reqs) -> None:
+        """After a step: offer the pages that just filled up to the prefix cache, and keep them
+        for the next seal."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
             for i in range(r.num_sealed_pages, full):
@@ -285,13 +289,43 @@ class Scheduler:
                 self._to_seal.update(r.pages[r.num_sealed_pages:full])
                 r.num_sealed_pages = full
         self._seal_wait += 1
+
+    def start_seal(self, force: bool = False):
+        """The collected pages, once a compress batch of them waits or SEAL_MAX_WAIT steps have
+        passed since the last seal (or now, with ``force``): the cache's first half of a seal
+        (on the GPU, their size analysis launched). The engine calls it before a step's forward
+        and :meth:`finish_seal` once the forward is launched, with no scheduling in between."""
         waiting = len(self._to_seal) < self.seal_min_pages and self._seal_wait < SEAL_MAX_WAIT
         if not self._to_seal or (waiting and not force):
-            return 0
+            return None
         ids = sorted(self._to_seal)
+        return ids, self.cache.start_seal(ids)
+
+    def finish_seal(self, pending) -> int:
+        """Hand ``start_seal``'s pages to the cache for compression, keeping the room promised
+        to running requests; pages left open wait for the next seal. Returns how many were
+        handed over."""
+        if pending is None:
+            return 0
+        ids, job = pending
         promised = self.admission.promised_pages(self._running_needs())
-        self._to_seal, self._seal_wait = set(self.cache.seal(ids, min_capacity=promised)), 0
+        left = self.cache.finish_seal(job, min_capacity=promised)
+        self._to_seal.difference_update(ids)
+        self._to_seal.update(left)
+        self._seal_wait = 0
         return len(ids)
+
+    def seal_full_pages(self, reqs, force: bool = False) -> int:
+        """Collect and seal in one call (the engine's step splits the two around its forward)."""
+        self.collect_full_pages(reqs)
+        return self.finish_seal(self.start_seal(force))
+
+    def _seal_now(self) -> bool:
+        """Seal every collected page at once (before preempting: they may make room); whether
+        the capacity grew."""
+        before = self.cache.capacity_new_pages(keep_reserve=False)
+        self.finish_seal(self.start_seal(force=True))
+        return self.cache.capacity_new_pages(keep_reserve=False) > before
 
     def finish(self, req: Request, reason: str) -> None:
         """The request is done (or aborted): out of the queues, pages freed."""

@@ -7,7 +7,9 @@ as ``[P, 2, 16, H, D]`` bf16, ``page_sizes`` and ``encode_pages_into``. Both wri
 bytes (the format's contract), so the rest of the manager does not care which one ran.
 
 Two steps, because the manager must know the sizes before it can choose destinations:
-``analyze(...) -> (state, sizes)`` (the one device sync: sizes to the host) then
+``analyze(...) -> (state, sizes)`` (sizes: a ``copy.HostArray`` on their way to the host, so the
+caller decides when to wait: the engine launches the analysis before a step's forward and
+reads the sizes while the forward runs) then
 ``encode(..., state, keep, dst_offsets)`` for any subset of the analysis (on CUDA: one launch,
 indices and destinations in one asynchronous copy, no gather, no sync). ``decode`` reads
 compressed pages back (prefill over earlier chunks, the CPU attention path): the Triton
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from ..format import PAGE_TOKENS, PageLayout, decode_pages, encode_pages_into, page_sizes
-from .copy import to_device
+from .copy import HostArray, to_device
 
 try:                                          # needs Triton; optional on CPU
     from ..format.triton_codec import analyze_open_pages, compress_open_pages, decompress_pages
@@ -47,14 +49,15 @@ def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: Pa
     return pages.view(-1, 2, PAGE_TOKENS, layout.num_kv_heads, layout.head_dim)
 
 
-def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout):
-    """Encoded size of each open page at ``src_offsets`` -> (codec state, sizes np.int64 [P])."""
+def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout) -> tuple[tuple, HostArray]:
+    """Encoded size of each open page at ``src_offsets`` -> (codec state, sizes: int64 [P] on
+    their way to the host, ``.get()``)."""
     src = to_device(src_offsets, arena.device)
     if uses_triton(arena):
         base_half, sizes = analyze_open_pages(arena, src, layout, validate=False)
-        return ("triton", src, base_half), sizes.cpu().numpy()
+        return ("triton", src, base_half), HostArray(sizes.to(torch.int64))
     pages = gather_open_pages(arena, src, layout)
-    return ("torch", src, pages), page_sizes(pages).cpu().numpy()
+    return ("torch", src, pages), HostArray(page_sizes(pages).to(torch.int64))
 
 
 def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray, layout: PageLayout) -> None:

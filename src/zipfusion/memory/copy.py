@@ -10,8 +10,9 @@ later batches).
 On CUDA one Triton kernel does each half (a program per range, 16-byte words); elsewhere a
 gather/scatter over 16-byte rows (the reference the GPU test compares with).
 
-``to_device`` is how host index arrays reach the GPU on the copy and encode paths: through
-pinned memory, without a stream sync (a plain ``.to("cuda")`` waits for the stream).
+``to_device`` is how host index arrays reach the GPU on the copy and encode paths (and the
+runner's step inputs): through pinned memory, without a stream sync (a plain ``.to("cuda")`` of
+pageable memory waits for the stream); ``HostArray`` is the way back (seal sizes, sampled tokens).
 """
 
 from __future__ import annotations
@@ -42,14 +43,33 @@ if triton is not None:
             tl.store(dst_ptr + d + w, tl.load(src_ptr + s + w, mask=m), mask=m)
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """An int64 host array on ``device``: on CUDA a pinned staging copy, copied asynchronously
-    (the caching host allocator keeps the staging buffer until the copy has run), so the host
-    never waits for kernels already queued; elsewhere the array itself."""
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+def to_device(a, device: torch.device) -> torch.Tensor:
+    """A host array (as int64) or host tensor (its dtype) on ``device``: on CUDA a pinned staging
+    copy, copied asynchronously (the caching host allocator keeps the staging buffer until the
+    copy has run), so the host never waits for kernels already queued; elsewhere the array itself."""
+    t = a.contiguous() if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostArray:
+    """A device tensor on its way to the host: copied into pinned memory without a host wait,
+    with an event; :meth:`get` waits for that copy alone (not for work queued after it)."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = t, None
+
+    def get(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.numpy()
 
 
 def _row_index(starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:

@@ -33,6 +33,7 @@ using several streams must order them against it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +49,13 @@ from .open_pages import OpenGroups
 from .packed import PackedSpace
 from .page_table import OPEN, STATE_NAMES, STORED, PageTable
 from .stats import LayerStats, MemoryStats
+
+
+class SealJob(NamedTuple):
+    """Pages whose sizes are being analyzed (``KVCacheManager.analyze_pages``)."""
+    ids: np.ndarray
+    state: object                    # the codec's state (None: sizes given, no bytes)
+    sizes: object                    # [L * n] or [L, n]: np.ndarray or copy.HostArray
 
 class KVCacheManager:
     def __init__(self, num_layers: int, layout: PageLayout, budget_bytes: int,
@@ -220,8 +228,22 @@ class KVCacheManager:
         per_block = RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES
         return np.where(sizes >= self.layout.open_page_bytes, 0, -(-saved // per_block))
 
+    def analyze_pages(self, ids: Iterable[int]) -> "SealJob":
+        """The first half of :meth:`seal_pages`: check the full open pages ``ids`` and launch the
+        analysis of their encoded sizes, without waiting for it (on CUDA). The pages must stay
+        allocated and unwritten until :meth:`seal_analyzed` takes the job (the engine launches
+        the analysis before a step's forward and places the pages while the forward runs)."""
+        ids = self.table.check(ids, OPEN, "seal_pages")
+        if not self.kv_compression:
+            raise ValueError("seal_pages: this manager was built with kv_compression=False")
+        if ids.size == 0:
+            return SealJob(ids, None, np.zeros((self.num_layers, 0), np.int64))
+        state, sizes = self._analyze(ids)
+        return SealJob(ids, state, sizes)
+
     def seal_pages(self, ids: Iterable[int], min_capacity: int = 0) -> list[int]:
-        """Full open pages -> compressed pages in every layer; returns the ids left open.
+        """Full open pages -> compressed pages in every layer; returns the ids left open
+        (``analyze_pages`` then ``seal_analyzed``).
 
         ``min_capacity``: new pages promised to running requests (admission's reservation). A
         batch is compressed only if ``capacity_new_pages()`` stays at least that high (or, if it
@@ -229,7 +251,7 @@ class KVCacheManager:
         slots' worth of pool chunks until enough pages fill them, and must not take back room
         that was promised. Such pages stay open (valid) and are offered again later.
 
-        All pages are analyzed at once (encoded sizes; one device sync), then placed in open-slot
+        All pages are analyzed at once (encoded sizes; one wait for them), then placed in open-slot
         order, batch by batch of S pages in effect: each batch's open slots -- often a whole
         group, whose chunks then return to the pool -- are freed before the next batch takes
         compressed space. Batches that all fit in the pool's chunks as they are now form one
@@ -239,14 +261,17 @@ class KVCacheManager:
         that finds no room it stays open, with every later one: valid open pages, to be
         compressed again later.
         """
+        return self.seal_analyzed(self.analyze_pages(ids), min_capacity)
+
+    def seal_analyzed(self, job: "SealJob", min_capacity: int = 0) -> list[int]:
+        """The second half of :meth:`seal_pages`: wait for the job's sizes, place and encode."""
         t = self.table
-        ids = t.check(ids, OPEN, "seal_pages")
-        if not self.kv_compression:
-            raise ValueError("seal_pages: this manager was built with kv_compression=False")
+        ids = t.check(job.ids, OPEN, "seal_pages")        # none freed since the analysis
         n = ids.size
         if n == 0:
             return []
-        state, sizes = self._analyze(ids)
+        state = job.state
+        sizes = (job.sizes if isinstance(job.sizes, np.ndarray) else job.sizes.get()).reshape(self.num_layers, n)
         order = np.lexsort((t.slot[ids], t.group[ids]))
         S = self.slots_per_chunk
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
@@ -266,10 +291,10 @@ class KVCacheManager:
         return left
 
     def _analyze(self, ids: np.ndarray):
-        """(codec state, encoded sizes [L, n]) of the open pages ``ids``: the seal's one device
-        sync. (zipfusion.testing.AccountingManager gives drawn sizes instead, with no bytes.)"""
-        state, flat = codec.analyze(self.arena, loc_offset(self.table.loc[:, ids]).reshape(-1), self.layout)
-        return state, flat.reshape(self.num_layers, ids.size)
+        """(codec state, encoded sizes of the open pages ``ids``, layer-major: a
+        ``copy.HostArray`` or an array). (zipfusion.testing.AccountingManager gives drawn sizes
+        instead, with no bytes.)"""
+        return codec.analyze(self.arena, loc_offset(self.table.loc[:, ids]).reshape(-1), self.layout)
 
     def _wave(self, stored: np.ndarray):
         """The next wave of pages ``stored`` [L, m] (open-slot order): (pages, placement) for the
