@@ -246,6 +246,31 @@ def test_budget_too_small():
     KVCacheManager(4, LAYOUT, budget_bytes=4 * OPEN * 12, chunk_bytes=4 * OPEN)
 
 
+def test_seal_in_two_halves_equals_seal_pages():
+    """analyze_pages then seal_analyzed (the engine's split around a forward) places and encodes
+    exactly as seal_pages does; a page freed between the halves is refused, nothing changed."""
+    def run(split: bool):
+        m = KVCacheManager(2, LAYOUT, budget_bytes=24 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=0)
+        ids = m.alloc_pages(12)
+        written = fill(m, ids, [0.9, 0.5], seed=3)
+        left = m.seal_analyzed(m.analyze_pages(ids[:9])) if split else m.seal_pages(ids[:9])
+        return m, written, left, ids
+    (a, wa, la, _), (b, wb, lb, ids) = run(False), run(True)
+    assert la == lb and np.array_equal(a.table.loc, b.table.loc) and np.array_equal(a.table.size, b.table.size)
+    for pid in ids[:9]:                                  # the stored bytes themselves
+        for layer in range(2):
+            at, n = int(a.table.loc[layer, pid]) & ~1, int(a.table.size[layer, pid])
+            assert torch.equal(a.arena[at:at + n], b.arena[at:at + n])
+    assert_contents(b, wb)
+    job = b.analyze_pages(ids[9:11])
+    b.free_pages([ids[10]])
+    before = snapshot(b)
+    with pytest.raises(ValueError, match="not allocated"):
+        b.seal_analyzed(job)
+    assert_same(before, snapshot(b))
+    assert b.seal_analyzed(b.analyze_pages([])) == []
+
+
 def test_bad_ids_and_double_free_leave_state_unchanged():
     m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
     ids = m.alloc_pages(3)
