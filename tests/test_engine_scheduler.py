@@ -101,6 +101,32 @@ def test_decode_preempts_the_newest_and_recomputes(prefix_caching):
     assert [(c.request.request_id, c.start, c.length) for c in out.prefill] == [(1, start, 32 - start)]
 
 
+class SealingCache(FakeCache):
+    """Sealing 2 pages frees the room of one (compression); pages wait for a batch of 8."""
+    seal_batch = 8
+
+    def seal(self, ids, min_capacity=0):
+        self.sealed += list(ids)
+        self.free_ids += [10_000 + len(self.sealed) + i for i in range(len(ids) // 2)]
+        return []
+
+
+def test_pages_waiting_for_a_seal_are_sealed_before_anyone_is_preempted():
+    """Full pages wait for a compress batch; when a running request needs a page that is not
+    there, the scheduler seals them first, and preempts only if that made no room (the case of
+    the test above)."""
+    cache = SealingCache(4)
+    s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic", prefix_caching=False)
+    a, b = req(0, 32), req(1, 31)                                   # 2 pages each, all memory
+    s.add(a)
+    s.add(b)
+    advance(s, s.schedule())                                        # a's 2 full pages and b's first wait
+    assert cache.sealed == [] and cache.capacity_new_pages() == 0
+    out = s.schedule()                                             # a needs a 3rd page for token 32
+    assert out.preempted == [] and out.decode == [a, b]
+    assert sorted(cache.sealed) == sorted(a.pages[:2] + b.pages[:1])
+
+
 def test_one_request_larger_than_memory_is_an_error():
     s = Scheduler(FakeCache(2), max_num_batched_tokens=1000)
     s.add(req(0, 40))
