@@ -57,6 +57,7 @@ class SealJob(NamedTuple):
     state: object                    # the codec's state (None: sizes given, no bytes)
     sizes: object                    # [L * n] or [L, n]: np.ndarray or copy.HostArray
 
+
 class KVCacheManager:
     def __init__(self, num_layers: int, layout: PageLayout, budget_bytes: int,
                  device: str | torch.device = "cpu", chunk_bytes: int | None = None, *,
