@@ -255,7 +255,7 @@ def test_seal_in_two_halves_equals_seal_pages():
         written = fill(m, ids, [0.9, 0.5], seed=3)
         left = m.seal_analyzed(m.analyze_pages(ids[:9])) if split else m.seal_pages(ids[:9])
         return m, written, left, ids
-    (a, wa, la, _), (b, wb, lb, ids) = run(False), run(True)
+    (a, _, la, _), (b, wb, lb, ids) = run(False), run(True)
     assert la == lb and np.array_equal(a.table.loc, b.table.loc) and np.array_equal(a.table.size, b.table.size)
     for pid in ids[:9]:                                  # the stored bytes themselves
         for layer in range(2):

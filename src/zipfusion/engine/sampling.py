@@ -181,7 +181,6 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if p.penalized or p.logit_bias]
     x = logits.float().clone()
     sub = x[rows]
-    R = len(rows)
     # logit bias: one (row, token, bias) triple per entry
     bias = [(j, t, b) for j, i in enumerate(rows) for t, b in (params[i].logit_bias or {}).items() if 0 <= t < V]
     if bias:
