@@ -11,7 +11,6 @@ pytest.importorskip("tokenizers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
 from zipfusion.testing import run_to_completion  # noqa: E402
-from zipfusion.engine.scheduler import KVCacheTooSmall  # noqa: E402
 from helpers import save_tiny_checkpoint, save_word_tokenizer  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
