@@ -50,9 +50,10 @@ def requests(name: str, seed: int = 0) -> tuple:
 class SimCache(ArenaKVCache):
     """An ArenaKVCache on the meta device whose sealed pages get drawn sizes."""
 
-    def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int):
+    def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int, chunk_bytes: int | None = None):
         super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress)
-        self.manager = AccountingManager(L, self.layout, budget_bytes, kv_compression=compress)
+        self.manager = AccountingManager(L, self.layout, budget_bytes, kv_compression=compress,
+                                         chunk_bytes=chunk_bytes)
         self.rng, self.fraction = np.random.default_rng(seed), fraction
 
     start_seal, finish_seal = KVCache.start_seal, KVCache.finish_seal     # sealed whole, by seal()
@@ -66,7 +67,7 @@ class SimCache(ArenaKVCache):
 
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
-             max_num_batched_tokens: int = 8192) -> dict:
+             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None) -> dict:
     """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
     made of shared system prompts or conversations (shared_prefix, multi_turn): their very token
     ids from workloads.py, turns sent as answers finish, the prefix cache on."""
@@ -85,7 +86,8 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     else:                                             # distinct prompts: no shared prefix
         prompts, outs, turns = [[10 + i] * p for i, (p, _) in enumerate(reqs)], [o for _, o in reqs], None
     longest = max(len(p) + (sc.turns - 1) * (o + sc.turn_prompt) + o for p, o in zip(prompts, outs)) + 16
-    eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed)
+    eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed,
+                         chunk_pages and chunk_pages * LAYOUT.open_page_bytes)
     eng.max_model_len = longest
     eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission)
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
@@ -97,7 +99,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     peak = max(s[2] for s in steps)
     stats = eng.peak_kv_stats or {}
     return {"scenario": name, "mode": mode, "admission": admission, "fraction": fraction, "kv_gb": gb,
-            "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
+            "chunk_bytes": eng.cache.manager.chunk_bytes, "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
             "prompt_tokens": sum(len(r.prompt_ids) for r in rs),
             "new_prompt_tokens": sum(map(len, prompts)) + sum(len(x) for t in (turns or []) for x in t),
             "prefix_hit_tokens": eng.scheduler.prefix.stats.hit_tokens,
@@ -113,12 +115,14 @@ def main() -> None:
     ap.add_argument("--modes", default="compressed,uncompressed")
     ap.add_argument("--admission", default="estimate", choices=("estimate", "conservative", "optimistic"))
     ap.add_argument("--fraction", type=float, default=0.96)
+    ap.add_argument("--chunk-pages", type=int, default=None,
+                    help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     args = ap.parse_args()
     recs = []
     for name in args.scenarios.split(","):
         for mode in args.modes.split(","):
-            r = simulate(name, mode, args.fraction, args.admission)
+            r = simulate(name, mode, args.fraction, args.admission, chunk_pages=args.chunk_pages)
             recs.append(r)
             print(f"{name:16s} {mode:13s} preempt {r['preemptions']:4d}/{r['requests']:4d}  prefill "
                   f"{r['prefill_tokens_computed'] / r['prompt_tokens']:.3f}x prompt  peak {r['peak_batch']:3d}  "
