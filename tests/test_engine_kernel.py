@@ -72,6 +72,32 @@ def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt, budg
         assert float((x - y).norm() / y.norm()) < 2e-2
 
 
+def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ckpt):
+    """Each step seals the pages earlier steps filled around its own forward (their sizes
+    analysed before it is launched, placement, compaction and encoding while it runs, the tokens
+    read after): under memory pressure, with many seals during decode, compressed and
+    uncompressed runs give the same tokens and the same logits bits (deterministic mode, whose
+    rows do not depend on the batch)."""
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
+    outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]        # finishing apart: holes, compaction
+    page = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.01).engine.cache.layout.open_page_bytes
+    res, sealed = {}, {}
+    for comp in (True, False):
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_compression=comp, deterministic=True,
+                  kv_memory_gb=24 * page / 2**30, chunk_bytes=4 * page, max_num_batched_tokens=64,
+                  max_model_len=160)
+        eng = llm.engine
+        reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+                for p, o in zip(ps, outs)]
+        run_to_completion(eng, reqs, keep_logits=True)
+        res[comp], sealed[comp] = reqs, eng.cache.stats()
+    assert [r.output_ids for r in res[True]] == [r.output_ids for r in res[False]]
+    for a, b in zip(res[True], res[False]):
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    assert sealed[True]["pages_compressed"] > 40 and sealed[True]["compactions"] > 0, sealed[True]
+
+
 def test_merged_rope_store_is_the_torch_path_bit_for_bit(ckpt):
     """The CUDA path's rope + K/V-store kernel (forced on here, prefill and decode) and the torch
     rope + write give the same K/V bits in the pages and the same logits."""
