@@ -34,6 +34,7 @@ from .kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
 
 
+UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
 SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
                         # (the cache's ``seal_batch``) or this many steps after the last seal:
                         # one call's fixed cost (analysis, a device sync, placement) serves many pages
@@ -92,6 +93,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.seal_min_pages = getattr(cache, "seal_batch", 1)
         self._to_seal: set[int] = set()        # full pages not sealed yet (or left open: no room)
+        # each such page's place in the next seal: (request, page index), so that a request's
+        # pages are placed together, share packed chunks and free them together
+        self._seal_order: dict[int, tuple[int, int]] = {}
         self._seal_wait = 0
 
     def add(self, req: Request) -> None:
@@ -186,13 +190,13 @@ class Scheduler:
         """The cache's capacity for new pages, after evicting cached pages nobody holds until
         ``n`` fit (or none is left)."""
         cap, evicted = self.prefix.make_room(n, keep_reserve)
-        self._to_seal.difference_update(evicted)
+        self._drop_from_seal(evicted)
         return cap
 
     def _reclaim(self, pages) -> None:
         """The memory manager's compaction would move these pages: those cached and held by
         nobody are evicted instead (to the host tier, if any)."""
-        self._to_seal.difference_update(self.prefix.evict_pages(pages))
+        self._drop_from_seal(self.prefix.evict_pages(pages))
 
     def _admit(self, req: Request) -> bool:
         """Take the request's cached prefix, then ask admission (evicting cached pages nobody
@@ -285,6 +289,7 @@ class Scheduler:
             full = r.num_computed // PAGE_TOKENS
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
+                self._seal_order[r.pages[i]] = (r.request_id, i)
             if full > r.num_sealed_pages:
                 self._to_seal.update(r.pages[r.num_sealed_pages:full])
                 r.num_sealed_pages = full
@@ -298,7 +303,7 @@ class Scheduler:
         waiting = len(self._to_seal) < self.seal_min_pages and self._seal_wait < SEAL_MAX_WAIT
         if not self._to_seal or (waiting and not force):
             return None
-        ids = sorted(self._to_seal)
+        ids = sorted(self._to_seal, key=lambda p: self._seal_order.get(p, (UNOWNED, p)))
         return ids, self.cache.start_seal(ids)
 
     def finish_seal(self, pending) -> int:
@@ -310,8 +315,7 @@ class Scheduler:
         ids, job = pending
         promised = self.admission.promised_pages(self._running_needs())
         left = self.cache.finish_seal(job, min_capacity=promised)
-        self._to_seal.difference_update(ids)
-        self._to_seal.update(left)
+        self._drop_from_seal(set(ids).difference(left))
         self._seal_wait = 0
         return len(ids)
 
@@ -319,6 +323,12 @@ class Scheduler:
         """Collect and seal in one call (the engine's step splits the two around its forward)."""
         self.collect_full_pages(reqs)
         return self.finish_seal(self.start_seal(force))
+
+    def _drop_from_seal(self, pages) -> None:
+        """Pages sealed, freed or evicted: no longer waiting for a seal."""
+        for p in pages:
+            self._to_seal.discard(p)
+            self._seal_order.pop(p, None)
 
     def _seal_now(self) -> bool:
         """Seal every collected page at once (before preempting: they may make room); whether
@@ -343,11 +353,11 @@ class Scheduler:
 
     def _free_pages(self, req: Request) -> None:
         """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
-        self._to_seal.difference_update(self.prefix.release(req.pages))
+        self._drop_from_seal(self.prefix.release(req.pages))
         req.pages = []
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached page nobody holds; how many were freed."""
         evicted = self.prefix.clear()
-        self._to_seal.difference_update(evicted)
+        self._drop_from_seal(evicted)
         return len(evicted)

@@ -252,10 +252,12 @@ class KVCacheManager:
         slots' worth of pool chunks until enough pages fill them, and must not take back room
         that was promised. Such pages stay open (valid) and are offered again later.
 
-        All pages are analyzed at once (encoded sizes; one wait for them), then placed in open-slot
-        order, batch by batch of S pages in effect: each batch's open slots -- often a whole
-        group, whose chunks then return to the pool -- are freed before the next batch takes
-        compressed space. Batches that all fit in the pool's chunks as they are now form one
+        All pages are analyzed at once (encoded sizes; one wait for them), then placed in the
+        order given, batch by batch of S pages in effect: each batch's open slots are freed (a
+        group emptied returns its chunks to the pool) before the next batch takes compressed
+        space. The scheduler gives each request's pages together and in order, so that they
+        share packed chunks and leave them together: in the mix (benchmarks/schedule_sim.py) that
+        moves a third less in compaction than placing by open slot. Batches that all fit in the pool's chunks as they are now form one
         *wave*: placed by one vectorised next fit and encoded by one launch, their slots freed
         after it (the same placement as batch by batch: no batch of a wave needs the chunks an
         earlier one frees). A batch that does not fit is a wave alone and may compact; if even
@@ -273,7 +275,7 @@ class KVCacheManager:
             return []
         state = job.state
         sizes = (job.sizes if isinstance(job.sizes, np.ndarray) else job.sizes.get()).reshape(self.num_layers, n)
-        order = np.lexsort((t.slot[ids], t.group[ids]))
+        order = np.arange(n)               # as given (a request's pages together)
         S = self.slots_per_chunk
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
         left, i = [], 0
