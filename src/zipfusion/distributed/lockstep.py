@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.kv_cache import KVCache
+
 ALLOC, FREE, SEAL = "a", "f", "s"
 
 
@@ -69,11 +71,8 @@ class LockstepCache:
         self._driver.send_ops()                        # the workers compress while rank 0 does
         return self._cache.seal(ids, min_capacity=min_capacity)
 
-    def start_seal(self, ids):                          # sealed whole (and logged) by finish_seal
-        return list(ids)
-
-    def finish_seal(self, ids, min_capacity: int = 0):
-        return self.seal(ids, min_capacity=min_capacity) if ids else []
+    # sealed whole (and logged) by ``seal``, as any cache without a split seal
+    start_seal, finish_seal = KVCache.start_seal, KVCache.finish_seal
 
     def take_log(self) -> list[tuple]:
         log, self.log = self.log, []

@@ -31,7 +31,7 @@ on the H200 (fused == twin bits, close to the plain kernel), but its one whole r
 (shared_prefix, compressed, 2026-12-04) was slower: 160 of 512 requests done after 40 s, then no
 step finished before the 140 s limit, where the run without it takes 39 s in all. Not yet
 profiled; suspects: the eager steps (no CUDA graph), ~20 small torch ops per layer for the merge,
-host-to-device copies of the plan each step (pageable: they wait for the stream).
+host-to-device copies of the plan each step (now through pinned memory, as the runner's).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..format import PAGE_TOKENS
+from ..memory.copy import to_device
 
 MIN_SHARED_PAGES = 16      # a shared prefix of 256 tokens or more is read once per group
 PIECE_PAGES = 32           # pages per prefix piece: several programs per group and KV head
@@ -130,9 +131,8 @@ def make_chunks(rows, pages, rows_per_chunk, starts, num_q_heads: int, num_kv_he
     indptr = np.concatenate([[0], np.cumsum(rows_per_chunk)]).tolist()
     starts = [int(x) for x in starts]
     work = plan_prefill(indptr, starts, num_q_heads, num_kv_heads, block_m=block_m, device=device, kv_end=kv_end)
-    as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return Chunks(torch.as_tensor(np.asarray(rows, dtype=np.int64)).to(device), torch.from_numpy(table).to(device),
-                  as_dev(indptr), as_dev(starts), work)
+    i32 = lambda x: to_device(torch.tensor(x, dtype=torch.int32), device)  # noqa: E731
+    return Chunks(to_device(rows, device), to_device(torch.from_numpy(table), device), i32(indptr), i32(starts), work)
 
 
 def plan_cascade(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
@@ -173,7 +173,7 @@ def plan_cascade(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_he
     suffix = make_chunks(grouped, own, [1] * grouped.size, [e - 1 for e in own_end], num_q_heads, num_kv_heads,
                          device, kv_end=own_end, block_m=16)       # one query: the smallest tile
     plain = np.setdiff1d(np.arange(lens.size), grouped)
-    as_dev = lambda x: torch.as_tensor(x).to(device)  # noqa: E731
+    as_dev = lambda x: to_device(torch.as_tensor(x), device)  # noqa: E731
     return CascadePlan(as_dev(plain) if plain.size else None,
                        as_dev(np.ascontiguousarray(table[plain])) if plain.size else None,
                        as_dev(lens[plain].astype(np.int32)) if plain.size else None,

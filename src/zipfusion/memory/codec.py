@@ -55,9 +55,9 @@ def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout) ->
     src = to_device(src_offsets, arena.device)
     if uses_triton(arena):
         base_half, sizes = analyze_open_pages(arena, src, layout, validate=False)
-        return ("triton", src, base_half), HostArray(sizes.to(torch.int64))
+        return ("triton", src, base_half), HostArray(sizes)
     pages = gather_open_pages(arena, src, layout)
-    return ("torch", src, pages), HostArray(page_sizes(pages).to(torch.int64))
+    return ("torch", src, pages), HostArray(page_sizes(pages))
 
 
 def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray, layout: PageLayout) -> None:
