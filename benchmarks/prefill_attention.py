@@ -118,6 +118,25 @@ class Case:
         return run
 
 
+    def engine(self, split: bool):
+        """The engine's continuation routes over the contiguous prefix (K/V heads not repeated):
+        one varlen FlashAttention call (bottom-right causal), or ``split_prefill`` (cuDNN over
+        the prefix and over the chunk itself, merged by log-sum-exp)."""
+        from zipfusion.engine.attention import _varlen_options, split_prefill
+        L = self.start + self.n
+        k, v = self.p.k[:L], self.p.v[:L]
+        if split:
+            return lambda: split_prefill(self.q, k, v, self.scale)
+        attn, causal, gqa = _varlen_options()
+        cu_q = torch.tensor([0, self.n], dtype=torch.int32, device=self.q.device)
+        cu_k = torch.tensor([0, L], dtype=torch.int32, device=self.q.device)
+        if not gqa:
+            G = self.q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+        kw = {"enable_gqa": True} if gqa else {}
+        return lambda: attn(self.q, k, v, cu_q, cu_k, self.n, L, scale=self.scale, **causal, **kw)
+
+
 def seconds(fn, device) -> float:
     """Median seconds per call (do_bench on the GPU; one call on the CPU, a smoke test)."""
     if device.type == "cuda":
@@ -143,6 +162,9 @@ def measure(case: Case, device, knobs) -> list[dict]:
                  SDPBackend.EFFICIENT_ATTENTION] if device.type == "cuda" else [SDPBackend.MATH])
     for b in backends:
         kernels["sdpa_" + b.name.lower().replace("_attention", "")] = case.sdpa(b)
+    if device.type == "cuda" and case.start > 0:
+        kernels["engine_varlen"] = case.engine(split=False)
+        kernels["engine_split"] = case.engine(split=True)
     for name, fn in kernels.items():
         try:
             outs[name] = fn().clone()

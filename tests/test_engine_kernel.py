@@ -182,6 +182,45 @@ def test_varlen_gather_route_matches_per_chunk_sdpa():
     assert (got - torch.cat(want)).abs().float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("n,L,Hq,H", [(5, 12, 8, 2), (16, 17, 4, 4), (7, 40, 8, 1), (33, 300, 4, 2)])
+def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq, H):
+    """A continuation chunk as attention over its prefix (no mask) plus over its own keys (top-left
+    causal), merged by log-sum-exp, is causal attention over all its keys (CPU: the fp32 twin)."""
+    from zipfusion.engine.attention import prefill_attention, split_prefill
+    g = torch.Generator().manual_seed(n * L)
+    q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((n, Hq), (L, H), (L, H)))
+    v[L - n:] *= 1e3                       # one part's values dwarf the other's: weights must be right
+    torch.testing.assert_close(split_prefill(q, k, v, 0.3), prefill_attention(q, k, v, L - n, 0.3),
+                               atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's SDPA runs on CUDA only")
+def test_long_gather_chunks_take_cudnn_split_and_match_sdpa():
+    """Steps whose continuation chunks are all long take split_prefill (cuDNN, merged by
+    log-sum-exp): the same attention as SDPA's bottom-right causal, to bf16 rounding."""
+    from zipfusion.engine.attention import (SPLIT_MIN_TOKENS, ChunkView, _cudnn_lse, _varlen_batch,
+                                            prefill_attention, varlen_prefill)
+    if not _cudnn_lse():
+        pytest.skip("this torch/GPU has no cuDNN SDPA with log-sum-exp: the varlen route is used")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    Hq, H, D = 32, 8, 128
+    spans = [(3000, SPLIT_MIN_TOKENS), (16, 2000)]
+    first = [0, 400]
+    chunks = [ChunkView(s, n, list(range(f, f + -(-(s + n) // 16)))) for (s, n), f in zip(spans, first)]
+    vb = _varlen_batch(chunks, ["gather"] * 2, 3, torch.device("cuda"))
+    q = torch.randn(3 + sum(n for _, n in spans), Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    ks = [torch.randn(s + n, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for s, n in spans]
+    vs = [torch.randn_like(k) for k in ks]
+    got = varlen_prefill(q[vb.rows], torch.cat(ks), torch.cat(vs), vb, D ** -0.5)
+    off, want = 3, []
+    for ch, k, v in zip(chunks, ks, vs):
+        want.append(prefill_attention(q[off:off + ch.length], k, v, ch.start, D ** -0.5))
+        off += ch.length
+    torch.testing.assert_close(got, torch.cat(want), atol=2e-2, rtol=2e-2)
+    assert (got - torch.cat(want)).abs().float().mean() < 1e-3
+
+
 def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
     """Chunks behind one cached prefix share its pages: the batch restores each page once, and its
     token index gives every chunk exactly its own keys (prefix, then its chunk), in order."""
