@@ -175,3 +175,32 @@ def test_estimate_admission_keeps_room_for_running_requests_outputs():
                     s.finish(r, "length")
         assert (preempted > 0) == preempts, mode
         assert len(a.output_ids) >= 32 and len(b.output_ids) >= 32
+
+
+class NoRoomCache(FakeCache):
+    """Every seal finds no room: all pages stay open."""
+    seal_batch = 2
+
+    def seal(self, ids, min_capacity=0):
+        self.calls.append(list(ids))
+        return list(ids)
+
+
+def test_pages_left_open_wait_before_the_next_seal_try():
+    """A seal that left pages open is not retried at every step (each try costs an analysis and a
+    placement of every waiting page): only SEAL_MAX_WAIT steps later, or at once when a request
+    lets go of its pages."""
+    from zipfusion.engine.scheduler import SEAL_MAX_WAIT
+    cache = NoRoomCache(100)
+    cache.calls = []
+    s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic", prefix_caching=False)
+    a, b = req(0, 64, max_tokens=200), req(1, 8, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    for _ in range(3 * SEAL_MAX_WAIT):
+        advance(s, s.schedule())                                    # each step ends with a seal call
+    assert 2 <= len(cache.calls) <= 4, cache.calls                  # not once per step
+    tries = len(cache.calls)
+    s.finish(b, "stop")                                             # pages let go of: try now
+    s.seal_full_pages(s.running)
+    assert len(cache.calls) == tries + 1

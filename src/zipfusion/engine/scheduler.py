@@ -37,7 +37,9 @@ from .request import PAGE_TOKENS, Request, Status
 UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
 SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
                         # (the cache's ``seal_batch``) or this many steps after the last seal:
-                        # one call's fixed cost (analysis, a device sync, placement) serves many pages
+                        # one call's fixed cost (analysis, a device sync, placement) serves many pages;
+                        # after a seal that left pages open (no room), again only this many steps
+                        # later or once a request lets go of its pages (no retry storm)
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -97,6 +99,7 @@ class Scheduler:
         # pages are placed together, share packed chunks and free them together
         self._seal_order: dict[int, tuple[int, int]] = {}
         self._seal_wait = 0
+        self._seal_stuck = False               # the last seal left pages open (no room)
 
     def add(self, req: Request) -> None:
         """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1
@@ -300,7 +303,8 @@ class Scheduler:
         passed since the last seal (or now, with ``force``): the cache's first half of a seal
         (on the GPU, their size analysis launched). The engine calls it before a step's forward
         and :meth:`finish_seal` once the forward is launched, with no scheduling in between."""
-        waiting = len(self._to_seal) < self.seal_min_pages and self._seal_wait < SEAL_MAX_WAIT
+        waiting = ((len(self._to_seal) < self.seal_min_pages or self._seal_stuck)
+                   and self._seal_wait < SEAL_MAX_WAIT)
         if not self._to_seal or (waiting and not force):
             return None
         ids = sorted(self._to_seal, key=lambda p: self._seal_order.get(p, (UNOWNED, p)))
@@ -317,6 +321,7 @@ class Scheduler:
         left = self.cache.finish_seal(job, min_capacity=promised)
         self._drop_from_seal(set(ids).difference(left))
         self._seal_wait = 0
+        self._seal_stuck = bool(left)          # no room: wait SEAL_MAX_WAIT steps or for pages freed
         return len(ids)
 
     def seal_full_pages(self, reqs, force: bool = False) -> int:
@@ -355,6 +360,7 @@ class Scheduler:
         """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
         self._drop_from_seal(self.prefix.release(req.pages))
         req.pages = []
+        self._seal_stuck = False               # room may have come back: seal at the next step
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached page nobody holds; how many were freed."""

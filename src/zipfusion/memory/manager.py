@@ -257,7 +257,9 @@ class KVCacheManager:
         group emptied returns its chunks to the pool) before the next batch takes compressed
         space. The scheduler gives each request's pages together and in order, so that they
         share packed chunks and leave them together: in the mix (benchmarks/schedule_sim.py) that
-        moves a third less in compaction than placing by open slot. Batches that all fit in the pool's chunks as they are now form one
+        moves a third less in compaction than placing by open slot. When memory is short (a batch
+        would cut into promised room), the rest go in open-slot order instead, where a batch of S
+        frees a whole group's chunks and so pays for itself. Batches that all fit in the pool's chunks as they are now form one
         *wave*: placed by one vectorised next fit and encoded by one launch, their slots freed
         after it (the same placement as batch by batch: no batch of a wave needs the chunks an
         earlier one frees). A batch that does not fit is a wave alone and may compact; if even
@@ -276,6 +278,7 @@ class KVCacheManager:
         state = job.state
         sizes = (job.sizes if isinstance(job.sizes, np.ndarray) else job.sizes.get()).reshape(self.num_layers, n)
         order = np.arange(n)               # as given (a request's pages together)
+        by_slot = False
         S = self.slots_per_chunk
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
         left, i = [], 0
@@ -286,6 +289,11 @@ class KVCacheManager:
             if not ok and k > S:           # the wave would cut into promised room: one batch
                 k, part = S, order[i:i + S]
                 ok = self._compress_batch(ids, part, sizes[:, part], state, None, min_capacity)
+            if not ok and not by_slot:     # the rest in open-slot order: each batch empties a group
+                rest = order[i:]
+                order[i:] = rest[np.lexsort((t.slot[ids[rest]], t.group[ids[rest]]))]
+                by_slot = True
+                continue
             if not ok:
                 left = ids[order[i:]].tolist()
                 break
