@@ -158,25 +158,34 @@ def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen FlashAttention runs on CUDA only")
-def test_varlen_gather_route_matches_per_chunk_sdpa():
-    """The "gather" chunks of a step in one varlen FlashAttention call (bottom-right causal, GQA)
-    give what SDPA gives chunk by chunk (bf16 kernels: a few bf16 ulps apart)."""
-    from zipfusion.engine.attention import ChunkView, _varlen_batch, prefill_attention, varlen_prefill
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen FlashAttention and cuDNN SDPA run on CUDA only")
+@pytest.mark.parametrize("spans,first,split", [
+    ([(4096, 256), (40, 700), (1000, 17)], [0, 272, 320], False),    # short chunks: one varlen call
+    ([(3000, 1024), (16, 2000)], [0, 400], True),                    # all long: split_prefill each
+])
+def test_gather_chunks_match_per_chunk_sdpa(monkeypatch, spans, first, split):
+    """The "gather" chunks of a step -- in one varlen FlashAttention call (bottom-right causal,
+    GQA), or, all of them long, each as split_prefill (cuDNN over prefix and chunk, merged by
+    log-sum-exp) -- give what SDPA gives chunk by chunk (bf16 kernels: a few bf16 ulps apart)."""
+    from zipfusion.engine import attention
+    if split and not attention._cudnn_lse():
+        pytest.skip("this torch/GPU has no cuDNN SDPA with log-sum-exp: the varlen route is used")
+    assert split == (min(n for _, n in spans) >= attention.SPLIT_MIN_TOKENS)
+    calls, real = [], attention.split_prefill                        # count the split's calls
+    monkeypatch.setattr(attention, "split_prefill", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator(device="cuda").manual_seed(0)
     Hq, H, D = 32, 8, 128
-    spans = [(4096, 256), (40, 700), (1000, 17)]
-    first = [0, 272, 320]                   # each chunk's own pages (the key order is cu_k's here)
-    chunks = [ChunkView(s, n, list(range(f, f + -(-(s + n) // 16)))) for (s, n), f in zip(spans, first)]
-    vb = _varlen_batch(chunks, ["gather"] * 3, 5, torch.device("cuda"))
-    n = 5 + sum(ch.length for ch in chunks)
-    q = torch.randn(n, Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    ks = [torch.randn(ch.start + ch.length, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for ch in chunks]
+    # each chunk's own pages (the key order is cu_k's here)
+    chunks = [attention.ChunkView(s, n, list(range(f, f + -(-(s + n) // 16)))) for (s, n), f in zip(spans, first)]
+    vb = attention._varlen_batch(chunks, ["gather"] * len(chunks), 5, torch.device("cuda"))
+    q = torch.randn(5 + sum(n for _, n in spans), Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    ks = [torch.randn(s + n, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for s, n in spans]
     vs = [torch.randn_like(k) for k in ks]
-    got = varlen_prefill(q[vb.rows], torch.cat(ks), torch.cat(vs), vb, D ** -0.5)
+    got = attention.varlen_prefill(q[vb.rows], torch.cat(ks), torch.cat(vs), vb, D ** -0.5)
+    assert len(calls) == (len(spans) if split else 0)
     off, want = 5, []
     for ch, k, v in zip(chunks, ks, vs):
-        want.append(prefill_attention(q[off:off + ch.length], k, v, ch.start, D ** -0.5))
+        want.append(attention.prefill_attention(q[off:off + ch.length], k, v, ch.start, D ** -0.5))
         off += ch.length
     torch.testing.assert_close(got, torch.cat(want), atol=2e-2, rtol=2e-2)
     assert (got - torch.cat(want)).abs().float().mean() < 1e-3
@@ -192,33 +201,6 @@ def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq
     v[L - n:] *= 1e3                       # one part's values dwarf the other's: weights must be right
     torch.testing.assert_close(split_prefill(q, k, v, 0.3), prefill_attention(q, k, v, L - n, 0.3),
                                atol=1e-3, rtol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's SDPA runs on CUDA only")
-def test_long_gather_chunks_take_cudnn_split_and_match_sdpa():
-    """Steps whose continuation chunks are all long take split_prefill (cuDNN, merged by
-    log-sum-exp): the same attention as SDPA's bottom-right causal, to bf16 rounding."""
-    from zipfusion.engine.attention import (SPLIT_MIN_TOKENS, ChunkView, _cudnn_lse, _varlen_batch,
-                                            prefill_attention, varlen_prefill)
-    if not _cudnn_lse():
-        pytest.skip("this torch/GPU has no cuDNN SDPA with log-sum-exp: the varlen route is used")
-    g = torch.Generator(device="cuda").manual_seed(1)
-    Hq, H, D = 32, 8, 128
-    spans = [(3000, SPLIT_MIN_TOKENS), (16, 2000)]
-    first = [0, 400]
-    chunks = [ChunkView(s, n, list(range(f, f + -(-(s + n) // 16)))) for (s, n), f in zip(spans, first)]
-    vb = _varlen_batch(chunks, ["gather"] * 2, 3, torch.device("cuda"))
-    q = torch.randn(3 + sum(n for _, n in spans), Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    ks = [torch.randn(s + n, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for s, n in spans]
-    vs = [torch.randn_like(k) for k in ks]
-    got = varlen_prefill(q[vb.rows], torch.cat(ks), torch.cat(vs), vb, D ** -0.5)
-    off, want = 3, []
-    for ch, k, v in zip(chunks, ks, vs):
-        want.append(prefill_attention(q[off:off + ch.length], k, v, ch.start, D ** -0.5))
-        off += ch.length
-    torch.testing.assert_close(got, torch.cat(want), atol=2e-2, rtol=2e-2)
-    assert (got - torch.cat(want)).abs().float().mean() < 1e-3
 
 
 def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
