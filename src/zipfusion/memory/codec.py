@@ -72,6 +72,17 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
         encode_pages_into(payload[keep_t].contiguous(), arena, dst)
 
 
+def staged(state, keep: np.ndarray, offsets: np.ndarray, device):
+    """The state of an analysis whose pages ``keep`` have been copied, open, to ``offsets`` of a
+    staging tensor: ``encode(stage, staged(...), keep, ...)`` then reads them there."""
+    kind, src, payload = state
+    if kind == "torch":                       # the analysis holds copies of the pages already
+        return state
+    src = src.clone()
+    src[to_device(keep, device)] = to_device(offsets, device)
+    return kind, src, payload
+
+
 def decode(arena: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, layout: PageLayout,
            trusted: bool = False) -> torch.Tensor:
     """Decoded compressed pages at byte ``offsets`` (sizes in bytes) -> [P, 2, 16, H, D] bf16.

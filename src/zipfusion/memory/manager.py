@@ -43,7 +43,7 @@ from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_ope
                              open_loc)
 from . import codec
 from .chunks import ChunkPool, default_chunk_bytes, groups_available
-from .copy import move_ranges
+from .copy import copy_ranges, move_ranges
 from .errors import BudgetTooSmall, MemoryExhausted
 from .open_pages import OpenGroups
 from .packed import PackedSpace
@@ -341,28 +341,72 @@ class KVCacheManager:
         batch = ids[part]
         as_open = sizes >= open_bytes                   # not smaller: store in open form
         stored = np.where(as_open, open_bytes, sizes)
+        flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
         if split is None:
             split = self._make_room_for_packing(stored)
-        if split is None or not self._affordable(batch, stored, split, min_capacity):
+            if split is None:
+                return self._compress_staged(batch, flat, stored, as_open, state, min_capacity)
+        if not self._affordable(batch, stored, split, min_capacity):
             return False
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
         if state is not None:
-            flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
             enc = ~as_open
             codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
             if as_open.any():
                 src = loc_offset(t.loc[:, batch])
                 move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
+        self._now_stored(batch, stored, as_open, dst)
+        self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
+        return True
+
+    def _compress_staged(self, batch: np.ndarray, flat: np.ndarray, stored: np.ndarray, as_open: np.ndarray,
+                         state, min_capacity: int) -> bool:
+        """A batch no chunk can take now, though its pages fill whole open groups (memory full
+        of open pages): compressed into a staging tensor first, its groups freed, then copied
+        into packed chunks -- the freed ones among them. So a seal of whole groups never needs a
+        spare chunk, and memory full of open pages can always be compressed. False (nothing
+        changed) when even the freed groups would not hold it, or not ``_affordable``."""
+        t, L = self.table, self.num_layers
+        split = self.packed.placement(stored)
+        need = self.packed.chunks_needed(stored, split)
+        groups, counts = np.unique(t.group[batch], return_counts=True)
+        live = np.array([self.slots_per_chunk - len(self.open.free_slots[g]) for g in groups.tolist()])
+        released = int((counts == live).sum())          # each gives every layer's pool a chunk
+        if self.pool.shared:
+            fits = int(need.sum()) <= self.pool.available(0) + released * L
+        else:
+            fits = all(need[l] <= self.pool.available(self.pool.pool_of(l)) + released for l in range(L))
+        if not released or not fits or not self._affordable(batch, stored, split, min_capacity):
+            return False
+        open_bytes, k = self.layout.open_page_bytes, batch.size
+        if state is not None:                           # stage: [open copies | compressed pages]
+            src = loc_offset(t.loc[:, batch])
+            at_open = np.arange(L * k, dtype=np.int64).reshape(L, k) * open_bytes
+            at_enc = L * k * open_bytes + (np.cumsum(stored) - stored.ravel()).reshape(L, k)
+            stage = torch.empty(L * k * open_bytes + int(stored.sum()), dtype=torch.uint8, device=self.arena.device)
+            copy_ranges(self.arena, stage, src.ravel(), at_open.ravel(), np.full(L * k, open_bytes, np.int64))
+            enc = ~as_open
+            codec.encode(stage, codec.staged(state, flat[enc], at_open[enc], stage.device), flat[enc],
+                         at_enc[enc], self.layout)
+        self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
+        dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
+        if state is not None:
+            copy_ranges(stage, self.arena, np.where(as_open, at_open, at_enc).ravel(), dst.ravel(), stored.ravel())
+        self._now_stored(batch, stored, as_open, dst)
+        return True
+
+    def _now_stored(self, batch: np.ndarray, stored: np.ndarray, as_open: np.ndarray, dst: np.ndarray) -> None:
+        """The page table and counters after ``batch`` was written at ``dst`` (``stored`` bytes;
+        in open form where ``as_open``)."""
+        t = self.table
         t.loc[:, batch] = np.where(as_open, open_loc(dst), dst)
         t.size[:, batch] = stored
         t.state[batch] = STORED
-        self._comp_blocks += self._compressible_blocks(sizes).sum(1)
+        self._comp_blocks += self._compressible_blocks(stored).sum(1)
         self._stored_bytes += int(stored.sum())
         self._counts[OPEN] -= batch.size
         self._counts[STORED] += batch.size
         self.pages_compressed += batch.size
-        self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
-        return True
 
     def _affordable(self, batch: np.ndarray, stored: np.ndarray, split, min_capacity: int) -> bool:
         """Whether placing ``batch`` (stored sizes [L, k], placement ``split``) and freeing its
