@@ -98,6 +98,43 @@ def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ck
     assert sealed[True]["pages_compressed"] > 40 and sealed[True]["compactions"] > 0, sealed[True]
 
 
+def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
+    """On CUDA the kernels (and the K/V store) read a device copy of the page table, brought up
+    to date after each change or, the engine's way, in one copy before each forward. Here on the
+    CPU that copy is forced (a tensor of its own): under pressure, with seals, compaction and
+    frees between forwards, both ways give the tokens and logits bits of a run that reads the
+    host table itself."""
+    from zipfusion.memory import page_table
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
+    outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]
+    page = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.01).engine.cache.layout.open_page_bytes
+    init = page_table.PageTable.__init__
+    res = {}
+    for way in ("host", "deferred", "immediate"):
+        if way != "host":
+            monkeypatch.setattr(page_table.PageTable, "__init__",
+                                lambda self, L, P, device, mirrored=None: init(self, L, P, device, True))
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, deterministic=True, kv_memory_gb=24 * page / 2**30,
+                  chunk_bytes=4 * page, max_num_batched_tokens=64, max_model_len=160)
+        eng = llm.engine
+        table = eng.cache.manager.table
+        assert table.mirrored == (way != "host") and table.deferred          # the engine defers
+        if way != "host":
+            assert table.page_loc.data_ptr() != torch.from_numpy(table.loc).data_ptr()
+        table.deferred = way == "deferred"
+        reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+                for p, o in zip(ps, outs)]
+        run_to_completion(eng, reqs, keep_logits=True)
+        res[way] = reqs
+        stats = eng.cache.stats()
+        assert stats["pages_compressed"] > 40 and stats["compactions"] > 0, stats
+    for way in ("deferred", "immediate"):
+        assert [r.output_ids for r in res[way]] == [r.output_ids for r in res["host"]]
+        for a, b in zip(res[way], res["host"]):
+            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
 def test_merged_rope_store_is_the_torch_path_bit_for_bit(ckpt):
     """The CUDA path's rope + K/V-store kernel (forced on here, prefill and decode) and the torch
     rope + write give the same K/V bits in the pages and the same logits."""

@@ -645,3 +645,38 @@ def test_accounting_memory_full_of_open_pages_still_compresses():
     sizes = np.full((2, len(ids)), LAYOUT.page_bytes(0) - LAYOUT.num_blocks * 256)   # 5 a chunk
     assert m.seal_pages(ids, sizes=sizes) == []
     assert m.capacity_new_pages(keep_reserve=False) == 2 * m.slots_per_chunk          # 8 chunks of 10 a layer
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_device_page_table_copy_follows_every_change(deferred):
+    """A page table kept apart from the host arrays (CUDA's; forced here on the CPU) equals them
+    after every change -- alloc, seal, free, compaction (whole rows), a full-memory seal -- at
+    once, or, deferred (the engine's way), after one flush, and not before it."""
+    chunk = 4 * OPEN
+    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1, mirror_table=True)
+    m.table.deferred = deferred
+    host = torch.from_numpy(m.table.loc)
+    assert m.page_loc.data_ptr() != host.data_ptr()
+    stale = []
+
+    def check():
+        stale.append(not torch.equal(m.page_loc, host))
+        if deferred:
+            m.table.flush()
+        assert torch.equal(m.page_loc, host)
+    ids = m.alloc_pages(m.capacity_new_pages())
+    check()
+    written = fill(m, ids, [1.0, 1.0])
+    m.seal_pages(ids)
+    check()
+    m.free_pages(ids[1::2])
+    check()
+    new = m.alloc_pages(m.capacity_new_pages())               # compacts to fit
+    assert m.compactions > 0
+    check()
+    more = m.alloc_pages(m.capacity_new_pages(keep_reserve=False), keep_reserve=False)
+    fill(m, list(new) + list(more), [0.5, 1.0], seed=2)
+    m.seal_pages(list(new) + list(more))
+    check()
+    assert any(stale) == deferred
+    assert_contents(m, {k: v for k, v in written.items() if k[1] in ids[::2]})

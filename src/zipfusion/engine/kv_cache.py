@@ -50,14 +50,21 @@ class KVCache:
         """``seal``'s result for the pages ``start_seal`` was given."""
         return self.seal(job, min_capacity=min_capacity) if job else []
 
+    def flush_table(self) -> None:
+        """Bring the kernels' page table up to date (the runner calls it before each forward)."""
+
 
 class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
-                 device, kv_compression: bool = True, merged_store: bool | None = None, **manager_kwargs):
+                 device, kv_compression: bool = True, merged_store: bool | None = None,
+                 defer_table_sync: bool = False, **manager_kwargs):
         """``kv_compression``: full pages are compressed (passed on to the memory manager).
-        ``merged_store``: rope + K/V store merged into one Triton kernel (default: on CUDA)."""
+        ``merged_store``: rope + K/V store merged into one Triton kernel (default: on CUDA).
+        ``defer_table_sync``: page-table changes reach the device table in one copy at
+        :meth:`flush_table` (the engine's runner calls it before each forward) instead of one
+        copy per change (~10,000 per run in the mix)."""
         from ..memory import KVCacheManager
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = PageLayout(num_kv_heads, head_dim)
@@ -66,6 +73,7 @@ class ArenaKVCache(KVCache):
         self.manager = KVCacheManager(num_layers, self.layout, int(budget_bytes), self.device,
                                       kv_compression=kv_compression, **manager_kwargs)
         self.merged_store = self.device.type == "cuda" if merged_store is None else merged_store
+        self.manager.table.deferred = defer_table_sync
 
     @property
     def arena(self) -> torch.Tensor:
@@ -102,6 +110,9 @@ class ArenaKVCache(KVCache):
 
     def finish_seal(self, job, min_capacity: int = 0) -> list[int]:
         return [] if job is None else self.manager.seal_analyzed(job, min_capacity=min_capacity)
+
+    def flush_table(self) -> None:
+        self.manager.table.flush()
 
     def capacity_new_pages(self, keep_reserve: bool = True):
         """New pages that fit now; ``keep_reserve=False`` counts the compression reserve too

@@ -172,7 +172,8 @@ class LLMEngine:
             return DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
         kw = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
         try:
-            return ArenaKVCache(L, H, D, budget, self.device, kv_compression=cfg.kv_compression, **kw)
+            return ArenaKVCache(L, H, D, budget, self.device, kv_compression=cfg.kv_compression,
+                                defer_table_sync=True, **kw)
         except BudgetTooSmall as exc:
             raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
 

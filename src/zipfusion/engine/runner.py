@@ -45,6 +45,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [n, V] fp32: one row per decode request, then one per prefill chunk that
         completes its prompt (its last token samples the next one), in order."""
+        self.cache.flush_table()                      # the step's page-table changes, one copy
         if not out.prefill:
             return self.decode(out.decode)
         n = len(out.decode)
@@ -144,6 +145,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> torch.Tensor:
         """One decode step for ``reqs``; logits [len(reqs), V] fp32."""
+        self.cache.flush_table()
         n = len(reqs)
         i = bisect.bisect_left(self._buckets, n)              # the smallest captured size >= n
         if i == len(self._buckets):
@@ -184,6 +186,7 @@ class ModelRunner:
         if not buckets:
             return []
         self.reserve_scratch_page()
+        self.cache.flush_table()                            # the scratch page's table entry
         top = buckets[-1]
         self._row_owner = [None] * top
         self._host = {k: v.pin_memory() for k, v in self._new_buffers(top).items()}

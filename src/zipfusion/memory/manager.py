@@ -62,7 +62,8 @@ class KVCacheManager:
     def __init__(self, num_layers: int, layout: PageLayout, budget_bytes: int,
                  device: str | torch.device = "cpu", chunk_bytes: int | None = None, *,
                  shared_pool: bool = True, kv_compression: bool = True, reserve_chunks: int = 2,
-                 max_pages: int | None = None, compaction_batch_bytes: int = 64 << 20):
+                 max_pages: int | None = None, compaction_batch_bytes: int = 64 << 20,
+                 mirror_table: bool | None = None):
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         if not isinstance(layout, PageLayout):
@@ -99,7 +100,7 @@ class KVCacheManager:
         if max_pages is None:         # every chunk full of the smallest pages, plus slack
             max_pages = num_chunks * C // (L * min(layout.min_page_bytes, open_bytes)) + 1
         self.max_pages = int(max_pages)
-        self.table = PageTable(L, self.max_pages, self.device)
+        self.table = PageTable(L, self.max_pages, self.device, mirror_table)
         self.page_loc = self.table.page_loc
         self._comp_blocks = np.zeros(L, dtype=np.int64)    # compressible blocks of stored pages
         self._stored_bytes = 0                             # all layers, stored pages

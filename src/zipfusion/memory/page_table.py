@@ -4,7 +4,9 @@ Host arrays are the truth; ``page_loc`` ([num_layers, max_pages] int64) is what 
 ``offset | 1`` for a page in open form (being filled, or full but stored uncompressed),
 ``offset`` for a compressed page, ``-1`` for no page. Offsets are multiples of 16, so bit 0 is
 free. On the CPU (and the accounting-only ``meta`` device) ``page_loc`` shares memory with the
-host array; on CUDA the touched columns are copied after each change, on the current stream.
+host array; on CUDA (or where ``mirrored`` is asked for: tests) it is a copy, and the touched
+columns are copied after each change, on the current stream -- or, with ``deferred`` (the engine,
+which calls :meth:`flush` before each forward), all of a step's changes in one copy.
 
 A page id is the same in every layer and never changes while the request lives; only its
 location does (compression, compaction).
@@ -15,12 +17,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .copy import to_device
+
 FREE, OPEN, STORED = 0, 1, 2
 STATE_NAMES = ("free", "open", "stored")
 
 
 class PageTable:
-    def __init__(self, num_layers: int, max_pages: int, device: torch.device):
+    def __init__(self, num_layers: int, max_pages: int, device: torch.device, mirrored: bool | None = None):
         L = num_layers
         self.num_layers, self.max_pages, self.device = L, max_pages, torch.device(device)
         self.loc = np.full((L, max_pages), -1, dtype=np.int64)
@@ -29,8 +33,11 @@ class PageTable:
         self.group = np.zeros(max_pages, dtype=np.int64)          # open pages: group and slot
         self.slot = np.zeros(max_pages, dtype=np.int64)
         self._free_ids = list(range(max_pages - 1, -1, -1))
-        self.mirrored = self.device.type not in ("cpu", "meta")
-        self.page_loc = torch.from_numpy(self.loc).to(self.device) if self.mirrored else torch.from_numpy(self.loc)
+        self.mirrored = self.device.type not in ("cpu", "meta") if mirrored is None else mirrored
+        self.page_loc = torch.from_numpy(self.loc.copy() if self.mirrored else self.loc).to(self.device)
+        self.deferred = False                    # sync() only notes the columns; flush() copies them
+        self._dirty: list[np.ndarray] = []
+        self._dirty_layers: set[int] = set()
 
     @property
     def num_free_ids(self) -> int:
@@ -47,18 +54,36 @@ class PageTable:
         self.sync(ids)
 
     def sync(self, ids: np.ndarray) -> None:
-        """Mirror the host columns ``ids`` to the device table."""
+        """Mirror the host columns ``ids`` to the device table (deferred: at the next flush)."""
         if not self.mirrored or ids.size == 0:
+            return
+        if self.deferred:
+            self._dirty.append(np.array(ids, dtype=np.int64))
             return
         # pinned staging + non_blocking: no host stall behind queued kernels (the caching host
         # allocator keeps each staging buffer alive until its copy has run)
-        cols = torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
-        vals = torch.from_numpy(np.ascontiguousarray(self.loc[:, ids])).pin_memory()
-        self.page_loc[:, cols] = vals.to(self.device, non_blocking=True)
+        self.page_loc[:, to_device(ids, self.device)] = to_device(torch.from_numpy(self.loc[:, ids]), self.device)
 
     def sync_layer(self, layer: int) -> None:
-        if self.mirrored:
-            self.page_loc[layer].copy_(torch.from_numpy(self.loc[layer]).pin_memory(), non_blocking=True)
+        """Mirror the host row of ``layer`` (deferred: at the next flush)."""
+        if not self.mirrored:
+            return
+        if self.deferred:
+            self._dirty_layers.add(layer)
+            return
+        self.page_loc[layer].copy_(to_device(torch.from_numpy(self.loc[layer]), self.device))
+
+    def flush(self) -> None:
+        """The deferred changes to the device table: whole rows of the layers compacted, then
+        every other touched column in one copy (both from the host arrays as they are now)."""
+        rows, cols = sorted(self._dirty_layers), self._dirty
+        self._dirty, self._dirty_layers = [], set()
+        if rows:
+            at = to_device(np.array(rows), self.device)
+            self.page_loc[at] = to_device(torch.from_numpy(self.loc[rows]), self.device)
+        if cols:
+            ids = np.unique(np.concatenate(cols))
+            self.page_loc[:, to_device(ids, self.device)] = to_device(torch.from_numpy(self.loc[:, ids]), self.device)
 
     def check(self, ids, want_state: int | None, what: str) -> np.ndarray:
         """``ids`` as an int64 array of distinct allocated page ids (in ``want_state`` if given),
