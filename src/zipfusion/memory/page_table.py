@@ -34,7 +34,7 @@ class PageTable:
         self.slot = np.zeros(max_pages, dtype=np.int64)
         self._free_ids = list(range(max_pages - 1, -1, -1))
         self.mirrored = self.device.type not in ("cpu", "meta") if mirrored is None else mirrored
-        self.page_loc = torch.from_numpy(self.loc.copy() if self.mirrored else self.loc).to(self.device)
+        self.page_loc = torch.from_numpy(self.loc.copy()).to(self.device) if self.mirrored else torch.from_numpy(self.loc)
         self.deferred = False                    # sync() only notes the columns; flush() copies them
         self._dirty: list[np.ndarray] = []
         self._dirty_layers: set[int] = set()
