@@ -94,10 +94,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.seal_min_pages = getattr(cache, "seal_batch", 1)
-        self._to_seal: set[int] = set()        # full pages not sealed yet (or left open: no room)
-        # each such page's place in the next seal: (request, page index), so that a request's
-        # pages are placed together, share packed chunks and free them together
-        self._seal_order: dict[int, tuple[int, int]] = {}
+        # full pages not sealed yet (or left open: no room), each with its place in the next seal:
+        # (request, page index), so that a request's pages are placed together, share packed
+        # chunks and free them together
+        self._to_seal: dict[int, tuple[int, int]] = {}
         self._seal_wait = 0
         self._seal_stuck = False               # the last seal left pages open (no room)
 
@@ -256,7 +256,7 @@ class Scheduler:
         if away:
             pages = self.cache.alloc(len(away))
             self.prefix.swap_in(away, pages)
-            self._to_seal.update(pages)             # full pages, open again: sealed with the next seal
+            self._to_seal.update((p, (UNOWNED, p)) for p in pages)    # full, open again: next seal
         return chain
 
     def _unadmit(self, req: Request) -> None:
@@ -292,10 +292,8 @@ class Scheduler:
             full = r.num_computed // PAGE_TOKENS
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
-                self._seal_order[r.pages[i]] = (r.request_id, i)
-            if full > r.num_sealed_pages:
-                self._to_seal.update(r.pages[r.num_sealed_pages:full])
-                r.num_sealed_pages = full
+                self._to_seal[r.pages[i]] = (r.request_id, i)
+            r.num_sealed_pages = max(r.num_sealed_pages, full)
         self._seal_wait += 1
 
     def start_seal(self, force: bool = False):
@@ -307,7 +305,7 @@ class Scheduler:
                    and self._seal_wait < SEAL_MAX_WAIT)
         if not self._to_seal or (waiting and not force):
             return None
-        ids = sorted(self._to_seal, key=lambda p: self._seal_order.get(p, (UNOWNED, p)))
+        ids = sorted(self._to_seal, key=self._to_seal.__getitem__)
         return ids, self.cache.start_seal(ids)
 
     def finish_seal(self, pending) -> int:
@@ -332,8 +330,7 @@ class Scheduler:
     def _drop_from_seal(self, pages) -> None:
         """Pages sealed, freed or evicted: no longer waiting for a seal."""
         for p in pages:
-            self._to_seal.discard(p)
-            self._seal_order.pop(p, None)
+            self._to_seal.pop(p, None)
 
     def _seal_now(self) -> bool:
         """Seal every collected page at once (before preempting: they may make room); whether

@@ -370,9 +370,7 @@ class KVCacheManager:
         t, L = self.table, self.num_layers
         split = self.packed.placement(stored)
         need = self.packed.chunks_needed(stored, split)
-        groups, counts = np.unique(t.group[batch], return_counts=True)
-        live = np.array([self.slots_per_chunk - len(self.open.free_slots[g]) for g in groups.tolist()])
-        released = int((counts == live).sum())          # each gives every layer's pool a chunk
+        released = self._groups_emptied(batch)          # each gives every layer's pool a chunk
         if self.pool.shared:
             fits = int(need.sum()) <= self.pool.available(0) + released * L
         else:
@@ -409,6 +407,12 @@ class KVCacheManager:
         self._counts[STORED] += batch.size
         self.pages_compressed += batch.size
 
+    def _groups_emptied(self, batch: np.ndarray) -> int:
+        """Open groups whose every live page is in ``batch`` (freeing it returns their chunks)."""
+        groups, counts = np.unique(self.table.group[batch], return_counts=True)
+        live = np.array([self.slots_per_chunk - len(self.open.free_slots[g]) for g in groups.tolist()])
+        return int((counts == live).sum())
+
     def _affordable(self, batch: np.ndarray, stored: np.ndarray, split, min_capacity: int) -> bool:
         """Whether placing ``batch`` (stored sizes [L, k], placement ``split``) and freeing its
         open slots leaves ``capacity_new_pages()`` at least ``min(now, min_capacity)``.
@@ -418,11 +422,9 @@ class KVCacheManager:
         enough pages fill those chunks; when that would cut into promised room the batch waits,
         open, until it pays for itself (at most about ``S`` pages wait at a time). Closed form
         of the state after ``place`` + ``open.free``; no state changed."""
-        t, S = self.table, self.slots_per_chunk
+        S = self.slots_per_chunk
         need = self.packed.chunks_needed(stored, split)
-        groups, counts = np.unique(t.group[batch], return_counts=True)
-        live = np.array([S - len(self.open.free_slots[g]) for g in groups.tolist()], dtype=np.int64)
-        released = int((counts == live).sum())
+        released = self._groups_emptied(batch)
         free_slots = self.open.num_free_slots + batch.size - S * released     # a released group: a chunk a layer
         groups = self._groups_available(gained=released - need,
                                         reclaim=self.packed.reclaimable_bound(need, stored.sum(1)))
