@@ -240,6 +240,22 @@ def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq
                                atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n,L,causal", [(5, 5, True), (13, 13, True), (8, 8, True), (3, 29, False), (9, 4, False)])
+def test_cudnn_buckets_pad_rows_without_changing_real_rows(n, L, causal):
+    """Queries padded to a bucket (causal: keys too, zeros at the end) give the real rows exactly
+    the output and log-sum-exp of the unpadded call (CPU: the fp32 twin; on CUDA, cuDNN)."""
+    from zipfusion.engine.attention import _attend_lse
+    g = torch.Generator().manual_seed(n + L)
+    q, k, v = (torch.randn(m, h, 32, generator=g) for m, h in ((n, 4), (L, 2), (L, 2)))
+    o1, lse1 = _attend_lse(q, k, v, causal, 0.3, bucket=1)
+    o8, lse8 = _attend_lse(q, k, v, causal, 0.3, bucket=8)
+    assert o8.shape == o1.shape == (n, 4, 32) and lse8.shape == lse1.shape == (n, 4)
+    torch.testing.assert_close(o8, o1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse8, lse1, atol=1e-5, rtol=1e-5)
+    if causal:                          # and the twin is causal attention: row 0 sees key 0 alone
+        torch.testing.assert_close(o1[0], v[0].repeat_interleave(2, dim=0), atol=1e-5, rtol=1e-5)
+
+
 def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
     """Chunks behind one cached prefix share its pages: the batch restores each page once, and its
     token index gives every chunk exactly its own keys (prefix, then its chunk), in order."""

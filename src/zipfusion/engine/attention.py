@@ -55,6 +55,7 @@ import contextlib
 import functools
 import inspect
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,8 +80,12 @@ DETERMINISTIC_SPLIT_PAGES = 64
 # continuation chunks of at most this many tokens attend as decode rows (see the module docstring)
 ROWS_MAX_TOKENS = 16
 # on CUDA, steps whose "gather" chunks are all at least this long attend chunk by chunk with
-# split_prefill (cuDNN) instead of one varlen FlashAttention call
-SPLIT_MIN_TOKENS = 1024
+# split_prefill (cuDNN) instead of one varlen FlashAttention call (ZIPFUSION_SPLIT_MIN_TOKENS
+# overrides it; a huge value turns the split off)
+SPLIT_MIN_TOKENS = int(os.environ.get("ZIPFUSION_SPLIT_MIN_TOKENS", 1024))
+# cuDNN attention pads its queries (causal: and keys) to a multiple of this many rows, so that a
+# run builds a few graphs, not one per prompt length (see _attend_lse)
+CUDNN_BUCKET = 512
 
 
 @dataclass
@@ -389,10 +394,24 @@ def split_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return o.to(q.dtype)
 
 
-def _attend_lse(q, k, v, causal: bool, scale: float):
-    """(o [n, Hq, D], lse [n, Hq] fp32) of q over k, v (causal: top-left). CUDA: cuDNN's SDPA
-    kernel, which returns its log-sum-exp; elsewhere the same in fp32 torch (tests)."""
+def _attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
+    """(o [n, Hq, D], lse [n, Hq] fp32) of q over k, v (causal: top-left, k as long as q). CUDA:
+    cuDNN's SDPA kernel, which returns its log-sum-exp; elsewhere the same in fp32 torch (tests).
+
+    cuDNN builds an execution graph for every new shape (~45 ms of host time on an H200, ~0.5-0.8 s
+    for the first of a kind; docs/benchmarks.md), and a workload's prompts and chunks come in
+    every length. So the queries are padded with zero rows up to a multiple of ``bucket`` (default
+    CUDNN_BUCKET on CUDA) and the padded rows' outputs dropped; for a causal call the keys are
+    padded alike, which changes nothing for a real row: row i sees keys 0..i only, all real. A
+    causal graph then depends on the bucket alone; a prefix's (uncausal) on the bucket and the
+    prefix's length, which zero keys would change (they add e^0 to every softmax)."""
     n, Hq, _ = q.shape
+    bucket = bucket or (CUDNN_BUCKET if q.is_cuda else 1)
+    if n % bucket:
+        pad = lambda t: F.pad(t, (0, 0, 0, 0, 0, bucket - n % bucket))  # noqa: E731 - rows at the end
+        q, (k, v) = pad(q), ((pad(k), pad(v)) if causal else (k, v))
+        o, lse = _attend_lse(q, k, v, causal, scale, bucket)
+        return o[:n], lse[:n]
     g = Hq // k.shape[1]
     if q.is_cuda:
         if g > 1 and not _cudnn_lse()["gqa"]:
@@ -487,14 +506,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     """Causal attention of q [n, Hq, D] (positions start..start+n-1) over k, v [start+n, H, D]:
     query i sees keys j <= start + i. Memory linear in n (no score matrix) on CUDA.
 
-    CUDA: torch's fused SDPA kernels in bf16 -- cuDNN or FlashAttention for a whole prompt
-    (top-left causal, GQA native); with a prefix, the bottom-right causal variant
+    CUDA: torch's fused SDPA kernels in bf16 -- cuDNN for a whole prompt (top-left causal, GQA
+    native, its shapes bucketed: ``_attend_lse``), else FlashAttention; with a prefix, the bottom-right causal variant
     (``causal_lower_right``, FlashAttention/memory-efficient kernels), K/V heads repeated for GQA.
     CPU: SDPA with an explicit mask.
     """
     n, Hq, _ = q.shape
     H = k.shape[1]
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))        # [1, heads, len, D]
+    if start == 0 and q.is_cuda and _cudnn_lse():
+        return _attend_lse(q, k, v, True, scale)[0]                          # cuDNN, its shapes bucketed
     if start == 0:
         with sdpa_kernel(CUDA_SDPA, set_priority=True) if q.is_cuda else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=Hq != H)
