@@ -228,15 +228,17 @@ def test_gather_chunks_match_per_chunk_sdpa(monkeypatch, spans, first, split):
     assert (got - torch.cat(want)).abs().float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("grain", [1, 4, 7, 512])
 @pytest.mark.parametrize("n,L,Hq,H", [(5, 12, 8, 2), (16, 17, 4, 4), (7, 40, 8, 1), (33, 300, 4, 2)])
-def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq, H):
-    """A continuation chunk as attention over its prefix (no mask) plus over its own keys (top-left
-    causal), merged by log-sum-exp, is causal attention over all its keys (CPU: the fp32 twin)."""
+def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq, H, grain):
+    """A continuation chunk as attention over its prefix rounded down to ``grain`` keys (no mask)
+    plus over the rest and its own keys (top-left causal behind zero rows), merged by log-sum-exp,
+    is causal attention over all its keys (CPU: the fp32 twin; grain 512: one causal call)."""
     from zipfusion.engine.attention import prefill_attention, split_prefill
     g = torch.Generator().manual_seed(n * L)
     q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((n, Hq), (L, H), (L, H)))
     v[L - n:] *= 1e3                       # one part's values dwarf the other's: weights must be right
-    torch.testing.assert_close(split_prefill(q, k, v, 0.3), prefill_attention(q, k, v, L - n, 0.3),
+    torch.testing.assert_close(split_prefill(q, k, v, 0.3, grain), prefill_attention(q, k, v, L - n, 0.3),
                                atol=1e-3, rtol=1e-5)
 
 

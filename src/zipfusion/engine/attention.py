@@ -86,6 +86,10 @@ SPLIT_MIN_TOKENS = int(os.environ.get("ZIPFUSION_SPLIT_MIN_TOKENS", 1024))
 # cuDNN attention pads its queries (causal: and keys) to a multiple of this many rows, so that a
 # run builds a few graphs, not one per prompt length (see _attend_lse)
 CUDNN_BUCKET = 512
+# split_prefill's prefix part covers the prefix rounded down to a multiple of this many keys (the
+# rest joins the chunk's causal part), so its cuDNN graphs depend on few prefix lengths
+# (ZIPFUSION_SPLIT_PREFIX_GRAIN overrides it; 1: the whole prefix, one graph per prefix length)
+SPLIT_PREFIX_GRAIN = int(os.environ.get("ZIPFUSION_SPLIT_PREFIX_GRAIN", 2048))
 
 
 @dataclass
@@ -374,21 +378,35 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vb: Varlen
     return attn(q, k, v, vb.cu_q, vb.cu_k, vb.max_q, vb.max_k, **kw)
 
 
-def split_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def split_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  grain: int | None = None) -> torch.Tensor:
     """Causal attention of a long continuation chunk, q [n, Hq, D] (the last n of the keys
-    k, v [L, H, D]), as two attentions over disjoint keys merged by their log-sum-exps:
+    k, v [L, H, D], after a prefix of P = L - n), as two attentions over disjoint keys merged by
+    their log-sum-exps. With P' = P rounded down to a multiple of ``grain`` and r = P - P':
 
-        a: the chunk over its prefix, keys 0..L-n-1: every query sees all of them (no mask);
-        b: the chunk over its own keys L-n..L-1: top-left causal, as a fresh prompt;
+        a: the chunk over keys 0..P'-1: every query sees all of them (no mask);
+        b: the chunk over keys P'..L-1, top-left causal, its queries behind r zero rows: row
+           r + i of that call sees keys P'..P+i, which is what query i must see past P';
         softmax over a ∪ b:  o = o_a · e^(lse_a - lse) + o_b · e^(lse_b - lse),
                              lse = log(e^lse_a + e^lse_b).
 
     Neither part needs the bottom-right mask that only FlashAttention's kernels take (~340
     TFLOP/s on an H200), so both run on cuDNN's (~600 for a whole 8K prompt; docs/benchmarks.md).
-    The merge is fp32, on [n, Hq, D]: a small fraction of the attention's cost."""
+    cuDNN builds a graph per shape (``_attend_lse``): part b's depends on the bucket of r + n
+    alone, part a's on n's bucket and P', a multiple of ``grain`` (SPLIT_PREFIX_GRAIN on CUDA), so
+    a run meets a few shapes however its chunks fall. The r <= grain - 1 zero rows cost at most
+    r²/2 extra score entries; with P < grain part a is empty and part b is the whole answer. The
+    merge is fp32, on [n, Hq, D]: a small fraction of the attention's cost."""
     n, L = q.shape[0], k.shape[0]
-    o_a, lse_a = _attend_lse(q, k[:L - n], v[:L - n], False, scale)
-    o_b, lse_b = _attend_lse(q, k[L - n:], v[L - n:], True, scale)
+    grain = grain or (SPLIT_PREFIX_GRAIN if q.is_cuda else 1)
+    P = L - n
+    Pa, r = P // grain * grain, P % grain
+    qb = F.pad(q, (0, 0, 0, 0, r, 0)) if r else q                    # r zero rows in front
+    o_b, lse_b = _attend_lse(qb, k[Pa:], v[Pa:], True, scale)
+    o_b, lse_b = o_b[r:], lse_b[r:]
+    if Pa == 0:
+        return o_b.to(q.dtype)
+    o_a, lse_a = _attend_lse(q, k[:Pa], v[:Pa], False, scale)
     lse = torch.logaddexp(lse_a, lse_b)
     o = o_a.float() * torch.exp(lse_a - lse)[..., None] + o_b.float() * torch.exp(lse_b - lse)[..., None]
     return o.to(q.dtype)
