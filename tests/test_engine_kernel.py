@@ -258,6 +258,38 @@ def test_cudnn_buckets_pad_rows_without_changing_real_rows(n, L, causal):
         torch.testing.assert_close(o1[0], v[0].repeat_interleave(2, dim=0), atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_warm_up_builds_every_causal_bucket_and_a_prefix_call(monkeypatch):
+    """At engine build on CUDA, cuDNN's graphs are made for every causal bucket a step's prompt
+    chunk can take and for a split chunk's prefix call (CPU: cuDNN faked, the calls recorded);
+    without cuDNN (the CPU) nothing runs."""
+    from zipfusion.engine import attention
+    eng = LLM("demo", device="cpu", kv_memory_gb=0.002, max_num_seqs=2, max_num_batched_tokens=64).engine
+    calls = []
+    monkeypatch.setattr(attention, "_attend_lse", lambda q, k, v, causal, scale: calls.append(
+        (q.shape[0], k.shape[0], causal)))
+    eng.attention.warm_up_prefill(1100)
+    assert calls == []                                                  # no cuDNN here
+    monkeypatch.setattr(attention, "_cudnn", lambda q: {"gqa": True})
+    eng.attention.warm_up_prefill(1100)
+    B, G = attention.CUDNN_BUCKET, attention.SPLIT_PREFIX_GRAIN
+    assert calls == [(n, n, True) for n in range(B, 1100 + B, B)] + [(B, G, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA routes of fp32 prefill")
+def test_fp32_prefill_on_cuda_leaves_cudnn_to_bf16():
+    """cuDNN's SDPA takes bf16/fp16 only: an fp32 prompt, or a long fp32 chunk split in two, on
+    CUDA attends through SDPA / the fp32 twin, as on the CPU."""
+    from zipfusion.engine.attention import prefill_attention, split_prefill
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((1100, 8), (1600, 2), (1600, 2)))
+    want = prefill_attention(q, k, v, 500, 0.125)
+    cq, ck, cv = q.cuda(), k.cuda(), v.cuda()
+    torch.testing.assert_close(split_prefill(cq, ck, cv, 0.125).cpu(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prefill_attention(cq, ck[:1100], cv[:1100], 0, 0.125).cpu(),
+                               prefill_attention(q, k[:1100], v[:1100], 0, 0.125), atol=1e-4, rtol=1e-4)
+
+
 def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
     """Chunks behind one cached prefix share its pages: the batch restores each page once, and its
     token index gives every chunk exactly its own keys (prefix, then its chunk), in order."""

@@ -157,6 +157,24 @@ class AttentionBackend:
                    deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
                    sm_scale=1.0 / math.sqrt(model_config.head_dim), cascade=config.cascade_attention)
 
+    def warm_up_prefill(self, max_tokens: int) -> None:
+        """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): a whole
+        prompt's causal call for every bucket up to ``max_tokens`` tokens, and one prefix call of
+        a split chunk. torch builds a graph per new shape, ~45 ms each on an H200 and 0.5-0.8 s for
+        the first of a kind (benchmarks/results/prefill_attention/cudnn_graph_builds.txt), which
+        the first requests would otherwise wait for; graphs of longer prefixes are built when first
+        met."""
+        c = self.cache
+        if not _cudnn(torch.empty(0, dtype=c.dtype, device=c.device)):
+            return
+        q = torch.zeros(-(-max_tokens // CUDNN_BUCKET) * CUDNN_BUCKET, self.num_qo_heads, c.head_dim,
+                        dtype=c.dtype, device=c.device)
+        kv = torch.zeros(max(q.shape[0], SPLIT_PREFIX_GRAIN), c.num_kv_heads, c.head_dim, dtype=c.dtype,
+                         device=c.device)
+        for n in range(CUDNN_BUCKET, q.shape[0] + 1, CUDNN_BUCKET):
+            _attend_lse(q[:n], kv[:n], kv[:n], True, self.sm_scale)
+        _attend_lse(q[:CUDNN_BUCKET], kv[:SPLIT_PREFIX_GRAIN], kv[:SPLIT_PREFIX_GRAIN], False, self.sm_scale)
+
     # -- per step ---------------------------------------------------------------------------
     def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> bool:
         """Host-side set-up of a step's decode rows before the forward (or the CUDA-graph
@@ -363,7 +381,7 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vb: Varlen
     the last tokens of its keys (cu_k[j]..cu_k[j+1]); query i of a chunk of n sees the keys up to
     its own position (bottom-right causal). K/V heads are shared by query-head groups (GQA).
     One varlen FlashAttention call on CUDA; elsewhere (the CPU) SDPA chunk by chunk."""
-    if q.is_cuda and _cudnn_lse() and min(q1 - q0 for q0, q1, _, _ in vb.spans) >= SPLIT_MIN_TOKENS:
+    if _cudnn(q) and min(q1 - q0 for q0, q1, _, _ in vb.spans) >= SPLIT_MIN_TOKENS:
         return torch.cat([split_prefill(q[q0:q1], k[k0:k1], v[k0:k1], scale) for q0, q1, k0, k1 in vb.spans])
     if not q.is_cuda or _varlen_options() is None:
         return torch.cat([prefill_attention(q[q0:q1], k[k0:k1], v[k0:k1], (k1 - k0) - (q1 - q0), scale)
@@ -398,7 +416,7 @@ def split_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     r²/2 extra score entries; with P < grain part a is empty and part b is the whole answer. The
     merge is fp32, on [n, Hq, D]: a small fraction of the attention's cost."""
     n, L = q.shape[0], k.shape[0]
-    grain = grain or (SPLIT_PREFIX_GRAIN if q.is_cuda else 1)
+    grain = grain or (SPLIT_PREFIX_GRAIN if _cudnn(q) else 1)
     P = L - n
     Pa, r = P // grain * grain, P % grain
     qb = F.pad(q, (0, 0, 0, 0, r, 0)) if r else q                    # r zero rows in front
@@ -413,8 +431,9 @@ def split_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def _attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
-    """(o [n, Hq, D], lse [n, Hq] fp32) of q over k, v (causal: top-left, k as long as q). CUDA:
-    cuDNN's SDPA kernel, which returns its log-sum-exp; elsewhere the same in fp32 torch (tests).
+    """(o [n, Hq, D], lse [n, Hq] fp32) of q over k, v (causal: top-left, k as long as q). CUDA
+    (bf16, fp16): cuDNN's SDPA kernel, which returns its log-sum-exp; elsewhere the same in fp32
+    torch (tests).
 
     cuDNN builds an execution graph for every new shape (~45 ms of host time on an H200, ~0.5-0.8 s
     for the first of a kind; docs/benchmarks.md), and a workload's prompts and chunks come in
@@ -424,15 +443,15 @@ def _attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
     causal graph then depends on the bucket alone; a prefix's (uncausal) on the bucket and the
     prefix's length, which zero keys would change (they add e^0 to every softmax)."""
     n, Hq, _ = q.shape
-    bucket = bucket or (CUDNN_BUCKET if q.is_cuda else 1)
+    bucket = bucket or (CUDNN_BUCKET if _cudnn(q) else 1)
     if n % bucket:
         pad = lambda t: F.pad(t, (0, 0, 0, 0, 0, bucket - n % bucket))  # noqa: E731 - rows at the end
         q, (k, v) = pad(q), ((pad(k), pad(v)) if causal else (k, v))
         o, lse = _attend_lse(q, k, v, causal, scale, bucket)
         return o[:n], lse[:n]
     g = Hq // k.shape[1]
-    if q.is_cuda:
-        if g > 1 and not _cudnn_lse()["gqa"]:
+    if _cudnn(q):
+        if g > 1 and not _cudnn(q)["gqa"]:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qb, kb, vb, None, True, 0.0, causal, False,
@@ -444,6 +463,11 @@ def _attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
         s = s.masked_fill(torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     lse = torch.logsumexp(s, -1)                                     # [Hq, n]
     return torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), vf), lse.transpose(0, 1)
+
+
+def _cudnn(q: torch.Tensor) -> dict | None:
+    """``_cudnn_lse()`` where cuDNN's SDPA takes q (CUDA, bf16 or fp16), else None."""
+    return _cudnn_lse() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
 
 
 @functools.cache
@@ -532,7 +556,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     n, Hq, _ = q.shape
     H = k.shape[1]
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))        # [1, heads, len, D]
-    if start == 0 and q.is_cuda and _cudnn_lse():
+    if start == 0 and _cudnn(q):
         return _attend_lse(q, k, v, True, scale)[0]                          # cuDNN, its shapes bucketed
     if start == 0:
         with sdpa_kernel(CUDA_SDPA, set_priority=True) if q.is_cuda else contextlib.nullcontext():

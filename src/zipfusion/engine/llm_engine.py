@@ -122,6 +122,7 @@ class LLMEngine:
             self.runner = self.tp.wrap_runner(self.runner, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
         self.graph_buckets = self.runner.capture_cuda_graphs()
+        self.attention.warm_up_prefill(cfg.max_num_batched_tokens)       # cuDNN's graphs, on CUDA
         if self.host_tier is not None:
             self.host_tier.start()                 # pinned in the background, after the capture
         self._ids = itertools.count()
