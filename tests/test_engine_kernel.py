@@ -278,9 +278,10 @@ def test_prefill_warm_up_builds_every_causal_bucket_and_a_prefix_call(monkeypatc
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA routes of fp32 prefill")
 def test_fp32_prefill_on_cuda_leaves_cudnn_to_bf16():
-    """cuDNN's SDPA takes bf16/fp16 only: an fp32 prompt, or a long fp32 chunk split in two, on
-    CUDA attends through SDPA / the fp32 twin, as on the CPU."""
-    from zipfusion.engine.attention import prefill_attention, split_prefill
+    """cuDNN's SDPA and FlashAttention take bf16/fp16 only: an fp32 prompt, a long fp32 chunk
+    split in two, or a step's fp32 "gather" chunks on CUDA attend through SDPA / the fp32 twin,
+    as on the CPU."""
+    from zipfusion.engine.attention import ChunkView, _varlen_batch, prefill_attention, split_prefill, varlen_prefill
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((1100, 8), (1600, 2), (1600, 2)))
     want = prefill_attention(q, k, v, 500, 0.125)
@@ -288,6 +289,8 @@ def test_fp32_prefill_on_cuda_leaves_cudnn_to_bf16():
     torch.testing.assert_close(split_prefill(cq, ck, cv, 0.125).cpu(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(prefill_attention(cq, ck[:1100], cv[:1100], 0, 0.125).cpu(),
                                prefill_attention(q, k[:1100], v[:1100], 0, 0.125), atol=1e-4, rtol=1e-4)
+    vb = _varlen_batch([ChunkView(500, 1100, list(range(100)))], ["gather"], 0, torch.device("cuda"))
+    torch.testing.assert_close(varlen_prefill(cq, ck, cv, vb, 0.125).cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():

@@ -383,7 +383,7 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vb: Varlen
     One varlen FlashAttention call on CUDA; elsewhere (the CPU) SDPA chunk by chunk."""
     if _cudnn(q) and min(q1 - q0 for q0, q1, _, _ in vb.spans) >= SPLIT_MIN_TOKENS:
         return torch.cat([split_prefill(q[q0:q1], k[k0:k1], v[k0:k1], scale) for q0, q1, k0, k1 in vb.spans])
-    if not q.is_cuda or _varlen_options() is None:
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or _varlen_options() is None:
         return torch.cat([prefill_attention(q[q0:q1], k[k0:k1], v[k0:k1], (k1 - k0) - (q1 - q0), scale)
                           for q0, q1, k0, k1 in vb.spans])
     attn, causal, takes_gqa = _varlen_options()
