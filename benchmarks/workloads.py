@@ -558,11 +558,14 @@ def versions() -> dict:
                 break
             except PackageNotFoundError:
                 pass
+    git = lambda *a: subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True,  # noqa: E731
+                                    timeout=10).stdout.strip()
     try:
-        v["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                         text=True, timeout=10).stdout.strip() or None
+        v["git_commit"] = git("rev-parse", "--short", "HEAD") or None
+        # tracked files changed since that commit: the run's code is not the commit's alone
+        v["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".."))
     except (OSError, subprocess.SubprocessError):
-        v["git_commit"] = None
+        v["git_commit"] = v["git_dirty"] = None
     return v
 
 
