@@ -14,8 +14,10 @@ engine's implementation of the model's :class:`~zipfusion.models.llama.KVCacheSt
   FlashInfer's, or torch's, as configured); a prefill chunk attends causally to its request's
   pages:
 
-  - a whole prompt (``start == 0``) on its fresh K/V with torch SDPA (cuDNN/FlashAttention on the
-    GPU): nothing to read back;
+  - a whole prompt (``start == 0``) on its fresh K/V: nothing to read back. On the GPU cuDNN's
+    attention, its queries and keys padded to a multiple of ``CUDNN_BUCKET`` (cuDNN builds a
+    graph for every new shape, ~45 ms: a workload's prompt lengths would each pay one; the
+    engine builds the buckets' graphs when it starts, ``warm_up_prefill``); elsewhere SDPA;
   - a continuation (``start > 0``: a later chunk of a long prompt) over its request's pages,
     which already hold its prefix, by one of three routes (:meth:`AttentionBackend.route`):
 
@@ -34,7 +36,8 @@ engine's implementation of the model's :class:`~zipfusion.models.llama.KVCacheSt
       bottom-right causal, GQA without repeating K/V heads), elsewhere SDPA per chunk. Prefix-cache
       hits land here: many short chunks over long cached prefixes. When every such chunk is long
       (``SPLIT_MIN_TOKENS``: the 8K chunks of a long prompt), each runs as ``split_prefill``
-      instead: cuDNN over its prefix and over itself, merged by log-sum-exp (1.6x faster than
+      instead: cuDNN over its prefix (rounded down to ``SPLIT_PREFIX_GRAIN`` keys, so that its
+      graphs are few) and over the rest and itself, merged by log-sum-exp (1.6x faster than
       FlashAttention's bottom-right causal kernel on an H200).
 
     The route depends only on the chunk's length, the backend and the device, so compressed and
