@@ -551,10 +551,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     """Causal attention of q [n, Hq, D] (positions start..start+n-1) over k, v [start+n, H, D]:
     query i sees keys j <= start + i. Memory linear in n (no score matrix) on CUDA.
 
-    CUDA: torch's fused SDPA kernels in bf16 -- cuDNN for a whole prompt (top-left causal, GQA
-    native, its shapes bucketed: ``_attend_lse``), else FlashAttention; with a prefix, the bottom-right causal variant
-    (``causal_lower_right``, FlashAttention/memory-efficient kernels), K/V heads repeated for GQA.
-    CPU: SDPA with an explicit mask.
+    CUDA: torch's fused kernels in bf16 -- cuDNN for a whole prompt (top-left causal, GQA native,
+    its shapes bucketed: ``_attend_lse``), SDPA's FlashAttention where cuDNN is missing; with a
+    prefix, SDPA's bottom-right causal variant (``causal_lower_right``, FlashAttention/memory-
+    efficient kernels), K/V heads repeated for GQA. CPU (and fp32): SDPA.
     """
     n, Hq, _ = q.shape
     H = k.shape[1]
