@@ -651,7 +651,8 @@ def main(argv=None):
         raise SystemExit(f"unknown scenario or mode {bad}; scenarios {list(SCENARIOS)}, modes {list(MODES)}")
     os.makedirs(args.out, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python3 benchmarks/workloads.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ZIPFUSION_")]
+                                + ["python3 benchmarks/workloads.py", *(sys.argv[1:] if argv is None else argv)]),
             "model": args.model, "device": args.device, "scale": args.scale, "smoke": args.smoke,
             "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens, "seed": args.seed,
             "lognormal_sigma": SIGMA, "timeout_s": args.timeout, **versions()}
