@@ -72,12 +72,17 @@ def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt, budg
         assert float((x - y).norm() / y.norm()) < 2e-2
 
 
-def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ckpt):
+@pytest.mark.parametrize("streams", [1, None])
+def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ckpt, monkeypatch, streams):
     """Each step seals the pages earlier steps filled around its own forward (their sizes
     analysed before it is launched, placement, compaction and encoding while it runs, the tokens
     read after): under memory pressure, with many seals during decode, compressed and
     uncompressed runs give the same tokens and the same logits bits (deterministic mode, whose
-    rows do not depend on the batch)."""
+    rows do not depend on the batch). One fill stream: requests finishing apart leave holes that
+    compaction fills; the default streams (by expected finish) mostly avoid them."""
+    from zipfusion.engine import scheduler
+    if streams is not None:
+        monkeypatch.setattr(scheduler, "SEAL_STREAMS", streams)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
     outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]        # finishing apart: holes, compaction
@@ -95,7 +100,8 @@ def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ck
     assert [r.output_ids for r in res[True]] == [r.output_ids for r in res[False]]
     for a, b in zip(res[True], res[False]):
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-    assert sealed[True]["pages_compressed"] > 40 and sealed[True]["compactions"] > 0, sealed[True]
+    assert sealed[True]["pages_compressed"] > 40, sealed[True]
+    assert sealed[True]["compactions"] > 0 or streams is None, sealed[True]
 
 
 def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
@@ -103,8 +109,10 @@ def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
     to date after each change or, the engine's way, in one copy before each forward. Here on the
     CPU that copy is forced (a tensor of its own): under pressure, with seals, compaction and
     frees between forwards, both ways give the tokens and logits bits of a run that reads the
-    host table itself."""
+    host table itself (one fill stream: requests finishing apart, compaction)."""
+    from zipfusion.engine import scheduler
     from zipfusion.memory import page_table
+    monkeypatch.setattr(scheduler, "SEAL_STREAMS", 1)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
     outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]

@@ -204,3 +204,33 @@ def test_pages_left_open_wait_before_the_next_seal_try():
     s.finish(b, "stop")                                             # pages let go of: try now
     s.seal_full_pages(s.running)
     assert len(cache.calls) == tries + 1
+
+
+def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monkeypatch):
+    """A page's fill stream is the window of steps in which its request should finish: requests
+    of fixed length finishing 1,000 steps apart get different streams, two finishing together
+    the same one; a request behind a cached prefix (its pages likely outlive it) the extra one."""
+    from zipfusion.engine import scheduler as sched_mod
+    monkeypatch.setattr(sched_mod, "SEAL_WINDOW", 64)
+    streams = {}
+
+    class StreamCache(FakeCache):
+        def set_seal_streams(self, ids, ss):
+            streams.update(zip(ids, ss))
+
+    cache = StreamCache(400)
+    s = Scheduler(cache, max_num_batched_tokens=512)
+    fixed = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    a = Request(0, list(range(3, 35)), fixed(10))
+    b = Request(1, list(range(1003, 1035)), fixed(1000))
+    c = Request(2, list(range(2003, 2035)), fixed(12))
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    advance(s, out)
+    sa, sb, sc = ({streams[p] for p in r.pages[:2]} for r in (a, b, c))
+    assert len(sa) == len(sb) == len(sc) == 1 and sa == sc != sb
+    assert sa == {(1 + 10 - 1) // 64 % sched_mod.SEAL_STREAMS}        # step 1, 9 tokens still to come
+    c.num_cached_tokens = 16                                            # as if its prompt hit the cache
+    s._to_seal[c.pages[0]] = (c.request_id, 0)
+    assert s._seal_streams(c.pages[:1]) == [sched_mod.SEAL_STREAMS]

@@ -680,3 +680,37 @@ def test_a_device_page_table_copy_follows_every_change(deferred):
     check()
     assert any(stale) == deferred
     assert_contents(m, {k: v for k, v in written.items() if k[1] in ids[::2]})
+
+
+@pytest.mark.parametrize("repack", [False, True])
+def test_fill_streams_keep_pages_that_leave_together_in_their_own_chunks(repack):
+    """Pages sealed into two fill streams, alternately, never share a packed chunk: when one
+    stream's requests finish, its chunks go back to the pool whole, with no compaction. A stream
+    whose fill chunk was repacked meanwhile starts a fresh chunk, and contents stay exact."""
+    m = KVCacheManager(2, LAYOUT, budget_bytes=32 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
+    written, pages = {}, {0: [], 1: []}
+    for i in range(6):                                   # seals alternate between the streams
+        s = i % 2
+        ids = m.alloc_pages(5)
+        written.update(fill(m, ids, [0.9, 0.5], seed=i))
+        m.set_streams(ids, [s] * len(ids))
+        assert m.seal_pages(ids) == []
+        pages[s] += ids
+    chunk_of = lambda p: {int(loc) // m.chunk_bytes for loc in m.table.loc[:, p]}  # noqa: E731
+    assert not set().union(*map(chunk_of, pages[0])) & set().union(*map(chunk_of, pages[1]))
+    if repack:                                          # stream 0 parked; repack every layer
+        m.free_pages(pages[1][::2])
+        pages[1] = pages[1][1::2]
+        written = {k: v for k, v in written.items() if k[1] in pages[0] + pages[1]}
+        m.compact()
+        ids = m.alloc_pages(3)
+        written.update(fill(m, ids, [0.9, 0.5], seed=9))
+        m.set_streams(ids, [0] * 3)
+        assert m.seal_pages(ids) == []
+        pages[0] += ids
+        assert_contents(m, written)
+    moved, before = m.bytes_moved, m.capacity_new_pages()
+    m.free_pages(pages[1])
+    assert m.bytes_moved == moved and m.capacity_new_pages() > before
+    assert set(np.nonzero(m.packed.live_pages)[0]) == set().union(*map(chunk_of, pages[0]))  # stream 0's alone
+    assert_contents(m, {k: v for k, v in written.items() if k[1] in pages[0]})

@@ -102,9 +102,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.reqs.remove(req)
 
     def _seal(self, ids: list[int]) -> None:
-        """Compress full pages (and those left open before), as the engine's seal does."""
+        """Compress full pages (and those left open before), as the engine's seal does, each
+        request's into one of three fill streams."""
         ids = sorted(self.unsealed | set(ids))
         if ids:
+            stream = {p: r.seed % 3 for r in self.reqs for p in r.pages}
+            self.m.set_streams(ids, [stream[p] for p in ids])
             promised = self.adm.promised_pages([RunningRequest(len(r.pages), r.ntok, r.total) for r in self.reqs])
             self.unsealed = set(self.m.seal_pages(ids, min_capacity=promised))
 

@@ -46,6 +46,10 @@ class KVCache:
     def start_seal(self, ids):
         return list(ids)
 
+    def set_seal_streams(self, ids, streams) -> None:
+        """Which fill stream each page is sealed into (memory/packed.py); a cache without packed
+        space ignores it."""
+
     def finish_seal(self, job, min_capacity: int = 0) -> list[int]:
         """``seal``'s result for the pages ``start_seal`` was given."""
         return self.seal(job, min_capacity=min_capacity) if job else []
@@ -107,6 +111,10 @@ class ArenaKVCache(KVCache):
         if not ids or not self.kv_compression:
             return None
         return self.manager.analyze_pages(list(ids))
+
+    def set_seal_streams(self, ids, streams) -> None:
+        if self.kv_compression:
+            self.manager.set_streams(ids, streams)
 
     def finish_seal(self, job, min_capacity: int = 0) -> list[int]:
         return [] if job is None else self.manager.seal_analyzed(job, min_capacity=min_capacity)

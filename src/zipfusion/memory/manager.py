@@ -101,6 +101,7 @@ class KVCacheManager:
             max_pages = num_chunks * C // (L * min(layout.min_page_bytes, open_bytes)) + 1
         self.max_pages = int(max_pages)
         self.table = PageTable(L, self.max_pages, self.device, mirror_table)
+        self.page_stream = np.zeros(self.max_pages, dtype=np.int64)   # fill stream of a page's seal
         self.page_loc = self.table.page_loc
         self._comp_blocks = np.zeros(L, dtype=np.int64)    # compressible blocks of stored pages
         self._stored_bytes = 0                             # all layers, stored pages
@@ -212,6 +213,7 @@ class KVCacheManager:
             self.pool.release([(c, self.pool.pool_of(layer)) for layer, c in self.packed.free(locs, sizes)])
         self._counts[OPEN] -= op.size
         self._counts[STORED] -= st.size
+        self.page_stream[ids] = 0
         t.release_ids(ids)
 
     def _release_groups(self, groups: list[np.ndarray]) -> None:
@@ -269,19 +271,35 @@ class KVCacheManager:
         """
         return self.seal_analyzed(self.analyze_pages(ids), min_capacity)
 
+    def set_streams(self, ids: Iterable[int], streams: Iterable[int]) -> None:
+        """The fill stream each page is sealed into (packed.py: pages expected to be freed together
+        share chunks); 0 until set."""
+        self.page_stream[np.asarray(list(ids), dtype=np.int64)] = np.asarray(list(streams), dtype=np.int64)
+
     def seal_analyzed(self, job: "SealJob", min_capacity: int = 0) -> list[int]:
-        """The second half of :meth:`seal_pages`: wait for the job's sizes, place and encode."""
+        """The second half of :meth:`seal_pages`: wait for the job's sizes, place and encode,
+        stream by stream (``set_streams``), each in the order given."""
         t = self.table
         ids = t.check(job.ids, OPEN, "seal_pages")        # none freed since the analysis
         n = ids.size
         if n == 0:
             return []
-        state = job.state
         sizes = (job.sizes if isinstance(job.sizes, np.ndarray) else job.sizes.get()).reshape(self.num_layers, n)
-        order = np.arange(n)               # as given (a request's pages together)
-        by_slot = False
-        S = self.slots_per_chunk
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
+        streams = self.page_stream[ids]
+        left = []
+        for stream in dict.fromkeys(streams.tolist()):              # in order of first appearance
+            self.packed.use_stream(stream)
+            order = np.nonzero(streams == stream)[0]                  # as given (a request's pages together)
+            left += self._seal_in_order(ids, order, sizes, stored, job.state, min_capacity)
+        t.sync(ids)                        # one copy of the touched page_loc columns to the device
+        return left
+
+    def _seal_in_order(self, ids: np.ndarray, order: np.ndarray, sizes: np.ndarray, stored: np.ndarray, state,
+                       min_capacity: int) -> list[int]:
+        """Place and encode the pages ``ids[order]`` wave by wave (``seal_pages``); the ids left open."""
+        t, S, n = self.table, self.slots_per_chunk, order.size
+        by_slot = False
         left, i = [], 0
         while i < n:
             k, split = self._wave(stored[:, order[i:]])
@@ -299,7 +317,6 @@ class KVCacheManager:
                 left = ids[order[i:]].tolist()
                 break
             i += k
-        t.sync(ids)                        # one copy of the touched page_loc columns to the device
         return left
 
     def _analyze(self, ids: np.ndarray):

@@ -11,6 +11,13 @@ smaller is stored in open form, see manager.py), so a packed chunk holds at leas
 ``ceil(live_bytes / (chunk_bytes - open_page_bytes))`` chunks: that bound is what capacity
 counts as reclaimable before compaction actually runs.
 
+Fill streams: pages that will be freed together should share chunks, so that a chunk empties
+by itself instead of being compacted. The seal places each page at the fill pointer of its
+*stream* (``use_stream``; the scheduler gives a request's pages the stream of the window in which
+it is expected to finish): each stream has its own fill chunk per layer. Any chunk may still be
+repacked (a stream whose fill chunk was repacked or emptied starts a fresh one), so compaction's
+next-fit bound below holds as with one stream.
+
 Compaction of a layer (``plan_repack``): order the layer's packed chunks densest first, its
 pages by (chunk rank, offset), and lay them out again by next fit over the same chunk list.
 No page moves to a later position in that order, so copying pages in order (through a bounded
@@ -54,8 +61,26 @@ class PackedSpace:
         self.layer_live = np.zeros(num_layers, dtype=np.int64)
         self.held = np.zeros(num_layers, dtype=np.int64)        # len(self.chunks[layer])
         self._rows = np.arange(num_layers)
-        self.fill_chunk = np.full(num_layers, -1, dtype=np.int64)
+        self.fill_chunk = np.full(num_layers, -1, dtype=np.int64)      # the current stream's
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
+        self.stream = 0
+        self._parked: dict[int, tuple[np.ndarray, np.ndarray]] = {}      # other streams' fill pointers
+
+    def use_stream(self, stream: int) -> None:
+        """Place the next pages at ``stream``'s fill pointers (a stream not used yet: fresh chunks)."""
+        if stream == self.stream:
+            return
+        self._parked[self.stream] = (self.fill_chunk, self.fill_ptr)
+        self.fill_chunk, self.fill_ptr = self._parked.pop(stream, (np.full(self.num_layers, -1, dtype=np.int64),
+                                                                   np.zeros(self.num_layers, dtype=np.int64)))
+        self.stream = stream
+
+    def _drop_fill(self, layer: int, chunks) -> None:
+        """Parked streams whose fill chunk in ``layer`` is among ``chunks`` (emptied or repacked)
+        start a fresh one."""
+        for fill, ptr in self._parked.values():
+            if fill[layer] in chunks:
+                fill[layer], ptr[layer] = -1, 0
 
     # ---------------------------------------------------------------- placement
     def placement(self, sizes: np.ndarray) -> "Placement":
@@ -149,6 +174,7 @@ class PackedSpace:
                 self.held[layer] -= 1
                 if self.fill_chunk[layer] == c:
                     self.fill_chunk[layer], self.fill_ptr[layer] = -1, 0
+                self._drop_fill(layer, (c,))
                 emptied.append((layer, c))
         return emptied
 
@@ -225,6 +251,7 @@ class PackedSpace:
     def apply_repack(self, layer: int, order: np.ndarray, new_locs: np.ndarray, sizes: np.ndarray,
                      kept, freed, fill_chunk: int, fill_ptr: int) -> None:
         victims = kept + freed
+        self._drop_fill(layer, set(victims))
         self.live_bytes[victims] = 0
         self.live_pages[victims] = 0
         chunks = new_locs[order] // self.chunk_bytes
