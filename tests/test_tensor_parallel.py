@@ -224,8 +224,9 @@ class _FakeDriver:
 
 def test_lockstep_ids_agree_and_capacity_is_the_tightest_ranks():
     """Two caches whose pages compress differently (zeros vs noise) under one op sequence:
-    the worker's ids follow rank 0's, and the capacity rank 0 reports never exceeds what the
-    worker really has, so its allocations never fail."""
+    the worker's ids follow rank 0's, it seals what rank 0 seals into the same fill streams, and
+    the capacity rank 0 reports never exceeds what the worker really has, so its allocations
+    never fail."""
     from zipfusion.engine.kv_cache import ArenaKVCache
     from zipfusion.distributed.lockstep import LockstepCache
     L, H, D = 2, 1, 64
@@ -255,12 +256,15 @@ def test_lockstep_ids_agree_and_capacity_is_the_tightest_ranks():
         else:
             full = [i for ids in live for i in ids[:-1] if i not in sealed]
             sealed.update(full)
+            cache.set_seal_streams(full, [i % 3 for i in full])
             cache.seal(full)
         if rng.random() < 0.3:
             drv.send_ops()
     drv.send_ops()
     assert a.stats()["pages_in_use"] == b.stats()["pages_in_use"]
     assert a.stats()["stored_pages"] > 10 and a.stored_ratio() < b.stored_ratio()
+    assert b.stats()["stored_pages"] > 10                      # the worker seals too (in open form: noise)
+    assert np.array_equal(a.manager.page_stream, b.manager.page_stream)      # into the same streams
     assert binding > 50                                        # the worker was the tightest rank
     assert cache.stored_ratio() == max(a.stored_ratio(), b.stored_ratio())
 

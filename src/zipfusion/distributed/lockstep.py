@@ -21,6 +21,8 @@ the same page geometry (H / tp heads each), hence the same id range.
   tightest rank, the log is sent first and the fresh reports are used (after a preemption
   or an abort: rare), so the bound is not needlessly tight.
 * ``stored_ratio`` (admission's estimate) is the largest -- the least compressed -- rank's.
+* The seal's fill streams (a placement hint, memory/packed.py) are logged too, so every rank
+  groups its packed pages alike.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 
 from ..engine.kv_cache import KVCache
 
-ALLOC, FREE, SEAL = "a", "f", "s"
+ALLOC, FREE, SEAL, STREAMS = "a", "f", "s", "t"
 
 
 class PageIdsDiverged(RuntimeError):
@@ -65,11 +67,18 @@ class LockstepCache:
 
     def seal(self, ids, min_capacity: int = 0):
         ids = list(ids)
-        if not ids or not getattr(self._cache, "compress", False):
+        if not ids or not getattr(self._cache, "kv_compression", False):
             return self._cache.seal(ids, min_capacity=min_capacity)
         self.log.append((SEAL, ids, min_capacity))
         self._driver.send_ops()                        # the workers compress while rank 0 does
         return self._cache.seal(ids, min_capacity=min_capacity)
+
+    def set_seal_streams(self, ids, streams) -> None:
+        """Fill streams are a placement hint: every rank places its pages by them."""
+        ids = list(ids)
+        if ids and getattr(self._cache, "kv_compression", False):
+            self._cache.set_seal_streams(ids, streams)
+            self.log.append((STREAMS, ids, list(streams)))
 
     # sealed whole (and logged) by ``seal``, as any cache without a split seal
     start_seal, finish_seal = KVCache.start_seal, KVCache.finish_seal
@@ -126,6 +135,8 @@ def apply_ops(cache, log: list[tuple], left_open: set[int]) -> None:
                 ids = {i for i in ids if manager.page_state(i) == "open"}
             left_open.clear()
             left_open.update(cache.seal(sorted(ids), min_capacity=op[2]))
+        elif op[0] == STREAMS:
+            cache.set_seal_streams(op[1], op[2])
         else:
             raise ValueError(f"unknown cache operation {op[0]!r}")
 
