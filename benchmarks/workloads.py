@@ -421,6 +421,8 @@ def ratios(records: list[dict]) -> dict:
 
     def put(scen, name, a, b):
         out.setdefault(scen, {})[name] = {k: a[k] / b[k] if b.get(k) else float("nan") for k in keys}
+        if a.get("run") != b.get("run"):                # merged from different calls: not side by side
+            out[scen][name]["runs"] = [a.get("run"), b.get("run")]
     for scen in dict.fromkeys(label(r) for r in records):
         c = by.get((scen, "compressed"))
         for base in ("uncompressed", "flashinfer"):
@@ -480,7 +482,8 @@ def report(result: dict) -> str:
     for scen, rs in result["ratios"].items():
         for name, r in rs.items():
             goal = GOALS.get(scen)
-            md.append(f"| {scen} | {name} | " + " | ".join(_f(r[k], "{:.3f}x") for k in
+            apart = f" (runs of {' and '.join(map(str, r['runs']))})" if r.get("runs") else ""
+            md.append(f"| {scen} | {name}{apart} | " + " | ".join(_f(r[k], "{:.3f}x") for k in
                       ("total_tok_s", "output_tok_s", "decode_tok_s", "decode_tok_s_at_peak_batch", "peak_batch"))
                       + f" | {'>= %.2fx' % goal if goal else ''} |")
     md += ["", "Identical outputs across modes (SHA-256 of all output ids): "
@@ -617,6 +620,7 @@ def merge(paths: list[str], out: str) -> str:
         res = json.load(open(p))
         parts.append(res["meta"])
         for r in res["records"]:
+            r.setdefault("run", res["meta"].get("date"))     # which call: ratios across calls are marked
             key = (label(r), r["mode"])
             if key not in recs or not ("error" in r or "skipped" in r):
                 recs[key] = r
@@ -673,6 +677,7 @@ def main(argv=None):
             log(f"[{i + 1}/{len(jobs)}] {name_c} / {mode} (elapsed {time.perf_counter() - t0:.0f} s) ...")
             rec = records[i] = run_job(make_job(args, name, mode, cache), args.timeout,
                                        threads=1 if args.jobs > 1 and args.device == "cpu" else 0)
+        rec["run"] = meta["date"]                      # this call's records are side by side
         if "error" in rec:
             log(f"  {name_c} / {mode} FAILED after {rec['process_s']:.0f} s: {rec['error'][-400:]}")
         elif "skipped" not in rec:

@@ -84,6 +84,18 @@ def test_merge_keeps_each_pair(tmp_path):
         (s, m) for s in ("burst", "mix") for m in ("compressed", "uncompressed")}
     assert abs(merged["ratios"]["mix"]["compressed/uncompressed"]["total_tok_s"] - 10 / 11) < 1e-9
     assert merged["meta"]["command"] == "run burst; run mix" and len(merged["meta"]["parts"]) == 2
+    assert "runs" not in merged["ratios"]["mix"]["compressed/uncompressed"]          # one call: side by side
+    # a later call's compressed record beside an earlier uncompressed one: the ratio says so
+    c = tmp_path / "c"
+    c.mkdir()
+    recs = [{"scenario": "mix", "mode": "compressed", "requests": 2, "total_tok_s": 12.0, "output_tok_s": 1.0,
+             "decode_tok_s": 5.0, "decode_tok_s_at_peak_batch": 5.0, "peak_batch": 2, "outputs_sha256": "x"}]
+    (c / "workloads.json").write_text(json.dumps({"meta": {**meta, "date": "later"}, "records": recs}))
+    run("--merge", str(tmp_path / "m" / "workloads.json"), str(c / "workloads.json"), "--out", str(tmp_path / "n"),
+        timeout=60)
+    again = json.loads((tmp_path / "n" / "workloads.json").read_text())
+    assert again["ratios"]["mix"]["compressed/uncompressed"]["runs"] == ["later", "d"]
+    assert "(runs of later and d)" in (tmp_path / "n" / "workloads.md").read_text()
 
 
 def test_host_timers_smoke(tmp_path):
