@@ -43,7 +43,7 @@ SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress bat
 SEAL_STREAMS, SEAL_WINDOW = 16, 128   # a page is sealed into fill stream (expected finish step of its
                         # request // SEAL_WINDOW) % SEAL_STREAMS: pages that leave together share
                         # chunks, which then empty by themselves (memory/packed.py). Simulated mix
-                        # (benchmarks/schedule_sim.py): compaction 9.76 GiB -> 0, batch unchanged
+                        # (benchmarks/schedule_sim.py): compaction 9.76 -> 0.0007 GiB, batch unchanged
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -317,8 +317,10 @@ class Scheduler:
 
     def _seal_streams(self, ids) -> list[int]:
         """Each page's fill stream: the window of steps in which its request is expected to
-        finish (admission's estimate of its output; exact for a fixed-length one). Pages no
-        running request holds (swapped back in, cached) take the current window's."""
+        finish (admission's estimate of its output; exact for a fixed-length one). A request
+        behind a cached prefix, whose pages are likely to outlive it (a conversation's next
+        turn), takes stream SEAL_STREAMS of its own; pages no running request holds (swapped back
+        in, cached) the current window's."""
         finish = {r.request_id: (self._steps + self.admission.expected_tokens(
                       r.num_tokens, self._max_total_tokens(r), r.params.fixed_length) - r.num_tokens)
                   // SEAL_WINDOW % SEAL_STREAMS if not r.num_cached_tokens else SEAL_STREAMS
