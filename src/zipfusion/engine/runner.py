@@ -45,9 +45,9 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [n, V] fp32: one row per decode request, then one per prefill chunk that
         completes its prompt (its last token samples the next one), in order."""
-        self.cache.flush_table()                      # the step's page-table changes, one copy
         if not out.prefill:
-            return self.decode(out.decode)
+            return self.decode(out.decode)                # (which flushes the page table itself)
+        self.cache.flush_table()                      # the step's page-table changes, one copy
         n = len(out.decode)
         dec = self.decode_inputs(out.decode, n) if n else None
         if dec is not None:

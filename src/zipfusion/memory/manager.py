@@ -336,17 +336,20 @@ class KVCacheManager:
         S, m = self.slots_per_chunk, stored.shape[1]
         plan = self.packed.placement(stored)
         ends = np.minimum(np.arange(S, m + S, S), m) - 1
-        need = plan.ordinal[:, ends]                                   # [L, batches]
-        if self.pool.shared:
-            fits = need.sum(0) <= self.pool.available(0)
-        else:
-            avail = np.array([self.pool.available(self.pool.pool_of(l)) for l in range(self.num_layers)])
-            fits = (need <= avail[:, None]).all(0)
+        fits = self._pool_holds(plan.ordinal[:, ends])                 # need [L, batches]
         b = int(fits.sum())                # needs grow with the prefix: fits is True, then False
         if b == 0:
             return min(S, m), None
         k = min(b * S, m)
         return k, plan.prefix(k)
+
+    def _pool_holds(self, need: np.ndarray, more: int = 0) -> np.ndarray:
+        """Whether the pool's free chunks, ``more`` per layer added, hold ``need`` [L, B] fresh
+        chunks per layer: one bool per column (a shared pool: the columns' sums)."""
+        if self.pool.shared:
+            return need.sum(0) <= self.pool.available(0) + more * self.num_layers
+        avail = np.array([self.pool.available(self.pool.pool_of(l)) for l in range(self.num_layers)])
+        return (need <= avail[:, None] + more).all(0)
 
     def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state,
                         split=None, min_capacity: int = 0) -> bool:
@@ -388,10 +391,7 @@ class KVCacheManager:
         split = self.packed.placement(stored)
         need = self.packed.chunks_needed(stored, split)
         released = self._groups_emptied(batch)          # each gives every layer's pool a chunk
-        if self.pool.shared:
-            fits = int(need.sum()) <= self.pool.available(0) + released * L
-        else:
-            fits = all(need[l] <= self.pool.available(self.pool.pool_of(l)) + released for l in range(L))
+        fits = bool(self._pool_holds(need[:, None], more=released)[0])
         if not released or not fits or not self._affordable(batch, stored, split, min_capacity):
             return False
         open_bytes, k = self.layout.open_page_bytes, batch.size
