@@ -452,9 +452,9 @@ def _attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
         q, (k, v) = pad(q), ((pad(k), pad(v)) if causal else (k, v))
         o, lse = _attend_lse(q, k, v, causal, scale, bucket)
         return o[:n], lse[:n]
-    g = Hq // k.shape[1]
-    if _cudnn(q):
-        if g > 1 and not _cudnn(q)["gqa"]:
+    g, cudnn = Hq // k.shape[1], _cudnn(q)
+    if cudnn:
+        if g > 1 and not cudnn["gqa"]:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qb, kb, vb, None, True, 0.0, causal, False,
@@ -556,11 +556,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     prefix, SDPA's bottom-right causal variant (``causal_lower_right``, FlashAttention/memory-
     efficient kernels), K/V heads repeated for GQA. CPU (and fp32): SDPA.
     """
+    if start == 0 and _cudnn(q):
+        return _attend_lse(q, k, v, True, scale)[0]                          # cuDNN, its shapes bucketed
     n, Hq, _ = q.shape
     H = k.shape[1]
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))        # [1, heads, len, D]
-    if start == 0 and _cudnn(q):
-        return _attend_lse(q, k, v, True, scale)[0]                          # cuDNN, its shapes bucketed
     if start == 0:
         with sdpa_kernel(CUDA_SDPA, set_priority=True) if q.is_cuda else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=Hq != H)
