@@ -24,7 +24,9 @@ Scenarios (``SCENARIOS``; prompt + generated tokens per request, KV GiB):
                    same without the tier (recomputed)
 Prefix caching: --prefix-cache on (default), off, or on,off (each record says ``prefix_cache``).
 Modes: compressed, uncompressed, flashinfer (uncompressed KV, attention_backend="flashinfer";
-skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode).
+skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode);
+compressed_cascade and uncompressed_cascade (cascade_attention=True: decode rows behind one shared
+prefix read it once per step; not in the default --modes).
 
     python3 benchmarks/workloads.py --out DIR                        # H200: everything (~35 min)
     python3 benchmarks/workloads.py --scale 0.25 --scenarios burst,mix --out DIR
@@ -40,6 +42,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import faulthandler
 import hashlib
 import importlib.util
 import json
@@ -57,7 +60,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-MODES = ("compressed", "uncompressed", "flashinfer")
+MODES = ("compressed", "uncompressed", "flashinfer", "compressed_cascade", "uncompressed_cascade")
 BF16_PEAK = 989.4e12          # H100/H200 SXM dense bf16 FLOP/s (datasheet): the prefill MFU denominator
 SIGMA = 0.8                   # lognormal lengths of the mix: sigma of ln(length)
 # issue 20's goals, total tok/s compressed / uncompressed (and / FlashInfer)
@@ -286,7 +289,9 @@ def step_rows(steps) -> list:
 
 def engine_kwargs(mode: str) -> dict:
     return {"compressed": dict(kv_compression=True), "uncompressed": dict(kv_compression=False),
-            "flashinfer": dict(kv_compression=False, attention_backend="flashinfer")}[mode]
+            "flashinfer": dict(kv_compression=False, attention_backend="flashinfer"),
+            "compressed_cascade": dict(kv_compression=True, cascade_attention=True),
+            "uncompressed_cascade": dict(kv_compression=False, cascade_attention=True)}[mode]
 
 
 def kv_floor_gb(model: str, max_len: int) -> float:
@@ -368,8 +373,9 @@ def make_job(args, name: str, mode: str, prefix_cache: bool = True) -> dict:
 def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
     """One (scenario, mode) in its own process; its stderr (progress) is shown as it comes.
     ``threads``: the worker's CPU threads (0: torch's default)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)]
-    tail = collections.deque(maxlen=30)
+    # the worker prints where each thread is 5 s before its time is up (faulthandler)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job), str(max(1.0, timeout - 5))]
+    tail = collections.deque(maxlen=80)
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
@@ -400,7 +406,7 @@ def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
     base = {"scenario": job["scenario"], "mode": job["mode"], "requests": job["requests"],
             "prefix_cache": job["prefix_cache"], "process_s": time.perf_counter() - t0}
     if timed_out:
-        return {**base, "error": f"timed out after {timeout:g} s; last output: {''.join(tail)[-600:]}"}
+        return {**base, "error": f"timed out after {timeout:g} s; last output: {''.join(tail)[-3000:]}"}
     if p.returncode or not lines:
         return {**base, "error": f"worker exit {p.returncode}: {''.join(tail)[-1500:]}"}
     return {**json.loads(lines[-1][len("RESULT "):]), "process_s": base["process_s"]}
@@ -428,6 +434,10 @@ def ratios(records: list[dict]) -> dict:
         for base in ("uncompressed", "flashinfer"):
             if c and by.get((scen, base)):
                 put(scen, f"compressed/{base}", c, by[(scen, base)])
+        for a, b in (("compressed_cascade", "uncompressed_cascade"), ("compressed_cascade", "compressed"),
+                     ("uncompressed_cascade", "uncompressed")):
+            if by.get((scen, a)) and by.get((scen, b)):
+                put(scen, f"{a}/{b}", by[(scen, a)], by[(scen, b)])
         for mode in MODES:
             off = by.get((scen + "/no-cache", mode))
             if by.get((scen, mode)) and off:
@@ -587,7 +597,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/workloads")
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"of {list(SCENARIOS)}")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES[:3]))
     ap.add_argument("--prefix-cache", default="on", help="on, off, or on,off (both, each its own process)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and KV GiB")
     ap.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes (each scenario shrunk)")
@@ -641,7 +651,9 @@ def _terminate(signum, frame):
 
 def main(argv=None):
     if argv is None and "--worker" in sys.argv:        # the worker needs no driver argument parsing
-        job = json.loads(sys.argv[sys.argv.index("--worker") + 1])
+        at = sys.argv.index("--worker")
+        job = json.loads(sys.argv[at + 1])
+        faulthandler.dump_traceback_later(float(sys.argv[at + 2]))      # where it hangs, if it does
         print("RESULT " + json.dumps(worker(job), default=float), flush=True)
         return
     args = parse(argv)
