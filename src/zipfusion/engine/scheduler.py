@@ -188,10 +188,13 @@ class Scheduler:
             if new_pages:
                 req.pages += self.cache.alloc(new_pages)
                 free -= new_pages
-            if not admitted:
+            if not admitted:                      # it starts: its lookup counts (not an admission undone)
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
                 self.running.append(req)
+                self.prefix.note_lookup(req.num_tokens, req.num_computed)
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = req.num_computed
             out.prefill.append(PrefillChunk(req, req.num_computed, n))
             budget -= n
 
@@ -233,9 +236,6 @@ class Scheduler:
             req.num_sealed_pages = len(chain)
             req.num_computed = len(chain) * PAGE_TOKENS
             req.prefix_node = chain[-1].node_id
-        self.prefix.note_lookup(req.num_tokens, req.num_computed)
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = req.num_computed
         return True
 
     def _swap_in(self, chain: list, wait: bool) -> list | None:
