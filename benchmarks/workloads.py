@@ -446,11 +446,12 @@ def ratios(records: list[dict]) -> dict:
 
 
 def identical_outputs(records: list[dict]) -> dict:
+    """Per scenario run in two or more modes (or with and without the cache): one output hash?"""
     hashes = {}
     for r in records:
         if "outputs_sha256" in r:
-            hashes.setdefault(r["scenario"], set()).add(r["outputs_sha256"])     # with and without the cache
-    return {s: len(h) == 1 for s, h in hashes.items()}
+            hashes.setdefault(r["scenario"], []).append(r["outputs_sha256"])
+    return {s: len(set(h)) == 1 for s, h in hashes.items() if len(h) > 1}
 
 
 def _f(v, fmt="{:,.0f}"):

@@ -110,3 +110,20 @@ def test_host_timers_smoke(tmp_path):
     steps = calls["LLMEngine.step"]
     assert steps >= res["record"]["requests"] and calls["Scheduler.schedule"] == steps
     assert calls["KVCacheManager.seal_analyzed"] >= 1 and calls["codec.analyze"] == calls["KVCacheManager._analyze"]
+
+
+def test_a_worker_out_of_time_says_where_it_was(tmp_path):
+    """A (scenario, mode) past --timeout is killed; its record keeps the worker's stacks, printed
+    (faulthandler) before the kill, so a hang says where it hangs."""
+    run("--smoke", "--scenarios", "mix", "--modes", "compressed", "--timeout", "1.5", "--out", str(tmp_path))
+    (rec,) = json.loads((tmp_path / "workloads.json").read_text())["records"]
+    assert rec["error"].startswith("timed out after 1.5 s") and "workloads.py\", line" in rec["error"]
+
+
+def test_identical_outputs_needs_two_runs_of_a_scenario():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import workloads
+    recs = [{"scenario": "a", "outputs_sha256": "x"}, {"scenario": "a", "outputs_sha256": "x"},
+            {"scenario": "b", "outputs_sha256": "x"}, {"scenario": "b", "outputs_sha256": "y"},
+            {"scenario": "c", "outputs_sha256": "x"}]
+    assert workloads.identical_outputs(recs) == {"a": True, "b": False}      # c ran once: nothing to compare
