@@ -60,7 +60,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-MODES = ("compressed", "uncompressed", "flashinfer", "compressed_cascade", "uncompressed_cascade")
+DEFAULT_MODES = ("compressed", "uncompressed", "flashinfer")
+MODES = DEFAULT_MODES + ("compressed_cascade", "uncompressed_cascade")
 BF16_PEAK = 989.4e12          # H100/H200 SXM dense bf16 FLOP/s (datasheet): the prefill MFU denominator
 SIGMA = 0.8                   # lognormal lengths of the mix: sigma of ln(length)
 # issue 20's goals, total tok/s compressed / uncompressed (and / FlashInfer)
@@ -598,7 +599,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/workloads")
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"of {list(SCENARIOS)}")
-    ap.add_argument("--modes", default=",".join(MODES[:3]))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {list(MODES)}")
     ap.add_argument("--prefix-cache", default="on", help="on, off, or on,off (both, each its own process)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and KV GiB")
     ap.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes (each scenario shrunk)")
