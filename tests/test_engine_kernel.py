@@ -377,6 +377,9 @@ def test_cascade_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt,
         assert step.cascade is not None and step.cascade.grouped.tolist() == [0, 1, 2]
         assert be._cascade is None                                        # used by one step only
         got = step.decode(0, q)
+        parts = []                                                        # the probe's hook: each part, in order
+        assert torch.equal(step.cascade.run(be, 0, q, trace=parts.append), got)
+        assert parts == ["plain rows", "prefix rows gathered", "prefix pieces", "suffixes", "merge"]
         plain = be.decode(0, q, table.to(DEVICE), lens.to(DEVICE))
         ref = reference_decode_attention(q, eng.cache.arena, eng.cache.page_loc[0], table.to(DEVICE),
                                          lens.to(DEVICE), eng.cache.layout, be.sm_scale, out_dtype=torch.float64)

@@ -73,24 +73,32 @@ class CascadePlan:
     suffix: Chunks                   # each grouped row's own pages (rows: ``grouped``)
     parts: torch.Tensor              # int64 [N, J]: row j's prefix-piece results (padding: the last row)
 
-    def run(self, backend, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16."""
+    def run(self, backend, layer: int, q: torch.Tensor, trace=None) -> torch.Tensor:
+        """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16. ``trace(name)``,
+        if given, is called after each part (benchmarks/cascade_probe.py times them)."""
+        trace = trace or (lambda name: None)
         out = torch.empty_like(q)
         if self.plain is not None:
             out[self.plain] = backend.decode(layer, q[self.plain], self.plain_table, self.plain_lens)
+        trace("plain rows")
         n_pre = self.prefix.rows.numel()
+        pre_q = q[self.prefix.rows]
+        trace("prefix rows gathered")
         pre_o = q.new_empty((n_pre + 1, *q.shape[1:]), dtype=torch.float32)
         pre_lse = q.new_empty((n_pre + 1, q.shape[1]), dtype=torch.float32)
         pre_o[n_pre], pre_lse[n_pre] = 0.0, float("-inf")       # what padding parts point at
-        backend.paged_prefill(layer, q[self.prefix.rows], self.prefix, out=pre_o[:n_pre], lse=pre_lse[:n_pre])
+        backend.paged_prefill(layer, pre_q, self.prefix, out=pre_o[:n_pre], lse=pre_lse[:n_pre])
+        trace("prefix pieces")
         n = self.grouped.numel()
         suf_o = q.new_empty((n, *q.shape[1:]), dtype=torch.float32)
         suf_lse = q.new_empty((n, q.shape[1]), dtype=torch.float32)
         backend.paged_prefill(layer, q[self.suffix.rows], self.suffix, out=suf_o, lse=suf_lse)
+        trace("suffixes")
         lse = torch.cat([pre_lse[self.parts], suf_lse[:, None]], 1)           # [N, J+1, Hq]
         o = torch.cat([pre_o[self.parts], suf_o[:, None]], 1)                 # [N, J+1, Hq, D]
         w = torch.exp2(lse - lse.amax(1, keepdim=True))
         out[self.grouped] = ((w[..., None] * o).sum(1) / w.sum(1)[..., None]).to(q.dtype)
+        trace("merge")
         return out
 
 
