@@ -117,7 +117,9 @@ def test_a_worker_out_of_time_says_where_it_was(tmp_path):
     (faulthandler) before the kill, so a hang says where it hangs."""
     run("--smoke", "--scenarios", "mix", "--modes", "compressed", "--timeout", "1.5", "--out", str(tmp_path))
     (rec,) = json.loads((tmp_path / "workloads.json").read_text())["records"]
-    assert rec["error"].startswith("timed out after 1.5 s") and "workloads.py\", line" in rec["error"]
+    # (stopped while importing torch: a stack, though not always down to workloads.py: faulthandler
+    # prints at most 100 frames)
+    assert rec["error"].startswith("timed out after 1.5 s") and '  File "' in rec["error"]
 
 
 def test_identical_outputs_needs_two_runs_of_a_scenario():
