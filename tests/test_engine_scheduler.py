@@ -215,6 +215,8 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
     streams = {}
 
     class StreamCache(FakeCache):
+        kv_compression = True                   # streams are only given to a cache that compresses
+
         def set_seal_streams(self, ids, ss):
             streams.update(zip(ids, ss))
 
