@@ -44,13 +44,10 @@ def instrument(slow_s: float, every: bool) -> dict:
     stats = {"steps": 0, "slow": 0, "parts_s": {}}
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     real_run = cascade.CascadePlan.run
+    real_prefill = attention.AttentionBackend.paged_prefill
 
-    def paged_prefill(self, layer, q, plan, out=None, lse=None):        # checked, as validate=True does
-        from zipfusion.kernels.prefill_attention import paged_prefill_attention
-        c = self.cache
-        return paged_prefill_attention(q, c.arena, c.page_loc[layer], plan.block_table, plan.q_indptr,
-                                       plan.q_start, c.layout, self.sm_scale, out, compressed=self.kv_compression,
-                                       plan=plan.work, lse=lse, validate=True)
+    def paged_prefill(self, layer, q, plan, out=None, lse=None):        # pages and lengths checked
+        return real_prefill(self, layer, q, plan, out=out, lse=lse, validate=True)
 
     def shape(p, q) -> str:
         ends = p.prefix.work.kv_end

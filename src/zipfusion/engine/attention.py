@@ -216,13 +216,15 @@ class AttentionBackend:
         return torch_decode_attention(q, lambda ids: cache.read_pages(layer, ids), block_table,
                                       context_lens, self.sm_scale, exact=self.deterministic)
 
-    def paged_prefill(self, layer: int, q: torch.Tensor, plan: Chunks, out=None, lse=None) -> torch.Tensor:
-        """The paged prefill kernel over the chunks of ``plan`` (``out``/``lse``: the kernel's)."""
+    def paged_prefill(self, layer: int, q: torch.Tensor, plan: Chunks, out=None, lse=None,
+                      validate: bool = False) -> torch.Tensor:
+        """The paged prefill kernel over the chunks of ``plan`` (``out``/``lse``/``validate``: the
+        kernel's; unchecked in a step, checked by benchmarks/cascade_probe.py)."""
         from ..kernels.prefill_attention import paged_prefill_attention
         c = self.cache
         return paged_prefill_attention(q, c.arena, c.page_loc[layer], plan.block_table, plan.q_indptr,
                                        plan.q_start, c.layout, self.sm_scale, out, compressed=self.kv_compression,
-                                       plan=plan.work, lse=lse, validate=False)
+                                       plan=plan.work, lse=lse, validate=validate)
 
     def decode_over_open_copy(self, layer: int, q: torch.Tensor, pages: torch.Tensor, context_lens: torch.Tensor):
         """The decode kernel's rows (q [n, Hq, D], each with its context length) over an open copy
