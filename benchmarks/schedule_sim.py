@@ -68,7 +68,7 @@ class SimCache(ArenaKVCache):
 
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
-             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None) -> dict:
+             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, async_scheduling: bool = True) -> dict:
     """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
     made of shared system prompts or conversations (shared_prefix, multi_turn): their very token
     ids from workloads.py, turns sent as answers finish, the prefix cache on."""
@@ -93,6 +93,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission)
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
     eng.runner.forget = lambda rid: None
+    eng.async_scheduling = async_scheduling         # as on a GPU (the engine's default there)
     t0 = time.perf_counter()
     rs, results, _ = run_requests(eng, prompts, outs, turns=turns, progress_s=1e9)
     steps = [(res.decode_rows, res.prefill_tokens, res.running) for res in results]
@@ -101,7 +102,8 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     m = eng.cache.manager
     peak = max(s[2] for s in steps)
     stats = eng.peak_kv_stats or {}
-    return {"scenario": name, "mode": mode, "admission": admission, "fraction": fraction, "kv_gb": gb,
+    return {"scenario": name, "mode": mode, "admission": admission, "async_scheduling": async_scheduling,
+            "fraction": fraction, "kv_gb": gb,
             "chunk_bytes": eng.cache.manager.chunk_bytes, "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
             "prompt_tokens": sum(len(r.prompt_ids) for r in rs),
             "new_prompt_tokens": sum(map(len, prompts)) + sum(len(x) for t in (turns or []) for x in t),
@@ -112,7 +114,9 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "stored_ratio_at_peak": stats.get("stored_ratio"), "schedule_sha256": digest,
             # host seconds of the engine's own code (the runner here is a stand-in): what a GPU run pays between steps
             "host_schedule_s": sum(res.schedule_s for res in results), "host_seal_s": sum(res.seal_s for res in results),
-            "host_other_s": sum(res.forward_s for res in results), "sim_seconds": time.perf_counter() - t0}
+            "host_other_s": sum(res.forward_s for res in results),
+            "host_ahead_s": sum(res.ahead_s for res in results),       # scheduled while a forward would run
+            "sim_seconds": time.perf_counter() - t0}
 
 
 def main() -> None:
@@ -123,18 +127,21 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.96)
     ap.add_argument("--chunk-pages", type=int, default=None,
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                    help="schedule each step after the last one's tokens are back (the engine's CPU default)")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     args = ap.parse_args()
     recs = []
     for name in args.scenarios.split(","):
         for mode in args.modes.split(","):
-            r = simulate(name, mode, args.fraction, args.admission, chunk_pages=args.chunk_pages)
+            r = simulate(name, mode, args.fraction, args.admission, chunk_pages=args.chunk_pages,
+                         async_scheduling=args.async_scheduling)
             recs.append(r)
             print(f"{name:16s} {mode:13s} preempt {r['preemptions']:4d}/{r['requests']:4d}  prefill "
                   f"{r['prefill_tokens_computed'] / r['prompt_tokens']:.3f}x prompt  peak {r['peak_batch']:3d}  "
                   f"mean {r['mean_batch']:6.1f}  compaction {r['compaction_bytes'] / 2**30:6.2f} GiB  "
                   f"ratio {r['stored_ratio_at_peak']}  {r['schedule_sha256']}  host: schedule {r['host_schedule_s']:.2f} s seal "
-                  f"{r['host_seal_s']:.2f} s rest {r['host_other_s']:.2f} s  ({r['sim_seconds']:.0f} s)", flush=True)
+                  f"{r['host_seal_s']:.2f} s rest {r['host_other_s']:.2f} s ahead {r['host_ahead_s']:.2f} s  ({r['sim_seconds']:.0f} s)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"records": recs}, f, indent=1)

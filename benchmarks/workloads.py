@@ -232,7 +232,7 @@ def model_flops(cfg, tokens: int, context: float) -> float:
 
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
-               "forward_s", "seal_s")
+               "forward_s", "seal_s", "ahead_s")
 
 
 def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
@@ -266,7 +266,8 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "prefill_steps_s": sum(x.seconds for x in pre), "decode_steps_s": dec_s,
         "prefill_step_s_p50": statistics.median(x.seconds for x in pre) if pre else nan,
         "seal_s": sum(x.seal_s for x in steps), "schedule_s": sum(x.schedule_s for x in steps),
-        "forward_s": sum(x.forward_s for x in steps), "sealed_pages": sum(x.sealed_pages for x in steps),
+        "forward_s": sum(x.forward_s for x in steps), "ahead_s": sum(x.ahead_s for x in steps),
+        "sealed_pages": sum(x.sealed_pages for x in steps),
         "compactions": now.get("compactions", 0) - base.get("compactions", 0),
         "compaction_bytes": now.get("bytes_moved", 0) - base.get("bytes_moved", 0),
         "pages_reclaimed": now.get("pages_reclaimed", 0) - base.get("pages_reclaimed", 0),

@@ -297,3 +297,55 @@ def test_pages_left_open_under_pressure_are_retried(ckpts):
     roomy = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, kv_memory_gb=0.03,
                 max_num_batched_tokens=64, deterministic=True)
     assert got == [o.token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
+
+
+def test_async_scheduling_gives_the_same_tokens_through_stops_preemption_and_abort(ckpts):
+    """Async scheduling (the next step scheduled before this one's tokens are back: the GPU
+    default, forced on here) against the plain order, deterministic mode, memory tight enough to
+    preempt: requests that stop at a token nobody could predict are dropped from the schedule made
+    ahead, those at max_tokens let go of their pages early (a last token that is also a stop token
+    still gives "stop"), a request aborted between steps never runs again; every other request
+    gets the plain order's tokens."""
+    path, _ = ckpts["llama"]
+    ps = prompts(5, [30, 12, 41, 25, 33, 18, 27, 9, 22, 35, 14, 28])
+    probe = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, deterministic=True)
+    free = [o.token_ids for o in probe.generate([{"prompt_token_ids": p} for p in ps],
+                                                 SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                                 use_tqdm=False)]
+    params = []
+    for i, ids in enumerate(free):
+        k = next(j for j in range(4, 20) if ids[j] not in ids[:j])       # a token first seen at step k
+        if i % 4 == 0:      # stops at a token no schedule can foresee
+            params.append(SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[k]]))
+        elif i % 4 == 1:    # its last allowed token is also its stop token: "stop", not "length"
+            params.append(SamplingParams(temperature=0, max_tokens=k + 1, stop_token_ids=[ids[k]]))
+        else:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True))
+    chunk = 2 * (2 * 16 * 2 * 64 * 2)
+
+    def run(async_scheduling: bool):
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, admission="optimistic",
+                  kv_memory_gb=(2 * 3 + 4) * chunk / 2**30, chunk_bytes=chunk, deterministic=True,
+                  max_num_batched_tokens=32)
+        eng = llm.engine
+        eng.async_scheduling = async_scheduling
+        reqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
+        taken, take = [], eng._take_ahead
+        eng._take_ahead = lambda: taken.append(take()) or taken[-1]
+        steps = 0
+        while eng.has_work():
+            eng.step()
+            steps += 1
+            if steps == 6:
+                eng.abort(reqs[-1])
+        assert eng.cache.stats()["pages_in_use"] == eng.scheduler.prefix.num_cached_pages
+        return reqs, eng.scheduler.num_preemptions, sum(t is not None for t in taken)
+
+    plain, preempted, _ = run(False)
+    ahead, preempted_ahead, used = run(True)
+    assert preempted > 0 and preempted_ahead > 0 and used > 10
+    for i, (a, b) in enumerate(zip(plain[:-1], ahead[:-1])):
+        assert (b.output_ids, b.finish_reason) == (a.output_ids, a.finish_reason), i
+    assert [r.finish_reason for r in ahead[:-1:4] + ahead[1:-1:4]] == ["stop"] * 6
+    assert ahead[-1].finish_reason == "abort" and len(ahead[-1].output_ids) <= 7
+    assert ahead[-1].output_ids == free[-1][:len(ahead[-1].output_ids)]

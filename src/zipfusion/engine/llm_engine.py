@@ -23,7 +23,7 @@ from .kv_cache import ArenaKVCache, DenseKVCache
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs
-from .scheduler import Scheduler
+from .scheduler import KVCacheTooSmall, Scheduler, SchedulerOutput
 
 log = logging.getLogger("zipfusion")
 
@@ -45,6 +45,7 @@ class StepResult(NamedTuple):
     schedule_s: float
     forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
     seal_s: float                    # the host's part of sealing (analysis launch, placement, encode launch)
+    ahead_s: float = 0.0             # scheduling the next step while this one ran on the GPU (async_scheduling)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -125,6 +126,11 @@ class LLMEngine:
         self.attention.warm_up_prefill(cfg.max_num_batched_tokens)       # cuDNN's graphs, on CUDA
         if self.host_tier is not None:
             self.host_tier.start()                 # pinned in the background, after the capture
+        # async scheduling: the next step is scheduled while this one runs on the GPU (step()). On
+        # the CPU the forward runs in the host's own thread, so nothing would overlap; tests set the
+        # attribute there to run the same code.
+        self.async_scheduling = cfg.async_scheduling and self.device.type == "cuda" and not self.tp
+        self._ahead: SchedulerOutput | None = None
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
         self._peak_pages = -1
@@ -256,15 +262,14 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Run one scheduled step; returns what it did (:class:`StepResult`).
 
-        The order lets the host's part of sealing overlap the GPU: pages that filled up in
-        earlier steps have their sizes analysed before this step's forward is launched, and are
-        placed and encoded while it runs; the sampled tokens come back after that, and the pages
-        this step filled are collected for a later seal."""
+        The order keeps the host's work off the gap between two forwards where it can: pages that
+        filled up in earlier steps have their sizes analysed before this step's forward is
+        launched, and are placed and encoded while it runs; with ``async_scheduling`` the next
+        step is scheduled then too (:meth:`_schedule_ahead`). The sampled tokens come back after
+        that, and the pages this step filled are collected for a later seal."""
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        out = self._take_ahead() or self._forget_preempted(self.scheduler.schedule())
         running = len(self.scheduler.running)
-        for r in out.preempted:
-            self.runner.forget(r.request_id)
         t1 = time.perf_counter()
         seal = self.scheduler.start_seal()
         t2 = time.perf_counter()
@@ -278,17 +283,63 @@ class LLMEngine:
         t3 = time.perf_counter()
         sealed = self.scheduler.finish_seal(seal)
         t4 = time.perf_counter()
-        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
+        # the pages this step fills hold K/V of tokens known already (a step writes its inputs')
         self.scheduler.collect_full_pages(out.decode + [ch.request for ch in out.prefill])
+        t5 = time.perf_counter()
+        if self.async_scheduling:
+            self._ahead = self._schedule_ahead(sampled)
+        ahead_s = time.perf_counter() - t5
+        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
         self._note_kv_stats(sealed)
         for r, reason in finished:
             self.scheduler.finish(r, reason)
             self.runner.forget(r.request_id)
-        t5 = time.perf_counter()
+        t6 = time.perf_counter()
         seal_s = (t2 - t1) + (t4 - t3)
         return StepResult([r for r, _ in finished], sampled, logits if sampled else None, len(out.decode),
                           sum(ch.length for ch in out.prefill), running,
-                          len(out.preempted), sealed, t0, t5 - t0, t1 - t0, t5 - t1 - seal_s, seal_s)
+                          len(out.preempted), sealed, t0, t6 - t0, t1 - t0, t6 - t1 - seal_s - ahead_s, seal_s,
+                          ahead_s)
+
+    def _forget_preempted(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The runner lets go of what it staged for the requests this schedule preempted."""
+        for r in out.preempted:
+            self.runner.forget(r.request_id)
+        return out
+
+    def _schedule_ahead(self, sampled: list[Request]) -> SchedulerOutput | None:
+        """The next step's schedule, made while this step runs on the GPU and before its sampled
+        tokens are known. The requests sure to finish with them (max_tokens or max_model_len
+        reached) let go of their pages first (``Scheduler.retire``; this step's kernels are
+        queued before any that reuse them); any other is taken to go on (one that stops at an
+        end-of-sequence token is dropped from the schedule before it runs, and its pages serve
+        the step after).
+        Scheduling only changes the host's books: the GPU work it queues (a seal, a compaction's
+        moves, a host-tier copy) runs after this step's forward on the same stream, as it would
+        have after a wait. None when nothing is left to schedule, or when the schedule must raise:
+        the next step schedules again, once this one's tokens are kept."""
+        s = self.scheduler
+        for r in sampled:
+            if (r.params.max_tokens is not None and len(r.output_ids) + 1 >= r.params.max_tokens) \
+                    or r.num_tokens + 1 >= self.max_model_len:
+                s.retire(r)
+        if not s.has_work():
+            return None
+        try:
+            return self._forget_preempted(s.schedule())
+        except KVCacheTooSmall:
+            return None
+
+    def _take_ahead(self) -> SchedulerOutput | None:
+        """The schedule made ahead, without the requests that finished (or were aborted) since:
+        it runs as it is otherwise, their rows simply left out. None if there is none or nothing
+        is left of it (then the step schedules afresh)."""
+        out, self._ahead = self._ahead, None
+        if out is None:
+            return None
+        out.decode = [r for r in out.decode if r.status == Status.RUNNING]
+        out.prefill = [ch for ch in out.prefill if ch.request.status == Status.RUNNING]
+        return None if out.empty else out
 
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor):
         """One token per request from its logits row, launched: (tokens on their way to the

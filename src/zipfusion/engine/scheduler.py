@@ -359,6 +359,14 @@ class Scheduler:
         self.finish_seal(self.start_seal(force=True))
         return self.cache.capacity_new_pages(keep_reserve=False) > before
 
+    def retire(self, req: Request) -> None:
+        """The request will finish with the step now on the GPU, whose token is not back yet (the
+        engine's async scheduling): it leaves the running queue and lets go of its pages now, so
+        that the next step may use them; :meth:`finish` gives its reason once the token is in."""
+        if req in self.running:
+            self.running.remove(req)
+            self._free_pages(req)
+
     def finish(self, req: Request, reason: str) -> None:
         """The request is done (or aborted): out of the queues, pages freed."""
         if req.status == Status.FINISHED:
