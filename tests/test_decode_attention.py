@@ -431,15 +431,16 @@ def test_backend_argument(small):
 
 
 def test_cuda_source_compiles(tmp_path):
-    """The CUDA kernel builds (all template instances, sm_80 and sm_90) where nvcc exists."""
+    """The CUDA kernel builds (all template instances, sm_80 and sm_90, and the variant with the
+    COMPRESSED_ESC page kind) where nvcc exists."""
     import shutil
     import subprocess
     from zipfusion.kernels.cuda_attention import SOURCE
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed: the CUDA kernel is built on the GPU machine")
-    for arch in ("80", "90"):
-        res = subprocess.run([nvcc, "-O1", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+    for arch, flags in (("80", []), ("90", []), ("90", ["-DZF_ESC_KIND"])):
+        res = subprocess.run([nvcc, "-O1", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags,
                               "-c", "-o", str(tmp_path / f"k{arch}.o"), str(SOURCE)],
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]

@@ -49,29 +49,37 @@ def _nvcc() -> str:
                                 "backend='triton')")
 
 
-_BUILT: dict[str, "ctypes.CDLL | CudaKernelUnavailable"] = {}   # arch -> library or why not
+_BUILT: dict[str, "ctypes.CDLL | CudaKernelUnavailable"] = {}   # arch + flags -> library or why not
+
+
+def _flags() -> list[str]:
+    """Build variants chosen by the environment: ``ZIPFUSION_CUDA_ESC_KIND=1`` builds the
+    COMPRESSED_ESC page kind (format v2 pages with escapes and no raw block; see the source),
+    compiled but not yet measured on a GPU, hence off by default."""
+    return ["-DZF_ESC_KIND"] if os.environ.get("ZIPFUSION_CUDA_ESC_KIND") == "1" else []
 
 
 def _library(arch: str) -> ctypes.CDLL:
     """The kernel library for ``arch`` (e.g. "90"), built once; a failure is remembered (and
     warned about once: callers then use the Triton kernel) instead of retried on every call."""
-    got = _BUILT.get(arch)
+    flags = _flags()
+    got = _BUILT.get(arch + " ".join(flags))
     if got is None:
         try:
-            got = _build(arch)
+            got = _build(arch, flags)
         except CudaKernelUnavailable as e:
             warnings.warn(f"zipfusion: the CUDA attention kernel is unavailable ({e}); decode "
                           "attention falls back to the slower Triton kernel", stacklevel=3)
             got = e
-        _BUILT[arch] = got
+        _BUILT[arch + " ".join(flags)] = got
     if isinstance(got, CudaKernelUnavailable):
         raise got
     return got
 
 
-def _build(arch: str) -> ctypes.CDLL:
+def _build(arch: str, flags: list[str]) -> ctypes.CDLL:
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + arch.encode() + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ZIPFUSION_CACHE", Path.home() / ".cache" / "zipfusion"))
     cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"decode_attention_{arch}_{key}.so"
@@ -80,7 +88,7 @@ def _build(arch: str) -> ctypes.CDLL:
                  arch, cache)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [_nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(SOURCE)]
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags, "-o", str(tmp), str(SOURCE)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise CudaKernelUnavailable(f"building {SOURCE.name} failed:\n{res.stderr[-4000:]}")

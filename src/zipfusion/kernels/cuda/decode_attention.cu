@@ -248,13 +248,17 @@ __device__ __forceinline__ void read_compressed(const uint8_t* blk, uint32_t mar
 
 // How a staged half page is laid out. Each kind has its own straight-line gather (no per-block
 // branches or run-time offsets where the kind fixes them); MIXED is the general case.
-enum Kind { MIXED, ALL_COMPRESSED, ALL_RAW, OPEN_ROWS };
+// COMPRESSED_ESC (format v2, built with -DZF_ESC_KIND; not yet measured, so off by default): no
+// raw block, some with escapes; block p starts at 768·p + 16·(escaped blocks before p), a
+// popcount of the marks' bit 7, and only blocks with escapes scan their records.
+enum Kind { MIXED, ALL_COMPRESSED, ALL_RAW, OPEN_ROWS, COMPRESSED_ESC };
 
 // Block p of a staged half: its mark (b/2 or RAW) and where it starts.
 template <int KIND>
 __device__ __forceinline__ void block_at(uint32_t marks, int p, int& off, uint32_t& mark) {
   mark = KIND == ALL_RAW || KIND == OPEN_ROWS ? RAW : (marks >> (8 * p)) & 0xFF;
   if (KIND == ALL_COMPRESSED) off = 768 * p;
+  if (KIND == COMPRESSED_ESC) off = 768 * p + 16 * __popc(marks & 0x80808080u & ((1u << (8 * p)) - 1u));
   if (KIND == ALL_RAW) off = 1024 * p;
   if (KIND == OPEN_ROWS) off = 64 * p;                      // K in token rows (V never is)
   // MIXED: the caller accumulates `off` block by block
@@ -267,7 +271,10 @@ template <int KIND>
 __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, const Lane& o,
                                            int raw, uint32_t (&w)[4]) {
   if (KIND == ALL_COMPRESSED) read_compressed<false>(blk, mark, o, w);
-  else if (KIND == MIXED && mark != RAW) {
+  else if (KIND == COMPRESSED_ESC) {
+    if (mark & ESCAPED) read_compressed<true>(blk, mark, o, w);
+    else read_compressed<false>(blk, mark, o, w);
+  } else if (KIND == MIXED && mark != RAW) {
     if (mark & ESCAPED) read_compressed<true>(blk, mark, o, w);
     else read_compressed<false>(blk, mark, o, w);
   } else read_raw(blk + raw, w);
@@ -363,7 +370,11 @@ __device__ __forceinline__ int stage_kind(uint32_t marks, bool open_rows) {
   if (!COMPRESSED) return TMA ? OPEN_ROWS : ALL_RAW;      // the twin: open pages only
   if (open_rows) return OPEN_ROWS;
   if (marks == 0xFFFFFFFFu) return ALL_RAW;
-  return (marks & 0x80808080u) == 0 ? ALL_COMPRESSED : MIXED;   // no raw block, no escapes
+  if ((marks & 0x80808080u) == 0) return ALL_COMPRESSED;        // no raw block, no escapes
+#ifdef ZF_ESC_KIND
+  if (__vcmpeq4(marks, 0xFFFFFFFFu) == 0) return COMPRESSED_ESC;  // no raw block, escapes
+#endif
+  return MIXED;
 }
 
 // Sᵀ[16 tokens × 8 heads per n-tile] = K·Qᵀ over the 4 K blocks (chunk pair p = block p).
@@ -558,6 +569,9 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       if (kind == ALL_COMPRESSED) qk_page<ALL_COMPRESSED>(st, marks, ko, krow, qb, sc);
       else if (kind == ALL_RAW) qk_page<ALL_RAW>(st, marks, ko, krow, qb, sc);
       else if (kind == OPEN_ROWS) qk_page<OPEN_ROWS>(st, marks, ko, krow, qb, sc);
+#ifdef ZF_ESC_KIND
+      else if (kind == COMPRESSED_ESC) qk_page<COMPRESSED_ESC>(st, marks, ko, krow, qb, sc);
+#endif
       else qk_page<MIXED>(st, marks, ko, krow, qb, sc);
       // ---- online softmax over tokens (rows: this lane's two, and g across lanes) ----
       // sc[nt][e]: token σ(g) (e < 2) or σ(g)+8, head 8nt + 2t + (e & 1).
@@ -597,6 +611,9 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       const int kind = stage_kind<COMPRESSED, false>(marks, false);   // V: never token rows
       if (kind == ALL_COMPRESSED) gather_v<ALL_COMPRESSED>(st, marks, vo, vw);
       else if (kind == ALL_RAW) gather_v<ALL_RAW>(st, marks, vo, vw);
+#ifdef ZF_ESC_KIND
+      else if (kind == COMPRESSED_ESC) gather_v<COMPRESSED_ESC>(st, marks, vo, vw);
+#endif
       else gather_v<MIXED>(st, marks, vo, vw);
       if (valid < PAGE) {                              // the request's last, partial page
 #pragma unroll
