@@ -11,6 +11,8 @@ from zipfusion.engine.scheduler import KVCacheTooSmall, Scheduler
 
 
 class FakeCache(KVCache):
+    kv_compression = True            # it seals (records) full pages, as a compressing cache does
+
     def __init__(self, pages):
         self.free_ids = list(range(pages))
         self.sealed = []

@@ -42,3 +42,13 @@ def test_mix_pages_leave_their_chunks_together():
     r = schedule_sim.simulate("mix", "compressed", 0.96, "estimate")
     assert r["preemptions"] == 0 and r["prefill_tokens_computed"] <= r["prompt_tokens"]
     assert r["compaction_bytes"] < 1.6e9 and r["peak_batch"] >= 60
+
+
+@pytest.mark.parametrize("scenario", ["burst", "long"])
+def test_async_scheduling_makes_the_plain_orders_decisions(scenario):
+    """With outputs of known length, scheduling each step ahead (before the last one's tokens
+    are back; requests sure to finish let go of their pages first) decides every step exactly
+    as scheduling after the tokens does: the same digest of steps and outputs."""
+    runs = {a: schedule_sim.simulate(scenario, "compressed", 0.96, "estimate", async_scheduling=a) for a in (True, False)}
+    assert runs[True]["schedule_sha256"] == runs[False]["schedule_sha256"]
+    assert runs[True]["host_ahead_s"] > 0 and runs[False]["host_ahead_s"] == 0

@@ -285,10 +285,11 @@ class LLMEngine:
         t4 = time.perf_counter()
         # the pages this step fills hold K/V of tokens known already (a step writes its inputs')
         self.scheduler.collect_full_pages(out.decode + [ch.request for ch in out.prefill])
-        t5 = time.perf_counter()
+        ahead_s = 0.0
         if self.async_scheduling:
+            t5 = time.perf_counter()
             self._ahead = self._schedule_ahead(sampled)
-        ahead_s = time.perf_counter() - t5
+            ahead_s = time.perf_counter() - t5
         finished = self._finish_sample(sampled, logits, tokens) if sampled else []
         self._note_kv_stats(sealed)
         for r, reason in finished:

@@ -262,7 +262,8 @@ class Scheduler:
         if away:
             pages = self.cache.alloc(len(away))
             self.prefix.swap_in(away, pages)
-            self._to_seal.update((p, (UNOWNED, p)) for p in pages)    # full, open again: next seal
+            if self.cache.kv_compression:                              # full, open again: next seal
+                self._to_seal.update((p, (UNOWNED, p)) for p in pages)
         return chain
 
     def _unadmit(self, req: Request) -> None:
@@ -293,12 +294,14 @@ class Scheduler:
     # -- after a step -----------------------------------------------------------------------
     def collect_full_pages(self, reqs) -> None:
         """After a step: offer the pages that just filled up to the prefix cache, and keep them
-        for the next seal."""
+        for the next seal (a cache that does not compress has nothing to seal)."""
+        seal = self.cache.kv_compression
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
-                self._to_seal[r.pages[i]] = (r.request_id, i)
+                if seal:
+                    self._to_seal[r.pages[i]] = (r.request_id, i)
             r.num_sealed_pages = max(r.num_sealed_pages, full)
         self._seal_wait += 1
 
