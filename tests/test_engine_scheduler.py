@@ -129,6 +129,34 @@ def test_pages_waiting_for_a_seal_are_sealed_before_anyone_is_preempted():
     assert sorted(cache.sealed) == sorted(a.pages[:2] + b.pages[:1])
 
 
+class ReserveCache(SealingCache):
+    """SealingCache with a compression reserve of ``reserve`` pages: room that only
+    ``keep_reserve=False`` may take."""
+
+    def __init__(self, pages, reserve):
+        super().__init__(pages)
+        self.reserve = reserve
+
+    def capacity_new_pages(self, keep_reserve=True):
+        return max(0, len(self.free_ids) - (self.reserve if keep_reserve else 0))
+
+
+def test_decode_seals_waiting_pages_before_it_takes_the_compression_reserve():
+    """A decode page that fits only in the reserve: the pages waiting for a seal are sealed
+    first (that needs the reserve intact, and frees room), and the reserve is left alone."""
+    cache = ReserveCache(5, reserve=1)
+    s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic", prefix_caching=False)
+    a, b = req(0, 32), req(1, 31)                                   # 2 pages each; 1 page is the reserve
+    s.add(a)
+    s.add(b)
+    advance(s, s.schedule())
+    assert cache.sealed == [] and cache.capacity_new_pages() == 0 and cache.capacity_new_pages(False) == 1
+    out = s.schedule()                                             # a needs a 3rd page for token 32
+    assert out.preempted == [] and out.decode == [a, b]
+    assert sorted(cache.sealed) == sorted(a.pages[:2] + b.pages[:1])
+    assert cache.capacity_new_pages(False) >= 1                    # the reserve is still there
+
+
 def test_one_request_larger_than_memory_is_an_error():
     s = Scheduler(FakeCache(2), max_num_batched_tokens=1000)
     s.add(req(0, 40))

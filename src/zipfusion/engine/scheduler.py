@@ -139,15 +139,19 @@ class Scheduler:
         return out
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
-        """Every running request whose prompt is done decodes one token; preempt the newest
-        while their new pages do not fit even in the compression reserve."""
+        """Every running request whose prompt is done decodes one token. Their new pages take
+        free room first; else the pages waiting for a seal are sealed (a compressed page frees a
+        quarter of its open one, and sealing needs the reserve intact to place them); else the
+        compression reserve; else the newest request is preempted."""
         while True:
             batch = [r for r in self.running if not r.in_prefill]
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
-            if not batch or need <= self._room(need, keep_reserve=False):
+            if not batch or need <= self._room(need):
                 break
             if self._to_seal and self._seal_now():
                 continue
+            if need <= self._room(need, keep_reserve=False):
+                break
             if len(self.running) == 1:
                 r = self.running[0]
                 raise KVCacheTooSmall(
