@@ -318,9 +318,8 @@ class Scheduler:
                    and self._seal_wait < SEAL_MAX_WAIT)
         if not self._to_seal or (waiting and not force):
             return None
-        ids = sorted(self._to_seal, key=self._to_seal.__getitem__)
-        if self.cache.kv_compression:                  # streams place stored pages: none without
-            self.cache.set_seal_streams(ids, self._seal_streams(ids))
+        ids = sorted(self._to_seal, key=self._to_seal.__getitem__)     # (only a compressing cache's)
+        self.cache.set_seal_streams(ids, self._seal_streams(ids))
         return ids, self.cache.start_seal(ids)
 
     def _seal_streams(self, ids) -> list[int]:
