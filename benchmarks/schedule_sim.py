@@ -9,7 +9,11 @@ probability ``--fraction`` (the measured 96 % of random-weight Llama KV, or 0.92
 What it answers in seconds on a CPU: preemptions, prefill tokens computed vs prompt tokens,
 peak and mean batch, pages sealed and left open, compaction bytes -- the numbers issue 20's goals
 put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-cache hits (no
-host tier: the meta device holds no bytes). It cannot say anything about time.
+host tier: the meta device holds no bytes). It cannot say anything about GPU time; it does
+report the host's seconds in the engine's own code between forwards (scheduling, the seal's host
+side, the rest; and, with async scheduling, as on a GPU by default, the scheduling done beside
+the forward), and a digest of every step's decisions and outputs: a change meant to leave the
+decisions alone must leave it as it was (``--no-async-scheduling``: the plain order).
 
     python3 benchmarks/schedule_sim.py                       # every scenario, both modes
     python3 benchmarks/schedule_sim.py --scenarios mix --modes compressed --admission conservative
