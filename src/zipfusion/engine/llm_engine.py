@@ -321,8 +321,7 @@ class LLMEngine:
         the next step schedules again, once this one's tokens are kept."""
         s = self.scheduler
         for r in sampled:
-            if (r.params.max_tokens is not None and len(r.output_ids) + 1 >= r.params.max_tokens) \
-                    or r.num_tokens + 1 >= self.max_model_len:
+            if self._at_length_limit(r, more=1):
                 s.retire(r)
         if not s.has_work():
             return None
@@ -393,11 +392,13 @@ class LLMEngine:
                     cut, s = min(hits)
                     r.text, r.stop_reason = text[:cut], s
                     return "stop"
-        if p.max_tokens is not None and n >= p.max_tokens:
-            return "length"
-        if r.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_length_limit(r) else None
+
+    def _at_length_limit(self, r: Request, more: int = 0) -> bool:
+        """Whether the request has reached max_tokens or max_model_len (``more``: once it has
+        that many more tokens)."""
+        mt = r.params.max_tokens
+        return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
 
     def _note_kv_stats(self, sealed: int) -> None:
         """Keep the cache's numbers from the step with the most pages in use, taken again when
