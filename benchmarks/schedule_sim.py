@@ -115,6 +115,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "prefill_tokens_computed": sum(s[1] for s in steps),
             "peak_batch": peak, "mean_batch": float(np.mean([s[0] for s in steps if s[1] == 0] or [0])),
             "steps": len(steps), "pages_compressed": m.pages_compressed, "compaction_bytes": m.bytes_moved,
+            "pages_handed_to_seal": sum(res.sealed_pages for res in results),    # retries of pages left open count again
             "stored_ratio_at_peak": stats.get("stored_ratio"), "schedule_sha256": digest,
             # host seconds of the engine's own code (the runner here is a stand-in): what a GPU run pays between steps
             "host_schedule_s": sum(res.schedule_s for res in results), "host_seal_s": sum(res.seal_s for res in results),

@@ -218,18 +218,23 @@ class NoRoomCache(FakeCache):
 
 def test_pages_left_open_wait_before_the_next_seal_try():
     """A seal that left pages open is not retried at every step (each try costs an analysis and a
-    placement of every waiting page): only SEAL_MAX_WAIT steps later, or at once when a request
-    lets go of its pages."""
-    from zipfusion.engine.scheduler import SEAL_MAX_WAIT
-    cache = NoRoomCache(100)
+    placement of every waiting page): SEAL_MAX_WAIT steps later, then twice, four times ... as
+    long (SEAL_BACKOFF), or at once when a page is freed."""
+    from zipfusion.engine.scheduler import SEAL_BACKOFF, SEAL_MAX_WAIT
+    cache = NoRoomCache(1000)
     cache.calls = []
     s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic", prefix_caching=False)
-    a, b = req(0, 64, max_tokens=200), req(1, 8, max_tokens=1)
+    a, b = req(0, 64, max_tokens=2000), req(1, 8, max_tokens=1000)
     s.add(a)
     s.add(b)
-    for _ in range(3 * SEAL_MAX_WAIT):
+    steps = []
+    for step in range(SEAL_MAX_WAIT * (2 ** (SEAL_BACKOFF + 1) + 2 ** SEAL_BACKOFF + 1)):
+        tries = len(cache.calls)
         advance(s, s.schedule())                                    # each step ends with a seal call
-    assert 2 <= len(cache.calls) <= 4, cache.calls                  # not once per step
+        steps += [step] * (len(cache.calls) - tries)
+    gaps = [y - x for x, y in zip(steps, steps[1:])]
+    assert steps[0] == 0 and gaps == [SEAL_MAX_WAIT << min(i, SEAL_BACKOFF) for i in range(len(gaps))]
+    assert gaps[-2:] == [SEAL_MAX_WAIT << SEAL_BACKOFF] * 2, steps  # (the longest wait, again)
     tries = len(cache.calls)
     s.finish(b, "stop")                                             # pages let go of: try now
     s.seal_full_pages(s.running)

@@ -141,13 +141,36 @@ def test_a_hit_computes_only_the_new_tokens():
     assert computed == 200 + 20 - 192              # the tail only
 
 
+@pytest.mark.parametrize("compress", [True, False])
+def test_requests_arriving_together_compute_a_shared_prefix_once(compress):
+    """Requests sent at once behind one long prefix: the first computes it, the others wait a
+    step (each asks for pages another request is computing) and find it cached; the tokens are
+    those of a run without the cache. Without the wait each request admitted beside the first
+    computed its own copy (here: all six, at 4,096 tokens a step)."""
+    kw = dict(deterministic=True, kv_compression=compress, max_num_batched_tokens=4096)
+    ps = prompts()[:5] + [[900] * 40] + prompts()[5:]
+    ref, _ = run(LLM("demo", enable_prefix_caching=False, **kw), [ps])
+    llm = LLM("demo", **kw)
+    eng = llm.engine
+    reqs = [eng.add_request(p, SP) for p in ps]
+    computed, first = 0, eng.step()
+    assert first.prefill_tokens == len(ps[0]) + 40       # the first of the group, and the stranger
+    computed += first.prefill_tokens
+    while eng.has_work():
+        computed += eng.step().prefill_tokens
+    assert computed == sum(map(len, ps)) - 4 * 192 - 80     # four hits on SHARED, one on its first 80
+    assert [r.num_cached_tokens for r in reqs] == [0, 192, 192, 192, 192, 0, 80]
+    got = hashlib.sha256(repr([r.output_ids for r in reqs]).encode()).hexdigest()
+    assert got == ref
+
+
 def test_eviction_under_pressure_keeps_outputs_and_frees_everything():
     """A KV memory too small to keep every prefix: pages are evicted least recently used first,
     the tokens stay those of a run without the cache, and no page is left behind."""
     kw = dict(kv_memory_gb=0.004, max_num_batched_tokens=128, deterministic=True)
-    group = [[[500 + g] * 16 * 6 + [g, g + 1 + i, 7] for i in range(2)] for g in range(24)]
-    a, b = sum(group[:12], []), sum(group[12:], [])                    # 24 requests, 7 pages each
-    batches = [a, b, a[:8]]              # b evicts a's prefixes (152 pages hold 21 requests), a[:8] again
+    group = [[[500 + g] * 16 * 12 + [g, g + 1 + i, 7] for i in range(2)] for g in range(24)]
+    a, b = sum(group[:12], []), sum(group[12:], [])     # 24 requests, 13 pages each, 14 a pair (shared)
+    batches = [a, b, a[:8]]              # b evicts a's prefixes (152 pages hold 10 pairs), a[:8] again
     ref, _ = run(LLM("demo", enable_prefix_caching=False, **kw), batches)
     llm = LLM("demo", **kw)
     cap0 = llm.engine.cache.capacity_new_pages()

@@ -37,13 +37,20 @@ from .request import PAGE_TOKENS, Request, Status
 UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
 SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
                         # (the cache's ``seal_batch``) or this many steps after the last seal:
-                        # one call's fixed cost (analysis, a device sync, placement) serves many pages;
-                        # after a seal that left pages open (no room), again only this many steps
-                        # later or once a request lets go of its pages (no retry storm)
+                        # one call's fixed cost (analysis, a device sync, placement) serves many pages
+SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
+                        # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
+                        # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
+                        # H200's long_swap run 9.6 s of sealing against the long run's 4.5 s;
+                        # simulated long_recompute, 4 seeds: host seal time 9-14 -> 1.3-1.5 s,
+                        # 27-40 -> 8-16 preemptions, prefill 1.06-1.12 -> 1.04-1.13x the prompts)
 SEAL_STREAMS, SEAL_WINDOW = 16, 128   # a page is sealed into fill stream (expected finish step of its
                         # request // SEAL_WINDOW) % SEAL_STREAMS: pages that leave together share
                         # chunks, which then empty by themselves (memory/packed.py). Simulated mix
                         # (benchmarks/schedule_sim.py): compaction 9.76 -> 0.0007 GiB, batch unchanged
+SHARED_AHEAD_PAGES = 2  # a waiting request whose next uncached pages (this many) another request
+                        # is computing now waits a step and finds them cached (SGLang's in-batch
+                        # prefix check): a group arriving at once computes its shared prompt once
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -103,7 +110,8 @@ class Scheduler:
         # chunks and free them together
         self._to_seal: dict[int, tuple[int, int]] = {}
         self._seal_wait = 0
-        self._seal_stuck = False               # the last seal left pages open (no room)
+        self._stuck_at: int | None = None      # the last seal left pages open (no room): the capacity then
+        self._stuck_seals = 0                  # seals in a row that left pages open
         self._steps = 0                        # steps scheduled: the clock of the seal's streams
 
     def add(self, req: Request) -> None:
@@ -169,6 +177,7 @@ class Scheduler:
         none in a step that had to preempt)."""
         free = self.cache.capacity_new_pages()
         candidates = [r for r in self.running if r.in_prefill]
+        computing = {self._pages_ahead(r, r.prefix_node, r.num_sealed_pages) for r in candidates}
         if not out.preempted:                     # as vLLM: no admission in a step that preempted
             candidates += self.waiting
         for req in candidates:
@@ -176,9 +185,16 @@ class Scheduler:
                 break
             admitted = req.status == Status.RUNNING
             if not admitted:
-                if len(self.running) >= self.max_num_seqs or not self._admit(req):
+                if len(self.running) >= self.max_num_seqs:
+                    break
+                chain = self._match(req)
+                ahead = self._pages_ahead(req, chain[-1].node_id if chain else ROOT, len(chain))
+                if ahead is not None and ahead in computing:
+                    continue                      # computed by another request now: cached next step
+                if not self._admit(req, chain):
                     break
                 free = self.cache.capacity_new_pages()
+                computing.add(self._pages_ahead(req, req.prefix_node, req.num_sealed_pages))
             # the chunk: what is left of the prompt, within the budget and the pages free now
             want = min(req.num_tokens - req.num_computed, budget)
             if req.pages_needed(req.num_computed + want) > free:
@@ -214,11 +230,25 @@ class Scheduler:
         nobody are evicted instead (to the host tier, if any)."""
         self._drop_from_seal(self.prefix.evict_pages(pages))
 
-    def _admit(self, req: Request) -> bool:
-        """Take the request's cached prefix, then ask admission (evicting cached pages nobody
-        holds when that is what is missing); on a refusal the prefix is let go again. Pages of
-        the prefix on the host tier come back into new pages (or, with no room, are recomputed)."""
-        chain = self.prefix.match(req.tokens, (req.num_tokens - 1) // PAGE_TOKENS) if not req.pages else []
+    def _match(self, req: Request) -> list:
+        """The cached chain of pages a waiting request's tokens start with (its last token is
+        always computed: it gives the logits)."""
+        return self.prefix.match(req.tokens, (req.num_tokens - 1) // PAGE_TOKENS) if not req.pages else []
+
+    def _pages_ahead(self, req: Request, parent: int, first: int) -> tuple | None:
+        """What names the SHARED_AHEAD_PAGES pages a request computes next, from its page
+        ``first`` on behind the cached chain node ``parent`` (None: fewer full pages are left,
+        or no prefix cache): two requests with the same key would compute the same pages."""
+        end = first + SHARED_AHEAD_PAGES
+        if not self.prefix.enabled or end > (req.num_tokens - 1) // PAGE_TOKENS:
+            return None
+        return parent, tuple(t for i in range(first, end) for t in req.token_block(i))
+
+    def _admit(self, req: Request, chain: list) -> bool:
+        """Take the request's cached prefix (``chain``, from :meth:`_match`), then ask admission
+        (evicting cached pages nobody holds when that is what is missing); on a refusal the
+        prefix is let go again. Pages of the prefix on the host tier come back into new pages
+        (or, with no room, are recomputed)."""
         resident = [n for n in chain if n.page is not None]
         self.prefix.acquire(resident)
         if self.running:
@@ -314,8 +344,8 @@ class Scheduler:
         passed since the last seal (or now, with ``force``): the cache's first half of a seal
         (on the GPU, their size analysis launched). The engine calls it before a step's forward
         and :meth:`finish_seal` once the forward is launched, with no scheduling in between."""
-        waiting = ((len(self._to_seal) < self.seal_min_pages or self._seal_stuck)
-                   and self._seal_wait < SEAL_MAX_WAIT)
+        waiting = (self._seal_stuck() and self._seal_wait < SEAL_MAX_WAIT << min(self._stuck_seals - 1, SEAL_BACKOFF)
+                   or len(self._to_seal) < self.seal_min_pages and self._seal_wait < SEAL_MAX_WAIT)
         if not self._to_seal or (waiting and not force):
             return None
         ids = sorted(self._to_seal, key=self._to_seal.__getitem__)     # (only a compressing cache's)
@@ -345,13 +375,19 @@ class Scheduler:
         left = self.cache.finish_seal(job, min_capacity=promised)
         self._drop_from_seal(set(ids).difference(left))
         self._seal_wait = 0
-        self._seal_stuck = bool(left)          # no room: wait SEAL_MAX_WAIT steps or for pages freed
+        self._stuck_at = self.cache.capacity_new_pages(keep_reserve=False) if left else None
+        self._stuck_seals = self._stuck_seals + 1 if left else 0
         return len(ids)
 
     def seal_full_pages(self, reqs, force: bool = False) -> int:
         """Collect and seal in one call (the engine's step splits the two around its forward)."""
         self.collect_full_pages(reqs)
         return self.finish_seal(self.start_seal(force))
+
+    def _seal_stuck(self) -> bool:
+        """The last seal left pages open for want of room, and no room came back since (no page
+        freed): sealing them again would fail again (SEAL_BACKOFF)."""
+        return self._stuck_at is not None and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
 
     def _drop_from_seal(self, pages) -> None:
         """Pages sealed, freed or evicted: no longer waiting for a seal."""
@@ -391,7 +427,6 @@ class Scheduler:
         """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
         self._drop_from_seal(self.prefix.release(req.pages))
         req.pages = []
-        self._seal_stuck = False               # room may have come back: seal at the next step
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached page nobody holds; how many were freed."""
