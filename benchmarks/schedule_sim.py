@@ -17,6 +17,7 @@ decisions alone must leave it as it was (``--no-async-scheduling``: the plain or
 
     python3 benchmarks/schedule_sim.py                       # every scenario, both modes
     python3 benchmarks/schedule_sim.py --scenarios mix --modes compressed --admission conservative
+    python3 benchmarks/schedule_sim.py --scenarios long_recompute --admission optimistic --seeds 0,1,2,3
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     m = eng.cache.manager
     peak = max(s[2] for s in steps)
     stats = eng.peak_kv_stats or {}
-    return {"scenario": name, "mode": mode, "admission": admission, "async_scheduling": async_scheduling,
+    return {"scenario": name, "mode": mode, "seed": seed, "admission": admission, "async_scheduling": async_scheduling,
             "fraction": fraction, "kv_gb": gb,
             "chunk_bytes": eng.cache.manager.chunk_bytes, "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
             "prompt_tokens": sum(len(r.prompt_ids) for r in rs),
@@ -124,6 +125,39 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "sim_seconds": time.perf_counter() - t0}
 
 
+COMPARED = (("prefill_tokens_computed", "prefill tokens computed", -1), ("peak_batch", "peak batch", 1),
+            ("preemptions", "preemptions", -1), ("pages_handed_to_seal", "pages handed to the seal", -1),
+            ("host_seal_s", "host seconds sealing", -1))     # (key, title, +1: more is better, -1: less)
+
+
+def compare(before: str, after: str, png: str | None) -> None:
+    """A change's effect: each record of AFTER (scenario, mode, admission, seed) beside the same
+    record of BEFORE, one panel per metric, AFTER / BEFORE as bars (1 = unchanged)."""
+    from common import pyplot
+    key = lambda r: (r["scenario"], r["mode"], r["admission"], r.get("seed", 0))  # noqa: E731
+    old = {key(r): r for r in json.load(open(before))["records"]}
+    pairs = [(old[key(r)], r) for r in json.load(open(after))["records"] if key(r) in old]
+    labels = [f"{r['scenario']} {r['mode'][:6]} s{r.get('seed', 0)}" for _, r in pairs]
+    for (b, a), label in zip(pairs, labels):
+        print(label.ljust(34), "  ".join(f"{m} {b[m]:.4g} -> {a[m]:.4g}" for m, _, _ in COMPARED))
+    plt = pyplot()
+    if plt is None or not png:
+        return
+    fig, axes = plt.subplots(1, len(COMPARED), figsize=(4 * len(COMPARED), 0.3 * len(pairs) + 1.5), sharey=True)
+    for ax, (m, title, better) in zip(axes, COMPARED):
+        ratio = [a[m] / b[m] if b[m] >= (0.05 if m.endswith("_s") else 1) else float("nan")   # (ms: noise)
+                 for b, a in pairs]
+        ax.barh(range(len(pairs)), ratio, color=["tab:red" if (x - 1) * better < -1e-9 else "tab:green" for x in ratio])
+        ax.axvline(1, color="k", lw=0.8)
+        ax.set_title(f"{title}\n(after / before)", fontsize=9)
+    axes[0].set_yticks(range(len(pairs)), labels, fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"schedule_sim: {os.path.basename(after)} against {os.path.basename(before)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print("wrote", png)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS))
@@ -134,19 +168,26 @@ def main() -> None:
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="schedule each step after the last one's tokens are back (the engine's CPU default)")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds of the lengths and page sizes drawn")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                    help="no run: plot two such JSON files side by side (--png)")
+    ap.add_argument("--png", default=None)
     args = ap.parse_args()
+    if args.compare:
+        return compare(*args.compare, args.png)
     recs = []
-    for name in args.scenarios.split(","):
-        for mode in args.modes.split(","):
-            r = simulate(name, mode, args.fraction, args.admission, chunk_pages=args.chunk_pages,
-                         async_scheduling=args.async_scheduling)
-            recs.append(r)
-            print(f"{name:16s} {mode:13s} preempt {r['preemptions']:4d}/{r['requests']:4d}  prefill "
-                  f"{r['prefill_tokens_computed'] / r['prompt_tokens']:.3f}x prompt  peak {r['peak_batch']:3d}  "
-                  f"mean {r['mean_batch']:6.1f}  compaction {r['compaction_bytes'] / 2**30:6.2f} GiB  "
-                  f"ratio {r['stored_ratio_at_peak']}  {r['schedule_sha256']}  host: schedule {r['host_schedule_s']:.2f} s seal "
-                  f"{r['host_seal_s']:.2f} s rest {r['host_other_s']:.2f} s ahead {r['host_ahead_s']:.2f} s  ({r['sim_seconds']:.0f} s)", flush=True)
+    for seed, name, mode in ((int(s), n, m) for s in args.seeds.split(",") for n in args.scenarios.split(",")
+                             for m in args.modes.split(",")):
+        r = simulate(name, mode, args.fraction, args.admission, seed=seed, chunk_pages=args.chunk_pages,
+                     async_scheduling=args.async_scheduling)
+        recs.append(r)
+        print(f"{name:16s} {mode:13s} seed {seed} preempt {r['preemptions']:4d}/{r['requests']:4d}  prefill "
+              f"{r['prefill_tokens_computed'] / r['prompt_tokens']:.3f}x prompt  peak {r['peak_batch']:3d}  "
+              f"mean {r['mean_batch']:6.1f}  compaction {r['compaction_bytes'] / 2**30:6.2f} GiB  "
+              f"ratio {r['stored_ratio_at_peak']}  {r['schedule_sha256']}  sealing {r['pages_handed_to_seal']} pages  "
+              f"host: schedule {r['host_schedule_s']:.2f} s seal {r['host_seal_s']:.2f} s rest "
+              f"{r['host_other_s']:.2f} s ahead {r['host_ahead_s']:.2f} s  ({r['sim_seconds']:.0f} s)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"records": recs}, f, indent=1)
