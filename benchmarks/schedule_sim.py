@@ -8,8 +8,9 @@ probability ``--fraction`` (the measured 96 % of random-weight Llama KV, or 0.92
 
 What it answers in seconds on a CPU: preemptions, prefill tokens computed vs prompt tokens,
 peak and mean batch, pages sealed and left open, compaction bytes -- the numbers issue 20's goals
-put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-cache hits (no
-host tier: the meta device holds no bytes). It cannot say anything about GPU time; it does
+put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-cache hits and
+the host tier's swaps (its books, no bytes: ``zipfusion.testing.AccountingHostTier``, sized as
+the engine sizes it on the H200 unless ``--host-gb``). It cannot say anything about GPU time; it does
 report the host's seconds in the engine's own code between forwards (scheduling, the seal's host
 side, the rest; and, with async scheduling, as on a GPU by default, the scheduling done beside
 the forward), and a digest of every step's decisions and outputs: a change meant to leave the
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache, KVCache  # noqa: E402
-from zipfusion.testing import AccountingManager  # noqa: E402
+from zipfusion.testing import AccountingHostTier, AccountingManager  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402
 
 L, H, D = 32, 8, 128                      # Llama-3.1-8B's KV shape
@@ -72,11 +73,17 @@ class SimCache(ArenaKVCache):
         return self.manager.seal_pages(list(ids), sizes=sizes, min_capacity=min_capacity)
 
 
+H200_HOST_GB = 30.0      # the engine's default host tier on the H200 runs: a quarter of its free host memory
+
+
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
-             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, async_scheduling: bool = True) -> dict:
+             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, async_scheduling: bool = True,
+             host_gb: float | None = None) -> dict:
     """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
     made of shared system prompts or conversations (shared_prefix, multi_turn): their very token
-    ids from workloads.py, turns sent as answers finish, the prefix cache on."""
+    ids from workloads.py, turns sent as answers finish, the prefix cache on. ``host_gb``: the
+    host tier (an ``AccountingHostTier``: its books, no bytes); None: the scenario's, else the
+    engine's default on the H200 runs, min(2 x the KV memory, H200_HOST_GB)."""
     import torch
     from zipfusion import LLMEngine
     from zipfusion.engine.scheduler import Scheduler
@@ -95,7 +102,10 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed,
                          chunk_pages and chunk_pages * LAYOUT.open_page_bytes)
     eng.max_model_len = longest
-    eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission)
+    if host_gb is None:
+        host_gb = sc.host_gb if sc.host_gb is not None else min(2 * gb, H200_HOST_GB)
+    tier = AccountingHostTier(eng.cache.manager, int(host_gb * 2**30)) if host_gb else None
+    eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission, host_tier=tier)
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
     eng.runner.forget = lambda rid: None
     eng.async_scheduling = async_scheduling         # as on a GPU (the engine's default there)
@@ -112,7 +122,8 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "chunk_bytes": eng.cache.manager.chunk_bytes, "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
             "prompt_tokens": sum(len(r.prompt_ids) for r in rs),
             "new_prompt_tokens": sum(map(len, prompts)) + sum(len(x) for t in (turns or []) for x in t),
-            "prefix_hit_tokens": eng.scheduler.prefix.stats.hit_tokens,
+            "prefix_hit_tokens": eng.scheduler.prefix.stats.hit_tokens, "host_gb": host_gb,
+            "swapped_in_pages": tier.stats.pages_in if tier else 0, "swapped_out_pages": tier.stats.pages_out if tier else 0,
             "prefill_tokens_computed": sum(s[1] for s in steps),
             "peak_batch": peak, "mean_batch": float(np.mean([s[0] for s in steps if s[1] == 0] or [0])),
             "steps": len(steps), "pages_compressed": m.pages_compressed, "compaction_bytes": m.bytes_moved,
@@ -168,6 +179,8 @@ def main() -> None:
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="schedule each step after the last one's tokens are back (the engine's CPU default)")
+    ap.add_argument("--host-gb", type=float, default=None,
+                    help=f"host tier GiB (default: the scenario's, else min(2 x KV, {H200_HOST_GB:g}); 0: none)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds of the lengths and page sizes drawn")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
@@ -180,12 +193,13 @@ def main() -> None:
     for seed, name, mode in ((int(s), n, m) for s in args.seeds.split(",") for n in args.scenarios.split(",")
                              for m in args.modes.split(",")):
         r = simulate(name, mode, args.fraction, args.admission, seed=seed, chunk_pages=args.chunk_pages,
-                     async_scheduling=args.async_scheduling)
+                     async_scheduling=args.async_scheduling, host_gb=args.host_gb)
         recs.append(r)
         print(f"{name:16s} {mode:13s} seed {seed} preempt {r['preemptions']:4d}/{r['requests']:4d}  prefill "
               f"{r['prefill_tokens_computed'] / r['prompt_tokens']:.3f}x prompt  peak {r['peak_batch']:3d}  "
               f"mean {r['mean_batch']:6.1f}  compaction {r['compaction_bytes'] / 2**30:6.2f} GiB  "
               f"ratio {r['stored_ratio_at_peak']}  {r['schedule_sha256']}  sealing {r['pages_handed_to_seal']} pages  "
+              f"swapped in {r['swapped_in_pages']}  "
               f"host: schedule {r['host_schedule_s']:.2f} s seal {r['host_seal_s']:.2f} s rest "
               f"{r['host_other_s']:.2f} s ahead {r['host_ahead_s']:.2f} s  ({r['sim_seconds']:.0f} s)", flush=True)
     if args.out:

@@ -23,14 +23,22 @@ def test_full_size_scenarios_run_without_preemption(scenario, mode):
     assert r["peak_batch"] > open_peak if mode == "compressed" else r["peak_batch"] == open_peak
 
 
-def test_multi_turn_reuses_each_conversation_through_the_prefix_cache():
+@pytest.mark.parametrize("host_gb", [None, 0])
+def test_multi_turn_reuses_each_conversation_through_the_prefix_cache(host_gb):
     """The conversation scenario at full size: every later turn's prompt starts with the one
-    before (the very token ids workloads.py sends), so the cache serves part of it; at 24 GiB the
-    conversations outgrow memory and some turns recompute evicted pages (no host tier here)."""
-    r = schedule_sim.simulate("multi_turn", "compressed", 0.96, "estimate")
+    before (the very token ids workloads.py sends), so the cache serves part of it. At 24 GiB the
+    conversations outgrow memory: with the host tier (the engine's default size on the H200) the
+    evicted pages come back and prefill computes at most 1.05x the new tokens (issue 22's goal;
+    the H200 run computed 187,392 tokens, 1.04x); without it some turns recompute them."""
+    r = schedule_sim.simulate("multi_turn", "compressed", 0.96, "estimate", host_gb=host_gb)
     assert r["requests"] == 64 * 8 and r["preemptions"] == 0
     assert r["prefix_hit_tokens"] > 0
-    assert r["new_prompt_tokens"] < r["prefill_tokens_computed"] < r["prompt_tokens"]
+    if host_gb is None:
+        assert r["swapped_in_pages"] > 0
+        assert r["new_prompt_tokens"] < r["prefill_tokens_computed"] <= 1.05 * r["new_prompt_tokens"]
+    else:
+        assert r["swapped_in_pages"] == 0
+        assert 1.5 * r["new_prompt_tokens"] < r["prefill_tokens_computed"] < r["prompt_tokens"]
 
 
 def test_mix_pages_leave_their_chunks_together():

@@ -1,5 +1,6 @@
 """Helpers for tests and benchmarks (nothing in the engine calls this module): driving an engine
-step by step, a memory manager that only counts (``AccountingManager``), and torch references for paged attention over the arena (float64 math, any
+step by step, a memory manager and a host tier that only count (``AccountingManager``,
+``AccountingHostTier``), and torch references for paged attention over the arena (float64 math, any
 device), reading pages exactly as the kernels must: ``loc_is_open(page_loc)``: an open page
 stored as ``[2, 16, H, D]`` bf16, else a compressed page decoded with the format's reference
 codec."""
@@ -12,6 +13,7 @@ import torch
 from .format.layout import PAGE_TOKENS, PageLayout, loc_is_open, loc_offset
 from .format.reference import decode_pages
 from .memory import KVCacheManager
+from .memory.host_tier import HostTier
 
 
 class AccountingManager(KVCacheManager):
@@ -45,6 +47,20 @@ class AccountingManager(KVCacheManager):
         if ((sizes < lo) | (sizes > hi) | (sizes % 16 != 0)).any():
             raise ValueError(f"seal_pages: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
         return sizes
+
+
+class AccountingHostTier(HostTier):
+    """A :class:`HostTier` that keeps the books (its ring of records, drops when full) and moves
+    no bytes: the host tier of an ``AccountingManager`` (benchmarks/schedule_sim.py)."""
+
+    def _allocate(self) -> None:
+        self.buf = torch.empty(self.budget, dtype=torch.uint8, device="meta")
+
+    def _copy_out(self, off, nbytes, records) -> None:
+        pass
+
+    def _copy_in(self, records, ids) -> None:
+        pass
 
 
 def run_to_completion(engine, reqs=(), keep_logits: bool = False) -> None:

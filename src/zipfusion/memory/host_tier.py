@@ -161,17 +161,21 @@ class HostTier:
             out.append(rec)
         keep = [i for i, r in enumerate(out) if r is not None and r.live]
         if keep:
-            per_page = nbytes[:, keep].T.reshape(-1)                 # page-major: a page's layers together
-            staged = torch.empty(int(per_page.sum()), dtype=torch.uint8, device=self.m.device)
-            dst = np.concatenate([[0], np.cumsum(per_page)[:-1]])
-            copy_ranges(self.m.arena, staged, off[:, keep].T.reshape(-1), dst, per_page)
-            at = 0
-            for a, n in _runs([(out[i].start, out[i].size) for i in keep]):     # one copy per run
-                self.buf[a:a + n].copy_(staged[at:at + n], non_blocking=self.pin)
-                at += n
+            self._copy_out(off[:, keep], nbytes[:, keep], [out[i] for i in keep])
             self.stats.pages_out += len(keep)
-            self.stats.bytes_out += at
+            self.stats.bytes_out += int(nbytes[:, keep].sum())
         return [r if r is not None and r.live else None for r in out]
+
+    def _copy_out(self, off: np.ndarray, nbytes: np.ndarray, records: list[Record]) -> None:
+        """The bytes of pages at arena offsets ``off`` [L, n] (``nbytes`` each) into their records."""
+        per_page = nbytes.T.reshape(-1)                              # page-major: a page's layers together
+        staged = torch.empty(int(per_page.sum()), dtype=torch.uint8, device=self.m.device)
+        dst = np.concatenate([[0], np.cumsum(per_page)[:-1]])
+        copy_ranges(self.m.arena, staged, off.T.reshape(-1), dst, per_page)
+        at = 0
+        for a, n in _runs([(r.start, r.size) for r in records]):     # one copy per run
+            self.buf[a:a + n].copy_(staged[at:at + n], non_blocking=self.pin)
+            at += n
 
     def take(self, records: list[Record], ids) -> None:
         """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit."""
@@ -180,6 +184,15 @@ class HostTier:
             return
         if (m.table.state[ids] != OPEN).any():
             raise ValueError("HostTier.take: the destination pages must be open")
+        self._copy_in(records, ids)
+        self.drop(records)
+        self.stats.pages_in += ids.size
+        self.stats.bytes_in += sum(r.size for r in records)
+
+    def _copy_in(self, records: list[Record], ids: np.ndarray) -> None:
+        """The records' bytes back into the open pages ``ids``: open forms copied, compressed
+        pages decoded."""
+        m = self.m
         total = sum(r.size for r in records)
         staged = torch.empty(total, dtype=torch.uint8, device=m.device)
         at = 0
@@ -202,9 +215,6 @@ class HostTier:
             k = pages.shape[0]
             copy_ranges(pages.view(torch.uint8).reshape(-1), m.arena, np.arange(k) * page, to[i:i + step],
                         np.full(k, page))
-        self.drop(records)
-        self.stats.pages_in += ids.size
-        self.stats.bytes_in += int(nbytes.sum())
 
     def drop(self, records: list[Record]) -> None:
         """Let go of records (taken back, or forgotten by their owner); their space returns when
