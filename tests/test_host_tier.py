@@ -79,6 +79,40 @@ def test_round_trip_is_bit_exact_in_every_form(device):
     assert host.used == 0 and host.stats.pages_in == host.stats.pages_out == 10
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tier's own CUDA stream needs CUDA")
+def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
+    """Copies out run on the tier's stream: one that reuses the ring bytes of a swap-in still
+    queued behind busy compute waits for it, and a swap-in waits for its pages' copy out."""
+    m = manager(device="cuda")
+    ids = m.alloc_pages(4)
+    for i, p in enumerate(ids):
+        write(m, p, page_data(i))
+    m.seal_pages(ids)
+    host = HostTier(m, 1 << 20)
+    host.start(wait=True)
+    torch.cuda._sleep(100_000_000)                      # the compute stream busy for a while
+    recs = host.put(ids, ids)                           # its copy out waits for the gather behind it
+    m.free_pages(ids)
+    back = m.alloc_pages(4)
+    host.take(recs, back)                               # waits for the copy out, then reads the ring
+    torch.cuda._sleep(100_000_000)
+    ids2 = m.alloc_pages(4)
+    for i, p in enumerate(ids2):
+        write(m, p, page_data(100 + i))
+    m.seal_pages(ids2)
+    recs2 = host.put(ids2, ids2)                        # the same ring bytes, after the swap-in read them
+    assert recs2[0].start == recs[0].start and recs[0].copied is not None
+    torch.cuda.synchronize()
+    for i, p in enumerate(back):
+        assert same_bits(read(m, p), page_data(i)), i
+    m.free_pages(ids2)
+    back2 = m.alloc_pages(4)
+    host.take(recs2, back2)
+    for i, p in enumerate(back2):
+        assert same_bits(read(m, p), page_data(100 + i)), i
+
+
 def test_round_trip_in_one_page_decode_batches(monkeypatch):
     """A swap-in decodes its compressed bytes in bounded batches: one page at a time, too."""
     import zipfusion.memory.host_tier as host_tier

@@ -8,11 +8,14 @@ and are decoded into it (bit for bit), and the page is sealed again with the nex
 is recomputed. When the tier is full its least recently stored pages are dropped (then they are
 recomputed, as without a tier).
 
-Transfers (``put`` / ``take``) run on the current CUDA stream without a host sync: the D2H copy
-of a batch is queued after the kernels that wrote the pages and before any that reuse their
-memory, and the H2D copy before the decode that reads it, so stream order alone keeps a page in
-flight from being read or overwritten early. (They do not overlap the step's compute yet: a side
-stream would.) On the CPU the same code copies between tensors.
+Transfers (``put`` / ``take``) need no host sync. Out: the pages' bytes are gathered into a
+device staging buffer on the current stream (after the kernels that wrote them, before any that
+reuse their memory: the page ids are freed at once), and that buffer crosses PCIe on the tier's
+own stream, beside the compute that follows; the staging buffer is held until the copy is done
+(``record_stream``), and the copy first waits for everything queued on the current stream, so a
+swap-in still reading a ring slot is never overwritten. In: the current stream waits for the
+records' own copies out (their event), then copies and decodes them into new open pages before
+the step that reads them. On the CPU the same code copies between tensors.
 
 Layout: one pinned buffer of the tier's budget (no host allocation per transfer: allocating pinned
 memory can stall the device). On CUDA a background thread pins it once the engine has started
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +50,7 @@ class Record:
     open_form: np.ndarray         # [L] bool
     owner: object = None
     live: bool = True
+    copied: object = None         # CUDA: the event after its copy out (the tier's stream)
 
     @property
     def size(self) -> int:
@@ -68,6 +73,7 @@ class HostTier:
     def __init__(self, manager, budget_bytes: int, on_drop=None):
         self.m, self.budget = manager, int(budget_bytes) // 16 * 16
         self.pin = manager.device.type == "cuda"
+        self.stream = torch.cuda.Stream(manager.device) if self.pin else None    # copies out, beside compute
         self.on_drop = on_drop                  # called with a record's owner when it is dropped
         self.buf: torch.Tensor | None = None
         self._pinning: threading.Thread | None = None
@@ -172,10 +178,20 @@ class HostTier:
         staged = torch.empty(int(per_page.sum()), dtype=torch.uint8, device=self.m.device)
         dst = np.concatenate([[0], np.cumsum(per_page)[:-1]])
         copy_ranges(self.m.arena, staged, off.T.reshape(-1), dst, per_page)
-        at = 0
-        for a, n in _runs([(r.start, r.size) for r in records]):     # one copy per run
-            self.buf[a:a + n].copy_(staged[at:at + n], non_blocking=self.pin)
-            at += n
+        side = self.stream
+        if side is not None:                    # after the gather and any swap-in reading the ring
+            side.wait_stream(torch.cuda.current_stream(self.m.device))
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            at = 0
+            for a, n in _runs([(r.start, r.size) for r in records]):     # one copy per run
+                self.buf[a:a + n].copy_(staged[at:at + n], non_blocking=self.pin)
+                at += n
+        if side is not None:
+            staged.record_stream(side)          # not reused before the copy is done
+            done = torch.cuda.Event()
+            done.record(side)
+            for r in records:
+                r.copied = done
 
     def take(self, records: list[Record], ids) -> None:
         """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit."""
@@ -193,6 +209,10 @@ class HostTier:
         """The records' bytes back into the open pages ``ids``: open forms copied, compressed
         pages decoded."""
         m = self.m
+        if self.stream is not None:             # their copies out are done first
+            compute = torch.cuda.current_stream(m.device)
+            for done in {id(r.copied): r.copied for r in records if r.copied is not None}.values():
+                compute.wait_event(done)
         total = sum(r.size for r in records)
         staged = torch.empty(total, dtype=torch.uint8, device=m.device)
         at = 0
