@@ -271,3 +271,59 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
     c.num_cached_tokens = 16                                            # as if its prompt hit the cache
     s._to_seal[c.pages[0]] = (c.request_id, 0)
     assert s._seal_streams(c.pages[:1]) == [sched_mod.SEAL_STREAMS]
+
+
+class TightCache(FakeCache):
+    """Sealing sometimes finds no room (every other call leaves every page open)."""
+    seal_batch = 4
+
+    def seal(self, ids, min_capacity=0):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % 2:
+            return list(ids)
+        self.sealed += list(ids)
+        return []
+
+
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefixes=st.lists(st.integers(0, 80), min_size=1, max_size=3),
+       reqs=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 24)), min_size=1, max_size=10),
+       budget=st.sampled_from([16, 48, 256]), admission=st.sampled_from(["estimate", "optimistic"]),
+       spare=st.integers(0, 40), tight=st.booleans())
+@example(prefixes=[64], reqs=[(0, 5, 3)] * 6, budget=256, admission="estimate", spare=0, tight=False)
+def test_every_request_finishes_and_every_page_comes_back(prefixes, reqs, budget, admission, spare, tight):
+    """Requests behind a few shared prefixes, all sent at once, on a pool just big enough for the
+    largest (plus ``spare``): whatever the budget, admission and seal luck, each finishes with
+    its tokens (requests waiting for pages another is computing are never starved), the pages
+    it computes at most once each time it runs, and every page is back once the cache is reset."""
+    heads = [list(range(1000 * k + 3, 1000 * k + 3 + n)) for k, n in enumerate(prefixes)]
+    rs = [Request(i, heads[p % len(heads)] + [50_000 + 100 * i + t for t in range(tail)],
+                  SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+          for i, (p, tail, m) in enumerate(reqs)]
+    largest = max(-(-(r.num_tokens + r.params.max_tokens) // 16) for r in rs)
+    pages = largest + 1 + spare
+    cache = (TightCache if tight else FakeCache)(pages)
+    s = Scheduler(cache, max_num_batched_tokens=budget, max_model_len=4096, admission=admission)
+    for r in rs:
+        s.add(r)
+    computed = {r.request_id: 0 for r in rs}
+    for _ in range(4000):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        for ch in out.prefill:
+            computed[ch.request.request_id] += ch.length
+        advance(s, out)
+        for r in list(s.running):
+            if len(r.output_ids) >= r.params.max_tokens:
+                s.finish(r, "length")
+    assert not s.has_work(), "requests starved"
+    for r in rs:
+        assert r.status == Status.FINISHED and len(r.output_ids) == r.params.max_tokens
+        # a request computes at most its own tokens each time it runs (hits compute less)
+        assert computed[r.request_id] <= (1 + r.num_preemptions) * r.num_tokens
+    s.reset_prefix_cache()
+    assert sorted(cache.free_ids) == list(range(pages))
