@@ -39,7 +39,7 @@ class StepResult(NamedTuple):
     prefill_tokens: int
     running: int                     # requests running after scheduling
     preempted: int
-    sealed_pages: int
+    sealed_pages: int                # pages handed to the seal (those it left open are handed again later)
     start: float                     # time.perf_counter() at the step's start
     seconds: float
     schedule_s: float
