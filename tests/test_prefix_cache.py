@@ -141,17 +141,19 @@ def test_a_hit_computes_only_the_new_tokens():
     assert computed == 200 + 20 - 192              # the tail only
 
 
-@pytest.mark.parametrize("compress", [True, False])
-def test_requests_arriving_together_compute_a_shared_prefix_once(compress):
+@pytest.mark.parametrize("compress,ahead", [(True, False), (False, False), (True, True)])
+def test_requests_arriving_together_compute_a_shared_prefix_once(compress, ahead):
     """Requests sent at once behind one long prefix: the first computes it, the others wait a
     step (each asks for pages another request is computing) and find it cached; the tokens are
     those of a run without the cache. Without the wait each request admitted beside the first
-    computed its own copy (here: all six, at 4,096 tokens a step)."""
+    computed its own copy (here: all six, at 4,096 tokens a step). ``ahead``: with async
+    scheduling (the GPU's default), whose schedule is made before the step's tokens are back."""
     kw = dict(deterministic=True, kv_compression=compress, max_num_batched_tokens=4096)
     ps = prompts()[:5] + [[900] * 40] + prompts()[5:]
     ref, _ = run(LLM("demo", enable_prefix_caching=False, **kw), [ps])
     llm = LLM("demo", **kw)
     eng = llm.engine
+    eng.async_scheduling = ahead
     reqs = [eng.add_request(p, SP) for p in ps]
     computed, first = 0, eng.step()
     assert first.prefill_tokens == len(ps[0]) + 40       # the first of the group, and the stranger
