@@ -269,7 +269,8 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "prefill_step_s_p50": statistics.median(x.seconds for x in pre) if pre else nan,
         "seal_s": sum(x.seal_s for x in steps), "schedule_s": sum(x.schedule_s for x in steps),
         "forward_s": sum(x.forward_s for x in steps), "ahead_s": sum(x.ahead_s for x in steps),
-        "sealed_pages": sum(x.sealed_pages for x in steps),
+        "sealed_pages": sum(x.sealed_pages for x in steps),     # handed to the seal: retries count again
+        "pages_compressed": now.get("pages_compressed", 0) - base.get("pages_compressed", 0),
         "compactions": now.get("compactions", 0) - base.get("compactions", 0),
         "compaction_bytes": now.get("bytes_moved", 0) - base.get("bytes_moved", 0),
         "pages_reclaimed": now.get("pages_reclaimed", 0) - base.get("pages_reclaimed", 0),
