@@ -19,7 +19,9 @@ sealed; a request being admitted first takes the cached pages its tokens start w
 prefills from there, attending to them in place). Pages nobody holds stay cached until memory
 is needed: capacity is asked of the cache after evicting what is evictable, least recently used
 first, and only as much as the request at hand needs. A preempted request's full pages become
-evictable too, so a resumed request usually finds them still there.
+evictable too, so a resumed request usually finds them still there. A waiting request whose next
+pages another request is computing right now waits a step for them (SHARED_AHEAD_PAGES), so a
+group sent at once behind one system prompt computes it once.
 """
 
 from __future__ import annotations
