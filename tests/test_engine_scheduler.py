@@ -3,6 +3,7 @@ admission by capacity (the default estimate and vLLM's optimistic), max_num_seqs
 growth, preemption of the newest request, sealing of full pages."""
 
 import pytest
+from hypothesis import example, given, settings, strategies as st
 
 from zipfusion.engine.kv_cache import KVCache
 from zipfusion.engine.request import Request, Status
@@ -283,9 +284,6 @@ class TightCache(FakeCache):
             return list(ids)
         self.sealed += list(ids)
         return []
-
-
-from hypothesis import example, given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)

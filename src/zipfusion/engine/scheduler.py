@@ -112,8 +112,8 @@ class Scheduler:
         # chunks and free them together
         self._to_seal: dict[int, tuple[int, int]] = {}
         self._seal_wait = 0
-        self._stuck_at: int | None = None      # the last seal left pages open (no room): the capacity then
-        self._stuck_seals = 0                  # seals in a row that left pages open
+        self._stuck_seals = 0                  # seals in a row that left pages open (no room)
+        self._stuck_at = 0                     # the capacity after the last of them
         self._steps = 0                        # steps scheduled: the clock of the seal's streams
 
     def add(self, req: Request) -> None:
@@ -235,14 +235,19 @@ class Scheduler:
     def _match(self, req: Request) -> list:
         """The cached chain of pages a waiting request's tokens start with (its last token is
         always computed: it gives the logits)."""
-        return self.prefix.match(req.tokens, (req.num_tokens - 1) // PAGE_TOKENS) if not req.pages else []
+        return self.prefix.match(req.tokens, self._cacheable_pages(req)) if not req.pages else []
+
+    @staticmethod
+    def _cacheable_pages(req: Request) -> int:
+        """Full pages before the request's last token: the most a prefix hit may cover."""
+        return (req.num_tokens - 1) // PAGE_TOKENS
 
     def _pages_ahead(self, req: Request, parent: int, first: int) -> tuple | None:
         """What names the SHARED_AHEAD_PAGES pages a request computes next, from its page
         ``first`` on behind the cached chain node ``parent`` (None: fewer full pages are left,
         or no prefix cache): two requests with the same key would compute the same pages."""
         end = first + SHARED_AHEAD_PAGES
-        if not self.prefix.enabled or end > (req.num_tokens - 1) // PAGE_TOKENS:
+        if not self.prefix.enabled or end > self._cacheable_pages(req):
             return None
         return parent, tuple(t for i in range(first, end) for t in req.token_block(i))
 
@@ -346,9 +351,11 @@ class Scheduler:
         passed since the last seal (or now, with ``force``): the cache's first half of a seal
         (on the GPU, their size analysis launched). The engine calls it before a step's forward
         and :meth:`finish_seal` once the forward is launched, with no scheduling in between."""
-        waiting = (self._seal_stuck() and self._seal_wait < SEAL_MAX_WAIT << min(self._stuck_seals - 1, SEAL_BACKOFF)
-                   or len(self._to_seal) < self.seal_min_pages and self._seal_wait < SEAL_MAX_WAIT)
-        if not self._to_seal or (waiting and not force):
+        if not self._to_seal:
+            return None
+        stuck = self._seal_stuck()
+        wait = SEAL_MAX_WAIT << min(self._stuck_seals - 1, SEAL_BACKOFF) if stuck else SEAL_MAX_WAIT
+        if not force and self._seal_wait < wait and (stuck or len(self._to_seal) < self.seal_min_pages):
             return None
         ids = sorted(self._to_seal, key=self._to_seal.__getitem__)     # (only a compressing cache's)
         self.cache.set_seal_streams(ids, self._seal_streams(ids))
@@ -377,8 +384,8 @@ class Scheduler:
         left = self.cache.finish_seal(job, min_capacity=promised)
         self._drop_from_seal(set(ids).difference(left))
         self._seal_wait = 0
-        self._stuck_at = self.cache.capacity_new_pages(keep_reserve=False) if left else None
         self._stuck_seals = self._stuck_seals + 1 if left else 0
+        self._stuck_at = self.cache.capacity_new_pages(keep_reserve=False) if left else 0
         return len(ids)
 
     def seal_full_pages(self, reqs, force: bool = False) -> int:
@@ -389,7 +396,7 @@ class Scheduler:
     def _seal_stuck(self) -> bool:
         """The last seal left pages open for want of room, and no room came back since (no page
         freed): sealing them again would fail again (SEAL_BACKOFF)."""
-        return self._stuck_at is not None and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
+        return self._stuck_seals > 0 and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
 
     def _drop_from_seal(self, pages) -> None:
         """Pages sealed, freed or evicted: no longer waiting for a seal."""
