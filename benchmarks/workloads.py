@@ -324,7 +324,8 @@ def worker(job: dict) -> dict:
               max_num_batched_tokens=job["batched_tokens"], max_model_len=max_len, device=job["device"],
               deterministic=job["deterministic"], enable_prefix_caching=job["prefix_cache"],
               admission=job.get("admission", "estimate"), **engine_kwargs(job["mode"]),
-              **({"kv_host_memory_gb": job["host_gb"]} if job.get("host_gb") is not None else {}))
+              **({"kv_host_memory_gb": job["host_gb"]} if job.get("host_gb") is not None else {}),
+              **job.get("engine", {}))                  # --engine-args: any other LLM option
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     prompts, outs, turns = workload(job, vocab)
@@ -374,7 +375,8 @@ def make_job(args, name: str, mode: str, prefix_cache: bool = True) -> dict:
             "shared_prefix": scen.shared_prefix, "group": scen.group, "turns": scen.turns,
             "turn_prompt": scen.turn_prompt, "prefix_cache": prefix_cache, "admission": scen.admission,
             "host_gb": scen.host_gb,
-            "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens}
+            "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens,
+            "engine": json.loads(args.engine_args)}
 
 
 def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
@@ -616,6 +618,7 @@ def parse(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-args", default="{}", help='other LLM options as JSON, e.g. \'{"enforce_eager": true}\'')
     ap.add_argument("--jobs", type=int, default=1, help="worker processes at a time (timings need 1; --smoke: 2)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier workloads.json files (the later "
                     "file wins for a (scenario, mode) pair that ran ok) into --out; runs nothing")
