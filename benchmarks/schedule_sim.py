@@ -12,7 +12,7 @@ put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-c
 the host tier's swaps (its books, no bytes: ``zipfusion.testing.AccountingHostTier``, sized as
 the engine sizes it on the H200 unless ``--host-gb``). It cannot say anything about GPU time; it does
 report the host's seconds in the engine's own code between forwards (scheduling, the seal's host
-side, the rest; and, with async scheduling, as on a GPU by default, the scheduling done beside
+side, the rest; and, with async scheduling (the engine's opt-in on a GPU), the scheduling done beside
 the forward), and a digest of every step's decisions and outputs: a change meant to leave the
 decisions alone must leave it as it was (``--no-async-scheduling``: the plain order).
 
@@ -108,7 +108,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission, host_tier=tier)
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
     eng.runner.forget = lambda rid: None
-    eng.async_scheduling = async_scheduling         # as on a GPU (the engine's default there)
+    eng.async_scheduling = async_scheduling         # as the engine does on a GPU with async_scheduling=True
     t0 = time.perf_counter()
     rs, results, _ = run_requests(eng, prompts, outs, turns=turns, progress_s=1e9)
     steps = [(res.decode_rows, res.prefill_tokens, res.running) for res in results]

@@ -77,10 +77,10 @@ class EngineConfig:
               "on a hit instead of recomputed; a preempted request's pages too); default on a GPU: "
               "min(2 x kv_memory_gb, a quarter of the host's free memory); 0: off (the default on the CPU "
               "and with tensor parallelism)")
-    async_scheduling: bool = _opt(True, "schedule the next step while the GPU computes this one (vLLM's async "
-                                        "scheduling): the host's scheduling leaves the gap between steps; a "
-                                        "request that finishes now is dropped from that schedule before it runs "
-                                        "(CUDA, one GPU; on the CPU the forward holds the host: nothing to overlap)")
+    async_scheduling: bool = _opt(False, "schedule the next step while the GPU computes this one (vLLM's async "
+                                         "scheduling; CUDA, one GPU): the host's scheduling leaves the gap "
+                                         "between steps, tokens unchanged. Off by default: on the H200 the "
+                                         "long workload hung with it twice (2026-12-05, docs/benchmarks.md)")
     deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
                                       "parameters and seed (batch-invariant kernels; slower)")
     chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")

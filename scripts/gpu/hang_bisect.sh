@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Which part of async scheduling hangs the long workload on the H200 (docs/benchmarks.md,
+# 2026-12-05: `long` compressed with async_scheduling on stopped twice, the GPU 93-100 % busy and
+# the host waiting on an event; with CUDA_LAUNCH_BLOCKING=1 it finished). Each variant is one
+# benchmarks/workloads.py worker process (long / compressed, 16 x 32K prompts) with a time limit;
+# shortly before it a watchdog prints the GPU's utilisation (busy: a kernel runs on; idle: the
+# host waits), and the worker prints every thread's stack (faulthandler). One device call, ~7 min:
+#   bash scripts/gpu/hang_bisect.sh            # $OUT/<variant>.err|out, the summary on stdout
+set -u
+OUT=${OUT:-/tmp/hang_out}; mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
+
+job() {   # mode [key=json ...] -> the worker's job (long scenario)
+  python3 - "$@" <<'P'
+import json, sys
+sys.path.insert(0, "benchmarks")
+import workloads as w
+job = w.make_job(w.parse(["--scenarios", "long"]), "long", sys.argv[1])
+for kv in sys.argv[2:]:
+    k, v = kv.split("=", 1)
+    job[k] = json.loads(v)
+print(json.dumps(job))
+P
+}
+
+variant() {   # name limit_s mode [key=json ...]
+  local name=$1 lim=$2; shift 2
+  local spec; spec=$(job "$@")
+  echo "== $name"
+  ( sleep $((lim - 8)); echo "-- GPU utilisation at $((lim - 8)) s:"
+    for _ in 1 2 3; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 1; done ) &
+  local wd=$! t0=$SECONDS
+  timeout -k 3 "$lim" python3 benchmarks/workloads.py --worker "$spec" $((lim - 4)) > "$OUT/$name.out" 2> "$OUT/$name.err"
+  echo "rc $? after $((SECONDS - t0)) s"; kill $wd 2>/dev/null
+  grep -h -E "requests done|RESULT" "$OUT/$name.err" "$OUT/$name.out" | tail -3 | cut -c1-300
+  grep -h -A14 "Timeout" "$OUT/$name.err" | head -30
+}
+
+variant async 80 compressed_async
+CUDA_LAUNCH_BLOCKING=1 variant async_blocking 80 compressed_async
+variant async_eager 80 compressed_async 'engine={"enforce_eager": true}'
+variant async_no_host_tier 80 compressed_async host_gb=0
+variant plain 80 compressed
