@@ -354,3 +354,67 @@ def test_async_scheduling_gives_the_same_tokens_through_stops_preemption_and_abo
     assert [r.finish_reason for r in ahead[:-1:4] + ahead[1:-1:4]] == ["stop"] * 6
     assert ahead[-1].finish_reason == "abort" and len(ahead[-1].output_ids) <= 7
     assert ahead[-1].output_ids == free[-1][:len(ahead[-1].output_ids)]
+
+
+class LateEvent:
+    """A chunk release's event as on a GPU running behind the host: done only once the engine
+    has started ``lag`` more steps, or when waited for."""
+    clock = 0
+    waits = 0
+
+    def __init__(self, lag: int):
+        self.at = LateEvent.clock + lag
+
+    def query(self) -> bool:
+        return LateEvent.clock >= self.at
+
+    def synchronize(self) -> None:
+        LateEvent.waits += 1
+        LateEvent.clock = max(LateEvent.clock, self.at)
+
+
+@pytest.mark.parametrize("lag", [1, 4])
+def test_chunks_returning_late_and_scheduling_ahead_give_the_plain_runs_bits(ckpts, monkeypatch, lag):
+    """The GPU's order of events on the CPU: released chunks stay pending until their event
+    completes (``lag`` steps later, or waited for, as ``ChunkPool._reads_done`` is on CUDA), the
+    next step is scheduled ahead, the kernels read a page table kept apart (brought up to date
+    before each forward), the host tier and the prefix cache on, memory tight enough to preempt
+    and compact. Which chunks serve which pages then differs from the plain run; the tokens and
+    logits must not (the H200 hung on async scheduling in a 32K run: docs/benchmarks.md)."""
+    from zipfusion.memory import chunks, page_table
+    from zipfusion.engine import llm_engine
+    path, _ = ckpts["llama"]
+    rng = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 250, (40,), generator=rng).tolist()
+    ps = [(shared if i % 3 == 0 else []) + torch.randint(3, 250, (int(n),), generator=rng).tolist()
+          for i, n in enumerate(torch.randint(10, 90, (24,), generator=rng))]
+    outs = torch.randint(4, 40, (24,), generator=rng).tolist()
+    page = 2 * 16 * 2 * 64 * 2                                   # one open page of one layer
+    init, step = page_table.PageTable.__init__, llm_engine.LLMEngine.step
+
+    def run(late: bool):
+        if late:
+            LateEvent.clock = LateEvent.waits = 0
+            monkeypatch.setattr(chunks.ChunkPool, "_reads_done", lambda self: LateEvent(lag))
+            monkeypatch.setattr(page_table.PageTable, "__init__",
+                                lambda self, L, P, device, mirrored=None: init(self, L, P, device, True))
+            monkeypatch.setattr(llm_engine.LLMEngine, "step",
+                                lambda self: setattr(LateEvent, "clock", LateEvent.clock + 1) or step(self))
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", deterministic=True, kv_memory_gb=48 * page / 2**30,
+                  chunk_bytes=4 * page, max_num_batched_tokens=64, max_model_len=160, admission="optimistic",
+                  kv_host_memory_gb=0.002)
+        eng = llm.engine
+        eng.async_scheduling = late
+        reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+                for p, o in zip(ps, outs)]
+        run_to_completion(eng, reqs, keep_logits=True)
+        stats = eng.cache.stats()
+        assert eng.scheduler.num_preemptions > 0 and stats["compactions"] > 0, stats
+        return reqs
+
+    plain = run(False)
+    late = run(True)
+    assert LateEvent.waits > 0                              # some take had to wait for a pending chunk
+    for a, b in zip(plain, late):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
