@@ -279,6 +279,33 @@ def test_bad_ids(small):
         _call(c, fn=decode_attention_twin)
 
 
+def test_bad_ids_are_asserted_on_the_device_too(small):
+    """check_ids_async (the engine's ZIPFUSION_CHECK_PAGES=1) finds what check_ids finds, plus
+    misaligned and past-the-end locations, with no host sync (on the CPU the assert raises at once)."""
+    from zipfusion.kernels.decode_attention import check_ids, check_ids_async
+    c = small
+    args = dict(arena=c["arena_c"], page_loc_layer=c["loc_c"], block_table=c["bt"], context_lens=c["lens"],
+                layout=c["layout"], twin=None)
+    check_ids_async(**args)                                     # a sound step passes
+    bt = c["bt"].clone()
+    bt[0, 0] = c["loc_c"].numel()
+    bad = [dict(block_table=bt), dict(context_lens=torch.zeros_like(c["lens"])), dict(twin="the twin")]
+    for change, match in ((lambda loc, p: -1, "no page"), (lambda loc, p: loc[p] + 2, "16-byte aligned"),
+                          (lambda loc, p: c["arena_c"].numel() + 16, "past the end")):
+        loc = c["loc_c"].clone()
+        p = c["bt"][0, 0].long()
+        loc[p] = change(loc, p)
+        bad.append(dict(page_loc_layer=loc))
+        with pytest.raises(ValueError, match=match):
+            check_ids(**{**args, "page_loc_layer": loc})
+    loc = c["loc_c"].clone()
+    loc[c["bt"][1, 0].long()] &= ~1                          # request 1 (7 tokens): partial page
+    bad.append(dict(page_loc_layer=loc))
+    for over in bad:
+        with pytest.raises(RuntimeError):
+            check_ids_async(**{**args, **over})
+
+
 # ------------------------------------------------------------------------------------------
 # GPU: the large shapes
 # ------------------------------------------------------------------------------------------

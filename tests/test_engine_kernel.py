@@ -424,3 +424,26 @@ def test_cascade_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt,
     for a, b in zip(res["fused"], res["twin"]):
         assert a.output_ids == b.output_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_pages_checked_on_the_device_before_each_decode_call(ckpt, monkeypatch):
+    """ZIPFUSION_CHECK_PAGES=1 (a debugging aid for the H200's async-scheduling hang): every
+    decode attention call first asserts its block table, lengths and locations on the device;
+    a sound run gives the same tokens with it."""
+    import importlib
+    da = importlib.import_module("zipfusion.kernels.decode_attention")
+    calls = []
+    check = da.check_ids_async
+    monkeypatch.setattr(da, "check_ids_async", lambda *a: calls.append(a[3].numel()) or check(*a))
+    got = {}
+    for on in (False, True):
+        if on:
+            monkeypatch.setenv("ZIPFUSION_CHECK_PAGES", "1")
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
+        assert llm.engine.attention.check_pages is on
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[:2]],
+                            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        got[on] = [o.token_ids for o in outs]
+    assert got[True] == got[False]
+    layers = llm.engine.model_config.num_hidden_layers
+    assert len(calls) == 2 * layers and set(calls) == {2}      # two decode steps of two rows, every layer

@@ -4,7 +4,7 @@
 # the host waiting on an event; with CUDA_LAUNCH_BLOCKING=1 it finished). Each variant is one
 # benchmarks/workloads.py worker process (long / compressed, 16 x 32K prompts) with a time limit;
 # shortly before it a watchdog prints the GPU's utilisation (busy: a kernel runs on; idle: the
-# host waits), and the worker prints every thread's stack (faulthandler). One device call, ~7 min:
+# host waits), and the worker prints every thread's stack (faulthandler). One device call, ~8 min:
 #   bash scripts/gpu/hang_bisect.sh            # $OUT/<variant>.err|out, the summary on stdout
 set -u
 OUT=${OUT:-/tmp/hang_out}; mkdir -p "$OUT"
@@ -37,6 +37,7 @@ variant() {   # name limit_s mode [key=json ...]
 }
 
 variant async 80 compressed_async
+ZIPFUSION_CHECK_PAGES=1 variant async_checked 80 compressed_async     # a bad page location: an assert, not a spin
 CUDA_LAUNCH_BLOCKING=1 variant async_blocking 80 compressed_async
 variant async_eager 80 compressed_async 'engine={"enforce_eager": true}'
 variant async_no_host_tier 80 compressed_async host_gb=0

@@ -132,6 +132,9 @@ class AttentionBackend:
         # decode rows behind one shared prefix read it once per step (cascade.py); not batch-invariant
         self.cascade = cascade and self.kind == "kernel" and not deterministic
         self._cascade: CascadePlan | None = None          # this step's, from prepare_decode
+        # ZIPFUSION_CHECK_PAGES=1: every decode call first asserts its pages on the device
+        # (kernels/decode_attention.py: check_ids_async), to turn a bad location into an error
+        self.check_pages = os.environ.get("ZIPFUSION_CHECK_PAGES") == "1"
         self._flashinfer = None
         if self.kind == "flashinfer":
             from ..kernels.flashinfer_decode import FlashInferDecode
@@ -210,6 +213,10 @@ class AttentionBackend:
         if self.kind == "kernel":
             from ..kernels import decode_attention, decode_attention_twin
             kernel = decode_attention if self.kv_compression else decode_attention_twin
+            if self.check_pages:
+                from ..kernels.decode_attention import check_ids_async
+                check_ids_async(cache.arena, cache.page_loc[layer], block_table, context_lens, cache.layout,
+                                None if self.kv_compression else "decode_attention_twin")
             # the engine builds valid tables; validate=False keeps the call free of host syncs
             return kernel(q, cache.arena, cache.page_loc[layer], block_table, context_lens,
                           cache.layout, self.sm_scale, validate=False, **self._split)

@@ -93,40 +93,58 @@ def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, s
     check_scale_and_out(sm_scale, out, q)
 
 
-def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None):
-    """Checks that need the values (one device sync): context lengths, page ids, locations.
-    ``twin``: the name of the twin entry point being checked (every page must be open), or
-    None for a fused kernel."""
+def page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None):
+    """What a kernel would read wrongly, as (message, one-element bool tensor on the device)
+    pairs, computed without a host sync or a data-dependent shape (so also inside a CUDA graph):
+    context lengths, page ids, locations (freed, misaligned, past the arena), a compressed partial
+    last page. ``twin``: the name of the twin entry point being checked (every page must be
+    open), or None for a fused kernel. A bad location is worse than a wrong result on the GPU: the
+    fused kernel's bulk copies from a misaligned address never complete and it spins."""
     if context_lens.numel() == 0:
-        return
-    max_pages = block_table.shape[1]
+        return []
+    W, n = block_table.shape[1], page_loc_layer.numel()
     lens = context_lens.to(torch.int64)
-    if int(lens.min()) < 1 or int(lens.max()) > PAGE_TOKENS * max_pages:
-        raise ValueError(f"context_lens must be in 1..{PAGE_TOKENS * max_pages} (16 x the "
-                         f"block_table width), got min {int(lens.min())} max {int(lens.max())}")
-    n_pages = (lens + PAGE_TOKENS - 1) // PAGE_TOKENS
-    used = torch.arange(max_pages, device=lens.device)[None, :] < n_pages[:, None]
-    ids = block_table.to(torch.int64)[used]
-    if int(ids.min()) < 0 or int(ids.max()) >= page_loc_layer.numel():
-        raise ValueError(f"block_table holds page ids outside 0..{page_loc_layer.numel() - 1} "
-                         "for pages inside the context")
-    loc = page_loc_layer[ids]
-    if int(loc.min()) < 0:
-        raise ValueError("a page inside the context has page_loc = -1 (no page)")
-    is_open = loc_is_open(loc)
-    start = loc_offset(loc)
-    if bool(((start % 16) != 0).any()):
-        raise ValueError("page locations must be 16-byte aligned (format/layout.py: the page-location tag)")
+    n_pages = ((lens + PAGE_TOKENS - 1) // PAGE_TOKENS).clamp(0, W)
+    used = torch.arange(W, device=lens.device)[None, :] < n_pages[:, None]
+    ids = block_table.to(torch.int64)
+    bad_id = used & ((ids < 0) | (ids >= n))
+    loc = page_loc_layer[ids.clamp(0, n - 1)]
+    live = used & ~bad_id & (loc >= 0)
+    is_open, start = loc_is_open(loc), loc_offset(loc)
     end = torch.where(is_open, start + layout.open_page_bytes, start + layout.min_page_bytes)
-    if int(end.max()) > arena.numel():
-        raise ValueError("a page location points past the end of the arena")
-    last = block_table.to(torch.int64).gather(1, (n_pages - 1)[:, None])[:, 0]
-    partial = (lens % PAGE_TOKENS) != 0
-    if bool((partial & loc_is_compressed(page_loc_layer[last])).any()):
-        raise ValueError("the last, partial page of a request must be open (uncompressed)")
-    if twin and not bool(is_open.all()):
-        raise ValueError(f"{twin} reads open pages only; use the fused kernel for compressed "
-                         "pages")
+    last = loc.gather(1, (n_pages - 1).clamp(min=0)[:, None])[:, 0]
+    faults = [
+        (f"context_lens must be in 1..{PAGE_TOKENS * W} (16 x the block_table width)",
+         ((lens < 1) | (lens > PAGE_TOKENS * W)).any()),
+        (f"block_table holds page ids outside 0..{n - 1} for pages inside the context", bad_id.any()),
+        ("a page inside the context has page_loc = -1 (no page)", (used & ~bad_id & (loc < 0)).any()),
+        ("page locations must be 16-byte aligned (format/layout.py: the page-location tag)",
+         (live & (start % 16 != 0)).any()),
+        ("a page location points past the end of the arena", (live & (end > arena.numel())).any()),
+        ("the last, partial page of a request must be open (uncompressed)",
+         ((lens % PAGE_TOKENS != 0) & (last >= 0) & loc_is_compressed(last)).any()),
+    ]
+    if twin:
+        faults.append((f"{twin} reads open pages only; use the fused kernel for compressed pages",
+                       (live & ~is_open).any()))
+    return faults
+
+
+def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None):
+    """:func:`page_faults` read on the host (one device sync): ValueError naming the first."""
+    for message, fault in page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin):
+        if bool(fault):
+            raise ValueError(message)
+
+
+def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None) -> None:
+    """:func:`page_faults` asserted on the device, no host sync (``torch._assert_async``): a
+    fault stops the process with a device-side assert instead of a kernel reading garbage or
+    spinning. The engine runs it before each decode attention call when
+    ``ZIPFUSION_CHECK_PAGES=1`` (a debugging aid; it costs a few small kernels per layer)."""
+    faults = page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin)
+    if faults:
+        torch._assert_async(~torch.stack([f for _, f in faults]).any())
 
 
 def _use_cuda(backend, q, layout) -> bool:
