@@ -12,9 +12,9 @@ put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-c
 the host tier's swaps (its books, no bytes: ``zipfusion.testing.AccountingHostTier``, sized as
 the engine sizes it on the H200 unless ``--host-gb``). It cannot say anything about GPU time; it does
 report the host's seconds in the engine's own code between forwards (scheduling, the seal's host
-side, the rest; and, with async scheduling (the engine's opt-in on a GPU), the scheduling done beside
+side, the rest; and, with ``--async-scheduling`` (the engine's opt-in), the scheduling done beside
 the forward), and a digest of every step's decisions and outputs: a change meant to leave the
-decisions alone must leave it as it was (``--no-async-scheduling``: the plain order).
+decisions alone must leave it as it was. The default is the engine's: the plain order.
 
     python3 benchmarks/schedule_sim.py                       # every scenario, both modes
     python3 benchmarks/schedule_sim.py --scenarios mix --modes compressed --admission conservative
@@ -77,7 +77,7 @@ H200_HOST_GB = 30.0      # the engine's default host tier on the H200 runs: a qu
 
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
-             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, async_scheduling: bool = True,
+             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, async_scheduling: bool = False,
              host_gb: float | None = None) -> dict:
     """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
     made of shared system prompts or conversations (shared_prefix, multi_turn): their very token
@@ -108,7 +108,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission, host_tier=tier)
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
     eng.runner.forget = lambda rid: None
-    eng.async_scheduling = async_scheduling         # as the engine does on a GPU with async_scheduling=True
+    eng.async_scheduling = async_scheduling         # as the engine does with async_scheduling=True
     t0 = time.perf_counter()
     rs, results, _ = run_requests(eng, prompts, outs, turns=turns, progress_s=1e9)
     steps = [(res.decode_rows, res.prefill_tokens, res.running) for res in results]
@@ -177,8 +177,9 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.96)
     ap.add_argument("--chunk-pages", type=int, default=None,
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
-    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                    help="schedule each step after the last one's tokens are back (the engine's CPU default)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="schedule each step while the last one runs, before its tokens are back (the engine's "
+                         "--async-scheduling; default: after them, the engine's default)")
     ap.add_argument("--host-gb", type=float, default=None,
                     help=f"host tier GiB (default: the scenario's, else min(2 x KV, {H200_HOST_GB:g}); 0: none)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds of the lengths and page sizes drawn")

@@ -301,6 +301,12 @@ def engine_kwargs(mode: str) -> dict:
             "uncompressed_async": dict(kv_compression=False, async_scheduling=True)}[mode]
 
 
+# LLM options that a job sets from its scenario, mode and flags: --engine-args may not set them
+BENCHMARK_SETS = {"kv_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "device",
+                  "deterministic", "enable_prefix_caching", "admission", "kv_host_memory_gb",
+                  *{k for mode in MODES for k in engine_kwargs(mode)}}
+
+
 def kv_floor_gb(model: str, max_len: int) -> float:
     """KV GiB that one request of ``max_len`` tokens needs (open pages, plus the arena's reserve):
     a --scale below it would refuse to start."""
@@ -631,6 +637,16 @@ def parse(argv=None):
     if args.device == "auto":
         import torch
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        extra = json.loads(args.engine_args)
+    except json.JSONDecodeError as exc:
+        ap.error(f"--engine-args is not JSON ({exc}); e.g. '{{\"enforce_eager\": true}}'")
+    if not isinstance(extra, dict):
+        ap.error(f"--engine-args must be a JSON object of LLM options, got {args.engine_args}")
+    taken = sorted(set(extra) & BENCHMARK_SETS)
+    if taken:
+        ap.error(f"--engine-args sets {taken}, which the benchmark sets itself (scenario, --modes or "
+                 "another flag); use those instead")
     return args
 
 

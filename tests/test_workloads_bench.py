@@ -130,3 +130,19 @@ def test_identical_outputs_needs_two_runs_of_a_scenario():
             {"scenario": "b", "outputs_sha256": "x"}, {"scenario": "b", "outputs_sha256": "y"},
             {"scenario": "c", "outputs_sha256": "x"}]
     assert workloads.identical_outputs(recs) == {"a": True, "b": False}      # c ran once: nothing to compare
+
+
+def test_engine_args_that_the_benchmark_sets_are_refused_in_one_line(capsys):
+    """--engine-args naming an option that a mode or flag sets (kv_compression, kv_memory_gb, ...)
+    would meet Python's duplicate-keyword TypeError deep in the worker; it is refused at parse time,
+    as is anything but a JSON object."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import pytest
+    import workloads
+    for bad, why in (('{"kv_compression": false}', "kv_compression"), ('{"kv_memory_gb": 3}', "kv_memory_gb"),
+                     ("[1]", "JSON object"), ("{x", "not JSON")):
+        with pytest.raises(SystemExit):
+            workloads.parse(["--smoke", "--engine-args", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert why in err and "error: --engine-args" in err, err
+    assert workloads.parse(["--smoke", "--engine-args", '{"enforce_eager": true}']).engine_args

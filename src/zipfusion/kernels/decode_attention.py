@@ -134,6 +134,8 @@ def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: st
     """:func:`page_faults` read on the host (one device sync): ValueError naming the first."""
     for message, fault in page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin):
         if bool(fault):
+            if message.startswith("context_lens"):          # the values, now that they are read
+                message += f"; got min {int(context_lens.min())}, max {int(context_lens.max())}"
             raise ValueError(message)
 
 
