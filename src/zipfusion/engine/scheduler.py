@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..memory import Admission, RunningRequest
+from ..memory import Admission, RunningBatch
 from ..memory.prefix_cache import ROOT, PrefixCache
 from .attention import ChunkView
 from .kv_cache import KVCache
@@ -317,9 +317,9 @@ class Scheduler:
         """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
 
-    def _running_needs(self) -> list[RunningRequest]:
-        return [RunningRequest(len(r.pages), r.num_tokens, self._max_total_tokens(r), r.params.fixed_length)
-                for r in self.running]
+    def _running_needs(self) -> RunningBatch:
+        return RunningBatch([(len(r.pages), len(r.prompt_ids) + len(r.output_ids), self._max_total_tokens(r),
+                              r.params.fixed_length) for r in self.running])
 
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""

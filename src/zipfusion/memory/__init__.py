@@ -5,10 +5,10 @@ the scheduler its admission numbers. ``MemoryExhausted``: an allocation that doe
 scheduler asks ``capacity_new_pages()`` first and preempts, so the engine never meets it).
 """
 
-from .admission import Admission, RunningRequest
+from .admission import Admission, RunningBatch, RunningRequest
 from .errors import BudgetTooSmall, MemoryExhausted
 from .manager import KVCacheManager
 from .stats import LayerStats, MemoryStats
 
 __all__ = ["Admission", "BudgetTooSmall", "KVCacheManager", "LayerStats", "MemoryExhausted", "MemoryStats",
-           "RunningRequest"]
+           "RunningBatch", "RunningRequest"]

@@ -35,6 +35,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..format import PAGE_TOKENS
 
 MODES = ("estimate", "conservative", "optimistic")
@@ -59,6 +61,18 @@ class RunningRequest:
     num_tokens: int          # tokens it has now (prompt + generated)
     max_total_tokens: int    # prompt + max_tokens, capped by max_model_len
     certain: bool = False    # it will reach max_total_tokens (SamplingParams.fixed_length)
+
+
+class RunningBatch:
+    """The running requests as columns (what the scheduler hands over each time it asks):
+    ``rows`` [n, 4] int64 of (pages held, tokens now, max total tokens, certain 0/1)."""
+
+    def __init__(self, rows):
+        self.rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+
+    @classmethod
+    def of(cls, running: Iterable[RunningRequest]) -> "RunningBatch":
+        return cls([(q.pages_held, q.num_tokens, q.max_total_tokens, q.certain) for q in running])
 
 
 class Admission:
@@ -87,25 +101,31 @@ class Admission:
             return num_tokens + left
         return num_tokens + math.ceil(min(left, CLIP_TOKENS) * self.out_frac)
 
-    def reserved_pages(self, running: Iterable[RunningRequest]) -> int:
-        """Open-page units promised to running requests."""
-        future = sum(max(0, pages_for_tokens(self.expected_tokens(q.num_tokens, q.max_total_tokens, q.certain))
-                            - q.pages_held) for q in running)
+    def reserved_pages(self, running: Iterable[RunningRequest] | RunningBatch) -> int:
+        """Open-page units promised to running requests: ``expected_tokens`` of each, as pages,
+        less the pages it holds (vectorised over the batch; the same integers)."""
+        if not isinstance(running, RunningBatch):
+            running = RunningBatch.of(running)
+        held, tokens, total, certain = running.rows.T
+        left = np.maximum(0, total - tokens)
+        if self.mode == "estimate":
+            left = np.where(certain != 0, left, np.ceil(np.minimum(left, CLIP_TOKENS) * self.out_frac).astype(np.int64))
+        future = int(np.maximum(0, -(-(tokens + left) // PAGE_TOKENS) - held).sum())
         return math.ceil(self.ratio() * future)
 
-    def promised_pages(self, running: Iterable[RunningRequest]) -> int:
+    def promised_pages(self, running: Iterable[RunningRequest] | RunningBatch) -> int:
         """New pages the running requests were promised: what a seal must leave room for (none
         in the optimistic mode, which promises nothing)."""
         return 0 if self.mode == "optimistic" else self.reserved_pages(running)
 
-    def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = (),
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] | RunningBatch = (),
                   held_pages: int = 0, certain: bool = False) -> bool:
         """Whether a new request fits beside what ``running`` requests still need (``held_pages``:
         its first pages, already in memory: a prefix-cache hit; ``certain``: its output will be
         all ``max_new_tokens``)."""
         return self.shortfall(prompt_tokens, max_new_tokens, running, held_pages, certain) <= 0
 
-    def shortfall(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] = (),
+    def shortfall(self, prompt_tokens: int, max_new_tokens: int, running: Iterable[RunningRequest] | RunningBatch = (),
                   held_pages: int = 0, certain: bool = False) -> int:
         """New pages missing for the request to be admitted (<= 0: it fits)."""
         if prompt_tokens < 1 or max_new_tokens < 0:

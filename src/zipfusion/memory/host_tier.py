@@ -27,6 +27,7 @@ a page taken back leaves a hole that is reused once the tail passes it.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from contextlib import nullcontext
@@ -52,7 +53,7 @@ class Record:
     live: bool = True
     copied: object = None         # CUDA: the event after its copy out (the tier's stream)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return int(self.nbytes.sum())
 
@@ -154,14 +155,15 @@ class HostTier:
         if self.buf is None:                                  # still being pinned: nothing kept
             return [None] * ids.size
         off, nbytes, open_form = self.page_bytes(ids)
+        per_page, open_t = np.ascontiguousarray(nbytes.T), np.ascontiguousarray(open_form.T)   # [n, L]
         out = []
-        for i in range(ids.size):
-            size = int(nbytes[:, i].sum())
+        for i, size in enumerate(per_page.sum(1).tolist()):
             start = self._alloc(size)
             if start is None:
                 out.append(None)
                 continue
-            rec = Record(start, nbytes[:, i].copy(), open_form[:, i].copy(), owners[i])
+            rec = Record(start, per_page[i], open_t[i], owners[i])
+            rec.size = size
             self.ring.append(rec)
             self.head, self.used = start + size, self.used + size
             out.append(rec)

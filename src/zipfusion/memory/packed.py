@@ -65,6 +65,7 @@ class PackedSpace:
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
         self.stream = 0
         self._parked: dict[int, tuple[np.ndarray, np.ndarray]] = {}      # other streams' fill pointers
+        self._bound: np.ndarray | None = None     # reclaimable_bound() of the state now (None: changed since)
 
     def use_stream(self, stream: int) -> None:
         """Place the next pages at ``stream``'s fill pointers (a stream not used yet: fresh chunks)."""
@@ -156,37 +157,46 @@ class PackedSpace:
         self.fill_chunk = table[self._rows, plan.ordinal[:, -1]]
         self.fill_ptr = plan.offset[:, -1] + sizes[:, -1]
         self.layer_live += sizes.sum(1)
+        self._bound = None
         return out
 
     def free(self, offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
         """Free pages at ``offsets``/``sizes`` [L, n]; returns emptied (layer, chunk) pairs."""
         if offsets.size == 0:
             return []
-        chunks = offsets // self.chunk_bytes
-        np.subtract.at(self.live_bytes, chunks, sizes)
-        np.subtract.at(self.live_pages, chunks, 1)
+        chunks = (offsets // self.chunk_bytes).ravel()
+        # per distinct chunk (a chunk belongs to one layer): its pages' bytes and count
+        touched, first, inv = np.unique(chunks, return_index=True, return_inverse=True)
+        self.live_bytes[touched] -= np.bincount(inv, weights=sizes.ravel()).astype(np.int64)
+        self.live_pages[touched] -= np.bincount(inv)
         self.layer_live -= sizes.sum(1)
+        self._bound = None
         emptied = []
-        layers = np.broadcast_to(np.arange(self.num_layers)[:, None], chunks.shape)
-        for layer, c in set(zip(layers.ravel().tolist(), chunks.ravel().tolist())):
-            if self.live_pages[c] == 0:
-                self.chunks[layer].discard(c)
-                self.held[layer] -= 1
-                if self.fill_chunk[layer] == c:
-                    self.fill_chunk[layer], self.fill_ptr[layer] = -1, 0
-                self._drop_fill(layer, (c,))
-                emptied.append((layer, c))
+        dead = np.nonzero(self.live_pages[touched] == 0)[0]
+        for layer, c in zip((first[dead] // offsets.shape[1]).tolist(), touched[dead].tolist()):
+            self.chunks[layer].discard(c)
+            self.held[layer] -= 1
+            if self.fill_chunk[layer] == c:
+                self.fill_chunk[layer], self.fill_ptr[layer] = -1, 0
+            self._drop_fill(layer, (c,))
+            emptied.append((layer, c))
         return emptied
 
     # ---------------------------------------------------------------- compaction
-    def reclaimable_bound(self, more_held=0, more_live=0) -> np.ndarray:
+    def reclaimable_bound(self, more_held=None, more_live=None) -> np.ndarray:
         """Chunks per layer that compaction is sure to free (next-fit bound), [L]; with
         ``more_held`` chunks and ``more_live`` bytes per layer: the bound after a placement."""
+        now = more_held is None and more_live is None          # the state as it is: kept until it changes
+        if now and self._bound is not None:
+            return self._bound.copy()
         per_chunk = self.chunk_bytes - self.max_page_bytes
         if per_chunk <= 0:           # one page per chunk: nothing to gain from packing
             return np.zeros(self.num_layers, dtype=np.int64)
-        needed = -(-(self.layer_live + more_live) // per_chunk)
-        return np.maximum(self.held + more_held - needed, 0)
+        needed = -(-(self.layer_live + (0 if more_live is None else more_live)) // per_chunk)
+        bound = np.maximum(self.held + (0 if more_held is None else more_held) - needed, 0)
+        if now:
+            self._bound = bound.copy()
+        return bound
 
     def victims(self, layer: int) -> np.ndarray:
         """The layer's chunks with at least one page's worth of free bytes (holes or tail).
@@ -259,5 +269,6 @@ class PackedSpace:
         np.add.at(self.live_pages, chunks, 1)
         self.chunks[layer].difference_update(freed)
         self.held[layer] -= len(freed)
+        self._bound = None
         self.fill_chunk[layer], self.fill_ptr[layer] = fill_chunk, fill_ptr
 
