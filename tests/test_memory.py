@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -372,6 +374,31 @@ def test_estimate_admission_adapts():
         est.on_finish(100, 800)                            # requests stop at an eighth of max_tokens
     assert 0.25 <= est.out_frac < 0.5 and est.reserved_pages(running) < before
     assert Admission(m, mode="optimistic").can_admit(16 * 10**6, 0)
+
+def test_reserved_pages_over_a_batch_is_the_sum_of_each_requests_pages():
+    """reserved_pages works on the batch as columns (RunningBatch, what the scheduler hands over);
+    it is the per-request rule summed: expected_tokens as pages, less the pages held, never
+    below 0, times the ratio -- on drawn batches, every mode, out_frac and margin."""
+    from zipfusion.memory import RunningBatch
+    from zipfusion.memory.admission import pages_for_tokens
+    m = KVCacheManager(2, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    ids = m.alloc_pages(8)
+    fill(m, ids, [1.0, 0.5])
+    m.seal_pages(ids)
+    g = np.random.default_rng(0)
+    for trial in range(300):
+        adm = Admission(m, mode=("estimate", "conservative", "optimistic")[trial % 3])
+        adm.out_frac, adm.margin = float(g.uniform(0.25, 1.0)), float(g.uniform(0.02, 0.5))
+        n = int(g.integers(0, 12))
+        tokens = g.integers(1, 20_000, n)
+        running = [RunningRequest(int(g.integers(0, t // 16 + 3)), int(t), int(t + g.integers(0, 9000)),
+                                  bool(g.integers(0, 2))) for t in tokens]
+        future = sum(max(0, pages_for_tokens(adm.expected_tokens(q.num_tokens, q.max_total_tokens, q.certain))
+                         - q.pages_held) for q in running)
+        want = math.ceil(adm.ratio() * future)
+        assert adm.reserved_pages(running) == want
+        assert adm.reserved_pages(RunningBatch.of(running)) == want
+
 
 def test_a_certain_output_is_reserved_whole_not_clipped():
     """An output nothing can end early (EOS ignored, no stops) is reserved for all its tokens,

@@ -172,7 +172,8 @@ class PackedSpace:
         self.layer_live -= sizes.sum(1)
         self._bound = None
         emptied = []
-        dead = np.nonzero(self.live_pages[touched] == 0)[0]
+        dead = np.nonzero(self.live_pages[touched] == 0)[0][::-1]    # highest first: the pool's stack then
+                                                                       # hands out the lowest first
         for layer, c in zip((first[dead] // offsets.shape[1]).tolist(), touched[dead].tolist()):
             self.chunks[layer].discard(c)
             self.held[layer] -= 1
