@@ -95,7 +95,8 @@ def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, s
 
 def page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None):
     """What a kernel would read wrongly, as (message, one-element bool tensor on the device)
-    pairs, computed without a host sync or a data-dependent shape (so also inside a CUDA graph):
+    pairs (a message may be a function, called only once the fault is read: it may read values),
+    computed without a host sync or a data-dependent shape (so also inside a CUDA graph):
     context lengths, page ids, locations (freed, misaligned, past the arena), a compressed partial
     last page. ``twin``: the name of the twin entry point being checked (every page must be
     open), or None for a fused kernel. A bad location is worse than a wrong result on the GPU: the
@@ -114,7 +115,8 @@ def page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin: 
     end = torch.where(is_open, start + layout.open_page_bytes, start + layout.min_page_bytes)
     last = loc.gather(1, (n_pages - 1).clamp(min=0)[:, None])[:, 0]
     faults = [
-        (f"context_lens must be in 1..{PAGE_TOKENS * W} (16 x the block_table width)",
+        (lambda: f"context_lens must be in 1..{PAGE_TOKENS * W} (16 x the block_table width); got min "
+                 f"{int(lens.min())}, max {int(lens.max())}",
          ((lens < 1) | (lens > PAGE_TOKENS * W)).any()),
         (f"block_table holds page ids outside 0..{n - 1} for pages inside the context", bad_id.any()),
         ("a page inside the context has page_loc = -1 (no page)", (used & ~bad_id & (loc < 0)).any()),
@@ -134,9 +136,7 @@ def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: st
     """:func:`page_faults` read on the host (one device sync): ValueError naming the first."""
     for message, fault in page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin):
         if bool(fault):
-            if message.startswith("context_lens"):          # the values, now that they are read
-                message += f"; got min {int(context_lens.min())}, max {int(context_lens.max())}"
-            raise ValueError(message)
+            raise ValueError(message() if callable(message) else message)
 
 
 def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None) -> None:

@@ -27,7 +27,6 @@ a page taken back leaves a hole that is reused once the tail passes it.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import deque
 from contextlib import nullcontext
@@ -44,18 +43,16 @@ from .page_table import OPEN, STORED
 
 @dataclass
 class Record:
-    """One page on the host: its layers' bytes at ``start`` of the ring, per layer the byte count
-    and whether the bytes are the page's open form; ``owner``: who to tell if it is dropped."""
+    """One page on the host: its layers' bytes at ``start`` of the ring (``size`` in all), per
+    layer the byte count and whether the bytes are the page's open form; ``owner``: who to tell
+    if it is dropped."""
     start: int
+    size: int                     # nbytes.sum()
     nbytes: np.ndarray            # [L] int64
     open_form: np.ndarray         # [L] bool
     owner: object = None
     live: bool = True
     copied: object = None         # CUDA: the event after its copy out (the tier's stream)
-
-    @functools.cached_property
-    def size(self) -> int:
-        return int(self.nbytes.sum())
 
 
 @dataclass
@@ -162,8 +159,7 @@ class HostTier:
             if start is None:
                 out.append(None)
                 continue
-            rec = Record(start, per_page[i], open_t[i], owners[i])
-            rec.size = size
+            rec = Record(start, size, per_page[i], open_t[i], owners[i])
             self.ring.append(rec)
             self.head, self.used = start + size, self.used + size
             out.append(rec)
