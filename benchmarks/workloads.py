@@ -301,10 +301,14 @@ def engine_kwargs(mode: str) -> dict:
             "uncompressed_async": dict(kv_compression=False, async_scheduling=True)}[mode]
 
 
-# LLM options that a job sets from its scenario, mode and flags: --engine-args may not set them
-BENCHMARK_SETS = {"kv_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "device",
-                  "deterministic", "enable_prefix_caching", "admission", "kv_host_memory_gb",
-                  *{k for mode in MODES for k in engine_kwargs(mode)}}
+def llm_options(job: dict, kv_gb: float, max_len: int) -> dict:
+    """The LLM options a job sets from its scenario, mode and flags (--engine-args may add others,
+    not these)."""
+    return dict(kv_memory_gb=kv_gb, max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["batched_tokens"],
+                max_model_len=max_len, device=job["device"], deterministic=job["deterministic"],
+                enable_prefix_caching=job["prefix_cache"], admission=job.get("admission", "estimate"),
+                **engine_kwargs(job["mode"]),
+                **({"kv_host_memory_gb": job["host_gb"]} if job.get("host_gb") is not None else {}))
 
 
 def kv_floor_gb(model: str, max_len: int) -> float:
@@ -326,11 +330,7 @@ def worker(job: dict) -> dict:
         job["kv_gb_scaled"], kv_gb = kv_gb, round(kv_floor_gb(job["model"], max_len), 2)
         log(f"  KV {job['kv_gb_scaled']:.2f} GiB holds no {max_len}-token request: {kv_gb} GiB")
     t0 = time.perf_counter()
-    llm = LLM(job["model"], kv_memory_gb=kv_gb, max_num_seqs=job["max_num_seqs"],
-              max_num_batched_tokens=job["batched_tokens"], max_model_len=max_len, device=job["device"],
-              deterministic=job["deterministic"], enable_prefix_caching=job["prefix_cache"],
-              admission=job.get("admission", "estimate"), **engine_kwargs(job["mode"]),
-              **({"kv_host_memory_gb": job["host_gb"]} if job.get("host_gb") is not None else {}),
+    llm = LLM(job["model"], **llm_options(job, kv_gb, max_len),
               **job.get("engine", {}))                  # --engine-args: any other LLM option
     eng = llm.engine
     vocab = eng.model_config.vocab_size
@@ -643,7 +643,10 @@ def parse(argv=None):
         ap.error(f"--engine-args is not JSON ({exc}); e.g. '{{\"enforce_eager\": true}}'")
     if not isinstance(extra, dict):
         ap.error(f"--engine-args must be a JSON object of LLM options, got {args.engine_args}")
-    taken = sorted(set(extra) & BENCHMARK_SETS)
+    known = SMOKE if args.smoke else SCENARIOS                  # (main names unknown scenarios and modes)
+    ours = {k for n in args.scenarios.split(",") if n in known for m in args.modes.split(",") if m in MODES
+            for k in llm_options(make_job(args, n, m), 0.0, 0)}
+    taken = sorted(set(extra) & ours)
     if taken:
         ap.error(f"--engine-args sets {taken}, which the benchmark sets itself (scenario, --modes or "
                  "another flag); use those instead")
