@@ -234,7 +234,7 @@ def model_flops(cfg, tokens: int, context: float) -> float:
 
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
-               "forward_s", "seal_s", "ahead_s")
+               "forward_s", "seal_s", "ahead_s", "recomputed_tokens")
 
 
 def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
@@ -257,6 +257,12 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
     hit = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and r.num_cached_tokens]
     miss = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and not r.num_cached_tokens]
     pc = eng.prefix_cache_stats()
+    # what preemption cost: the steps' seconds in the share of their prefill that was computed
+    # before (recompute), and the host tier's transfers (host seconds and the compute-stream work
+    # they queue, both counted: an upper bound, and every eviction to the tier counts, not only a
+    # preempted request's)
+    recompute_s = sum(x.seconds * x.recomputed_tokens / x.prefill_tokens for x in pre if x.recomputed_tokens)
+    swap_s = sum(pc.get(f"swap_{d}_{w}_s", 0.0) for d in ("out", "in") for w in ("host", "device"))
     return {
         "requests": len(reqs), "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "total_tok_s": (prompt_tokens + out_tokens) / wall, "output_tok_s": out_tokens / wall,
@@ -284,6 +290,8 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "ttft_hit_p50_s": pct(hit, 50), "ttft_miss_p50_s": pct(miss, 50), "hits": len(hit),
         "swapped_in_pages": pc.get("swapped_in_pages", 0), "swapped_out_pages": pc.get("swapped_out_pages", 0),
         "swapped_in_bytes": pc.get("swapped_in_bytes", 0),
+        "recomputed_tokens": sum(x.recomputed_tokens for x in steps), "recompute_s": recompute_s,
+        "swap_s": swap_s, "preemption_s": recompute_s + swap_s,
         "outputs_sha256": hashlib.sha256(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest(),
     }
 
@@ -461,6 +469,20 @@ def ratios(records: list[dict]) -> dict:
     return out
 
 
+def preemption_cost(records: list[dict]) -> dict:
+    """Per mode that ran both long_swap and long_recompute: the seconds preemption cost in each
+    (``preemption_s``: recompute's share of prefill steps, plus the host tier's transfers) and
+    swap / recompute (issue 22's goal: <= 0.05)."""
+    by = {(r["scenario"], r["mode"]): r for r in records if "error" not in r and "skipped" not in r}
+    out = {}
+    for mode in MODES:
+        swap, recompute = by.get(("long_swap", mode)), by.get(("long_recompute", mode))
+        if swap and recompute and "preemption_s" in swap and recompute.get("preemption_s"):
+            out[mode] = {"swap_s": swap["preemption_s"], "recompute_s": recompute["preemption_s"],
+                         "swap/recompute": swap["preemption_s"] / recompute["preemption_s"]}
+    return out
+
+
 def identical_outputs(records: list[dict]) -> dict:
     """Per scenario run in two or more modes (or with and without the cache): one output hash?"""
     hashes = {}
@@ -515,6 +537,9 @@ def report(result: dict) -> str:
                       + f" | {'>= %.2fx' % goal if goal else ''} |")
     md += ["", "Identical outputs across modes (SHA-256 of all output ids): "
            + ", ".join(f"{s}: {v}" for s, v in result["identical_outputs"].items())]
+    for mode, c in result.get("preemption_cost", {}).items():
+        md.append(f"Preemption cost, {mode}: {c['swap_s']:.2f} s with the host tier (long_swap), "
+                  f"{c['recompute_s']:.2f} s recomputing (long_recompute): {c['swap/recompute']:.3f} (goal <= 0.05)")
     pre = [r for r in recs if r.get("prefill")]
     for r in pre:
         md.append(f"Prefill alone, {r['mode']}: " + "; ".join(f"{p['tokens']} tokens TTFT {p['ttft_s']:.3f} s, "
@@ -563,6 +588,7 @@ def write_outputs(result: dict, out: str, steps: dict | None = None) -> str:
         if "step_log" in r:
             steps[f"{label(r)}/{r['mode']}"] = {"fields": r.pop("step_fields"), "rows": r.pop("step_log")}
     result["ratios"], result["identical_outputs"] = ratios(result["records"]), identical_outputs(result["records"])
+    result["preemption_cost"] = preemption_cost(result["records"])
     write_json(result, os.path.join(out, "workloads.json"))
     if steps:
         write_json(steps, os.path.join(out, "steps.json"))

@@ -270,14 +270,36 @@ def test_engine_with_a_host_tier_gives_the_same_tokens_and_swaps():
             eng.host_tier.start(wait=True)                         # CUDA: pinned before the run
         idle = eng.cache.stats()["pages_in_use"]                   # CUDA graphs hold a scratch page
         reqs = [eng.add_request(p, sp) for p in ps]
-        computed = 0
+        computed = recomputed = 0
         while eng.has_work():
-            computed += eng.step().prefill_tokens
-        runs[gb] = (hashlib.sha256(repr([r.output_ids for r in reqs]).encode()).hexdigest(), computed,
-                    eng.prefix_cache_stats())
+            res = eng.step()
+            computed, recomputed = computed + res.prefill_tokens, recomputed + res.recomputed_tokens
+        stats = eng.prefix_cache_stats()
+        runs[gb] = (hashlib.sha256(repr([r.output_ids for r in reqs]).encode()).hexdigest(), computed, stats)
+        assert stats["recomputed_tokens"] == recomputed <= computed
         eng.scheduler.reset_prefix_cache()
         assert eng.cache.stats()["pages_in_use"] == idle
     assert runs[0][0] == runs[0.05][0] == runs[0.0005][0]
     assert runs[0.05][2]["swapped_in_pages"] > 0 and runs[0.05][1] < runs[0][1]
+    assert runs[0.05][2]["recomputed_tokens"] < runs[0][2]["recomputed_tokens"]
+    assert runs[0][2]["preemptions"] > 0 and runs[0][2]["recomputed_tokens"] > 0
+    for direction in ("out", "in"):                          # what the transfers cost is counted
+        assert runs[0.05][2][f"swap_{direction}_host_s"] > 0 and runs[0.05][2][f"swap_{direction}_device_s"] > 0
     assert runs[0.0005][2]["host_tier_dropped_pages"] > 0
     assert "swapped_in_pages" not in runs[0][2]
+
+
+def test_recomputed_tokens_are_those_computed_before_a_preemption():
+    """Without a prefix cache every token a preempted request had computed is computed again:
+    the prefill tokens beyond the prompts are the recomputed ones, plus at most one per
+    preemption (the newest output, which a decode row would have computed)."""
+    eng = LLM("demo", kv_memory_gb=0.002, admission="optimistic", max_num_batched_tokens=64,
+              deterministic=True, enable_prefix_caching=False, kv_host_memory_gb=0).engine
+    prompts = [[7 + i] * (20 + 13 * i) for i in range(10)]
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)) for p in prompts]
+    computed = 0
+    while eng.has_work():
+        computed += eng.step().prefill_tokens
+    extra, n = computed - sum(map(len, prompts)), eng.scheduler.num_preemptions
+    assert n > 0 and 0 < eng.recomputed_tokens <= extra <= eng.recomputed_tokens + n
+    assert eng.recomputed_tokens >= sum(r.computed_before for r in reqs) > 0

@@ -383,7 +383,8 @@ def test_metrics_names_as_vllm(client):
                  "zipfusion:num_requests_running", "zipfusion:num_requests_waiting", "zipfusion:num_preemptions_total",
                  "zipfusion:time_to_first_token_seconds_count", "zipfusion:inter_token_latency_seconds_count",
                  "zipfusion:e2e_request_latency_seconds_count", "zipfusion:kv_pages_compressed",
-                 "zipfusion:kv_arena_bytes", "zipfusion:kv_cache_usage_perc"):
+                 "zipfusion:kv_arena_bytes", "zipfusion:kv_cache_usage_perc", "zipfusion:kv_recomputed_tokens",
+                 "zipfusion:kv_host_tier_bytes"):
         assert name in text, name
     assert metric(text, "zipfusion:request_success_total", finished_reason="length") >= 1
     assert metric(text, "zipfusion:time_to_first_token_seconds_count") >= 1

@@ -146,3 +146,20 @@ def test_engine_args_that_the_benchmark_sets_are_refused_in_one_line(capsys):
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert why in err and "error: --engine-args" in err, err
     assert workloads.parse(["--smoke", "--engine-args", '{"enforce_eager": true}']).engine_args
+
+
+def test_smoke_long_swap_against_recompute_counts_what_preemption_cost(tmp_path):
+    """The long scenario under pressure with the host tier and without: both preempt; the tier
+    brings pages back (few tokens recomputed: the open last pages), recompute computes them
+    again; each record says what preemption cost, and the report compares the two."""
+    run("--smoke", "--scenarios", "long_swap,long_recompute", "--modes", "compressed", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "workloads.json").read_text())
+    swap, recompute = ({r["scenario"]: r for r in result["records"]}[s] for s in ("long_swap", "long_recompute"))
+    assert swap["preemptions"] > 0 and recompute["preemptions"] > 0
+    assert swap["swapped_in_pages"] > 0 and swap["swap_s"] > 0 == recompute["swap_s"]
+    assert recompute["recomputed_tokens"] > swap["recomputed_tokens"] and recompute["recompute_s"] > 0
+    assert recompute["prefill_tokens_computed"] - recompute["prompt_tokens"] >= recompute["recomputed_tokens"]
+    cost = result["preemption_cost"]["compressed"]
+    assert cost["swap_s"] == swap["preemption_s"] == swap["recompute_s"] + swap["swap_s"]
+    assert cost["swap/recompute"] == cost["swap_s"] / recompute["preemption_s"]
+    assert "Preemption cost, compressed:" in (tmp_path / "workloads.md").read_text()

@@ -46,6 +46,7 @@ class StepResult(NamedTuple):
     forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
     seal_s: float                    # the host's part of sealing (analysis launch, placement, encode launch)
     ahead_s: float = 0.0             # scheduling the next step while this one ran on the GPU (async_scheduling)
+    recomputed_tokens: int = 0       # prefill tokens whose K/V had been computed before a preemption
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -134,6 +135,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
         self._peak_pages = -1
+        self.recomputed_tokens = 0            # prefill tokens computed again after a preemption
         log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, KV cache %.2f GiB "
                  "(%s), max_model_len %d, max_num_seqs %d", self.source.name, mc.num_hidden_layers,
                  mc.num_key_value_heads, mc.head_dim, str(self.dtype).replace("torch.", ""), self.device,
@@ -274,8 +276,12 @@ class LLMEngine:
         seal = self.scheduler.start_seal()
         t2 = time.perf_counter()
         logits = self.runner.run(out)
+        recomputed = 0
         for ch in out.prefill:
-            ch.request.num_computed += ch.length
+            r = ch.request
+            recomputed += max(0, min(r.num_computed + ch.length, r.computed_before) - r.num_computed)
+            r.num_computed += ch.length
+        self.recomputed_tokens += recomputed
         for r in out.decode:
             r.num_computed += 1
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
@@ -300,7 +306,7 @@ class LLMEngine:
         return StepResult([r for r, _ in finished], sampled, logits if sampled else None, len(out.decode),
                           sum(ch.length for ch in out.prefill), running,
                           len(out.preempted), sealed, t0, t6 - t0, t1 - t0, t6 - t1 - seal_s - ahead_s, seal_s,
-                          ahead_s)
+                          ahead_s, recomputed)
 
     def _forget_preempted(self, out: SchedulerOutput) -> SchedulerOutput:
         """The runner lets go of what it staged for the requests this schedule preempted."""
@@ -415,12 +421,15 @@ class LLMEngine:
                "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,
                "prefix_cache_pages": p.num_cached_pages, "prefix_cache_evictable_pages": p.num_evictable_pages,
                "prefix_cache_evicted_pages": p.stats.evicted_pages, "host_tier_bytes": 0,
-               "host_tier_budget_bytes": 0, "host_tier_pages": p.num_host_pages}
+               "host_tier_budget_bytes": 0, "host_tier_pages": p.num_host_pages,
+               "preemptions": self.scheduler.num_preemptions, "recomputed_tokens": self.recomputed_tokens}
         if p.host is not None:
             h = p.host.stats
+            p.host.collect_timings()
             out.update(host_tier_bytes=p.host.used, host_tier_budget_bytes=p.host.budget, swapped_out_pages=h.pages_out,
                        swapped_in_pages=h.pages_in, swapped_out_bytes=h.bytes_out, swapped_in_bytes=h.bytes_in,
-                       host_tier_dropped_pages=h.dropped)
+                       host_tier_dropped_pages=h.dropped, swap_out_host_s=h.host_s_out, swap_in_host_s=h.host_s_in,
+                       swap_out_device_s=h.device_s_out, swap_in_device_s=h.device_s_in)
         return out
 
     def output_of(self, r: Request, prompt: str | None) -> RequestOutput:

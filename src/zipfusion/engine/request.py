@@ -37,6 +37,7 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    computed_before: int = 0           # tokens whose K/V was computed before its last preemption
     text: str = ""
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list, repr=False)   # when each output token came

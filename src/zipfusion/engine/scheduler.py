@@ -324,6 +324,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
         self.running.remove(req)
+        req.computed_before = max(req.computed_before, req.num_computed)
         self._unadmit(req)
         req.status = Status.WAITING
         req.num_preemptions += 1

@@ -28,8 +28,9 @@ a page taken back leaves a hole that is reused once the tail passes it.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,10 @@ class HostTierStats:
     bytes_out: int = 0
     bytes_in: int = 0
     dropped: int = 0
+    host_s_out: float = 0.0       # the host's seconds in put / take
+    host_s_in: float = 0.0
+    device_s_out: float = 0.0     # the work they queue on the compute stream (the gather out; the copy,
+    device_s_in: float = 0.0      # decode and scatter in), from CUDA events (the CPU: host seconds again)
 
 
 DECODE_BATCH_BYTES = 256 << 20     # a swap-in decodes at most this many open-page bytes per launch
@@ -79,6 +84,7 @@ class HostTier:
         self.head = 0
         self.used = 0                            # bytes of live records
         self.stats = HostTierStats()
+        self._timings: list[tuple[str, object, object]] = []     # (direction, start, end) CUDA events not read yet
 
     def start(self, wait: bool = False) -> None:
         """Begin pinning the buffer in the background (CUDA; the engine calls this once its CUDA
@@ -146,7 +152,10 @@ class HostTier:
         """Copy pages (open or stored) to the host as they lie, one record per page (None: a
         page larger than the whole tier); the caller then frees them. The oldest records make
         room (their owners are told)."""
-        ids = np.asarray(ids, dtype=np.int64)
+        with self._timed("out"):
+            return self._put(np.asarray(ids, dtype=np.int64), owners)
+
+    def _put(self, ids: np.ndarray, owners) -> list[Record | None]:
         if self.buf is None and not self.pin:
             self._allocate()                                  # the CPU: at once
         if self.buf is None:                                  # still being pinned: nothing kept
@@ -198,7 +207,8 @@ class HostTier:
             return
         if (m.table.state[ids] != OPEN).any():
             raise ValueError("HostTier.take: the destination pages must be open")
-        self._copy_in(records, ids)
+        with self._timed("in"):
+            self._copy_in(records, ids)
         self.drop(records)
         self.stats.pages_in += ids.size
         self.stats.bytes_in += sum(r.size for r in records)
@@ -233,6 +243,43 @@ class HostTier:
             k = pages.shape[0]
             copy_ranges(pages.view(torch.uint8).reshape(-1), m.arena, np.arange(k) * page, to[i:i + step],
                         np.full(k, page))
+
+    # -- what the transfers cost ------------------------------------------------------------------
+    @contextmanager
+    def _timed(self, direction: str):
+        """Host seconds of the block into ``stats.host_s_<direction>``, and the compute-stream
+        work it queues into ``device_s_<direction>`` (CUDA: a pair of timing events, read by
+        :meth:`collect_timings` once done; no sync here)."""
+        t0 = time.perf_counter()
+        if self.stream is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.m.device))
+        try:
+            yield
+        finally:
+            host = time.perf_counter() - t0
+            setattr(self.stats, f"host_s_{direction}", getattr(self.stats, f"host_s_{direction}") + host)
+            if self.stream is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(torch.cuda.current_stream(self.m.device))
+                self._timings.append((direction, start, end))
+                if len(self._timings) > 64:          # those done so far (no wait)
+                    self.collect_timings()
+            else:                              # the CPU copies in the host's own thread
+                setattr(self.stats, f"device_s_{direction}", getattr(self.stats, f"device_s_{direction}") + host)
+
+    def collect_timings(self, wait: bool = False) -> None:
+        """Add the device seconds of the transfers whose events have completed (``wait``: all)."""
+        pending = []
+        for direction, start, end in self._timings:
+            if wait:
+                end.synchronize()
+            if end.query():
+                key = f"device_s_{direction}"
+                setattr(self.stats, key, getattr(self.stats, key) + start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((direction, start, end))
+        self._timings = pending
 
     def drop(self, records: list[Record]) -> None:
         """Let go of records (taken back, or forgotten by their owner); their space returns when

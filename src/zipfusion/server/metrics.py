@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 KV_FIELDS = ("arena_bytes", "pool_chunks", "pending_chunks", "open_pages", "stored_pages",
              "capacity_new_pages", "pages_compressed", "pages_moved", "compactions", "stored_ratio",
              "pages_in_use", "bytes_in_use", "open_bytes_equivalent", "prefix_cache_pages",
-             "prefix_cache_evictable_pages")
+             "prefix_cache_evictable_pages", "host_tier_bytes", "host_tier_pages", "swapped_out_pages",
+             "swapped_in_pages", "recomputed_tokens")
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
