@@ -168,9 +168,9 @@ class Scheduler:
                     f"request {r.request_id} needs more than the whole KV memory ({r.num_tokens} tokens); "
                     "give more kv_memory_gb or lower max_tokens")
             out.preempted.append(self._preempt(self.running[-1]))
-        for r in batch:
-            if r.pages_needed(r.num_computed + 1):
-                r.pages += self.cache.alloc(1, keep_reserve=False)
+        growing = [r for r in batch if r.pages_needed(r.num_computed + 1)]
+        for r, page in zip(growing, self.cache.alloc(len(growing), keep_reserve=False)):   # one allocation
+            r.pages.append(page)
         out.decode = batch
 
     def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> None:
