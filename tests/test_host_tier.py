@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from zipfusion import LLM, SamplingParams
 from zipfusion.format import PageLayout
+from zipfusion.format.layout import loc_is_open, loc_offset
 from zipfusion.memory import KVCacheManager
 from zipfusion.memory.host_tier import HostTier
 from zipfusion.memory.prefix_cache import ROOT, PrefixCache
@@ -60,22 +61,44 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     not torch.cuda.is_available(), reason="pinned host transfers and the Triton codec need CUDA")])]
 
 
+def stored_bytes(m, page: int) -> list[bytes]:
+    """A stored page's bytes in every layer, as they lie in the arena."""
+    t = m.table
+    return [m.arena[loc_offset(int(t.loc[layer, page])):][:int(t.size[layer, page])].cpu().numpy().tobytes()
+            for layer in range(L)]
+
+
+@pytest.mark.parametrize("room", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
-def test_round_trip_is_bit_exact_in_every_form(device):
+def test_round_trip_is_bit_exact_in_every_form(device, room):
+    """Pages out and back in every form: stored compressed pages return compressed, their very
+    bytes placed again (no decode, nothing to seal: not among the ids left open); with no room
+    for them (``room=False``: every placement refused) they are decoded into open pages instead;
+    open pages come back open. Every page reads back bit for bit."""
     m = manager(device=device)
     ids = m.alloc_pages(10)
     for i, p in enumerate(ids):
         write(m, p, page_data(i))
     assert m.seal_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
+    compressed = [i for i, p in enumerate(ids[:8]) if not loc_is_open(m.table.loc[:, p]).all()]
+    assert compressed, "page_data should give compressible pages"
+    before = {i: stored_bytes(m, ids[i]) for i in compressed}
     host = HostTier(m, 1 << 20)
     host.start(wait=True)                        # CUDA: pinned by its thread
     recs = host.put(ids, ids)
     m.free_pages(ids)
     assert host.used == sum(r.size for r in recs) and host.used < 10 * L * OPEN     # compressed bytes travel
     back = m.alloc_pages(10)
-    host.take(recs, back)
+    if not room:
+        m._affordable = lambda *a: False                      # as when placing would cut into promised room
+    left = host.take(recs, back)
     for i, p in enumerate(back):
         assert same_bits(read(m, p), page_data(i)), i
+    came_back_stored = [i for i, p in enumerate(back) if m.page_state(p) == "stored"]
+    assert came_back_stored == (compressed if room else [])
+    assert sorted(left) == sorted(p for i, p in enumerate(back) if i not in came_back_stored)
+    for i in came_back_stored:
+        assert stored_bytes(m, back[i]) == before[i], i
     assert host.used == 0 and host.stats.pages_in == host.stats.pages_out == 10
 
 
@@ -117,7 +140,7 @@ def test_round_trip_in_one_page_decode_batches(monkeypatch):
     """A swap-in decodes its compressed bytes in bounded batches: one page at a time, too."""
     import zipfusion.memory.host_tier as host_tier
     monkeypatch.setattr(host_tier, "DECODE_BATCH_BYTES", 1)
-    test_round_trip_is_bit_exact_in_every_form("cpu")
+    test_round_trip_is_bit_exact_in_every_form("cpu", room=False)
 
 
 def test_ring_drops_the_oldest_reuses_holes_and_wraps():

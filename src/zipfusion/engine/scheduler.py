@@ -302,9 +302,12 @@ class Scheduler:
             away = [n for n in chain if n.page is None]
         if away:
             pages = self.cache.alloc(len(away))
-            self.prefix.swap_in(away, pages)
+            # compressed pages go back compressed where there is room (as a seal of pages no running
+            # request holds: the current window's stream, the room promised to running requests kept)
+            left = self.prefix.swap_in(away, pages, self._steps // SEAL_WINDOW % SEAL_STREAMS,
+                                       self.admission.promised_pages(self._running_needs()))
             if self.cache.kv_compression:                              # full, open again: next seal
-                self._to_seal.update((p, (UNOWNED, p)) for p in pages)
+                self._to_seal.update((p, (UNOWNED, p)) for p in left)
         return chain
 
     def _unadmit(self, req: Request) -> None:

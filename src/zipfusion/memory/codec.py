@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..format import PAGE_TOKENS, PageLayout, decode_pages, encode_pages_into, page_sizes
-from .copy import HostArray, to_device
+from .copy import HostArray, copy_ranges, to_device
 
 try:                                          # needs Triton; optional on CPU
     from ..format.triton_codec import analyze_open_pages, compress_open_pages, decompress_pages
@@ -65,6 +65,10 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
     if len(keep) == 0:
         return
     kind, src, payload = state
+    if kind == "stored":                      # encoded already (:func:`stored`): the bytes are copied
+        start, size = payload
+        copy_ranges(src, arena, start[keep], np.asarray(dst_offsets, dtype=np.int64), size[keep])
+        return
     keep_t, dst = to_device(np.stack([keep, dst_offsets]), arena.device)
     if kind == "triton":
         compress_open_pages(arena, src, payload, dst, layout, index=keep_t, validate=False)
@@ -72,11 +76,18 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
         encode_pages_into(payload[keep_t].contiguous(), arena, dst)
 
 
+def stored(buf: torch.Tensor, start: np.ndarray, nbytes: np.ndarray):
+    """The state of pages encoded already, their bytes in ``buf`` (the host tier's swap-in):
+    page ``i`` of the batch at ``start[i]``, ``nbytes[i]`` bytes (layer-major, as ``analyze``'s
+    sizes). ``encode`` copies them."""
+    return "stored", buf, (np.asarray(start, dtype=np.int64).reshape(-1), np.asarray(nbytes, dtype=np.int64).reshape(-1))
+
+
 def staged(state, keep: np.ndarray, offsets: np.ndarray, device):
     """The state of an analysis whose pages ``keep`` have been copied, open, to ``offsets`` of a
     staging tensor: ``encode(stage, staged(...), keep, ...)`` then reads them there."""
     kind, src, payload = state
-    if kind == "torch":                       # the analysis holds copies of the pages already
+    if kind in ("torch", "stored"):           # the state holds copies of the pages already
         return state
     src = src.clone()
     src[to_device(keep, device)] = to_device(offsets, device)

@@ -3,10 +3,11 @@
 When the prefix cache evicts a page nobody holds (memory is needed: often the pages of a
 preempted request), the page's bytes go here as they lie in the arena -- compressed pages
 compressed, so fewer bytes cross PCIe -- and the page id is freed. A later request whose tokens
-match the page takes it back: a new open page is allocated, the bytes come back to the device
-and are decoded into it (bit for bit), and the page is sealed again with the next seal. Nothing
-is recomputed. When the tier is full its least recently stored pages are dropped (then they are
-recomputed, as without a tier).
+match the page takes it back: a new open page is allocated and the bytes come back to the
+device; a compressed page is placed in packed space as its bytes are (sealed without encoding:
+``KVCacheManager.seal_stored``), or, with no room for it there, decoded into the open page (bit
+for bit) and sealed again later like any full page. Nothing is recomputed. When the tier is
+full its least recently stored pages are dropped (then they are recomputed, as without a tier).
 
 Transfers (``put`` / ``take``) need no host sync. Out: the pages' bytes are gathered into a
 device staging buffer on the current stream (after the kernels that wrote them, before any that
@@ -14,8 +15,8 @@ reuse their memory: the page ids are freed at once), and that buffer crosses PCI
 own stream, beside the compute that follows; the staging buffer is held until the copy is done
 (``record_stream``), and the copy first waits for everything queued on the current stream, so a
 swap-in still reading a ring slot is never overwritten. In: the current stream waits for the
-records' own copies out (their event), then copies and decodes them into new open pages before
-the step that reads them. On the CPU the same code copies between tensors.
+records' own copies out (their event), then copies them to the device and places (or decodes)
+them before the step that reads them. On the CPU the same code copies between tensors.
 
 Layout: one pinned buffer of the tier's budget (no host allocation per transfer: allocating pinned
 memory can stall the device). On CUDA a background thread pins it once the engine has started
@@ -200,42 +201,65 @@ class HostTier:
             for r in records:
                 r.copied = done
 
-    def take(self, records: list[Record], ids) -> None:
-        """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit."""
+    def take(self, records: list[Record], ids, stream: int = 0, min_capacity: int = 0) -> list[int]:
+        """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit; returns
+        the ids left open. A page that was stored compressed goes back into packed space as its
+        bytes are (``KVCacheManager.seal_stored``: no decode, nothing to seal again; fill stream
+        ``stream``, keeping ``min_capacity`` new pages as a seal does); one that finds no room, or
+        was open when it left, is an open page again (decoded), to be sealed later like any full
+        page."""
         m, ids = self.m, np.asarray(ids, dtype=np.int64)
         if not ids.size:
-            return
+            return []
         if (m.table.state[ids] != OPEN).any():
             raise ValueError("HostTier.take: the destination pages must be open")
         with self._timed("in"):
-            self._copy_in(records, ids)
-        self.drop(records)
+            staged = self._stage_in(records)
+            self.drop(records)         # a copy out into their space is queued after the staging copy
+            nbytes = np.stack([r.nbytes for r in records], axis=1)          # [L, n]
+            open_form = np.stack([r.open_form for r in records], axis=1)
+            start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(ids.size, -1).T   # [L, n]
+            left = self._restore(ids, staged, start, nbytes, open_form, stream, min_capacity)
         self.stats.pages_in += ids.size
-        self.stats.bytes_in += sum(r.size for r in records)
+        self.stats.bytes_in += int(nbytes.sum())
+        return left
 
-    def _copy_in(self, records: list[Record], ids: np.ndarray) -> None:
-        """The records' bytes back into the open pages ``ids``: open forms copied, compressed
-        pages decoded."""
+    def _stage_in(self, records: list[Record]) -> torch.Tensor:
+        """The records' bytes on the device, one after another (after their copies out)."""
         m = self.m
         if self.stream is not None:             # their copies out are done first
             compute = torch.cuda.current_stream(m.device)
             for done in {id(r.copied): r.copied for r in records if r.copied is not None}.values():
                 compute.wait_event(done)
-        total = sum(r.size for r in records)
-        staged = torch.empty(total, dtype=torch.uint8, device=m.device)
+        staged = torch.empty(sum(r.size for r in records), dtype=torch.uint8, device=m.device)
         at = 0
         for a, n in _runs([(r.start, r.size) for r in records]):
             staged[at:at + n].copy_(self.buf[a:a + n], non_blocking=self.pin)
             at += n
-        nbytes = np.stack([r.nbytes for r in records], axis=1)      # [L, n]
-        open_form = np.stack([r.open_form for r in records], axis=1)
-        start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(ids.size, -1).T   # [L, n]
-        dst = loc_offset(m.table.loc[:, ids])
+        return staged
+
+    def _restore(self, ids: np.ndarray, staged: torch.Tensor | None, start: np.ndarray, nbytes: np.ndarray,
+                 open_form: np.ndarray, stream: int, min_capacity: int) -> list[int]:
+        """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
+        open forms copied into their slots, pages that were stored sealed from their bytes
+        (``seal_stored``), the compressed layers of those left open decoded into their slots."""
+        m = self.m
         page = m.layout.open_page_bytes
-        # all layers together (few launches, no host sync): open forms copied, compressed bytes
-        # decoded (trusted: this process encoded them) and copied into the open pages
-        copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
-        comp = ~open_form
+        dst = loc_offset(m.table.loc[:, ids])
+        if staged is not None:
+            copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
+        sealable = ~open_form.all(0) if m.kv_compression else np.zeros(ids.size, dtype=bool)
+        left = ids[~sealable].tolist()
+        if sealable.any():
+            m.set_streams(ids[sealable], np.full(int(sealable.sum()), stream))
+            still = set(m.seal_stored(ids[sealable], staged, start[:, sealable], nbytes[:, sealable], min_capacity))
+            left += sorted(still)
+            sealable &= ~np.isin(ids, list(still))
+        if staged is None:
+            return left
+        # pages left open: their compressed layers decoded (trusted: this process encoded them) into
+        # their slots, all layers together (few launches, no host sync)
+        comp = ~open_form & ~sealable[None, :]
         src, size, to = start[comp], nbytes[comp], dst[comp]
         step = max(1, DECODE_BATCH_BYTES // page)              # bounded scratch for the decoded pages
         for i in range(0, src.size, step):
@@ -243,6 +267,7 @@ class HostTier:
             k = pages.shape[0]
             copy_ranges(pages.view(torch.uint8).reshape(-1), m.arena, np.arange(k) * page, to[i:i + step],
                         np.full(k, page))
+        return left
 
     # -- what the transfers cost ------------------------------------------------------------------
     @contextmanager

@@ -271,6 +271,19 @@ class KVCacheManager:
         """
         return self.seal_analyzed(self.analyze_pages(ids), min_capacity)
 
+    def seal_stored(self, ids: Iterable[int], buf: torch.Tensor | None, start: np.ndarray, nbytes: np.ndarray,
+                    min_capacity: int = 0) -> list[int]:
+        """Seal open pages whose encoding exists already (the host tier's swap-in): layer ``l`` of
+        page ``ids[i]`` is ``nbytes[l, i]`` bytes at ``start[l, i]`` of ``buf`` (None: no bytes, an
+        accounting manager), or its open form where that is a whole open page (then it is in the
+        open slot already). Placed as :meth:`seal_analyzed` places pages, the bytes copied instead
+        of encoded; returns the ids left open (no room), whose compressed layers are not in their
+        open slots: the caller decodes them there."""
+        ids = self.table.check(ids, OPEN, "seal_stored")
+        nbytes = np.asarray(nbytes, dtype=np.int64).reshape(self.num_layers, ids.size)
+        state = None if buf is None else codec.stored(buf, start, nbytes)
+        return self.seal_analyzed(SealJob(ids, state, nbytes), min_capacity)
+
     def set_streams(self, ids: Iterable[int], streams: Iterable[int]) -> None:
         """The fill stream each page is sealed into (packed.py: pages expected to be freed together
         share chunks); 0 until set."""

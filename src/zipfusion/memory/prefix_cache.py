@@ -112,14 +112,16 @@ class PrefixCache:
             self._evictable.pop(node.page, None)
         return [node.page for node in chain]
 
-    def swap_in(self, nodes: list[Node], pages: list[int]) -> None:
+    def swap_in(self, nodes: list[Node], pages: list[int], stream: int = 0, min_capacity: int = 0) -> list[int]:
         """Bring host-tier ``nodes`` back into the open ``pages`` (just allocated; the caller
-        holds them and seals them again)."""
-        self.host.take([n.host for n in nodes], pages)
+        holds them); those that were compressed are placed compressed where there is room
+        (``HostTier.take``). Returns the pages left open, for the caller to seal."""
+        left = self.host.take([n.host for n in nodes], pages, stream, min_capacity)
         for node, page in zip(nodes, pages):
             del self._on_host[node.node_id]
             node.page, node.host, node.refs = page, None, 1
             self._by_page[page] = node
+        return left
 
     def note_lookup(self, queried: int, hit: int) -> None:
         self.stats.queried_tokens += queried
