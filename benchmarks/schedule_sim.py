@@ -138,6 +138,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
 
 COMPARED = (("prefill_tokens_computed", "prefill tokens computed", -1), ("peak_batch", "peak batch", 1),
             ("preemptions", "preemptions", -1), ("pages_handed_to_seal", "pages handed to the seal", -1),
+            ("compaction_bytes", "compaction bytes", -1),
             ("host_schedule_s", "host seconds scheduling", -1),
             ("host_seal_s", "host seconds sealing", -1))     # (key, title, +1: more is better, -1: less)
 

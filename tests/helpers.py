@@ -7,9 +7,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from zipfusion.format import PageLayout, encode_pages_into, from_blocks, page_sizes
+from zipfusion.memory.page_table import STORED
+
+
+def assert_packed_books(m) -> None:
+    """A memory manager's packed books, recomputed from its page table's stored pages: each
+    packed chunk's live bytes and pages, each layer's held chunks and live bytes, and the kept
+    reclaimable bound (a change that leaves it stale fails)."""
+    P = m.packed
+    ids = np.nonzero(m.table.state == STORED)[0]
+    chunks = ((m.table.loc[:, ids] & ~1) // m.chunk_bytes).ravel()
+    sizes = m.table.size[:, ids].ravel()
+    assert (P.live_bytes == np.bincount(chunks, weights=sizes, minlength=P.live_bytes.size)).all()
+    assert (P.live_pages == np.bincount(chunks, minlength=P.live_pages.size)).all()
+    assert P.held.tolist() == [len(c) for c in P.chunks]
+    assert (P.layer_live == m.table.size[:, ids].sum(1)).all()
+    kept, P._bound = P.reclaimable_bound(), None
+    assert (kept == P.reclaimable_bound()).all(), "reclaimable_bound kept past a change"
 
 
 def pages_from_block_bits(block_bits, num_kv_heads=1, head_dim=128):

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from helpers import assert_packed_books
 from zipfusion import LLM, SamplingParams
 from zipfusion.format import PageLayout
 from zipfusion.format.layout import loc_is_open, loc_offset
@@ -219,8 +220,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.to_seal.difference_update(evicted)
         return cap >= n
 
-    @rule(prefix=st.integers(0, 2), shared=st.integers(0, 4), own=st.integers(0, 3), tag=st.integers(0, 9))
-    def admit(self, prefix, shared, own, tag):
+    @rule(prefix=st.integers(0, 2), shared=st.integers(0, 4), own=st.integers(0, 3), tag=st.integers(0, 9),
+          promised=st.sampled_from([0, 4, 10**6]))
+    def admit(self, prefix, shared, own, tag, promised):
         blocks = [100 * prefix + i for i in range(shared)] + [1000 + 10 * tag + i for i in range(own)]
         if not blocks:
             return
@@ -234,8 +236,10 @@ class CacheMachine(RuleBasedStateMachine):
             return
         if away:
             pages = self.m.alloc_pages(len(away))
-            self.pc.swap_in(away, pages)
-            self.to_seal.update(pages)
+            left = self.pc.swap_in(away, pages, min_capacity=promised)     # room promised to others kept
+            assert set(left) <= set(pages)
+            assert all(self.m.page_state(p) == "stored" for p in set(pages) - set(left))
+            self.to_seal.update(left)
         new = self.m.alloc_pages(len(blocks) - len(chain))
         pages = [n.page for n in chain] + new
         node = chain[-1].node_id if chain else ROOT
@@ -255,6 +259,10 @@ class CacheMachine(RuleBasedStateMachine):
         if self.reqs:
             _, pages = self.reqs.pop(which % len(self.reqs))
             self.to_seal.difference_update(self.pc.release(pages))
+
+    @invariant()
+    def packed_books_match_the_page_table(self):
+        assert_packed_books(self.m)
 
     @rule(n=st.integers(1, 6))
     def evict(self, n):

@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from helpers import assert_packed_books
 from zipfusion.format import PageLayout
 from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
 
@@ -171,18 +172,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def packed_books_match_the_page_table(self):
-        """Each packed chunk's live bytes and pages, each layer's held chunks and live bytes,
-        and the kept reclaimable bound, recomputed from the page table's stored pages."""
-        m, P = self.m, self.m.packed
-        ids = np.nonzero(m.table.state == 2)[0]
-        chunks = ((m.table.loc[:, ids] & ~1) // m.chunk_bytes).ravel()
-        sizes = m.table.size[:, ids].ravel()
-        assert (P.live_bytes == np.bincount(chunks, weights=sizes, minlength=P.live_bytes.size)).all()
-        assert (P.live_pages == np.bincount(chunks, minlength=P.live_pages.size)).all()
-        assert P.held.tolist() == [len(c) for c in P.chunks]
-        assert (P.layer_live == m.table.size[:, ids].sum(1)).all()
-        kept, P._bound = P.reclaimable_bound(), None
-        assert (kept == P.reclaimable_bound()).all(), "reclaimable_bound kept past a change"
+        assert_packed_books(self.m)
 
     @invariant()
     def contents_are_what_was_written(self):
