@@ -415,7 +415,9 @@ class LLMEngine:
             self.peak_kv_stats = self.cache.stats()
 
     def prefix_cache_stats(self) -> dict:
-        """The prefix cache now: hits over lookups (in prompt tokens), pages cached / evictable."""
+        """The prefix cache now: hits over lookups (in prompt tokens), pages cached / evictable;
+        its host tier's bytes, pages swapped and the seconds the swaps took; and what preemption
+        cost without it (preemptions, prefill tokens computed again)."""
         p = self.scheduler.prefix
         out = {"prefix_cache_enabled": p.enabled, "prefix_cache_queried_tokens": p.stats.queried_tokens,
                "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,

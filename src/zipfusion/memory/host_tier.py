@@ -276,22 +276,25 @@ class HostTier:
         work it queues into ``device_s_<direction>`` (CUDA: a pair of timing events, read by
         :meth:`collect_timings` once done; no sync here)."""
         t0 = time.perf_counter()
-        if self.stream is not None:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(self.m.device))
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if self.stream is not None else None
+        if events:
+            events[0].record(torch.cuda.current_stream(self.m.device))
         try:
             yield
         finally:
             host = time.perf_counter() - t0
-            setattr(self.stats, f"host_s_{direction}", getattr(self.stats, f"host_s_{direction}") + host)
-            if self.stream is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(torch.cuda.current_stream(self.m.device))
-                self._timings.append((direction, start, end))
+            self._add(f"host_s_{direction}", host)
+            if not events:                     # the CPU copies in the host's own thread
+                self._add(f"device_s_{direction}", host)
+            else:
+                events[1].record(torch.cuda.current_stream(self.m.device))
+                self._timings.append((direction, *events))
                 if len(self._timings) > 64:          # those done so far (no wait)
                     self.collect_timings()
-            else:                              # the CPU copies in the host's own thread
-                setattr(self.stats, f"device_s_{direction}", getattr(self.stats, f"device_s_{direction}") + host)
+
+    def _add(self, key: str, seconds: float) -> None:
+        setattr(self.stats, key, getattr(self.stats, key) + seconds)
 
     def collect_timings(self, wait: bool = False) -> None:
         """Add the device seconds of the transfers whose events have completed (``wait``: all)."""
@@ -300,8 +303,7 @@ class HostTier:
             if wait:
                 end.synchronize()
             if end.query():
-                key = f"device_s_{direction}"
-                setattr(self.stats, key, getattr(self.stats, key) + start.elapsed_time(end) / 1e3)
+                self._add(f"device_s_{direction}", start.elapsed_time(end) / 1e3)
             else:
                 pending.append((direction, start, end))
         self._timings = pending
