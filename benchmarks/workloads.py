@@ -256,7 +256,7 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
     nan = float("nan")
     hit = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and r.num_cached_tokens]
     miss = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and not r.num_cached_tokens]
-    pc = eng.prefix_cache_stats()
+    pc = eng.reuse_stats()
     # what preemption cost: the steps' seconds in the share of their prefill that was computed
     # before (recompute), and the host tier's transfers (host seconds and the compute-stream work
     # they queue, both counted: an upper bound, and every eviction to the tier counts, not only a

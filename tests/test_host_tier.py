@@ -305,7 +305,7 @@ def test_engine_with_a_host_tier_gives_the_same_tokens_and_swaps():
         while eng.has_work():
             res = eng.step()
             computed, recomputed = computed + res.prefill_tokens, recomputed + res.recomputed_tokens
-        stats = eng.prefix_cache_stats()
+        stats = eng.reuse_stats()
         runs[gb] = (hashlib.sha256(repr([r.output_ids for r in reqs]).encode()).hexdigest(), computed, stats)
         assert stats["recomputed_tokens"] == recomputed <= computed
         eng.scheduler.reset_prefix_cache()

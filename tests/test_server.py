@@ -411,8 +411,7 @@ def live(live_engine):
 
 def kv_pages_in_use(app, engine) -> int:
     """Pages held by requests (the prefix cache keeps finished requests' full pages)."""
-    numbers = lambda: {**engine.cache.stats(), **engine.prefix_cache_stats()}      # noqa: E731
-    s = app.state.engine_loop().call(numbers).result(timeout=T)
+    s = app.state.engine_loop().call(engine.kv_stats).result(timeout=T)
     return s["pages_in_use"] - s["prefix_cache_evictable_pages"]
 
 

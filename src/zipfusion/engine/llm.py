@@ -88,8 +88,8 @@ class LLM:
     def kv_stats(self) -> dict:
         """KV memory numbers at the busiest step of the last runs (pages, bytes, ratio), and the
         prefix cache's, host tier's and preemptions' counters now (``prefix_cache_*``,
-        ``swap*``, ``recomputed_tokens``: ``LLMEngine.prefix_cache_stats``)."""
-        return {**(self.engine.peak_kv_stats or self.engine.cache.stats()), **self.engine.prefix_cache_stats()}
+        ``swap*``, ``recomputed_tokens``: ``LLMEngine.reuse_stats``)."""
+        return self.engine.kv_stats(at_peak=True)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix no request holds (vLLM's ``reset_prefix_cache``); pages freed."""

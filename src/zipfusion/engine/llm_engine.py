@@ -414,10 +414,15 @@ class LLMEngine:
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 
-    def prefix_cache_stats(self) -> dict:
-        """The prefix cache now: hits over lookups (in prompt tokens), pages cached / evictable;
-        its host tier's bytes, pages swapped and the seconds the swaps took; and what preemption
-        cost without it (preemptions, prefill tokens computed again)."""
+    def kv_stats(self, at_peak: bool = False) -> dict:
+        """The cache's numbers (pages, bytes, ratio: now, or ``at_peak`` at the busiest step since
+        ``peak_kv_stats`` was last cleared) with ``reuse_stats``'s counters now."""
+        return {**((at_peak and self.peak_kv_stats) or self.cache.stats()), **self.reuse_stats()}
+
+    def reuse_stats(self) -> dict:
+        """What K/V was reused, moved or thrown away, now: the prefix cache's hits over lookups (in
+        prompt tokens), pages cached / evictable; its host tier's bytes, pages swapped and the
+        seconds the swaps took; preemptions and the prefill tokens computed again after them."""
         p = self.scheduler.prefix
         out = {"prefix_cache_enabled": p.enabled, "prefix_cache_queried_tokens": p.stats.queried_tokens,
                "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,

@@ -104,7 +104,7 @@ class OpenAIServer:
 
     def kv_numbers(self) -> dict:
         """The cache's numbers and the prefix cache's (on the engine thread)."""
-        return {**self.engine.cache.stats(), **self.engine.prefix_cache_stats()}
+        return self.engine.kv_stats()
 
     async def prometheus(self):
         try:
