@@ -54,7 +54,6 @@ def install_unfused(backend) -> None:
                                         cache.layout, backend.sm_scale, plan=plans[layer], validate=False)
 
     backend.decode = attend
-    cache.unfused_workspace_bytes = scratch.numel() * scratch.element_size()
 
 
 def nvcomp_measure(pages: torch.Tensor, reps: int = 5) -> dict:

@@ -12,10 +12,6 @@ NAN = float("nan")
 BASE = "uncompressed-flashinfer"
 
 
-def _nan(x):
-    return NAN if x is None else x
-
-
 def _row_at(info: dict, batch: int) -> dict | None:
     rows = info.get("rows", []) if info else []
     exact = [r for r in rows if r["batch"] == batch]
