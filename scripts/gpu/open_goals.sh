@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The H200 measurements issues 22 and 23 still wait for, in parts that each fit a device call
+# (10 min) together as below. Send .carry along (scripts/gpu/carry_wheels.sh). Output under $OUT.
+#   bash scripts/gpu/open_goals.sh tests preemption esc     # ~9 min
+#   bash scripts/gpu/open_goals.sh server                   # ~5 min
+# tests:      the host tier's GPU tests (seal_stored's round trip on CUDA, the copies' timing events)
+# preemption: long_swap vs long_recompute, compressed: workloads.json's preemption_cost (issue 22:
+#             <= 0.05 of what recompute costs)
+# esc:        the decode kernel's COMPRESSED_ESC page kind (ZIPFUSION_CUDA_ESC_KIND=1): its CUDA
+#             tests, then benchmarks/attention.py --quick without and with it (issue 23)
+# server:     the shared-prefix workload through `zipfusion serve`, compressed and uncompressed
+#             (issue 22: "through LLM.generate and through the server")
+set -u
+OUT=${OUT:-/tmp/open_goals}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src ZIPFUSION_CACHE=/tmp/zfcache
+if [ -d .carry ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
+         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+tests() {
+  timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_host_tier.py > "$OUT/host_tier_gpu.log" 2>&1
+  echo "host tier GPU tests: rc $?"; tail -2 "$OUT/host_tier_gpu.log"
+}
+
+preemption() {
+  mkdir -p "$OUT/preemption"
+  timeout -k 5 190 python3 benchmarks/workloads.py --out "$OUT/preemption" --timeout 180 \
+    --scenarios long_swap,long_recompute --modes compressed > "$OUT/preemption/workloads.log" 2>&1
+  echo "preemption: rc $?"; grep -E "done in" "$OUT/preemption/workloads.log" | cut -c1-200
+  python3 -c "import json; print('preemption_cost', json.load(open('$OUT/preemption/workloads.json')).get('preemption_cost'))" 2>&1 | tail -1
+}
+
+esc() {
+  ZIPFUSION_CUDA_ESC_KIND=1 timeout 80 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py \
+    -k "cuda or escape or adversarial" > "$OUT/esc_tests.log" 2>&1
+  echo "ESC kind tests: rc $?"; tail -2 "$OUT/esc_tests.log"
+  for v in plain esc; do
+    e=0; [ $v = esc ] && e=1
+    ZIPFUSION_CUDA_ESC_KIND=$e timeout 100 python3 benchmarks/attention.py --quick --out "$OUT/$v" > "$OUT/$v.log" 2>&1
+    echo "attention --quick, $v: rc $?"
+  done
+  python3 - "$OUT" <<'P'
+import json, os, sys
+for v in ("plain", "esc"):
+    for name in ("attention_quick.json", "attention_partial.json"):
+        f = os.path.join(sys.argv[1], v, name)
+        if os.path.exists(f):
+            break
+    else:
+        print(v, "no result"); continue
+    rows = {}
+    for r in json.load(open(f)):
+        rows.setdefault(r["compressible_fraction_nominal"], {})[r["kernel"]] = r["median_ms"]
+    for frac, d in sorted(rows.items(), key=lambda x: -x[0]):
+        fi = d.get("flashinfer")
+        print(v, f"{frac:.2f}", " ".join(f"{k} {ms:.4f} ms" + (f" ({fi / ms:.3f}x FI)" if fi else "") for k, ms in sorted(d.items())))
+P
+}
+
+server() {
+  for m in compressed uncompressed; do
+    extra=""; [ $m = uncompressed ] && extra="--no-kv-compression"
+    timeout -k 5 270 python3 benchmarks/serve_load.py --model llama-3.1-8b-random --device cuda --rates inf \
+      --num-requests 512 --prompt-len 256 --max-tokens 256 --shared-prefix 4096 --group 16 --kv-memory-gb 16 \
+      --out "$OUT/serve_shared_prefix_$m" $extra > "$OUT/serve_$m.log" 2>&1
+    echo "server, $m: rc $?"; tail -4 "$OUT/serve_$m.log" | cut -c1-300
+  done
+}
+
+parts=("$@"); [ $# -eq 0 ] && parts=(tests preemption esc)
+for part in "${parts[@]}"; do "$part"; done
+echo "total ${SECONDS}s"
