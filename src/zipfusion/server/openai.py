@@ -102,13 +102,9 @@ class OpenAIServer:
                                             "max_model_len": self.engine.max_model_len}
                                            for n in self.names]}
 
-    def kv_numbers(self) -> dict:
-        """The cache's numbers and the prefix cache's (on the engine thread)."""
-        return self.engine.kv_stats()
-
     async def prometheus(self):
         try:
-            stats = await asyncio.wait_for(asyncio.wrap_future(self.engine_loop().call(self.kv_numbers)), 10)
+            stats = await asyncio.wait_for(asyncio.wrap_future(self.engine_loop().call(self.engine.kv_stats)), 10)
             self.metrics.set_kv(stats)
         except (asyncio.TimeoutError, RuntimeError):
             pass                           # a busy or stopped engine: the other numbers still come
