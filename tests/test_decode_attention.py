@@ -508,3 +508,128 @@ def test_cuda_split_heuristic_packs_whole_waves(monkeypatch):
             S = ca.default_num_splits(B, 8, pages, "cuda")
             assert 1 <= S <= 64 and (S == 1 or -(-pages // S) >= 16)
     assert ca.ctas_per_sm(3) == 4 and ca.ctas_per_sm(4) == 3 and ca.ctas_per_sm(6) == 2
+
+
+# ------------------------------------------------------------------------------------------
+# Packed requests: rows behind shared pages in one request's columns (engine/packing.py)
+# ------------------------------------------------------------------------------------------
+
+class _Backend:
+    """What PackedPlan.run asks of the engine's attention backend: the kernel on one case."""
+
+    def __init__(self, c, fn, arena, loc, **kw):
+        self.c, self.fn, self.arena, self.loc, self.kw = c, fn, arena, loc, kw
+        self.cache = type("Cache", (), {"num_kv_heads": c["layout"].num_kv_heads})
+
+    def decode(self, layer, q, block_table, context_lens, **packed):
+        return self.fn(q, self.arena, self.loc, block_table, context_lens, self.c["layout"],
+                       self.c["scale"], out=poisoned(q), **packed, **self.kw)
+
+
+def packed_case(groups, lone, G, kind, seed, H=2):
+    """A case whose rows in each group of ``groups`` (shared pages, [context lengths]) begin
+    with the first row's pages (full, compressed in arena_c unless 'mixed' left one open),
+    then ``lone`` rows of their own. Each row's last page is open and holds NaN and inf past
+    its context (in the middle of a packed request's table, where a slot's own pages end)."""
+    contexts = [L for _, lens in groups for L in lens] + list(lone)
+    c = make_case(contexts, H, G, 128, kind, seed)
+    bt, row = c["bt"].cpu(), 0
+    for shared, lens in groups:
+        assert all(L > 16 * shared for L in lens)
+        for r in range(row + 1, row + len(lens)):
+            bt[r, :shared] = bt[row, :shared]
+        row += len(lens)
+    c["bt"] = bt.to(c["q"].device)
+    for arena, loc in ((c["arena_c"], c["loc_c"]), (c["arena_o"], c["loc_o"])):
+        for b, L in enumerate(contexts):
+            if L % 16:
+                start = int(loc[int(bt[b, (L - 1) // 16])]) & ~1
+                page = arena[start:start + c["layout"].open_page_bytes].view(torch.bfloat16)
+                page = page.view(2, 16, H, 128)
+                page[:, L % 16:] = float("nan")
+                page[1, L % 16:, :, ::3] = float("inf")
+    return c
+
+
+PACKED = [
+    # groups (shared pages, lengths), lone rows, G, kind, pack_heads
+    ([(2, [40, 53, 69])], [5], 4, "mixed", 8),             # a pair, a group's last row alone, a lone row
+    ([(3, [49, 64, 100, 50]), (2, [33, 47])], [17, 1], 2, "escapes", 8),   # R = 4
+    ([(2, [37, 90, 45])], [], 4, "compressible", 16),      # R = 4 with an empty slot
+    ([(4, [80, 65])], [30], 8, "mixed", 16),               # two n-tiles of one row each
+]
+
+
+def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
+    """Packed requests vs the plain kernel row by row (close) and the float64 reference;
+    compressed pages, open pages and the twin give the same bits."""
+    from zipfusion.engine import cascade, packing
+    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    c = packed_case(groups, lone, G, kind, seed)
+    plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, c["q"].device,
+                               pack_heads=pack_heads)
+    assert plan is not None and plan.rows.shape[1] == pack_heads // G
+    tag = f"(seed {seed}, {groups}, {lone}, G {G}, {kw})"
+    outs = {}
+    for name, fn, arena, loc in (("compressed", decode_attention, c["arena_c"], c["loc_c"]),
+                                 ("open", decode_attention, c["arena_o"], c["loc_o"]),
+                                 ("twin", decode_attention_twin, c["arena_o"], c["loc_o"])):
+        outs[name] = plan.run(_Backend(c, fn, arena, loc, **kw), 0, c["q"])
+    args = (c["bt"], c["lens"], c["layout"], c["scale"])
+    plain = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, **kw)
+    ref = reference_decode_attention(c["q"], c["arena_o"], c["loc_o"], *args, out_dtype=torch.float64)
+    got = outs["compressed"]
+    assert torch.isfinite(got.float()).all(), f"NaN/inf past a slot's end leaked {tag}"
+    for b in range(got.shape[0]):
+        rel = float((got[b].double() - ref[b]).norm() / ref[b].norm())
+        assert rel < 1e-2, f"row {b}: relative error {rel:.3g} vs float64 {tag}"
+        assert float((got[b].double() - plain[b].double()).abs().max()) < 2e-2, f"row {b} vs plain {tag}"
+    assert same_bits(got, outs["open"]), f"compressed and open pages give different bits {tag}"
+    assert same_bits(got, outs["twin"]), f"fused kernel and its twin give different bits {tag}"
+    return plan
+
+
+@pytest.mark.parametrize("groups,lone,G,kind,pack_heads", PACKED[:2])
+def test_packed_requests(groups, lone, G, kind, pack_heads, seed, monkeypatch):
+    plan = check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch)
+    if G == 4:               # rows 0, 1 paired behind 2 pages; rows 2 and 3 alone
+        assert plan.rows.tolist() == [[0, 1], [2, 0], [3, 0]]
+        assert plan.spans.tolist() == [[[32, 40], [48, 69]], [[0, 69], [0, 0]], [[0, 5], [0, 0]]]
+        assert plan.context_lens.tolist() == [69, 69, 5] and plan.slots.tolist() == [0, 1, 2, 4]
+
+
+def test_packed_request_slots_without_keys_output_zero(monkeypatch):
+    """An empty slot of a lone row's request attends nothing: zeros, not NaN (the kernel's
+    -inf guards), on either route."""
+    c = packed_case([], [20], 4, "mixed", 2, H=1)
+    spans = torch.tensor([[[0, 20], [0, 0]]], dtype=torch.int32, device=c["q"].device)
+    q = torch.cat([c["q"], c["q"]], 1)                        # two slots of 4 heads
+    out = decode_attention(q, c["arena_c"], c["loc_c"], c["bt"], c["lens"], c["layout"], c["scale"],
+                           spans=spans, slot_heads=4)
+    assert torch.equal(out[:, 4:], torch.zeros_like(out[:, 4:]))
+    plain = decode_attention(c["q"], c["arena_c"], c["loc_c"], c["bt"], c["lens"], c["layout"], c["scale"])
+    assert float((out[:, :4].double() - plain.double()).abs().max()) < 2e-2
+
+
+def test_packed_request_arguments(small):
+    c = small
+    sp = torch.tensor([[[0, 20], [0, 0]], [[0, 7], [0, 0]]], dtype=torch.int32, device=c["q"].device)
+    q = torch.cat([c["q"], c["q"]], 1)
+    with pytest.raises(ValueError, match="slot_heads must be a positive int dividing the GQA group of 8"):
+        _call(c, q=q, spans=sp, slot_heads=3)
+    with pytest.raises(TypeError, match=r"spans must be a contiguous torch.int32 \[2, 2, 2\]"):
+        _call(c, q=q, spans=sp.to(torch.int64), slot_heads=4)
+    with pytest.raises(ValueError, match="spans of packed request 1 .* begin at a page boundary"):
+        _call(c, q=q, spans=torch.tensor([[[0, 20], [0, 0]], [[3, 7], [0, 0]]], dtype=torch.int32,
+                                         device=c["q"].device), slot_heads=4)
+    with pytest.raises(ValueError, match="end within the context"):
+        _call(c, q=q, spans=torch.tensor([[[0, 21], [0, 0]], [[0, 7], [0, 0]]], dtype=torch.int32,
+                                         device=c["q"].device), slot_heads=4)
+
+
+@gpu
+@pytest.mark.parametrize("groups,lone,G,kind,pack_heads", PACKED)
+@pytest.mark.parametrize("kw", [dict(), dict(num_splits=1), dict(num_splits=5), dict(stages=3, tma=False),
+                                dict(stages=4, tma=True, num_splits=3)])
+def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed, monkeypatch):
+    check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, backend="cuda", **kw)

@@ -426,6 +426,75 @@ def test_cascade_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt,
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
+def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, monkeypatch):
+    """Packed requests (engine/packing.py; G = 2 here, so four rows a request) over the engine's
+    pages: the plain kernel's attention up to rounding, fused on compressed pages == twin bits."""
+    from zipfusion.engine import cascade
+    from zipfusion.testing import reference_decode_attention
+    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 21, 37, 5)]
+    q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    outs = {}
+    for compressed in (True, False):
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                  kv_compression=compressed, enable_prefix_caching=False, packed_decode=True)
+        eng = llm.engine
+        reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in ps]
+        eng.step()
+        eng.scheduler.seal_full_pages([], force=True)
+        lens, table = _shared_prefix_rows(eng, reqs)
+        be = eng.attention
+        assert be.packed and not be.prepare_decode(lens, table)           # packed: no graph replay
+        step = be.plan(torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64,
+                       device=DEVICE), num_decode=4, block_table=table.to(DEVICE), context_lens=lens.to(DEVICE))
+        plan = step.cascade
+        assert plan.rows.tolist() == [[0, 1, 2, 0], [3, 0, 0, 0]] and plan.slots.tolist() == [0, 1, 2, 4]
+        assert plan.spans[0].tolist() == [[32, 40], [48, 69], [80, 117], [0, 0]]
+        got = step.decode(0, q)
+        plain = be.decode(0, q, table.to(DEVICE), lens.to(DEVICE))
+        ref = reference_decode_attention(q, eng.cache.arena, eng.cache.page_loc[0], table.to(DEVICE),
+                                         lens.to(DEVICE), eng.cache.layout, be.sm_scale, out_dtype=torch.float64)
+        for x in (got, plain):
+            assert float((x.double() - ref).norm() / ref.norm()) < 1e-2
+        outs[compressed] = got
+    assert torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16))
+
+
+def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt, monkeypatch):
+    """Prefix-cache hits decode as packed requests (eagerly): compressed and uncompressed runs
+    give the same tokens and logits, and the same tokens as without packing (greedy, a small
+    model: rounding rarely flips one); never packed by default or in deterministic mode."""
+    from zipfusion.engine import attention, cascade
+    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    planned = []
+    real = attention.plan_packed
+    monkeypatch.setattr(attention, "plan_packed", lambda *a: planned.append(p := real(*a)) or p)
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 256, (50,), generator=g).tolist()
+    ps = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 20)]
+    for kw in (dict(), dict(deterministic=True, packed_decode=True)):
+        assert not LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                       **kw).engine.attention.packed
+    res = {}
+    for name, kw in (("fused", dict(kv_compression=True, packed_decode=True)),
+                     ("twin", dict(kv_compression=False, packed_decode=True)), ("plain", dict())):
+        planned.clear()
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                  max_model_len=256, **kw)
+        eng = llm.engine
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        run_to_completion(eng, [eng.add_request(prefix + [7], sp)])        # caches the prefix's pages
+        reqs = [eng.add_request(p, sp) for p in ps]
+        run_to_completion(eng, reqs, keep_logits=True)
+        plans = [p for p in planned if p is not None]
+        assert (max((int((p.rows[:, 1:] != 0).sum()) for p in plans), default=0) == 2) == (name != "plain"), name
+        res[name] = reqs
+    for a, b, c in zip(res["fused"], res["twin"], res["plain"]):
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
 def test_pages_checked_on_the_device_before_each_decode_call(ckpt, monkeypatch):
     """ZIPFUSION_CHECK_PAGES=1 (a debugging aid for the H200's async-scheduling hang): every
     decode attention call first asserts its block table, lengths and locations on the device;

@@ -8,6 +8,8 @@
 #             <= 0.05 of what recompute costs)
 # esc:        the decode kernel's COMPRESSED_ESC page kind (ZIPFUSION_CUDA_ESC_KIND=1): its CUDA
 #             tests, then benchmarks/attention.py --quick without and with it (issue 23)
+# packed:     packed decode (engine/packing.py): its CUDA kernel tests, then shared_prefix with and
+#             without it, compressed and uncompressed, side by side (~7 min)
 # server:     the shared-prefix workload through `zipfusion serve`, compressed and uncompressed
 #             (issue 22: "through LLM.generate and through the server")
 set -u
@@ -19,6 +21,26 @@ if [ -d .carry ]; then
          FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+packed() {
+  timeout 150 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py -k packed \
+    > "$OUT/packed_tests.log" 2>&1
+  echo "packed kernel tests: rc $?"; tail -2 "$OUT/packed_tests.log"
+  mkdir -p "$OUT/packed"
+  timeout -k 5 420 python3 benchmarks/workloads.py --out "$OUT/packed" --timeout 100 --scenarios shared_prefix \
+    --modes compressed_packed,uncompressed_packed,compressed,uncompressed > "$OUT/packed/workloads.log" 2>&1
+  echo "packed shared_prefix: rc $?"; grep -E "done in" "$OUT/packed/workloads.log" | cut -c1-200
+  python3 - "$OUT/packed/workloads.json" <<'P'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["records"]:
+    print(f"{r.get('mode'):22s} total {r.get('total_tok_s', 0):9.0f} tok/s  peak batch {r.get('peak_batch')}  "
+          f"decode@peak {r.get('decode_tok_s_at_peak_batch', 0):8.0f}  sha {str(r.get('outputs_sha256'))[:12]}")
+for scen, rs in d.get("ratios", {}).items():
+    for name, v in rs.items():
+        print(scen, name, f"total {v.get('total_tok_s', float('nan')):.3f}x")
+P
+}
 
 tests() {
   timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_host_tier.py > "$OUT/host_tier_gpu.log" 2>&1

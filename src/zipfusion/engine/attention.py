@@ -72,6 +72,7 @@ from ..format.layout import open_loc
 from ..memory.copy import to_device
 from ..models.llama import KVCacheStep
 from .cascade import CascadePlan, Chunks, make_chunks, plan_cascade
+from .packing import PackedPlan, plan_packed
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
@@ -120,7 +121,7 @@ class AttentionBackend:
     """
 
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
-                 num_qo_heads: int, sm_scale: float, cascade: bool = False):
+                 num_qo_heads: int, sm_scale: float, cascade: bool = False, packed: bool = False):
         cuda = cache.device.type == "cuda"
         arena = getattr(cache, "arena", None)
         self.check_kind(kind, cache.device, cache.dtype)
@@ -131,7 +132,9 @@ class AttentionBackend:
         self._split = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if deterministic else {}
         # decode rows behind one shared prefix read it once per step (cascade.py); not batch-invariant
         self.cascade = cascade and self.kind == "kernel" and not deterministic
-        self._cascade: CascadePlan | None = None          # this step's, from prepare_decode
+        # ... or share the decode kernel's restores of those pages (packing.py); not batch-invariant
+        self.packed = packed and self.kind == "kernel" and not deterministic
+        self._cascade: CascadePlan | PackedPlan | None = None    # this step's, from prepare_decode
         # ZIPFUSION_CHECK_PAGES=1: every decode call first asserts its pages on the device
         # (kernels/decode_attention.py: check_ids_async), to turn a bad location into an error
         self.check_pages = os.environ.get("ZIPFUSION_CHECK_PAGES") == "1"
@@ -161,7 +164,8 @@ class AttentionBackend:
         """The engine's backend (``tp_size``: this rank holds 1/tp_size of the heads)."""
         return cls(cache, config.attention_backend, kv_compression=cache.kv_compression,
                    deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
-                   sm_scale=1.0 / math.sqrt(model_config.head_dim), cascade=config.cascade_attention)
+                   sm_scale=1.0 / math.sqrt(model_config.head_dim), cascade=config.cascade_attention,
+                   packed=config.packed_decode)
 
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): a whole
@@ -185,10 +189,14 @@ class AttentionBackend:
     def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> bool:
         """Host-side set-up of a step's decode rows before the forward (or the CUDA-graph
         replay; ``graph``: the batch is a graph bucket): host ``context_lens`` [B] and
-        ``block_table`` [B, W]: FlashInfer's plan, or the cascade over shared prefixes (used by
-        the next :meth:`plan`). Returns whether the step may replay a CUDA graph (not a cascade)."""
+        ``block_table`` [B, W]: FlashInfer's plan, or the cascade or packed requests over shared
+        prefixes (used by the next :meth:`plan`). Returns whether the step may replay a CUDA graph
+        (neither of those)."""
         self._cascade = None
-        if self.cascade:
+        if self.packed:
+            self._cascade = plan_packed(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads,
+                                        self.cache.device)
+        elif self.cascade:
             self._cascade = plan_cascade(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads,
                                          self.cache.device)
         if self._flashinfer is not None:
@@ -205,8 +213,10 @@ class AttentionBackend:
                                 cascade if num_decode else None)
 
     # -- per layer --------------------------------------------------------------------------
-    def decode(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor):
-        """q [B, Hq, D] -> [B, Hq, D]: each row over its request's pages."""
+    def decode(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+               **packed):
+        """q [B, Hq, D] -> [B, Hq, D]: each row over its request's pages (``packed``: the kernel's
+        ``spans`` and ``slot_heads``, packing.py)."""
         cache = self.cache
         if self._flashinfer is not None:
             return self._flashinfer.run(q, cache.page_loc[layer])
@@ -219,7 +229,7 @@ class AttentionBackend:
                                 None if self.kv_compression else "decode_attention_twin")
             # the engine builds valid tables; validate=False keeps the call free of host syncs
             return kernel(q, cache.arena, cache.page_loc[layer], block_table, context_lens,
-                          cache.layout, self.sm_scale, validate=False, **self._split)
+                          cache.layout, self.sm_scale, validate=False, **self._split, **packed)
         return torch_decode_attention(q, lambda ids: cache.read_pages(layer, ids), block_table,
                                       context_lens, self.sm_scale, exact=self.deterministic)
 
@@ -297,7 +307,8 @@ class PagedKVCacheStep(KVCacheStep):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
 
     def decode(self, layer, q):
-        """The step's decode rows: the cascade where the backend planned one, else the kernel."""
+        """The step's decode rows: the cascade or packed requests where the backend planned them,
+        else the kernel."""
         if self.cascade is not None:
             return self.cascade.run(self.backend, layer, q)
         return self.backend.decode(layer, q, self.block_table, self.context_lens)

@@ -102,7 +102,7 @@ def load_library(lib: Path) -> ctypes.CDLL:
     dll.zf_decode_attention.restype = ctypes.c_int
     dll.zf_decode_attention.argtypes = (
         [ctypes.c_int] * 3 + [ctypes.c_void_p] * 8
-        + [ctypes.c_float] + [ctypes.c_int] * 6 + [ctypes.c_void_p])
+        + [ctypes.c_float] + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
     dll.zf_error_string.restype = ctypes.c_char_p
     dll.zf_error_string.argtypes = [ctypes.c_int]
     return dll
@@ -170,14 +170,17 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
                           block_table: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int,
                           qk_scale: float, out: torch.Tensor, *, compressed: bool,
                           num_splits: int | None = None, split_pages: int | None = None,
-                          stages: int | None = None, tma: bool | None = None) -> torch.Tensor:
+                          stages: int | None = None, tma: bool | None = None,
+                          spans: torch.Tensor | None = None, slot_heads: int = 0) -> torch.Tensor:
     """Launch the kernel (and the merge when there are several splits). Inputs are checked, and
     this kernel chosen, by the caller (``decode_attention._launch`` via
     :func:`unsupported_reason`); ``qk_scale`` is sm_scale·log2(e). ``num_splits`` /
     ``split_pages``: see ``splits.plan_splits``.
 
-    ``stages``: copy depth in half pages (3, 4 or 6); ``tma``: stage pages with bulk copies
-    (Hopper's TMA; by default for compressed pages on sm_90+) instead of cp.async.
+    ``stages``: copy depth in half pages (3, 4 or 6; packed: 3 or 4); ``tma``: stage pages with
+    bulk copies (Hopper's TMA; by default for compressed pages on sm_90+) instead of cp.async.
+    ``spans`` (int32 [B, G / slot_heads, 2]) and ``slot_heads``: packed requests
+    (``decode_attention.py``).
     """
     B, Hq, D = q.shape
     G = Hq // num_kv_heads
@@ -201,7 +204,8 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
             q.data_ptr(), arena.data_ptr(), page_loc_layer.data_ptr(), block_table.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), plan.part_o.data_ptr(),
             plan.part_lse.data_ptr(), float(qk_scale), block_table.stride(0), plan.pages,
-            plan.count, B, num_kv_heads, G, stream)
+            plan.count, B, num_kv_heads, G, None if spans is None else spans.data_ptr(),
+            int(slot_heads), stream)
     if err:
         raise RuntimeError(f"CUDA decode attention failed: {lib.zf_error_string(err).decode()}")
     return out

@@ -12,6 +12,19 @@ the choice of kernel.
 Both split a request's pages into slices that run in parallel and are merged afterwards
 (``splits.py``); ``split_pages`` fixes the slice size, which makes each request's result
 independent of the rest of the batch (batch-invariant, for a deterministic mode).
+
+Packed requests (``spans``, ``slot_heads``; engine/packing.py makes them). Rows whose block
+tables begin with the same pages can travel as one request whose ``G = R·slot_heads`` query
+heads per KV head are R *slots*, one row's heads each. Its block table holds the shared pages,
+then each slot's own pages, and ``spans`` (int32 [B, R, 2]) gives slot r's own tokens
+``[begin_r, end_r)`` (begin_r at a page boundary; begin_0 = the shared tokens). Slot r attends
+``[0, begin_0) ∪ [begin_r, end_r)``: an empty slot (``begin = end``) only the shared tokens,
+and nothing, with a zero output, where ``begin_0 = 0``. The kernel restores each shared page
+once for the R rows, and the heads fill the MMA columns that a GQA group of 4 leaves as padding
+(one 8-wide n-tile), so two rows cost about what one did. The CUDA kernel does it in one launch;
+the Triton route runs each slot as a plain row (:func:`packed_rows`): the same values, not the
+same bits (the sums run in another order), and the fused kernel and its twin agree bit for bit
+on either route.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from ..format.layout import PAGE_TOKENS, PageLayout, loc_is_compressed, loc_is_open, loc_offset
@@ -166,10 +180,65 @@ def _use_cuda(backend, q, layout) -> bool:
     return reason is None
 
 
+def check_spans(spans, slot_heads, q, layout, context_lens, validate: bool) -> None:
+    """A packed launch's ``spans`` int32 [B, R, 2] and ``slot_heads`` (R·slot_heads = the
+    group); ``validate`` also reads them on the host: each begin at a page boundary, begin <=
+    end <= the request's context length, and begin_0 (the shared tokens) <= every begin."""
+    G = q.shape[1] // layout.num_kv_heads
+    if isinstance(slot_heads, bool) or not isinstance(slot_heads, int) or slot_heads < 1 or G % slot_heads:
+        raise ValueError(f"slot_heads must be a positive int dividing the GQA group of {G}, got {slot_heads!r}")
+    R = G // slot_heads
+    if not isinstance(spans, torch.Tensor) or spans.dtype != torch.int32 \
+            or tuple(spans.shape) != (q.shape[0], R, 2) or not spans.is_contiguous() or spans.device != q.device:
+        raise TypeError(f"spans must be a contiguous torch.int32 [{q.shape[0]}, {R}, 2] tensor on {q.device}, "
+                        f"got {getattr(spans, 'dtype', type(spans).__name__)} {list(getattr(spans, 'shape', []))}")
+    if validate and spans.numel():
+        sp, lens = spans.cpu().to(torch.int64), context_lens.cpu().to(torch.int64)
+        lo, hi = sp[..., 0], sp[..., 1]
+        bad = (lo % PAGE_TOKENS != 0) | (lo > hi) | (hi > lens[:, None]) | ((lo < lo[:, :1]) & (lo < hi))
+        if bool(bad.any()):
+            b = int(bad.any(1).nonzero()[0])
+            raise ValueError(f"spans of packed request {b} are {sp[b].tolist()} (context {int(lens[b])}): each "
+                             "slot's own tokens [begin, end) must begin at a page boundary, at or after the "
+                             "shared tokens [0, begin_0) (unless empty), and end within the context")
+
+
+def packed_rows(q, block_table, context_lens, spans, slot_heads: int, num_kv_heads: int):
+    """A packed launch's slots as plain rows (host work): ``(which, q, block_table, context_lens)``
+    of its non-empty slots, ``which`` indexing the [B·R] slots. Slot r of request b is the row
+    over the shared pages and then its own: its query heads are those of slot r in each KV head."""
+    B, R = spans.shape[:2]
+    H, G, D = num_kv_heads, slot_heads, q.shape[2]
+    rows_q = q.view(B, H, R, G, D).transpose(1, 2).reshape(B * R, H * G, D)
+    sp, lens, table = spans.cpu().numpy(), context_lens.cpu().numpy(), block_table.cpu().numpy()
+    which, tables, ctx = [], [], []
+    for b in range(B):
+        shared = int(sp[b, 0, 0])
+        for r in range(R):
+            lo, hi = (int(x) for x in sp[b, r])
+            if shared + hi - lo == 0:
+                continue
+            own = table[b, lo // PAGE_TOKENS:-(-hi // PAGE_TOKENS)] if hi > lo else table[b, :0]
+            which.append(b * R + r)
+            tables.append(np.concatenate([table[b, :shared // PAGE_TOKENS], own]))
+            ctx.append(shared + hi - lo)
+    width = max((len(t) for t in tables), default=1)
+    rows_table = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        rows_table[i, :len(t)] = t
+    dev = q.device
+    idx = torch.tensor(which, dtype=torch.int64, device=dev)
+    return (idx, rows_q[idx].contiguous(), torch.from_numpy(rows_table).to(dev),
+            torch.tensor(ctx, dtype=torch.int32, device=dev))
+
+
 def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
-            out, validate, backend, num_splits, split_pages, tile_pages, num_warps, stages, tma):
+            out, validate, backend, num_splits, split_pages, tile_pages, num_warps, stages, tma,
+            spans=None, slot_heads=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     check_split_args(num_splits, split_pages)
+    if spans is not None:
+        check_spans(spans, slot_heads, q, layout, context_lens, validate)
     if validate:
         check_ids(arena, page_loc_layer, block_table, context_lens, layout,
                   None if compressed else "decode_attention_twin")
@@ -181,17 +250,30 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
     if _use_cuda(backend, q, layout):
         return cuda_attention.decode_attention_cuda(
             *args, compressed=compressed, num_splits=num_splits, split_pages=split_pages,
-            stages=stages, tma=tma)
-    return decode_attention_triton(*args, compressed=compressed, num_splits=num_splits,
-                                   split_pages=split_pages, tile_pages=tile_pages,
-                                   num_warps=num_warps)
+            stages=stages, tma=tma, spans=spans, slot_heads=slot_heads or 0)
+    triton_args = dict(compressed=compressed, num_splits=num_splits, split_pages=split_pages,
+                       tile_pages=tile_pages, num_warps=num_warps)
+    if spans is None:
+        return decode_attention_triton(*args, **triton_args)
+    # packed: each slot as a plain row, put back in the packed layout (empty slots: zeros)
+    H, R = layout.num_kv_heads, spans.shape[1]
+    which, rq, rtable, rlens = packed_rows(q, block_table, context_lens, spans, slot_heads, H)
+    rows_out = torch.zeros(q.shape[0] * R, H * slot_heads, q.shape[2], dtype=q.dtype, device=q.device)
+    if which.numel():
+        rows_out[which] = decode_attention_triton(rq, arena, page_loc_layer, rtable, rlens, H,
+                                                  float(sm_scale) * LOG2E, torch.empty_like(rq),
+                                                  **triton_args)
+    B, G, D = q.shape[0], slot_heads, q.shape[2]
+    out.copy_(rows_out.view(B, R, H, G, D).transpose(1, 2).reshape(B, H * R * G, D))
+    return out
 
 
 def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                      out=None, *, num_splits: int | None = None, split_pages: int | None = None,
                      validate: bool = True, backend: str | None = None,
                      tile_pages: int | None = None, num_warps: int | None = None,
-                     stages: int | None = None, tma: bool | None = None):
+                     stages: int | None = None, tma: bool | None = None,
+                     spans: torch.Tensor | None = None, slot_heads: int | None = None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
@@ -208,11 +290,12 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     Triton kernel it must be a multiple of ``tile_pages``. At most one of the two.
 
     ``stages`` (copy depth) and ``tma`` (bulk copies) tune the CUDA kernel; ``tile_pages`` and
-    ``num_warps`` the Triton kernel.
+    ``num_warps`` the Triton kernel. ``spans`` and ``slot_heads``: packed requests (module
+    docstring).
     """
     return _launch(True, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
-                   stages, tma)
+                   stages, tma, spans, slot_heads)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
@@ -220,9 +303,10 @@ def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, l
                           split_pages: int | None = None, validate: bool = True,
                           backend: str | None = None, tile_pages: int | None = None,
                           num_warps: int | None = None, stages: int | None = None,
-                          tma: bool | None = None):
+                          tma: bool | None = None, spans: torch.Tensor | None = None,
+                          slot_heads: int | None = None):
     """The uncompressed twin: same tiling and arithmetic, every page must be open; same
     arguments as :func:`decode_attention`, and the same bits for the same values."""
     return _launch(False, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
-                   stages, tma)
+                   stages, tma, spans, slot_heads)

@@ -421,13 +421,20 @@ __device__ __forceinline__ void gather_v(const uint8_t* st, uint32_t marks, cons
 // makes registers allow as many CTAs per SM.
 constexpr int ctas_per_sm(int stages) { return stages <= 3 ? 4 : stages <= 4 ? 3 : stages <= 6 ? 2 : 1; }
 
-template <bool COMPRESSED, int NT, int STAGES, bool TMA>
+// PACKED: rows that share their leading pages, packed into one request (kernels/packed.py).
+// Its G query heads per KV head are R = G / slot_heads slots of slot_heads heads, one row each;
+// its pages are the shared ones, then each slot's own ones (each slot's first at a page
+// boundary). spans[b] = R (begin, end) token ranges: slot r attends tokens [0, begin_0) (the
+// shared pages) and [begin_r, end_r). A column may have no key in a split (its own pages lie in
+// another): its state stays (m = -inf, l = 0) and it is left out of every sum.
+template <bool COMPRESSED, int NT, int STAGES, bool TMA, bool PACKED>
 __global__ void __launch_bounds__(THREADS, ctas_per_sm(STAGES))
 attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
                  const long long* __restrict__ page_loc, const int* __restrict__ block_table,
                  const int* __restrict__ context_lens, __nv_bfloat16* __restrict__ out,
                  float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale,
-                 int bt_stride, int pages_per_split, int num_splits, int H, int G) {
+                 int bt_stride, int pages_per_split, int num_splits, int H, int G,
+                 const int* __restrict__ spans, int slot_heads) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint32_t info_of[WARPS][STAGES][2];     // block marks, page is open (TMA)
   __shared__ uint64_t bars[WARPS][STAGES];            // TMA completion, one per stage
@@ -452,6 +459,21 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     }
     return;
   }
+
+  // PACKED: this request's slot ranges; the slot of each of this lane's columns (heads
+  // 8nt + 2t + e; padding heads take the last slot's: their output is never read)
+  const int slots = PACKED ? G / slot_heads : 1;
+  const int* span = spans + (long long)b * 2 * slots;
+  const int shared_end = PACKED ? span[0] : 0;
+  int span_lo[NT][2], span_hi[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = PACKED ? min((8 * nt + 2 * t + e) / slot_heads, slots - 1) : 0;
+      span_lo[nt][e] = PACKED ? span[2 * r] : 0;
+      span_hi[nt][e] = PACKED ? span[2 * r + 1] : 0;
+    }
 
   // Qᵀ as B fragments: qb[nt][kc] = {slots 2t.., slots 2t+8..} of head 8nt + g, chunk kc.
   uint32_t qb[NT][8][2];
@@ -560,7 +582,13 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     const uint32_t marks = info_of[warp][stage][0];
     const bool open_rows = TMA && info_of[warp][stage][1];    // open page in token-row layout
     const int page = p_begin + warp + WARPS * (u >> 1);
-    const int valid = min(PAGE, ctx - page * PAGE);     // tokens of this page inside the context
+    int valid = min(PAGE, ctx - page * PAGE);           // tokens of this page inside the context
+    if (PACKED) {     // the tokens some slot attends: a prefix of the page (ranges begin aligned)
+      const int base = page * PAGE;
+      valid = base < shared_end ? min(PAGE, shared_end - base) : 0;
+      for (int r = 0; r < slots; ++r)
+        if (span[2 * r] <= base && base < span[2 * r + 1]) valid = max(valid, min(PAGE, span[2 * r + 1] - base));
+    }
 
     if ((u & 1) == 0) {
       // ---- Sᵀ = K·Qᵀ: A rows g, g+8 = tokens σ(g), σ(g)+8 ----
@@ -575,12 +603,18 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       else qk_page<MIXED>(st, marks, ko, krow, qb, sc);
       // ---- online softmax over tokens (rows: this lane's two, and g across lanes) ----
       // sc[nt][e]: token σ(g) (e < 2) or σ(g)+8, head 8nt + 2t + (e & 1).
-      const bool ok0 = sig < valid, ok1 = sig + 8 < valid;
+      const bool in0 = sig < valid, in1 = sig + 8 < valid;
+      const int x0 = page * PAGE + sig, x1 = x0 + 8;     // PACKED: the two tokens' positions
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         float alpha[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
+          bool ok0 = in0, ok1 = in1;
+          if (PACKED) {
+            ok0 = x0 < shared_end || (span_lo[nt][e] <= x0 && x0 < span_hi[nt][e]);
+            ok1 = x1 < shared_end || (span_lo[nt][e] <= x1 && x1 < span_hi[nt][e]);
+          }
           float s0 = ok0 ? sc[nt][e] * qk_scale : -INFINITY;
           float s1 = ok1 ? sc[nt][e + 2] * qk_scale : -INFINITY;
           float mx = fmaxf(s0, s1);
@@ -588,10 +622,12 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
           mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
           mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
           const float m_new = fmaxf(m_run[nt][e], mx);
-          alpha[e] = exp2f(m_run[nt][e] - m_new);    // 0 on the first page (m_run = -inf)
+          // PACKED: a column with no key yet keeps m = -inf and takes 0 as its reference
+          const float m_ref = PACKED && m_new == -INFINITY ? 0.f : m_new;
+          alpha[e] = exp2f(m_run[nt][e] - m_ref);    // 0 on the first page (m_run = -inf)
           m_run[nt][e] = m_new;
-          sc[nt][e] = exp2f(s0 - m_new);
-          sc[nt][e + 2] = exp2f(s1 - m_new);
+          sc[nt][e] = exp2f(s0 - m_ref);
+          sc[nt][e + 2] = exp2f(s1 - m_ref);
           l_run[nt][e] = l_run[nt][e] * alpha[e] + (sc[nt][e] + sc[nt][e + 2]);
         }
         // Pᵀ 8×8 tiles (rows tokens σ(0..7) / σ(0..7)+8, columns heads) -> B fragments
@@ -678,6 +714,7 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     float M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm[w * ROWS + r]);
+    if (PACKED && M == -INFINITY) M = 0.f;          // no key of this column here: L = O = 0
     float L = 0.f, O = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
@@ -685,11 +722,12 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       L += sl[w * ROWS + r] * f;
       O += so[(w * ROWS + r) * SD + dim] * f;
     }
+    const float o = PACKED && L == 0.f ? 0.f : O / L;
     if (num_splits == 1) {
-      out[(row0 + r) * D + dim] = __float2bfloat16_rn(O / L);
+      out[(row0 + r) * D + dim] = __float2bfloat16_rn(o);
     } else {
-      part_o[((row0 + r) * num_splits + s) * D + dim] = O / L;
-      if (dim == 0) part_lse[(row0 + r) * num_splits + s] = M + log2f(L);
+      part_o[((row0 + r) * num_splits + s) * D + dim] = o;
+      if (dim == 0) part_lse[(row0 + r) * num_splits + s] = M + log2f(L);   // -inf where L = 0
     }
   }
 }
@@ -715,6 +753,10 @@ __global__ void merge_kernel(const float* __restrict__ part_o, const float* __re
   }
   float M = -INFINITY;
   for (int s = 0; s < n; ++s) M = fmaxf(M, lse[s]);
+  if (M == -INFINITY) {                 // a packed request's column with no key at all (padding)
+    out[row * D + dim] = __float2bfloat16_rn(0.f);
+    return;
+  }
   float L = 0.f, O = 0.f;
   for (int s = 0; s < n; ++s) {
     const float f = exp2f(lse[s] - M);
@@ -724,12 +766,13 @@ __global__ void merge_kernel(const float* __restrict__ part_o, const float* __re
   out[row * D + dim] = __float2bfloat16_rn(O / L);
 }
 
-template <bool COMPRESSED, int NT, int STAGES, bool TMA>
+template <bool COMPRESSED, int NT, int STAGES, bool TMA, bool PACKED>
 cudaError_t launch(const void* q, const void* arena, const void* page_loc,
                    const void* block_table, const void* context_lens, void* out, void* part_o,
                    void* part_lse, float qk_scale, int bt_stride, int pages_per_split,
-                   int num_splits, int B, int H, int G, cudaStream_t stream) {
-  auto kernel = attention_kernel<COMPRESSED, NT, STAGES, TMA>;
+                   int num_splits, int B, int H, int G, const void* spans, int slot_heads,
+                   cudaStream_t stream) {
+  auto kernel = attention_kernel<COMPRESSED, NT, STAGES, TMA, PACKED>;
   constexpr int stage_smem = WARPS * STAGES * STAGE_BYTES;
   constexpr int combine_smem = WARPS * 8 * NT * (D + 3) * 4;
   constexpr int smem = stage_smem > combine_smem ? stage_smem : combine_smem;
@@ -741,7 +784,7 @@ cudaError_t launch(const void* q, const void* arena, const void* page_loc,
       static_cast<const long long*>(page_loc), static_cast<const int*>(block_table),
       static_cast<const int*>(context_lens), static_cast<__nv_bfloat16*>(out),
       static_cast<float*>(part_o), static_cast<float*>(part_lse), qk_scale, bt_stride,
-      pages_per_split, num_splits, H, G);
+      pages_per_split, num_splits, H, G, static_cast<const int*>(spans), slot_heads);
   e = cudaGetLastError();
   if (e != cudaSuccess || num_splits == 1) return e;
   merge_kernel<<<B * H * G, D, 0, stream>>>(static_cast<const float*>(part_o),
@@ -757,15 +800,19 @@ cudaError_t launch_stages(int stages, const void* q, const void* arena, const vo
                           const void* block_table, const void* context_lens, void* out,
                           void* part_o, void* part_lse, float qk_scale, int bt_stride,
                           int pages_per_split, int num_splits, int B, int H, int G,
-                          cudaStream_t st) {
-#define ZF_LAUNCH(S)                                                                          \
-  return launch<COMPRESSED, NT, S, TMA>(q, arena, page_loc, block_table, context_lens, out, part_o, \
-                                   part_lse, qk_scale, bt_stride, pages_per_split, num_splits,  \
-                                   B, H, G, st)
+                          const void* spans, int slot_heads, cudaStream_t st) {
+#define ZF_LAUNCH(S, P)                                                                       \
+  return launch<COMPRESSED, NT, S, TMA, P>(q, arena, page_loc, block_table, context_lens, out,   \
+                                   part_o, part_lse, qk_scale, bt_stride, pages_per_split,      \
+                                   num_splits, B, H, G, spans, slot_heads, st)
+  if (spans) {                     // packed requests: the default depth only
+    if (stages == 3) ZF_LAUNCH(3, true);
+    ZF_LAUNCH(4, true);
+  }
   switch (stages) {
-    case 3: ZF_LAUNCH(3);
-    case 6: ZF_LAUNCH(6);
-    default: ZF_LAUNCH(4);
+    case 3: ZF_LAUNCH(3, false);
+    case 6: ZF_LAUNCH(6, false);
+    default: ZF_LAUNCH(4, false);
   }
 #undef ZF_LAUNCH
 }
@@ -773,19 +820,21 @@ cudaError_t launch_stages(int stages, const void* q, const void* arena, const vo
 }  // namespace
 
 // C entry point for ctypes (zipfusion/kernels/cuda_attention.py). Returns a cudaError_t.
-// stages: copy depth in half pages (3, 4 or 6; others -> 4); tma: bulk copies (sm_90) instead
-// of cp.async.
+// stages: copy depth in half pages (3, 4 or 6; others -> 4; packed: 3 or 4); tma: bulk copies
+// (sm_90) instead of cp.async. spans: null, or the packed requests' slot ranges (int32 [B, G /
+// slot_heads, 2], see attention_kernel).
 extern "C" int zf_decode_attention(int compressed, int stages, int tma, const void* q,
                                    const void* arena, const void* page_loc,
                                    const void* block_table, const void* context_lens, void* out,
                                    void* part_o, void* part_lse, float qk_scale, int bt_stride,
                                    int pages_per_split, int num_splits, int B, int H, int G,
-                                   void* stream) {
+                                   const void* spans, int slot_heads, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (G < 1 || G > 16) return (int)cudaErrorInvalidValue;
+  if (spans && (slot_heads < 1 || G % slot_heads != 0)) return (int)cudaErrorInvalidValue;
 #define ZF_ARGS                                                                             \
   stages, q, arena, page_loc, block_table, context_lens, out, part_o, part_lse, qk_scale,   \
-      bt_stride, pages_per_split, num_splits, B, H, G, st
+      bt_stride, pages_per_split, num_splits, B, H, G, spans, slot_heads, st
 #define ZF_PICK(C, T) \
   return (int)(G <= 8 ? launch_stages<C, 1, T>(ZF_ARGS) : launch_stages<C, 2, T>(ZF_ARGS))
   if (compressed && tma) ZF_PICK(true, true);

@@ -1,0 +1,102 @@
+"""Packed decode: rows behind one shared prefix restore its pages once per step, in the decode
+kernel itself.
+
+Prefix-cache hits behind one system prompt hold the same leading pages (a page is shared only
+once it is full and sealed). The plain decode kernel restores those pages for every row, and with
+compressed pages the restore, not memory, bounds the step. The kernel's tensor-core tiles have
+8 query-head columns per KV head; a GQA group of 4 fills half of them and the rest is padding.
+A *packed request* puts R = 8 / G rows' heads in those columns: its block table is the shared
+pages, then each row's own pages, and the kernel masks each column to its row's keys
+(``spans``; kernels/decode_attention.py, "Packed requests"). Each shared page is then restored
+and multiplied once for R rows, at the cost of one row; a row's own pages are read once, as
+before. Rows in no group travel alone (one slot used, the rest empty): the plain kernel's work.
+
+:func:`plan_packed` (host, once per step) pairs the rows that :func:`find_groups` finds (block
+tables beginning with the same ``>= MIN_SHARED_PAGES`` page ids, all before each row's newest
+token); :meth:`PackedPlan.run` (per layer) gathers q into the packed layout, runs the kernel
+once, and puts each slot's output back in its row.
+
+The sums run in another order than the plain kernel's, so the result is not bit-identical to
+it; compressed and uncompressed runs of one schedule take the same path and the twin's
+arithmetic, so they give the same bits, and deterministic mode never packs (the pairing depends
+on the batch). A packed step runs eagerly (its shapes vary), not as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..format import PAGE_TOKENS
+from ..memory.copy import to_device
+from .cascade import find_groups
+
+# query-head columns of a packed request: one tensor-core n-tile (R = 8 // G rows a request);
+# 16 (two n-tiles, R = 16 // G) halves the restores again for twice the MMAs
+PACK_HEADS = int(os.environ.get("ZIPFUSION_PACK_HEADS", "8"))
+
+
+@dataclass
+class PackedPlan:
+    rows: torch.Tensor          # int64 [V, R]: the step's decode row in each slot (row 0 in empty ones)
+    block_table: torch.Tensor   # int32 [V, W]: shared pages, then each slot's own
+    context_lens: torch.Tensor  # int32 [V]: the last slot's end
+    spans: torch.Tensor         # int32 [V, R, 2]: each slot's own tokens [begin, end)
+    slots: torch.Tensor         # int64 [B]: the packed slot (v·R + r) of each decode row
+
+    def run(self, backend, layer: int, q: torch.Tensor, trace=None) -> torch.Tensor:
+        """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16."""
+        V, R = self.rows.shape
+        B, Hq, D = q.shape
+        H = backend.cache.num_kv_heads
+        G = Hq // H
+        packed = q[self.rows].view(V, R, H, G, D).transpose(1, 2).reshape(V, H * R * G, D)
+        o = backend.decode(layer, packed, self.block_table, self.context_lens, spans=self.spans, slot_heads=G)
+        return o.view(V, H, R, G, D).transpose(1, 2).reshape(V * R, Hq, D)[self.slots]
+
+
+def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                device, pack_heads: int | None = None) -> PackedPlan | None:
+    """The step's packed requests from its host ``context_lens`` [B] and ``block_table`` [B, W],
+    or None when no rows share a long enough prefix or the GQA group leaves no room for two."""
+    G = num_q_heads // num_kv_heads
+    R = (pack_heads or PACK_HEADS) // G
+    if R < 2:
+        return None
+    lens, table = context_lens.numpy().astype(np.int64), block_table.numpy()
+    groups = find_groups(lens, table)
+    if not groups:
+        return None
+    members, grouped = [], np.zeros(lens.size, dtype=bool)
+    for rows, shared in groups:
+        for i in range(0, len(rows) - 1, R):          # runs of R rows (a last one alone travels alone)
+            chunk = rows[i:i + R]
+            members.append((chunk, shared))
+            grouped[chunk] = True
+    members += [([b], 0) for b in np.flatnonzero(~grouped)]
+    V = len(members)
+    rows = np.zeros((V, R), dtype=np.int64)
+    spans = np.zeros((V, R, 2), dtype=np.int32)
+    vlens = np.zeros(V, dtype=np.int32)
+    slots = np.zeros(lens.size, dtype=np.int64)
+    tables = []
+    for v, (chunk, shared) in enumerate(members):
+        pages = [table[chunk[0], :shared]]
+        at = shared
+        for r, row in enumerate(chunk):
+            n = -(-int(lens[row]) // PAGE_TOKENS)
+            pages.append(table[row, shared:n])
+            spans[v, r] = (at * PAGE_TOKENS, at * PAGE_TOKENS + int(lens[row]) - shared * PAGE_TOKENS)
+            at += n - shared
+            rows[v, r] = row
+            slots[row] = v * R + r
+        vlens[v] = spans[v, len(chunk) - 1, 1]
+        tables.append(np.concatenate(pages))
+    vtable = np.zeros((V, max(len(t) for t in tables)), dtype=np.int32)
+    for v, t in enumerate(tables):
+        vtable[v, :len(t)] = t
+    as_dev = lambda x: to_device(torch.from_numpy(np.ascontiguousarray(x)), device)  # noqa: E731
+    return PackedPlan(as_dev(rows), as_dev(vtable), as_dev(vlens), as_dev(spans), as_dev(slots))
