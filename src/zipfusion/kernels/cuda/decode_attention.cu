@@ -583,12 +583,6 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     const bool open_rows = TMA && info_of[warp][stage][1];    // open page in token-row layout
     const int page = p_begin + warp + WARPS * (u >> 1);
     int valid = min(PAGE, ctx - page * PAGE);           // tokens of this page inside the context
-    if (PACKED) {     // the tokens some slot attends: a prefix of the page (ranges begin aligned)
-      const int base = page * PAGE;
-      valid = base < shared_end ? min(PAGE, shared_end - base) : 0;
-      for (int r = 0; r < slots; ++r)
-        if (span[2 * r] <= base && base < span[2 * r + 1]) valid = max(valid, min(PAGE, span[2 * r + 1] - base));
-    }
 
     if ((u & 1) == 0) {
       // ---- Sᵀ = K·Qᵀ: A rows g, g+8 = tokens σ(g), σ(g)+8 ----
@@ -651,6 +645,12 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       else if (kind == COMPRESSED_ESC) gather_v<COMPRESSED_ESC>(st, marks, vo, vw);
 #endif
       else gather_v<MIXED>(st, marks, vo, vw);
+      if (PACKED) {   // the tokens some slot attends: a prefix of the page (ranges begin aligned)
+        const int base = page * PAGE;
+        valid = base < shared_end ? min(PAGE, shared_end - base) : 0;
+        for (int r = 0; r < slots; ++r)
+          if (span[2 * r] <= base && base < span[2 * r + 1]) valid = max(valid, min(PAGE, span[2 * r + 1] - base));
+      }
       if (valid < PAGE) {                              // the request's last, partial page
 #pragma unroll
         for (int k = 0; k < NB; ++k)
