@@ -566,6 +566,11 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     from zipfusion.engine import cascade, packing
     monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
     c = packed_case(groups, lone, G, kind, seed)
+    spared = sum((len(lens) - 1) * shared for shared, lens in groups)
+    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", spared + 1)         # too little to pack
+    assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, c["q"].device,
+                               pack_heads=pack_heads) is None
+    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, c["q"].device,
                                pack_heads=pack_heads)
     assert plan is not None and plan.rows.shape[1] == pack_heads // G

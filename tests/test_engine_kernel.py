@@ -429,9 +429,10 @@ def test_cascade_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt,
 def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, monkeypatch):
     """Packed requests (engine/packing.py; G = 2 here, so four rows a request) over the engine's
     pages: the plain kernel's attention up to rounding, fused on compressed pages == twin bits."""
-    from zipfusion.engine import cascade
+    from zipfusion.engine import cascade, packing
     from zipfusion.testing import reference_decode_attention
     monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 21, 37, 5)]
     q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -465,8 +466,9 @@ def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical
     """Prefix-cache hits decode as packed requests (eagerly): compressed and uncompressed runs
     give the same tokens and logits, and the same tokens as without packing (greedy, a small
     model: rounding rarely flips one); never packed by default or in deterministic mode."""
-    from zipfusion.engine import attention, cascade
+    from zipfusion.engine import attention, cascade, packing
     monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     planned = []
     real = attention.plan_packed
     monkeypatch.setattr(attention, "plan_packed", lambda *a: planned.append(p := real(*a)) or p)

@@ -37,6 +37,10 @@ from .cascade import find_groups
 # query-head columns of a packed request: one tensor-core n-tile (R = 8 // G rows a request);
 # 16 (two n-tiles, R = 16 // G) halves the restores again for twice the MMAs
 PACK_HEADS = int(os.environ.get("ZIPFUSION_PACK_HEADS", "8"))
+# pack only when it spares at least this many page reads a layer (rows x shared pages): a packed
+# step runs eagerly, and a small batch's graph replay is worth more than the restores spared
+# (a first guess, ~1.7 ms of fused attention a step on the H200, to be tuned there)
+MIN_SPARED_PAGES = 4096
 
 
 @dataclass
@@ -61,7 +65,8 @@ class PackedPlan:
 def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                 device, pack_heads: int | None = None) -> PackedPlan | None:
     """The step's packed requests from its host ``context_lens`` [B] and ``block_table`` [B, W],
-    or None when no rows share a long enough prefix or the GQA group leaves no room for two."""
+    or None when the GQA group leaves no room for two rows or packing would spare fewer than
+    MIN_SPARED_PAGES page reads."""
     G = num_q_heads // num_kv_heads
     R = (pack_heads or PACK_HEADS) // G
     if R < 2:
@@ -76,6 +81,8 @@ def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_hea
             chunk = rows[i:i + R]
             members.append((chunk, shared))
             grouped[chunk] = True
+    if sum((len(chunk) - 1) * shared for chunk, shared in members) < MIN_SPARED_PAGES:
+        return None
     members += [([b], 0) for b in np.flatnonzero(~grouped)]
     V = len(members)
     rows = np.zeros((V, R), dtype=np.int64)
