@@ -568,12 +568,11 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     c = packed_case(groups, lone, G, kind, seed)
     spared = sum((len(lens) - 1) * shared for shared, lens in groups)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", spared + 1)         # too little to pack
-    assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, c["q"].device,
-                               pack_heads=pack_heads) is None
+    assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, pack_heads=pack_heads) is None
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
-    plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, c["q"].device,
-                               pack_heads=pack_heads)
+    plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, pack_heads=pack_heads)
     assert plan is not None and plan.rows.shape[1] == pack_heads // G
+    plan = plan.to(c["q"].device)
     tag = f"(seed {seed}, {groups}, {lone}, G {G}, {kw})"
     outs = {}
     for name, fn, arena, loc in (("compressed", decode_attention, c["arena_c"], c["loc_c"]),
@@ -591,6 +590,15 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
         assert float((got[b].double() - plain[b].double()).abs().max()) < 2e-2, f"row {b} vs plain {tag}"
     assert same_bits(got, outs["open"]), f"compressed and open pages give different bits {tag}"
     assert same_bits(got, outs["twin"]), f"fused kernel and its twin give different bits {tag}"
+    # the same plan in a CUDA graph's buffers: more requests (padding, no keys), wider tables
+    V, R = plan.rows.shape
+    bufs = packing.PackedPlan.empty(V + 3, R, 2 * plan.block_table.shape[1] + 5, got.shape[0],
+                                    device=c["q"].device)
+    bufs.fill(plan)
+    padded = bufs.run(_Backend(c, decode_attention, c["arena_c"], c["loc_c"], **kw), 0, c["q"])
+    if c["q"].device.type == "cpu" or kw.get("num_splits") == 1:     # the same splits: the same bits
+        assert same_bits(padded, got), f"padded packed plan {tag}"
+    assert float((padded.double() - got.double()).abs().max()) < 2e-2, f"padded packed plan {tag}"
     return plan
 
 

@@ -371,7 +371,7 @@ def test_cascade_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt,
         assert (eng.cache.manager.page_state(reqs[0].pages[0]) == "stored") == compressed
         lens, table = _shared_prefix_rows(eng, reqs)
         be = eng.attention
-        assert be.cascade and not be.prepare_decode(lens, table)          # a cascade: no graph replay
+        assert be.cascade and be.prepare_decode(lens, table) == "eager"   # a cascade: no graph replay
         step = be.plan(torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64,
                        device=DEVICE), num_decode=4, block_table=table.to(DEVICE), context_lens=lens.to(DEVICE))
         assert step.cascade is not None and step.cascade.grouped.tolist() == [0, 1, 2]
@@ -446,7 +446,7 @@ def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, 
         eng.scheduler.seal_full_pages([], force=True)
         lens, table = _shared_prefix_rows(eng, reqs)
         be = eng.attention
-        assert be.packed and not be.prepare_decode(lens, table)           # packed: no graph replay
+        assert be.packed and be.prepare_decode(lens, table) == "eager"    # no packed graph buffers here
         step = be.plan(torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64,
                        device=DEVICE), num_decode=4, block_table=table.to(DEVICE), context_lens=lens.to(DEVICE))
         plan = step.cascade
@@ -495,6 +495,46 @@ def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical
     for a, b, c in zip(res["fused"], res["twin"], res["plain"]):
         assert a.output_ids == b.output_ids == c.output_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the CUDA kernel need a GPU")
+def test_packed_decode_replays_packed_cuda_graphs(tmp_path, monkeypatch):
+    """On the GPU (head_dim 128, GQA group 4: the CUDA kernel, two rows a packed request) rows
+    behind a cached prefix replay the bucket's packed graph: compressed and uncompressed give the
+    same tokens and logits, and the logits of the same steps run eagerly up to rounding (an
+    eager packed step splits its requests' pages otherwise)."""
+    from zipfusion.engine import attention, cascade, packing
+    save_tiny_checkpoint(tmp_path, num_hidden_layers=2, hidden_size=1024, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
+    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
+    hows = []
+    real = attention.AttentionBackend.prepare_decode
+    monkeypatch.setattr(attention.AttentionBackend, "prepare_decode",
+                        lambda self, *a, **k: hows.append(h := real(self, *a, **k)) or h)
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 256, (70,), generator=g).tolist()
+    ps = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 20, 30, 1)]
+    res = {}
+    for name, kw in (("fused", dict(kv_compression=True)), ("twin", dict(kv_compression=False)),
+                     ("fused eager", dict(kv_compression=True, enforce_eager=True))):
+        hows.clear()
+        llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", kv_memory_gb=0.05, attention_backend="kernel",
+                  max_model_len=512, packed_decode=True, **kw)
+        eng = llm.engine
+        assert bool(eng.runner.packed_graphs) != kw.get("enforce_eager", False)
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        run_to_completion(eng, [eng.add_request(prefix + [7], sp)])        # caches the prefix's pages
+        reqs = [eng.add_request(p, sp) for p in ps]
+        run_to_completion(eng, reqs, keep_logits=True)
+        assert ("packed" in hows) != kw.get("enforce_eager", False), (name, hows)
+        res[name] = reqs
+    for a, b, c in zip(res["fused"], res["twin"], res["fused eager"]):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+        x, y = torch.stack(a.logits[:len(c.logits)]), torch.stack(c.logits[:len(a.logits)])
+        assert float((x - y).abs().max()) < 0.1 * float(y.abs().max()), "graph vs eager packed steps"
 
 
 def test_pages_checked_on_the_device_before_each_decode_call(ckpt, monkeypatch):

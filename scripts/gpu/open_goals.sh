@@ -23,12 +23,12 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 packed() {
-  timeout 150 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py -k packed \
-    > "$OUT/packed_tests.log" 2>&1
+  timeout 150 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py tests/test_engine_kernel.py \
+    -k "packed and (cuda or graphs)" > "$OUT/packed_tests.log" 2>&1
   echo "packed kernel tests: rc $?"; tail -2 "$OUT/packed_tests.log"
   mkdir -p "$OUT/packed"
   timeout -k 5 420 python3 benchmarks/workloads.py --out "$OUT/packed" --timeout 100 --scenarios shared_prefix \
-    --modes compressed_packed,uncompressed_packed,compressed,uncompressed > "$OUT/packed/workloads.log" 2>&1
+    --modes "${PACKED_MODES:-compressed_packed,uncompressed_packed,compressed,uncompressed}" > "$OUT/packed/workloads.log" 2>&1
   echo "packed shared_prefix: rc $?"; grep -E "done in" "$OUT/packed/workloads.log" | cut -c1-200
   python3 - "$OUT/packed/workloads.json" <<'P'
 import json, sys

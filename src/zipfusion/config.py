@@ -74,8 +74,7 @@ class EngineConfig:
                                           "(not with deterministic=True; slower on the H200 so far)")
     packed_decode: bool = _opt(False, "experimental: decode rows behind one shared prefix travel in pairs through "
                                       "the decode kernel, which restores each shared page once for both "
-                                      "(GQA groups of up to 4 heads; not with deterministic=True; not yet "
-                                      "measured on a GPU)")
+                                      "(GQA groups of up to 4 heads; not with deterministic=True)")
     kv_host_memory_gb: float | None = _opt(
         None, "GiB of pinned host memory for KV pages the prefix cache evicts (kept as stored, brought back "
               "on a hit instead of recomputed; a preempted request's pages too); default on a GPU: "

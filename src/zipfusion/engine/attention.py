@@ -72,7 +72,7 @@ from ..format.layout import open_loc
 from ..memory.copy import to_device
 from ..models.llama import KVCacheStep
 from .cascade import CascadePlan, Chunks, make_chunks, plan_cascade
-from .packing import PackedPlan, plan_packed
+from .packing import PACK_HEADS, PackedPlan, plan_packed
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
@@ -135,6 +135,7 @@ class AttentionBackend:
         # ... or share the decode kernel's restores of those pages (packing.py); not batch-invariant
         self.packed = packed and self.kind == "kernel" and not deterministic
         self._cascade: CascadePlan | PackedPlan | None = None    # this step's, from prepare_decode
+        self._packed_buffers: PackedPlan | None = None    # packed CUDA graphs' inputs (packed_graph_buffers)
         # ZIPFUSION_CHECK_PAGES=1: every decode call first asserts its pages on the device
         # (kernels/decode_attention.py: check_ids_async), to turn a bad location into an error
         self.check_pages = os.environ.get("ZIPFUSION_CHECK_PAGES") == "1"
@@ -186,22 +187,46 @@ class AttentionBackend:
         _attend_lse(q[:CUDNN_BUCKET], kv[:SPLIT_PREFIX_GRAIN], kv[:SPLIT_PREFIX_GRAIN], False, self.sm_scale)
 
     # -- per step ---------------------------------------------------------------------------
-    def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> bool:
+    def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> str:
         """Host-side set-up of a step's decode rows before the forward (or the CUDA-graph
         replay; ``graph``: the batch is a graph bucket): host ``context_lens`` [B] and
         ``block_table`` [B, W]: FlashInfer's plan, or the cascade or packed requests over shared
-        prefixes (used by the next :meth:`plan`). Returns whether the step may replay a CUDA graph
-        (neither of those)."""
+        prefixes (used by the next :meth:`plan`). Returns how the step runs: "graph" (the
+        bucket's CUDA graph may replay), "packed" (its packed graph: the packed requests are in
+        that graph's buffers) or "eager"."""
         self._cascade = None
         if self.packed:
-            self._cascade = plan_packed(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads,
-                                        self.cache.device)
+            plan = plan_packed(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads)
+            if plan is not None:
+                bufs = self._packed_buffers
+                if graph and bufs is not None and plan.block_table.shape[1] <= bufs.block_table.shape[1]:
+                    self._cascade = bufs.view(len(context_lens))
+                    self._cascade.fill(plan)
+                    return "packed"
+                self._cascade = plan.to(self.cache.device)
+                return "eager"
         elif self.cascade:
             self._cascade = plan_cascade(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads,
                                          self.cache.device)
+            if self._cascade is not None:
+                return "eager"
         if self._flashinfer is not None:
             self._flashinfer.prepare(context_lens, block_table, self.sm_scale, graph)
-        return self._cascade is None
+        return "graph"
+
+    def packed_graph_buffers(self, max_batch: int, max_pages: int) -> int:
+        """Allocate the packed CUDA graphs' inputs for up to ``max_batch`` rows of up to
+        ``max_pages`` pages; returns R, the rows a packed request holds (0: no packing here)."""
+        R = PACK_HEADS // (self.num_qo_heads // self.cache.num_kv_heads) if self.packed else 0
+        if R >= 2:
+            self._packed_buffers = PackedPlan.empty(max_batch, R, R * max_pages, max_batch,
+                                                    device=self.cache.device)
+        return R if R >= 2 else 0
+
+    def use_packed_buffers(self, bs: int) -> None:
+        """The next :meth:`plan` reads the packed graph buffers' first ``bs`` requests (graph
+        capture)."""
+        self._cascade = self._packed_buffers.view(bs)
 
     def plan(self, page_ids: torch.Tensor, slots: torch.Tensor, num_decode: int = 0,
              block_table: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,

@@ -19,7 +19,9 @@ once, and puts each slot's output back in its row.
 The sums run in another order than the plain kernel's, so the result is not bit-identical to
 it; compressed and uncompressed runs of one schedule take the same path and the twin's
 arithmetic, so they give the same bits, and deterministic mode never packs (the pairing depends
-on the batch). A packed step runs eagerly (its shapes vary), not as a CUDA graph.
+on the batch). With CUDA graphs a packed step replays a graph of its own, captured over
+:meth:`PackedPlan.empty` buffers (V = the bucket's rows, each table as wide as R requests'
+tables) that each step fills (:meth:`PackedPlan.fill`); otherwise it runs eagerly.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ MIN_SPARED_PAGES = 4096
 class PackedPlan:
     rows: torch.Tensor          # int64 [V, R]: the step's decode row in each slot (row 0 in empty ones)
     block_table: torch.Tensor   # int32 [V, W]: shared pages, then each slot's own
-    context_lens: torch.Tensor  # int32 [V]: the last slot's end
+    context_lens: torch.Tensor  # int32 [V]: the last slot's end (0: a padding request, no keys)
     spans: torch.Tensor         # int32 [V, R, 2]: each slot's own tokens [begin, end)
     slots: torch.Tensor         # int64 [B]: the packed slot (v·R + r) of each decode row
 
@@ -61,12 +63,37 @@ class PackedPlan:
         o = backend.decode(layer, packed, self.block_table, self.context_lens, spans=self.spans, slot_heads=G)
         return o.view(V, H, R, G, D).transpose(1, 2).reshape(V * R, Hq, D)[self.slots]
 
+    @staticmethod
+    def empty(V: int, R: int, W: int, B: int, **kw) -> "PackedPlan":
+        """A plan of V padding requests (no keys) for B rows: the graph buffers' resting state."""
+        z = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, **kw)  # noqa: E731
+        return PackedPlan(z(V, R, dt=torch.int64), z(V, W), z(V), z(V, R, 2), z(B, dt=torch.int64))
+
+    def to(self, device) -> "PackedPlan":
+        return PackedPlan(*(to_device(getattr(self, f), device) for f in self.__dataclass_fields__))
+
+    def view(self, bs: int) -> "PackedPlan":
+        """The first ``bs`` requests and rows (a graph bucket's share of the buffers)."""
+        return PackedPlan(*(getattr(self, f)[:bs] for f in self.__dataclass_fields__))
+
+    def fill(self, other: "PackedPlan") -> None:
+        """Copy ``other`` (host tensors, at most as large) into this plan's buffers, the rest
+        left as padding: requests without keys, rows reading slot 0 (asynchronous from pinned
+        memory on CUDA)."""
+        for f in self.__dataclass_fields__:
+            dst, src = getattr(self, f), getattr(other, f)
+            host = torch.zeros(dst.shape, dtype=dst.dtype)
+            host[tuple(slice(0, n) for n in src.shape)] = src
+            if dst.device.type == "cuda":
+                host = host.pin_memory()
+            dst.copy_(host, non_blocking=True)
+
 
 def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                device, pack_heads: int | None = None) -> PackedPlan | None:
-    """The step's packed requests from its host ``context_lens`` [B] and ``block_table`` [B, W],
-    or None when the GQA group leaves no room for two rows or packing would spare fewer than
-    MIN_SPARED_PAGES page reads."""
+                pack_heads: int | None = None) -> PackedPlan | None:
+    """The step's packed requests (host tensors) from its host ``context_lens`` [B] and
+    ``block_table`` [B, W], or None when the GQA group leaves no room for two rows or packing
+    would spare fewer than MIN_SPARED_PAGES page reads."""
     G = num_q_heads // num_kv_heads
     R = (pack_heads or PACK_HEADS) // G
     if R < 2:
@@ -105,5 +132,4 @@ def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_hea
     vtable = np.zeros((V, max(len(t) for t in tables)), dtype=np.int32)
     for v, t in enumerate(tables):
         vtable[v, :len(t)] = t
-    as_dev = lambda x: to_device(torch.from_numpy(np.ascontiguousarray(x)), device)  # noqa: E731
-    return PackedPlan(as_dev(rows), as_dev(vtable), as_dev(vlens), as_dev(spans), as_dev(slots))
+    return PackedPlan(*(torch.from_numpy(x) for x in (rows, vtable, vlens, spans, slots)))

@@ -2,7 +2,8 @@
 
 A step's tokens are ``[decode rows | prefill chunks]`` (engine/attention.py). A pure decode step
 on CUDA replays a captured CUDA graph per batch-size bucket (padding rows write into and read
-from one scratch page); a step with prefill chunks, or whose decode rows cascade over a shared
+from one scratch page), or, where its rows travel as packed requests (engine/packing.py), the
+bucket's packed graph; a step with prefill chunks, or whose decode rows cascade over a shared
 prefix (engine/cascade.py), runs eagerly. Either way the layers reach
 the KV cache through a :class:`~zipfusion.engine.attention.PagedKVCacheStep`.
 """
@@ -36,6 +37,7 @@ class ModelRunner:
         self.max_pages_per_req = -(-max_model_len // PAGE_TOKENS)
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.packed_graphs: dict[int, torch.cuda.CUDAGraph] = {}     # (packed_decode) the same, packed
         self._buckets: list[int] = []                 # sorted keys of graphs
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._scratch: list[int] = []
@@ -155,8 +157,10 @@ class ModelRunner:
         bucket = self._buckets[i]
         self._staged.synchronize()                 # the last step's copies have left the staging buffers
         self.decode_inputs(reqs, bucket, self._host)
-        if not self.attention.prepare_decode(self._host["context_lens"][:bucket],
-                                             self._host["block_table"][:bucket], graph=True):
+        how = self.attention.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
+                                            graph=True)
+        graph = self.packed_graphs.get(bucket) if how == "packed" else self.graphs[bucket]
+        if how == "eager" or graph is None:
             # a cascade over shared prefixes (its shapes vary with the groups): eagerly
             dev = {k: v.to(self.device, non_blocking=True) for k, v in self._named(self._host, bucket).items()}
             self._staged.record()
@@ -165,7 +169,7 @@ class ModelRunner:
         for k in ("block_table", "context_lens"):
             self._static[k][:bucket].copy_(self._host[k][:bucket], non_blocking=True)
         self._staged.record()
-        self.graphs[bucket].replay()
+        graph.replay()
         return self._logits[:n]
 
     # -- CUDA graphs ------------------------------------------------------------------------
@@ -194,22 +198,30 @@ class ModelRunner:
         self._static = {k: v.to(self.device) for k, v in self._host.items()}
         self._staged = torch.cuda.Event()
         self._logits = torch.empty(top, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        packed = self.attention.packed_graph_buffers(top, self.max_pages_per_req)
         pool = None
         for bs in reversed(buckets):                        # one memory pool; every graph writes its
             b = self._named(self._static, bs)               # logits into the one output buffer
-            self.attention.prepare_decode(self._host["context_lens"][:bs], self._host["block_table"][:bs],
-                                          graph=True)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._decode_forward(b)                 # warm up: compile kernels, autotune
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._logits[:bs].copy_(self._decode_forward(b))
-            pool = g.pool()
-            self.graphs[bs] = g
+            for graphs in (self.graphs, self.packed_graphs) if packed else (self.graphs,):
+                def prepare():
+                    if graphs is self.packed_graphs:        # the packed buffers at rest: padding
+                        self.attention.use_packed_buffers(bs)
+                    else:
+                        self.attention.prepare_decode(self._host["context_lens"][:bs],
+                                                      self._host["block_table"][:bs], graph=True)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        prepare()
+                        self._decode_forward(b)             # warm up: compile kernels, autotune
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                prepare()
+                with torch.cuda.graph(g, pool=pool):
+                    self._logits[:bs].copy_(self._decode_forward(b))
+                pool = g.pool()
+                graphs[bs] = g
         self._buckets = sorted(self.graphs)
         torch.cuda.synchronize()
         return buckets

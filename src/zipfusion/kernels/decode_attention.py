@@ -19,7 +19,8 @@ heads per KV head are R *slots*, one row's heads each. Its block table holds the
 then each slot's own pages, and ``spans`` (int32 [B, R, 2]) gives slot r's own tokens
 ``[begin_r, end_r)`` (begin_r at a page boundary; begin_0 = the shared tokens). Slot r attends
 ``[0, begin_0) ∪ [begin_r, end_r)``: an empty slot (``begin = end``) only the shared tokens,
-and nothing, with a zero output, where ``begin_0 = 0``. The kernel restores each shared page
+and nothing, with a zero output, where ``begin_0 = 0``; a request of context length 0 (a CUDA
+graph's padding) has no keys at all. The kernel restores each shared page
 once for the R rows, and the heads fill the MMA columns that a GQA group of 4 leaves as padding
 (one 8-wide n-tile), so two rows cost about what one did. The CUDA kernel does it in one launch;
 the Triton route runs each slot as a plain row (:func:`packed_rows`): the same values, not the
@@ -239,8 +240,9 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
     check_split_args(num_splits, split_pages)
     if spans is not None:
         check_spans(spans, slot_heads, q, layout, context_lens, validate)
-    if validate:
-        check_ids(arena, page_loc_layer, block_table, context_lens, layout,
+    if validate:                  # (a packed launch's padding requests have no keys: length 0)
+        keep = context_lens > 0 if spans is not None else slice(None)
+        check_ids(arena, page_loc_layer, block_table[keep], context_lens[keep], layout,
                   None if compressed else "decode_attention_twin")
     q = q.contiguous()
     if out is None:
