@@ -25,9 +25,8 @@ Scenarios (``SCENARIOS``; prompt + generated tokens per request, KV GiB):
 Prefix caching: --prefix-cache on (default), off, or on,off (each record says ``prefix_cache``).
 Modes: compressed, uncompressed, flashinfer (uncompressed KV, attention_backend="flashinfer";
 skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode);
-compressed_cascade and uncompressed_cascade (cascade_attention=True: decode rows behind one shared
-prefix read it once per step); compressed_packed and uncompressed_packed (packed_decode=True: such
-rows travel in pairs through the decode kernel, engine/packing.py); compressed_async and uncompressed_async (async_scheduling=True: the
+compressed_packed and uncompressed_packed (packed_decode=True: decode rows behind one shared prefix
+travel in pairs through the decode kernel, engine/packing.py); compressed_async and uncompressed_async (async_scheduling=True: the
 next step scheduled while this one computes; off by default since it hung the long run on the H200);
 none of these pairs is in the default --modes.
 
@@ -64,8 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 DEFAULT_MODES = ("compressed", "uncompressed", "flashinfer")
-MODES = DEFAULT_MODES + ("compressed_cascade", "uncompressed_cascade", "compressed_packed", "uncompressed_packed",
-                         "compressed_async", "uncompressed_async")
+MODES = DEFAULT_MODES + ("compressed_packed", "uncompressed_packed", "compressed_async", "uncompressed_async")
 BF16_PEAK = 989.4e12          # H100/H200 SXM dense bf16 FLOP/s (datasheet): the prefill MFU denominator
 SIGMA = 0.8                   # lognormal lengths of the mix: sigma of ln(length)
 # issue 20's goals, total tok/s compressed / uncompressed (and / FlashInfer)
@@ -305,8 +303,6 @@ def step_rows(steps) -> list:
 def engine_kwargs(mode: str) -> dict:
     return {"compressed": dict(kv_compression=True), "uncompressed": dict(kv_compression=False),
             "flashinfer": dict(kv_compression=False, attention_backend="flashinfer"),
-            "compressed_cascade": dict(kv_compression=True, cascade_attention=True),
-            "uncompressed_cascade": dict(kv_compression=False, cascade_attention=True),
             "compressed_packed": dict(kv_compression=True, packed_decode=True),
             "uncompressed_packed": dict(kv_compression=False, packed_decode=True),
             "compressed_async": dict(kv_compression=True, async_scheduling=True),
@@ -461,8 +457,7 @@ def ratios(records: list[dict]) -> dict:
         for base in ("uncompressed", "flashinfer"):
             if c and by.get((scen, base)):
                 put(scen, f"compressed/{base}", c, by[(scen, base)])
-        for a, b in (("compressed_cascade", "uncompressed_cascade"), ("compressed_cascade", "compressed"),
-                     ("uncompressed_cascade", "uncompressed"), ("compressed_packed", "uncompressed_packed"),
+        for a, b in (("compressed_packed", "uncompressed_packed"),
                      ("compressed_packed", "compressed"), ("uncompressed_packed", "uncompressed"),
                      ("compressed_packed", "flashinfer"), ("compressed_async", "uncompressed_async"),
                      ("compressed_async", "compressed"), ("uncompressed_async", "uncompressed")):

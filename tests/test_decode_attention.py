@@ -563,8 +563,8 @@ PACKED = [
 def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     """Packed requests vs the plain kernel row by row (close) and the float64 reference;
     compressed pages, open pages and the twin give the same bits."""
-    from zipfusion.engine import cascade, packing
-    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    from zipfusion.engine import packing
+    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     c = packed_case(groups, lone, G, kind, seed)
     spared = sum((len(lens) - 1) * shared for shared, lens in groups)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", spared + 1)         # too little to pack

@@ -321,12 +321,12 @@ def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
 
 
 # ------------------------------------------------------------------------------------------
-# Cascade decode: rows behind one shared prefix read it once (engine/cascade.py)
+# Packed decode: rows behind one shared prefix share the kernel's restores (engine/packing.py)
 # ------------------------------------------------------------------------------------------
 
 def test_find_groups_takes_the_longest_common_prefix_before_each_newest_token():
     import numpy as np
-    from zipfusion.engine.cascade import find_groups
+    from zipfusion.engine.packing import find_groups
     t = np.array([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 3, 4, 0], [9, 9, 9, 9, 9], [9, 9, 9, 9, 9],
                   [9, 9, 9, 9, 9], [4, 4, 4, 4, 4]], dtype=np.int32)
     lens = np.array([80, 80, 80, 80, 40, 33, 80])        # full pages before the newest token: 4, 2, 2
@@ -349,89 +349,12 @@ def _shared_prefix_rows(eng, reqs):
     return torch.tensor(lens, dtype=torch.int32), table
 
 
-@pytest.mark.parametrize("piece_pages", [1, 32])
-def test_cascade_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, monkeypatch, piece_pages):
-    """The cascade's merged parts are the plain kernel's attention up to rounding (float64
-    reference), and the fused kernels on compressed pages give the twins' bits."""
-    from zipfusion.engine import cascade
-    from zipfusion.testing import reference_decode_attention
-    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
-    monkeypatch.setattr(cascade, "PIECE_PAGES", piece_pages)
-    g = torch.Generator().manual_seed(3)
-    ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 21, 37, 5)]
-    q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
-    outs = {}
-    for compressed in (True, False):
-        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
-                  kv_compression=compressed, enable_prefix_caching=False, cascade_attention=True)
-        eng = llm.engine
-        reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in ps]
-        eng.step()
-        eng.scheduler.seal_full_pages([], force=True)
-        assert (eng.cache.manager.page_state(reqs[0].pages[0]) == "stored") == compressed
-        lens, table = _shared_prefix_rows(eng, reqs)
-        be = eng.attention
-        assert be.cascade and be.prepare_decode(lens, table) == "eager"   # a cascade: no graph replay
-        step = be.plan(torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64,
-                       device=DEVICE), num_decode=4, block_table=table.to(DEVICE), context_lens=lens.to(DEVICE))
-        assert step.cascade is not None and step.cascade.grouped.tolist() == [0, 1, 2]
-        assert be._cascade is None                                        # used by one step only
-        got = step.decode(0, q)
-        parts = []                                                        # the probe's hook: each part, in order
-        assert torch.equal(step.cascade.run(be, 0, q, trace=parts.append), got)
-        assert parts == ["plain rows", "prefix rows gathered", "prefix pieces", "suffixes", "merge"]
-        plain = be.decode(0, q, table.to(DEVICE), lens.to(DEVICE))
-        ref = reference_decode_attention(q, eng.cache.arena, eng.cache.page_loc[0], table.to(DEVICE),
-                                         lens.to(DEVICE), eng.cache.layout, be.sm_scale, out_dtype=torch.float64)
-        for x in (got, plain):
-            assert float((x.double() - ref).norm() / ref.norm()) < 1e-2
-        assert torch.equal(got[3], plain[3])                              # the lone row: the plain kernel
-        outs[compressed] = got
-    assert torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16))
-
-
-def test_cascade_in_the_engine_keeps_compressed_and_uncompressed_identical(ckpt, monkeypatch):
-    """Prefix-cache hits decode through the cascade (eagerly, beside the CUDA graphs on a GPU):
-    compressed and uncompressed runs give the same tokens and logits; by default (and always in
-    deterministic mode) nothing cascades."""
-    from zipfusion.engine import attention, cascade
-    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
-    monkeypatch.setattr(cascade, "PIECE_PAGES", 2)
-    planned = []
-    real = attention.plan_cascade
-    monkeypatch.setattr(attention, "plan_cascade", lambda *a: planned.append(p := real(*a)) or p)
-    g = torch.Generator().manual_seed(4)
-    prefix = torch.randint(3, 256, (50,), generator=g).tolist()
-    ps = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 20)]
-    res = {}
-    for kw in (dict(), dict(deterministic=True, cascade_attention=True)):
-        assert not LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
-                       **kw).engine.attention.cascade
-    for name, kw in (("fused", dict(kv_compression=True)), ("twin", dict(kv_compression=False))):
-        kw["cascade_attention"] = True
-        planned.clear()
-        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
-                  max_model_len=256, **kw)
-        eng = llm.engine
-        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        run_to_completion(eng, [eng.add_request(prefix + [7], sp)])        # caches the prefix's pages
-        reqs = [eng.add_request(p, sp) for p in ps]
-        run_to_completion(eng, reqs, keep_logits=True)
-        assert llm.kv_stats()["prefix_cache_hit_tokens"] >= 3 * 48
-        cascades = [p for p in planned if p is not None]
-        assert cascades and max(p.grouped.numel() for p in cascades) == 3, name
-        res[name] = reqs
-    for a, b in zip(res["fused"], res["twin"]):
-        assert a.output_ids == b.output_ids
-        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-
-
 def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, monkeypatch):
     """Packed requests (engine/packing.py; G = 2 here, so four rows a request) over the engine's
     pages: the plain kernel's attention up to rounding, fused on compressed pages == twin bits."""
-    from zipfusion.engine import cascade, packing
+    from zipfusion.engine import packing
     from zipfusion.testing import reference_decode_attention
-    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 21, 37, 5)]
@@ -449,7 +372,7 @@ def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, 
         assert be.packed and be.prepare_decode(lens, table) == "eager"    # no packed graph buffers here
         step = be.plan(torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(4, dtype=torch.int64,
                        device=DEVICE), num_decode=4, block_table=table.to(DEVICE), context_lens=lens.to(DEVICE))
-        plan = step.cascade
+        plan = step.packed
         assert plan.rows.tolist() == [[0, 1, 2, 0], [3, 0, 0, 0]] and plan.slots.tolist() == [0, 1, 2, 4]
         assert plan.spans[0].tolist() == [[32, 40], [48, 69], [80, 117], [0, 0]]
         got = step.decode(0, q)
@@ -466,8 +389,8 @@ def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical
     """Prefix-cache hits decode as packed requests (eagerly): compressed and uncompressed runs
     give the same tokens and logits, and the same tokens as without packing (greedy, a small
     model: rounding rarely flips one); never packed by default or in deterministic mode."""
-    from zipfusion.engine import attention, cascade, packing
-    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    from zipfusion.engine import attention, packing
+    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     planned = []
     real = attention.plan_packed
@@ -504,10 +427,10 @@ def test_packed_decode_replays_packed_cuda_graphs(tmp_path, monkeypatch):
     behind a cached prefix replay the bucket's packed graph: compressed and uncompressed give the
     same tokens and logits, and the logits of the same steps run eagerly up to rounding (an
     eager packed step splits its requests' pages otherwise)."""
-    from zipfusion.engine import attention, cascade, packing
+    from zipfusion.engine import attention, packing
     save_tiny_checkpoint(tmp_path, num_hidden_layers=2, hidden_size=1024, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
-    monkeypatch.setattr(cascade, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     hows = []
     real = attention.AttentionBackend.prepare_decode

@@ -195,7 +195,7 @@ def _reference_ended(c, kv_end):
 
 
 def test_ended_chunks_and_lse(seed):
-    """``kv_end`` ends a chunk's keys early (a cascade's prefix piece: q_start = kv_end - 1, every
+    """``kv_end`` ends a chunk's keys early (a piece of a longer context: q_start = kv_end - 1, every
     row sees the same keys; or part way through a chunk); fp32 ``out`` and ``lse`` match float64,
     and fused (compressed pages) and twin give the same bits for both."""
     c = make_case([(47, 5), (20, 12), (0, 3)], 2, 4, 64, seed)

@@ -69,9 +69,6 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "
                                              "(full pages, compressed as they are; evicted least recently "
                                              "used when memory is needed)")
-    cascade_attention: bool = _opt(False, "experimental: decode rows behind one shared prefix (prefix-cache hits) "
-                                          "read its pages once per step, their results merged by log-sum-exp "
-                                          "(not with deterministic=True; slower on the H200 so far)")
     packed_decode: bool = _opt(False, "experimental: decode rows behind one shared prefix travel in pairs through "
                                       "the decode kernel, which restores each shared page once for both "
                                       "(GQA groups of up to 4 heads; not with deterministic=True)")

@@ -71,7 +71,6 @@ from ..format import PAGE_TOKENS
 from ..format.layout import open_loc
 from ..memory.copy import to_device
 from ..models.llama import KVCacheStep
-from .cascade import CascadePlan, Chunks, make_chunks, plan_cascade
 from .packing import PACK_HEADS, PackedPlan, plan_packed
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
@@ -121,7 +120,7 @@ class AttentionBackend:
     """
 
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
-                 num_qo_heads: int, sm_scale: float, cascade: bool = False, packed: bool = False):
+                 num_qo_heads: int, sm_scale: float, packed: bool = False):
         cuda = cache.device.type == "cuda"
         arena = getattr(cache, "arena", None)
         self.check_kind(kind, cache.device, cache.dtype)
@@ -130,11 +129,10 @@ class AttentionBackend:
         self.sm_scale, self.num_qo_heads = sm_scale, num_qo_heads
         # deterministic: a fixed split of every request's pages, whatever the batch
         self._split = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if deterministic else {}
-        # decode rows behind one shared prefix read it once per step (cascade.py); not batch-invariant
-        self.cascade = cascade and self.kind == "kernel" and not deterministic
-        # ... or share the decode kernel's restores of those pages (packing.py); not batch-invariant
+        # decode rows behind one shared prefix share the decode kernel's restores of its pages
+        # (packing.py); not batch-invariant
         self.packed = packed and self.kind == "kernel" and not deterministic
-        self._cascade: CascadePlan | PackedPlan | None = None    # this step's, from prepare_decode
+        self._packed: PackedPlan | None = None             # this step's, from prepare_decode
         self._packed_buffers: PackedPlan | None = None    # packed CUDA graphs' inputs (packed_graph_buffers)
         # ZIPFUSION_CHECK_PAGES=1: every decode call first asserts its pages on the device
         # (kernels/decode_attention.py: check_ids_async), to turn a bad location into an error
@@ -165,8 +163,7 @@ class AttentionBackend:
         """The engine's backend (``tp_size``: this rank holds 1/tp_size of the heads)."""
         return cls(cache, config.attention_backend, kv_compression=cache.kv_compression,
                    deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
-                   sm_scale=1.0 / math.sqrt(model_config.head_dim), cascade=config.cascade_attention,
-                   packed=config.packed_decode)
+                   sm_scale=1.0 / math.sqrt(model_config.head_dim), packed=config.packed_decode)
 
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): a whole
@@ -190,25 +187,20 @@ class AttentionBackend:
     def prepare_decode(self, context_lens: torch.Tensor, block_table: torch.Tensor, graph: bool = False) -> str:
         """Host-side set-up of a step's decode rows before the forward (or the CUDA-graph
         replay; ``graph``: the batch is a graph bucket): host ``context_lens`` [B] and
-        ``block_table`` [B, W]: FlashInfer's plan, or the cascade or packed requests over shared
-        prefixes (used by the next :meth:`plan`). Returns how the step runs: "graph" (the
+        ``block_table`` [B, W]: FlashInfer's plan, or packed requests over shared prefixes (used
+        by the next :meth:`plan`). Returns how the step runs: "graph" (the
         bucket's CUDA graph may replay), "packed" (its packed graph: the packed requests are in
         that graph's buffers) or "eager"."""
-        self._cascade = None
+        self._packed = None
         if self.packed:
             plan = plan_packed(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads)
             if plan is not None:
                 bufs = self._packed_buffers
                 if graph and bufs is not None and plan.block_table.shape[1] <= bufs.block_table.shape[1]:
-                    self._cascade = bufs.view(len(context_lens))
-                    self._cascade.fill(plan)
+                    self._packed = bufs.view(len(context_lens))
+                    self._packed.fill(plan)
                     return "packed"
-                self._cascade = plan.to(self.cache.device)
-                return "eager"
-        elif self.cascade:
-            self._cascade = plan_cascade(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads,
-                                         self.cache.device)
-            if self._cascade is not None:
+                self._packed = plan.to(self.cache.device)
                 return "eager"
         if self._flashinfer is not None:
             self._flashinfer.prepare(context_lens, block_table, self.sm_scale, graph)
@@ -226,16 +218,16 @@ class AttentionBackend:
     def use_packed_buffers(self, bs: int) -> None:
         """The next :meth:`plan` reads the packed graph buffers' first ``bs`` requests (graph
         capture)."""
-        self._cascade = self._packed_buffers.view(bs)
+        self._packed = self._packed_buffers.view(bs)
 
     def plan(self, page_ids: torch.Tensor, slots: torch.Tensor, num_decode: int = 0,
              block_table: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
              chunks: list[ChunkView] = ()) -> "PagedKVCacheStep":
         """The step's :class:`PagedKVCacheStep`: where each token's K/V go (``page_ids``, ``slots`` [T],
         on the device) and what each row attends to."""
-        cascade, self._cascade = self._cascade, None         # prepare_decode's, for this step only
+        packed, self._packed = self._packed, None            # prepare_decode's, for this step only
         return PagedKVCacheStep(self, page_ids, slots, num_decode, block_table, context_lens, list(chunks),
-                                cascade if num_decode else None)
+                                packed if num_decode else None)
 
     # -- per layer --------------------------------------------------------------------------
     def decode(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
@@ -258,15 +250,14 @@ class AttentionBackend:
         return torch_decode_attention(q, lambda ids: cache.read_pages(layer, ids), block_table,
                                       context_lens, self.sm_scale, exact=self.deterministic)
 
-    def paged_prefill(self, layer: int, q: torch.Tensor, plan: Chunks, out=None, lse=None,
-                      validate: bool = False) -> torch.Tensor:
-        """The paged prefill kernel over the chunks of ``plan`` (``out``/``lse``/``validate``: the
-        kernel's; unchecked in a step, checked by benchmarks/cascade_probe.py)."""
+    def paged_prefill(self, layer: int, q: torch.Tensor, plan: Chunks) -> torch.Tensor:
+        """The paged prefill kernel over the chunks of ``plan`` (the engine builds valid tables:
+        unchecked, no host sync)."""
         from ..kernels.prefill_attention import paged_prefill_attention
         c = self.cache
         return paged_prefill_attention(q, c.arena, c.page_loc[layer], plan.block_table, plan.q_indptr,
-                                       plan.q_start, c.layout, self.sm_scale, out, compressed=self.kv_compression,
-                                       plan=plan.work, lse=lse, validate=validate)
+                                       plan.q_start, c.layout, self.sm_scale, compressed=self.kv_compression,
+                                       plan=plan.work, validate=False)
 
     def decode_over_open_copy(self, layer: int, q: torch.Tensor, pages: torch.Tensor, context_lens: torch.Tensor):
         """The decode kernel's rows (q [n, Hq, D], each with its context length) over an open copy
@@ -311,9 +302,9 @@ class PagedKVCacheStep(KVCacheStep):
     :meth:`AttentionBackend.plan`."""
 
     def __init__(self, backend: AttentionBackend, page_ids, slots, num_decode, block_table, context_lens,
-                 chunks: list[ChunkView], cascade: CascadePlan | None = None):
+                 chunks: list[ChunkView], packed: PackedPlan | None = None):
         self.backend, self.cache = backend, backend.cache
-        self.cascade = cascade
+        self.packed = packed
         self.page_ids, self.slots = page_ids, slots
         self.num_decode, self.block_table, self.context_lens = num_decode, block_table, context_lens
         self.chunks = chunks
@@ -332,10 +323,9 @@ class PagedKVCacheStep(KVCacheStep):
         return self.cache.store(layer, q, k, v, cos, sin, self.page_ids, self.slots, want_kv=bool(self.chunks))
 
     def decode(self, layer, q):
-        """The step's decode rows: the cascade or packed requests where the backend planned them,
-        else the kernel."""
-        if self.cascade is not None:
-            return self.cascade.run(self.backend, layer, q)
+        """The step's decode rows: packed requests where the backend planned them, else the kernel."""
+        if self.packed is not None:
+            return self.packed.run(self.backend, layer, q)
         return self.backend.decode(layer, q, self.block_table, self.context_lens)
 
     def attend(self, layer, q, k, v):
@@ -542,6 +532,32 @@ def _decode_rows(ch: ChunkView, device) -> tuple[torch.Tensor, torch.Tensor]:
     table = torch.tensor(pages, dtype=torch.int32, device=device).expand(ch.length, len(pages))
     lens = torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device)
     return table, lens
+
+
+@dataclass
+class Chunks:
+    """One launch of the paged prefill kernel, planned once per step for every layer: ``rows``
+    picks its query rows from the step's q; one block-table row and start per chunk; the
+    kernel's plan (work items)."""
+    rows: torch.Tensor
+    block_table: torch.Tensor
+    q_indptr: torch.Tensor
+    q_start: torch.Tensor
+    work: object                     # kernels.prefill_attention.PrefillPlan
+
+
+def make_chunks(rows, pages, rows_per_chunk, starts, num_q_heads: int, num_kv_heads: int, device) -> Chunks:
+    """A launch of the paged prefill kernel from host lists: the step's q ``rows`` it reads, each
+    chunk's ``pages`` (the block table, zero-padded), row count and start."""
+    from ..kernels.prefill_attention import plan_prefill
+    table = np.zeros((len(pages), max(len(p) for p in pages)), dtype=np.int32)
+    for j, p in enumerate(pages):
+        table[j, :len(p)] = p
+    indptr = np.concatenate([[0], np.cumsum(rows_per_chunk)]).tolist()
+    starts = [int(x) for x in starts]
+    work = plan_prefill(indptr, starts, num_q_heads, num_kv_heads, device=device)
+    i32 = lambda x: to_device(torch.tensor(x, dtype=torch.int32), device)  # noqa: E731
+    return Chunks(to_device(rows, device), to_device(torch.from_numpy(table), device), i32(indptr), i32(starts), work)
 
 
 def _paged_chunks(backend: AttentionBackend, chunks: list[ChunkView], routes: list[str], num_decode: int,

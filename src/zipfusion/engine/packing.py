@@ -34,8 +34,8 @@ import torch
 
 from ..format import PAGE_TOKENS
 from ..memory.copy import to_device
-from .cascade import find_groups
 
+MIN_SHARED_PAGES = 16      # rows pack behind a shared prefix of 256 tokens or more
 # query-head columns of a packed request: one tensor-core n-tile (R = 8 // G rows a request);
 # 16 (two n-tiles, R = 16 // G) halves the restores again for twice the MMAs
 PACK_HEADS = int(os.environ.get("ZIPFUSION_PACK_HEADS", "8"))
@@ -43,6 +43,32 @@ PACK_HEADS = int(os.environ.get("ZIPFUSION_PACK_HEADS", "8"))
 # of fused attention a step on the H200 (at 0.211 ms a layer for 32 x 512 pages), against the four
 # small kernels a layer that packing adds (~0.4 ms a step) -- a first guess, to be tuned there
 MIN_SPARED_PAGES = 4096
+
+
+def find_groups(context_lens: np.ndarray, table: np.ndarray, min_pages: int | None = None) -> list[tuple[np.ndarray, int]]:
+    """(rows, shared pages) of every group of >= 2 decode rows whose block tables begin with the
+    same ``shared >= min_pages`` (default MIN_SHARED_PAGES) page ids, all before each row's
+    newest token."""
+    min_pages = min_pages or MIN_SHARED_PAGES
+    lens = np.asarray(context_lens, dtype=np.int64)
+    full = (lens - 1) // PAGE_TOKENS                  # pages wholly before a row's newest token
+    cand = np.flatnonzero(full >= min_pages)
+    if cand.size < 2:
+        return []
+    first = table[cand, 0]
+    order = np.argsort(first, kind="stable")
+    _, starts, counts = np.unique(first[order], return_index=True, return_counts=True)
+    groups = []
+    for s, c in zip(starts, counts):
+        if c < 2:
+            continue
+        rows = cand[order[s:s + c]]
+        sub = table[rows, :int(full[rows].min())]
+        same = (sub == sub[0]).all(0)
+        shared = sub.shape[1] if same.all() else int(np.argmin(same))
+        if shared >= min_pages:
+            groups.append((rows, shared))
+    return groups
 
 
 @dataclass
@@ -53,7 +79,7 @@ class PackedPlan:
     spans: torch.Tensor         # int32 [V, R, 2]: each slot's own tokens [begin, end)
     slots: torch.Tensor         # int64 [B]: the packed slot (v·R + r) of each decode row
 
-    def run(self, backend, layer: int, q: torch.Tensor, trace=None) -> torch.Tensor:
+    def run(self, backend, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16."""
         V, R = self.rows.shape
         B, Hq, D = q.shape

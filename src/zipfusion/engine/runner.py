@@ -3,8 +3,7 @@
 A step's tokens are ``[decode rows | prefill chunks]`` (engine/attention.py). A pure decode step
 on CUDA replays a captured CUDA graph per batch-size bucket (padding rows write into and read
 from one scratch page), or, where its rows travel as packed requests (engine/packing.py), the
-bucket's packed graph; a step with prefill chunks, or whose decode rows cascade over a shared
-prefix (engine/cascade.py), runs eagerly. Either way the layers reach
+bucket's packed graph; a step with prefill chunks runs eagerly. Either way the layers reach
 the KV cache through a :class:`~zipfusion.engine.attention.PagedKVCacheStep`.
 """
 
@@ -161,7 +160,7 @@ class ModelRunner:
                                             graph=True)
         graph = self.packed_graphs.get(bucket) if how == "packed" else self.graphs[bucket]
         if how == "eager" or graph is None:
-            # a cascade over shared prefixes (its shapes vary with the groups): eagerly
+            # packed requests without their graph (larger than its buffers): eagerly
             dev = {k: v.to(self.device, non_blocking=True) for k, v in self._named(self._host, bucket).items()}
             self._staged.record()
             return self._decode_forward(dev)[:n]

@@ -7,9 +7,8 @@ row ``c`` of ``block_table``. Pages are read where they lie in the arena, open o
 (docs/design.md, docs/format.md); nothing is gathered, decompressed to memory or repeated for
 GQA. Causal: the query at position p attends to keys 0..p of its request. A chunk may also end
 its keys early (``kv_end[c]``: row i sits at position ``min(q_start[c] + i, kv_end[c] - 1)``):
-with ``q_start = kv_end - 1`` every row sees exactly keys ``0 .. kv_end - 1``, which is how the
-engine's cascade decode attends a group of decode rows to the pages of their shared prefix once
-(engine/cascade.py); ``lse`` then gives each row's log-sum-exp for merging with the rest.
+with ``q_start = kv_end - 1`` every row sees exactly keys ``0 .. kv_end - 1`` (a piece of a
+longer context); ``lse`` then gives each row's log-sum-exp for merging with the rest of it.
 
 Work split (FlashInfer-style plan/run). :func:`plan_prefill` cuts every chunk into query tiles
 of ``BT`` tokens and lists the (chunk, first token) work items, heaviest first; it runs once per
