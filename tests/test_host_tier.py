@@ -236,7 +236,10 @@ class CacheMachine(RuleBasedStateMachine):
             return
         if away:
             pages = self.m.alloc_pages(len(away))
-            left = self.pc.swap_in(away, pages, min_capacity=promised)     # room promised to others kept
+            need = len(blocks) - len(chain)                                # this request's new pages
+            # the room promised to others, and to this request's new pages, is kept
+            left = self.pc.swap_in(away, pages, min_capacity=promised + need)
+            assert self.m.capacity_new_pages() >= need
             assert set(left) <= set(pages)
             assert all(self.m.page_state(p) == "stored" for p in set(pages) - set(left))
             self.to_seal.update(left)
@@ -285,6 +288,23 @@ class CacheMachine(RuleBasedStateMachine):
 TestCacheAndHostTier = CacheMachine.TestCase
 TestCacheAndHostTier.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_cache_machine_swap_in_keeps_room_for_the_requests_new_pages():
+    """A fresh draw of the machine above (pinned): two pages evicted to the host come back, one
+    of them stored into a fresh packed chunk a layer, which took more room than its bytes; the
+    request's four new pages must still fit (the swap-in keeps room for them)."""
+    state = CacheMachine()
+    state.admit(own=0, prefix=2, promised=0, shared=2, tag=0)
+    state.seal()
+    state.finish(which=0)
+    state.evict(n=1)
+    state.evict(n=1)
+    state.admit(own=2, prefix=2, promised=0, shared=4, tag=0)
+    state.packed_books_match_the_page_table()
+    state.pages_hold_their_bytes()
+    assert len(state.reqs) == 1 and len(state.reqs[0][1]) == 6
+    state.teardown()
 
 
 def test_engine_with_a_host_tier_gives_the_same_tokens_and_swaps():
