@@ -45,7 +45,7 @@ from zipfusion.kernels import decode_attention, decode_attention_twin  # noqa: E
 from unfused import decode_attention_unfused, plan_unfused  # noqa: E402  (benchmarks/unfused.py)
 
 HQ, HKV, D, PS = 32, 8, 128, 16
-TUNABLE = ("stages", "num_splits", "tma")   # knobs of the CUDA kernel
+TUNABLE = ("stages", "num_splits", "tma", "producer")   # knobs of the CUDA kernel
 # name -> (Case method, fixed keyword arguments)
 KERNELS = {"twin": ("run_twin", {}), "fused": ("run_fused", {}), "unfused": ("run_unfused", {}),
            "twin_triton": ("run_twin", {"backend": "triton"}),
@@ -262,6 +262,8 @@ def main():
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--num-splits", type=int, default=None)
     ap.add_argument("--tma", type=int, choices=[0, 1], default=None)
+    ap.add_argument("--producer", type=int, choices=[0, 1], default=None,
+                    help="1: the producer-warp kernel (fused and twin), 0: per-warp copies")
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernels")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="2048,8192,32768")
@@ -269,6 +271,8 @@ def main():
     cfg = dict(stages=args.stages, num_splits=args.num_splits)
     if args.tma is not None:
         cfg["tma"] = bool(args.tma)
+    if args.producer is not None:
+        cfg["producer"] = bool(args.producer)
     kernels = ["twin", "fused", "unfused"] + (["twin_triton", "fused_triton"] if args.triton else [])
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -356,11 +360,12 @@ def main():
 def tune_case(case, fi, ceiling):
     """Variants of the CUDA fused kernel and twin at one case: cp.async depth x split-KV."""
     recs = measure_case(case, fi, [], {}, ceiling) if fi is not None else []
-    # (the full grid, tma x stages 3/4/6 x splits 1/4/8, is in results/attention_tune.json of
-    # 2026-12-02; these are its best and neighbouring points)
-    variants = [dict(stages=st, num_splits=ns, tma=tma) for st, ns, tma in (
-        (4, 4, True), (4, 8, True), (3, 8, True), (6, 4, True),
-        (4, 4, False), (4, 8, False), (6, 1, False), (3, 4, False))]
+    # (the full grid of the per-warp kernel, tma x stages 3/4/6 x splits 1/4/8, is in
+    # results/attention_tune.json of 2026-12-02)
+    # the producer-warp kernel (2026-12-05) against each kernel's per-warp default
+    variants = [dict(stages=4, tma=True, producer=False), dict(stages=3, tma=False, producer=False),
+                dict(producer=True), dict(producer=True, num_splits=4),
+                dict(producer=True, num_splits=8), dict(stages=4, tma=True, num_splits=8, producer=False)]
     fi_ms = recs[0]["median_ms"] if recs else None
     for name in ("twin", "fused"):
         for v in variants:

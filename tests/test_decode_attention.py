@@ -349,7 +349,26 @@ def test_cuda_kernel_pipeline_depths_and_splits(stages, splits, tma, kind, seed)
     if tma and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("bulk copies (TMA) need sm_90+")
     check_case(make_case([3000, 17, 8192, 1], 8, 4, 128, kind, seed), num_splits=splits,
-               stages=stages, tma=tma, unfused=False, backend="cuda")
+               stages=stages, tma=tma, producer=False, unfused=False, backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["mixed", "escapes", "compressible"])
+@pytest.mark.parametrize("G", [4, 16])
+@pytest.mark.parametrize("splits", [None, 1, 7, 64])
+def test_cuda_producer_kernel(splits, G, kind, seed):
+    """The producer-warp kernel (one warp copies, four compute) against the reference, and the
+    same bits as the per-warp kernels: requests of 1 page to 8K tokens, ragged last pages,
+    rounds of pages that end mid-round, splits with fewer pages than warps."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the producer kernel's bulk copies need sm_90+")
+    case = make_case([3000, 17, 8192, 1, 33, 130], 8, G, 128, kind, seed)
+    check_case(case, num_splits=splits, producer=True, unfused=False, backend="cuda")
+    args = (case["q"], case["arena_c"], case["loc_c"], case["bt"], case["lens"], case["layout"],
+            case["scale"])
+    outs = [decode_attention(*args, num_splits=splits, producer=p, tma=t, backend="cuda")
+            for p, t in ((True, True), (False, True), (False, False))]
+    assert same_bits(outs[0], outs[1]) and same_bits(outs[0], outs[2]), f"seed {seed}"
 
 
 @gpu
@@ -643,6 +662,7 @@ def test_packed_request_arguments(small):
 @gpu
 @pytest.mark.parametrize("groups,lone,G,kind,pack_heads", PACKED)
 @pytest.mark.parametrize("kw", [dict(), dict(num_splits=1), dict(num_splits=5), dict(stages=3, tma=False),
-                                dict(stages=4, tma=True, num_splits=3)])
+                                dict(stages=4, tma=True, num_splits=3), dict(producer=True),
+                                dict(producer=True, num_splits=3)])
 def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed, monkeypatch):
     check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, backend="cuda", **kw)

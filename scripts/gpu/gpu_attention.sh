@@ -4,10 +4,15 @@
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 ZIPFUSION_CACHE=/tmp/zfcache
+if [ -d .carry ]; then   # FlashInfer and friends (scripts/gpu/carry_wheels.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
+         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nvcc -O3 -gencode=arch=compute_90,code=sm_90 --use_fast_math -std=c++17 -Xptxas -v -shared -Xcompiler -fPIC -o /tmp/zf.so \
   src/zipfusion/kernels/cuda/decode_attention.cu > "$OUT/ptxas.txt" 2>&1
 grep -E "registers|spill" "$OUT/ptxas.txt" | head -14
-timeout 240 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py \
+timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py \
   -k "${TESTS_K:-cuda or adversarial or large or split_pages}" 2>&1 | tee "$OUT/attn_tests.log" | tail -15
-timeout 400 python3 benchmarks/attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
+timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45

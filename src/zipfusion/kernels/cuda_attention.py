@@ -36,6 +36,15 @@ def default_stages(compressed: bool, group: int) -> int:
     return 3 if not compressed and group <= 8 else 4
 
 
+PRODUCER_STAGES = 4     # the producer kernel's depth: 2 pages (4 half pages) a computing warp
+
+
+def default_producer(compressed: bool, hopper: bool) -> bool:
+    """Whether the producer-warp kernel runs by default: ``ZIPFUSION_CUDA_PRODUCER=1`` turns it
+    on (not yet measured against the per-warp copies on a GPU, hence off by default)."""
+    return hopper and os.environ.get("ZIPFUSION_CUDA_PRODUCER") == "1"
+
+
 class CudaKernelUnavailable(RuntimeError):
     """The CUDA C++ kernel cannot run here (no nvcc, old GPU, unsupported shape)."""
 
@@ -171,14 +180,18 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
                           qk_scale: float, out: torch.Tensor, *, compressed: bool,
                           num_splits: int | None = None, split_pages: int | None = None,
                           stages: int | None = None, tma: bool | None = None,
-                          spans: torch.Tensor | None = None, slot_heads: int = 0) -> torch.Tensor:
+                          producer: bool | None = None, spans: torch.Tensor | None = None,
+                          slot_heads: int = 0) -> torch.Tensor:
     """Launch the kernel (and the merge when there are several splits). Inputs are checked, and
     this kernel chosen, by the caller (``decode_attention._launch`` via
     :func:`unsupported_reason`); ``qk_scale`` is sm_scale·log2(e). ``num_splits`` /
     ``split_pages``: see ``splits.plan_splits``.
 
     ``stages``: copy depth in half pages (3, 4 or 6; packed: 3 or 4); ``tma``: stage pages with
-    bulk copies (Hopper's TMA; by default for compressed pages on sm_90+) instead of cp.async.
+    bulk copies (Hopper's TMA; by default for compressed pages on sm_90+) instead of cp.async;
+    ``producer``: a fifth warp issues every bulk copy and the four others only compute (warp
+    specialisation, sm_90+; its depth is fixed: 2 pages a computing warp, ``stages`` 4). Every
+    variant gives the same bits.
     ``spans`` (int32 [B, G / slot_heads, 2]) and ``slot_heads``: packed requests
     (``decode_attention.py``).
     """
@@ -191,16 +204,22 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     hopper = int(arch) >= 90
     if tma is None:      # measured best: bulk copies for compressed pages, cp.async for open ones
         tma = compressed and hopper
-    if tma and not hopper:
-        raise CudaKernelUnavailable("tma=True needs an sm_90+ GPU (Hopper)")
+    if producer is None:
+        producer = default_producer(compressed, hopper)
+    if producer and stages not in (None, PRODUCER_STAGES):
+        raise ValueError(f"stages={stages} with producer=True: the producer kernel keeps "
+                         f"{PRODUCER_STAGES} half pages a warp in flight; leave stages unset")
+    if (tma or producer) and not hopper:
+        raise CudaKernelUnavailable("tma=True / producer=True need an sm_90+ GPU (Hopper)")
     max_pages = block_table.shape[1]
-    stages = int(stages or default_stages(compressed, G))
+    stages = PRODUCER_STAGES if producer else int(stages or default_stages(compressed, G))
+    copy = 2 if producer else int(bool(tma))
     plan = plan_splits(out, max_pages, num_splits, split_pages,
                        lambda: default_num_splits(B, num_kv_heads, max_pages, q.device))
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.zf_decode_attention(
-            int(compressed), stages, int(bool(tma)),
+            int(compressed), stages, copy,
             q.data_ptr(), arena.data_ptr(), page_loc_layer.data_ptr(), block_table.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), plan.part_o.data_ptr(),
             plan.part_lse.data_ptr(), float(qk_scale), block_table.stride(0), plan.pages,

@@ -235,7 +235,7 @@ def packed_rows(q, block_table, context_lens, spans, slot_heads: int, num_kv_hea
 
 def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
             out, validate, backend, num_splits, split_pages, tile_pages, num_warps, stages, tma,
-            spans=None, slot_heads=None):
+            producer=None, spans=None, slot_heads=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     check_split_args(num_splits, split_pages)
     if spans is not None:
@@ -252,7 +252,7 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
     if _use_cuda(backend, q, layout):
         return cuda_attention.decode_attention_cuda(
             *args, compressed=compressed, num_splits=num_splits, split_pages=split_pages,
-            stages=stages, tma=tma, spans=spans, slot_heads=slot_heads or 0)
+            stages=stages, tma=tma, producer=producer, spans=spans, slot_heads=slot_heads or 0)
     triton_args = dict(compressed=compressed, num_splits=num_splits, split_pages=split_pages,
                        tile_pages=tile_pages, num_warps=num_warps)
     if spans is None:
@@ -275,7 +275,8 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
                      validate: bool = True, backend: str | None = None,
                      tile_pages: int | None = None, num_warps: int | None = None,
                      stages: int | None = None, tma: bool | None = None,
-                     spans: torch.Tensor | None = None, slot_heads: int | None = None):
+                     producer: bool | None = None, spans: torch.Tensor | None = None,
+                     slot_heads: int | None = None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
@@ -291,13 +292,14 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     context length: the same bits alone or in any batch, with any block-table width. For the
     Triton kernel it must be a multiple of ``tile_pages``. At most one of the two.
 
-    ``stages`` (copy depth) and ``tma`` (bulk copies) tune the CUDA kernel; ``tile_pages`` and
+    ``stages`` (copy depth), ``tma`` (bulk copies) and ``producer`` (a warp that only copies)
+    tune the CUDA kernel; ``tile_pages`` and
     ``num_warps`` the Triton kernel. ``spans`` and ``slot_heads``: packed requests (module
     docstring).
     """
     return _launch(True, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
-                   stages, tma, spans, slot_heads)
+                   stages, tma, producer, spans, slot_heads)
 
 
 def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
@@ -305,10 +307,10 @@ def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, l
                           split_pages: int | None = None, validate: bool = True,
                           backend: str | None = None, tile_pages: int | None = None,
                           num_warps: int | None = None, stages: int | None = None,
-                          tma: bool | None = None, spans: torch.Tensor | None = None,
-                          slot_heads: int | None = None):
+                          tma: bool | None = None, producer: bool | None = None,
+                          spans: torch.Tensor | None = None, slot_heads: int | None = None):
     """The uncompressed twin: same tiling and arithmetic, every page must be open; same
     arguments as :func:`decode_attention`, and the same bits for the same values."""
     return _launch(False, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
-                   stages, tma, spans, slot_heads)
+                   stages, tma, producer, spans, slot_heads)

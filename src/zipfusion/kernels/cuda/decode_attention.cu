@@ -148,6 +148,14 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#ifdef ZF_NO_TMA
+  __trap();
+#else
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
 #ifdef ZF_NO_TMA
   __trap();
@@ -421,12 +429,256 @@ __device__ __forceinline__ void gather_v(const uint8_t* st, uint32_t marks, cons
 // makes registers allow as many CTAs per SM.
 constexpr int ctas_per_sm(int stages) { return stages <= 3 ? 4 : stages <= 4 ? 3 : stages <= 6 ? 2 : 1; }
 
+// ---------------------------------------------------------------------------------------------
+// One warp's flash-decoding state over its pages, and the steps both kernels run per page
+// ---------------------------------------------------------------------------------------------
 // PACKED: rows that share their leading pages, packed into one request (kernels/packed.py).
 // Its G query heads per KV head are R = G / slot_heads slots of slot_heads heads, one row each;
 // its pages are the shared ones, then each slot's own ones (each slot's first at a page
 // boundary). spans[b] = R (begin, end) token ranges: slot r attends tokens [0, begin_0) (the
 // shared pages) and [begin_r, end_r). A column may have no key in a split (its own pages lie in
 // another): its state stays (m = -inf, l = 0) and it is left out of every sum.
+template <bool COMPRESSED, int NT, bool TMA, bool PACKED>
+struct Flash {
+  uint32_t qb[NT][8][2];     // Qᵀ as B fragments: {slots 2t.., 2t+8..} of head 8nt + g, chunk kc
+  float acc[NT][8][4];       // Oᵀ m-tile i; e = 0,1: dim 8g+i, heads 8nt+2t, +1; e = 2,3: dim 64+8g+i
+  float m_run[NT][2], l_run[NT][2];   // heads 8nt + 2t + e (log2 domain; partial sums)
+  uint32_t pb[NT][2];        // Pᵀ of the current page as B fragments
+  int span_lo[NT][2], span_hi[NT][2], shared_end, slots;
+  const int* span;
+  int sig, lane_t;           // σ(g): token of A row g (K) for this lane; t
+  Lane ko[2], vo[2];
+  int krow[2];
+  float qk_scale;
+  int ctx;
+
+  __device__ __forceinline__ void init(const __nv_bfloat16* q, long long row0, int b, int G,
+                                       const int* spans, int slot_heads, float scale, int ctx_,
+                                       int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    qk_scale = scale;
+    ctx = ctx_;
+    lane_t = t;
+    // PACKED: this request's slot ranges; the slot of each of this lane's columns (heads
+    // 8nt + 2t + e; padding heads take the last slot's: their output is never read)
+    slots = PACKED ? G / slot_heads : 1;
+    span = spans + (long long)b * 2 * slots;
+    shared_end = PACKED ? span[0] : 0;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = PACKED ? min((8 * nt + 2 * t + e) / slot_heads, slots - 1) : 0;
+        span_lo[nt][e] = PACKED ? span[2 * r] : 0;
+        span_hi[nt][e] = PACKED ? span[2 * r + 1] : 0;
+      }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int head = 8 * nt + g;
+#pragma unroll
+      for (int p = 0; p < NB; ++p) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (head < G) v = *reinterpret_cast<const uint4*>(q + (row0 + head) * D + 32 * p + 8 * t);
+        qb[nt][2 * p][0] = v.x;       // chunk 2p:   slots 2t.. = channels +0,+1; 2t+8.. = +2,+3
+        qb[nt][2 * p][1] = v.y;
+        qb[nt][2 * p + 1][0] = v.z;   // chunk 2p+1: channels +4,+5 and +6,+7
+        qb[nt][2 * p + 1][1] = v.w;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[nt][i][0] = acc[nt][i][1] = acc[nt][i][2] = acc[nt][i][3] = 0.f;
+      m_run[nt][0] = m_run[nt][1] = -INFINITY;
+      l_run[nt][0] = l_run[nt][1] = 0.f;
+    }
+    // this lane's groups: K rows σ(g), σ(g)+8 at channels 8t.. of each block; V token t of
+    // each block at channel groups g and g+8
+    sig = (g >> 1) + 4 * (g & 1);
+    ko[0] = lane_offsets<TMA>(4 * sig + t);
+    ko[1] = lane_offsets<TMA>(4 * (sig + 8) + t);
+    vo[0] = lane_offsets<TMA>(16 * t + g);
+    vo[1] = lane_offsets<TMA>(16 * t + 8 + g);
+    krow[0] = 256 * sig + 16 * t;            // open K, TMA layout
+    krow[1] = 256 * (sig + 8) + 16 * t;
+  }
+
+  // ---- Sᵀ = K·Qᵀ over a staged K half (A rows g, g+8 = tokens σ(g), σ(g)+8), then the online
+  // softmax over its tokens ----
+  __device__ __forceinline__ void keys(const uint8_t* st, uint32_t marks, bool open_rows, int page) {
+    float sc[NT][4];
+    const int kind = stage_kind<COMPRESSED, TMA>(marks, open_rows);
+    if (kind == ALL_COMPRESSED) qk_page<ALL_COMPRESSED>(st, marks, ko, krow, qb, sc);
+    else if (kind == ALL_RAW) qk_page<ALL_RAW>(st, marks, ko, krow, qb, sc);
+    else if (kind == OPEN_ROWS) qk_page<OPEN_ROWS>(st, marks, ko, krow, qb, sc);
+#ifdef ZF_ESC_KIND
+    else if (kind == COMPRESSED_ESC) qk_page<COMPRESSED_ESC>(st, marks, ko, krow, qb, sc);
+#endif
+    else qk_page<MIXED>(st, marks, ko, krow, qb, sc);
+    // sc[nt][e]: token σ(g) (e < 2) or σ(g)+8, head 8nt + 2t + (e & 1).
+    const int valid = min(PAGE, ctx - page * PAGE);     // tokens of this page inside the context
+    const bool in0 = sig < valid, in1 = sig + 8 < valid;
+    const int x0 = page * PAGE + sig, x1 = x0 + 8;      // PACKED: the two tokens' positions
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float alpha[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        bool ok0 = in0, ok1 = in1;
+        if (PACKED) {
+          ok0 = x0 < shared_end || (span_lo[nt][e] <= x0 && x0 < span_hi[nt][e]);
+          ok1 = x1 < shared_end || (span_lo[nt][e] <= x1 && x1 < span_hi[nt][e]);
+        }
+        float s0 = ok0 ? sc[nt][e] * qk_scale : -INFINITY;
+        float s1 = ok1 ? sc[nt][e + 2] * qk_scale : -INFINITY;
+        float mx = fmaxf(s0, s1);
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
+        const float m_new = fmaxf(m_run[nt][e], mx);
+        // PACKED: a column with no key yet keeps m = -inf and takes 0 as its reference
+        const float m_ref = PACKED && m_new == -INFINITY ? 0.f : m_new;
+        alpha[e] = exp2f(m_run[nt][e] - m_ref);    // 0 on the first page (m_run = -inf)
+        m_run[nt][e] = m_new;
+        sc[nt][e] = exp2f(s0 - m_ref);
+        sc[nt][e + 2] = exp2f(s1 - m_ref);
+        l_run[nt][e] = l_run[nt][e] * alpha[e] + (sc[nt][e] + sc[nt][e + 2]);
+      }
+      // Pᵀ 8×8 tiles (rows tokens σ(0..7) / σ(0..7)+8, columns heads) -> B fragments
+      pb[nt][0] = transpose8x8(pack_bf16(sc[nt][0], sc[nt][1]));   // k slots 2t, 2t+1
+      pb[nt][1] = transpose8x8(pack_bf16(sc[nt][2], sc[nt][3]));   // k slots 2t+8, 2t+9
+      if (__any_sync(FULL, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          acc[nt][i][0] *= alpha[0]; acc[nt][i][1] *= alpha[1];
+          acc[nt][i][2] *= alpha[0]; acc[nt][i][3] *= alpha[1];
+        }
+      }
+    }
+  }
+
+  // ---- Oᵀ += Vᵀ·Pᵀ over a staged V half. V block k holds tokens 4k..4k+3; this lane reads
+  // token 4k + t ----
+  __device__ __forceinline__ void values(const uint8_t* st, uint32_t marks, int page) {
+    const int t = lane_t;
+    uint32_t vw[NB][2][4];   // [block k][half]: channels 64·half + 8g + 2·pair, +1 of token 4k+t
+    const int kind = stage_kind<COMPRESSED, false>(marks, false);   // V: never token rows
+    if (kind == ALL_COMPRESSED) gather_v<ALL_COMPRESSED>(st, marks, vo, vw);
+    else if (kind == ALL_RAW) gather_v<ALL_RAW>(st, marks, vo, vw);
+#ifdef ZF_ESC_KIND
+    else if (kind == COMPRESSED_ESC) gather_v<COMPRESSED_ESC>(st, marks, vo, vw);
+#endif
+    else gather_v<MIXED>(st, marks, vo, vw);
+    int valid = min(PAGE, ctx - page * PAGE);
+    if (PACKED) {   // the tokens some slot attends: a prefix of the page (ranges begin aligned)
+      const int base = page * PAGE;
+      valid = base < shared_end ? min(PAGE, shared_end - base) : 0;
+      for (int r = 0; r < slots; ++r)
+        if (span[2 * r] <= base && base < span[2 * r + 1]) valid = max(valid, min(PAGE, span[2 * r + 1] - base));
+    }
+    if (valid < PAGE) {                              // the request's last, partial page
+#pragma unroll
+      for (int k = 0; k < NB; ++k)
+        if (4 * k + t >= valid)                      // past the end of the context
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            vw[k][half][0] = vw[k][half][1] = vw[k][half][2] = vw[k][half][3] = 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {                    // m-tile i: dims 8g+i and 64+8g+i
+      const int pair = i >> 1;
+      const uint32_t sel = (i & 1) ? 0x7632 : 0x5410;   // odd or even channel of the pair
+      const uint32_t a0 = __byte_perm(vw[0][0][pair], vw[1][0][pair], sel);  // tokens t, t+4
+      const uint32_t a1 = __byte_perm(vw[0][1][pair], vw[1][1][pair], sel);
+      const uint32_t a2 = __byte_perm(vw[2][0][pair], vw[3][0][pair], sel);  // t+8, t+12
+      const uint32_t a3 = __byte_perm(vw[2][1][pair], vw[3][1][pair], sel);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[nt][i], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
+    }
+  }
+};
+
+// ---- combine the four computing warps (all threads of the CTA call this; the stages are
+// free once every warp got here), then write the output or this split's partial result ----
+template <int NT, bool PACKED, int NTHREADS, typename F>
+__device__ __forceinline__ void combine(F& f, bool computes, uint8_t* smem, int warp, int lane,
+                                        long long row0, int G, int s, int num_splits,
+                                        __nv_bfloat16* out, float* part_o, float* part_lse) {
+  const int g = lane >> 2, t = lane & 3;
+  if (computes) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        f.l_run[nt][e] += __shfl_xor_sync(FULL, f.l_run[nt][e], 4);
+        f.l_run[nt][e] += __shfl_xor_sync(FULL, f.l_run[nt][e], 8);
+        f.l_run[nt][e] += __shfl_xor_sync(FULL, f.l_run[nt][e], 16);
+      }
+  }
+  __syncthreads();                                  // all stages are free now
+  constexpr int ROWS = 8 * NT;
+  constexpr int SD = D + 1;                         // padded row: 2-way instead of 8-way stores
+  float* so = reinterpret_cast<float*>(smem);       // [WARPS][ROWS heads][SD]
+  float* sm = so + WARPS * ROWS * SD;               // [WARPS][ROWS]
+  float* sl = sm + WARPS * ROWS;                    // [WARPS][ROWS]
+  if (computes) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int head = 8 * nt + 2 * t + (e & 1);
+          const int dim = (e < 2 ? 0 : 64) + 8 * g + i;
+          so[(warp * ROWS + head) * SD + dim] = f.acc[nt][i][e];
+        }
+      if (g == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          sm[warp * ROWS + 8 * nt + 2 * t + e] = f.m_run[nt][e];
+          sl[warp * ROWS + 8 * nt + 2 * t + e] = f.l_run[nt][e];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += NTHREADS) {
+    const int r = i / D, dim = i % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm[w * ROWS + r]);
+    if (PACKED && M == -INFINITY) M = 0.f;          // no key of this column here: L = O = 0
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float fw = exp2f(sm[w * ROWS + r] - M);   // 0 for a warp that had no pages
+      L += sl[w * ROWS + r] * fw;
+      O += so[(w * ROWS + r) * SD + dim] * fw;
+    }
+    const float o = PACKED && L == 0.f ? 0.f : O / L;
+    if (num_splits == 1) {
+      out[(row0 + r) * D + dim] = __float2bfloat16_rn(o);
+    } else {
+      part_o[((row0 + r) * num_splits + s) * D + dim] = o;
+      if (dim == 0) part_lse[(row0 + r) * num_splits + s] = M + log2f(L);   // -inf where L = 0
+    }
+  }
+}
+
+// A split of a short request that holds no page: its partial result is empty.
+__device__ __forceinline__ void empty_split(long long row0, int G, int s, int num_splits,
+                                            float* part_o, float* part_lse) {
+  if (num_splits > 1) {
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+      part_o[((row0 + i / D) * num_splits + s) * D + i % D] = 0.f;
+    for (int i = threadIdx.x; i < G; i += blockDim.x)
+      part_lse[(row0 + i) * num_splits + s] = -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attention kernel, each warp copying its own pages
+// ---------------------------------------------------------------------------------------------
 template <bool COMPRESSED, int NT, int STAGES, bool TMA, bool PACKED>
 __global__ void __launch_bounds__(THREADS, ctas_per_sm(STAGES))
 attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
@@ -435,72 +687,22 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
                  float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale,
                  int bt_stride, int pages_per_split, int num_splits, int H, int G,
                  const int* __restrict__ spans, int slot_heads) {
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint32_t info_of[WARPS][STAGES][2];     // block marks, page is open (TMA)
   __shared__ uint64_t bars[WARPS][STAGES];            // TMA completion, one per stage
 
   const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int Hq = H * G;
 
   const int ctx = context_lens[b];
   const int n_pages = (ctx + PAGE - 1) / PAGE;
   const int p_begin = s * pages_per_split;
   const int p_end = min(n_pages, p_begin + pages_per_split);
-  const long long row0 = (long long)b * Hq + (long long)h * G;   // first query row of the group
+  const long long row0 = (long long)b * H * G + (long long)h * G;   // first query row of the group
+  if (p_begin >= p_end) return empty_split(row0, G, s, num_splits, part_o, part_lse);
 
-  if (p_begin >= p_end) {           // this split of a short request is empty
-    if (num_splits > 1) {
-      for (int i = threadIdx.x; i < G * D; i += THREADS)
-        part_o[((row0 + i / D) * num_splits + s) * D + i % D] = 0.f;
-      for (int i = threadIdx.x; i < G; i += THREADS)
-        part_lse[(row0 + i) * num_splits + s] = -INFINITY;
-    }
-    return;
-  }
-
-  // PACKED: this request's slot ranges; the slot of each of this lane's columns (heads
-  // 8nt + 2t + e; padding heads take the last slot's: their output is never read)
-  const int slots = PACKED ? G / slot_heads : 1;
-  const int* span = spans + (long long)b * 2 * slots;
-  const int shared_end = PACKED ? span[0] : 0;
-  int span_lo[NT][2], span_hi[NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = PACKED ? min((8 * nt + 2 * t + e) / slot_heads, slots - 1) : 0;
-      span_lo[nt][e] = PACKED ? span[2 * r] : 0;
-      span_hi[nt][e] = PACKED ? span[2 * r + 1] : 0;
-    }
-
-  // Qᵀ as B fragments: qb[nt][kc] = {slots 2t.., slots 2t+8..} of head 8nt + g, chunk kc.
-  uint32_t qb[NT][8][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int head = 8 * nt + g;
-#pragma unroll
-    for (int p = 0; p < NB; ++p) {
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (head < G) v = *reinterpret_cast<const uint4*>(q + (row0 + head) * D + 32 * p + 8 * t);
-      qb[nt][2 * p][0] = v.x;       // chunk 2p:   slots 2t.. = channels +0,+1; 2t+8.. = +2,+3
-      qb[nt][2 * p][1] = v.y;
-      qb[nt][2 * p + 1][0] = v.z;   // chunk 2p+1: channels +4,+5 and +6,+7
-      qb[nt][2 * p + 1][1] = v.w;
-    }
-  }
-
-  // acc[nt][i]: Oᵀ m-tile i; e = 0,1: dim 8g+i, heads 8nt+2t, +1; e = 2,3: dim 64+8g+i.
-  float acc[NT][8][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[nt][i][0] = acc[nt][i][1] = acc[nt][i][2] = acc[nt][i][3] = 0.f;
-  float m_run[NT][2], l_run[NT][2];        // heads 8nt + 2t + e (log2 domain; partial sums)
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) m_run[nt][0] = m_run[nt][1] = -INFINITY, l_run[nt][0] = l_run[nt][1] = 0.f;
-  uint32_t pb[NT][2];                      // Pᵀ of the current page as B fragments
+  Flash<COMPRESSED, NT, TMA, PACKED> f;
+  f.init(q, row0, b, G, spans, slot_heads, qk_scale, ctx, lane);
 
   uint8_t* stages = smem + (size_t)warp * STAGES * STAGE_BYTES;
   if (TMA) {
@@ -559,13 +761,6 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
     if (!TMA) cp_async_commit();
   }
 
-  const int sig = (g >> 1) + 4 * (g & 1);    // σ(g): token of A row g (K) for this lane
-  // this lane's groups: K rows σ(g), σ(g)+8 at channels 8t.. of each block; V token t of each
-  // block at channel groups g and g+8
-  const Lane ko[2] = {lane_offsets<TMA>(4 * sig + t), lane_offsets<TMA>(4 * (sig + 8) + t)};
-  const Lane vo[2] = {lane_offsets<TMA>(16 * t + g), lane_offsets<TMA>(16 * t + 8 + g)};
-  const int krow[2] = {256 * sig + 16 * t, 256 * (sig + 8) + 16 * t};   // open K, TMA layout
-
   int stage = 0;                          // u % STAGES
   for (int u = 0; u < halves; ++u, stage = stage + 1 == STAGES ? 0 : stage + 1) {
     if (u + STAGES - 1 < halves) issue(u + STAGES - 1);
@@ -577,159 +772,131 @@ attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict_
       cp_async_wait<STAGES - 1>();
       __syncwarp();
     }
-
     const uint8_t* st = stages + stage * STAGE_BYTES;
     const uint32_t marks = info_of[warp][stage][0];
-    const bool open_rows = TMA && info_of[warp][stage][1];    // open page in token-row layout
     const int page = p_begin + warp + WARPS * (u >> 1);
-    int valid = min(PAGE, ctx - page * PAGE);           // tokens of this page inside the context
-
-    if ((u & 1) == 0) {
-      // ---- Sᵀ = K·Qᵀ: A rows g, g+8 = tokens σ(g), σ(g)+8 ----
-      float sc[NT][4];
-      const int kind = stage_kind<COMPRESSED, TMA>(marks, open_rows);
-      if (kind == ALL_COMPRESSED) qk_page<ALL_COMPRESSED>(st, marks, ko, krow, qb, sc);
-      else if (kind == ALL_RAW) qk_page<ALL_RAW>(st, marks, ko, krow, qb, sc);
-      else if (kind == OPEN_ROWS) qk_page<OPEN_ROWS>(st, marks, ko, krow, qb, sc);
-#ifdef ZF_ESC_KIND
-      else if (kind == COMPRESSED_ESC) qk_page<COMPRESSED_ESC>(st, marks, ko, krow, qb, sc);
-#endif
-      else qk_page<MIXED>(st, marks, ko, krow, qb, sc);
-      // ---- online softmax over tokens (rows: this lane's two, and g across lanes) ----
-      // sc[nt][e]: token σ(g) (e < 2) or σ(g)+8, head 8nt + 2t + (e & 1).
-      const bool in0 = sig < valid, in1 = sig + 8 < valid;
-      const int x0 = page * PAGE + sig, x1 = x0 + 8;     // PACKED: the two tokens' positions
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float alpha[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          bool ok0 = in0, ok1 = in1;
-          if (PACKED) {
-            ok0 = x0 < shared_end || (span_lo[nt][e] <= x0 && x0 < span_hi[nt][e]);
-            ok1 = x1 < shared_end || (span_lo[nt][e] <= x1 && x1 < span_hi[nt][e]);
-          }
-          float s0 = ok0 ? sc[nt][e] * qk_scale : -INFINITY;
-          float s1 = ok1 ? sc[nt][e + 2] * qk_scale : -INFINITY;
-          float mx = fmaxf(s0, s1);
-          mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
-          mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
-          mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
-          const float m_new = fmaxf(m_run[nt][e], mx);
-          // PACKED: a column with no key yet keeps m = -inf and takes 0 as its reference
-          const float m_ref = PACKED && m_new == -INFINITY ? 0.f : m_new;
-          alpha[e] = exp2f(m_run[nt][e] - m_ref);    // 0 on the first page (m_run = -inf)
-          m_run[nt][e] = m_new;
-          sc[nt][e] = exp2f(s0 - m_ref);
-          sc[nt][e + 2] = exp2f(s1 - m_ref);
-          l_run[nt][e] = l_run[nt][e] * alpha[e] + (sc[nt][e] + sc[nt][e + 2]);
-        }
-        // Pᵀ 8×8 tiles (rows tokens σ(0..7) / σ(0..7)+8, columns heads) -> B fragments
-        pb[nt][0] = transpose8x8(pack_bf16(sc[nt][0], sc[nt][1]));   // k slots 2t, 2t+1
-        pb[nt][1] = transpose8x8(pack_bf16(sc[nt][2], sc[nt][3]));   // k slots 2t+8, 2t+9
-        if (__any_sync(FULL, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            acc[nt][i][0] *= alpha[0]; acc[nt][i][1] *= alpha[1];
-            acc[nt][i][2] *= alpha[0]; acc[nt][i][3] *= alpha[1];
-          }
-        }
-      }
-    } else {
-      // ---- Oᵀ += Vᵀ·Pᵀ. V block k holds tokens 4k..4k+3; this lane reads token 4k + t. ----
-      uint32_t vw[NB][2][4];   // [block k][half]: channels 64·half + 8g + 2·pair, +1 of token 4k+t
-      const int kind = stage_kind<COMPRESSED, false>(marks, false);   // V: never token rows
-      if (kind == ALL_COMPRESSED) gather_v<ALL_COMPRESSED>(st, marks, vo, vw);
-      else if (kind == ALL_RAW) gather_v<ALL_RAW>(st, marks, vo, vw);
-#ifdef ZF_ESC_KIND
-      else if (kind == COMPRESSED_ESC) gather_v<COMPRESSED_ESC>(st, marks, vo, vw);
-#endif
-      else gather_v<MIXED>(st, marks, vo, vw);
-      if (PACKED) {   // the tokens some slot attends: a prefix of the page (ranges begin aligned)
-        const int base = page * PAGE;
-        valid = base < shared_end ? min(PAGE, shared_end - base) : 0;
-        for (int r = 0; r < slots; ++r)
-          if (span[2 * r] <= base && base < span[2 * r + 1]) valid = max(valid, min(PAGE, span[2 * r + 1] - base));
-      }
-      if (valid < PAGE) {                              // the request's last, partial page
-#pragma unroll
-        for (int k = 0; k < NB; ++k)
-          if (4 * k + t >= valid)                      // past the end of the context
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-              vw[k][half][0] = vw[k][half][1] = vw[k][half][2] = vw[k][half][3] = 0u;
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {                    // m-tile i: dims 8g+i and 64+8g+i
-        const int pair = i >> 1;
-        const uint32_t sel = (i & 1) ? 0x7632 : 0x5410;   // odd or even channel of the pair
-        const uint32_t a0 = __byte_perm(vw[0][0][pair], vw[1][0][pair], sel);  // tokens t, t+4
-        const uint32_t a1 = __byte_perm(vw[0][1][pair], vw[1][1][pair], sel);
-        const uint32_t a2 = __byte_perm(vw[2][0][pair], vw[3][0][pair], sel);  // t+8, t+12
-        const uint32_t a3 = __byte_perm(vw[2][1][pair], vw[3][1][pair], sel);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[nt][i], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
-      }
-    }
+    if ((u & 1) == 0) f.keys(st, marks, TMA && info_of[warp][stage][1], page);
+    else f.values(st, marks, page);
     __syncwarp();     // every lane is done with this stage before it is refilled
   }
   if (!TMA) cp_async_wait<0>();
+  combine<NT, PACKED, THREADS>(f, true, smem, warp, lane, row0, G, s, num_splits, out, part_o,
+                               part_lse);
+}
 
-  // ---- combine the four warps ----
+// ---------------------------------------------------------------------------------------------
+// The same attention with a producer warp (warp specialisation; sm_90, bulk copies)
+// ---------------------------------------------------------------------------------------------
+// Warps 0..3 only compute; warp 4 copies. Page i of the split (i = 0, 1, ...) is computed by
+// warp i mod 4, as in attention_kernel (so both kernels sum the same values in the same order:
+// the same bits), and staged whole (K half at 0, V half at 4096) in that warp's ring of DEPTH
+// page slots: slot (i / 4) mod DEPTH. Each slot has two mbarriers: `full` (the producer arms it
+// with the page's byte count; the bulk copies complete it) and `empty` (the computing warp's
+// lane 0 arrives when it is done with the slot). The producer works in rounds of 4·DEPTH pages,
+// one page a lane, so the metadata loads, byte counts and waits of a round run side by side;
+// the computing warps see only a wait and an arrive per page.
+constexpr int PRODUCER_THREADS = THREADS + 32;
+constexpr int SLOT_BYTES = 2 * STAGE_BYTES;
+
+template <bool COMPRESSED, int NT, int DEPTH, bool PACKED>
+__global__ void __launch_bounds__(PRODUCER_THREADS, ctas_per_sm(2 * DEPTH))
+producer_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
+                const long long* __restrict__ page_loc, const int* __restrict__ block_table,
+                const int* __restrict__ context_lens, __nv_bfloat16* __restrict__ out,
+                float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale,
+                int bt_stride, int pages_per_split, int num_splits, int H, int G,
+                const int* __restrict__ spans, int slot_heads) {
+  static_assert(32 % (WARPS * DEPTH) == 0, "a round of pages must divide a metadata batch");
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint32_t info_of[WARPS][DEPTH][4];       // K marks, V marks, page is open
+  __shared__ uint64_t full[WARPS][DEPTH], empty[WARPS][DEPTH];
+
+  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ctx = context_lens[b];
+  const int n_pages = (ctx + PAGE - 1) / PAGE;
+  const int p_begin = s * pages_per_split;
+  const int n = min(n_pages, p_begin + pages_per_split) - p_begin;   // pages of this split
+  const long long row0 = (long long)b * H * G + (long long)h * G;
+  if (n <= 0) return empty_split(row0, G, s, num_splits, part_o, part_lse);
+
+  if (threadIdx.x == 0) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+    for (int w = 0; w < WARPS; ++w)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      l_run[nt][e] += __shfl_xor_sync(FULL, l_run[nt][e], 4);
-      l_run[nt][e] += __shfl_xor_sync(FULL, l_run[nt][e], 8);
-      l_run[nt][e] += __shfl_xor_sync(FULL, l_run[nt][e], 16);
-    }
-  __syncthreads();                                  // all stages are free now
-  constexpr int ROWS = 8 * NT;
-  constexpr int SD = D + 1;                         // padded row: 2-way instead of 8-way stores
-  float* so = reinterpret_cast<float*>(smem);       // [WARPS][ROWS heads][SD]
-  float* sm = so + WARPS * ROWS * SD;               // [WARPS][ROWS]
-  float* sl = sm + WARPS * ROWS;                    // [WARPS][ROWS]
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int head = 8 * nt + 2 * t + (e & 1);
-        const int dim = (e < 2 ? 0 : 64) + 8 * g + i;
-        so[(warp * ROWS + head) * SD + dim] = acc[nt][i][e];
-      }
-    if (g == 0) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        sm[warp * ROWS + 8 * nt + 2 * t + e] = m_run[nt][e];
-        sl[warp * ROWS + 8 * nt + 2 * t + e] = l_run[nt][e];
-      }
-    }
+      for (int d = 0; d < DEPTH; ++d) mbar_init(&full[w][d]), mbar_init(&empty[w][d]);
+    mbar_fence_init();
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += THREADS) {
-    const int r = i / D, dim = i % D;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm[w * ROWS + r]);
-    if (PACKED && M == -INFINITY) M = 0.f;          // no key of this column here: L = O = 0
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float f = exp2f(sm[w * ROWS + r] - M);    // 0 for a warp that had no pages
-      L += sl[w * ROWS + r] * f;
-      O += so[(w * ROWS + r) * SD + dim] * f;
+
+  Flash<COMPRESSED, NT, true, PACKED> f;
+  if (warp == WARPS) {
+    // ---- the producer: round r0 = pages r0 .. r0 + R - 1, lane l < R takes page r0 + l ----
+    constexpr int R = WARPS * DEPTH;
+    const int* bt = block_table + (long long)b * bt_stride + p_begin;
+    long long loc_cur = 0, loc_nxt = 0;       // lane j: page 32·batch + j (cur), next batch (nxt)
+    uint4 rec_cur = make_uint4(0, 0, 0, 0), rec_nxt = make_uint4(0, 0, 0, 0);
+    auto load_meta = [&](int batch, long long& loc, uint4& rec) {
+      const int j = 32 * batch + lane;
+      if (j < n) {
+        loc = page_loc[bt[j]];
+        if (COMPRESSED && !(loc & 1)) rec = *reinterpret_cast<const uint4*>(arena + loc + 2 * RECORD * h);
+      }
+    };
+    load_meta(0, loc_cur, rec_cur);
+    load_meta(1, loc_nxt, rec_nxt);
+    for (int r0 = 0; r0 < n; r0 += R) {
+      if (r0 > 0 && (r0 & 31) == 0) {
+        loc_cur = loc_nxt; rec_cur = rec_nxt;
+        load_meta((r0 >> 5) + 1, loc_nxt, rec_nxt);
+      }
+      const int i = r0 + (lane & (R - 1));
+      const int src = i & 31;
+      const long long loc = __shfl_sync(FULL, loc_cur, src);
+      const uint4 rec = make_uint4(__shfl_sync(FULL, rec_cur.x, src), __shfl_sync(FULL, rec_cur.y, src),
+                                   __shfl_sync(FULL, rec_cur.z, src), __shfl_sync(FULL, rec_cur.w, src));
+      if (lane < R && i < n) {
+        const int c = i & (WARPS - 1), k = i / WARPS, d = k % DEPTH, use = k / DEPTH;
+        if (use > 0) mbar_wait(&empty[c][d], (use - 1) & 1);      // its last page is done
+        uint8_t* slot = smem + (size_t)(c * DEPTH + d) * SLOT_BYTES;
+        uint32_t* info = info_of[c][d];
+        if (COMPRESSED && !(loc & 1)) {
+          // 768 a block, + 256 for each raw one (0xFF), + 16 for each with escapes (0x80..0xFE)
+          const uint32_t kb = 3072 + 240 * (__popc(__vcmpeq4(rec.y, 0xFFFFFFFFu)) >> 3)
+                              + 16 * __popc(rec.y & 0x80808080u);
+          const uint32_t vb = 3072 + 240 * (__popc(__vcmpeq4(rec.w, 0xFFFFFFFFu)) >> 3)
+                              + 16 * __popc(rec.w & 0x80808080u);
+          info[0] = rec.y; info[1] = rec.w; info[2] = 0;
+          mbar_expect_tx(&full[c][d], kb + vb);
+          bulk_copy(slot, arena + loc + rec.x, kb, &full[c][d]);
+          bulk_copy(slot + STAGE_BYTES, arena + loc + rec.z, vb, &full[c][d]);
+        } else {
+          // open page [2, 16, H, D]: 16 K rows (token-row layout), then 16 V rows (raw V layout)
+          info[0] = info[1] = 0xFFFFFFFFu; info[2] = 1;
+          mbar_expect_tx(&full[c][d], SLOT_BYTES);
+          const uint8_t* base = arena + (loc & ~1LL) + (long long)h * D * 2;
+          for (int row = 0; row < 2 * PAGE; ++row)
+            bulk_copy(slot + 256 * row, base + (long long)row * H * D * 2, 256, &full[c][d]);
+        }
+      }
     }
-    const float o = PACKED && L == 0.f ? 0.f : O / L;
-    if (num_splits == 1) {
-      out[(row0 + r) * D + dim] = __float2bfloat16_rn(o);
-    } else {
-      part_o[((row0 + r) * num_splits + s) * D + dim] = o;
-      if (dim == 0) part_lse[(row0 + r) * num_splits + s] = M + log2f(L);   // -inf where L = 0
+  } else {
+    // ---- the computing warps: page warp + 4k, in slot k mod DEPTH ----
+    f.init(q, row0, b, G, spans, slot_heads, qk_scale, ctx, lane);
+    const int my_pages = (n - warp + WARPS - 1) / WARPS;
+    for (int k = 0; k < my_pages; ++k) {
+      const int d = k % DEPTH;
+      mbar_wait(&full[warp][d], (k / DEPTH) & 1);
+      const uint8_t* slot = smem + (size_t)(warp * DEPTH + d) * SLOT_BYTES;
+      const int page = p_begin + warp + WARPS * k;
+      f.keys(slot, info_of[warp][d][0], info_of[warp][d][2], page);
+      f.values(slot + STAGE_BYTES, info_of[warp][d][1], page);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[warp][d]);
     }
   }
+  combine<NT, PACKED, PRODUCER_THREADS>(f, warp < WARPS, smem, warp, lane, row0, G, s,
+                                        num_splits, out, part_o, part_lse);
 }
 
 // out[row] = Σ_s 2^(lse_s − M)·o_s / Σ_s 2^(lse_s − M) for one (request, query head) per CTA,
@@ -766,83 +933,85 @@ __global__ void merge_kernel(const float* __restrict__ part_o, const float* __re
   out[row * D + dim] = __float2bfloat16_rn(O / L);
 }
 
-template <bool COMPRESSED, int NT, int STAGES, bool TMA, bool PACKED>
-cudaError_t launch(const void* q, const void* arena, const void* page_loc,
-                   const void* block_table, const void* context_lens, void* out, void* part_o,
-                   void* part_lse, float qk_scale, int bt_stride, int pages_per_split,
-                   int num_splits, int B, int H, int G, const void* spans, int slot_heads,
-                   cudaStream_t stream) {
-  auto kernel = attention_kernel<COMPRESSED, NT, STAGES, TMA, PACKED>;
-  constexpr int stage_smem = WARPS * STAGES * STAGE_BYTES;
-  constexpr int combine_smem = WARPS * 8 * NT * (D + 3) * 4;
-  constexpr int smem = stage_smem > combine_smem ? stage_smem : combine_smem;
+// The arguments every launch passes on.
+struct Args {
+  const void *q, *arena, *page_loc, *block_table, *context_lens;
+  void *out, *part_o, *part_lse;
+  float qk_scale;
+  int bt_stride, pages_per_split, num_splits, B, H, G;
+  const void* spans;
+  int slot_heads;
+  cudaStream_t stream;
+};
+
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, int threads, int stage_smem, int NT, const Args& a) {
+  const int combine_smem = WARPS * 8 * NT * (D + 3) * 4;
+  const int smem = stage_smem > combine_smem ? stage_smem : combine_smem;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  dim3 grid(num_splits, H, B);
-  kernel<<<grid, THREADS, smem, stream>>>(
-      static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(arena),
-      static_cast<const long long*>(page_loc), static_cast<const int*>(block_table),
-      static_cast<const int*>(context_lens), static_cast<__nv_bfloat16*>(out),
-      static_cast<float*>(part_o), static_cast<float*>(part_lse), qk_scale, bt_stride,
-      pages_per_split, num_splits, H, G, static_cast<const int*>(spans), slot_heads);
+  dim3 grid(a.num_splits, a.H, a.B);
+  kernel<<<grid, threads, smem, a.stream>>>(
+      static_cast<const __nv_bfloat16*>(a.q), static_cast<const uint8_t*>(a.arena),
+      static_cast<const long long*>(a.page_loc), static_cast<const int*>(a.block_table),
+      static_cast<const int*>(a.context_lens), static_cast<__nv_bfloat16*>(a.out),
+      static_cast<float*>(a.part_o), static_cast<float*>(a.part_lse), a.qk_scale, a.bt_stride,
+      a.pages_per_split, a.num_splits, a.H, a.G, static_cast<const int*>(a.spans), a.slot_heads);
   e = cudaGetLastError();
-  if (e != cudaSuccess || num_splits == 1) return e;
-  merge_kernel<<<B * H * G, D, 0, stream>>>(static_cast<const float*>(part_o),
-                                            static_cast<const float*>(part_lse),
-                                            static_cast<__nv_bfloat16*>(out),
-                                            static_cast<const int*>(context_lens),
-                                            pages_per_split, num_splits, H * G);
+  if (e != cudaSuccess || a.num_splits == 1) return e;
+  merge_kernel<<<a.B * a.H * a.G, D, 0, a.stream>>>(
+      static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_lse),
+      static_cast<__nv_bfloat16*>(a.out), static_cast<const int*>(a.context_lens),
+      a.pages_per_split, a.num_splits, a.H * a.G);
   return cudaGetLastError();
 }
 
-template <bool COMPRESSED, int NT, bool TMA>
-cudaError_t launch_stages(int stages, const void* q, const void* arena, const void* page_loc,
-                          const void* block_table, const void* context_lens, void* out,
-                          void* part_o, void* part_lse, float qk_scale, int bt_stride,
-                          int pages_per_split, int num_splits, int B, int H, int G,
-                          const void* spans, int slot_heads, cudaStream_t st) {
-#define ZF_LAUNCH(S, P)                                                                       \
-  return launch<COMPRESSED, NT, S, TMA, P>(q, arena, page_loc, block_table, context_lens, out,   \
-                                   part_o, part_lse, qk_scale, bt_stride, pages_per_split,      \
-                                   num_splits, B, H, G, spans, slot_heads, st)
-  if (spans) {                     // packed requests: the default depth only
-    if (stages == 3) ZF_LAUNCH(3, true);
-    ZF_LAUNCH(4, true);
+// copy: 0 = each warp with cp.async, 1 = each warp with bulk copies, 2 = a producer warp with
+// bulk copies (depth = stages / 2 pages a computing warp; 4 stages only).
+template <bool COMPRESSED, int NT>
+cudaError_t launch_variant(int copy, int stages, const Args& a) {
+#define ZF_WARPS(S, T, P) \
+  return launch(attention_kernel<COMPRESSED, NT, S, T, P>, THREADS, WARPS * S * STAGE_BYTES, NT, a)
+#define ZF_PRODUCER(P) \
+  return launch(producer_kernel<COMPRESSED, NT, 2, P>, PRODUCER_THREADS, WARPS * 2 * SLOT_BYTES, NT, a)
+  const bool packed = a.spans != nullptr;
+  if (copy == 2) {
+    if (packed) ZF_PRODUCER(true);
+    ZF_PRODUCER(false);
   }
-  switch (stages) {
-    case 3: ZF_LAUNCH(3, false);
-    case 6: ZF_LAUNCH(6, false);
-    default: ZF_LAUNCH(4, false);
+  if (copy == 1) {
+    if (packed) { if (stages == 3) ZF_WARPS(3, true, true); ZF_WARPS(4, true, true); }
+    switch (stages) { case 3: ZF_WARPS(3, true, false); case 6: ZF_WARPS(6, true, false);
+                      default: ZF_WARPS(4, true, false); }
   }
-#undef ZF_LAUNCH
+  if (packed) { if (stages == 3) ZF_WARPS(3, false, true); ZF_WARPS(4, false, true); }
+  switch (stages) { case 3: ZF_WARPS(3, false, false); case 6: ZF_WARPS(6, false, false);
+                    default: ZF_WARPS(4, false, false); }
+#undef ZF_WARPS
+#undef ZF_PRODUCER
 }
 
 }  // namespace
 
 // C entry point for ctypes (zipfusion/kernels/cuda_attention.py). Returns a cudaError_t.
-// stages: copy depth in half pages (3, 4 or 6; others -> 4; packed: 3 or 4); tma: bulk copies
-// (sm_90) instead of cp.async. spans: null, or the packed requests' slot ranges (int32 [B, G /
-// slot_heads, 2], see attention_kernel).
-extern "C" int zf_decode_attention(int compressed, int stages, int tma, const void* q,
+// stages: copy depth in half pages (3, 4 or 6; others -> 4; packed: 3 or 4; producer: 4);
+// copy: 0 = cp.async, 1 = bulk copies (sm_90), 2 = bulk copies by a producer warp (sm_90).
+// spans: null, or the packed requests' slot ranges (int32 [B, G / slot_heads, 2], see Flash).
+extern "C" int zf_decode_attention(int compressed, int stages, int copy, const void* q,
                                    const void* arena, const void* page_loc,
                                    const void* block_table, const void* context_lens, void* out,
                                    void* part_o, void* part_lse, float qk_scale, int bt_stride,
                                    int pages_per_split, int num_splits, int B, int H, int G,
                                    const void* spans, int slot_heads, void* stream) {
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (G < 1 || G > 16) return (int)cudaErrorInvalidValue;
+  if (G < 1 || G > 16 || copy < 0 || copy > 2) return (int)cudaErrorInvalidValue;
   if (spans && (slot_heads < 1 || G % slot_heads != 0)) return (int)cudaErrorInvalidValue;
-#define ZF_ARGS                                                                             \
-  stages, q, arena, page_loc, block_table, context_lens, out, part_o, part_lse, qk_scale,   \
-      bt_stride, pages_per_split, num_splits, B, H, G, spans, slot_heads, st
-#define ZF_PICK(C, T) \
-  return (int)(G <= 8 ? launch_stages<C, 1, T>(ZF_ARGS) : launch_stages<C, 2, T>(ZF_ARGS))
-  if (compressed && tma) ZF_PICK(true, true);
-  if (compressed) ZF_PICK(true, false);
-  if (tma) ZF_PICK(false, true);
-  ZF_PICK(false, false);
-#undef ZF_PICK
-#undef ZF_ARGS
+  const Args a{q, arena, page_loc, block_table, context_lens, out, part_o, part_lse, qk_scale,
+               bt_stride, pages_per_split, num_splits, B, H, G, spans, slot_heads,
+               static_cast<cudaStream_t>(stream)};
+  if (compressed) return (int)(G <= 8 ? launch_variant<true, 1>(copy, stages, a)
+                                      : launch_variant<true, 2>(copy, stages, a));
+  return (int)(G <= 8 ? launch_variant<false, 1>(copy, stages, a)
+                      : launch_variant<false, 2>(copy, stages, a));
 }
 
 extern "C" const char* zf_error_string(int err) {
