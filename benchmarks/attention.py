@@ -265,6 +265,8 @@ def main():
     ap.add_argument("--producer", type=int, choices=[0, 1], default=None,
                     help="1: the producer-warp kernel (fused and twin), 0: per-warp copies")
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernels")
+    ap.add_argument("--fractions", default=None,
+                    help="compressible fractions of --quick / --tune (default 1,0.92,0.8,0.5,0)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="2048,8192,32768")
     args = ap.parse_args()
@@ -296,6 +298,8 @@ def main():
         print(f"flashinfer {fi.version} import {time.time() - t0:.1f}s")
 
     fractions = [1.0, REAL_MODEL_FRACTION, 0.8, 0.5, 0.0]
+    if args.fractions:
+        fractions = [float(x) for x in args.fractions.split(",")]
     pools = {f: Pool(f, seed=int(f * 100) + 1) for f in fractions}
     records = []
     if args.tune or args.auto:

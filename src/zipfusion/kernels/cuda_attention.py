@@ -40,9 +40,14 @@ PRODUCER_STAGES = 4     # the producer kernel's depth: 2 pages (4 half pages) a 
 
 
 def default_producer(compressed: bool, hopper: bool) -> bool:
-    """Whether the producer-warp kernel runs by default: ``ZIPFUSION_CUDA_PRODUCER=1`` turns it
-    on (not yet measured against the per-warp copies on a GPU, hence off by default)."""
-    return hopper and os.environ.get("ZIPFUSION_CUDA_PRODUCER") == "1"
+    """Whether the producer-warp kernel runs by default: for compressed pages on Hopper, where
+    it was measured faster (benchmarks/attention.py --tune, H100, batch 32 x 8K: 1-2 % at every
+    fraction); the twin keeps its per-warp copies (its open pages cost the producer 32 row
+    copies each: 0.81x the per-warp twin). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides."""
+    env = os.environ.get("ZIPFUSION_CUDA_PRODUCER")
+    if env in ("0", "1"):
+        return hopper and env == "1"
+    return hopper and compressed
 
 
 class CudaKernelUnavailable(RuntimeError):

@@ -216,7 +216,9 @@ __device__ __forceinline__ Lane lane_offsets(int q) {
 //   hi4567 = ((w << 1) & 0x80808080 | (w >> 3) & 0x07070707) + (b/2)·0x01010101
 // Format v2: in a block with escapes (metadata byte 0x80 | b/2) each of its 4 escape records
 // r = v | x << 9 (u16, at byte 768 + 2i; zero records are no-ops) XORs x into the high byte of
-// value v: byte v mod 4 of hi0123 (v mod 8 < 4) or hi4567 of the group q = v >> 3.
+// value v: byte v mod 4 of hi0123 (v mod 8 < 4) or hi4567 of the group q = v >> 3. Records
+// hold the escapes first, then zeros: the scan stops at the first zero (most such blocks have
+// one escape), the same branch for the whole warp.
 // Then prmt interleaves low and high bytes into bf16 pairs (values 2k, 2k+1).
 // A raw group is the same four words, read as they are. The twin of format/triton_restore.py.
 
@@ -231,6 +233,7 @@ __device__ __forceinline__ void patch_escapes(const uint8_t* blk, int q, uint32_
   const uint32_t rec[4] = {e.x & 0xFFFFu, e.x >> 16, e.y & 0xFFFFu, e.y >> 16};
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
+    if (rec[r] == 0) break;     // the records after the last one are zero (uniform: one block)
     const uint32_t v = rec[r] & 0x1FFu;
     const uint32_t p = (int)(v >> 3) == q ? (rec[r] >> 9) << (8 * (v & 3)) : 0u;
     hi0 ^= (v & 4) ? 0u : p;
