@@ -1,12 +1,40 @@
 #!/usr/bin/env bash
-# Issue 23, the producer-warp decode kernel: its GPU tests, the kernel benchmark at the default
-# config (fused = producer kernel on Hopper), then the same with the COMPRESSED_ESC page kind
-# built in (ZIPFUSION_CUDA_ESC_KIND=1): its tests and a tune at 100 % and the real statistics.
-# Output under $OUT/{default,esc}. Send .carry along.
+# Issue 23, the producer-warp decode kernel, in parts that fit a device call (send .carry):
+#   bash scripts/gpu/producer.sh kernel   # its GPU tests, benchmarks/attention.py --quick at the
+#                                         # default config, then the COMPRESSED_ESC kind built in
+#                                         # (ZIPFUSION_CUDA_ESC_KIND=1): tests, --tune at 1.0 / 0.92
+#   bash scripts/gpu/producer.sh whole    # packed-request kernel tests; whole runs through
+#                                         # LLM.generate (benchmarks/workloads.py): long_generation
+#                                         # x0.25 compressed / uncompressed, and compressed with
+#                                         # the per-warp kernel (ZIPFUSION_CUDA_PRODUCER=0)
+# Output under $OUT/<part>.
 set -u
 OUT=${OUT:-/tmp/producer}
-TESTS="producer or pipeline or escape_patterns_gpu or packed_requests_cuda or small_cases_cuda"
-OUT=$OUT/default TESTS_K="$TESTS" TESTS_TIMEOUT=180 BENCH_TIMEOUT=150 \
-  bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|error|Error|^\| (fused|twin|flashinfer|unfused)" | head -40
-OUT=$OUT/esc ZIPFUSION_CUDA_ESC_KIND=1 TESTS_K="producer or escape or pipeline" TESTS_TIMEOUT=150 BENCH_TIMEOUT=120 \
-  bash scripts/gpu/gpu_attention.sh --tune --fractions 1.0,0.92 2>&1 | grep -E "passed|failed|error|Error| fused " | head -30
+for part in "$@"; do
+case $part in
+kernel)
+  TESTS="producer or pipeline or escape_patterns_gpu or packed_requests_cuda or small_cases_cuda"
+  OUT=$OUT/default TESTS_K="$TESTS" TESTS_TIMEOUT=180 BENCH_TIMEOUT=150 \
+    bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|error|Error|^\| (fused|twin|flashinfer|unfused)" | head -40
+  OUT=$OUT/esc ZIPFUSION_CUDA_ESC_KIND=1 TESTS_K="producer or escape or pipeline" TESTS_TIMEOUT=150 BENCH_TIMEOUT=120 \
+    bash scripts/gpu/gpu_attention.sh --tune --fractions 1.0,0.92 2>&1 | grep -E "passed|failed|error|Error| fused " | head -30
+  ;;
+whole)
+  mkdir -p "$OUT/whole"
+  (export PYTHONPATH=src ZIPFUSION_CACHE=/tmp/zfcache
+   timeout 120 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py \
+     -k "packed_requests_cuda or producer" > "$OUT/whole/tests.log" 2>&1; echo "kernel tests rc $?"; tail -1 "$OUT/whole/tests.log")
+  OUT=$OUT/whole/default bash scripts/gpu/workloads_gpu.sh --scenarios long_generation --scale 0.25 \
+    --modes compressed,uncompressed --timeout 200 2>&1 | grep -E "done in|total [0-9]+s|Error" | cut -c1-220
+  OUT=$OUT/whole/per_warp ZIPFUSION_CUDA_PRODUCER=0 bash scripts/gpu/workloads_gpu.sh --scenarios long_generation \
+    --scale 0.25 --modes compressed --timeout 200 2>&1 | grep -E "done in|total [0-9]+s|Error" | cut -c1-220
+  for f in "$OUT"/whole/*/workloads.json; do
+    python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['records']:
+    print(sys.argv[1].split('/')[-2], r['scenario'], r['mode'], 'total %.0f tok/s' % r['total_tok_s'], 'wall %.1f s' % r['wall_s'],
+          'peak batch', r.get('peak_batch'), 'decode@peak %.0f' % (r.get('decode_tok_s_at_peak_batch') or 0), str(r.get('outputs_sha256'))[:12])" "$f"
+  done
+  ;;
+esac
+done

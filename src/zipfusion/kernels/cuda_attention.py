@@ -209,8 +209,9 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     hopper = int(arch) >= 90
     if tma is None:      # measured best: bulk copies for compressed pages, cp.async for open ones
         tma = compressed and hopper
-    if producer is None:
-        producer = default_producer(compressed, hopper)
+    if producer is None:     # asking for a per-warp depth or cp.async asks for that kernel
+        producer = (default_producer(compressed, hopper) and tma is not False
+                    and stages in (None, PRODUCER_STAGES))
     if producer and stages not in (None, PRODUCER_STAGES):
         raise ValueError(f"stages={stages} with producer=True: the producer kernel keeps "
                          f"{PRODUCER_STAGES} half pages a warp in flight; leave stages unset")
