@@ -7,6 +7,11 @@
 #                                         # LLM.generate (benchmarks/workloads.py): long_generation
 #                                         # x0.25 compressed / uncompressed, and compressed with
 #                                         # the per-warp kernel (ZIPFUSION_CUDA_PRODUCER=0)
+#   bash scripts/gpu/producer.sh burst    # the burst scenario (72 x 8K + 256, 52 GiB): compressed
+#                                         # with the producer kernel and with the per-warp one,
+#                                         # uncompressed (~5 min on an H100)
+# (long_generation x0.25 takes > 200 s a mode: its 16 requests run in two waves, the second a
+# long tail of 8,192 steps)
 # Output under $OUT/<part>.
 set -u
 OUT=${OUT:-/tmp/producer}
@@ -35,6 +40,13 @@ for r in json.load(open(sys.argv[1]))['records']:
     print(sys.argv[1].split('/')[-2], r['scenario'], r['mode'], 'total %.0f tok/s' % r['total_tok_s'], 'wall %.1f s' % r['wall_s'],
           'peak batch', r.get('peak_batch'), 'decode@peak %.0f' % (r.get('decode_tok_s_at_peak_batch') or 0), str(r.get('outputs_sha256'))[:12])" "$f"
   done
+  ;;
+burst)
+  mkdir -p "$OUT/burst"
+  OUT=$OUT/burst/default bash scripts/gpu/workloads_gpu.sh --scenarios burst --modes compressed,uncompressed \
+    --timeout 130 2>&1 | grep -E "done in|FAILED|Error" | cut -c1-220
+  OUT=$OUT/burst/per_warp ZIPFUSION_CUDA_PRODUCER=0 bash scripts/gpu/workloads_gpu.sh --scenarios burst \
+    --modes compressed --timeout 130 2>&1 | grep -E "done in|FAILED|Error" | cut -c1-220
   ;;
 esac
 done
