@@ -255,6 +255,8 @@ def main():
     mode.add_argument("--quick", action="store_true")
     mode.add_argument("--tune", action="store_true")
     mode.add_argument("--full", action="store_true")
+    mode.add_argument("--plot-tune", metavar="JSON",
+                      help="draw an attention_tune.json (from --tune) beside it as a PNG")
     mode.add_argument("--auto", action="store_true",
                       help="tune at batch 32 / 8K, pick the fastest fused config, then --full")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -270,6 +272,10 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="2048,8192,32768")
     args = ap.parse_args()
+    if args.plot_tune:
+        with open(args.plot_tune) as fh:
+            plot_tune(json.load(fh), os.path.splitext(args.plot_tune)[0] + ".png")
+        return
     cfg = dict(stages=args.stages, num_splits=args.num_splits)
     if args.tma is not None:
         cfg["tma"] = bool(args.tma)
@@ -322,6 +328,7 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "attention_tune.json"), "w") as fh:
             json.dump(tune_recs, fh, indent=1)
+        plot_tune(tune_recs, os.path.join(args.out, "attention_tune.png"))
     if args.full or args.auto:
         cases = [(f, B, c) for f in (1.0, REAL_MODEL_FRACTION, 0.8, 0.5) for B in batches for c in contexts]
         cases += [(0.0, 32, c) for c in contexts]
@@ -441,6 +448,33 @@ def write_md(records, info, path):
             f"{fu.get('bit_identical_to_twin')} |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
+
+
+def plot_tune(records, path):
+    """--tune: each variant's speedup over FlashInfer at each fraction, fused and twin."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fracs = sorted({r["compressible_fraction_nominal"] for r in records}, reverse=True)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8), sharey=True)
+    for ax, name in zip(axes, ("fused", "twin")):
+        variants = list(dict.fromkeys(r["variant"] for r in records if r["kernel"] == name))
+        w = 0.8 / max(1, len(variants))
+        for j, v in enumerate(variants):
+            ys = [next((r.get("speedup_vs_flashinfer", 0) for r in records if r["kernel"] == name
+                        and r.get("variant") == v and r["compressible_fraction_nominal"] == f), 0)
+                  for f in fracs]
+            label = ", ".join(f"{k}={x}" for k, x in json.loads(v).items())
+            ax.bar([i + (j - (len(variants) - 1) / 2) * w for i in range(len(fracs))], ys, width=w,
+                   label=label)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(fracs)))
+        ax.set_xticklabels([("real model" if f == REAL_MODEL_FRACTION else f"{f:.0%}") for f in fracs])
+        ax.set_title(f"{name}: batch 32 x 8K, x FlashInfer (higher is faster)")
+        ax.set_ylim(0.6, None)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def plot(records, path):
