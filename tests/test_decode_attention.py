@@ -512,6 +512,32 @@ def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, tmp_path)
     assert len(calls) == 1
 
 
+def test_cuda_copy_choice(monkeypatch):
+    """Which CUDA kernel variant a call gets: the producer warp for compressed pages on Hopper,
+    per-warp copies for the twin and wherever a per-warp knob is asked for, the environment
+    overriding the default; contradictions are clear errors."""
+    from zipfusion.kernels.cuda_attention import CudaKernelUnavailable, choose_copy
+    monkeypatch.delenv("ZIPFUSION_CUDA_PRODUCER", raising=False)
+    assert choose_copy(True, True, 4, None, None, None) == (4, 2)          # fused: producer
+    assert choose_copy(False, True, 4, None, None, None) == (3, 0)         # twin: cp.async
+    assert choose_copy(True, False, 4, None, None, None) == (4, 0)         # sm_80: cp.async
+    assert choose_copy(True, True, 4, 3, None, None) == (3, 1)             # a per-warp depth
+    assert choose_copy(True, True, 4, None, False, None) == (4, 0)         # cp.async asked for
+    assert choose_copy(True, True, 4, 4, True, False) == (4, 1)
+    assert choose_copy(False, True, 4, None, None, True) == (4, 2)         # the producer twin
+    monkeypatch.setenv("ZIPFUSION_CUDA_PRODUCER", "0")
+    assert choose_copy(True, True, 4, None, None, None) == (4, 1)
+    monkeypatch.setenv("ZIPFUSION_CUDA_PRODUCER", "1")
+    assert choose_copy(False, True, 4, None, None, None) == (4, 2)
+    assert choose_copy(True, False, 4, None, None, None) == (4, 0)         # no Hopper, no producer
+    with pytest.raises(ValueError, match="stages=3 with producer=True"):
+        choose_copy(True, True, 4, 3, None, True)
+    with pytest.raises(ValueError, match="producer=True with tma=False"):
+        choose_copy(True, True, 4, None, False, True)
+    with pytest.raises(CudaKernelUnavailable, match="sm_90"):
+        choose_copy(True, False, 4, None, None, True)
+
+
 def test_cuda_split_heuristic_packs_whole_waves(monkeypatch):
     """The split-KV wave model (H200: 132 SMs): the measured best at batch 32 x 8K (3 splits
     for the fused kernel's 396 slots), >= 16 pages a split, and no splits where one wave of

@@ -54,6 +54,30 @@ class CudaKernelUnavailable(RuntimeError):
     """The CUDA C++ kernel cannot run here (no nvcc, old GPU, unsupported shape)."""
 
 
+def choose_copy(compressed: bool, hopper: bool, group: int, stages: int | None,
+                tma: bool | None, producer: bool | None) -> tuple[int, int]:
+    """(stages, copy) for the kernel library: copy 0 = each warp with cp.async, 1 = each warp
+    with bulk copies, 2 = a producer warp with bulk copies. Unset knobs take the measured
+    defaults; asking for a per-warp depth (stages != 4) or for cp.async (tma=False) asks for the
+    per-warp kernel, and contradicting the producer kernel's fixed depth is an error."""
+    if producer is None:
+        producer = (default_producer(compressed, hopper) and tma is not False
+                    and stages in (None, PRODUCER_STAGES))
+    if producer and stages not in (None, PRODUCER_STAGES):
+        raise ValueError(f"stages={stages} with producer=True: the producer kernel keeps "
+                         f"{PRODUCER_STAGES} half pages a warp in flight; leave stages unset")
+    if producer and tma is False:
+        raise ValueError("producer=True with tma=False: the producer warp stages pages with bulk "
+                         "copies (TMA); leave tma unset")
+    if tma is None:      # measured best: bulk copies for compressed pages, cp.async for open ones
+        tma = compressed and hopper
+    if (tma or producer) and not hopper:
+        raise CudaKernelUnavailable("tma=True / producer=True need an sm_90+ GPU (Hopper)")
+    if producer:
+        return PRODUCER_STAGES, 2
+    return int(stages or default_stages(compressed, group)), int(bool(tma))
+
+
 def _nvcc() -> str:
     for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
                  os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
@@ -207,19 +231,8 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
     arch = _arch(q.device)
     lib = _library(arch)
     hopper = int(arch) >= 90
-    if tma is None:      # measured best: bulk copies for compressed pages, cp.async for open ones
-        tma = compressed and hopper
-    if producer is None:     # asking for a per-warp depth or cp.async asks for that kernel
-        producer = (default_producer(compressed, hopper) and tma is not False
-                    and stages in (None, PRODUCER_STAGES))
-    if producer and stages not in (None, PRODUCER_STAGES):
-        raise ValueError(f"stages={stages} with producer=True: the producer kernel keeps "
-                         f"{PRODUCER_STAGES} half pages a warp in flight; leave stages unset")
-    if (tma or producer) and not hopper:
-        raise CudaKernelUnavailable("tma=True / producer=True need an sm_90+ GPU (Hopper)")
+    stages, copy = choose_copy(compressed, hopper, G, stages, tma, producer)
     max_pages = block_table.shape[1]
-    stages = PRODUCER_STAGES if producer else int(stages or default_stages(compressed, G))
-    copy = 2 if producer else int(bool(tma))
     plan = plan_splits(out, max_pages, num_splits, split_pages,
                        lambda: default_num_splits(B, num_kv_heads, max_pages, q.device))
     stream = torch.cuda.current_stream(q.device).cuda_stream

@@ -11,7 +11,11 @@
 // Work split. A CTA of 4 warps takes (split s, KV head h, request b); its warps take the
 // split's pages round-robin (warp w: pages w, w+4, ...) and run flash decoding independently;
 // at the end the four warp states are combined in shared memory, and the splits of a request
-// are combined by `merge_kernel` (out = Σ 2^(lse_s − M) o_s / Σ 2^(lse_s − M)).
+// are combined by `merge_kernel` (out = Σ 2^(lse_s − M) o_s / Σ 2^(lse_s − M)). Two kernels
+// share that plan and every per-page step (`Flash`): `attention_kernel`, where each warp also
+// copies its own pages, and `producer_kernel` (Hopper, the default for compressed pages), where a
+// fifth warp issues every copy and the four others only compute. Same pages per warp, same
+// arithmetic, same combine: the same bits.
 //
 // Per warp, per page (16 tokens), with c = sm_scale·log2(e) and m16n8k16 bf16 MMAs whose M
 // dimension is the page's 16 tokens (then the head dims), N the query heads (8 per n-tile):
