@@ -635,11 +635,21 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
         assert float((got[b].double() - plain[b].double()).abs().max()) < 2e-2, f"row {b} vs plain {tag}"
     assert same_bits(got, outs["open"]), f"compressed and open pages give different bits {tag}"
     assert same_bits(got, outs["twin"]), f"fused kernel and its twin give different bits {tag}"
-    # the same plan in a CUDA graph's buffers: more requests (padding, no keys), wider tables
+    # the same plan in a CUDA graph's buffers: more requests (padding, no keys), wider tables,
+    # filled after a larger step's plan (its rows, lengths and spans must not leak)
     V, R = plan.rows.shape
-    bufs = packing.PackedPlan.empty(V + 3, R, 2 * plan.block_table.shape[1] + 5, got.shape[0],
-                                    device=c["q"].device)
-    bufs.fill(plan)
+    B, W = got.shape[0], 2 * plan.block_table.shape[1] + 5
+    bufs = packing.PackedPlan.empty(V + 3, R, W, B, device=c["q"].device)
+    gen = torch.Generator().manual_seed(seed)
+    larger = packing.PackedPlan(torch.randint(0, B, (V + 3, R), generator=gen),
+                                torch.randint(0, 1 << 20, (V + 3, W), generator=gen, dtype=torch.int32),
+                                torch.full((V + 3,), 16 * W, dtype=torch.int32),
+                                torch.randint(0, 16 * W, (V + 3, R, 2), generator=gen, dtype=torch.int32),
+                                torch.randint(0, (V + 3) * R, (B,), generator=gen))
+    bufs.fill(larger)
+    bufs.fill(plan.to("cpu"))
+    assert bufs.context_lens[V:].eq(0).all() and bufs.rows[V:].eq(0).all() and bufs.spans[V:].eq(0).all(), \
+        f"a larger plan leaked {tag}"
     padded = bufs.run(_Backend(c, decode_attention, c["arena_c"], c["loc_c"], **kw), 0, c["q"])
     if c["q"].device.type == "cpu" or kw.get("num_splits") == 1:     # the same splits: the same bits
         assert same_bits(padded, got), f"padded packed plan {tag}"

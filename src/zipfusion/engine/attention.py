@@ -71,7 +71,7 @@ from ..format import PAGE_TOKENS
 from ..format.layout import open_loc
 from ..memory.copy import to_device
 from ..models.llama import KVCacheStep
-from .packing import PACK_HEADS, PackedPlan, plan_packed
+from .packing import PackedPlan, plan_packed, rows_per_request
 
 # SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
 # 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
@@ -209,11 +209,11 @@ class AttentionBackend:
     def packed_graph_buffers(self, max_batch: int, max_pages: int) -> int:
         """Allocate the packed CUDA graphs' inputs for up to ``max_batch`` rows of up to
         ``max_pages`` pages; returns R, the rows a packed request holds (0: no packing here)."""
-        R = PACK_HEADS // (self.num_qo_heads // self.cache.num_kv_heads) if self.packed else 0
-        if R >= 2:
+        R = rows_per_request(self.num_qo_heads, self.cache.num_kv_heads) if self.packed else 0
+        if R:
             self._packed_buffers = PackedPlan.empty(max_batch, R, R * max_pages, max_batch,
                                                     device=self.cache.device)
-        return R if R >= 2 else 0
+        return R
 
     def use_packed_buffers(self, bs: int) -> None:
         """The next :meth:`plan` reads the packed graph buffers' first ``bs`` requests (graph

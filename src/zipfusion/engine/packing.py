@@ -105,14 +105,26 @@ class PackedPlan:
     def fill(self, other: "PackedPlan") -> None:
         """Copy ``other`` (host tensors, at most as large) into this plan's buffers, the rest
         left as padding: requests without keys, rows reading slot 0 (asynchronous from pinned
-        memory on CUDA)."""
+        memory on CUDA). All but the block table are small and rewritten whole (a larger step's
+        row ids, lengths or spans must not survive); of the block table (bucket x R x max pages)
+        only ``other``'s extent: the kernel reads no page past a request's context."""
         for f in self.__dataclass_fields__:
             dst, src = getattr(self, f), getattr(other, f)
-            host = torch.zeros(dst.shape, dtype=dst.dtype)
-            host[tuple(slice(0, n) for n in src.shape)] = src
+            if f == "block_table":
+                dst, host = dst[tuple(slice(0, n) for n in src.shape)], src
+            else:
+                host = torch.zeros(dst.shape, dtype=dst.dtype)
+                host[tuple(slice(0, n) for n in src.shape)] = src
             if dst.device.type == "cuda":
                 host = host.pin_memory()
             dst.copy_(host, non_blocking=True)
+
+
+def rows_per_request(num_q_heads: int, num_kv_heads: int, pack_heads: int | None = None) -> int:
+    """R, the decode rows a packed request holds: ``pack_heads`` (default PACK_HEADS) columns
+    of G query heads each; 0 where the GQA group leaves no room for two rows."""
+    R = (pack_heads or PACK_HEADS) // (num_q_heads // num_kv_heads)
+    return R if R >= 2 else 0
 
 
 def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
@@ -120,9 +132,8 @@ def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_hea
     """The step's packed requests (host tensors) from its host ``context_lens`` [B] and
     ``block_table`` [B, W], or None when the GQA group leaves no room for two rows or packing
     would spare fewer than MIN_SPARED_PAGES page reads."""
-    G = num_q_heads // num_kv_heads
-    R = (pack_heads or PACK_HEADS) // G
-    if R < 2:
+    R = rows_per_request(num_q_heads, num_kv_heads, pack_heads)
+    if not R:
         return None
     lens, table = context_lens.numpy().astype(np.int64), block_table.numpy()
     groups = find_groups(lens, table)

@@ -683,17 +683,21 @@ __device__ __forceinline__ void empty_split(long long row0, int G, int s, int nu
   }
 }
 
+// Both attention kernels take these (the launch: `Args`, below).
+#define KERNEL_PARAMS                                                                         \
+  const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,                     \
+      const long long* __restrict__ page_loc, const int* __restrict__ block_table,            \
+      const int* __restrict__ context_lens, __nv_bfloat16* __restrict__ out,                  \
+      float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale, int bt_stride, \
+      int pages_per_split, int num_splits, int H, int G, const int* __restrict__ spans,       \
+      int slot_heads
+
 // ---------------------------------------------------------------------------------------------
 // The attention kernel, each warp copying its own pages
 // ---------------------------------------------------------------------------------------------
 template <bool COMPRESSED, int NT, int STAGES, bool TMA, bool PACKED>
 __global__ void __launch_bounds__(THREADS, ctas_per_sm(STAGES))
-attention_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
-                 const long long* __restrict__ page_loc, const int* __restrict__ block_table,
-                 const int* __restrict__ context_lens, __nv_bfloat16* __restrict__ out,
-                 float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale,
-                 int bt_stride, int pages_per_split, int num_splits, int H, int G,
-                 const int* __restrict__ spans, int slot_heads) {
+attention_kernel(KERNEL_PARAMS) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint32_t info_of[WARPS][STAGES][2];     // block marks, page is open (TMA)
   __shared__ uint64_t bars[WARPS][STAGES];            // TMA completion, one per stage
@@ -807,12 +811,7 @@ constexpr int SLOT_BYTES = 2 * STAGE_BYTES;
 
 template <bool COMPRESSED, int NT, int DEPTH, bool PACKED>
 __global__ void __launch_bounds__(PRODUCER_THREADS, ctas_per_sm(2 * DEPTH))
-producer_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,
-                const long long* __restrict__ page_loc, const int* __restrict__ block_table,
-                const int* __restrict__ context_lens, __nv_bfloat16* __restrict__ out,
-                float* __restrict__ part_o, float* __restrict__ part_lse, float qk_scale,
-                int bt_stride, int pages_per_split, int num_splits, int H, int G,
-                const int* __restrict__ spans, int slot_heads) {
+producer_kernel(KERNEL_PARAMS) {
   static_assert(32 % (WARPS * DEPTH) == 0, "a round of pages must divide a metadata batch");
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint32_t info_of[WARPS][DEPTH][4];       // K marks, V marks, page is open
