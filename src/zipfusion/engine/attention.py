@@ -206,14 +206,14 @@ class AttentionBackend:
             self._flashinfer.prepare(context_lens, block_table, self.sm_scale, graph)
         return "graph"
 
-    def packed_graph_buffers(self, max_batch: int, max_pages: int) -> int:
+    def packed_graph_buffers(self, max_batch: int, max_pages: int) -> bool:
         """Allocate the packed CUDA graphs' inputs for up to ``max_batch`` rows of up to
-        ``max_pages`` pages; returns R, the rows a packed request holds (0: no packing here)."""
+        ``max_pages`` pages; returns whether steps here may pack (a packed graph to capture)."""
         R = rows_per_request(self.num_qo_heads, self.cache.num_kv_heads) if self.packed else 0
         if R:
             self._packed_buffers = PackedPlan.empty(max_batch, R, R * max_pages, max_batch,
                                                     device=self.cache.device)
-        return R
+        return bool(R)
 
     def use_packed_buffers(self, bs: int) -> None:
         """The next :meth:`plan` reads the packed graph buffers' first ``bs`` requests (graph

@@ -179,6 +179,22 @@ __device__ __forceinline__ int block_bytes(uint32_t mark) {
   return mark == RAW ? 1024 : (mark & ESCAPED) ? 768 + 16 : 768;
 }
 
+// The bytes of a compressed page's K (or V) bodies from their 4 marks: 768 a block, + 256 for
+// each raw one (0xFF), + 16 for each with escapes (0x80..0xFE); bit 7 is set in both, so + 240
+// per raw block + 16 per mark with bit 7.
+__device__ __forceinline__ uint32_t half_bytes(uint32_t marks) {
+  return 3072 + 240 * (__popc(__vcmpeq4(marks, 0xFFFFFFFFu)) >> 3) + 16 * __popc(marks & 0x80808080u);
+}
+
+// A page's location and, for a compressed one, the record of KV head h (K bodies' offset, K marks,
+// V bodies' offset, V marks).
+template <bool COMPRESSED>
+__device__ __forceinline__ void page_meta(const uint8_t* arena, const long long* page_loc, int id,
+                                          int h, long long& loc, uint4& rec) {
+  loc = page_loc[id];
+  if (COMPRESSED && !(loc & 1)) rec = *reinterpret_cast<const uint4*>(arena + loc + 2 * RECORD * h);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared-memory swizzles: where byte r of a staged block lives
 // ---------------------------------------------------------------------------------------------
@@ -353,10 +369,7 @@ __device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, ui
                                                int role, int h, int H, int lane) {
   if (COMPRESSED && !(loc & 1)) {
     if (lane == 0) {
-      // 768 a block, + 256 for each raw one (0xFF), + 16 for each with escapes (0x80..0xFE):
-      // bit 7 is set in both, so + 240 per raw block + 16 per byte with bit 7
-      const uint32_t bytes = 3072 + 240 * (__popc(__vcmpeq4(rec.y, 0xFFFFFFFFu)) >> 3)
-                             + 16 * __popc(rec.y & 0x80808080u);
+      const uint32_t bytes = half_bytes(rec.y);
       info[0] = rec.y; info[1] = 0;
       mbar_expect_tx(bar, bytes);
       bulk_copy(stage, arena + loc + rec.x, bytes, bar);
@@ -735,11 +748,7 @@ attention_kernel(KERNEL_PARAMS) {
   uint4 rec_cur = make_uint4(0, 0, 0, 0), rec_nxt = make_uint4(0, 0, 0, 0);
   auto load_meta = [&](int batch, long long& loc, uint4& rec) {
     int j = 32 * batch + lane;
-    if (j < my_pages) {
-      loc = page_loc[bt[p_begin + warp + WARPS * j]];
-      if (COMPRESSED && !(loc & 1))
-        rec = *reinterpret_cast<const uint4*>(arena + loc + 2 * RECORD * h);
-    }
+    if (j < my_pages) page_meta<COMPRESSED>(arena, page_loc, bt[p_begin + warp + WARPS * j], h, loc, rec);
   };
   if (my_pages > 0) { load_meta(0, loc_cur, rec_cur); load_meta(1, loc_nxt, rec_nxt); }
 
@@ -844,10 +853,7 @@ producer_kernel(KERNEL_PARAMS) {
     uint4 rec_cur = make_uint4(0, 0, 0, 0), rec_nxt = make_uint4(0, 0, 0, 0);
     auto load_meta = [&](int batch, long long& loc, uint4& rec) {
       const int j = 32 * batch + lane;
-      if (j < n) {
-        loc = page_loc[bt[j]];
-        if (COMPRESSED && !(loc & 1)) rec = *reinterpret_cast<const uint4*>(arena + loc + 2 * RECORD * h);
-      }
+      if (j < n) page_meta<COMPRESSED>(arena, page_loc, bt[j], h, loc, rec);
     };
     load_meta(0, loc_cur, rec_cur);
     load_meta(1, loc_nxt, rec_nxt);
@@ -867,11 +873,7 @@ producer_kernel(KERNEL_PARAMS) {
         uint8_t* slot = smem + (size_t)(c * DEPTH + d) * SLOT_BYTES;
         uint32_t* info = info_of[c][d];
         if (COMPRESSED && !(loc & 1)) {
-          // 768 a block, + 256 for each raw one (0xFF), + 16 for each with escapes (0x80..0xFE)
-          const uint32_t kb = 3072 + 240 * (__popc(__vcmpeq4(rec.y, 0xFFFFFFFFu)) >> 3)
-                              + 16 * __popc(rec.y & 0x80808080u);
-          const uint32_t vb = 3072 + 240 * (__popc(__vcmpeq4(rec.w, 0xFFFFFFFFu)) >> 3)
-                              + 16 * __popc(rec.w & 0x80808080u);
+          const uint32_t kb = half_bytes(rec.y), vb = half_bytes(rec.w);
           info[0] = rec.y; info[1] = rec.w; info[2] = 0;
           mbar_expect_tx(&full[c][d], kb + vb);
           bulk_copy(slot, arena + loc + rec.x, kb, &full[c][d]);
