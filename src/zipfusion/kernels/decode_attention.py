@@ -293,9 +293,8 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     Triton kernel it must be a multiple of ``tile_pages``. At most one of the two.
 
     ``stages`` (copy depth), ``tma`` (bulk copies) and ``producer`` (a warp that only copies)
-    tune the CUDA kernel; ``tile_pages`` and
-    ``num_warps`` the Triton kernel. ``spans`` and ``slot_heads``: packed requests (module
-    docstring).
+    tune the CUDA kernel; ``tile_pages`` and ``num_warps`` the Triton kernel. ``spans`` and
+    ``slot_heads``: packed requests (module docstring).
     """
     return _launch(True, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
