@@ -257,6 +257,9 @@ def main():
     mode.add_argument("--full", action="store_true")
     mode.add_argument("--plot-tune", metavar="JSON",
                       help="draw an attention_tune.json (from --tune) beside it as a PNG")
+    mode.add_argument("--plot-diag", metavar="DIR",
+                      help="draw DIR/diag/{full,copy,compute} (--quick with ZIPFUSION_CUDA_DIAG unset, "
+                           "copy, compute) and DIR/splits/{full,copy}_S* as DIR/diag.png")
     mode.add_argument("--auto", action="store_true",
                       help="tune at batch 32 / 8K, pick the fastest fused config, then --full")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -275,6 +278,9 @@ def main():
     if args.plot_tune:
         with open(args.plot_tune) as fh:
             plot_tune(json.load(fh), os.path.splitext(args.plot_tune)[0] + ".png")
+        return
+    if args.plot_diag:
+        plot_diag(args.plot_diag)
         return
     cfg = dict(stages=args.stages, num_splits=args.num_splits)
     if args.tma is not None:
@@ -475,6 +481,50 @@ def plot_tune(records, path):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_diag(root):
+    """What bounds the producer kernel (scripts/gpu/producer.sh diag and splits): left, the fused
+    kernel, its copies alone and its instructions alone, x FlashInfer at each fraction; right, the
+    kernel and its copies alone over the split count at 100 %."""
+    plt = pyplot()
+    if plt is None:
+        return
+
+    def fused(path):
+        with open(path) as fh:
+            return [r for r in json.load(fh) if r["kernel"] == "fused"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.6))
+    parts = {"kernel": "full", "copies alone": "copy", "instructions alone": "compute"}
+    for j, (label, d) in enumerate(parts.items()):
+        rs = fused(os.path.join(root, "diag", d, "attention_quick.json"))
+        xs, ys = [i + (j - 1) * 0.27 for i in range(len(rs))], [r["speedup_vs_flashinfer"] for r in rs]
+        a.bar(xs, ys, width=0.27, label=label)
+        for x, y in zip(xs, ys):
+            a.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
+        ticks = [("real model" if r["compressible_fraction_nominal"] == REAL_MODEL_FRACTION
+                  else f"{r['compressible_fraction_nominal']:.0%}") for r in rs]
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set_xticks(range(len(ticks)))
+    a.set_xticklabels(ticks)
+    a.set_ylim(0.8, None)
+    a.set_ylabel("x FlashInfer (higher is faster)")
+    a.set_title("producer kernel, batch 32 x 8K: which side bounds it")
+    a.legend()
+    for d, label in (("full", "kernel"), ("copy", "copies alone")):
+        pts = sorted((int(name.rsplit("_S", 1)[1]), fused(os.path.join(root, "splits", name, "attention_quick.json"))[0])
+                     for name in os.listdir(os.path.join(root, "splits")) if name.startswith(d + "_S"))
+        b.plot([S for S, _ in pts], [r["speedup_vs_flashinfer"] for _, r in pts], "o-", label=label)
+    b.axhline(1 / fused(os.path.join(root, "diag", "full", "attention_quick.json"))[0]["stored_ratio"],
+              color="gray", ls="--", lw=0.8, label="bytes ratio (FI rate on compressed bytes)")
+    b.set_xscale("log", base=2)
+    b.set_xticks([S for S, _ in pts], [str(S) for S, _ in pts])
+    b.set_xlabel("splits per (request, KV head)")
+    b.set_ylabel("x FlashInfer")
+    b.set_title("100 % compressible, over the split count")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(root, "diag.png"), dpi=110)
 
 
 def plot(records, path):

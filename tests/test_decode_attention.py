@@ -479,18 +479,36 @@ def test_backend_argument(small):
 
 def test_cuda_source_compiles(tmp_path):
     """The CUDA kernel builds (all template instances, sm_80 and sm_90, and the variant with the
-    COMPRESSED_ESC page kind) where nvcc exists."""
+    COMPRESSED_ESC page kind, the two diagnostic builds) where nvcc exists."""
     import shutil
     import subprocess
     from zipfusion.kernels.cuda_attention import SOURCE
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed: the CUDA kernel is built on the GPU machine")
-    for arch, flags in (("80", []), ("90", []), ("90", ["-DZF_ESC_KIND"])):
+    for arch, flags in (("80", []), ("90", []), ("90", ["-DZF_ESC_KIND"]),
+                        ("90", ["-DZF_DIAG_COPY_ONLY"]), ("90", ["-DZF_DIAG_COMPUTE_ONLY"])):
         res = subprocess.run([nvcc, "-O1", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags,
                               "-c", "-o", str(tmp_path / f"k{arch}.o"), str(SOURCE)],
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_cuda_build_flags_from_environment(monkeypatch):
+    """The environment picks build variants; a diagnostic build (wrong outputs, for timing only)
+    is never made unless asked for by name, and a misspelt one is a clear error."""
+    from zipfusion.kernels.cuda_attention import _flags
+    monkeypatch.delenv("ZIPFUSION_CUDA_ESC_KIND", raising=False)
+    monkeypatch.delenv("ZIPFUSION_CUDA_DIAG", raising=False)
+    assert _flags() == []
+    monkeypatch.setenv("ZIPFUSION_CUDA_ESC_KIND", "1")
+    monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "copy")
+    assert _flags() == ["-DZF_ESC_KIND", "-DZF_DIAG_COPY_ONLY"]
+    monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "compute")
+    assert _flags()[-1] == "-DZF_DIAG_COMPUTE_ONLY"
+    monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "copies")
+    with pytest.raises(ValueError, match="ZIPFUSION_CUDA_DIAG='copies'"):
+        _flags()
 
 
 def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, tmp_path):

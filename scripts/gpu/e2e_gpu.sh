@@ -10,9 +10,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/e2e_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl $(ls .carry/extra/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
-       FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16 PYTHONUNBUFFERED=1
+[ -d .carry ] || { echo "send .carry along (bash scripts/gpu/carry_wheels.sh)"; exit 1; }
+. scripts/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv | tee "$OUT/e2e_tests.log"
 python3 -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__, 'torch', torch.__version__)" \
   2>&1 | tee -a "$OUT/e2e_tests.log"

@@ -3,12 +3,7 @@
 # tests, then tune/benchmark against FlashInfer. Usage: bash scripts/gpu/gpu_attention.sh [bench args]
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1 ZIPFUSION_CACHE=/tmp/zfcache
-if [ -d .carry ]; then   # FlashInfer and friends (scripts/gpu/carry_wheels.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl 2>/dev/null
-  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
-         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
-fi
+. scripts/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 (nvcc -O3 -gencode=arch=compute_90,code=sm_90 --use_fast_math -std=c++17 -Xptxas -v -shared -Xcompiler -fPIC -o /tmp/zf.so \
   src/zipfusion/kernels/cuda/decode_attention.cu > "$OUT/ptxas.txt" 2>&1) &   # registers, beside the tests

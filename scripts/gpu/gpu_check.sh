@@ -5,12 +5,7 @@
 # ./gpu_out. Send .carry along (scripts/gpu/carry_wheels.sh) so that no GPU test skips for a missing package.
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-if [ -d .carry ]; then            # scripts/gpu/carry_wheels.sh: FlashInfer, nvCOMP, server and GGUF extras
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl
-  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
-         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
-fi
+. scripts/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests \
   2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -25

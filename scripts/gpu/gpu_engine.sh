@@ -4,12 +4,7 @@
 #   bash scripts/gpu/gpu_engine.sh --scenarios burst --modes compressed,uncompressed
 set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-if [ -d .carry ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl
-  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
-         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
-fi
+. scripts/gpu/env.sh || exit 1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_marked.log" | tail -6
   timeout 90 python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" tests/test_prefill_attention.py \

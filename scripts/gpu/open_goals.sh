@@ -14,12 +14,7 @@
 #             (issue 22: "through LLM.generate and through the server")
 set -u
 OUT=${OUT:-/tmp/open_goals}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=src ZIPFUSION_CACHE=/tmp/zfcache
-if [ -d .carry ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl .carry/extra/*.whl 2>/dev/null
-  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
-         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
-fi
+. scripts/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 packed() {

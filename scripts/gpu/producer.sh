@@ -3,6 +3,10 @@
 #   bash scripts/gpu/producer.sh kernel   # its GPU tests, benchmarks/attention.py --quick at the
 #                                         # default config, then the COMPRESSED_ESC kind built in
 #                                         # (ZIPFUSION_CUDA_ESC_KIND=1): tests, --tune at 1.0 / 0.92
+#   bash scripts/gpu/producer.sh diag     # --quick with the two diagnostic builds (ZIPFUSION_CUDA_DIAG):
+#                                         # the copies alone, the instructions alone
+#   bash scripts/gpu/producer.sh splits   # --quick at 100 % over the split count (SPLITS="2 3 4 ..."),
+#                                         # the kernel and its copies alone
 #   bash scripts/gpu/producer.sh burst    # the burst scenario (72 x 8K + 256, 52 GiB): compressed
 #                                         # with the producer kernel and with the per-warp one,
 #                                         # uncompressed (~5 min; on an H100 80GB the engine sees
@@ -20,6 +24,21 @@ kernel)
     bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|error|Error|^\| (fused|twin|flashinfer|unfused)" | head -40
   OUT=$OUT/esc ZIPFUSION_CUDA_ESC_KIND=1 TESTS_K="producer or escape or pipeline" TESTS_TIMEOUT=150 BENCH_TIMEOUT=120 \
     bash scripts/gpu/gpu_attention.sh --tune --fractions 1.0,0.92 2>&1 | grep -E "passed|failed|error|Error| fused " | head -30
+  ;;
+diag)   # what bounds the producer kernel: its copies alone, its instructions alone (wrong outputs)
+  for d in copy compute; do
+    OUT=$OUT/diag_$d ZIPFUSION_CUDA_DIAG=$d TESTS_K="build_flags" TESTS_TIMEOUT=60 BENCH_TIMEOUT=150 \
+      bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|rror|^\| (fused|twin|flashinfer) " | head -20
+  done
+  ;;
+splits) # fixed cost a CTA: the producer kernel, whole and its copies alone, over the split count
+  . scripts/gpu/env.sh || exit 1
+  for d in full copy; do for S in ${SPLITS:-2 3 4 6 8 12 16}; do
+    [ $d = copy ] && export ZIPFUSION_CUDA_DIAG=copy || unset ZIPFUSION_CUDA_DIAG
+    timeout 60 python3 benchmarks/attention.py --quick --fractions 1.0 --num-splits $S \
+      --out $OUT/splits/${d}_S$S 2>&1 | grep -E "^\| fused " | sed "s/^/$d S=$S /"
+  done; done
+  unset ZIPFUSION_CUDA_DIAG
   ;;
 burst)
   mkdir -p "$OUT/burst"

@@ -12,13 +12,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/workloads_out}
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-if [ -d .carry ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl \
-    $(ls .carry/extra/*.whl 2>/dev/null) || exit 1
-  export PYTHONPATH=/tmp/site:src PATH=/opt/torch/.venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
-         FLASHINFER_WORKSPACE_BASE=/tmp MAX_JOBS=16
-fi
+. scripts/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader | tee "$OUT/workloads.log"
 timeout -k 10 570 python3 benchmarks/workloads.py --out "$OUT" --timeout 540 "$@" 2>&1 | tee -a "$OUT/workloads.log"
 echo "total ${SECONDS}s"

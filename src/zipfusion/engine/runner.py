@@ -158,9 +158,7 @@ class ModelRunner:
         self.decode_inputs(reqs, bucket, self._host)
         how = self.attention.prepare_decode(self._host["context_lens"][:bucket], self._host["block_table"][:bucket],
                                             graph=True)
-        graph = self.packed_graphs.get(bucket) if how == "packed" else self.graphs[bucket]
-        if how == "eager" or graph is None:
-            # packed requests without their graph (larger than its buffers): eagerly
+        if how == "eager":                         # packed requests larger than the graph buffers
             dev = {k: v.to(self.device, non_blocking=True) for k, v in self._named(self._host, bucket).items()}
             self._staged.record()
             return self._decode_forward(dev)[:n]
@@ -168,7 +166,7 @@ class ModelRunner:
         for k in ("block_table", "context_lens"):
             self._static[k][:bucket].copy_(self._host[k][:bucket], non_blocking=True)
         self._staged.record()
-        graph.replay()
+        (self.packed_graphs if how == "packed" else self.graphs)[bucket].replay()
         return self._logits[:n]
 
     # -- CUDA graphs ------------------------------------------------------------------------

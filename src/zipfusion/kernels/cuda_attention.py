@@ -92,9 +92,16 @@ _BUILT: dict[str, "ctypes.CDLL | CudaKernelUnavailable"] = {}   # arch + flags -
 
 def _flags() -> list[str]:
     """Build variants chosen by the environment: ``ZIPFUSION_CUDA_ESC_KIND=1`` builds the
-    COMPRESSED_ESC page kind (format v2 pages with escapes and no raw block; see the source),
-    compiled but not yet measured on a GPU, hence off by default."""
-    return ["-DZF_ESC_KIND"] if os.environ.get("ZIPFUSION_CUDA_ESC_KIND") == "1" else []
+    COMPRESSED_ESC page kind (format v2 pages with escapes and no raw block; see the source;
+    measured no faster, hence off by default). ``ZIPFUSION_CUDA_DIAG=copy|compute`` builds a
+    diagnostic producer kernel that gives WRONG outputs: ``copy`` moves the compressed pages but
+    never reads them (the memory side alone), ``compute`` restores and multiplies stale slots
+    without moving a byte (the instructions alone); benchmarks/attention.py times them."""
+    flags = ["-DZF_ESC_KIND"] if os.environ.get("ZIPFUSION_CUDA_ESC_KIND") == "1" else []
+    diag = os.environ.get("ZIPFUSION_CUDA_DIAG", "")
+    if diag not in ("", "copy", "compute"):
+        raise ValueError(f"ZIPFUSION_CUDA_DIAG={diag!r}: use copy, compute or leave it unset")
+    return flags + ([f"-DZF_DIAG_{diag.upper()}_ONLY"] if diag else [])
 
 
 def _library(arch: str) -> ctypes.CDLL:

@@ -875,9 +875,13 @@ producer_kernel(KERNEL_PARAMS) {
         if (COMPRESSED && !(loc & 1)) {
           const uint32_t kb = half_bytes(rec.y), vb = half_bytes(rec.w);
           info[0] = rec.y; info[1] = rec.w; info[2] = 0;
+#ifdef ZF_DIAG_COMPUTE_ONLY   // diagnostic (wrong outputs): no bytes move, the slot's stale ones are used
+          mbar_expect_tx(&full[c][d], 0);
+#else
           mbar_expect_tx(&full[c][d], kb + vb);
           bulk_copy(slot, arena + loc + rec.x, kb, &full[c][d]);
           bulk_copy(slot + STAGE_BYTES, arena + loc + rec.z, vb, &full[c][d]);
+#endif
         } else {
           // open page [2, 16, H, D]: 16 K rows (token-row layout), then 16 V rows (raw V layout)
           info[0] = info[1] = 0xFFFFFFFFu; info[2] = 1;
@@ -897,8 +901,10 @@ producer_kernel(KERNEL_PARAMS) {
       mbar_wait(&full[warp][d], (k / DEPTH) & 1);
       const uint8_t* slot = smem + (size_t)(warp * DEPTH + d) * SLOT_BYTES;
       const int page = p_begin + warp + WARPS * k;
+#ifndef ZF_DIAG_COPY_ONLY     // diagnostic (wrong outputs): the pages arrive and are released unread
       f.keys(slot, info_of[warp][d][0], info_of[warp][d][2], page);
       f.values(slot + STAGE_BYTES, info_of[warp][d][1], page);
+#endif
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[warp][d]);
     }
