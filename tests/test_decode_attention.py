@@ -280,11 +280,12 @@ def test_bad_ids(small):
         _call(c, fn=decode_attention_twin)
 
 
-def test_bad_ids_are_asserted_on_the_device_too(small):
+def test_bad_ids_are_asserted_on_the_device_too():
     """check_ids_async (the engine's ZIPFUSION_CHECK_PAGES=1) finds what check_ids finds, plus
-    misaligned and past-the-end locations, with no host sync (on the CPU the assert raises at once)."""
+    misaligned and past-the-end locations, with no host sync. On CPU tensors, where the assert
+    raises at once (on a GPU a device-side assert ends the process: the next test)."""
     from zipfusion.kernels.decode_attention import check_ids, check_ids_async
-    c = small
+    c = make_case([20, 7], 1, 4, 128, "mixed", 3, device="cpu")
     args = dict(arena=c["arena_c"], page_loc_layer=c["loc_c"], block_table=c["bt"], context_lens=c["lens"],
                 layout=c["layout"], twin=None)
     check_ids_async(**args)                                     # a sound step passes
@@ -464,6 +465,32 @@ def test_split_pages_batch_invariant_gpu(backend, split_pages, G, seed):
 # ------------------------------------------------------------------------------------------
 # Backend choice (CPU-checkable) and the CUDA source
 # ------------------------------------------------------------------------------------------
+
+@gpu
+def test_bad_ids_device_assert_cuda():
+    """On a GPU check_ids_async queues its assert without a host sync: a sound step passes, a
+    misaligned page location fires a device-side assert at the next sync. Such an assert ends
+    the CUDA context, so the check runs in a child process."""
+    import subprocess
+    code = "\n".join([
+        "import torch",
+        "from test_decode_attention import make_case",
+        "from zipfusion.kernels.decode_attention import check_ids_async",
+        "c = make_case([20, 7], 1, 4, 128, 'mixed', 3, device='cuda')",
+        "args = dict(arena=c['arena_c'], page_loc_layer=c['loc_c'], block_table=c['bt'],",
+        "            context_lens=c['lens'], layout=c['layout'], twin=None)",
+        "check_ids_async(**args); torch.cuda.synchronize(); print('sound ok', flush=True)",
+        "loc = c['loc_c'].clone(); loc[c['bt'][0, 0].long()] += 2",
+        "check_ids_async(**{**args, 'page_loc_layer': loc}); print('queued', flush=True)",
+        "torch.cuda.synchronize(); print('not caught', flush=True)"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.join(here, "..", "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "sound ok" in res.stdout and "queued" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert "not caught" not in res.stdout and res.returncode != 0
+    assert "device-side assert" in res.stderr, res.stderr[-3000:]
+
 
 def test_backend_argument(small):
     c = small
