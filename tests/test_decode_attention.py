@@ -529,10 +529,13 @@ def test_cuda_build_flags_from_environment(monkeypatch):
     monkeypatch.delenv("ZIPFUSION_CUDA_DIAG", raising=False)
     assert _flags() == []
     monkeypatch.setenv("ZIPFUSION_CUDA_ESC_KIND", "1")
+    assert _flags() == ["-DZF_ESC_KIND"]
     monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "copy")
-    assert _flags() == ["-DZF_ESC_KIND", "-DZF_DIAG_COPY_ONLY"]
+    with pytest.warns(UserWarning, match="wrong outputs"):
+        assert _flags() == ["-DZF_ESC_KIND", "-DZF_DIAG_COPY_ONLY"]
     monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "compute")
-    assert _flags()[-1] == "-DZF_DIAG_COMPUTE_ONLY"
+    with pytest.warns(UserWarning, match="wrong outputs"):
+        assert _flags()[-1] == "-DZF_DIAG_COMPUTE_ONLY"
     monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "copies")
     with pytest.raises(ValueError, match="ZIPFUSION_CUDA_DIAG='copies'"):
         _flags()

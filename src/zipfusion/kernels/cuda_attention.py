@@ -101,6 +101,10 @@ def _flags() -> list[str]:
     diag = os.environ.get("ZIPFUSION_CUDA_DIAG", "")
     if diag not in ("", "copy", "compute"):
         raise ValueError(f"ZIPFUSION_CUDA_DIAG={diag!r}: use copy, compute or leave it unset")
+    if diag:
+        warnings.warn(f"ZIPFUSION_CUDA_DIAG={diag}: the CUDA decode attention kernel is a diagnostic "
+                      "build that gives wrong outputs (for timing only); unset it to compute",
+                      stacklevel=3)
     return flags + ([f"-DZF_DIAG_{diag.upper()}_ONLY"] if diag else [])
 
 
