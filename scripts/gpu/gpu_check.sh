@@ -11,7 +11,7 @@ set -u
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 . scripts/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-for part in "${@:-marked kernels checks}"; do for p in $part; do
+for p in ${*:-marked kernels checks}; do
 case $p in
 marked)
   timeout 330 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests \
@@ -28,4 +28,4 @@ checks)
   timeout 90 python3 benchmarks/codec.py --out "$OUT" 2>&1 | tail -12 ;;
 *) echo "unknown part $p (marked, kernels, checks)"; exit 2 ;;
 esac
-done; done
+done
