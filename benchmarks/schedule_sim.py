@@ -65,12 +65,12 @@ class SimCache(ArenaKVCache):
 
     start_seal, finish_seal = KVCache.start_seal, KVCache.finish_seal     # sealed whole, by seal()
 
-    def seal(self, ids, min_capacity: int = 0):
+    def seal(self, ids, min_capacity: int = 0, reclaim=None):
         if not ids or not self.kv_compression:
             return []
         nc = self.rng.binomial(LAYOUT.num_blocks, self.fraction, size=(L, len(ids)))
         sizes = LAYOUT.page_bytes(0) - nc * 256
-        return self.manager.seal_pages(list(ids), sizes=sizes, min_capacity=min_capacity)
+        return self.manager.seal_pages(list(ids), sizes=sizes, min_capacity=min_capacity, reclaim=reclaim)
 
 
 H200_HOST_GB = 30.0      # the engine's default host tier on the H200 runs: a quarter of its free host memory

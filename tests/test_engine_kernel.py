@@ -31,7 +31,7 @@ def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
     eng = llm.engine
     reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in prompts()]
     eng.step()                                                      # prefill
-    eng.scheduler.seal_full_pages([], force=True)                   # full pages compressed now
+    eng.pages.seal_now()                   # full pages compressed now
     assert eng.cache.manager.page_state(reqs[0].pages[0]) == "stored"
     b = eng.runner.decode_inputs(reqs, 4)                          # one padding row
     q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
@@ -82,7 +82,7 @@ def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ck
     compaction fills; the default streams (by expected finish) mostly avoid them."""
     from zipfusion.engine import scheduler
     if streams is not None:
-        monkeypatch.setattr(scheduler, "SEAL_STREAMS", streams)
+        monkeypatch.setattr(scheduler, "FILL_STREAMS", streams)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
     outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]        # finishing apart: holes, compaction
@@ -90,7 +90,7 @@ def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ck
     res, sealed = {}, {}
     for comp in (True, False):
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_compression=comp, deterministic=True,
-                  kv_memory_gb=24 * page / 2**30, chunk_bytes=4 * page, max_num_batched_tokens=64,
+                  kv_memory_gb=28 * page / 2**30, chunk_bytes=4 * page, max_num_batched_tokens=64,
                   max_model_len=160)
         eng = llm.engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
@@ -112,7 +112,7 @@ def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
     host table itself (one fill stream: requests finishing apart, compaction)."""
     from zipfusion.engine import scheduler
     from zipfusion.memory import page_table
-    monkeypatch.setattr(scheduler, "SEAL_STREAMS", 1)
+    monkeypatch.setattr(scheduler, "FILL_STREAMS", 1)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
     outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]
@@ -123,7 +123,7 @@ def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
         if way != "host":
             monkeypatch.setattr(page_table.PageTable, "__init__",
                                 lambda self, L, P, device, mirrored=None: init(self, L, P, device, True))
-        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, deterministic=True, kv_memory_gb=24 * page / 2**30,
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, deterministic=True, kv_memory_gb=28 * page / 2**30,
                   chunk_bytes=4 * page, max_num_batched_tokens=64, max_model_len=160)
         eng = llm.engine
         table = eng.cache.manager.table
@@ -185,11 +185,11 @@ def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
         run_to_completion(eng, reqs, keep_logits=True)
         res[name] = reqs
         if name == "compressed":                          # the copy against the pages themselves
-            eng.scheduler.seal_full_pages([], force=True)
+            eng.pages.seal_now()
             r = eng.add_request(ps[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             eng.step()
             eng.step()                                    # 48 prompt tokens, sealed
-            eng.scheduler.seal_full_pages([], force=True)
+            eng.pages.seal_now()
             assert eng.cache.manager.page_state(r.pages[0]) == "stored"
             q = torch.randn(20, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
             pages = torch.tensor(r.pages[:2], dtype=torch.int32, device=DEVICE)
@@ -366,7 +366,7 @@ def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, 
         eng = llm.engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in ps]
         eng.step()
-        eng.scheduler.seal_full_pages([], force=True)
+        eng.pages.seal_now()
         lens, table = _shared_prefix_rows(eng, reqs)
         be = eng.attention
         assert be.packed and be.prepare_decode(lens, table) == "eager"    # no packed graph buffers here

@@ -18,7 +18,7 @@ class FakeCache(KVCache):
         self.free_ids = list(range(pages))
         self.sealed = []
 
-    def alloc(self, n, keep_reserve=True):
+    def alloc(self, n, keep_reserve=True, reclaim=None):
         assert n <= len(self.free_ids), "scheduler allocated beyond capacity"
         out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
         return out
@@ -26,7 +26,7 @@ class FakeCache(KVCache):
     def free(self, ids):
         self.free_ids += list(ids)
 
-    def seal(self, ids, min_capacity=0):
+    def seal(self, ids, min_capacity=0, reclaim=None):
         self.sealed += list(ids)
         return []
 
@@ -43,7 +43,10 @@ def req(i, n, max_tokens=16):
 
 
 def advance(sched, out):
-    """What the engine does after a step: count computed tokens, append a token when sampled."""
+    """What the engine does with a schedule: the page store's two points around the forward
+    (analysis launched, the earlier one placed), computed tokens counted, a token appended when
+    sampled."""
+    sched.pages.before_forward()
     for ch in out.prefill:
         ch.request.num_computed += ch.length
         if ch.completes:
@@ -51,7 +54,7 @@ def advance(sched, out):
     for r in out.decode:
         r.num_computed += 1
         r.output_ids.append(7)
-    sched.seal_full_pages([c.request for c in out.prefill] + out.decode)
+    sched.pages.after_forward([c.request for c in out.prefill] + out.decode)
 
 
 def test_chunked_prefill_respects_the_token_budget():
@@ -70,6 +73,9 @@ def test_chunked_prefill_respects_the_token_budget():
     out = s.schedule()
     assert out.decode == [a, b] and not out.prefill
     assert len(a.pages) == 4 and len(b.pages) == 1                 # 51 and 11 tokens
+    for _ in range(3):                 # a seal's analysis before one forward, its placement after the next
+        advance(s, out)
+        out = s.schedule()
     assert cache.sealed == a.pages[:3]                             # 48 of a's tokens are in full pages
 
 
@@ -108,7 +114,7 @@ class SealingCache(FakeCache):
     """Sealing 2 pages frees the room of one (compression); pages wait for a batch of 8."""
     seal_batch = 8
 
-    def seal(self, ids, min_capacity=0):
+    def seal(self, ids, min_capacity=0, reclaim=None):
         self.sealed += list(ids)
         self.free_ids += [10_000 + len(self.sealed) + i for i in range(len(ids) // 2)]
         return []
@@ -212,7 +218,7 @@ class NoRoomCache(FakeCache):
     """Every seal finds no room: all pages stay open."""
     seal_batch = 2
 
-    def seal(self, ids, min_capacity=0):
+    def seal(self, ids, min_capacity=0, reclaim=None):
         self.calls.append(list(ids))
         return list(ids)
 
@@ -221,7 +227,7 @@ def test_pages_left_open_wait_before_the_next_seal_try():
     """A seal that left pages open is not retried at every step (each try costs an analysis and a
     placement of every waiting page): SEAL_MAX_WAIT steps later, then twice, four times ... as
     long (SEAL_BACKOFF), or at once when a page is freed."""
-    from zipfusion.engine.scheduler import SEAL_BACKOFF, SEAL_MAX_WAIT
+    from zipfusion.memory.page_store import SEAL_BACKOFF, SEAL_MAX_WAIT
     cache = NoRoomCache(1000)
     cache.calls = []
     s = Scheduler(cache, max_num_batched_tokens=1000, admission="optimistic", prefix_caching=False)
@@ -234,11 +240,14 @@ def test_pages_left_open_wait_before_the_next_seal_try():
         advance(s, s.schedule())                                    # each step ends with a seal call
         steps += [step] * (len(cache.calls) - tries)
     gaps = [y - x for x, y in zip(steps, steps[1:])]
-    assert steps[0] == 0 and gaps == [SEAL_MAX_WAIT << min(i, SEAL_BACKOFF) for i in range(len(gaps))]
+    # the first pages fill in step 0, are analysed before step 1's forward and placed after step 2's
+    assert steps[0] == 2 and gaps == [SEAL_MAX_WAIT << min(i, SEAL_BACKOFF) for i in range(len(gaps))]
     assert gaps[-2:] == [SEAL_MAX_WAIT << SEAL_BACKOFF] * 2, steps  # (the longest wait, again)
     tries = len(cache.calls)
     s.finish(b, "stop")                                             # pages let go of: try now
-    s.seal_full_pages(s.running)
+    for _ in range(2):                                              # analysed, then placed
+        s.pages.before_forward()
+        s.pages.after_forward([])
     assert len(cache.calls) == tries + 1
 
 
@@ -247,7 +256,7 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
     of fixed length finishing 1,000 steps apart get different streams, two finishing together
     the same one; a request behind a cached prefix (its pages likely outlive it) the extra one."""
     from zipfusion.engine import scheduler as sched_mod
-    monkeypatch.setattr(sched_mod, "SEAL_WINDOW", 64)
+    monkeypatch.setattr(sched_mod, "FILL_WINDOW", 64)
     streams = {}
 
     class StreamCache(FakeCache):
@@ -266,19 +275,19 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
         s.add(r)
     out = s.schedule()
     advance(s, out)
+    s.pages.before_forward()                                            # the full pages analysed
     sa, sb, sc = ({streams[p] for p in r.pages[:2]} for r in (a, b, c))
     assert len(sa) == len(sb) == len(sc) == 1 and sa == sc != sb
-    assert sa == {(1 + 10 - 1) // 64 % sched_mod.SEAL_STREAMS}        # step 1, 9 tokens still to come
+    assert sa == {(1 + 10 - 1) // 64 % sched_mod.FILL_STREAMS}        # step 1, 9 tokens still to come
     c.num_cached_tokens = 16                                            # as if its prompt hit the cache
-    s._to_seal[c.pages[0]] = (c.request_id, 0)
-    assert s._seal_streams(c.pages[:1]) == [sched_mod.SEAL_STREAMS]
+    assert s._fill_streams([c.request_id]) == [sched_mod.FILL_STREAMS]
 
 
 class TightCache(FakeCache):
     """Sealing sometimes finds no room (every other call leaves every page open)."""
     seal_batch = 4
 
-    def seal(self, ids, min_capacity=0):
+    def seal(self, ids, min_capacity=0, reclaim=None):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls % 2:
             return list(ids)

@@ -220,11 +220,9 @@ def test_compaction_drops_what_the_reclaim_hook_frees_instead_of_moving_it(dropp
             m.free_pages(drop)
             for p in drop:
                 del written[0, p], written[1, p]
-        if hook_on:
-            m.reclaim = reclaim
         for p in ids[1::2]:
             del written[0, p], written[1, p]
-        new = m.alloc_pages(m.capacity_new_pages())          # compacts
+        new = m.alloc_pages(m.capacity_new_pages(), reclaim=reclaim if hook_on else None)     # compacts
         written.update(fill(m, new, [0.3, 0.9], seed=3))
         assert_contents(m, written)
         return m, offered, len(new)

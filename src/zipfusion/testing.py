@@ -25,11 +25,11 @@ class AccountingManager(KVCacheManager):
         super().__init__(*args, device="meta", **kwargs)
         self._sizes = None
 
-    def seal_pages(self, ids, sizes=None, min_capacity: int = 0) -> list[int]:
+    def seal_pages(self, ids, sizes=None, min_capacity: int = 0, reclaim=None) -> list[int]:
         ids = list(ids)
         self._sizes = self._checked(sizes, len(ids))
         try:
-            return super().seal_pages(ids, min_capacity=min_capacity)
+            return super().seal_pages(ids, min_capacity=min_capacity, reclaim=reclaim)
         finally:
             self._sizes = None
 

@@ -51,8 +51,8 @@ class LockstepCache:
         return getattr(self._cache, name)
 
     # -- operations, logged ------------------------------------------------------------------
-    def alloc(self, n, keep_reserve: bool = True):
-        ids = self._cache.alloc(n, keep_reserve=keep_reserve)
+    def alloc(self, n, keep_reserve: bool = True, reclaim=None):
+        ids = self._cache.alloc(n, keep_reserve=keep_reserve, reclaim=reclaim)
         if ids:
             self.log.append((ALLOC, len(ids), bool(keep_reserve), list(ids)))
             self._unsent_allocs += len(ids)
@@ -65,13 +65,13 @@ class LockstepCache:
             self.log.append((FREE, ids))
             self._unsent_frees = True
 
-    def seal(self, ids, min_capacity: int = 0):
+    def seal(self, ids, min_capacity: int = 0, reclaim=None):
         ids = list(ids)
         if not ids or not getattr(self._cache, "kv_compression", False):
             return self._cache.seal(ids, min_capacity=min_capacity)
         self.log.append((SEAL, ids, min_capacity))
         self._driver.send_ops()                        # the workers compress while rank 0 does
-        return self._cache.seal(ids, min_capacity=min_capacity)
+        return self._cache.seal(ids, min_capacity=min_capacity, reclaim=reclaim)
 
     def set_seal_streams(self, ids, streams) -> None:
         """Fill streams are a placement hint: every rank places its pages by them."""

@@ -39,10 +39,10 @@ class KVCache:
         """Bytes of stored full pages over their open size (1.0 when nothing is compressed)."""
         return 1.0
 
-    # A seal in two halves, so that the engine can do the host's part while a forward runs:
-    # ``start_seal`` before the step's forward (on the GPU: the size analysis launched),
-    # ``finish_seal`` after it is launched (placement and encoding); the pages must stay allocated
-    # in between. Here: all of it in ``finish_seal``.
+    # A seal in two halves (memory/page_store.py calls them), so that the host's part runs while
+    # a forward runs: ``start_seal`` before a step's forward (on the GPU: the size analysis
+    # launched), ``finish_seal`` after a later step's forward is launched (placement and
+    # encoding) for the pages ``keep`` still allocated. Here: all of it in ``finish_seal``.
     def start_seal(self, ids):
         return list(ids)
 
@@ -50,9 +50,10 @@ class KVCache:
         """Which fill stream each page is sealed into (memory/packed.py); a cache without packed
         space ignores it."""
 
-    def finish_seal(self, job, min_capacity: int = 0) -> list[int]:
-        """``seal``'s result for the pages ``start_seal`` was given."""
-        return self.seal(job, min_capacity=min_capacity) if job else []
+    def finish_seal(self, job, min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
+        """``seal``'s result for the pages ``start_seal`` was given (those of ``keep``)."""
+        ids = job if keep is None else [p for p in job if p in set(keep)]
+        return self.seal(ids, min_capacity=min_capacity, reclaim=reclaim) if ids else []
 
     def flush_table(self) -> None:
         """Bring the kernels' page table up to date (the runner calls it before each forward)."""
@@ -92,20 +93,21 @@ class ArenaKVCache(KVCache):
     def page_loc(self) -> torch.Tensor:
         return self.manager.page_loc
 
-    def alloc(self, n, keep_reserve: bool = True):
-        return list(self.manager.alloc_pages(n, keep_reserve)) if n > 0 else []
+    def alloc(self, n, keep_reserve: bool = True, reclaim=None):
+        """``n`` new open pages; ``reclaim``: the caller's policy for pages compaction would move."""
+        return list(self.manager.alloc_pages(n, keep_reserve, reclaim)) if n > 0 else []
 
     def free(self, ids):
         if ids:
             self.manager.free_pages(list(ids))
 
-    def seal(self, ids, min_capacity: int = 0):
+    def seal(self, ids, min_capacity: int = 0, reclaim=None):
         """Seal full pages (open -> stored); returns the ids left open (no room yet, or room promised to
         running requests: ``min_capacity`` new pages must still fit). They stay readable as
-        open pages; the scheduler offers them again later."""
+        open pages; the page store offers them again later."""
         if not ids or not self.kv_compression:
             return []
-        return self.manager.seal_pages(list(ids), min_capacity=min_capacity)
+        return self.manager.seal_pages(list(ids), min_capacity=min_capacity, reclaim=reclaim)
 
     def start_seal(self, ids):
         if not ids or not self.kv_compression:
@@ -116,8 +118,8 @@ class ArenaKVCache(KVCache):
         if self.kv_compression:
             self.manager.set_streams(ids, streams)
 
-    def finish_seal(self, job, min_capacity: int = 0) -> list[int]:
-        return [] if job is None else self.manager.seal_analyzed(job, min_capacity=min_capacity)
+    def finish_seal(self, job, min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
+        return [] if job is None else self.manager.seal_analyzed(job, min_capacity, reclaim, keep)
 
     def flush_table(self) -> None:
         self.manager.table.flush()
@@ -180,7 +182,7 @@ class DenseKVCache(KVCache):
         per_page = num_layers * 2 * PAGE_TOKENS * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
         return int(budget_bytes // per_page)
 
-    def alloc(self, n, keep_reserve: bool = True):
+    def alloc(self, n, keep_reserve: bool = True, reclaim=None):
         if n > len(self._free):
             raise RuntimeError(f"KV cache full: {n} pages wanted, {len(self._free)} free")
         return [self._free.pop() for _ in range(n)]
@@ -188,7 +190,7 @@ class DenseKVCache(KVCache):
     def free(self, ids):
         self._free.extend(ids)
 
-    def seal(self, ids, min_capacity: int = 0):
+    def seal(self, ids, min_capacity: int = 0, reclaim=None):
         return []
 
     def capacity_new_pages(self, keep_reserve: bool = True):

@@ -117,6 +117,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
                                    host_tier=self.host_tier)
+        self.pages = self.scheduler.pages      # a page's life, from allocation to free (the seal included)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
@@ -265,15 +266,15 @@ class LLMEngine:
         """Run one scheduled step; returns what it did (:class:`StepResult`).
 
         The order keeps the host's work off the gap between two forwards where it can: pages that
-        filled up in earlier steps have their sizes analysed before this step's forward is
-        launched, and are placed and encoded while it runs; with ``async_scheduling`` the next
-        step is scheduled then too (:meth:`_schedule_ahead`). The sampled tokens come back after
-        that, and the pages this step filled are collected for a later seal."""
+        filled up in earlier steps have their sizes analysed before a step's forward is launched,
+        and are placed and encoded while the next step's forward runs (memory/page_store.py: no
+        wait for the device); with ``async_scheduling`` the next step is scheduled then too
+        (:meth:`_schedule_ahead`). The sampled tokens come back after that."""
         t0 = time.perf_counter()
         out = self._take_ahead() or self._forget_preempted(self.scheduler.schedule())
         running = len(self.scheduler.running)
         t1 = time.perf_counter()
-        seal = self.scheduler.start_seal()
+        self.pages.before_forward()
         t2 = time.perf_counter()
         logits = self.runner.run(out)
         recomputed = 0
@@ -287,10 +288,9 @@ class LLMEngine:
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
         tokens = self._launch_sample(sampled, logits) if sampled else None
         t3 = time.perf_counter()
-        sealed = self.scheduler.finish_seal(seal)
-        t4 = time.perf_counter()
         # the pages this step fills hold K/V of tokens known already (a step writes its inputs')
-        self.scheduler.collect_full_pages(out.decode + [ch.request for ch in out.prefill])
+        sealed = self.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
+        t4 = time.perf_counter()
         ahead_s = 0.0
         if self.async_scheduling:
             t5 = time.perf_counter()

@@ -14,8 +14,12 @@ goes back to the front of the waiting queue, to be prefilled again from its prom
 tokens it already generated (its sampler state is kept). With the default admission this is a
 rare correction, and each one makes admission more careful for a while.
 
-Prefix caching (memory/prefix_cache.py): full pages are offered to the prefix cache as they are
-sealed; a request being admitted first takes the cached pages its tokens start with (it then
+Pages are the page store's (memory/page_store.py: allocation, the seal, eviction, free); the
+scheduler asks it for capacity, allocation and release, and gives it two policies: which fill
+stream a request's pages join, and how many new pages admission promised to running requests.
+
+Prefix caching (memory/prefix_cache.py): full pages are offered to the prefix cache as they
+fill up; a request being admitted first takes the cached pages its tokens start with (it then
 prefills from there, attending to them in place). Pages nobody holds stay cached until memory
 is needed: capacity is asked of the cache after evicting what is evictable, least recently used
 first, and only as much as the request at hand needs. A preempted request's full pages become
@@ -30,24 +34,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..memory import Admission, RunningBatch
-from ..memory.prefix_cache import ROOT, PrefixCache
+from ..memory.page_store import PageStore
+from ..memory.prefix_cache import ROOT
 from .attention import ChunkView
 from .kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
 
 
-UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
-SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
-                        # (the cache's ``seal_batch``) or this many steps after the last seal:
-                        # one call's fixed cost (analysis, a device sync, placement) serves many pages
-SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
-                        # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
-                        # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
-                        # H200's long_swap run 9.6 s of sealing against the long run's 4.5 s;
-                        # simulated long_recompute, 4 seeds: host seal time 9-14 -> 1.3-1.5 s,
-                        # 27-40 -> 8-16 preemptions, prefill 1.06-1.12 -> 1.04-1.13x the prompts)
-SEAL_STREAMS, SEAL_WINDOW = 16, 128   # a page is sealed into fill stream (expected finish step of its
-                        # request // SEAL_WINDOW) % SEAL_STREAMS: pages that leave together share
+FILL_STREAMS, FILL_WINDOW = 16, 128   # a page is sealed into fill stream (expected finish step of its
+                        # request // FILL_WINDOW) % FILL_STREAMS: pages that leave together share
                         # chunks, which then empty by themselves (memory/packed.py). Simulated mix
                         # (benchmarks/schedule_sim.py): compaction 9.76 -> 0.0007 GiB, batch unchanged
 SHARED_AHEAD_PAGES = 2  # a waiting request whose next uncached pages (this many) another request
@@ -93,28 +88,19 @@ class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
                  host_tier=None):
-        self.cache = cache                       # the options were checked once, by EngineConfig
+        # the options were checked once, by EngineConfig
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
-        self.prefix = PrefixCache(cache.free, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
-                                  enabled=prefix_caching, host=host_tier)
-        manager = getattr(cache, "manager", None)          # the arena's (TP: rank 0's; its frees are logged)
-        if prefix_caching and hasattr(manager, "reclaim"):
-            manager.reclaim = self._reclaim               # compaction drops cached pages, not moves them
+        self.pages = PageStore(cache, prefix_caching=prefix_caching, host_tier=host_tier,
+                               fill_stream_of=self._fill_streams,
+                               promised=lambda: self.admission.promised_pages(self._running_needs()))
+        self.prefix = self.pages.prefix          # matching and holding cached prefixes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.seal_min_pages = getattr(cache, "seal_batch", 1)
-        # full pages not sealed yet (or left open: no room), each with its place in the next seal:
-        # (request, page index), so that a request's pages are placed together, share packed
-        # chunks and free them together
-        self._to_seal: dict[int, tuple[int, int]] = {}
-        self._seal_wait = 0
-        self._stuck_seals = 0                  # seals in a row that left pages open (no room)
-        self._stuck_at = 0                     # the capacity after the last of them
-        self._steps = 0                        # steps scheduled: the clock of the seal's streams
+        self._steps = 0                        # steps scheduled: the clock of the fill streams
 
     def add(self, req: Request) -> None:
         """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1
@@ -132,7 +118,7 @@ class Scheduler:
             self._schedule_prefill(out, self.max_num_batched_tokens - len(out.decode))
             if not out.empty:
                 break
-            if self._to_seal and self._seal_now():        # pages waiting to be sealed may make room
+            if self.pages.seal_now():                     # pages waiting to be sealed may make room
                 continue
             if len(self.running) < 2:
                 break
@@ -142,7 +128,7 @@ class Scheduler:
             req = self.running[0] if self.running else self.waiting[0]
             raise KVCacheTooSmall(
                 f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the KV memory "
-                f"({self.cache.capacity_new_pages()} free pages of {PAGE_TOKENS} tokens); "
+                f"({self.pages.capacity()} free pages of {PAGE_TOKENS} tokens); "
                 "give more kv_memory_gb or shorten the prompt")
         self.admission.on_step()
         self._steps += 1
@@ -156,11 +142,11 @@ class Scheduler:
         while True:
             batch = [r for r in self.running if not r.in_prefill]
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
-            if not batch or need <= self._room(need):
+            if not batch or need <= self.pages.make_room(need):
                 break
-            if self._to_seal and self._seal_now():
+            if self.pages.seal_now():
                 continue
-            if need <= self._room(need, keep_reserve=False):
+            if need <= self.pages.make_room(need, keep_reserve=False):
                 break
             if len(self.running) == 1:
                 r = self.running[0]
@@ -169,7 +155,7 @@ class Scheduler:
                     "give more kv_memory_gb or lower max_tokens")
             out.preempted.append(self._preempt(self.running[-1]))
         growing = [r for r in batch if r.pages_needed(r.num_computed + 1)]
-        for r, page in zip(growing, self.cache.alloc(len(growing), keep_reserve=False)):   # one allocation
+        for r, page in zip(growing, self.pages.alloc(len(growing), keep_reserve=False)):   # one allocation
             r.pages.append(page)
         out.decode = batch
 
@@ -177,7 +163,7 @@ class Scheduler:
         """Prefill chunks for the rest of the budget: running requests mid-prompt, then waiting
         ones in order, each admitted only if admission agrees (FIFO: the first refusal stops;
         none in a step that had to preempt)."""
-        free = self.cache.capacity_new_pages()
+        free = self.pages.capacity()
         candidates = [r for r in self.running if r.in_prefill]
         computing = {self._pages_ahead(r, r.prefix_node, r.num_sealed_pages) for r in candidates}
         if not out.preempted:                     # as vLLM: no admission in a step that preempted
@@ -195,12 +181,12 @@ class Scheduler:
                     continue                      # computed by another request now: cached next step
                 if not self._admit(req, chain):
                     break
-                free = self.cache.capacity_new_pages()
+                free = self.pages.capacity()
                 computing.add(self._pages_ahead(req, req.prefix_node, req.num_sealed_pages))
             # the chunk: what is left of the prompt, within the budget and the pages free now
             want = min(req.num_tokens - req.num_computed, budget)
             if req.pages_needed(req.num_computed + want) > free:
-                free = self._room(req.pages_needed(req.num_computed + want))
+                free = self.pages.make_room(req.pages_needed(req.num_computed + want))
             n = min(want, (len(req.pages) + free) * PAGE_TOKENS - req.num_computed)
             if n <= 0:
                 if not admitted:
@@ -208,7 +194,7 @@ class Scheduler:
                 break
             new_pages = req.pages_needed(req.num_computed + n)
             if new_pages:
-                req.pages += self.cache.alloc(new_pages)
+                req.pages += self.pages.alloc(new_pages)
                 free -= new_pages
             if not admitted:                      # it starts: its lookup counts (not an admission undone)
                 self.waiting.remove(req)
@@ -219,18 +205,6 @@ class Scheduler:
                     req.num_cached_tokens = req.num_computed
             out.prefill.append(PrefillChunk(req, req.num_computed, n))
             budget -= n
-
-    def _room(self, n: int, keep_reserve: bool = True) -> int:
-        """The cache's capacity for new pages, after evicting cached pages nobody holds until
-        ``n`` fit (or none is left)."""
-        cap, evicted = self.prefix.make_room(n, keep_reserve)
-        self._drop_from_seal(evicted)
-        return cap
-
-    def _reclaim(self, pages) -> None:
-        """The memory manager's compaction would move these pages: those cached and held by
-        nobody are evicted instead (to the host tier, if any)."""
-        self._drop_from_seal(self.prefix.evict_pages(pages))
 
     def _match(self, req: Request) -> list:
         """The cached chain of pages a waiting request's tokens start with (its last token is
@@ -263,7 +237,7 @@ class Scheduler:
                     len(resident), req.params.fixed_length)
             short = self.admission.shortfall(*args)
             if 0 < short <= self.prefix.num_evictable_pages:       # an evicted page gives at most one
-                self._room(self.cache.capacity_new_pages() + short)
+                self.pages.make_room(self.pages.capacity() + short)
                 short = self.admission.shortfall(*args)
             if short > 0:
                 self.prefix.release([n.page for n in resident])
@@ -286,8 +260,8 @@ class Scheduler:
         away = [n for n in chain if n.page is None]
         if not away:
             return chain
-        could = self.cache.capacity_new_pages() + self.prefix.num_evictable_pages >= len(away)
-        room = self._room(len(away)) if could else 0               # no eviction that cannot help
+        could = self.pages.capacity() + self.prefix.num_evictable_pages >= len(away)
+        room = self.pages.make_room(len(away)) if could else 0     # no eviction that cannot help
         keep = len(chain)
         if room < len(away):
             if wait:
@@ -301,13 +275,9 @@ class Scheduler:
             chain = chain[:keep]
             away = [n for n in chain if n.page is None]
         if away:
-            pages = self.cache.alloc(len(away))
             # compressed pages go back compressed where there is room (as a seal of pages no running
             # request holds: the current window's stream, the room promised to running requests kept)
-            left = self.prefix.swap_in(away, pages, self._steps // SEAL_WINDOW % SEAL_STREAMS,
-                                       self.admission.promised_pages(self._running_needs()))
-            if self.cache.kv_compression:                              # full, open again: next seal
-                self._to_seal.update((p, (UNOWNED, p)) for p in left)
+            self.pages.swap_in(away, self.pages.alloc(len(away)), self._steps // FILL_WINDOW % FILL_STREAMS)
         return chain
 
     def _unadmit(self, req: Request) -> None:
@@ -336,83 +306,18 @@ class Scheduler:
         self.waiting.appendleft(req)
         return req
 
-    # -- after a step -----------------------------------------------------------------------
-    def collect_full_pages(self, reqs) -> None:
-        """After a step: offer the pages that just filled up to the prefix cache, and keep them
-        for the next seal (a cache that does not compress has nothing to seal)."""
-        seal = self.cache.kv_compression
-        for r in reqs:
-            full = r.num_computed // PAGE_TOKENS
-            for i in range(r.num_sealed_pages, full):
-                r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
-                if seal:
-                    self._to_seal[r.pages[i]] = (r.request_id, i)
-            r.num_sealed_pages = max(r.num_sealed_pages, full)
-        self._seal_wait += 1
-
-    def start_seal(self, force: bool = False):
-        """The collected pages, once a compress batch of them waits or SEAL_MAX_WAIT steps have
-        passed since the last seal (or now, with ``force``): the cache's first half of a seal
-        (on the GPU, their size analysis launched). The engine calls it before a step's forward
-        and :meth:`finish_seal` once the forward is launched, with no scheduling in between."""
-        if not self._to_seal:
-            return None
-        stuck = self._seal_stuck()
-        wait = SEAL_MAX_WAIT << min(self._stuck_seals - 1, SEAL_BACKOFF) if stuck else SEAL_MAX_WAIT
-        if not force and self._seal_wait < wait and (stuck or len(self._to_seal) < self.seal_min_pages):
-            return None
-        ids = sorted(self._to_seal, key=self._to_seal.__getitem__)     # (only a compressing cache's)
-        self.cache.set_seal_streams(ids, self._seal_streams(ids))
-        return ids, self.cache.start_seal(ids)
-
-    def _seal_streams(self, ids) -> list[int]:
-        """Each page's fill stream: the window of steps in which its request is expected to
+    # -- policies the page store asks for -------------------------------------------------------
+    def _fill_streams(self, owners) -> list[int]:
+        """Each owner's fill stream: the window of steps in which its request is expected to
         finish (admission's estimate of its output; exact for a fixed-length one). A request
         behind a cached prefix, whose pages are likely to outlive it (a conversation's next
-        turn), takes stream SEAL_STREAMS of its own; pages no running request holds (swapped back
+        turn), takes stream FILL_STREAMS of its own; pages no running request holds (swapped back
         in, cached) the current window's."""
         finish = {r.request_id: (self._steps + self.admission.expected_tokens(
                       r.num_tokens, self._max_total_tokens(r), r.params.fixed_length) - r.num_tokens)
-                  // SEAL_WINDOW % SEAL_STREAMS if not r.num_cached_tokens else SEAL_STREAMS
+                  // FILL_WINDOW % FILL_STREAMS if not r.num_cached_tokens else FILL_STREAMS
                   for r in self.running}
-        return [finish.get(self._to_seal[p][0], self._steps // SEAL_WINDOW % SEAL_STREAMS) for p in ids]
-
-    def finish_seal(self, pending) -> int:
-        """Hand ``start_seal``'s pages to the cache for compression, keeping the room promised
-        to running requests; pages left open wait for the next seal. Returns how many were
-        handed over."""
-        if pending is None:
-            return 0
-        ids, job = pending
-        promised = self.admission.promised_pages(self._running_needs())
-        left = self.cache.finish_seal(job, min_capacity=promised)
-        self._drop_from_seal(set(ids).difference(left))
-        self._seal_wait = 0
-        self._stuck_seals = self._stuck_seals + 1 if left else 0
-        self._stuck_at = self.cache.capacity_new_pages(keep_reserve=False) if left else 0
-        return len(ids)
-
-    def seal_full_pages(self, reqs, force: bool = False) -> int:
-        """Collect and seal in one call (the engine's step splits the two around its forward)."""
-        self.collect_full_pages(reqs)
-        return self.finish_seal(self.start_seal(force))
-
-    def _seal_stuck(self) -> bool:
-        """The last seal left pages open for want of room, and no room came back since (no page
-        freed): sealing them again would fail again (SEAL_BACKOFF)."""
-        return self._stuck_seals > 0 and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
-
-    def _drop_from_seal(self, pages) -> None:
-        """Pages sealed, freed or evicted: no longer waiting for a seal."""
-        for p in pages:
-            self._to_seal.pop(p, None)
-
-    def _seal_now(self) -> bool:
-        """Seal every collected page at once (before preempting: they may make room); whether
-        the capacity grew."""
-        before = self.cache.capacity_new_pages(keep_reserve=False)
-        self.finish_seal(self.start_seal(force=True))
-        return self.cache.capacity_new_pages(keep_reserve=False) > before
+        return [finish.get(o, self._steps // FILL_WINDOW % FILL_STREAMS) for o in owners]
 
     def retire(self, req: Request) -> None:
         """The request will finish with the step now on the GPU, whose token is not back yet (the
@@ -438,11 +343,9 @@ class Scheduler:
 
     def _free_pages(self, req: Request) -> None:
         """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
-        self._drop_from_seal(self.prefix.release(req.pages))
+        self.pages.release(req.pages)
         req.pages = []
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached page nobody holds; how many were freed."""
-        evicted = self.prefix.clear()
-        self._drop_from_seal(evicted)
-        return len(evicted)
+        return self.pages.evict_all()

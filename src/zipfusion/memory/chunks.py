@@ -8,11 +8,14 @@ Shared mode: one pool for all layers (a chunk freed by layer 3 can serve layer 1
 Static mode (``shared=False``, the "no pool" baseline): chunk ``c`` belongs for ever to layer
 ``c // (num_chunks // num_layers)``; leftover chunks are never used.
 
-Reads in flight: on CUDA, ``release`` records an event on the current stream; the chunk only
+Reads in flight: on CUDA, ``release`` records an event on the current stream; the chunk
 re-enters its pool once that event has completed (``event.query()``), so a kernel that was
 enqueued before the free and still reads the chunk cannot see another layer's bytes. When a
-pool is empty and chunks are pending, ``take`` waits for the oldest pending event. On CPU (and
-for the accounting-only ``meta`` device) chunks return at once.
+pool is empty and chunks are pending, ``take`` hands out the oldest pending one and makes the
+current stream wait for its event (``Stream.wait_event``): the device, not the host, waits, so a
+seal or an allocation placed while a forward runs never stalls the host (every write into an
+arena chunk is a kernel queued on the current stream after ``take``). On CPU (and for the
+accounting-only ``meta`` device) chunks return at once.
 """
 
 from __future__ import annotations
@@ -51,34 +54,27 @@ class ChunkPool:
     def pending(self) -> int:
         return len(self._pending)
 
-    def _collect(self, wait_for_pool: int | None = None) -> None:
-        """Move pending chunks whose event completed back to their pool.
-
-        With ``wait_for_pool`` set and that pool empty, wait for its oldest pending chunk.
-        """
+    def _collect(self) -> None:
+        """Move pending chunks whose event completed back to their pool."""
         while self._pending:
             chunk, pool, event = self._pending[0]
-            done = event is None or event.query()
-            if not done and wait_for_pool is not None and pool == wait_for_pool \
-                    and not self._free[wait_for_pool]:
-                event.synchronize()
-                done = True
-            if not done:
+            if event is not None and not event.query():
                 break
             self._pending.popleft()
             self._pending_count[pool] -= 1
             self._free[pool].append(chunk)
 
     def take(self, pool: int) -> int:
-        """A free chunk of ``pool``. The caller checked ``available(pool) > 0``."""
+        """A free chunk of ``pool``. The caller checked ``available(pool) > 0``. With none free,
+        the oldest pending chunk of the pool, the current stream made to wait for the reads
+        enqueued before its release (no host wait)."""
         if not self._free[pool]:
-            self._collect(wait_for_pool=pool)
+            self._collect()
         if not self._free[pool]:
-            # pending chunks of this pool sit behind other pools' events in the queue
             for i, (chunk, p, event) in enumerate(self._pending):
                 if p == pool:
                     if event is not None:
-                        event.synchronize()
+                        event.wait()                # the current stream waits, the host goes on
                     del self._pending[i]
                     self._pending_count[pool] -= 1
                     return chunk

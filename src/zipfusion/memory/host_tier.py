@@ -201,7 +201,7 @@ class HostTier:
             for r in records:
                 r.copied = done
 
-    def take(self, records: list[Record], ids, stream: int = 0, min_capacity: int = 0) -> list[int]:
+    def take(self, records: list[Record], ids, stream: int = 0, min_capacity: int = 0, reclaim=None) -> list[int]:
         """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit; returns
         the ids left open. A page that was stored compressed goes back into packed space as its
         bytes are (``KVCacheManager.seal_stored``: no decode, nothing to seal again; fill stream
@@ -219,7 +219,7 @@ class HostTier:
             nbytes = np.stack([r.nbytes for r in records], axis=1)          # [L, n]
             open_form = np.stack([r.open_form for r in records], axis=1)
             start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(ids.size, -1).T   # [L, n]
-            left = self._restore(ids, staged, start, nbytes, open_form, stream, min_capacity)
+            left = self._restore(ids, staged, start, nbytes, open_form, stream, min_capacity, reclaim)
         self.stats.pages_in += ids.size
         self.stats.bytes_in += int(nbytes.sum())
         return left
@@ -239,7 +239,7 @@ class HostTier:
         return staged
 
     def _restore(self, ids: np.ndarray, staged: torch.Tensor | None, start: np.ndarray, nbytes: np.ndarray,
-                 open_form: np.ndarray, stream: int, min_capacity: int) -> list[int]:
+                 open_form: np.ndarray, stream: int, min_capacity: int, reclaim=None) -> list[int]:
         """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
         open forms copied into their slots, pages that were stored sealed from their bytes
         (``seal_stored``), the compressed layers of those left open decoded into their slots."""
@@ -252,7 +252,8 @@ class HostTier:
         left = ids[~sealable].tolist()
         if sealable.any():
             m.set_streams(ids[sealable], np.full(int(sealable.sum()), stream))
-            still = set(m.seal_stored(ids[sealable], staged, start[:, sealable], nbytes[:, sealable], min_capacity))
+            still = set(m.seal_stored(ids[sealable], staged, start[:, sealable], nbytes[:, sealable], min_capacity,
+                                      reclaim))
             left += sorted(still)
             sealable &= ~np.isin(ids, list(still))
         if staged is None:

@@ -51,6 +51,9 @@ from .page_table import OPEN, STATE_NAMES, STORED, PageTable
 from .stats import LayerStats, MemoryStats
 
 
+Reclaim = Callable[[np.ndarray], object] | None     # offered the pages compaction would move; may free some
+
+
 class SealJob(NamedTuple):
     """Pages whose sizes are being analyzed (``KVCacheManager.analyze_pages``)."""
     ids: np.ndarray
@@ -107,8 +110,6 @@ class KVCacheManager:
         self._stored_bytes = 0                             # all layers, stored pages
         self._counts = {OPEN: 0, STORED: 0}
         self.pages_compressed = self.pages_moved = self.bytes_moved = self.compactions = 0
-        # compaction first offers the pages it would move (the prefix cache frees those nobody holds)
-        self.reclaim: Callable[[np.ndarray], object] | None = None
         self.pages_reclaimed = 0
 
     # ================================================================== capacity
@@ -136,11 +137,12 @@ class KVCacheManager:
                                                                                           keep_reserve)
 
     # ================================================================== allocation
-    def alloc_pages(self, n: int, keep_reserve: bool = True) -> list[int]:
+    def alloc_pages(self, n: int, keep_reserve: bool = True, reclaim: Reclaim = None) -> list[int]:
         """``n`` new open pages (one in every layer); their page ids.
 
         Raises MemoryExhausted, with nothing changed, when they do not fit (with the reserve
-        kept, or counting it too when ``keep_reserve`` is False).
+        kept, or counting it too when ``keep_reserve`` is False). ``reclaim``: the caller's
+        policy for pages compaction would move (:meth:`_compact_layer`).
         """
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
             raise ValueError(f"alloc_pages(n) needs a non-negative int, got {n!r}")
@@ -154,7 +156,7 @@ class KVCacheManager:
                 f"{cap}; preempt a request (free its pages) and retry", needed=n, available=cap)
         g = self.open.groups_needed(n)
         if g:
-            self._make_room_for_groups(g, self.reserve if keep_reserve else 0)
+            self._make_room_for_groups(g, self.reserve if keep_reserve else 0, reclaim)
             for _ in range(g):
                 chunks = np.array([self.pool.take(self.pool.pool_of(l)) for l in range(self.num_layers)],
                                   dtype=np.int64)
@@ -169,7 +171,7 @@ class KVCacheManager:
         self._counts[OPEN] += n
         return ids.tolist()
 
-    def _make_room_for_groups(self, g: int, reserve: int) -> None:
+    def _make_room_for_groups(self, g: int, reserve: int, reclaim: Reclaim) -> None:
         """Compact until the pool(s) hold ``g`` groups beyond ``reserve`` chunks per layer, the
         emptiest chunks first. Shared pool: in rounds, each layer gives at most twice its share
         (one layer asked for all would repack denser chunks while others hold near-empty ones)."""
@@ -183,14 +185,14 @@ class KVCacheManager:
                     for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
                         if missing <= 0:
                             break
-                        missing -= self._compact_layer(layer, want=missing if last else min(missing, share))
+                        missing -= self._compact_layer(layer, missing if last else min(missing, share), reclaim)
                     if missing == before or last:
                         break
         else:
             for layer in range(L):
                 missing = g + reserve - self.pool.available(layer)
                 if missing > 0:
-                    self._compact_layer(layer, want=missing)
+                    self._compact_layer(layer, missing, reclaim)
         if self._groups_available(False, reserve == self.reserve) < g:   # capacity bound was checked
             raise AssertionError("compaction freed fewer chunks than its bound promised")
 
@@ -245,7 +247,7 @@ class KVCacheManager:
         state, sizes = self._analyze(ids)
         return SealJob(ids, state, sizes)
 
-    def seal_pages(self, ids: Iterable[int], min_capacity: int = 0) -> list[int]:
+    def seal_pages(self, ids: Iterable[int], min_capacity: int = 0, reclaim: Reclaim = None) -> list[int]:
         """Full open pages -> compressed pages in every layer; returns the ids left open
         (``analyze_pages`` then ``seal_analyzed``).
 
@@ -269,10 +271,10 @@ class KVCacheManager:
         that finds no room it stays open, with every later one: valid open pages, to be
         compressed again later.
         """
-        return self.seal_analyzed(self.analyze_pages(ids), min_capacity)
+        return self.seal_analyzed(self.analyze_pages(ids), min_capacity, reclaim)
 
     def seal_stored(self, ids: Iterable[int], buf: torch.Tensor | None, start: np.ndarray, nbytes: np.ndarray,
-                    min_capacity: int = 0) -> list[int]:
+                    min_capacity: int = 0, reclaim: Reclaim = None) -> list[int]:
         """Seal open pages whose encoding exists already (the host tier's swap-in): layer ``l`` of
         page ``ids[i]`` is ``nbytes[l, i]`` bytes at ``start[l, i]`` of ``buf`` (None: no bytes, an
         accounting manager), or its open form where that is a whole open page (then it is in the
@@ -282,34 +284,39 @@ class KVCacheManager:
         ids = self.table.check(ids, OPEN, "seal_stored")
         nbytes = np.asarray(nbytes, dtype=np.int64).reshape(self.num_layers, ids.size)
         state = None if buf is None else codec.stored(buf, start, nbytes)
-        return self.seal_analyzed(SealJob(ids, state, nbytes), min_capacity)
+        return self.seal_analyzed(SealJob(ids, state, nbytes), min_capacity, reclaim)
 
     def set_streams(self, ids: Iterable[int], streams: Iterable[int]) -> None:
         """The fill stream each page is sealed into (packed.py: pages expected to be freed together
         share chunks); 0 until set."""
         self.page_stream[np.asarray(list(ids), dtype=np.int64)] = np.asarray(list(streams), dtype=np.int64)
 
-    def seal_analyzed(self, job: "SealJob", min_capacity: int = 0) -> list[int]:
+    def seal_analyzed(self, job: "SealJob", min_capacity: int = 0, reclaim: Reclaim = None,
+                      keep: Iterable[int] | None = None) -> list[int]:
         """The second half of :meth:`seal_pages`: wait for the job's sizes, place and encode,
-        stream by stream (``set_streams``), each in the order given."""
+        stream by stream (``set_streams``), each in the order given. ``keep``: the job's pages
+        still to seal (default: all of them); the others were freed since the analysis (their
+        ids may even be open pages again, other ones) and are left alone."""
         t = self.table
-        ids = t.check(job.ids, OPEN, "seal_pages")        # none freed since the analysis
+        ids = np.asarray(job.ids, dtype=np.int64)
+        alive = np.ones(ids.size, bool) if keep is None else np.isin(ids, np.asarray(list(keep), dtype=np.int64))
+        t.check(ids[alive], OPEN, "seal_pages")            # none freed since the analysis
         n = ids.size
-        if n == 0:
+        if not alive.any():
             return []
         sizes = (job.sizes if isinstance(job.sizes, np.ndarray) else job.sizes.get()).reshape(self.num_layers, n)
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
         streams = self.page_stream[ids]
         left = []
-        for stream in dict.fromkeys(streams.tolist()):              # in order of first appearance
+        for stream in dict.fromkeys(streams[alive].tolist()):       # in order of first appearance
             self.packed.use_stream(stream)
-            order = np.nonzero(streams == stream)[0]                  # as given (a request's pages together)
-            left += self._seal_in_order(ids, order, sizes, stored, job.state, min_capacity)
-        t.sync(ids)                        # one copy of the touched page_loc columns to the device
+            order = np.nonzero((streams == stream) & alive)[0]        # as given (a request's pages together)
+            left += self._seal_in_order(ids, order, sizes, stored, job.state, min_capacity, reclaim)
+        t.sync(ids[alive])                 # one copy of the touched page_loc columns to the device
         return left
 
     def _seal_in_order(self, ids: np.ndarray, order: np.ndarray, sizes: np.ndarray, stored: np.ndarray, state,
-                       min_capacity: int) -> list[int]:
+                       min_capacity: int, reclaim: Reclaim) -> list[int]:
         """Place and encode the pages ``ids[order]`` wave by wave (``seal_pages``); the ids left open."""
         t, S, n = self.table, self.slots_per_chunk, order.size
         by_slot = False
@@ -317,10 +324,10 @@ class KVCacheManager:
         while i < n:
             k, split = self._wave(stored[:, order[i:]])
             part = order[i:i + k]
-            ok = self._compress_batch(ids, part, sizes[:, part], state, split, min_capacity)
+            ok = self._compress_batch(ids, part, sizes[:, part], state, split, min_capacity, reclaim)
             if not ok and k > S:           # the wave would cut into promised room: one batch
                 k, part = S, order[i:i + S]
-                ok = self._compress_batch(ids, part, sizes[:, part], state, None, min_capacity)
+                ok = self._compress_batch(ids, part, sizes[:, part], state, None, min_capacity, reclaim)
             if not ok and not by_slot:     # the rest in open-slot order: each batch empties a group
                 rest = order[i:]
                 order[i:] = rest[np.lexsort((t.slot[ids[rest]], t.group[ids[rest]]))]
@@ -365,7 +372,7 @@ class KVCacheManager:
         return (need <= avail[:, None] + more).all(0)
 
     def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state,
-                        split=None, min_capacity: int = 0) -> bool:
+                        split=None, min_capacity: int = 0, reclaim: Reclaim = None) -> bool:
         """Place, encode (one launch) and account the pages ``ids[part]`` (encoded ``sizes``
         [L, k]); then free their open slots. ``split``: their placement when the caller knows
         it fits, else ``_make_room_for_packing`` makes room. False (nothing changed): no room,
@@ -377,7 +384,7 @@ class KVCacheManager:
         stored = np.where(as_open, open_bytes, sizes)
         flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
         if split is None:
-            split = self._make_room_for_packing(stored)
+            split = self._make_room_for_packing(stored, reclaim)
             if split is None:
                 return self._compress_staged(batch, flat, stored, as_open, state, min_capacity)
         if not self._affordable(batch, stored, split, min_capacity):
@@ -460,7 +467,7 @@ class KVCacheManager:
                                         reclaim=self.packed.reclaimable_bound(need, stored.sum(1)))
         return free_slots + S * groups >= min(self.capacity_new_pages(), min_capacity)
 
-    def _make_room_for_packing(self, stored: np.ndarray):
+    def _make_room_for_packing(self, stored: np.ndarray, reclaim: Reclaim):
         """The placement split for ``packed.place`` once every layer can take the fresh chunks
         that placing ``stored`` [L, k] needs (the reserve may be used), compacting if it must;
         None if even compaction cannot make the room. Compaction moves fill pointers, so the
@@ -472,13 +479,13 @@ class KVCacheManager:
                 missing = int(need.sum()) - self.pool.available(0)
                 if missing <= 0:
                     break
-                if self._compact_layer(layer, want=missing):
+                if self._compact_layer(layer, missing, reclaim):
                     split = self.packed.placement(stored)
                     need = self.packed.chunks_needed(stored, split)
             return split if self.pool.available(0) >= need.sum() else None
         for layer in np.nonzero(need)[0].tolist():
             missing = int(need[layer]) - self.pool.available(layer)
-            if missing > 0 and self._compact_layer(layer, want=missing):
+            if missing > 0 and self._compact_layer(layer, missing, reclaim):
                 split = self.packed.placement(stored)
                 need = self.packed.chunks_needed(stored, split)
             if self.pool.available(layer) < need[layer]:
@@ -486,7 +493,7 @@ class KVCacheManager:
         return split
 
     # ================================================================== compaction
-    def compact(self, layers: Iterable[int] | None = None) -> int:
+    def compact(self, layers: Iterable[int] | None = None, reclaim: Reclaim = None) -> int:
         """Repack every layer's compressed pages so that chunks with holes return to the pool.
 
         Moves page bytes bit-exactly and updates ``page_loc``; returns the chunks freed. Only
@@ -496,21 +503,22 @@ class KVCacheManager:
         layers = range(self.num_layers) if layers is None else list(layers)
         for layer in layers:
             self._check_layer(layer)
-        return sum(self._compact_layer(int(layer)) for layer in layers)
+        return sum(self._compact_layer(int(layer), None, reclaim) for layer in layers)
 
-    def _compact_layer(self, layer: int, want: int | None = None) -> int:
+    def _compact_layer(self, layer: int, want: int | None, reclaim: Reclaim) -> int:
         """Repack the layer's emptiest packed chunks, enough to free ``want`` chunks (all of
-        them when None); returns the chunks freed. Pages the ``reclaim`` hook frees (cached
-        pages nobody holds) are dropped instead of moved."""
+        them when None); returns the chunks freed. The pages it would move are first offered to
+        ``reclaim`` (the caller's policy: the page store evicts cached pages nobody holds);
+        those it frees are dropped instead of moved."""
         if self.packed.held[layer] < 2:
             return 0
         plan = self._repack_plan(layer, want)
         gone = 0
-        if plan is not None and self.reclaim is not None:
+        if plan is not None and reclaim is not None:
             held = int(self.packed.held[layer])
             ids, locs, _, (order, new_locs, *_) = plan
             before = self._counts[STORED]
-            self.reclaim(ids[order[new_locs[order] != locs[order]]])
+            reclaim(ids[order[new_locs[order] != locs[order]]])
             if self._counts[STORED] < before:                    # pages freed: plan again
                 self.pages_reclaimed += before - self._counts[STORED]
                 gone = held - int(self.packed.held[layer])       # chunks emptied by the frees

@@ -112,11 +112,13 @@ class PrefixCache:
             self._evictable.pop(node.page, None)
         return [node.page for node in chain]
 
-    def swap_in(self, nodes: list[Node], pages: list[int], stream: int = 0, min_capacity: int = 0) -> list[int]:
+    def swap_in(self, nodes: list[Node], pages: list[int], stream: int = 0, min_capacity: int = 0,
+                reclaim=None) -> list[int]:
         """Bring host-tier ``nodes`` back into the open ``pages`` (just allocated; the caller
         holds them); those that were compressed are placed compressed where there is room
-        (``HostTier.take``). Returns the pages left open, for the caller to seal."""
-        left = self.host.take([n.host for n in nodes], pages, stream, min_capacity)
+        (``HostTier.take``; ``reclaim``: compaction's policy there). Returns the pages left open,
+        for the caller to seal."""
+        left = self.host.take([n.host for n in nodes], pages, stream, min_capacity, reclaim)
         for node, page in zip(nodes, pages):
             del self._on_host[node.node_id]
             node.page, node.host, node.refs = page, None, 1

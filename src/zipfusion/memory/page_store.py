@@ -1,0 +1,182 @@
+"""PageStore: one owner for a page's life, from allocation to free.
+
+A page is allocated open (``alloc``), written by the forwards, becomes *full*, is offered to the
+prefix cache and queued for the seal, is sealed (compressed and placed in its layer's packed
+space), may be moved by compaction or evicted to the host tier, and is freed (``free``, or the
+prefix cache letting go of it). Every one of those steps goes through this object, so the seal
+queue always knows which pages still exist.
+
+The engine calls it at two points of a step:
+
+* :meth:`before_forward`: when a seal is due, the encoded sizes of the pages waiting are
+  analysed on the device (launched, not waited for);
+* :meth:`after_forward`, once the forward is launched: the analysis launched in an *earlier*
+  step is placed and encoded (its sizes reached the host when that step's sampled tokens did,
+  so reading them never waits for the device), then the pages the step filled are collected.
+
+So compression costs the decode path no device-to-host sync: the host's placement runs while the
+forward runs on the device, and capacity lags the seal by one step (pages count as open until
+placed), never promising room that is not there. :meth:`seal_now` is the scheduler's last resort
+before a preemption: everything waiting sealed at once (this one may wait for the device).
+
+The scheduler asks it for capacity (``capacity``, ``make_room``: evicting cached pages nobody
+holds until n new pages fit), allocation and release. Policies from above are given at
+construction: ``fill_stream_of`` (which fill stream each owner's pages join: memory/packed.py)
+and ``promised`` (the new pages admission promised to running requests, which a seal must not
+take). Compaction's moves are offered to the prefix cache first: cached pages nobody holds are
+evicted (to the host tier, if any) rather than moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..format.layout import PAGE_TOKENS
+from .prefix_cache import PrefixCache
+
+UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
+SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
+                        # (the cache's ``seal_batch``) or this many steps after the last seal:
+                        # one call's fixed cost (analysis, placement) serves many pages
+SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
+                        # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
+                        # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
+                        # H200's long_swap run 9.6 s of sealing against the long run's 4.5 s;
+                        # simulated long_recompute, 4 seeds: host seal time 9-14 -> 1.3-1.5 s,
+                        # 27-40 -> 8-16 preemptions, prefill 1.06-1.12 -> 1.04-1.13x the prompts)
+
+
+class PageStore:
+    def __init__(self, cache, *, prefix_caching: bool = True, host_tier=None,
+                 fill_stream_of: Callable[[list[int]], list[int]] | None = None,
+                 promised: Callable[[], int] | None = None):
+        """``cache``: the engine's KV cache (engine/kv_cache.py; under tensor parallelism rank 0's
+        lock-step view). ``fill_stream_of(owners)``: each owner's fill stream (default 0);
+        ``promised()``: new pages the seal must leave room for (default 0)."""
+        self.cache = cache
+        self.kv_compression = bool(getattr(cache, "kv_compression", False))
+        self.prefix = PrefixCache(self._freed, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
+                                  enabled=prefix_caching, host=host_tier)
+        self._fill_stream_of = fill_stream_of or (lambda owners: [0] * len(owners))
+        self._promised = promised or (lambda: 0)
+        self.seal_min_pages = getattr(cache, "seal_batch", 1)
+        # full pages not sealed yet (or left open: no room), each with its place in the seal
+        # order: (owner, page index), so that a request's pages are placed together, share
+        # packed chunks and free them together
+        self._queue: dict[int, tuple[int, int]] = {}
+        self._job = None                       # the cache's seal job: analysed, not placed yet
+        self._job_ids: list[int] = []          # its pages, in seal order
+        self._job_ready = False                # its sizes are on the host (a step has passed)
+        self._in_flight: set[int] = set()      # its pages not freed since
+        self._wait = 0                         # steps since the last seal's analysis
+        self._stuck = 0                        # seals in a row that left pages open (no room)
+        self._stuck_at = 0                     # the capacity after the last of them
+
+    # -- capacity, allocation, release: what the scheduler asks --------------------------------
+    def capacity(self, keep_reserve: bool = True) -> int:
+        """New pages that fit now (``keep_reserve=False``: the compression reserve counted too)."""
+        return int(self.cache.capacity_new_pages(keep_reserve=keep_reserve))
+
+    def make_room(self, n: int, keep_reserve: bool = True) -> int:
+        """Evict cached pages nobody holds (least recently used first) until ``n`` new pages fit
+        or none is left; the capacity then."""
+        return self.prefix.make_room(n, keep_reserve)[0]
+
+    def alloc(self, n: int, keep_reserve: bool = True) -> list[int]:
+        return self.cache.alloc(n, keep_reserve=keep_reserve, reclaim=self._reclaim) if n > 0 else []
+
+    def release(self, pages: Sequence[int]) -> None:
+        """A request lets go of its pages: cached ones stay (evictable), the others are freed."""
+        self.prefix.release(pages)
+
+    def evict_all(self) -> int:
+        """Evict every cached page nobody holds; how many were freed."""
+        return len(self.prefix.clear())
+
+    def _freed(self, ids: list[int]) -> None:
+        """Free pages in the cache (the prefix cache's one way to free): they leave the seal queue."""
+        self.cache.free(ids)
+        for p in ids:
+            self._queue.pop(p, None)
+            self._in_flight.discard(p)
+
+    def _reclaim(self, pages) -> None:
+        """Compaction would move these pages: cached ones nobody holds are evicted instead."""
+        self.prefix.evict_pages(pages)
+
+    def swap_in(self, nodes: list, pages: list[int], stream: int) -> None:
+        """Bring cached pages back from the host tier into the new pages ``pages``; compressed ones
+        are placed compressed where there is room, the others wait open for the next seal."""
+        left = self.prefix.swap_in(nodes, pages, stream, self._promised(), self._reclaim)
+        if self.kv_compression:
+            self._queue.update((p, (UNOWNED, p)) for p in left)
+
+    # -- the seal: the engine's two points of a step -------------------------------------------
+    def before_forward(self) -> None:
+        """When a seal is due (a compress batch waiting, or SEAL_MAX_WAIT steps since the last;
+        longer after seals that found no room) and none is in flight, launch the size analysis
+        of every page waiting."""
+        if self._job is None and self._due():
+            self._start()
+
+    def after_forward(self, filled: Sequence = ()) -> int:
+        """The forward is launched: place and encode the seal analysed in an earlier step, then
+        collect the pages the requests ``filled`` have filled (offered to the prefix cache,
+        queued for a seal). Returns how many pages were handed to the cache's seal."""
+        sealed = self._finish() if self._job_ready else 0
+        self._job_ready = self._job is not None     # launched this step: placed at the next one's
+        self._collect(filled)
+        return sealed
+
+    def seal_now(self) -> bool:
+        """Seal every waiting page now (the scheduler's last resort before preempting a running
+        request: compressed pages make room); whether the capacity grew."""
+        before = self.cache.capacity_new_pages(keep_reserve=False)
+        if self._job is not None:
+            self._finish()
+        if self._queue:
+            self._start()
+            self._finish()
+        return self.cache.capacity_new_pages(keep_reserve=False) > before
+
+    def _due(self) -> bool:
+        if not self._queue:
+            return False
+        stuck = self._stuck > 0 and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
+        wait = SEAL_MAX_WAIT << min(self._stuck - 1, SEAL_BACKOFF) if stuck else SEAL_MAX_WAIT
+        return self._wait >= wait or (not stuck and len(self._queue) >= self.seal_min_pages)
+
+    def _start(self) -> None:
+        ids = sorted(self._queue, key=self._queue.__getitem__)
+        self.cache.set_seal_streams(ids, self._fill_stream_of([self._queue[p][0] for p in ids]))
+        self._job, self._job_ids, self._job_ready = self.cache.start_seal(ids), ids, False
+        self._in_flight = set(ids)
+        self._wait = 0
+
+    def _finish(self) -> int:
+        job, alive = self._job, [p for p in self._job_ids if p in self._in_flight]
+        self._job, self._job_ids, self._job_ready, self._in_flight = None, [], False, set()
+        left = self.cache.finish_seal(job, min_capacity=self._promised(), reclaim=self._reclaim,
+                                      keep=alive) if alive else []
+        for p in set(alive).difference(left):
+            self._queue.pop(p, None)
+        self._stuck = self._stuck + 1 if left else 0
+        self._stuck_at = self.cache.capacity_new_pages(keep_reserve=False) if left else 0
+        return len(alive)
+
+    def _collect(self, reqs: Sequence) -> None:
+        """The pages that filled up: offered to the prefix cache (such a page never changes
+        again; the open last page is never shared) and queued for the seal (a cache that does
+        not compress has nothing to seal)."""
+        for r in reqs:
+            full = r.num_computed // PAGE_TOKENS
+            for i in range(r.num_sealed_pages, full):
+                r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
+                if self.kv_compression:
+                    self._queue[r.pages[i]] = (r.request_id, i)
+            r.num_sealed_pages = max(r.num_sealed_pages, full)
+        self._wait += 1
+
+    def waiting(self) -> list[int]:
+        """The pages waiting for a seal (in flight included), in seal order."""
+        return sorted(self._queue, key=self._queue.__getitem__)
