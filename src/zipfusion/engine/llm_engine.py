@@ -117,7 +117,6 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
                                    host_tier=self.host_tier)
-        self.pages = self.scheduler.pages      # a page's life, from allocation to free (the seal included)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
@@ -224,6 +223,12 @@ class LLMEngine:
         """Stop the tensor-parallel workers (also done when the engine is collected or at exit)."""
         if self.tp:
             self.tp.shutdown()
+
+    @property
+    def pages(self):
+        """The page store: a page's life from allocation to free, the seal included
+        (memory/page_store.py; the scheduler's)."""
+        return self.scheduler.pages
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
