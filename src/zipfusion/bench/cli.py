@@ -51,7 +51,12 @@ def _common(p: argparse.ArgumentParser, kind: str, compare_default: str = DEFAUL
     p.add_argument("--compare", nargs="?", const=compare_default, default=None, metavar="MODES",
                    help=f"run these modes one after the other, each in its own process, and print their ratios: "
                         f"comma-separated of {', '.join(MODES)} (bare --compare: {compare_default})")
-    p.add_argument("--mode", default="compressed", help="the one mode to run without --compare (default: %(default)s)")
+    if kind == "kernel":
+        p.add_argument("--mode", default=None, help="one mode alone (default: all three, as --compare)")
+    else:
+        p.add_argument("--mode", default="compressed", help="the one mode to run without --compare "
+                       "(default: %(default)s)")
+    p.set_defaults(default_modes=compare_default if kind == "kernel" else "compressed")
     p.add_argument("--out", default=f"zipfusion-bench-{kind}",
                    help="writes OUT.json and OUT.png (default: %(default)s, in this folder)")
     if kind == "kernel":
@@ -207,7 +212,7 @@ def _engine_args(text: str) -> dict:
 
 def cmd_bench(args) -> int:
     from . import parse_modes
-    modes = parse_modes(args.compare if args.compare is not None else args.mode)
+    modes = parse_modes(args.compare if args.compare is not None else args.mode or args.default_modes)
     args.argv = getattr(args, "argv", None)
     kind = args.bench_command
     if kind != "kernel":

@@ -137,11 +137,10 @@ def fit(prompt: int, output: int, max_len: int) -> tuple[int, int]:
     return max(1, min(prompt, max_len - 1 - output)), output
 
 
-def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | None = None, vocab: int = 2048,
-          max_len: int | None = None, range_ratio: float = 0.0, text: bool = False) -> Dataset:
-    """``n`` requests of ``dist``. ``seed`` draws the lengths, ``id_seed`` (default ``seed``) the
-    tokens: one set of lengths can be sent with fresh tokens (a prefix cache would find the same
-    prompts cached). The shared prefix counts within ``max_len``."""
+def lengths(dist: LengthDist, n: int, *, seed: int = 0, max_len: int | None = None,
+            range_ratio: float = 0.0) -> tuple[list[int], list[int], int]:
+    """``n`` (prompt, output) lengths of ``dist`` (prompts without the shared prefix), cut to fit
+    ``max_len`` with the prefix; and how many were cut."""
     if n < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {n}")
     if not 0 <= range_ratio < 1:
@@ -152,14 +151,22 @@ def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | 
         olens = lognormal(dist.output, dist.output_cap, n, rng)
     else:
         plens, olens = uniform(dist.prompt, range_ratio, n, rng), uniform(dist.output, range_ratio, n, rng)
+    if max_len is None:
+        return plens, olens, 0
+    if dist.shared_prefix >= max_len // 2:
+        raise ValueError(f"a shared prefix of {dist.shared_prefix} tokens leaves too little of max_model_len={max_len}")
+    fitted = [fit(p, o, max_len - dist.shared_prefix) for p, o in zip(plens, olens)]
+    clipped = sum(f != po for f, po in zip(fitted, zip(plens, olens)))
+    return [p for p, _ in fitted], [o for _, o in fitted], clipped
+
+
+def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | None = None, vocab: int = 2048,
+          max_len: int | None = None, range_ratio: float = 0.0, text: bool = False) -> Dataset:
+    """``n`` requests of ``dist``. ``seed`` draws the lengths, ``id_seed`` (default ``seed``) the
+    tokens: one set of lengths can be sent with fresh tokens (a prefix cache would find the same
+    prompts cached). The shared prefix counts within ``max_len``."""
+    plens, olens, clipped = lengths(dist, n, seed=seed, max_len=max_len, range_ratio=range_ratio)
     prefix = dist.shared_prefix
-    clipped = 0
-    if max_len is not None:
-        if prefix >= max_len // 2:
-            raise ValueError(f"a shared prefix of {prefix} tokens leaves too little of max_model_len={max_len}")
-        fitted = [fit(p, o, max_len - prefix) for p, o in zip(plens, olens)]
-        clipped = sum(f != (p, o) for f, (p, o) in zip(fitted, zip(plens, olens)))
-        plens, olens = [p for p, _ in fitted], [o for _, o in fitted]
     id_seed = seed if id_seed is None else id_seed
     groups = -(-n // dist.group)
     if text:

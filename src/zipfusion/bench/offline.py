@@ -65,6 +65,8 @@ def warm_up(eng, max_len: int) -> None:
     eng.scheduler.reset_prefix_cache()                              # the run starts with a cold cache
     eng.scheduler.prefix.stats = type(eng.scheduler.prefix.stats)()
     eng.peak_kv_stats = None
+    if eng.host_tier is not None:
+        eng.host_tier.start(wait=True)            # its pinned buffer, before the clock starts
 
 
 def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label="", turns=None):

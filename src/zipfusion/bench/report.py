@@ -38,8 +38,8 @@ def versions() -> dict:
                                     timeout=10).stdout.strip()
     try:
         v["git_commit"] = git("rev-parse", "--short", "HEAD") or None
-        v["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".")) \
-            if v["git_commit"] else None
+        # tracked files changed since that commit: the run's code is not the commit's alone
+        v["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no")) if v["git_commit"] else None
     except (OSError, subprocess.SubprocessError):
         v["git_commit"] = v["git_dirty"] = None
     return v
@@ -128,7 +128,7 @@ def save(result: dict, out: str, plot=None) -> str:
     return f"wrote {json_path}" + (f" and {png_path}" if drawn else "")
 
 
-def fmt(v, spec: str = "{:,.1f}") -> str:
+def fmt(v, spec: str = "{:,.0f}") -> str:
     if v is None or (isinstance(v, float) and (v != v)):
         return "-"
     if isinstance(v, float) and math.isinf(v):

@@ -178,14 +178,14 @@ class Server:
 
     def settled_memory(self, seconds: float = 30.0) -> dict:
         """The memory once the process's RSS stops moving (a GPU server pins its host tier in the
-        background after start-up): three readings a second apart within 16 MiB, at most ``seconds``."""
+        background after start-up): three readings half a second apart within 16 MiB, at most ``seconds``."""
         readings = []
         deadline = time.monotonic() + seconds
         while self.pid is not None and time.monotonic() < deadline:
             readings.append(process_memory(self.pid)["rss_mib"] or 0.0)
             if len(readings) >= 3 and max(readings[-3:]) - min(readings[-3:]) <= 16:
                 break
-            time.sleep(1.0)
+            time.sleep(0.5)
         return self.memory()
 
     def stop(self) -> None:
