@@ -159,6 +159,11 @@ def test_metrics_text_and_memory_flatness():
     assert m == {"zipfusion:num_requests_running": 3.0, "zipfusion:kv_compressible_fraction": 0.75}
     assert serve.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1100.0})["flat"] is True
     assert serve.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1400.0})["flat"] is False
+    # judged after the first rate (its kernel builds are no leak), the whole growth reported
+    m = serve.memory_check({"rss_mib": 1000.0, "gpu_used_mib": 9000.0}, {"rss_mib": 1400.0, "gpu_used_mib": 9500.0},
+                           {"rss_mib": 1350.0, "gpu_used_mib": 9000.0})
+    assert m["growth_mib"] == {"rss_mib": 400.0, "gpu_used_mib": 500.0} and m["flat"] is False
+    assert m["growth_after_first_rate_mib"] == {"rss_mib": 50.0, "gpu_used_mib": 500.0}
     assert serve.memory_check({"rss_mib": None}, {"rss_mib": None})["flat"] is None
     assert serve.process_memory(__import__("os").getpid())["rss_mib"] > 0
 

@@ -105,14 +105,11 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        epilog="\n\n".join(EXAMPLES.values()))
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{serve,throughput,latency,kernel}")
 
-    s = bsub.add_parser("serve", formatter_class=Formatter, epilog=EXAMPLES["serve"],
-                        help="the serving benchmark: rates, TTFT/TPOT/ITL, goodput, compressed vs uncompressed",
-                        description="Requests to zipfusion serve (one started per mode on 127.0.0.1, or --url) at a "
-                                    "sweep of Poisson request rates or a closed loop; per rate TTFT / TPOT / ITL "
-                                    "p50 / p99, output tok/s, requests/s and goodput; with --compare, the highest "
-                                    "rate each mode sustains within the SLO and their ratio.")
-    _common(s, "serve")
-    s.add_argument("--device", default="auto", help="the server's device: cuda, cpu or auto (default: %(default)s)")
+    s = _subcommand(bsub, "serve", "the serving benchmark: rates, TTFT/TPOT/ITL, goodput, compressed vs uncompressed",
+                    "Requests to zipfusion serve (one started per mode on 127.0.0.1, or --url) at a sweep of Poisson "
+                    "request rates or a closed loop; per rate TTFT / TPOT / ITL p50 / p99, output tok/s, requests/s "
+                    "and goodput; with --compare, the highest rate each mode sustains within the SLO and their "
+                    "ratio.", device_help="the server's device: cuda, cpu or auto (default: %(default)s)")
     s.add_argument("--url", default=None, help="a running zipfusion serve to use instead of starting one (one mode)")
     _dataset(s, 100)
     s.add_argument("--request-rates", default="inf",
@@ -141,48 +138,46 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--metrics-interval", type=float, default=2.0,
                    help="seconds between /metrics samples while a rate runs (default: %(default)s)")
     s.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines (default: %(default)s)")
-    s.set_defaults(func=cmd_bench)
 
-    t = bsub.add_parser("throughput", formatter_class=Formatter, epilog=EXAMPLES["throughput"],
-                        help="offline LLM.generate over a dataset, every request at once",
-                        description="Offline: every request of a dataset at once (LLM.generate's loop, after a "
-                                    "warm-up), each mode in its own process; total and output tok/s, requests/s, "
-                                    "peak batch, preemptions, the KV's stored ratio.")
-    _common(t, "throughput")
-    t.add_argument("--device", default="auto", help="cuda, cpu or auto (default: %(default)s)")
+    t = _subcommand(bsub, "throughput", "offline LLM.generate over a dataset, every request at once",
+                    "Offline: every request of a dataset at once (LLM.generate's loop, after a warm-up), each mode "
+                    "in its own process; total and output tok/s, requests/s, peak batch, preemptions, the KV's "
+                    "stored ratio.")
     _dataset(t, 200)
     _offline(t)
-    t.set_defaults(func=cmd_bench)
 
-    lat = bsub.add_parser("latency", formatter_class=Formatter, epilog=EXAMPLES["latency"],
-                          help="one batch: prefill time, then per-token decode time",
-                          description="One batch of --batch-size requests with --input-len prompts: the time "
-                                      "until each has its first token (prefill), then per output token (decode), "
-                                      "over --num-iters batches, each mode in its own process.")
-    _common(lat, "latency")
-    lat.add_argument("--device", default="auto", help="cuda, cpu or auto (default: %(default)s)")
+    lat = _subcommand(bsub, "latency", "one batch: prefill time, then per-token decode time",
+                      "One batch of --batch-size requests with --input-len prompts: the time until each has its "
+                      "first token (prefill), then per output token (decode), over --num-iters batches, each mode "
+                      "in its own process.")
     lat.add_argument("--batch-size", type=int, default=8, help="requests in the batch (default: %(default)s)")
     lat.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: %(default)s)")
     lat.add_argument("--output-len", type=int, default=128, help="output tokens (default: %(default)s)")
     lat.add_argument("--num-iters", type=int, default=5, help="measured batches (default: %(default)s)")
     lat.add_argument("--num-iters-warmup", type=int, default=1, help="batches before them (default: %(default)s)")
     _offline(lat)
-    lat.set_defaults(func=cmd_bench)
 
-    k = bsub.add_parser("kernel", formatter_class=Formatter, epilog=EXAMPLES["kernel"],
-                        help="decode attention: compressed vs uncompressed kernel vs FlashInfer (CUDA)",
-                        description="Decode attention of Llama-3.1-8B's shape over paged KV with a given share of "
-                                    "compressible blocks: the fused kernel over compressed pages (compressed), the "
-                                    "same kernel over open pages (uncompressed) and FlashInfer's (flashinfer, "
-                                    "skipped with a note when it is not installed). Needs a CUDA GPU.")
-    _common(k, "kernel", compare_default="compressed,uncompressed,flashinfer")
-    k.add_argument("--device", default="auto", help="cuda, or cpu for a tiny smoke run (default: %(default)s)")
+    k = _subcommand(bsub, "kernel", "decode attention: compressed vs uncompressed kernel vs FlashInfer (CUDA)",
+                    "Decode attention of Llama-3.1-8B's shape over paged KV with a given share of compressible "
+                    "blocks: the fused kernel over compressed pages (compressed), the same kernel over open pages "
+                    "(uncompressed) and FlashInfer's (flashinfer, skipped with a note when it is not installed). "
+                    "Needs a CUDA GPU.", device_help="cuda, or cpu for a tiny smoke run (default: %(default)s)",
+                    compare_default="compressed,uncompressed,flashinfer")
     k.add_argument("--fractions", default="1,0.92,0.5,0", help="compressible fractions of the KV; 0.92: the real "
                    "model's statistics (default: %(default)s)")
     k.add_argument("--batches", default="32", help="batch sizes, comma-separated (default: %(default)s)")
     k.add_argument("--contexts", default="8192", help="context lengths, comma-separated (default: %(default)s)")
-    k.set_defaults(func=cmd_bench)
     return b
+
+
+def _subcommand(bsub, name: str, help: str, description: str, device_help: str = "cuda, cpu or auto (default: "
+                "%(default)s)", compare_default: str = DEFAULT_COMPARE) -> argparse.ArgumentParser:
+    """A ``zipfusion bench`` subcommand with its example, the options every one has and --device."""
+    p = bsub.add_parser(name, formatter_class=Formatter, epilog=EXAMPLES[name], help=help, description=description)
+    _common(p, name, compare_default)
+    p.add_argument("--device", default="auto", help=device_help)
+    p.set_defaults(func=cmd_bench)
+    return p
 
 
 def _resolve_device(device: str) -> str:

@@ -65,26 +65,13 @@ def worker(job: dict) -> dict:
 
 
 def plot(result: dict, path: str) -> bool:
-    plt = report.pyplot()
-    recs = [r for r in result["records"] if "prefill_s" in r]
-    if plt is None or not recs:
-        return False
-    keys = [("prefill_s_p50", "prefill (s)"), ("decode_ms_per_token_p50", "decode per token (ms)"),
-            ("e2e_s_p50", "whole batch (s)")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
-    for ax, (k, title) in zip(axes, keys):
-        vals = [r[k] for r in recs]
-        ax.bar([r["mode"] for r in recs], vals, color=["C0", "C1", "C2"][:len(recs)])
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
-        ax.set_title(title + ", p50", fontsize=9)
     c = result["config"]
-    fig.suptitle(f"zipfusion bench latency: {c['model']} on {result['meta']['device_name']}, batch "
-                 f"{c['batch_size']} x ({c['input_len']} + {c['output_len']}) tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return report.mode_bars([r for r in result["records"] if "prefill_s" in r],
+                            [("prefill_s_p50", "prefill (s), p50", "{:.3g}"),
+                             ("decode_ms_per_token_p50", "decode per token (ms), p50", "{:.3g}"),
+                             ("e2e_s_p50", "whole batch (s), p50", "{:.3g}")],
+                            f"zipfusion bench latency: {c['model']} on {result['meta']['device_name']}, batch "
+                            f"{c['batch_size']} x ({c['input_len']} + {c['output_len']}) tokens", path)
 
 
 def run(args, modes: list[str], device: str, engine: dict) -> int:

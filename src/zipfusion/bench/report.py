@@ -180,3 +180,22 @@ def ratio_table(rs: dict, labels: dict[str, str]) -> str:
         return ""
     rows = [{"name": name, **vals} for name, vals in rs.items()]
     return text_table(rows, [("name", "ratio", "{}")] + [(k, h, "{:.3f}x") for k, h in labels.items()])
+
+
+def mode_bars(recs: list[dict], keys: list[tuple[str, str, str]], title: str, path: str) -> bool:
+    """One bar chart per key (key, title, value format), a bar per mode; False without matplotlib or runs."""
+    plt = pyplot()
+    if plt is None or not recs:
+        return False
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
+    for ax, (k, name, spec) in zip(axes, keys):
+        vals = [r[k] for r in recs]
+        ax.bar([r["mode"] for r in recs], vals, color=[f"C{i}" for i in range(len(recs))])
+        for i, v in enumerate(vals):
+            ax.text(i, v, fmt(v, spec), ha="center", va="bottom", fontsize=8)
+        ax.set_title(name, fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

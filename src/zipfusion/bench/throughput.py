@@ -84,25 +84,12 @@ def identical_outputs(records: list[dict]) -> bool | None:
 
 
 def plot(result: dict, path: str) -> bool:
-    plt = report.pyplot()
-    recs = [r for r in result["records"] if "output_tok_s" in r]
-    if plt is None or not recs:
-        return False
-    keys = [("total_tok_s", "total tok/s"), ("output_tok_s", "output tok/s"), ("peak_batch", "peak batch")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
-    for ax, (k, title) in zip(axes, keys):
-        vals = [r[k] for r in recs]
-        ax.bar([r["mode"] for r in recs], vals, color=["C0", "C1", "C2"][:len(recs)])
-        for i, v in enumerate(vals):
-            ax.text(i, v, report.fmt(v, "{:,.0f}" if v >= 10 else "{:.2f}"), ha="center", va="bottom", fontsize=8)
-        ax.set_title(title, fontsize=9)
-    m, ds = result["meta"], result["config"]
-    fig.suptitle(f"zipfusion bench throughput: {result['config']['model']} on {m['device_name']}, "
-                 f"{ds['dataset']} x {ds['num_prompts']}, KV {ds['kv_memory_gb'] or 'default'} GiB", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    c = result["config"]
+    return report.mode_bars([r for r in result["records"] if "output_tok_s" in r],
+                            [("total_tok_s", "total tok/s", "{:,.1f}"), ("output_tok_s", "output tok/s", "{:,.1f}"),
+                             ("peak_batch", "peak batch", "{}")],
+                            f"zipfusion bench throughput: {c['model']} on {result['meta']['device_name']}, "
+                            f"{c['dataset']} x {c['num_prompts']}, KV {c['kv_memory_gb'] or 'default'} GiB", path)
 
 
 def run(args, modes: list[str], device: str, engine: dict) -> int:
