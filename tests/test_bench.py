@@ -301,3 +301,29 @@ def test_the_comparison_of_modes_and_their_server_flags():
     ratio = comp["ratios"]["compressed/uncompressed"]
     assert ratio["max_rate_within_slo"] == 1.5 and ratio["max_output_tok_s"] == 1.5
     assert math.isnan(ratio["peak_running"]) and "compressed/flashinfer" not in comp["ratios"]
+
+
+def test_merge_of_runs_one_mode_each(tmp_path, capsys):
+    """--merge: one mode per call (a time limit per call), then one comparison; runs of another
+    workload are refused in one line."""
+    def run_json(path, mode, rate_ok, kv=16.0):
+        row = serve.rate_row([synthetic_record(0.0, 0.1, [0.01] * 4, 5)], 1.0, rate_ok, {"ttft": 500.0})
+        row.update(server={"peak_running": 2, "preemptions": 0}, memory_after={"rss_mib": 100.0})
+        config = {"model": "m", "dataset": "reasoning", "length_dist": {}, "num_prompts": 1, "prompt_format": "ids",
+                  "kv_memory_gb": kv, "max_concurrency": None, "goodput": {"ttft": 500.0}, "slo_attainment": 0.9,
+                  "seed": 0, "modes": [mode], "num_prompts_note": None}
+        path.write_text(json.dumps({"meta": {"command": f"run {mode}", "device_name": "gpu"}, "config": config,
+                                    "modes": {mode: {"rates": [row], "summary": serve.mode_summary([row], {"ttft": 500.0},
+                                                                                                   0.9)}}}))
+    run_json(tmp_path / "u.json", "uncompressed", 2.0)
+    run_json(tmp_path / "c.json", "compressed", 3.0)
+    assert main(["bench", "serve", "--merge", str(tmp_path / "u.json"), str(tmp_path / "c.json"),
+                 "--out", str(tmp_path / "both")]) == 0
+    merged = json.loads((tmp_path / "both.json").read_text())
+    assert merged["config"]["modes"] == ["compressed", "uncompressed"]              # compressed first: the ratios
+    assert merged["comparison"]["ratios"]["compressed/uncompressed"]["max_rate_within_slo"] == 1.5
+    assert merged["meta"]["command"] == "run uncompressed; run compressed"
+    assert "compressed/uncompressed" in capsys.readouterr().out.strip().splitlines()[-1]
+    run_json(tmp_path / "c8.json", "compressed", 3.0, kv=8.0)
+    assert main(["bench", "serve", "--merge", str(tmp_path / "u.json"), str(tmp_path / "c8.json")]) == 2
+    assert "kv_memory_gb" in capsys.readouterr().err

@@ -23,6 +23,9 @@ EXAMPLES = {
   # fixed rates, or a closed loop of 32 clients, against a server that is already running
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates 1,2,4,inf --dataset chat
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates inf --max-concurrency 32
+  # one mode per call (a time limit per call), then one comparison of the two
+  zipfusion bench serve ... --mode compressed --out c; zipfusion bench serve ... --mode uncompressed --out u
+  zipfusion bench serve --merge c.json u.json --out both
   # the CPU demo model, tiny
   zipfusion bench serve --model demo --device cpu --compare --dataset random --input-len 32 \\
       --output-len 8 --num-prompts 8 --request-rates 4""",
@@ -138,6 +141,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--metrics-interval", type=float, default=2.0,
                    help="seconds between /metrics samples while a rate runs (default: %(default)s)")
     s.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines (default: %(default)s)")
+    s.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="runs nothing: combine earlier runs' OUT.json (e.g. one mode per call where a call has a "
+                        "time limit; same workload, KV memory and SLO) into one comparison at --out")
 
     t = _subcommand(bsub, "throughput", "offline LLM.generate over a dataset, every request at once",
                     "Offline: every request of a dataset at once (LLM.generate's loop, after a warm-up), each mode "
@@ -205,7 +211,24 @@ def _engine_args(text: str) -> dict:
     return extra
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_bench(args) -> int:
+    """SIGTERM (e.g. timeout(1)) ends a run as Ctrl-C does: the servers and workers it started are stopped."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return _cmd_bench(args)
+    before = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _cmd_bench(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _cmd_bench(args) -> int:
     from . import parse_modes
     modes = parse_modes(args.compare if args.compare is not None else args.mode or args.default_modes)
     args.argv = getattr(args, "argv", None)
@@ -218,7 +241,7 @@ def cmd_bench(args) -> int:
     if kind == "serve":
         from .stats import parse_goodput
         slo = parse_goodput(args.goodput)       # before anything starts: a typo costs nothing
-        device = args.device if args.url else _resolve_device(args.device)
+        device = args.device if args.url or args.merge else _resolve_device(args.device)
         from .serve import run
         return run(args, modes, device, slo)
     device = _resolve_device(args.device)

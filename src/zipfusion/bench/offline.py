@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -182,6 +183,16 @@ def device_name(eng) -> str:
     return torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
 
 
+def die_with_parent() -> None:
+    """A ``preexec_fn``: the child gets SIGTERM when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG), so that no worker or server outlives a benchmark killed outright."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):          # not Linux: the finally blocks alone
+        pass
+
+
 def run_worker(cmd: list[str], timeout: float, threads: int = 0) -> dict:
     """``cmd`` (a worker) in its own process; its stderr (progress) is shown as it comes. Returns
     its ``RESULT`` dict, or ``{"error": ...}`` (with its last output) when it failed or ran past
@@ -193,7 +204,7 @@ def run_worker(cmd: list[str], timeout: float, threads: int = 0) -> dict:
            "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
            **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=die_with_parent)
 
         def pump():
             for line in p.stderr:

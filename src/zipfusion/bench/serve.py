@@ -33,10 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zlib
 
 from . import MODES, datasets, flashinfer_skip_reason, report
-from .offline import note
+from .offline import die_with_parent, note
 from .stats import goodput, summary
 
 LOG = "zipfusion bench serve"
@@ -145,7 +146,7 @@ class Server:
                "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
         fd, log_path = tempfile.mkstemp(prefix=f"zipfusion_bench_serve_{port}_", suffix=".log")
         with os.fdopen(fd, "w") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         server = cls(f"http://127.0.0.1:{port}", proc, log_path, cmd, device)
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -469,6 +470,7 @@ class Run:
         self.args, self.mode, self.dist, self.slo, self.server = args, mode, dist, slo, server
         self.rows: list[dict] = []
         self.max_len, self.model = None, None
+        self.after_rate = lambda: None
 
     def connect(self) -> None:
         import httpx
@@ -521,6 +523,7 @@ class Run:
             f"TPOT p50 {report.fmt(row['tpot_ms']['p50'], '{:.1f}')} ms"
             + (f", goodput {row['goodput_req_s']:.2f} req/s ({row['slo_attainment']:.0%} in SLO)" if self.slo else "")
             + f", peak batch {row['server']['peak_running']:.0f}, {row['server']['preemptions']:.0f} preemptions")
+        self.after_rate()
         return row
 
 
@@ -539,7 +542,7 @@ def sweep_rates(saturation: float, fractions: list[float], grid: list[float]) ->
     return sorted(set(grid) | {float(f"{r:.3g}") for r in own if r > max(grid) * 1.05})
 
 
-def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float]) -> dict:
+def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float], checkpoint=None) -> dict:
     if args.url:
         server = Server(args.url.rstrip("/"), device=device)
     else:
@@ -549,6 +552,8 @@ def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float]) -
         server = Server.start(args.model, device, server_flags(args, mode), args.startup_timeout)
         log(f"[{mode}] server up in {time.perf_counter() - t0:.0f} s at {server.url} (log: {server.log_path})")
     run = Run(args, mode, dist, slo, server)
+    if checkpoint is not None:
+        run.after_rate = lambda: checkpoint(mode, {"server": server.info(), "rates": run.rows})
     try:
         run.connect()
         run.warm_up()
@@ -633,7 +638,9 @@ def plot(result: dict, path: str) -> bool:
         axes[1][1].set_ylabel(name)
     for ax, key, name in panels:
         ax.set_ylabel(name)
-        ax.set_yscale("log")
+        with warnings.catch_warnings():            # one point (one rate): matplotlib widens the limits itself
+            warnings.simplefilter("ignore", UserWarning)
+            ax.set_yscale("log")
         if key[:4] in slo:
             ax.axhline(slo[key[:4]], color="gray", ls=":", lw=1, label="SLO")
     axes[1][0].set_ylabel("output tokens/s")
@@ -661,6 +668,8 @@ def check_client() -> None:
 
 
 def run(args, modes: list[str], device: str, slo: dict) -> int:
+    if args.merge:
+        return merge(args.merge, args.out)
     check_client()
     if args.url and len(modes) > 1:
         raise ValueError("--url is one running server, so one mode: --compare starts a server per mode "
@@ -696,6 +705,13 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
                        "sampled every --metrics-interval s; memory_after: the server process after the rate."}
     log(f"{LOG}: {args.model} on {meta['device_name']}, {args.dataset} x {args.num_prompts} per rate, "
         f"modes {', '.join(modes)}")
+    json_path, _ = report.out_paths(args.out)
+
+    def checkpoint(mode: str, partial: dict) -> None:
+        """The JSON so far after every rate: a run cut short (a time limit) keeps what it measured."""
+        result["modes"][mode] = {**partial, "partial": True}
+        report.write_json(result, json_path)
+
     grid: list[float] = []
     for i, mode in enumerate(modes):
         why = flashinfer_skip_reason(device) if mode == "flashinfer" and not args.url else None
@@ -705,15 +721,55 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
             continue
         log(f"[{i + 1}/{len(modes)}] {mode}")
         try:
-            result["modes"][mode] = run_mode(args, mode, dist, slo, device, grid)
+            result["modes"][mode] = run_mode(args, mode, dist, slo, device, grid, checkpoint)
         except (RuntimeError, OSError, ValueError) as exc:
             log(f"[{mode}] FAILED: {exc}")
-            result["modes"][mode] = {"error": " ".join(str(exc).split())}
+            result["modes"][mode] = {**result["modes"].get(mode, {}), "error": " ".join(str(exc).split())}
         if args.sweep and not grid and result["modes"][mode].get("rates"):
             grid = sorted(float(r["request_rate"]) for r in result["modes"][mode]["rates"][1:])
-    result["comparison"] = comparison(result, modes)
+    return finish(result, args.out)
+
+
+MATCH = ("model", "dataset", "length_dist", "num_prompts", "prompt_format", "kv_memory_gb", "max_concurrency",
+         "goodput", "slo_attainment", "seed")
+
+
+def merge(paths: list[str], out: str) -> int:
+    """Earlier runs' JSON (e.g. one mode per call, where a call has a time limit) as one
+    comparison; they must have measured the same workload at the same KV memory and SLO."""
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--merge {path}: {exc}") from None
+        if "modes" not in results[-1] or "config" not in results[-1]:
+            raise ValueError(f"--merge {path}: not a zipfusion bench serve result")
+    first = results[0]["config"]
+    for path, r in zip(paths[1:], results[1:]):
+        differ = [k for k in MATCH if r["config"].get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"--merge: {path} measured another workload than {paths[0]} ({', '.join(differ)} "
+                             "differ); merge runs of one workload at one KV memory and SLO")
+    modes = {}
+    for r in results:
+        modes.update({m: v for m, v in r["modes"].items() if m not in modes or "rates" in v})
+    order = sorted(modes, key=lambda m: (m != "compressed", list(modes).index(m)))
+    meta = {**results[-1]["meta"], "command": "; ".join(r["meta"]["command"] for r in results),
+            "parts": [r["meta"] for r in results]}
+    result = {"meta": meta, "config": {**results[0]["config"], "modes": order, "merged_from": list(paths)},
+              "modes": {m: modes[m] for m in order}, "notes": results[0].get("notes")}
+    return finish(result, out)
+
+
+def finish(result: dict, out: str) -> int:
+    """The comparison, JSON + PNG, then the tables (the comparison last); 1 when a request
+    failed or was lost, or a mode failed."""
+    slo, attainment = result["config"]["goodput"], result["config"]["slo_attainment"]
+    result["comparison"] = comparison(result, result["config"]["modes"])
     failed = sum(m["summary"]["failed"] + m["summary"]["lost"] for m in result["modes"].values() if "summary" in m)
-    print(report.save(result, args.out, plot))
+    print(report.save(result, out, plot))
     print(report.text_table(table_rows(result), COLUMNS))
     for mode, m in result["modes"].items():
         if "memory" in m:
@@ -726,7 +782,7 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
                   + f", tolerance {FLAT_MIB:.0f} MiB)")
     per = result["comparison"]["per_mode"]
     if slo:
-        print(f"SLO {' '.join(f'{k}:{v:g}' for k, v in slo.items())} ms, >= {args.slo_attainment:.0%} of requests: "
+        print(f"SLO {' '.join(f'{k}:{v:g}' for k, v in slo.items())} ms, >= {attainment:.0%} of requests: "
               + "; ".join(f"{m} sustains {report.fmt(s['max_rate_within_slo'], '{:.3g}')} req/s" for m, s in per.items()))
     if result["comparison"]["ratios"]:
         print(report.ratio_table(result["comparison"]["ratios"],
