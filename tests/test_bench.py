@@ -293,7 +293,8 @@ def test_the_comparison_of_modes_and_their_server_flags():
     assert serve.server_flags(args, "compressed") == ["--kv-memory-gb", "16.0", "--max-model-len", "4096",
                                                       "--max-num-seqs", "128", "--no-enable-prefix-caching"]
     assert serve.server_flags(args, "flashinfer")[4:7] == ["--no-kv-compression", "--attention-backend", "flashinfer"]
-    result = {"modes": {"compressed": {"summary": {"max_rate_within_slo": 6.0, "max_output_tok_s": 900.0}},
+    result = {"config": {"goodput": {}},
+              "modes": {"compressed": {"summary": {"max_rate_within_slo": 6.0, "max_output_tok_s": 900.0}},
                         "uncompressed": {"summary": {"max_rate_within_slo": 4.0, "max_output_tok_s": 600.0}},
                         "flashinfer": {"skipped": "FlashInfer runs on CUDA only"}}}
     comp = serve.comparison(result, ["compressed", "uncompressed", "flashinfer"])
@@ -327,3 +328,23 @@ def test_merge_of_runs_one_mode_each(tmp_path, capsys):
     run_json(tmp_path / "c8.json", "compressed", 3.0, kv=8.0)
     assert main(["bench", "serve", "--merge", str(tmp_path / "u.json"), str(tmp_path / "c8.json")]) == 2
     assert "kv_memory_gb" in capsys.readouterr().err
+
+
+def test_the_highest_rate_within_the_slo_needs_every_lower_rate_within_it_too():
+    slo = {"ttft": 150.0}
+    fast, slow = synthetic_record(0.0, 0.1, [0.01], 2), synthetic_record(0.0, 0.3, [0.01], 2)
+    rows = []
+    for rate, rec in ((1.0, slow), (2.0, fast), (4.0, fast)):
+        row = serve.rate_row([rec], 1.0, rate, slo)
+        row["server"] = {}
+        rows.append(row)
+    assert serve.mode_summary(rows, slo, 0.9)["max_rate_within_slo"] == 0.0      # the lowest rate missed it
+    assert serve.mode_summary(rows[1:], slo, 0.9)["max_rate_within_slo"] == 4.0
+    assert serve.mode_summary(rows[1:], {}, 0.9)["max_rate_within_slo"] is None
+    # a run cut short (a time limit): summarised from the rates it finished, marked partial
+    result = {"config": {"goodput": slo, "slo_attainment": 0.9},
+              "modes": {"compressed": {"rates": rows[1:], "partial": True},
+                        "uncompressed": {"summary": serve.mode_summary(rows[1:2], slo, 0.9)}}}
+    comp = serve.comparison(result, ["compressed", "uncompressed"])
+    assert comp["per_mode"]["compressed"]["partial"] and comp["ratios"]["compressed/uncompressed"][
+        "max_rate_within_slo"] == 2.0

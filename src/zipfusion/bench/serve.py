@@ -349,12 +349,24 @@ async def run_rate(url: str, ds: datasets.Dataset, rate: float, *, model: str | 
     recs: list[dict | None] = [None] * n
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30)) as client, \
             httpx.AsyncClient(timeout=30) as side:
+        async def one(i: int) -> dict:
+            """A request bounded by ``timeout`` seconds in all; whatever goes wrong is its error."""
+            t0 = time.perf_counter()
+            try:
+                return await asyncio.wait_for(send(client, url, ds.prompts[i], ds.output_lens[i], model, timeout),
+                                              timeout)
+            except asyncio.TimeoutError:
+                why = f"no answer within --timeout {timeout:g} s"
+            except Exception as exc:                     # noqa: BLE001 - counted as failed, never lost
+                why = f"{type(exc).__name__}: {exc}"
+            return {"ok": False, "error": why, "sent": t0, "chunks": [], "tokens": 0}
+
         async def go(i: int) -> None:
             if sem is None:
-                recs[i] = await send(client, url, ds.prompts[i], ds.output_lens[i], model, timeout)
+                recs[i] = await one(i)
                 return
             async with sem:
-                recs[i] = await send(client, url, ds.prompts[i], ds.output_lens[i], model, timeout)
+                recs[i] = await one(i)
 
         start = time.perf_counter()
         sent = [0]
@@ -417,10 +429,15 @@ def within_slo(row: dict, attainment: float) -> bool:
 
 
 def mode_summary(rows: list[dict], slo: dict, attainment: float) -> dict:
-    """What the comparison takes from one mode's rates."""
-    finite = [r for r in rows if r["request_rate"] != "inf"]
-    ok = [r["request_rate"] for r in finite if slo and within_slo(r, attainment)]
-    return {"max_rate_within_slo": max(ok) if ok else (None if not slo else 0.0),
+    """What the comparison takes from one mode's rates. ``max_rate_within_slo``: the highest
+    Poisson rate that, with every lower rate run, was sustained within the SLO (0: not even the
+    lowest; None: no SLO given)."""
+    best = 0.0
+    for r in sorted((r for r in rows if r["request_rate"] != "inf"), key=lambda r: r["request_rate"]):
+        if not within_slo(r, attainment):
+            break
+        best = r["request_rate"]
+    return {"max_rate_within_slo": best if slo else None,
             "max_goodput_req_s": max((r["goodput_req_s"] for r in rows), default=None) if slo else None,
             "max_output_tok_s": max(r["output_tok_s"] for r in rows),
             "max_requests_s": max(r["requests_s"] for r in rows),
@@ -603,7 +620,17 @@ def table_rows(result: dict) -> list[dict]:
 
 
 def comparison(result: dict, modes: list[str]) -> dict:
-    per = {m: result["modes"][m]["summary"] for m in modes if "summary" in result["modes"].get(m, {})}
+    """Per mode its summary (a run cut short, e.g. by a time limit, is summarised from the rates it
+    finished, marked ``partial``), and the first mode's ratios to the others."""
+    c = result["config"]
+    per = {}
+    for m in modes:
+        run = result["modes"].get(m, {})
+        if "summary" in run:
+            per[m] = run["summary"]
+        elif run.get("rates"):
+            per[m] = {**mode_summary(run["rates"], c.get("goodput") or {}, c.get("slo_attainment", 0.9)),
+                      "partial": True}
     return {"per_mode": per, "ratios": report.ratios(per, tuple(RATIO_KEYS), modes[0])}
 
 
