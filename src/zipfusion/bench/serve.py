@@ -687,11 +687,10 @@ def plot(result: dict, path: str) -> bool:
 
 
 def check_client() -> None:
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("httpx") is None:
         raise ImportError("zipfusion bench serve needs httpx, which is not installed; from the zipfusion checkout: "
-                          "pip install -e '.[bench]'") from None
+                          "pip install -e '.[bench]'")
 
 
 def run(args, modes: list[str], device: str, slo: dict) -> int:
