@@ -13,7 +13,9 @@ carry the stored/raw ratio under v2 and v1 and the v1 fraction side by side.
 Every request's pages are scattered (random page ids); all full pages are compressed for the
 fused and unfused kernels; the twin and FlashInfer read the same values from open pages.
 Inputs are rotated over several copies so that no timed call finds its data in L2. Each
-kernel is timed as a CUDA graph of many calls (median over replays).
+kernel is timed as a CUDA graph of many calls (median over replays). The core (pools, cases,
+timing, FlashInfer) is zipfusion.bench.kernel's, which `zipfusion bench kernel` runs for users;
+this script adds the development variants: the unfused baseline, tuning, the diagnostic plots.
 
     python3 benchmarks/attention.py --quick            # batch 32, 8K, fractions 1.0/0.92/0.8/0.5/0.0
     python3 benchmarks/attention.py --tune             # CUDA kernel variants at batch 32, 8K
@@ -27,7 +29,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -35,218 +36,35 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import copy_bandwidth, pyplot  # noqa: E402  (benchmarks/common.py)
+from common import pyplot  # noqa: E402  (benchmarks/common.py)
 
-from zipfusion.analysis.synthetic import (compressible_fraction, model_like_pages,  # noqa: E402
-                                          pages_with_fraction)
-from zipfusion.format import PageLayout, encode_pages_into, page_sizes  # noqa: E402
-from zipfusion.kernels import decode_attention, decode_attention_twin  # noqa: E402
+from zipfusion.bench import kernel as core  # noqa: E402  (zipfusion bench kernel: the shared core)
+from zipfusion.bench.kernel import (REAL_MODEL_FRACTION, FlashInfer, Pool, copy_bandwidth, fmt,  # noqa: E402
+                                    summary, time_calls)
 
 from unfused import decode_attention_unfused, plan_unfused  # noqa: E402  (benchmarks/unfused.py)
 
-HQ, HKV, D, PS = 32, 8, 128, 16
 TUNABLE = ("stages", "num_splits", "tma", "producer")   # knobs of the CUDA kernel
-# name -> (Case method, fixed keyword arguments)
-KERNELS = {"twin": ("run_twin", {}), "fused": ("run_fused", {}), "unfused": ("run_unfused", {}),
-           "twin_triton": ("run_twin", {"backend": "triton"}),
-           "fused_triton": ("run_fused", {"backend": "triton"})}
-LAYOUT = PageLayout(HKV, D)
-POOL = 1024                   # distinct pages per fraction; the arena repeats them
-REAL_MODEL_FRACTION = 0.92    # SmolLM2-135M's v1 fraction with fp32 rope (docs/real_model.md); its
-                              # pool is model_like_pages: v2 compresses every block (~8 % escaped)
-ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
+# name -> (Case method, fixed keyword arguments, traffic): the package's kernels and the unfused baseline
+KERNELS = {**core.KERNELS, "unfused": ("run_unfused", {}, "unfused")}
 DEV = torch.device("cuda")
 
 
-def time_calls(fn, n_sets, reps=11, min_inner=10):
-    """Median seconds per call of fn(i) (i cycles over the input copies), as a CUDA graph."""
-    n_inner = max(min_inner, n_sets)
-    n_inner = -(-n_inner // n_sets) * n_sets
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(3, n_inner)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(n_inner):
-                fn(i)
-        run, how = g.replay, "graph"
-    except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
-        print(f"  (graph capture failed: {type(e).__name__}: {e}; timing eager launches)")
-        torch.cuda.synchronize()
-
-        def run():
-            for i in range(n_inner):
-                fn(i)
-        how = "eager"
-    run()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / n_inner)
-    return statistics.median(ts), (max(ts) - min(ts)), how
-
-
-class Pool:
-    """POOL distinct pages with a given compressible fraction, open and encoded."""
-
-    def __init__(self, fraction, seed):
-        if fraction == REAL_MODEL_FRACTION:     # the real model's outlier statistics (issue 23)
-            self.pages = model_like_pages(POOL, HKV, D, seed=seed).to(DEV)
-        else:
-            self.pages = pages_with_fraction(POOL, HKV, D, fraction, seed=seed).to(DEV)
-        self.fraction = compressible_fraction(self.pages[:64].cpu())
-        self.sizes = page_sizes(self.pages)                         # [POOL] int64
-        raw = POOL * LAYOUT.open_page_bytes
-        self.formats = {"stored_ratio": float(self.sizes.sum()) / raw,
-                        "stored_ratio_v1": float(page_sizes(self.pages, version=1).sum()) / raw,
-                        "compressible_fraction_v1": compressible_fraction(self.pages[:64].cpu(), 1)}
-        self.offsets = torch.cumsum(self.sizes, 0) - self.sizes
-        self.buf = torch.empty(int(self.sizes.sum()), dtype=torch.uint8, device=DEV)
-        encode_pages_into(self.pages, self.buf, self.offsets)
-
-
-class Case:
-    """B requests of ctx tokens: open caches (FlashInfer/twin) and compressed arenas (fused)."""
-
-    def __init__(self, pool: Pool, B, ctx, seed=0):
-        self.B, self.ctx = B, ctx
-        npr = -(-ctx // PS)
-        P = B * npr
-        reps = -(-P // POOL)
-        idx = torch.arange(P, device=DEV) % POOL
-        self.open_bytes = P * LAYOUT.open_page_bytes
-        self.sets = max(1, min(64, -(-ROTATE_BYTES // self.open_bytes)))
-        # open caches: [sets, P, 2, 16, H, D] (FlashInfer's NHD paged layout)
-        self.kv = pool.pages[idx].unsqueeze(0).repeat(self.sets, 1, 1, 1, 1, 1)
-        self.loc_o = torch.arange(P, device=DEV, dtype=torch.int64) * LAYOUT.open_page_bytes | 1
-        # compressed arenas: page i = pool page i % POOL, packed back to back
-        arena = pool.buf.repeat(reps)
-        sizes = pool.sizes[idx]
-        self.loc_c = torch.cumsum(sizes, 0) - sizes
-        self.comp_bytes = int(sizes.sum())
-        arena = arena[:self.comp_bytes]
-        self.arena_c = arena.unsqueeze(0).repeat(self.sets, 1)
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.bt = torch.randperm(P, generator=g).view(B, npr).to(torch.int32).to(DEV)
-        self.lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
-        self.q = torch.randn(B, HQ, D, generator=g).to(torch.bfloat16).to(DEV)
-        self.out = torch.empty_like(self.q)
-        self.P = P
-        self.plan = None
-
-    def arena_o(self, i):
-        return self.kv[i % self.sets].view(-1).view(torch.uint8)
-
-    def run_twin(self, i, **kw):
-        return decode_attention_twin(self.q, self.arena_o(i), self.loc_o, self.bt, self.lens,
-                                     LAYOUT, D ** -0.5, self.out, validate=False, **kw)
-
-    def run_fused(self, i, **kw):
-        return decode_attention(self.q, self.arena_c[i % self.sets], self.loc_c, self.bt,
-                                self.lens, LAYOUT, D ** -0.5, self.out, validate=False, **kw)
+class Case(core.Case):
+    """The package's case (open caches and compressed arenas) with the unfused baseline:
+    decompress every page (Triton), then the twin over the result."""
+    plan = None
 
     def run_unfused(self, i, **kw):
         if self.plan is None:
-            self.plan = plan_unfused(self.arena_c[0], self.loc_c, LAYOUT)
+            self.plan = plan_unfused(self.arena_c[0], self.loc_c, self.layout)
         return decode_attention_unfused(self.q, self.arena_c[i % self.sets], self.loc_c,
-                                        self.bt, self.lens, LAYOUT, D ** -0.5, self.out,
+                                        self.bt, self.lens, self.layout, self.shape.d ** -0.5, self.out,
                                         plan=self.plan, validate=False, **kw)
 
 
-class FlashInfer:
-    def __init__(self):
-        import flashinfer
-        self.fi = flashinfer
-        self.version = flashinfer.__version__
-        self.ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-
-    def prepare(self, case: Case):
-        w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.ws, "NHD", use_tensor_cores=True,
-                                                       backend="fa2")
-        npr = case.bt.shape[1]
-        indptr = torch.arange(case.B + 1, device=DEV, dtype=torch.int32) * npr
-        last = torch.full((case.B,), case.ctx - (npr - 1) * PS, dtype=torch.int32, device=DEV)
-        w.plan(indptr, case.bt.flatten().contiguous(), last, HQ, HKV, D, PS,
-               pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
-               kv_data_type=torch.bfloat16)
-        out = torch.empty_like(case.q)
-
-        def run(i):
-            return w.run(case.q, case.kv[i % case.sets], out=out)
-        return run
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling):
-    """Times and checks one case; returns records."""
-    recs = []
-    outs = {}
-    ref = None
-    if fi is not None:
-        run = fi.prepare(case)
-        ref = run(0).clone()
-        t, spread, how = time_calls(run, case.sets)
-        recs.append(dict(kernel="flashinfer", median_ms=t * 1e3, spread_ms=spread * 1e3,
-                         bytes_read=case.open_bytes, timing=how))
-    for name in kernels:
-        method, fixed = KERNELS[name]
-        fn = getattr(case, method)
-        kw = dict(fixed) if fixed else dict(cfg)
-        o = fn(0, **kw).clone()
-        outs[name] = o
-        t, spread, how = time_calls(lambda i: fn(i, **kw), case.sets)
-        nbytes = dict(twin=case.open_bytes, fused=case.comp_bytes, twin_triton=case.open_bytes,
-                      fused_triton=case.comp_bytes,
-                      unfused=case.comp_bytes + case.open_bytes)[name]
-        r = dict(kernel=name, median_ms=t * 1e3, spread_ms=spread * 1e3, bytes_read=nbytes,
-                 timing=how)
-        if name == "unfused":
-            r["bytes_written"] = case.open_bytes
-        if ref is not None:
-            r["rel_err_vs_flashinfer"] = rel(o, ref)
-        recs.append(r)
-    for tw, fu in (("twin", "fused"), ("twin_triton", "fused_triton")):
-        if tw in outs and fu in outs:
-            same = bool(torch.equal(outs[tw], outs[fu]))
-            for r in recs:
-                if r["kernel"] == fu:
-                    r["bit_identical_to_twin"] = same
-    fi_ms = recs[0]["median_ms"] if fi is not None else None
-    for r in recs:
-        r.update(batch=case.B, context=case.ctx)
-        moved = r["bytes_read"] + r.get("bytes_written", 0)
-        r["achieved_GBps"] = moved / (r["median_ms"] / 1e3) / 1e9
-        r["fraction_of_copy_ceiling"] = r["achieved_GBps"] * 1e9 / ceiling
-        if fi_ms:
-            r["speedup_vs_flashinfer"] = fi_ms / r["median_ms"]
-    return recs
-
-
-def fmt(recs):
-    lines = []
-    for r in recs:
-        lines.append(f"{r['kernel']:>12} B={r['batch']:<3} ctx={r['context']:<6} "
-                     f"f={r['compressible_fraction']:.2f} {r['median_ms']:8.4f} ms "
-                     f"(±{r['spread_ms']:.4f}) {r['achieved_GBps']:7.0f} GB/s "
-                     f"x{r.get('speedup_vs_flashinfer', float('nan')):.3f} "
-                     f"{r.get('variant', '')} "
-                     f"{'bitEQ' if r.get('bit_identical_to_twin') else ''}"
-                     f"{'BIT-MISMATCH' if r.get('bit_identical_to_twin') is False else ''} "
-                     f"err={r.get('rel_err_vs_flashinfer', float('nan')):.2g}")
-    return "\n".join(lines)
+    return core.measure_case(case, fi, kernels, cfg, ceiling, table=KERNELS)
 
 
 def main():
@@ -305,14 +123,14 @@ def main():
     fi = None
     if not args.no_flashinfer:
         t0 = time.time()
-        fi = FlashInfer()
+        fi = FlashInfer(DEV)
         info["flashinfer"] = fi.version
         print(f"flashinfer {fi.version} import {time.time() - t0:.1f}s")
 
     fractions = [1.0, REAL_MODEL_FRACTION, 0.8, 0.5, 0.0]
     if args.fractions:
         fractions = [float(x) for x in args.fractions.split(",")]
-    pools = {f: Pool(f, seed=int(f * 100) + 1) for f in fractions}
+    pools = {f: Pool(f, seed=int(f * 100) + 1, device=DEV) for f in fractions}
     records = []
     if args.tune or args.auto:
         tune_recs = []
@@ -397,16 +215,6 @@ def tune_case(case, fi, ceiling):
                 r["speedup_vs_flashinfer"] = fi_ms / r["median_ms"]
             recs.append(r)
     return recs
-
-
-def summary(records):
-    lines = ["", "| kernel | batch | context | compressible | median ms | GB/s | x FlashInfer |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in records:
-        lines.append(f"| {r['kernel']} {r.get('variant', '')} | {r['batch']} | {r['context']} | "
-                     f"{r['compressible_fraction']:.2f} | {r['median_ms']:.4f} | "
-                     f"{r['achieved_GBps']:.0f} | {r.get('speedup_vs_flashinfer', float('nan')):.3f} |")
-    return "\n".join(lines)
 
 
 def write_md(records, info, path):

@@ -4,11 +4,11 @@ bandwidths are compared with, CUDA-graph replay timing, and pyplot."""
 
 from __future__ import annotations
 
-import json
-import re
-import statistics
-
 import torch
+
+# shared with ``zipfusion bench`` (the package's benchmarks): JSON, figures, the copy ceiling
+from zipfusion.bench.kernel import copy_bandwidth  # noqa: F401
+from zipfusion.bench.report import pyplot, write_json  # noqa: F401
 
 
 def on_weights_of(model, deterministic: bool):
@@ -40,51 +40,6 @@ def engine_on(model_name: str, model=None, **options):
         def build_model(self):
             return on_weights_of(model, self.config.deterministic)
     return SharedWeightsEngine(model_name, **options)
-
-
-def write_json(obj, path) -> None:
-    """JSON with indent 1, but each list of plain numbers on one line (a step log stays one row
-    per step instead of one line per number)."""
-    text = json.dumps(obj, indent=1, default=float)
-    flat = re.sub(r"\[\n\s*([-0-9.eE+, \n\s]*?(?:NaN|Infinity|[-0-9.eE+]+))\n\s*\]",
-                  lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
-    with open(path, "w") as f:
-        f.write(flat + "\n")
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing:
-    a missing figure must not lose the numbers."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no figure (pip install matplotlib)")
-        return None
-    return plt
-
-
-def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (median of 20 copies);
-    NaN off the GPU. This is the ceiling that achieved bandwidths are compared with."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return float("nan")
-    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    return 2 * nbytes / statistics.median(ts)
 
 
 def replay_seconds(graph: "torch.cuda.CUDAGraph", reps: int) -> list[float]:

@@ -41,31 +41,29 @@ record's step log). --scale multiplies request counts and KV GiB alike.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import faulthandler
-import hashlib
-import importlib.util
 import json
-import math
 import os
 import random
 import signal
-import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from zipfusion.bench import MODES as USER_MODES, flashinfer_skip_reason  # noqa: E402
+from zipfusion.bench.datasets import SIGMA, lognormal as lengths, random_prompts  # noqa: E402
+from zipfusion.bench.offline import (STEP_FIELDS, log, run_requests, run_worker, step_rows,  # noqa: E402
+                                     summarize, warm_up)
+from zipfusion.bench.report import fmt as _f, pyplot, versions, write_json  # noqa: E402
+
 DEFAULT_MODES = ("compressed", "uncompressed", "flashinfer")
 MODES = DEFAULT_MODES + ("compressed_packed", "uncompressed_packed", "compressed_async", "uncompressed_async")
 BF16_PEAK = 989.4e12          # H100/H200 SXM dense bf16 FLOP/s (datasheet): the prefill MFU denominator
-SIGMA = 0.8                   # lognormal lengths of the mix: sigma of ln(length)
 # issue 20's goals, total tok/s compressed / uncompressed (and / FlashInfer)
 GOALS = {"burst": 1.03, "mix": 1.12, "long": 1.10, "long_generation": 1.25}
 
@@ -120,24 +118,7 @@ SMOKE = {name: dataclasses.replace(SCENARIOS[name], requests=r, prompt=p, output
          for name, (r, p, o, kv, *more) in SMOKE_SIZES.items()}
 
 
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
-def pct(xs, q):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
-
-
 # ============================================================================ the harness
-def lengths(median: int, cap: int, n: int, rng: random.Random) -> list[int]:
-    if not cap:
-        return [median] * n
-    return [max(1, min(cap, round(math.exp(math.log(median) + SIGMA * rng.gauss(0.0, 1.0))))) for _ in range(n)]
-
-
 def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int], list[list[list[int]]]]:
     """The job's prompts (token ids), output lengths and each request's later turns (the user's
     next messages): a function of the job and the seed alone, so that every mode gets the same."""
@@ -155,76 +136,6 @@ def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int], list[li
     return prompts, lengths(job["output"], job["output_cap"], n, rng), turns
 
 
-def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, vocab - 10, (n,), generator=g).tolist() for n in lens]
-
-
-def warm_up(eng, max_len: int) -> None:
-    """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
-    over its sealed pages alone, then beside a prompt of more than one chunk (mixed steps with a
-    first chunk and a continuation); two prompts then hit its cached prefix; then the engine's
-    counters start afresh. (The decode steps' CUDA graphs are captured when the engine is built.)"""
-    import torch
-    from zipfusion import SamplingParams
-    vocab, batched = eng.model_config.vocab_size, eng.config.max_num_batched_tokens
-    decode = 20 if eng.device.type == "cuda" else 3                 # the CPU's reference paths are slow
-    g = torch.Generator().manual_seed(12345)
-    rand = lambda n: torch.randint(10, vocab - 10, (n,), generator=g).tolist()  # noqa: E731
-    sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
-    first = eng.add_request(rand(min(1024, max_len // 2)), sp(2 * decode))
-    while len(first.output_ids) < decode:
-        eng.step()
-    eng.add_request(rand(max(1, min(batched + batched // 8, max_len - 8))), sp(4))
-    while eng.has_work():
-        eng.step()
-    for n in (40, 300):                    # prefix-cache hits: short and long chunks over cached pages
-        n = min(n, max_len - 4 - len(first.prompt_ids))
-        if n > 0:
-            eng.add_request(first.prompt_ids + rand(n), sp(2))
-    while eng.has_work():
-        eng.step()
-    eng.scheduler.num_preemptions = 0
-    eng.scheduler.reset_prefix_cache()                              # the run starts with a cold cache
-    eng.scheduler.prefix.stats = type(eng.scheduler.prefix.stats)()
-    eng.peak_kv_stats = None
-
-
-def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label="", turns=None):
-    """Every request added at once (or, ``sequential``, each after the previous one finished), the
-    engine stepped until none is left; ``turns[i]``: request i's conversation goes on, each message
-    sent when the previous answer is done (prompt + answer + message). Returns (requests in order
-    of arrival, StepResults without their logits, wall seconds from the first request to the last
-    token)."""
-    from zipfusion import SamplingParams
-    sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
-    steps, reqs, follow = [], [], {}
-    t0 = last = time.perf_counter()
-    pending = list(zip(prompts, outs, turns or [[]] * len(prompts)))
-    while pending or eng.has_work():
-        if pending and (not sequential or not eng.has_work()):
-            batch = pending if not sequential else pending[:1]
-            for p, o, more in batch:
-                reqs.append(eng.add_request(p, sp(o)))
-                follow[reqs[-1].request_id] = (o, more)
-            pending = pending[len(batch):]
-        res = eng.step()
-        for r in res.finished:                      # a conversation's next turn
-            o, more = follow.pop(r.request_id)
-            if more:
-                pending.append((r.prompt_ids + r.output_ids + more[0], o, more[1:]))
-        steps.append(res._replace(logits=None))
-        if on_step is not None:
-            on_step(eng, res)
-        if time.perf_counter() - last > progress_s:
-            last = time.perf_counter()
-            done = sum(r.finish_reason is not None for r in reqs)
-            log(f"  {label} {last - t0:.0f} s: {done}/{len(prompts)} requests done, {len(steps)} steps, "
-                f"{res.running} running, {eng.scheduler.num_preemptions} preemptions")
-    return reqs, steps, time.perf_counter() - t0
-
-
 def model_flops(cfg, tokens: int, context: float) -> float:
     """Forward FLOPs of ``tokens`` tokens attending over ``context`` keys each on average:
     2 x (non-embedding parameters + lm head) per token, plus 4·L·Hq·D per (query, key) pair."""
@@ -233,77 +144,10 @@ def model_flops(cfg, tokens: int, context: float) -> float:
     return 2 * tokens * L * per_layer + 4 * L * cfg.num_attention_heads * cfg.head_dim * tokens * context
 
 
-STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
-               "forward_s", "seal_s", "ahead_s", "recomputed_tokens")
-
-
-def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
-    """A run's numbers; ``base``: cache.stats() after the warm-up (compaction counters are cumulative)."""
-    dec = [x for x in steps if x.prefill_tokens == 0 and x.decode_rows > 0]
-    dec_s = sum(x.seconds for x in dec)
-    pre = [x for x in steps if x.prefill_tokens > 0]
-    peak = max((x.running for x in steps), default=0)
-    at_peak = [x.decode_rows / x.seconds for x in dec if x.decode_rows >= 0.9 * peak and x.seconds > 0]
-    out_tokens = sum(len(r.output_ids) for r in reqs)
-    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
-    ttft = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times]
-    itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
-    now = eng.cache.stats()
-    kv = eng.peak_kv_stats or now                      # at the peak of pages in use: the end holds none
-    fracs = [x["compressible_fraction"] for x in kv.get("layers", [])
-             if x["compressible_fraction"] == x["compressible_fraction"]]
-    computed = sum(x.prefill_tokens for x in steps)
-    nan = float("nan")
-    hit = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and r.num_cached_tokens]
-    miss = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and not r.num_cached_tokens]
-    pc = eng.reuse_stats()
-    # what preemption cost: the steps' seconds in the share of their prefill that was computed
-    # before (recompute), and the host tier's transfers (host seconds and the compute-stream work
-    # they queue, both counted: an upper bound, and every eviction to the tier counts, not only a
-    # preempted request's)
-    recompute_s = sum(x.seconds * x.recomputed_tokens / x.prefill_tokens for x in pre if x.recomputed_tokens)
-    swap_s = sum(pc.get(f"swap_{d}_{w}_s", 0.0) for d in ("out", "in") for w in ("host", "device"))
-    return {
-        "requests": len(reqs), "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
-        "total_tok_s": (prompt_tokens + out_tokens) / wall, "output_tok_s": out_tokens / wall,
-        "decode_tok_s": sum(x.decode_rows for x in dec) / dec_s if dec_s else nan,
-        "decode_tok_s_at_peak_batch": statistics.median(at_peak) if at_peak else nan,
-        "peak_batch": peak, "mean_batch": statistics.mean(x.decode_rows for x in dec) if dec else 0.0,
-        "preemptions": eng.scheduler.num_preemptions,
-        "prefill_tokens_computed": computed, "recompute_ratio": computed / prompt_tokens if prompt_tokens else nan,
-        "prefill_steps_s": sum(x.seconds for x in pre), "decode_steps_s": dec_s,
-        "prefill_step_s_p50": statistics.median(x.seconds for x in pre) if pre else nan,
-        "seal_s": sum(x.seal_s for x in steps), "schedule_s": sum(x.schedule_s for x in steps),
-        "forward_s": sum(x.forward_s for x in steps), "ahead_s": sum(x.ahead_s for x in steps),
-        "sealed_pages": sum(x.sealed_pages for x in steps),     # handed to the seal: retries count again
-        "pages_compressed": now.get("pages_compressed", 0) - base.get("pages_compressed", 0),
-        "compactions": now.get("compactions", 0) - base.get("compactions", 0),
-        "compaction_bytes": now.get("bytes_moved", 0) - base.get("bytes_moved", 0),
-        "pages_reclaimed": now.get("pages_reclaimed", 0) - base.get("pages_reclaimed", 0),
-        "kv_bytes_at_peak": kv.get("bytes_in_use", 0),
-        "compressible_fraction": statistics.mean(fracs) if fracs else nan,
-        "stored_ratio": kv.get("stored_ratio", 1.0),
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
-        "steps": len(steps), "decode_steps": len(dec), "prefill_steps": len(pre),
-        "prefix_cache": pc["prefix_cache_enabled"], "prefix_hit_tokens": pc["prefix_cache_hit_tokens"],
-        "prefix_hit_rate": pc["prefix_cache_hit_rate"], "prefix_evicted_pages": pc["prefix_cache_evicted_pages"],
-        "ttft_hit_p50_s": pct(hit, 50), "ttft_miss_p50_s": pct(miss, 50), "hits": len(hit),
-        "swapped_in_pages": pc.get("swapped_in_pages", 0), "swapped_out_pages": pc.get("swapped_out_pages", 0),
-        "swapped_in_bytes": pc.get("swapped_in_bytes", 0),
-        "recomputed_tokens": sum(x.recomputed_tokens for x in steps), "recompute_s": recompute_s,
-        "swap_s": swap_s, "preemption_s": recompute_s + swap_s,
-        "outputs_sha256": hashlib.sha256(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest(),
-    }
-
-
-def step_rows(steps) -> list:
-    return [[round(v, 6) if isinstance(v, float) else v for v in (getattr(x, f) for f in STEP_FIELDS)] for x in steps]
-
-
 def engine_kwargs(mode: str) -> dict:
-    return {"compressed": dict(kv_compression=True), "uncompressed": dict(kv_compression=False),
-            "flashinfer": dict(kv_compression=False, attention_backend="flashinfer"),
-            "compressed_packed": dict(kv_compression=True, packed_decode=True),
+    if mode in USER_MODES:                      # zipfusion bench's modes
+        return dict(USER_MODES[mode][0])
+    return {"compressed_packed": dict(kv_compression=True, packed_decode=True),
             "uncompressed_packed": dict(kv_compression=False, packed_decode=True),
             "compressed_async": dict(kv_compression=True, async_scheduling=True),
             "uncompressed_async": dict(kv_compression=False, async_scheduling=True)}[mode]
@@ -344,9 +188,7 @@ def worker(job: dict) -> dict:
     vocab = eng.model_config.vocab_size
     prompts, outs, turns = workload(job, vocab)
     build_s = time.perf_counter() - t0
-    warm_up(eng, max_len)
-    if eng.host_tier is not None:
-        eng.host_tier.start(wait=True)            # its pinned buffer, before the clock starts
+    warm_up(eng, max_len)                        # (the host tier's pinned buffer too, before the clock starts)
     warm_s = time.perf_counter() - t0 - build_s
     base = eng.cache.stats()
     label = f"[{job['scenario']}/{job['mode']}]"
@@ -367,15 +209,7 @@ def worker(job: dict) -> dict:
 
 # ============================================================================ the driver
 def skip_reason(mode: str, scen: Scenario, device: str) -> str | None:
-    if mode != "flashinfer":
-        return None
-    if device == "cpu":
-        return "FlashInfer runs on CUDA only; the device is cpu"
-    if scen.deterministic:
-        return "FlashInfer's decode is not batch-invariant (the engine refuses deterministic=True with it)"
-    if importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer is not installed (pip install flashinfer-python, or scripts/gpu/carry_wheels.sh)"
-    return None
+    return flashinfer_skip_reason(device, scen.deterministic) if mode == "flashinfer" else None
 
 
 def make_job(args, name: str, mode: str, prefix_cache: bool = True) -> dict:
@@ -394,45 +228,16 @@ def make_job(args, name: str, mode: str, prefix_cache: bool = True) -> dict:
 
 
 def run_job(job: dict, timeout: float, threads: int = 0) -> dict:
-    """One (scenario, mode) in its own process; its stderr (progress) is shown as it comes.
-    ``threads``: the worker's CPU threads (0: torch's default)."""
+    """One (scenario, mode) in its own process (zipfusion.bench.offline.run_worker: its stderr
+    shown as it comes, where it was kept if it runs out of time). ``threads``: the worker's CPU
+    threads (0: torch's default)."""
     # the worker prints where each thread is 5 s before its time is up (faulthandler)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job), str(max(1.0, timeout - 5))]
-    tail = collections.deque(maxlen=80)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                  **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
-
-        def pump():
-            for line in p.stderr:
-                tail.append(line)
-                sys.stderr.write("    " + line)
-        th = threading.Thread(target=pump, daemon=True)
-        th.start()
-        timed_out = False
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except BaseException:               # SIGTERM (timeout(1)) or Ctrl-C: leave no worker behind
-            p.kill()
-            raise
-        finally:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        th.join(5)
-        out.seek(0)
-        lines = [ln for ln in out.read().splitlines() if ln.startswith("RESULT ")]
-    base = {"scenario": job["scenario"], "mode": job["mode"], "requests": job["requests"],
-            "prefix_cache": job["prefix_cache"], "process_s": time.perf_counter() - t0}
-    if timed_out:
-        return {**base, "error": f"timed out after {timeout:g} s; last output: {''.join(tail)[-3000:]}"}
-    if p.returncode or not lines:
-        return {**base, "error": f"worker exit {p.returncode}: {''.join(tail)[-1500:]}"}
-    return {**json.loads(lines[-1][len("RESULT "):]), "process_s": base["process_s"]}
+    rec = run_worker(cmd, timeout, threads)
+    if "error" not in rec:
+        return rec
+    return {"scenario": job["scenario"], "mode": job["mode"], "requests": job["requests"],
+            "prefix_cache": job["prefix_cache"], **rec}
 
 
 def label(r: dict) -> str:
@@ -493,12 +298,6 @@ def identical_outputs(records: list[dict]) -> dict:
     return {s: len(set(h)) == 1 for s, h in hashes.items() if len(h) > 1}
 
 
-def _f(v, fmt="{:,.0f}"):
-    if v is None or (isinstance(v, float) and v != v):
-        return "-"
-    return fmt.format(v)
-
-
 COLUMNS = [("scenario", "{}"), ("mode", "{}"), ("requests", "{}"), ("wall_s", "{:.1f}"), ("total_tok_s", "{:,.0f}"),
            ("output_tok_s", "{:,.0f}"), ("decode_tok_s", "{:,.0f}"), ("decode_tok_s_at_peak_batch", "{:,.0f}"),
            ("peak_batch", "{}"), ("mean_batch", "{:.1f}"), ("preemptions", "{}"), ("prefill_tokens_computed", "{:,}"),
@@ -549,7 +348,6 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> bool:
-    from common import pyplot
     plt = pyplot()
     if plt is None or not result["ratios"]:
         return False
@@ -583,7 +381,6 @@ def plot(result: dict, path: str) -> bool:
 def write_outputs(result: dict, out: str, steps: dict | None = None) -> str:
     """workloads.json, workloads.md, workloads.png, and steps.json: the records' step logs (taken
     out of the records, plus ``steps`` of earlier runs)."""
-    from common import write_json
     steps = dict(steps or {})
     for r in result["records"]:
         if "step_log" in r:
@@ -601,29 +398,6 @@ def write_outputs(result: dict, out: str, steps: dict | None = None) -> str:
     except Exception as exc:                        # a figure must not lose the numbers
         log(f"no figure: {exc}")
     return md
-
-
-def versions() -> dict:
-    import torch
-    from importlib.metadata import PackageNotFoundError, version
-    v = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for pkg, dists in (("triton", ("triton",)), ("flashinfer", ("flashinfer-python", "flashinfer"))):
-        v[pkg] = None
-        for dist in dists:
-            try:
-                v[pkg] = version(dist)
-                break
-            except PackageNotFoundError:
-                pass
-    git = lambda *a: subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True,  # noqa: E731
-                                    timeout=10).stdout.strip()
-    try:
-        v["git_commit"] = git("rev-parse", "--short", "HEAD") or None
-        # tracked files changed since that commit: the run's code is not the commit's alone
-        v["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".."))
-    except (OSError, subprocess.SubprocessError):
-        v["git_commit"] = v["git_dirty"] = None
-    return v
 
 
 def short_table(records: list[dict]) -> str:

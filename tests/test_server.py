@@ -489,23 +489,24 @@ def test_a_request_that_can_never_fit_is_a_400_and_small_ones_all_succeed():
         assert [ch["finish_reason"] for ch in r.json()["choices"]] == ["length"] * 3
 
 
-def test_load_test_script_runs_against_a_live_server(live):
-    """benchmarks/serve_load.py's client half, 4 requests against the live server."""
+def test_bench_serve_client_runs_against_a_live_server(live):
+    """zipfusion bench serve's client half (zipfusion.bench.serve), 4 requests against the live server."""
     import asyncio
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
-    spec = importlib.util.spec_from_file_location("serve_load", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import math
+
+    from zipfusion.bench import datasets, serve
     url, _ = live
-    r = asyncio.run(mod.run_rate(url, 50.0, 4, 8, 6, (10, 2000), 0, None, T, None))
-    assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 24
-    # one chunk per token with text (an end-of-sequence token, ignored, streams no text)
-    assert r["ttft_s"]["n"] == 4 and 4 * 2 <= r["itl_s"]["n"] <= 4 * 5 and r["ttft_s"]["p50"] > 0
-    # groups of 3 behind a shared 40-token prefix: the ones after the first find it cached
-    r = asyncio.run(mod.run_rate(url, 0.0, 6, 8, 2, (10, 2000), 1, None, T, 1, shared_prefix=40, group=3))
-    assert r["completed"] == 6 and r["prompt_tokens"] == 6 * 48 and r["cached_tokens"] >= 4 * 32
+    ds = datasets.build(datasets.resolve("random", 8, 6), "random", 4, seed=0)
+    recs, duration, _ = asyncio.run(serve.run_rate(url, ds, 50.0, model=None, timeout=T, metrics_interval=0.2))
+    r = serve.rate_row(recs, duration, 50.0, {})
+    assert r["completed"] == 4 and r["failed"] == r["lost"] == 0 and r["output_tokens"] == 24
+    # one chunk per token (return_token_ids), unless the server sends two at once
+    assert r["ttft_ms"]["n"] == 4 and 4 * 2 <= r["itl_ms"]["n"] <= 4 * 5 and r["ttft_ms"]["p50"] > 0
+    # groups of 3 behind a shared 40-token prefix, one at a time: the ones after the first find it cached
+    ds = datasets.build(datasets.resolve("random", 8, 2, shared_prefix=40, group=3), "random", 6, seed=1)
+    recs, duration, _ = asyncio.run(serve.run_rate(url, ds, math.inf, model=None, timeout=T, max_concurrency=1))
+    r = serve.rate_row(recs, duration, math.inf, {})
+    assert r["completed"] == 6 and r["input_tokens"] == 6 * 48 and r["cached_tokens"] >= 4 * 32
 
 
 # -- issue 24: limits, strict values, unknown fields, the OpenAPI document --------------------------------

@@ -78,13 +78,11 @@ P
 }
 
 server() {
-  for m in compressed uncompressed; do
-    extra=""; [ $m = uncompressed ] && extra="--no-kv-compression"
-    timeout -k 5 270 python3 benchmarks/serve_load.py --model llama-3.1-8b-random --device cuda --rates inf \
-      --num-requests 512 --prompt-len 256 --max-tokens 256 --shared-prefix 4096 --group 16 --kv-memory-gb 16 \
-      --out "$OUT/serve_shared_prefix_$m" $extra > "$OUT/serve_$m.log" 2>&1
-    echo "server, $m: rc $?"; tail -4 "$OUT/serve_$m.log" | cut -c1-300
-  done
+  # both modes, one server process each (zipfusion bench serve --compare)
+  timeout -k 5 560 python3 -m zipfusion bench serve --model llama-3.1-8b-random --device cuda --compare \
+    --request-rates inf --dataset random --num-prompts 512 --input-len 256 --output-len 256 --shared-prefix 4096 \
+    --prefix-group 16 --kv-memory-gb 16 --out "$OUT/serve_shared_prefix" > "$OUT/serve.log" 2>&1
+  echo "server: rc $?"; tail -8 "$OUT/serve.log" | cut -c1-300
 }
 
 parts=("$@"); [ $# -eq 0 ] && parts=(tests preemption esc)

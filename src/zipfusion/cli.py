@@ -298,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(default: auto)")
     a.add_argument("--plot", default=None, help="write a PNG of the per-layer numbers here (needs matplotlib)")
     a.set_defaults(func=cmd_analyze)
+    from .bench.cli import add_bench_parser        # zipfusion bench serve|throughput|latency|kernel
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,47 @@
+"""``zipfusion bench``: the benchmarks a user runs, as vLLM's ``vllm bench``.
+
+- ``serve``: a serving benchmark against ``zipfusion serve`` (one it starts per mode, or ``--url``):
+  Poisson arrivals at a sweep of rates or a closed loop, TTFT / TPOT / ITL, goodput (:mod:`.serve`);
+- ``throughput``: offline, every request at once, each mode in its own process (:mod:`.throughput`);
+- ``latency``: one batch of B prompts of L tokens: prefill time, then per-token decode (:mod:`.latency`);
+- ``kernel``: decode attention, compressed vs uncompressed kernel vs FlashInfer (:mod:`.kernel`).
+
+Each takes ``--compare compressed,uncompressed[,flashinfer]`` (:data:`MODES`), prints a table
+last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
+ids or text (:mod:`.datasets`). Importing this package is cheap (no torch): the CLI builds its
+parser from :mod:`.cli`.
+"""
+
+from __future__ import annotations
+
+# mode -> (engine options, ``zipfusion serve`` flags); the three a user compares
+MODES = {
+    "compressed": ({"kv_compression": True}, []),
+    "uncompressed": ({"kv_compression": False}, ["--no-kv-compression"]),
+    "flashinfer": ({"kv_compression": False, "attention_backend": "flashinfer"},
+                   ["--no-kv-compression", "--attention-backend", "flashinfer"]),
+}
+DEFAULT_COMPARE = "compressed,uncompressed"
+
+
+def parse_modes(text: str, known=MODES) -> list[str]:
+    """``compressed,uncompressed`` -> a list of known, distinct modes (ValueError: one line)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in known]
+    if not modes or bad:
+        raise ValueError(f"unknown mode(s) {bad or [text]}; pick from {', '.join(known)} (comma-separated)")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"a mode is named twice in {text!r}")
+    return modes
+
+
+def flashinfer_skip_reason(device: str, deterministic: bool = False) -> str | None:
+    """Why the flashinfer mode cannot run here, or None."""
+    import importlib.util
+    if not str(device).startswith("cuda"):
+        return f"FlashInfer runs on CUDA only; the device is {device}"
+    if deterministic:
+        return "FlashInfer's decode is not batch-invariant (the engine refuses deterministic=True with it)"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed (pip install flashinfer-python, or scripts/gpu/carry_wheels.sh)"
+    return None

@@ -1,0 +1,395 @@
+"""``zipfusion bench kernel``: decode attention over compressed KV (the fused kernel: the
+``compressed`` mode) against the same kernel over open pages (the twin: ``uncompressed``) and
+FlashInfer's paged decode (``flashinfer``, where it is installed), on CUDA.
+
+Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with an
+exact fraction of compressible blocks (:func:`~zipfusion.analysis.synthetic.pages_with_fraction`;
+at 0.92 the real model's outlier statistics, :func:`~zipfusion.analysis.synthetic.model_like_pages`).
+Every request's pages are scattered (random page ids); every full page is compressed for the fused
+kernel; the twin and FlashInfer read the same values from open pages. Inputs are rotated over
+several copies so that no timed call finds its data in L2; each kernel is timed as a CUDA graph of
+many calls (median over replays). benchmarks/attention.py adds the development variants (the
+unfused baseline, tuning) on top of this module.
+
+``--device cpu`` is a smoke run through the Triton interpreter at tiny sizes (2 query heads, 1 KV
+head): it checks the path and the outputs; its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+
+from ..analysis.synthetic import compressible_fraction, model_like_pages, pages_with_fraction
+from ..format import PageLayout, encode_pages_into, page_sizes
+from ..kernels import decode_attention, decode_attention_twin
+from . import report
+
+PS = 16
+REAL_MODEL_FRACTION = 0.92    # SmolLM2-135M's v1 fraction with fp32 rope (docs/real_model.md); its
+                              # pool is model_like_pages: v2 compresses every block (~8 % escaped)
+ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
+# name -> (Case method, fixed keyword arguments, the bytes it moves: Case.traffic's kind)
+KERNELS = {"twin": ("run_twin", {}, "open"), "fused": ("run_fused", {}, "compressed"),
+           "twin_triton": ("run_twin", {"backend": "triton"}, "open"),
+           "fused_triton": ("run_fused", {"backend": "triton"}, "compressed")}
+MODE_KERNELS = {"compressed": "fused", "uncompressed": "twin", "flashinfer": "flashinfer"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hq: int = 32
+    hkv: int = 8
+    d: int = 128
+    pool: int = 1024          # distinct pages per fraction; the arena repeats them
+
+    @property
+    def layout(self) -> PageLayout:
+        return PageLayout(self.hkv, self.d)
+
+
+LLAMA = Shape()
+SMOKE = Shape(2, 1, 64, pool=8)
+
+
+def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median of 20 copies);
+    NaN off the GPU. This is the ceiling that achieved bandwidths are compared with."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ts = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * nbytes / statistics.median(ts)
+
+
+def time_calls(fn, n_sets, reps=11, min_inner=10, device="cuda"):
+    """Median seconds per call of fn(i) (i cycles over the input copies), as a CUDA graph; on the
+    CPU (the smoke run, through the Triton interpreter) the host clock around one call."""
+    if torch.device(device).type != "cuda":
+        t0 = time.perf_counter()
+        fn(0)
+        return time.perf_counter() - t0, 0.0, "host clock, one call"
+    n_inner = max(min_inner, n_sets)
+    n_inner = -(-n_inner // n_sets) * n_sets
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(3, n_inner)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n_inner):
+                fn(i)
+        run, how = g.replay, "graph"
+    except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
+        print(f"  (graph capture failed: {type(e).__name__}: {e}; timing eager launches)", file=sys.stderr)
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(n_inner):
+                fn(i)
+        how = "eager"
+    run()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3 / n_inner)
+    return statistics.median(ts), (max(ts) - min(ts)), how
+
+
+class Pool:
+    """``shape.pool`` distinct pages with a given compressible fraction, open and encoded."""
+
+    def __init__(self, fraction, seed, shape: Shape = LLAMA, device="cuda"):
+        self.shape, self.device = shape, torch.device(device)
+        n, layout = shape.pool, shape.layout
+        if fraction == REAL_MODEL_FRACTION:     # the real model's outlier statistics (issue 23)
+            self.pages = model_like_pages(n, shape.hkv, shape.d, seed=seed).to(self.device)
+        else:
+            self.pages = pages_with_fraction(n, shape.hkv, shape.d, fraction, seed=seed).to(self.device)
+        self.fraction = compressible_fraction(self.pages[:64].cpu())
+        self.sizes = page_sizes(self.pages)                         # [pool] int64
+        raw = n * layout.open_page_bytes
+        self.formats = {"stored_ratio": float(self.sizes.sum()) / raw,
+                        "stored_ratio_v1": float(page_sizes(self.pages, version=1).sum()) / raw,
+                        "compressible_fraction_v1": compressible_fraction(self.pages[:64].cpu(), 1)}
+        self.offsets = torch.cumsum(self.sizes, 0) - self.sizes
+        self.buf = torch.empty(int(self.sizes.sum()), dtype=torch.uint8, device=self.device)
+        encode_pages_into(self.pages, self.buf, self.offsets)
+
+
+class Case:
+    """B requests of ctx tokens: open caches (FlashInfer/twin) and compressed arenas (fused)."""
+
+    def __init__(self, pool: Pool, B, ctx, seed=0):
+        self.B, self.ctx, self.shape, dev = B, ctx, pool.shape, pool.device
+        self.layout = layout = pool.shape.layout
+        npr = -(-ctx // PS)
+        P = B * npr
+        reps = -(-P // pool.shape.pool)
+        idx = torch.arange(P, device=dev) % pool.shape.pool
+        self.open_bytes = P * layout.open_page_bytes
+        self.sets = max(1, min(64, -(-ROTATE_BYTES // self.open_bytes))) if dev.type == "cuda" else 1
+        # open caches: [sets, P, 2, 16, H, D] (FlashInfer's NHD paged layout)
+        self.kv = pool.pages[idx].unsqueeze(0).repeat(self.sets, 1, 1, 1, 1, 1)
+        self.loc_o = torch.arange(P, device=dev, dtype=torch.int64) * layout.open_page_bytes | 1
+        # compressed arenas: page i = pool page i % pool size, packed back to back
+        arena = pool.buf.repeat(reps)
+        sizes = pool.sizes[idx]
+        self.loc_c = torch.cumsum(sizes, 0) - sizes
+        self.comp_bytes = int(sizes.sum())
+        arena = arena[:self.comp_bytes]
+        self.arena_c = arena.unsqueeze(0).repeat(self.sets, 1)
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.bt = torch.randperm(P, generator=g).view(B, npr).to(torch.int32).to(dev)
+        self.lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        self.q = torch.randn(B, self.shape.hq, self.shape.d, generator=g).to(torch.bfloat16).to(dev)
+        self.out = torch.empty_like(self.q)
+        self.P = P
+
+    def traffic(self, kind: str) -> tuple[int, int]:
+        """(bytes read, bytes written) of a kernel reading ``kind`` pages."""
+        return {"open": (self.open_bytes, 0), "compressed": (self.comp_bytes, 0),
+                "unfused": (self.comp_bytes + self.open_bytes, self.open_bytes)}[kind]
+
+    def arena_o(self, i):
+        return self.kv[i % self.sets].view(-1).view(torch.uint8)
+
+    def run_twin(self, i, **kw):
+        return decode_attention_twin(self.q, self.arena_o(i), self.loc_o, self.bt, self.lens,
+                                     self.layout, self.shape.d ** -0.5, self.out, validate=False, **kw)
+
+    def run_fused(self, i, **kw):
+        return decode_attention(self.q, self.arena_c[i % self.sets], self.loc_c, self.bt,
+                                self.lens, self.layout, self.shape.d ** -0.5, self.out, validate=False, **kw)
+
+
+class FlashInfer:
+    def __init__(self, device="cuda"):
+        import flashinfer
+        self.fi = flashinfer
+        self.version = flashinfer.__version__
+        self.ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    def prepare(self, case: Case):
+        dev = case.q.device
+        w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.ws, "NHD", use_tensor_cores=True, backend="fa2")
+        npr = case.bt.shape[1]
+        indptr = torch.arange(case.B + 1, device=dev, dtype=torch.int32) * npr
+        last = torch.full((case.B,), case.ctx - (npr - 1) * PS, dtype=torch.int32, device=dev)
+        w.plan(indptr, case.bt.flatten().contiguous(), last, case.shape.hq, case.shape.hkv, case.shape.d, PS,
+               pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        out = torch.empty_like(case.q)
+
+        def run(i):
+            return w.run(case.q, case.kv[i % case.sets], out=out)
+        return run
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table=KERNELS):
+    """Times and checks one case; returns records. ``table``: kernel name -> (Case method, fixed
+    keyword arguments, traffic kind); ``cfg``: keyword arguments of the kernels without fixed ones."""
+    recs = []
+    outs = {}
+    ref = None
+    device = case.q.device
+    if fi is not None:
+        run = fi.prepare(case)
+        ref = run(0).clone()
+        t, spread, how = time_calls(run, case.sets, device=device)
+        recs.append(dict(kernel="flashinfer", median_ms=t * 1e3, spread_ms=spread * 1e3,
+                         bytes_read=case.open_bytes, timing=how))
+    for name in kernels:
+        method, fixed, kind = table[name]
+        fn = getattr(case, method)
+        kw = dict(fixed) if fixed else dict(cfg)
+        o = fn(0, **kw).clone()
+        outs[name] = o
+        t, spread, how = time_calls(lambda i: fn(i, **kw), case.sets, device=device)
+        read, written = case.traffic(kind)
+        r = dict(kernel=name, median_ms=t * 1e3, spread_ms=spread * 1e3, bytes_read=read, timing=how)
+        if written:
+            r["bytes_written"] = written
+        if ref is not None:
+            r["rel_err_vs_flashinfer"] = rel(o, ref)
+        recs.append(r)
+    for tw, fu in (("twin", "fused"), ("twin_triton", "fused_triton")):
+        if tw in outs and fu in outs:
+            same = bool(torch.equal(outs[tw], outs[fu]))
+            for r in recs:
+                if r["kernel"] == fu:
+                    r["bit_identical_to_twin"] = same
+    fi_ms = recs[0]["median_ms"] if fi is not None else None
+    for r in recs:
+        r.update(batch=case.B, context=case.ctx)
+        moved = r["bytes_read"] + r.get("bytes_written", 0)
+        r["achieved_GBps"] = moved / (r["median_ms"] / 1e3) / 1e9
+        r["fraction_of_copy_ceiling"] = r["achieved_GBps"] * 1e9 / ceiling
+        if fi_ms:
+            r["speedup_vs_flashinfer"] = fi_ms / r["median_ms"]
+    return recs
+
+
+def fmt(recs):
+    lines = []
+    for r in recs:
+        lines.append(f"{r['kernel']:>12} B={r['batch']:<3} ctx={r['context']:<6} "
+                     f"f={r['compressible_fraction']:.2f} {r['median_ms']:8.4f} ms "
+                     f"(±{r['spread_ms']:.4f}) {r['achieved_GBps']:7.0f} GB/s "
+                     f"x{r.get('speedup_vs_flashinfer', float('nan')):.3f} "
+                     f"{r.get('variant', '')} "
+                     f"{'bitEQ' if r.get('bit_identical_to_twin') else ''}"
+                     f"{'BIT-MISMATCH' if r.get('bit_identical_to_twin') is False else ''} "
+                     f"err={r.get('rel_err_vs_flashinfer', float('nan')):.2g}")
+    return "\n".join(lines)
+
+
+def summary(records):
+    lines = ["", "| kernel | batch | context | compressible | median ms | GB/s | x FlashInfer |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        lines.append(f"| {r['kernel']} {r.get('variant', '')} | {r['batch']} | {r['context']} | "
+                     f"{r['compressible_fraction']:.2f} | {r['median_ms']:.4f} | "
+                     f"{r['achieved_GBps']:.0f} | {r.get('speedup_vs_flashinfer', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- the command
+def parse_list(text: str, kind, flag: str, low: float, high: float = float("inf")) -> list:
+    try:
+        out = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(low <= x <= high for x in out):
+        raise ValueError(f"{flag} takes comma-separated values in [{low:g}, {high:g}], got {text!r}")
+    return out
+
+
+def cases_table(records: list[dict]) -> list[dict]:
+    """One row per (fraction, batch, context): each kernel's ms and the speed ratios."""
+    by = {}
+    for r in records:
+        key = (r["compressible_fraction_nominal"], r["batch"], r["context"])
+        by.setdefault(key, {"fraction": key[0], "batch": key[1], "context": key[2],
+                            "stored_ratio": r["stored_ratio"]})[r["kernel"]] = r["median_ms"]
+    rows = list(by.values())
+    for row in rows:
+        fused = row.get("fused")
+        for other, name in (("twin", "compressed/uncompressed"), ("flashinfer", "compressed/flashinfer")):
+            row[name] = row[other] / fused if fused and row.get(other) else None
+    return rows
+
+
+COLUMNS = [("fraction", "compressible", "{:.2f}"), ("batch", "batch", "{}"), ("context", "context", "{}"),
+           ("stored_ratio", "stored ratio", "{:.3f}"), ("fused", "compressed ms", "{:.4f}"),
+           ("twin", "uncompressed ms", "{:.4f}"), ("flashinfer", "flashinfer ms", "{:.4f}"),
+           ("compressed/uncompressed", "x uncompressed", "{:.3f}"), ("compressed/flashinfer", "x flashinfer", "{:.3f}")]
+
+
+def plot(result: dict, path: str) -> bool:
+    plt = report.pyplot()
+    rows = result["cases"]
+    if plt is None or not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
+    for j, name in enumerate(("compressed/uncompressed", "compressed/flashinfer")):
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(rows))]
+        ys = [r.get(name) or 0 for r in rows]
+        ax.bar(xs, ys, width=0.38, label=f"{name} (speed)")
+        for x, y in zip(xs, ys):
+            if y:
+                ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), [f"{r['fraction']:.0%}\nB{r['batch']} {r['context']}" for r in rows],
+                  fontsize=7)
+    ax.set_ylabel("speed of the compressed kernel (x)")
+    ax.set_title(f"zipfusion bench kernel, {result['meta']['device_name']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run(args, modes: list[str], device: str) -> int:
+    smoke = not device.startswith("cuda")
+    if smoke and args.device in (None, "auto"):
+        raise ValueError("zipfusion bench kernel needs a CUDA GPU (no GPU is visible); --device cpu runs a tiny "
+                         "smoke test through the Triton interpreter, whose timings mean nothing")
+    fractions = parse_list(args.fractions, float, "--fractions", 0.0, 1.0)
+    batches = parse_list(args.batches, int, "--batches", 1)
+    contexts = parse_list(args.contexts, int, "--contexts", 1)
+    shape = SMOKE if smoke else LLAMA
+    if smoke:
+        batches, contexts = [1], [32]
+        print("smoke run on the CPU (Triton interpreter, 2 query heads, 1 KV head, one tiny case): the "
+              "timings mean nothing", file=sys.stderr)
+    kernels = [MODE_KERNELS[m] for m in modes if m != "flashinfer"]
+    meta = report.run_meta("kernel", args.argv, device)
+    info = {"shape": dataclasses.asdict(shape), "page_tokens": PS}
+    fi = None
+    if "flashinfer" in modes:
+        from . import flashinfer_skip_reason
+        why = flashinfer_skip_reason(device)
+        if why:
+            info["flashinfer_skipped"] = why
+            print(f"flashinfer: skipped ({why})", file=sys.stderr)
+        else:
+            fi = FlashInfer(device)
+            info["flashinfer"] = fi.version
+    if device.startswith("cuda"):
+        info["sms"] = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    ceiling = copy_bandwidth(device)
+    info["copy_ceiling_GBps"] = ceiling / 1e9
+    records = []
+    pools = {}
+    cases = [(f, B, c) for f in fractions for B in batches for c in contexts]
+    for n, (f, B, ctx) in enumerate(cases):
+        if f not in pools:
+            pools[f] = Pool(f, seed=int(f * 100) + 1, shape=shape, device=device)
+        case = Case(pools[f], B, ctx, seed=B * 7 + ctx)
+        recs = measure_case(case, fi, kernels, {}, ceiling)
+        for r in recs:
+            r.update(compressible_fraction=pools[f].fraction, compressible_fraction_nominal=f, **pools[f].formats)
+        print(f"[{n + 1}/{len(cases)}] fraction {f:g}, batch {B}, context {ctx}: "
+              + ", ".join(f"{r['kernel']} {r['median_ms']:.4f} ms" for r in recs), file=sys.stderr, flush=True)
+        records += recs
+        del case
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    result = {"meta": meta, "config": {"modes": modes, "fractions": fractions, "batches": batches,
+                                       "contexts": contexts, "smoke": smoke, **info},
+              "records": records, "cases": cases_table(records)}
+    print(report.save(result, args.out, plot))
+    print(report.text_table(result["cases"], COLUMNS))
+    print("x uncompressed / x flashinfer: the other kernel's time / the compressed kernel's (above 1: compressed "
+          "is faster)")
+    return 0

@@ -1,0 +1,122 @@
+"""``zipfusion bench throughput``: offline, every request of a dataset at once, each mode in its
+own process (``LLM(model, kv_compression=..., kv_memory_gb=GB)``; a warm-up outside the numbers,
+then ``LLM.generate``'s loop over the engine, every step kept). Wall time runs from the first
+request to the last token: total and output tokens/s, requests/s, the peak batch, preemptions and
+the KV's stored ratio and compressible fraction; with ``--compare``, the ratios between modes and
+whether the modes produced the same tokens (greedy: they do wherever the schedules agree, and
+always with ``--deterministic``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from . import datasets, report
+from .offline import device_name, log, note, run_modes, run_requests, summarize, warm_up
+
+RATIO_KEYS = {"total_tok_s": "total tok/s", "output_tok_s": "output tok/s", "requests_s": "req/s",
+              "decode_tok_s_at_peak_batch": "decode tok/s at peak", "peak_batch": "peak batch"}
+COLUMNS = [("mode", "mode", "{}"), ("requests", "requests", "{}"), ("wall_s", "wall s", "{:.2f}"),
+           ("total_tok_s", "total tok/s", "{:,.1f}"), ("output_tok_s", "output tok/s", "{:,.1f}"),
+           ("requests_s", "req/s", "{:.2f}"), ("peak_batch", "peak batch", "{}"), ("preemptions", "preempt", "{}"),
+           ("stored_ratio", "stored ratio", "{:.3f}"), ("compressible_fraction", "compressible", "{:.1%}")]
+
+
+def engine_options(job: dict) -> dict:
+    """The LLM options of a worker: the job's sizes, its mode's options, then ``--engine-args``."""
+    from . import MODES
+    sizes = {k: job.get(k) for k in ("device", "kv_memory_gb", "max_num_seqs", "max_num_batched_tokens",
+                                      "max_model_len")}
+    return {**{k: v for k, v in sizes.items() if v is not None}, "deterministic": job.get("deterministic", False),
+            **MODES[job["mode"]][0], **job.get("engine", {})}
+
+
+def build_engine(job: dict):
+    """The worker's LLM (CPU threads set first: half the cores unless --cpu-threads) and the seconds it took."""
+    import torch
+
+    from .. import LLM
+    from ..config import default_cpu_threads
+    if job.get("device", "auto") == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(job.get("cpu_threads") or default_cpu_threads())
+    t0 = time.perf_counter()
+    llm = LLM(job["model"], **engine_options(job))
+    return llm, time.perf_counter() - t0
+
+
+def token_prompts(llm, ds: datasets.Dataset) -> list[list[int]]:
+    """The dataset's prompts as token ids (text is tokenized and cut to its length)."""
+    if not ds.prompts or not isinstance(ds.prompts[0], str):
+        return ds.prompts
+    if llm.tokenizer is None:
+        raise ValueError(f"model {llm.engine.source.name!r} has no tokenizer: --prompt-format text needs one "
+                         "(use --prompt-format ids)")
+    return [llm.tokenizer.encode(p)[:n] for p, n in zip(ds.prompts, ds.prompt_lens)]
+
+
+def worker(job: dict) -> dict:
+    llm, build_s = build_engine(job)
+    eng = llm.engine
+    ds = datasets.build(datasets.LengthDist(**job["dist"]), job["dataset"], job["num_prompts"], seed=job["seed"],
+                        vocab=eng.model_config.vocab_size, max_len=eng.max_model_len,
+                        range_ratio=job["range_ratio"], text=job["text"])
+    prompts = token_prompts(llm, ds)
+    t0 = time.perf_counter()
+    warm_up(eng, eng.max_model_len)
+    warm_s = time.perf_counter() - t0
+    base = eng.cache.stats()
+    log(f"  [{job['mode']}] {len(prompts)} requests ({sum(map(len, prompts)):,} prompt tokens, "
+        f"{sum(ds.output_lens):,} to generate) at once")
+    reqs, steps, wall = run_requests(eng, prompts, ds.output_lens, label=f"[{job['mode']}]",
+                                     progress_s=job.get("progress_s", 20.0))
+    return {"mode": job["mode"], **summarize(eng, reqs, steps, wall, base),
+            "finished": sum(r.finish_reason is not None for r in reqs),
+            "expected_output_tokens": sum(ds.output_lens), "dataset": ds.summary(),
+            "kv_memory_gb": eng.kv_memory_gb, "max_model_len": eng.max_model_len,
+            "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
+            "device_name": device_name(eng), "build_s": build_s, "warm_up_s": warm_s}
+
+
+def identical_outputs(records: list[dict]) -> bool | None:
+    """Whether every mode that ran produced the same tokens (None: fewer than two ran)."""
+    hashes = [r["outputs_sha256"] for r in records if "outputs_sha256" in r]
+    return len(set(hashes)) == 1 if len(hashes) > 1 else None
+
+
+def plot(result: dict, path: str) -> bool:
+    c = result["config"]
+    return report.mode_bars([r for r in result["records"] if "output_tok_s" in r],
+                            [("total_tok_s", "total tok/s", "{:,.1f}"), ("output_tok_s", "output tok/s", "{:,.1f}"),
+                             ("peak_batch", "peak batch", "{}")],
+                            f"zipfusion bench throughput: {c['model']} on {result['meta']['device_name']}, "
+                            f"{c['dataset']} x {c['num_prompts']}, KV {c['kv_memory_gb'] or 'default'} GiB", path)
+
+
+def run(args, modes: list[str], device: str, engine: dict) -> int:
+    """The driver: one worker process per mode, then the table, JSON and PNG."""
+    dist = datasets.resolve(args.dataset, args.input_len, args.output_len, args.shared_prefix, args.prefix_group)
+    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)      # bad sizes: now
+    job = {"model": args.model, "device": device, "kv_memory_gb": args.kv_memory_gb,
+           "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+           "max_model_len": args.max_model_len, "deterministic": args.deterministic, "engine": engine,
+           "cpu_threads": args.cpu_threads, "dataset": args.dataset, "dist": dataclasses.asdict(dist),
+           "num_prompts": args.num_prompts, "seed": args.seed, "range_ratio": args.range_ratio,
+           "text": args.prompt_format == "text"}
+    meta = report.run_meta("throughput", args.argv, device)
+    log(f"zipfusion bench throughput: {args.model} on {meta['device_name']}, {args.dataset} x {args.num_prompts}, "
+        f"modes {', '.join(modes)}")
+    records = run_modes("throughput", modes, job, args.timeout, lambda r: (
+        f"wall {r['wall_s']:.2f} s, {r['total_tok_s']:,.1f} tok/s total, {r['output_tok_s']:,.1f} output, "
+        f"peak batch {r['peak_batch']}, {r['preemptions']} preemptions"))
+    ran = {r["mode"]: r for r in records if "output_tok_s" in r}
+    result = {"meta": meta, "config": {k: v for k, v in job.items() if k != "dist"} | {"length_dist": job["dist"]},
+              "records": records, "ratios": report.ratios(ran, tuple(RATIO_KEYS), modes[0]),
+              "identical_outputs": identical_outputs(records)}
+    written = report.save(result, args.out, plot)
+    rows = [r if "output_tok_s" in r else {"mode": r["mode"], "note": note(r)} for r in records]
+    print(written)
+    print(report.text_table(rows, COLUMNS))
+    if result["ratios"]:
+        print(report.ratio_table(result["ratios"], RATIO_KEYS))
+        print(f"identical tokens across modes: {result['identical_outputs']}")
+    return 1 if any("error" in r for r in records) else 0

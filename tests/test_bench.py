@@ -1,0 +1,350 @@
+"""``zipfusion bench`` on the CPU: dataset length distributions, percentiles, goodput, the serving
+benchmark's per-rate numbers on synthetic records, one-line errors for bad input, and whole runs on
+the demo model (tiny): ``throughput --compare`` (each mode in its own process), ``latency``, the
+kernel's smoke run, and ``serve --compare`` against real ``zipfusion serve`` processes on loopback."""
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+
+from zipfusion.bench import datasets, parse_modes, serve
+from zipfusion.bench.stats import goodput, meets_slo, parse_goodput, percentile, summary
+from zipfusion.cli import main
+
+
+# -- datasets ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(datasets.DATASETS))
+def test_named_length_distributions_have_their_medians_and_caps(name):
+    d = datasets.DATASETS[name]
+    p, o, clipped = datasets.lengths(d, 2000, seed=3)
+    if d.prompt_cap:
+        assert abs(statistics.median(p) / d.prompt - 1) < 0.1 and max(p) <= d.prompt_cap and min(p) >= 1
+        assert abs(statistics.median(o) / d.output - 1) < 0.1 and max(o) <= d.output_cap
+        assert statistics.pstdev(p) > 0.3 * d.prompt                       # spread, not one length
+    else:
+        assert set(p) == {d.prompt} and set(o) == {d.output}                # random: fixed lengths
+    ds = datasets.build(datasets.resolve(name, input_len=40, output_len=8), name, 20, seed=3)
+    assert ds.prompt_lens == [n + d.shared_prefix for n in datasets.lengths(
+        datasets.resolve(name, input_len=40, output_len=8), 20, seed=3)[0]]
+    assert all(len(ids) == n for ids, n in zip(ds.prompts, ds.prompt_lens))
+    assert all(datasets.ID_RANGE_LOW <= t < 2048 - datasets.ID_RANGE_LOW for ids in ds.prompts for t in ids)
+    s = ds.summary()
+    assert s["requests"] == 20 and s["prompt_tokens"]["total"] == sum(ds.prompt_lens) and s["clipped_to_max_len"] == 0
+
+
+def test_decode_heavy_and_prefill_heavy_datasets_lean_the_right_way():
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    lens = {n: datasets.lengths(datasets.DATASETS[n], 500) for n in ("reasoning", "agent", "long")}
+    assert mean(lens["reasoning"][1]) > 5 * mean(lens["reasoning"][0])
+    for n in ("agent", "long"):
+        assert mean(lens[n][0]) + datasets.DATASETS[n].shared_prefix > 10 * mean(lens[n][1])
+
+
+def test_dataset_overrides_seeds_prefix_clipping_and_text():
+    dist = datasets.resolve("chat", input_len=30, output_len=5)
+    assert (dist.prompt, dist.output) == (30, 5) and dist.prompt_cap == round(4096 * 30 / 300)
+    a = datasets.build(dist, "chat", 50, seed=1, id_seed=7)
+    b = datasets.build(dist, "chat", 50, seed=1, id_seed=8)
+    assert a.prompt_lens == b.prompt_lens and a.output_lens == b.output_lens and a.prompts != b.prompts
+    assert datasets.build(dist, "chat", 50, seed=1, id_seed=7).prompts == a.prompts        # a function of the seeds
+    r = datasets.build(datasets.resolve("random", 100, 10), "random", 300, range_ratio=0.5)
+    assert 50 <= min(r.prompt_lens) < 60 and 140 < max(r.prompt_lens) <= 150 and 5 <= min(r.output_lens)
+    agent = datasets.build(datasets.resolve("agent", shared_prefix=16, group=4), "agent", 10, vocab=500)
+    for i in range(10):
+        assert agent.prompts[i][:16] == agent.prompts[i // 4 * 4][:16]
+    assert agent.prompts[0][:16] != agent.prompts[4][:16]
+    p, o, clipped = datasets.lengths(datasets.DATASETS["long"], 50, max_len=1024)
+    assert all(a + b < 1024 for a, b in zip(p, o)) and clipped == 50
+    assert datasets.fit(100, 5, 1024) == (100, 5) and datasets.fit(5000, 900, 1024) == (512, 511)
+    assert datasets.fit(300, 900, 1024) == (300, 723)
+    text = datasets.build(dist, "chat", 5, text=True)
+    assert all(isinstance(t, str) and len(t.split()) == n for t, n in zip(text.prompts, text.prompt_lens))
+
+
+@pytest.mark.parametrize("bad,words", [(dict(name="sharegpt"), "unknown dataset"),
+                                       (dict(name="chat", input_len=0), "--input-len"),
+                                       (dict(name="chat", group=0), "--prefix-group")])
+def test_bad_dataset_input_is_one_clear_line(bad, words):
+    with pytest.raises(ValueError, match=words):
+        datasets.resolve(**{"input_len": None, "output_len": None, **bad})
+
+
+# -- percentiles, goodput, rates -----------------------------------------------------------------------
+
+def test_percentiles_interpolate_as_numpy():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100):
+        xs = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert math.isnan(percentile([], 50))
+    assert summary([]) == {"mean": None, "p50": None, "p90": None, "p99": None, "max": None, "n": 0}
+    assert summary([1.0, 3.0]) == {"mean": 2.0, "p50": 2.0, "p90": pytest.approx(2.8), "p99": pytest.approx(2.98),
+                                   "max": 3.0, "n": 2}
+
+
+def test_goodput_parsing_and_counting():
+    assert parse_goodput(["ttft:2000", "tpot:50"]) == {"ttft": 2000.0, "tpot": 50.0}
+    assert parse_goodput("e2el:1.5,ttft:10") == {"e2el": 1.5, "ttft": 10.0} and parse_goodput(None) == {}
+    for bad in ("ttft", "ttft:", "ttft:abc", "itl:50", "tpot:-1", "tpot:0", "ttft:inf"):
+        with pytest.raises(ValueError, match="KEY:MS") as e:
+            parse_goodput([bad])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="twice"):
+        parse_goodput(["ttft:1", "ttft:2"])
+    slo = {"ttft": 100.0, "tpot": 10.0}
+    recs = [{"ok": True, "ttft_s": 0.05, "tpot_s": 0.005}, {"ok": True, "ttft_s": 0.2, "tpot_s": 0.005},
+            {"ok": True, "ttft_s": 0.05, "tpot_s": 0.02}, {"ok": True, "ttft_s": 0.1, "tpot_s": None},
+            {"ok": False, "ttft_s": 0.01, "tpot_s": 0.001}]
+    assert [meets_slo(r, slo) for r in recs] == [True, False, False, True, False]
+    assert goodput(recs, slo, 2.0) == {"good_requests": 2, "goodput_req_s": 1.0, "slo_attainment": 0.4}
+
+
+def test_rates_and_modes_parse_or_fail_in_one_line():
+    assert serve.parse_rates("1, 2.5,inf") == [1.0, 2.5, math.inf]
+    for bad in ("0", "-1", "x", "1,,2", "nan"):
+        with pytest.raises(ValueError, match="--request-rates"):
+            serve.parse_rates(bad)
+    assert parse_modes("compressed,uncompressed") == ["compressed", "uncompressed"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("compressed,fp8")
+    assert serve.parse_fractions("2,0.5,1") == [0.5, 1.0, 2.0]
+    assert serve.sweep_rates(4.0, [0.5, 1, 2], []) == [2.0, 4.0, 8.0]
+    # a later mode runs the first mode's grid, plus its own fractions past the grid's end
+    assert serve.sweep_rates(6.0, [0.5, 1, 2], [2.0, 4.0, 8.0]) == [2.0, 4.0, 8.0, 12.0]
+
+
+def synthetic_record(sent, first, gaps, tokens, ok=True, error=None):
+    chunks = [sent + first]
+    for g in gaps:
+        chunks.append(chunks[-1] + g)
+    rec = {"ok": ok, "error": error, "sent": sent, "chunks": chunks, "tokens": tokens, "output_tokens": tokens,
+           "prompt_tokens": 10, "done": chunks[-1] + 0.001}
+    return serve.finish_record(rec)
+
+
+def test_rate_row_counts_failed_and_lost_and_takes_latencies_in_ms():
+    recs = [synthetic_record(0.0, 0.1, [0.01] * 4, 5), synthetic_record(0.5, 0.3, [0.02] * 4, 5),
+            {"ok": False, "error": "HTTP 500: boom", "chunks": []},
+            synthetic_record(1.0, 0.1, [0.01], 2, ok=False)]                 # no error, cut short: lost
+    row = serve.rate_row(recs, 2.0, 4.0, {"ttft": 200.0})
+    assert (row["completed"], row["failed"], row["lost"], row["num_requests"]) == (2, 1, 1, 4)
+    assert row["errors"] == ["HTTP 500: boom"] and row["request_rate"] == 4.0
+    assert row["ttft_ms"]["p50"] == pytest.approx(200.0) and row["ttft_ms"]["n"] == 2
+    assert row["tpot_ms"]["mean"] == pytest.approx(15.0) and row["itl_ms"]["n"] == 8
+    assert row["output_tok_s"] == pytest.approx(5.0) and row["requests_s"] == pytest.approx(1.0)
+    assert row["good_requests"] == 1 and row["slo_attainment"] == 0.25
+    row["server"] = {"peak_running": 3, "preemptions": 0}
+    assert not serve.within_slo(row, 0.2)                           # a failed request: not sustained
+    ok = serve.rate_row(recs[:2], 2.0, 2.0, {"ttft": 500.0})
+    ok["server"] = {"peak_running": 2, "preemptions": 1}
+    burst = serve.rate_row(recs[:2], 0.5, math.inf, {"ttft": 500.0})
+    burst["server"] = {"peak_running": 4, "preemptions": 0}
+    s = serve.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)
+    assert s["max_rate_within_slo"] == 2.0 and s["max_requests_s"] == pytest.approx(4.0) and s["peak_running"] == 4
+    assert s["failed"] == 1 and s["lost"] == 1 and s["preemptions"] == 1 and burst["request_rate"] == "inf"
+
+
+def test_metrics_text_and_memory_flatness():
+    text = ('# HELP x\nzipfusion:num_requests_running{model_name="m"} 3.0\n'
+            'zipfusion:kv_compressible_fraction{layer="0",model_name="m"} 0.5\n'
+            'zipfusion:kv_compressible_fraction{layer="1",model_name="m"} 1.0\n'
+            'zipfusion:kv_compressible_fraction{layer="2",model_name="m"} NaN\n')
+    m = serve.parse_metrics(text)
+    assert m == {"zipfusion:num_requests_running": 3.0, "zipfusion:kv_compressible_fraction": 0.75}
+    assert serve.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1100.0})["flat"] is True
+    assert serve.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1400.0})["flat"] is False
+    # judged after the first rate (its kernel builds are no leak), the whole growth reported
+    m = serve.memory_check({"rss_mib": 1000.0, "gpu_used_mib": 9000.0}, {"rss_mib": 1400.0, "gpu_used_mib": 9500.0},
+                           {"rss_mib": 1350.0, "gpu_used_mib": 9000.0})
+    assert m["growth_mib"] == {"rss_mib": 400.0, "gpu_used_mib": 500.0} and m["flat"] is False
+    assert m["growth_after_first_rate_mib"] == {"rss_mib": 50.0, "gpu_used_mib": 500.0}
+    assert serve.memory_check({"rss_mib": None}, {"rss_mib": None})["flat"] is None
+    assert serve.process_memory(__import__("os").getpid())["rss_mib"] > 0
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,words", [
+    (["serve", "--dataset", "sharegpt"], "unknown dataset"),
+    (["serve", "--goodput", "ttft=2000"], "--goodput takes KEY:MS"),
+    (["serve", "--request-rates", "0,1"], "--request-rates"),
+    (["serve", "--compare", "compressed,bogus"], "unknown mode"),
+    (["serve", "--url", "http://127.0.0.1:1", "--compare"], "one mode"),
+    (["throughput", "--dataset", "nope", "--device", "cpu"], "unknown dataset"),
+    (["throughput", "--num-prompts", "0", "--device", "cpu"], "--num-prompts"),
+    (["throughput", "--engine-args", '{"kv_compression": false}', "--device", "cpu"], "--engine-args sets"),
+    (["latency", "--batch-size", "0", "--device", "cpu"], "--batch-size"),
+    (["kernel", "--device", "cpu", "--fractions", "2"], "--fractions"),
+])
+def test_bad_input_is_one_error_line(argv, words, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and words in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("command", ["serve", "throughput", "latency", "kernel"])
+def test_every_bench_subcommand_has_help_with_an_example(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "examples:" in out and f"zipfusion bench {command}" in out and "--compare" in out
+
+
+def test_kernel_without_a_gpu_says_so(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert main(["bench", "kernel"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# -- whole runs on the demo model (tiny) ---------------------------------------------------------------------
+
+TINY = ["--model", "demo", "--device", "cpu", "--dataset", "random", "--input-len", "24", "--output-len", "6"]
+
+
+def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
+    out = tmp_path / "tp"
+    assert main(["bench", "throughput", *TINY, "--compare", "--num-prompts", "6", "--kv-memory-gb", "0.002",
+                 "--out", str(out)]) == 0
+    result = json.loads((tmp_path / "tp.json").read_text())
+    assert (tmp_path / "tp.png").stat().st_size > 0
+    meta = result["meta"]
+    assert meta["benchmark"] == "zipfusion bench throughput" and meta["command"].startswith("zipfusion bench")
+    assert all(k in meta for k in ("device_name", "torch", "triton", "git_commit", "date"))
+    recs = {r["mode"]: r for r in result["records"]}
+    assert set(recs) == {"compressed", "uncompressed"}
+    for mode, r in recs.items():
+        assert "error" not in r, r.get("error")
+        assert r["requests"] == r["finished"] == 6 and r["output_tokens"] == r["expected_output_tokens"] == 36
+        assert r["total_tok_s"] > r["output_tok_s"] > 0 and r["peak_batch"] >= 1 and r["wall_s"] > 0
+        assert r["dataset"]["prompt_tokens"]["total"] == r["prompt_tokens"] == 6 * 24
+        assert r["kv_memory_gb"] == 0.002 and "preemptions" in r
+    assert recs["compressed"]["stored_ratio"] < 1.0 == recs["uncompressed"]["stored_ratio"]
+    assert 0 < recs["compressed"]["compressible_fraction"] <= 1
+    ratio = result["ratios"]["compressed/uncompressed"]
+    assert set(ratio) == {"total_tok_s", "output_tok_s", "requests_s", "decode_tok_s_at_peak_batch", "peak_batch"}
+    assert ratio["total_tok_s"] == pytest.approx(recs["compressed"]["total_tok_s"] / recs["uncompressed"]["total_tok_s"])
+    assert result["identical_outputs"] is True                  # greedy, one schedule: the same tokens
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == "identical tokens across modes: True" and "compressed/uncompressed" in printed[-2]
+
+
+def test_latency_on_the_demo_model(tmp_path):
+    assert main(["bench", "latency", "--model", "demo", "--device", "cpu", "--batch-size", "3", "--input-len", "20",
+                 "--output-len", "4", "--num-iters", "2", "--kv-memory-gb", "0.002", "--out", str(tmp_path / "lat")]) == 0
+    (rec,) = json.loads((tmp_path / "lat.json").read_text())["records"]
+    assert rec["mode"] == "compressed" and len(rec["iterations"]) == 2 and rec["batch_size"] == 3
+    assert 0 < rec["prefill_s_p50"] < rec["e2e_s_p50"] and rec["decode_ms_per_token_p50"] > 0
+    assert all(it["output_tokens"] == 12 for it in rec["iterations"])
+
+
+def test_kernel_smoke_on_the_cpu(tmp_path):
+    assert main(["bench", "kernel", "--device", "cpu", "--fractions", "1", "--out", str(tmp_path / "k")]) == 0
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["config"]["smoke"] and "CUDA" in result["config"]["flashinfer_skipped"]
+    kernels = {r["kernel"]: r for r in result["records"]}
+    assert set(kernels) == {"fused", "twin"} and kernels["fused"]["bit_identical_to_twin"] is True
+    (case,) = result["cases"]
+    assert case["compressed/uncompressed"] == pytest.approx(kernels["twin"]["median_ms"] / kernels["fused"]["median_ms"])
+    assert case["stored_ratio"] < 1.0
+
+
+def test_serve_against_a_real_server_on_loopback(tmp_path, capsys):
+    """A ``zipfusion serve --model demo --device cpu --no-kv-compression`` process (the mode's
+    flag), text prompts (the demo model has a tokenizer), one Poisson rate, an SLO."""
+    for module in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
+        pytest.importorskip(module, reason=f"zipfusion bench serve's test needs {module} (pip install -e '.[test]')")
+    out = tmp_path / "serve"
+    rc = main(["bench", "serve", *TINY, "--mode", "uncompressed", "--num-prompts", "6", "--request-rates", "8",
+               "--warmup", "1", "--prompt-format", "text", "--kv-memory-gb", "0.01", "--goodput", "ttft:60000",
+               "tpot:60000", "--metrics-interval", "0.2", "--timeout", "120", "--startup-timeout", "120",
+               "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err[-3000:]
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert result["config"]["goodput"] == {"ttft": 60000.0, "tpot": 60000.0} and result["meta"]["git_commit"]
+    m = result["modes"]["uncompressed"]
+    assert m["server"]["max_model_len"] == 1024 and "--kv-memory-gb 0.01 --no-kv-compression" in m["server"]["command"]
+    (row,) = m["rates"]
+    assert row["request_rate"] == 8.0 and row["completed"] == 6 and row["failed"] == row["lost"] == 0
+    assert row["output_tokens"] == 36 and row["input_tokens"] > 0 and row["ttft_ms"]["n"] == 6
+    assert row["tpot_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] > 0
+    assert row["goodput_req_s"] == pytest.approx(row["requests_s"]) and row["slo_attainment"] == 1.0
+    assert row["server"]["generation_tokens"] == 36 and row["server"]["metric_samples"] >= 1
+    assert row["server"]["stored_ratio"] == 1.0                         # uncompressed: pages stored as they are
+    assert row["memory_after"]["rss_mib"] > 0 and m["memory"]["flat"] is True
+    assert m["summary"]["max_rate_within_slo"] == 8.0 and result["comparison"]["ratios"] == {}
+    assert "uncompressed     8" in printed.out
+
+
+def test_the_comparison_of_modes_and_their_server_flags():
+    """--compare: one server per mode, its flags; the highest rate each sustains within the SLO and the ratios."""
+    import argparse
+    args = argparse.Namespace(kv_memory_gb=16.0, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=4096,
+                              server_args="--max-num-seqs 128 --no-enable-prefix-caching")
+    assert serve.server_flags(args, "compressed") == ["--kv-memory-gb", "16.0", "--max-model-len", "4096",
+                                                      "--max-num-seqs", "128", "--no-enable-prefix-caching"]
+    assert serve.server_flags(args, "flashinfer")[4:7] == ["--no-kv-compression", "--attention-backend", "flashinfer"]
+    result = {"config": {"goodput": {}},
+              "modes": {"compressed": {"summary": {"max_rate_within_slo": 6.0, "max_output_tok_s": 900.0}},
+                        "uncompressed": {"summary": {"max_rate_within_slo": 4.0, "max_output_tok_s": 600.0}},
+                        "flashinfer": {"skipped": "FlashInfer runs on CUDA only"}}}
+    comp = serve.comparison(result, ["compressed", "uncompressed", "flashinfer"])
+    assert set(comp["per_mode"]) == {"compressed", "uncompressed"}
+    ratio = comp["ratios"]["compressed/uncompressed"]
+    assert ratio["max_rate_within_slo"] == 1.5 and ratio["max_output_tok_s"] == 1.5
+    assert math.isnan(ratio["peak_running"]) and "compressed/flashinfer" not in comp["ratios"]
+
+
+def test_merge_of_runs_one_mode_each(tmp_path, capsys):
+    """--merge: one mode per call (a time limit per call), then one comparison; runs of another
+    workload are refused in one line."""
+    def run_json(path, mode, rate_ok, kv=16.0):
+        row = serve.rate_row([synthetic_record(0.0, 0.1, [0.01] * 4, 5)], 1.0, rate_ok, {"ttft": 500.0})
+        row.update(server={"peak_running": 2, "preemptions": 0}, memory_after={"rss_mib": 100.0})
+        config = {"model": "m", "dataset": "reasoning", "length_dist": {}, "num_prompts": 1, "prompt_format": "ids",
+                  "kv_memory_gb": kv, "max_concurrency": None, "goodput": {"ttft": 500.0}, "slo_attainment": 0.9,
+                  "seed": 0, "modes": [mode], "num_prompts_note": None}
+        path.write_text(json.dumps({"meta": {"command": f"run {mode}", "device_name": "gpu"}, "config": config,
+                                    "modes": {mode: {"rates": [row], "summary": serve.mode_summary([row], {"ttft": 500.0},
+                                                                                                   0.9)}}}))
+    run_json(tmp_path / "u.json", "uncompressed", 2.0)
+    run_json(tmp_path / "c.json", "compressed", 3.0)
+    assert main(["bench", "serve", "--merge", str(tmp_path / "u.json"), str(tmp_path / "c.json"),
+                 "--out", str(tmp_path / "both")]) == 0
+    merged = json.loads((tmp_path / "both.json").read_text())
+    assert merged["config"]["modes"] == ["compressed", "uncompressed"]              # compressed first: the ratios
+    assert merged["comparison"]["ratios"]["compressed/uncompressed"]["max_rate_within_slo"] == 1.5
+    assert merged["meta"]["command"] == "run uncompressed; run compressed"
+    assert "compressed/uncompressed" in capsys.readouterr().out.strip().splitlines()[-1]
+    run_json(tmp_path / "c8.json", "compressed", 3.0, kv=8.0)
+    assert main(["bench", "serve", "--merge", str(tmp_path / "u.json"), str(tmp_path / "c8.json")]) == 2
+    assert "kv_memory_gb" in capsys.readouterr().err
+
+
+def test_the_highest_rate_within_the_slo_needs_every_lower_rate_within_it_too():
+    slo = {"ttft": 150.0}
+    fast, slow = synthetic_record(0.0, 0.1, [0.01], 2), synthetic_record(0.0, 0.3, [0.01], 2)
+    rows = []
+    for rate, rec in ((1.0, slow), (2.0, fast), (4.0, fast)):
+        row = serve.rate_row([rec], 1.0, rate, slo)
+        row["server"] = {}
+        rows.append(row)
+    assert serve.mode_summary(rows, slo, 0.9)["max_rate_within_slo"] == 0.0      # the lowest rate missed it
+    assert serve.mode_summary(rows[1:], slo, 0.9)["max_rate_within_slo"] == 4.0
+    assert serve.mode_summary(rows[1:], {}, 0.9)["max_rate_within_slo"] is None
+    # a run cut short (a time limit): summarised from the rates it finished, marked partial
+    result = {"config": {"goodput": slo, "slo_attainment": 0.9},
+              "modes": {"compressed": {"rates": rows[1:], "partial": True},
+                        "uncompressed": {"summary": serve.mode_summary(rows[1:2], slo, 0.9)}}}
+    comp = serve.comparison(result, ["compressed", "uncompressed"])
+    assert comp["per_mode"]["compressed"]["partial"] and comp["ratios"]["compressed/uncompressed"][
+        "max_rate_within_slo"] == 2.0
