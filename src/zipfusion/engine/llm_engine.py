@@ -28,10 +28,32 @@ from .scheduler import KVCacheTooSmall, Scheduler, SchedulerOutput
 log = logging.getLogger("zipfusion")
 
 
+class PhaseClock:
+    """Host seconds of a step's phases: ``mark(phase)`` adds the time since the last mark to the
+    phase's total (a phase may come back)."""
+
+    PHASES = ("schedule", "forward", "seal", "ahead")
+
+    def __init__(self):
+        self.start = self._last = time.perf_counter()
+        self._s = dict.fromkeys(self.PHASES, 0.0)
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._s[phase] += now - self._last
+        self._last = now
+
+    def times(self) -> dict:
+        """StepResult's timing fields."""
+        return {"start": self.start, "seconds": self._last - self.start,
+                **{f"{p}_s": self._s[p] for p in self.PHASES}}
+
+
 class StepResult(NamedTuple):
     """What one :meth:`LLMEngine.step` did: the requests that finished, the rows it sampled
     (``logits[i]`` is the row that gave ``sampled[i]`` its newest token: valid until the next
-    step, clone to keep), and its size and timings (seconds, from the host clock)."""
+    step, clone to keep), and its size and timings (seconds, from the host clock:
+    :class:`PhaseClock`)."""
     finished: list
     sampled: list
     logits: object                   # torch.Tensor [len(sampled), V] fp32, or None
@@ -44,7 +66,7 @@ class StepResult(NamedTuple):
     seconds: float
     schedule_s: float
     forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
-    seal_s: float                    # the host's part of sealing (analysis launch, placement, encode launch)
+    seal_s: float                    # the page store's two points: analysis launch, placement and encode launch, full pages collected
     ahead_s: float = 0.0             # scheduling the next step while this one ran on the GPU (async_scheduling)
     recomputed_tokens: int = 0       # prefill tokens whose K/V had been computed before a preemption
 
@@ -275,43 +297,51 @@ class LLMEngine:
         and are placed and encoded while the next step's forward runs (memory/page_store.py: no
         wait for the device); with ``async_scheduling`` the next step is scheduled then too
         (:meth:`_schedule_ahead`). The sampled tokens come back after that."""
-        t0 = time.perf_counter()
+        clock = PhaseClock()
         out = self._take_ahead() or self._forget_preempted(self.scheduler.schedule())
         running = len(self.scheduler.running)
-        t1 = time.perf_counter()
+        clock.mark("schedule")
         self.pages.before_forward()
-        t2 = time.perf_counter()
+        clock.mark("seal")
         logits = self.runner.run(out)
+        recomputed = self._count_computed(out)
+        sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
+        tokens = self._launch_sample(sampled, logits) if sampled else None
+        clock.mark("forward")
+        # the pages this step fills hold K/V of tokens known already (a step writes its inputs')
+        sealed = self.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
+        clock.mark("seal")
+        if self.async_scheduling:
+            self._ahead = self._schedule_ahead(sampled)
+            clock.mark("ahead")
+        finished = self._postprocess(sampled, logits, tokens, sealed)
+        clock.mark("forward")
+        return StepResult(finished, sampled, logits if sampled else None, len(out.decode),
+                          sum(ch.length for ch in out.prefill), running, len(out.preempted), sealed,
+                          recomputed_tokens=recomputed, **clock.times())
+
+    def _count_computed(self, out: SchedulerOutput) -> int:
+        """The step's tokens are computed: the requests' counters move on. Returns the prefill
+        tokens computed again after a preemption."""
         recomputed = 0
         for ch in out.prefill:
             r = ch.request
             recomputed += max(0, min(r.num_computed + ch.length, r.computed_before) - r.num_computed)
             r.num_computed += ch.length
-        self.recomputed_tokens += recomputed
         for r in out.decode:
             r.num_computed += 1
-        sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
-        tokens = self._launch_sample(sampled, logits) if sampled else None
-        t3 = time.perf_counter()
-        # the pages this step fills hold K/V of tokens known already (a step writes its inputs')
-        sealed = self.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
-        t4 = time.perf_counter()
-        ahead_s = 0.0
-        if self.async_scheduling:
-            t5 = time.perf_counter()
-            self._ahead = self._schedule_ahead(sampled)
-            ahead_s = time.perf_counter() - t5
+        self.recomputed_tokens += recomputed
+        return recomputed
+
+    def _postprocess(self, sampled: list[Request], logits, tokens, sealed: int) -> list[Request]:
+        """The sampled tokens appended (the step's one wait for the device), finished requests
+        let go of; returns those."""
         finished = self._finish_sample(sampled, logits, tokens) if sampled else []
         self._note_kv_stats(sealed)
         for r, reason in finished:
             self.scheduler.finish(r, reason)
             self.runner.forget(r.request_id)
-        t6 = time.perf_counter()
-        seal_s = (t2 - t1) + (t4 - t3)
-        return StepResult([r for r, _ in finished], sampled, logits if sampled else None, len(out.decode),
-                          sum(ch.length for ch in out.prefill), running,
-                          len(out.preempted), sealed, t0, t6 - t0, t1 - t0, t6 - t1 - seal_s - ahead_s, seal_s,
-                          ahead_s, recomputed)
+        return [r for r, _ in finished]
 
     def _forget_preempted(self, out: SchedulerOutput) -> SchedulerOutput:
         """The runner lets go of what it staged for the requests this schedule preempted."""
