@@ -112,7 +112,7 @@ def _one_error_line(err: str, *words):
 
 
 def _too_much_gb() -> str:
-    from zipfusion.engine.llm_engine import free_memory_gb
+    from zipfusion.engine.build import free_memory_gb
     import torch
     return str(max(60, int(free_memory_gb(torch.device("cpu"))) + 100))
 

@@ -4,10 +4,10 @@
 engine starts ``N - 1`` worker processes itself (``torch.multiprocessing``, ``spawn`` by
 default; ``EngineConfig.tp_start_method="forkserver"`` forks them from a server that has
 imported torch and zipfusion once -- the tests use it), one per GPU; each runs the engine's
-worker loop (``serve``: engine/tp_runner.py), which the engine hands to :func:`start`. Under ``torchrun``
-(``RANK``/``WORLD_SIZE`` in the environment, WORLD_SIZE == N) every process runs the user's
-script: rank 0's ``LLMEngine`` is the engine, the others' serve as workers until rank 0
-shuts down and then exit (``SystemExit(0)``).
+worker loop (``serve``: engine/tp_runner.py), which the engine hands to :func:`start`. Under
+``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment, WORLD_SIZE == N) every process runs
+the user's script: rank 0's ``LLMEngine`` is the engine, the others' serve as workers until
+rank 0 shuts down and then exit (``SystemExit(0)``).
 
 Everything that crosses processes goes through :class:`~zipfusion.distributed.comm.Comm`. A
 failure there -- a worker that died, a peer that timed out -- ends the engine with

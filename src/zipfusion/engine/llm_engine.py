@@ -46,6 +46,7 @@ class StepResult(NamedTuple):
     ahead_s: float = 0.0             # scheduling the next step while this one ran on the GPU (async_scheduling)
     recomputed_tokens: int = 0       # prefill tokens whose K/V had been computed before a preemption
 
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | str | None = None, **options):
         """``LLMEngine(EngineConfig(...))`` or ``LLMEngine("model", **options)``."""
