@@ -82,6 +82,7 @@ class AttentionBackend:
         if kind == "auto":
             kind = "kernel" if cache.device.type == "cuda" and arena is not None else "torch"
         self.kind, self.cache, self.sm_scale, self.num_qo_heads = kind, cache, sm_scale, num_qo_heads
+        self.split_grain = split_grain
         if kind == "kernel":
             self.decode = KernelDecode(cache, sm_scale, compressed=kv_compression, deterministic=deterministic,
                                        check_pages=check_pages)
@@ -138,8 +139,8 @@ class AttentionBackend:
             return
         q = torch.zeros(-(-max_tokens // CUDNN_BUCKET) * CUDNN_BUCKET, self.num_qo_heads, c.head_dim,
                         dtype=c.dtype, device=c.device)
-        grain = getattr(self.prefill_stored, "split_grain", 0)
-        kv = torch.zeros(max(q.shape[0], grain), c.num_kv_heads, c.head_dim, dtype=c.dtype, device=c.device)
+        kv = torch.zeros(max(q.shape[0], self.split_grain), c.num_kv_heads, c.head_dim, dtype=c.dtype,
+                         device=c.device)
         self.prefill_open.warm_up(q, kv)
         if self.prefill_stored is not self.prefill_open:
             self.prefill_stored.warm_up(q, kv)
