@@ -20,6 +20,8 @@ this script adds the development variants: the unfused baseline, tuning, the dia
     python3 benchmarks/attention.py --quick            # batch 32, 8K, fractions 1.0/0.92/0.8/0.5/0.0
     python3 benchmarks/attention.py --tune             # CUDA kernel variants at batch 32, 8K
     python3 benchmarks/attention.py --full --out DIR   # the whole sweep -> DIR/attention.{json,md,png}
+    python3 benchmarks/attention.py --quick --define ZF_ESC_KIND   # a build variant of the CUDA kernel
+    python3 benchmarks/attention.py --quick --diag copy            # a diagnostic build (wrong outputs)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -39,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from common import pyplot  # noqa: E402  (benchmarks/common.py)
 
 from zipfusion.bench import kernel as core  # noqa: E402  (zipfusion bench kernel: the shared core)
+from zipfusion.kernels.cuda_attention import set_build_defines  # noqa: E402
 from zipfusion.bench.kernel import (REAL_MODEL_FRACTION, FlashInfer, Pool, copy_bandwidth, fmt,  # noqa: E402
                                     summary, time_calls)
 
@@ -48,6 +52,10 @@ TUNABLE = ("stages", "num_splits", "tma", "producer")   # knobs of the CUDA kern
 # name -> (Case method, fixed keyword arguments, traffic): the package's kernels and the unfused baseline
 KERNELS = {**core.KERNELS, "unfused": ("run_unfused", {}, "unfused")}
 DEV = torch.device("cuda")
+# diagnostic builds of the producer kernel, for timing only: their outputs are WRONG. "copy" moves
+# the compressed pages but never reads them (the memory side alone), "compute" restores and
+# multiplies stale slots without moving a byte (the instructions alone); see the kernel source.
+DIAG_DEFINES = {"copy": "ZF_DIAG_COPY_ONLY", "compute": "ZF_DIAG_COMPUTE_ONLY"}
 
 
 class Case(core.Case):
@@ -76,8 +84,8 @@ def main():
     mode.add_argument("--plot-tune", metavar="JSON",
                       help="draw an attention_tune.json (from --tune) beside it as a PNG")
     mode.add_argument("--plot-diag", metavar="DIR",
-                      help="draw DIR/diag/{full,copy,compute} (--quick with ZIPFUSION_CUDA_DIAG unset, "
-                           "copy, compute) and DIR/splits/{full,copy}_S* as DIR/diag.png")
+                      help="draw DIR/diag/{full,copy,compute} (--quick without --diag, with --diag copy, "
+                           "compute) and DIR/splits/{full,copy}_S* as DIR/diag.png")
     mode.add_argument("--auto", action="store_true",
                       help="tune at batch 32 / 8K, pick the fastest fused config, then --full")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -88,6 +96,12 @@ def main():
     ap.add_argument("--producer", type=int, choices=[0, 1], default=None,
                     help="1: the producer-warp kernel (fused and twin), 0: per-warp copies")
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernels")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="build the CUDA kernel with this define (repeatable), e.g. ZF_ESC_KIND: the "
+                         "COMPRESSED_ESC page kind (see kernels/cuda/decode_attention.cu)")
+    ap.add_argument("--diag", choices=sorted(DIAG_DEFINES),
+                    help="time a diagnostic build of the producer kernel (WRONG outputs): copy, its copies "
+                         "alone; compute, its instructions alone")
     ap.add_argument("--fractions", default=None,
                     help="compressible fractions of --quick / --tune (default 1,0.92,0.8,0.5,0)")
     ap.add_argument("--batches", default="1,8,32,64")
@@ -100,6 +114,11 @@ def main():
     if args.plot_diag:
         plot_diag(args.plot_diag)
         return
+    defines = args.define + ([DIAG_DEFINES[args.diag]] if args.diag else [])
+    if args.diag:
+        warnings.warn(f"--diag {args.diag}: the CUDA decode attention kernel is a diagnostic build that gives "
+                      "wrong outputs (for timing only)")
+    set_build_defines(*defines)
     cfg = dict(stages=args.stages, num_splits=args.num_splits)
     if args.tma is not None:
         cfg["tma"] = bool(args.tma)
@@ -115,7 +134,7 @@ def main():
     info = dict(device=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
                 torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python3 " + " ".join(sys.argv))
+                command="python3 " + " ".join(sys.argv), build_defines=defines)
     ceiling = copy_bandwidth(DEV)
     info["copy_ceiling_GBps"] = ceiling / 1e9
     print(f"{info['device']} torch {info['torch']} triton {info['triton']} "

@@ -117,23 +117,24 @@ def synthetic(model, method: str, args, fraction: float, batches, max_batch=None
     """Decode-only steps at the largest batch (and ``batches``), prompt pages at ``fraction``."""
     import torch
     from engine import decode_bench
-    from e2e_methods import install_unfused, unfused_kv_gb
+    from e2e_methods import UnfusedBackend, unfused_kv_gb
+    from zipfusion.engine.attention import AttentionBackend
     from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction
     cfg = model.config
     H, D, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     pool = pages_with_fraction(args.pool_pages, H, D, fraction, seed=1)
     measured = compressible_fraction(pool)
     compress = ENGINE_KW[method]["kv_compression"]
-    cache_kw, prepare, budget = None, None, kv_gb or args.kv_gb
+    cache_kw, attention, budget = None, AttentionBackend, kv_gb or args.kv_gb
     if method == "uncompressed-flashinfer":
         cache_kw = dict(attention="flashinfer")
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     if method == "unfused":
-        budget, prepare = unfused_kv_gb(budget, L, fraction), install_unfused
+        budget, attention = unfused_kv_gb(budget, L, fraction), UnfusedBackend
         if dev.type == "cpu":       # Triton kernels run in the interpreter there: one request is plenty
             max_batch = 1
     info = decode_bench(model, dev, args.prompt, budget, list(batches), args.steps, max_batch or args.max_num_seqs,
-                        compress, pool.to(dev), cache_kw=cache_kw, prepare=prepare)
+                        compress, pool.to(dev), cache_kw=cache_kw, attention=attention)
     info.update(fraction=fraction, compressible_fraction=measured, kv_gb_for_pages=budget)
     _free(torch)
     return info

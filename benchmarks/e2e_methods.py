@@ -1,8 +1,9 @@
 """The KV methods of benchmarks/e2e.py that are baselines, not engine features.
 
 * ``unfused``: our format, decompressed into a one-layer BF16 workspace with the Triton codec,
-  then the twin (benchmarks/unfused.py), inside the engine's decode step
-  (CUDA graphs included): the plans are made once the requests are filled.
+  then the uncompressed kernel (benchmarks/unfused.py), inside the engine's decode step
+  (CUDA graphs included): :class:`UnfusedBackend`, whose plans are made once the requests are
+  filled.
 * ``nvcomp-ans`` / ``nvcomp-bitcomp``: decompress-then-attend with NVIDIA nvCOMP's Python API,
   measured as an honest *composite*: the ratio and decode speed of the codec on the same KV
   pages, the engine's uncompressed step time at the batch that fits at that ratio, and the
@@ -17,6 +18,8 @@ import statistics
 import time
 
 import torch
+
+from zipfusion.engine.attention import AttentionBackend
 
 # (label, Codec options): the data-type options tried for each nvCOMP algorithm; the best ratio counts
 NVCOMP_VARIANTS = {
@@ -35,25 +38,46 @@ def unfused_kv_gb(kv_gb: float, num_layers: int, compressible_fraction: float) -
     return kv_gb / (1 + 1 / (num_layers * r))
 
 
-def install_unfused(backend) -> None:
-    """Make the attention backend's ``decode`` decompress then run the twin: one plan per layer
-    over the pages now in the cache, all sharing one workspace (the batch's pages of one layer)."""
-    cache = backend.cache
-    from unfused import decode_attention_unfused, plan_unfused
-    plans, scratch = [], None
-    for layer in range(cache.num_layers):          # each plan's own workspace is dropped at once
-        p = plan_unfused(cache.arena, cache.page_loc[layer], cache.layout)
-        if scratch is None:
-            scratch = p.scratch
-        elif p.scratch.shape[0] > scratch.shape[0]:
-            raise ValueError("layers hold different page counts; the unfused workspace is one layer's")
-        plans.append(dataclasses.replace(p, scratch=scratch[:p.scratch.shape[0]]))
+class UnfusedDecode:
+    """A decode route (engine/attention_decode.py) that decompresses, then runs the uncompressed
+    kernel: one plan per layer over the pages in the cache at the first call (the requests are
+    filled and the CUDA graphs' scratch page taken by then), all sharing one workspace (the
+    batch's pages of one layer)."""
 
-    def attend(layer, q, block_table, context_lens):
-        return decode_attention_unfused(q, cache.arena, cache.page_loc[layer], block_table, context_lens,
-                                        cache.layout, backend.sm_scale, plan=plans[layer], validate=False)
+    graph_safe = True
 
-    backend.decode = attend
+    def __init__(self, cache, sm_scale: float):
+        self.cache, self.sm_scale, self.plans = cache, sm_scale, None
+
+    def prepare(self, context_lens, block_table, graph: bool = False) -> None:
+        """Nothing to plan a step."""
+
+    def _plan(self) -> list:
+        from unfused import plan_unfused
+        cache, plans, scratch = self.cache, [], None
+        for layer in range(cache.num_layers):          # each plan's own workspace is dropped at once
+            p = plan_unfused(cache.arena, cache.page_loc[layer], cache.layout)
+            if scratch is None:
+                scratch = p.scratch
+            elif p.scratch.shape[0] > scratch.shape[0]:
+                raise ValueError("layers hold different page counts; the unfused workspace is one layer's")
+            plans.append(dataclasses.replace(p, scratch=scratch[:p.scratch.shape[0]]))
+        return plans
+
+    def __call__(self, layer, q, block_table, context_lens):
+        from unfused import decode_attention_unfused
+        self.plans = self.plans or self._plan()
+        c = self.cache
+        return decode_attention_unfused(q, c.arena, c.page_loc[layer], block_table, context_lens, c.layout,
+                                        self.sm_scale, plan=self.plans[layer], validate=False)
+
+
+class UnfusedBackend(AttentionBackend):
+    """The engine's attention with :class:`UnfusedDecode` as its decode route."""
+
+    def __init__(self, cache, *args, **kwargs):
+        super().__init__(cache, *args, **kwargs)
+        self.decode = UnfusedDecode(cache, self.sm_scale)
 
 
 def nvcomp_measure(pages: torch.Tensor, reps: int = 5) -> dict:

@@ -146,16 +146,15 @@ def weight_bytes(model, batch):
 
 
 def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, pool, deterministic=False,
-                 cache_kw=None, prepare=None):
-    """``cache_kw``: {"attention": backend kind} ("auto" by default); ``prepare(backend)``:
-    called once the requests are filled, before the CUDA graphs are captured (benchmarks/e2e.py
-    swaps the attention there)."""
+                 cache_kw=None, attention=AttentionBackend):
+    """``cache_kw``: {"attention": backend kind} ("auto" by default); ``attention``: the backend
+    class (benchmarks/e2e.py: one with the unfused baseline as its decode route)."""
     cfg = model.config
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     cache = ArenaKVCache(L, H, D, int(kv_gb * 2**30), dev, kv_compression=compress)
-    backend = AttentionBackend(cache, (cache_kw or {}).get("attention", "auto"), kv_compression=compress,
-                               deterministic=deterministic, num_qo_heads=cfg.num_attention_heads,
-                               sm_scale=cfg.head_dim ** -0.5)
+    backend = attention(cache, (cache_kw or {}).get("attention", "auto"), kv_compression=compress,
+                        deterministic=deterministic, num_qo_heads=cfg.num_attention_heads,
+                        sm_scale=cfg.head_dim ** -0.5)
     model = on_weights_of(model, deterministic)         # the same weights, this mode's arithmetic
     t0 = time.perf_counter()
     reqs = fill_requests(cache, ctx, pool, max_batch, compress)
@@ -168,10 +167,6 @@ def decode_bench(model, dev, ctx, kv_gb, batches, steps, max_batch, compress, po
     sizes = sorted({b for b in batches if b <= n_max} | {n_max})
     runner = ModelRunner(model, backend, max_model_len=ctx + PAGE_TOKENS, max_num_seqs=max(sizes),
                          use_cuda_graphs=dev.type == "cuda")
-    if prepare is not None:
-        if runner.use_cuda_graphs:
-            runner.reserve_scratch_page()         # the padding rows' page exists before prepare sees the pages
-        prepare(backend)
     t0 = time.perf_counter()
     runner.capture_cuda_graphs(sizes=sizes)
     capture_s = time.perf_counter() - t0

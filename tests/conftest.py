@@ -44,6 +44,36 @@ settings.register_profile("dev", suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cuda-define", action="append", default=[], metavar="NAME[=VALUE]",
+                     help="build zipfusion's CUDA decode kernel with this preprocessor define (repeatable), "
+                          "e.g. ZF_ESC_KIND: the tests then check that build variant")
+
+
+def pytest_configure(config):
+    defines = config.getoption("--cuda-define")
+    if defines:
+        from zipfusion.kernels.cuda_attention import set_build_defines
+        set_build_defines(*defines)
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """``environ(NAME=value or None, ...)``: set (None: unset) environment variables and have
+    zipfusion read them afresh (``config.environment``; read afresh again after the test)."""
+    from zipfusion.config import environment
+
+    def set_vars(**values):
+        for name, value in values.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        environment.cache_clear()
+    yield set_vars
+    environment.cache_clear()
+
+
 @pytest.fixture
 def seed(request):
     """A fixed seed per test and parametrization (from its id): reruns draw the same inputs."""

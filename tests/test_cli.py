@@ -112,7 +112,7 @@ def _one_error_line(err: str, *words):
 
 
 def _too_much_gb() -> str:
-    from zipfusion.engine.llm_engine import free_memory_gb
+    from zipfusion.engine.build import free_memory_gb
     import torch
     return str(max(60, int(free_memory_gb(torch.device("cpu"))) + 100))
 
@@ -282,3 +282,23 @@ def test_serve_help_shows_limits_and_the_serving_chunk_budget(capsys):
     from zipfusion.config import EngineConfig, serving_max_num_batched_tokens
     assert EngineConfig().max_num_batched_tokens == 8192                # offline default
     assert serving_max_num_batched_tokens("cpu") == 128
+
+
+def test_settings_are_config_fields_checked_once_with_expert_ones_out_of_help(capsys):
+    """Every knob is an EngineConfig field, checked when the config is made; the tuning and
+    debugging ones (``expert``) are accepted on the command line but not listed by --help."""
+    import argparse
+    from zipfusion.config import EngineConfig, add_cli_args, config_from_args
+    for name, bad in (("prefill_split_min_tokens", 0), ("prefill_split_grain", 1.5), ("tp_timeout_s", 0),
+                      ("tp_start_method", "fork"), ("check_pages", 1)):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: bad})
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "--tp-timeout-s" in out and "--check-pages" not in out and "--prefill-split-grain" not in out
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    cfg = config_from_args(p.parse_args(["--check-pages", "--prefill-split-grain", "1", "--tp-start-method",
+                                         "forkserver"]))
+    assert cfg.check_pages and cfg.prefill_split_grain == 1 and cfg.tp_start_method == "forkserver"

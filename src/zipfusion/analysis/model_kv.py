@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import prefill_attention
+from ..engine.attention_prefill_open import prefill_attention
 from ..format.layout import PAGE_TOKENS
 from ..models import build_model, load_tokenizer, resolve_model
 from ..models.layers import apply_rope

@@ -1,6 +1,9 @@
 """Tensor parallelism on torch.distributed (docs/distributed.md): the communication layer
-(:mod:`.comm`), rank 0's driver (:mod:`.driver`), the cache operations and step plans that keep
-the ranks in step (:mod:`.lockstep`, :mod:`.plan`) and the worker loop (:mod:`.worker`)."""
+(:mod:`.comm`), rank 0's driver (:mod:`.driver`: starts the workers, sends them messages, stops
+them), the worker processes (:mod:`.worker`) and the cache operations that keep every rank's
+page ids in step (:mod:`.lockstep`). What runs in them -- the model runner on every rank and
+the step plans -- is the engine's (engine/tp_runner.py), which hands its worker loop to
+:func:`.driver.start`."""
 
 from .driver import TPWorkerError, check_model
 

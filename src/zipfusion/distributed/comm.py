@@ -9,13 +9,12 @@ Two process groups over the same ranks:
   all-gather. Rank 0 leaves that all-gather pending until it needs the numbers (or sends the
   next message), so a worker's report costs rank 0 no wait in the common case.
 
-Every collective has the engine's timeout (``ZIPFUSION_TP_TIMEOUT_S``, default 600 s); a peer
-that dies closes its sockets, which fails the next gloo collective at once.
+Every collective has the engine's timeout (``EngineConfig.tp_timeout_s``, default 600 s); a
+peer that dies closes its sockets, which fails the next gloo collective at once.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 from datetime import timedelta
 
@@ -25,19 +24,16 @@ import torch.distributed as dist
 
 HEAD_BYTES = 4096            # a message up to this size is one broadcast; longer ones take two
 REPORT = 4                   # capacity (reserve kept), capacity (reserve counted), stored ratio, spare
-DEFAULT_TIMEOUT_S = 600.0
-
-
-def timeout_s() -> float:
-    return float(os.environ.get("ZIPFUSION_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
 class Comm:
-    """This process's end of the tensor-parallel group (``rank`` of ``world``)."""
+    """This process's end of the tensor-parallel group (``rank`` of ``world``); every collective
+    waits at most ``timeout_s`` for its peers."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, store=None, init_method: str | None = None):
+    def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float, store=None,
+                 init_method: str | None = None):
         self.rank, self.world, self.device = rank, world, device
-        self.timeout = timedelta(seconds=timeout_s())
+        self.timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: one tensor-parallel "

@@ -2,11 +2,12 @@
 
 ``LLMEngine`` calls :func:`start` when ``tensor_parallel_size > 1``. Without a launcher the
 engine starts ``N - 1`` worker processes itself (``torch.multiprocessing``, ``spawn`` by
-default; ``ZIPFUSION_TP_START_METHOD=forkserver`` forks them from a server that has
-imported torch and zipfusion once -- the tests use it), one per GPU. Under ``torchrun``
-(``RANK``/``WORLD_SIZE`` in the environment, WORLD_SIZE == N) every process runs the user's
-script: rank 0's ``LLMEngine`` is the engine, the others' serve as workers until rank 0
-shuts down and then exit (``SystemExit(0)``).
+default; ``EngineConfig.tp_start_method="forkserver"`` forks them from a server that has
+imported torch and zipfusion once -- the tests use it), one per GPU; each runs the engine's
+worker loop (``serve``: engine/tp_runner.py), which the engine hands to :func:`start`. Under
+``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment, WORLD_SIZE == N) every process runs
+the user's script: rank 0's ``LLMEngine`` is the engine, the others' serve as workers until
+rank 0 shuts down and then exit (``SystemExit(0)``).
 
 Everything that crosses processes goes through :class:`~zipfusion.distributed.comm.Comm`. A
 failure there -- a worker that died, a peer that timed out -- ends the engine with
@@ -15,6 +16,7 @@ failure there -- a worker that died, a peer that timed out -- ends the engine wi
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -23,13 +25,12 @@ from contextlib import contextmanager
 
 import torch
 
+from ..config import environment
 from ..models.parallel import TensorParallel
-from .comm import Comm, timeout_s
+from .comm import Comm
 from .lockstep import LockstepCache
-from .plan import PlanWriter
 
 log = logging.getLogger("zipfusion")
-START_METHODS = ("spawn", "forkserver")
 
 
 class TPWorkerError(RuntimeError):
@@ -47,17 +48,13 @@ def check_model(mc, n: int) -> None:
                          f"{mc.intermediate_size}")
 
 
-def _torchrun() -> tuple[int, int, int] | None:
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-
-
-def start(cfg, device: torch.device, mc) -> "TPDriver":
-    """Rank 0: the driver. Under torchrun on a rank > 0: serve as a worker, then SystemExit(0)."""
+def start(cfg, device: torch.device, mc, serve) -> "TPDriver":
+    """Rank 0: the driver. Under torchrun on a rank > 0: run ``serve(cfg, comm)`` (the worker
+    loop), then SystemExit(0)."""
     n = cfg.tensor_parallel_size
     check_model(mc, n)
-    run = _torchrun()
+    _collect_dropped_engines()
+    run = environment().torchrun
     if run is not None and run[1] > 1:
         rank, world, local = run
         if world != n:
@@ -65,42 +62,48 @@ def start(cfg, device: torch.device, mc) -> "TPDriver":
         if device.type == "cuda":
             torch.cuda.set_device(local)
         if rank != 0:
-            from .worker import serve
             dev = torch.device("cuda", local) if device.type == "cuda" else device
-            serve(cfg, Comm(rank, world, dev, init_method="env://"))
+            serve(cfg, Comm(rank, world, dev, cfg.tp_timeout_s, init_method="env://"))
             raise SystemExit(0)
-        return TPDriver(cfg, Comm(0, world, device, init_method="env://"), [])
+        return TPDriver(cfg, Comm(0, world, device, cfg.tp_timeout_s, init_method="env://"), [])
     if device.type == "cuda":
         if torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs, {torch.cuda.device_count()} visible")
         if device.index not in (None, 0):
             raise ValueError(f"with tensor_parallel_size > 1 pass device='cuda' (rank r runs on cuda:r), not {device}")
-    return _spawn(cfg, device, n)
+    return _spawn(cfg, device, n, serve)
 
 
-def _spawn(cfg, device: torch.device, n: int) -> "TPDriver":
+def _collect_dropped_engines() -> None:
+    """An engine dropped without ``close()`` stops its workers and leaves the process group when
+    it is collected (TPDriver's finalizer); reference cycles keep it until the collector runs,
+    so run it before a new engine needs torch.distributed (one default group a process)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        gc.collect()
+
+
+def _spawn(cfg, device: torch.device, n: int, serve) -> "TPDriver":
     import torch.distributed as dist
     import torch.multiprocessing as mp
     from datetime import timedelta
 
-    method = os.environ.get("ZIPFUSION_TP_START_METHOD", "spawn")
-    if method not in START_METHODS:
-        raise ValueError(f"ZIPFUSION_TP_START_METHOD must be one of {START_METHODS}, got {method!r}")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "zipfusion.distributed.worker"])
+    ctx = mp.get_context(cfg.tp_start_method)
+    if cfg.tp_start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "zipfusion.distributed.worker", serve.__module__])
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s()))
+                          timeout=timedelta(seconds=cfg.tp_timeout_s))
     procs = []
     from .worker import worker_main
     try:
         for rank in range(1, n):
             p = ctx.Process(target=worker_main, name=f"zipfusion-tp{rank}", daemon=True,
-                            args=(cfg, rank, n, device.type, store.port, torch.get_num_threads(), os.getpid()))
+                            args=(cfg, rank, n, device.type, store.port, torch.get_num_threads(), os.getpid(),
+                                  serve))
             p.start()
             procs.append(p)
         # wait for every worker to reach the store, watching that none died on the way
-        deadline = time.monotonic() + timeout_s()
+        deadline = time.monotonic() + cfg.tp_timeout_s
         keys = [f"zf_up{r}" for r in range(1, n)]
         while not store.check(keys):
             for r, p in enumerate(procs, 1):
@@ -108,9 +111,9 @@ def _spawn(cfg, device: torch.device, n: int) -> "TPDriver":
                     raise TPWorkerError(f"tensor-parallel worker rank {r} (pid {p.pid}) died while starting "
                                         f"(exit code {p.exitcode}); its traceback is above")
             if time.monotonic() > deadline:
-                raise TPWorkerError(f"tensor-parallel workers did not start within {timeout_s():g} s")
+                raise TPWorkerError(f"tensor-parallel workers did not start within {cfg.tp_timeout_s:g} s")
             time.sleep(0.02)
-        comm = Comm(0, n, device, store=store)
+        comm = Comm(0, n, device, cfg.tp_timeout_s, store=store)
     except BaseException:
         _stop(procs, graceful=False)
         raise
@@ -146,8 +149,8 @@ def _shutdown(state: dict) -> None:
 
 
 class TPDriver:
-    """Rank 0's handle on the group: hooks for the engine (``parallel``, ``agree_budget``,
-    ``lockstep``, ``wrap_runner``, ``shutdown``)."""
+    """Rank 0's handle on the group: what the engine asks of it (``parallel``, ``agree_budget``,
+    ``lockstep``, ``send``, ``shutdown``; engine/tp_runner.py's TPRunner sends its calls)."""
 
     def __init__(self, cfg, comm: Comm, procs: list, store=None):
         self.size, self.comm, self.procs = cfg.tensor_parallel_size, comm, procs
@@ -201,9 +204,6 @@ class TPDriver:
         self.cache = LockstepCache(cache, self)
         return self.cache
 
-    def wrap_runner(self, runner, max_model_len: int) -> "TPRunner":
-        return TPRunner(runner, self, max_model_len)
-
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -229,38 +229,3 @@ class TPDriver:
             raise self.broken
         with self.guard():
             return self.comm.finish_report()
-
-
-class TPRunner:
-    """Rank 0's runner: each call goes to the workers first, then runs here."""
-
-    def __init__(self, runner, driver: TPDriver, max_model_len: int):
-        self._runner, self._driver, self._writer = runner, driver, PlanWriter()
-        driver.send("runner", max_model_len=max_model_len, max_num_seqs=runner.max_num_seqs,
-                    use_cuda_graphs=runner.use_cuda_graphs)
-        with driver.guard():
-            driver.comm.report()
-
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
-
-    def _call(self, kind: str, fn, **payload):
-        d = self._driver
-        d.send(kind, **payload)
-        with d.guard():                      # a failure mid-step leaves the workers mid-collective: fatal
-            result = fn()
-            d.comm.report()
-        return result
-
-    def run(self, out):
-        plan = self._writer.plan(out)
-        return self._call("step", lambda: self._runner.run(out), plan=plan)
-
-    def capture_cuda_graphs(self, *args, **kwargs):
-        return self._call("capture", lambda: self._runner.capture_cuda_graphs(*args, **kwargs),
-                          args=args, kwargs=kwargs)
-
-    def forget(self, request_id: int) -> None:
-        self._runner.forget(request_id)
-        self._writer.forget(request_id)
-        self._driver.forgets.append(request_id)

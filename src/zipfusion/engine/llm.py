@@ -1,10 +1,16 @@
 """The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, vLLM-shaped.
 
 ``LLM`` turns prompts into requests of an :class:`~zipfusion.engine.llm_engine.LLMEngine`, runs
-it until they are done and returns their outputs in the prompts' order.
+it until they are done and returns their outputs in the prompts' order. ``close()`` (or leaving
+``with LLM(...) as llm:``) lets go of the engine: its tensor-parallel workers and process group,
+its model and KV memory; an LLM dropped without it is released when it is collected.
 """
 
 from __future__ import annotations
+
+import gc
+
+import torch
 
 from ..config import EngineConfig
 from .llm_engine import LLMEngine
@@ -23,7 +29,32 @@ class LLM:
     """
 
     def __init__(self, model: str = "demo", **options):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **options))
+        self._engine: LLMEngine | None = LLMEngine(EngineConfig.from_kwargs(model, **options))
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed; build a new one")
+        return self._engine
+
+    def close(self) -> None:
+        """Release the engine (idempotent): stop its tensor-parallel workers and leave the process
+        group (so that another tensor-parallel LLM can start in this process), drop its model, KV
+        cache and CUDA graphs and hand their GPU memory back. The LLM cannot generate after."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine
+        gc.collect()                          # the engine's parts refer to each other
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from typing import NamedTuple
 
@@ -13,13 +12,12 @@ import torch
 
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..models.parallel import TensorParallel, use as use_parallel
-from ..config import (ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, DEFAULT_MAX_MODEL_LEN, GPU_MEMORY_UTILIZATION,
-                      EngineConfig)
+from ..config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ..format.layout import PAGE_TOKENS
-from ..memory import BudgetTooSmall
 from ..memory.copy import HostArray
 from .attention import AttentionBackend
-from .kv_cache import ArenaKVCache, DenseKVCache
+from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
+from .kv_cache import ArenaKVCache
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs
@@ -70,42 +68,6 @@ class StepResult(NamedTuple):
     ahead_s: float = 0.0             # scheduling the next step while this one ran on the GPU (async_scheduling)
     recomputed_tokens: int = 0       # prefill tokens whose K/V had been computed before a preemption
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-          "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16}
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
-    raise ValueError(f"dtype must be one of {sorted(set(DTYPES))}, got {dtype!r}")
-
-
-def parse_device(device) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'auto', 'cuda', 'cuda:N' or 'cpu', got {device!r}") from None
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is visible; pass device='cpu' (or 'auto')")
-    return dev
-
-
-def free_memory_gb(device: torch.device) -> float:
-    """What the device has free now: GPU memory, or the host's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 2**30
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError, AttributeError):          # pragma: no cover - non-POSIX hosts
-        return float("inf")
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | str | None = None, **options):
@@ -126,7 +88,8 @@ class LLMEngine:
         self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
         if cfg.tensor_parallel_size > 1:
             from ..distributed.driver import start
-            self.tp = start(cfg, self.device, mc)
+            from .tp_runner import serve
+            self.tp = start(cfg, self.device, mc, serve)
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
             self.model = self.build_model()
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
@@ -143,7 +106,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
         if self.tp:
-            self.runner = self.tp.wrap_runner(self.runner, self.max_model_len)
+            from .tp_runner import TPRunner
+            self.runner = TPRunner(self.runner, self.tp, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
         self.graph_buckets = self.runner.capture_cuda_graphs()
         self.attention.warm_up_prefill(cfg.max_num_batched_tokens)       # cuDNN's graphs, on CUDA
@@ -183,30 +147,13 @@ class LLMEngine:
         return asked
 
     def _build_cache(self):
-        cfg, mc = self.config, self.model_config
-        free = free_memory_gb(self.device)
-        if cfg.kv_memory_gb is None:
-            gb = (max(0.5, GPU_MEMORY_UTILIZATION * free - ACTIVATION_RESERVE_GB) if self.device.type == "cuda"
-                  else min(CPU_KV_MEMORY_GB, 0.5 * free))
-        else:
-            gb = cfg.kv_memory_gb
-            if gb > free:
-                raise ValueError(f"kv_memory_gb={gb:g} is more than the {free:.1f} GiB free on {self.device}; "
-                                 f"pass a smaller kv_memory_gb")
-        tp_size = self.tp.size if self.tp else 1
+        """The KV cache (engine/build.py; a tensor-parallel worker builds its own there too)."""
+        gb = kv_memory_gb(self.config, self.device)
         if self.tp:                         # every rank the same budget: page ids agree (distributed/lockstep.py)
             gb = self.tp.agree_budget(gb)
         self.kv_memory_gb = gb
-        budget = int(gb * 2**30)
-        L, H, D = mc.num_hidden_layers, mc.num_key_value_heads // tp_size, mc.head_dim
-        if self.dtype != torch.bfloat16:
-            return DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, self.dtype), self.dtype, self.device)
-        kw = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
-        try:
-            return ArenaKVCache(L, H, D, budget, self.device, kv_compression=cfg.kv_compression,
-                                defer_table_sync=True, **kw)
-        except BudgetTooSmall as exc:
-            raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
+        return build_kv_cache(self.config, self.model_config, self.dtype, self.device, gb,
+                              self.tp.size if self.tp else 1)
 
     def _build_host_tier(self):
         """The KV host tier (memory/host_tier.py), or None: off without prefix caching, for a dense
@@ -242,7 +189,8 @@ class LLMEngine:
         self._len_note = f" (what kv_memory_gb={self.kv_memory_gb:g} holds; give more kv_memory_gb)"
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (also done when the engine is collected or at exit)."""
+        """Stop the tensor-parallel workers and leave the process group (idempotent; also done when
+        the engine is collected, and at exit). ``LLM.close()`` calls it."""
         if self.tp:
             self.tp.shutdown()
 

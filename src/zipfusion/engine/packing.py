@@ -17,8 +17,8 @@ token); :meth:`PackedPlan.run` (per layer) gathers q into the packed layout, run
 once, and puts each slot's output back in its row.
 
 The sums run in another order than the plain kernel's, so the result is not bit-identical to
-it; compressed and uncompressed runs of one schedule take the same path and the twin's
-arithmetic, so they give the same bits, and deterministic mode never packs (the pairing depends
+it; compressed and uncompressed runs of one schedule take the same path and the fused and
+uncompressed kernels' arithmetic is the same, so they give the same bits, and deterministic mode never packs (the pairing depends
 on the batch). With CUDA graphs a packed step replays a graph of its own, captured over
 :meth:`PackedPlan.empty` buffers (V = the bucket's rows, each table as wide as R requests'
 tables) that each step fills (:meth:`PackedPlan.fill`); otherwise it runs eagerly.
@@ -26,7 +26,6 @@ tables) that each step fills (:meth:`PackedPlan.fill`); otherwise it runs eagerl
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +37,7 @@ from ..memory.copy import to_device
 MIN_SHARED_PAGES = 16      # rows pack behind a shared prefix of 256 tokens or more
 # query-head columns of a packed request: one tensor-core n-tile (R = 8 // G rows a request);
 # 16 (two n-tiles, R = 16 // G) halves the restores again for twice the MMAs
-PACK_HEADS = int(os.environ.get("ZIPFUSION_PACK_HEADS", "8"))
+PACK_HEADS = 8
 # pack only when it spares at least this many page reads a layer (rows x shared pages): ~1.7 ms
 # of fused attention a step on the H200 (at 0.211 ms a layer for 32 x 512 pages), against the four
 # small kernels a layer that packing adds (~0.4 ms a step) -- a first guess, to be tuned there
@@ -79,14 +78,15 @@ class PackedPlan:
     spans: torch.Tensor         # int32 [V, R, 2]: each slot's own tokens [begin, end)
     slots: torch.Tensor         # int64 [B]: the packed slot (v·R + r) of each decode row
 
-    def run(self, backend, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16."""
+    def run(self, decode, layer: int, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16 through the
+        ``decode`` route (attention_decode.KernelDecode)."""
         V, R = self.rows.shape
         B, Hq, D = q.shape
-        H = backend.cache.num_kv_heads
+        H = num_kv_heads
         G = Hq // H
         packed = q[self.rows].view(V, R, H, G, D).transpose(1, 2).reshape(V, H * R * G, D)
-        o = backend.decode(layer, packed, self.block_table, self.context_lens, spans=self.spans, slot_heads=G)
+        o = decode(layer, packed, self.block_table, self.context_lens, spans=self.spans, slot_heads=G)
         return o.view(V, H, R, G, D).transpose(1, 2).reshape(V * R, Hq, D)[self.slots]
 
     @staticmethod

@@ -1,11 +1,18 @@
 """The CUDA C++ decode-attention kernel (``cuda/decode_attention.cu``): build once, call.
 
 The kernel is compiled with ``nvcc`` the first time it is needed (a few seconds) into a small
-shared library cached under ``$ZIPFUSION_CACHE`` (default ``~/.cache/zipfusion``), keyed by the
-source's hash and the GPU architecture, and called through ``ctypes`` on torch's current
-stream (so it is captured by CUDA graphs like any torch op). It covers head_dim 128 and GQA
-groups of up to 16 query heads on GPUs with bf16 tensor cores (sm_80+); everything else, and
-every CPU run, goes to the Triton kernel, which is also the CPU-checkable reference.
+shared library cached under ``$ZIPFUSION_KERNEL_CACHE`` (default ``~/.cache/zipfusion/kernels``),
+keyed by the source's hash, the GPU architecture and the build's defines, and called through
+``ctypes`` on torch's current stream (so it is captured by CUDA graphs like any torch op). It
+covers head_dim 128 and GQA groups of up to 16 query heads on GPUs with bf16 tensor cores
+(sm_80+); everything else, and every CPU run, goes to the Triton kernel, which is also the
+CPU-checkable reference.
+
+Build variants (benchmarks/attention.py, the tests' ``--cuda-define``): :func:`set_build_defines`
+adds preprocessor defines to every later build of this process, e.g. ``ZF_ESC_KIND`` (the
+COMPRESSED_ESC page kind: format v2 pages with escapes and no raw block; see the source; off by
+default: 3 % faster on an H200 with the per-warp kernel in one run, no faster on an H100 with the
+producer warp). The package itself never sets one.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -21,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import environment
 from .splits import plan_splits
 
 log = logging.getLogger(__name__)
@@ -43,11 +52,10 @@ def default_producer(compressed: bool, hopper: bool) -> bool:
     """Whether the producer-warp kernel runs by default: for compressed pages on Hopper, where
     it was measured faster (benchmarks/attention.py --tune, H100, batch 32 x 8K: 1-2 % at every
     fraction); the twin keeps its per-warp copies (its open pages cost the producer 32 row
-    copies each: 0.81x the per-warp twin). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides."""
-    env = os.environ.get("ZIPFUSION_CUDA_PRODUCER")
-    if env in ("0", "1"):
-        return hopper and env == "1"
-    return hopper and compressed
+    copies each: 0.81x the per-warp twin). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides
+    (config.environment)."""
+    override = environment().cuda_producer
+    return hopper and (compressed if override is None else override)
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -79,8 +87,8 @@ def choose_copy(compressed: bool, hopper: bool, group: int, stages: int | None,
 
 
 def _nvcc() -> str:
-    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+    env = environment()
+    for cand in (env.nvcc, shutil.which("nvcc"), os.path.join(env.cuda_home, "bin", "nvcc")):
         if cand and os.path.exists(cand):
             return cand
     raise CudaKernelUnavailable("nvcc was not found (set NVCC or CUDA_HOME, or use "
@@ -88,31 +96,23 @@ def _nvcc() -> str:
 
 
 _BUILT: dict[str, "ctypes.CDLL | CudaKernelUnavailable"] = {}   # arch + flags -> library or why not
+_FLAGS: list[str] = []                                            # set_build_defines'
 
 
-def _flags() -> list[str]:
-    """Build variants chosen by the environment: ``ZIPFUSION_CUDA_ESC_KIND=1`` builds the
-    COMPRESSED_ESC page kind (format v2 pages with escapes and no raw block; see the source;
-    off by default: 3 % faster on an H200 with the per-warp kernel in one run, no faster on an
-    H100 with the producer warp). ``ZIPFUSION_CUDA_DIAG=copy|compute`` builds a
-    diagnostic producer kernel that gives WRONG outputs: ``copy`` moves the compressed pages but
-    never reads them (the memory side alone), ``compute`` restores and multiplies stale slots
-    without moving a byte (the instructions alone); benchmarks/attention.py times them."""
-    flags = ["-DZF_ESC_KIND"] if os.environ.get("ZIPFUSION_CUDA_ESC_KIND") == "1" else []
-    diag = os.environ.get("ZIPFUSION_CUDA_DIAG", "")
-    if diag not in ("", "copy", "compute"):
-        raise ValueError(f"ZIPFUSION_CUDA_DIAG={diag!r}: use copy, compute or leave it unset")
-    if diag:
-        warnings.warn(f"ZIPFUSION_CUDA_DIAG={diag}: the CUDA decode attention kernel is a diagnostic "
-                      "build that gives wrong outputs (for timing only); unset it to compute",
-                      stacklevel=3)
-    return flags + ([f"-DZF_DIAG_{diag.upper()}_ONLY"] if diag else [])
+def set_build_defines(*defines: str) -> None:
+    """Build the kernel with these preprocessor defines (``NAME`` or ``NAME=VALUE``) from now on
+    in this process, e.g. ``set_build_defines("ZF_ESC_KIND")``; none: the default build. The
+    source says what each does; benchmarks/attention.py also builds diagnostic variants."""
+    for d in defines:
+        if not re.fullmatch(r"[A-Za-z_]\w*(=\w+)?", d):
+            raise ValueError(f"a build define is NAME or NAME=VALUE, got {d!r}")
+    _FLAGS[:] = [f"-D{d}" for d in defines]
 
 
 def _library(arch: str) -> ctypes.CDLL:
     """The kernel library for ``arch`` (e.g. "90"), built once; a failure is remembered (and
     warned about once: callers then use the Triton kernel) instead of retried on every call."""
-    flags = _flags()
+    flags = list(_FLAGS)
     got = _BUILT.get(arch + " ".join(flags))
     if got is None:
         try:
@@ -130,7 +130,7 @@ def _library(arch: str) -> ctypes.CDLL:
 def _build(arch: str, flags: list[str]) -> ctypes.CDLL:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + arch.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ZIPFUSION_CACHE", Path.home() / ".cache" / "zipfusion"))
+    cache = environment().kernel_cache
     cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"decode_attention_{arch}_{key}.so"
     if not lib.exists():

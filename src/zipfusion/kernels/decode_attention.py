@@ -31,11 +31,11 @@ on either route.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
+from ..config import environment
 from ..format.layout import PAGE_TOKENS, PageLayout, loc_is_compressed, loc_is_open, loc_offset
 from . import cuda_attention
 from .splits import check_split_args
@@ -157,8 +157,8 @@ def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: st
 def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None) -> None:
     """:func:`page_faults` asserted on the device, no host sync (``torch._assert_async``): a
     fault stops the process with a device-side assert instead of a kernel reading garbage or
-    spinning. The engine runs it before each decode attention call when
-    ``ZIPFUSION_CHECK_PAGES=1`` (a debugging aid; it costs a few small kernels per layer)."""
+    spinning. The engine runs it before each decode attention call with
+    ``EngineConfig(check_pages=True)`` (a debugging aid; it costs a few small kernels per layer)."""
     faults = page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin)
     if faults:
         torch._assert_async(~torch.stack([f for _, f in faults]).any())
@@ -167,8 +167,8 @@ def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, tw
 def _use_cuda(backend, q, layout) -> bool:
     """Which kernel serves this call: the CUDA C++ kernel (``cuda_attention``) where it can
     (CUDA tensors, head_dim 128, group <= 16, nvcc present), else the Triton kernel.
-    ``backend`` (or $ZIPFUSION_ATTENTION_BACKEND) forces one."""
-    backend = backend or os.environ.get("ZIPFUSION_ATTENTION_BACKEND", "auto")
+    ``backend`` (or $ZIPFUSION_ATTENTION_BACKEND: config.environment) forces one."""
+    backend = backend or environment().decode_kernel
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":

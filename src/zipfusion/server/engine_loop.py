@@ -19,12 +19,18 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 
 from ..engine import LLMEngine, SamplingParams
 from ..engine.request import Request, Status
 
 log = logging.getLogger("zipfusion.server")
+# The loop that drives each engine, by the engine's id: one server per engine (a second one
+# would step it from another thread). A loop keeps its engine alive, so an id here is not
+# reused; a loop that is gone leaves no entry.
+_DRIVERS: "weakref.WeakValueDictionary[int, EngineLoop]" = weakref.WeakValueDictionary()
+_DRIVERS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -90,11 +96,6 @@ class _Tracked:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics=None):
-        other = getattr(engine, "_served_by", None)
-        if other is not None and other.thread.is_alive():
-            raise RuntimeError("this engine is already driven by another EngineLoop (another app); "
-                               "one server per engine: build a second LLMEngine")
-        engine._served_by = self
         self.engine = engine
         self.metrics = metrics
         self.commands: collections.deque = collections.deque()
@@ -102,7 +103,13 @@ class EngineLoop:
         self.tracked: dict[int, _Tracked] = {}
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="zipfusion-engine", daemon=True)
-        self.thread.start()
+        with _DRIVERS_LOCK:
+            other = _DRIVERS.get(id(engine))
+            if other is not None and other.thread.is_alive():
+                raise RuntimeError("this engine is already driven by another EngineLoop (another app); "
+                                   "one server per engine: build a second LLMEngine")
+            _DRIVERS[id(engine)] = self
+            self.thread.start()
 
     # -- called from the event loop (or any thread) -----------------------------------------
     def call(self, fn) -> concurrent.futures.Future:
@@ -131,8 +138,9 @@ class EngineLoop:
         self.stopping = True
         self.wake.set()
         self.thread.join(timeout=10)
-        if getattr(self.engine, "_served_by", None) is self:
-            self.engine._served_by = None
+        with _DRIVERS_LOCK:
+            if _DRIVERS.get(id(self.engine)) is self:
+                del _DRIVERS[id(self.engine)]
 
     # -- the engine thread ------------------------------------------------------------------
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -1,0 +1,143 @@
+"""Decode attention: each decode row (one request's newest token) attends to its request's pages.
+
+One route object per way of computing it; :class:`~.attention.AttentionBackend` picks one when
+it is built, from the config and the device:
+
+* :class:`KernelDecode`: our paged decode kernel (kernels/decode_attention.py: CUDA C++ on the
+  GPU, Triton elsewhere). With ``kv_compression`` the fused kernel, which restores compressed
+  blocks in registers; otherwise the uncompressed kernel, bit-identical to it on open pages;
+* :class:`TorchDecode`: fp32 torch over the pages read back (fp64 in deterministic mode);
+* :class:`FlashInferPagedDecode`: FlashInfer's paged decode over the open pages (CUDA,
+  uncompressed).
+
+Each is prepared once a step (``prepare``: FlashInfer's plan) and called once a layer:
+``decode(layer, q [B, Hq, D], block_table [B, W], context_lens [B]) -> [B, Hq, D]``.
+
+Deterministic mode: the kernel splits every request's pages into runs of
+``DETERMINISTIC_SPLIT_PAGES``, whatever the batch (a split count chosen from the batch would
+order the sums differently), and torch sums in fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..format import PAGE_TOKENS
+from ..format.layout import open_loc
+
+DETERMINISTIC_SPLIT_PAGES = 64
+
+
+class KernelDecode:
+    """The paged decode kernel over the arena: fused (``compressed``) or uncompressed.
+    ``check_pages``: every call first asserts its pages on the device (a debugging aid:
+    ``EngineConfig.check_pages``)."""
+
+    graph_safe = True
+
+    def __init__(self, cache, sm_scale: float, *, compressed: bool, deterministic: bool = False,
+                 check_pages: bool = False):
+        self.cache, self.sm_scale, self.compressed, self.check_pages = cache, sm_scale, compressed, check_pages
+        self.split = {"split_pages": DETERMINISTIC_SPLIT_PAGES} if deterministic else {}
+
+    def prepare(self, context_lens, block_table, graph: bool = False) -> None:
+        """Nothing to plan on the host."""
+
+    def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+                 **packed) -> torch.Tensor:
+        """``packed``: the kernel's ``spans`` and ``slot_heads`` (packing.py)."""
+        from ..kernels import decode_attention, decode_attention_twin
+        c = self.cache
+        if self.check_pages:
+            from ..kernels.decode_attention import check_ids_async
+            check_ids_async(c.arena, c.page_loc[layer], block_table, context_lens, c.layout,
+                            None if self.compressed else "decode_attention_twin")
+        kernel = decode_attention if self.compressed else decode_attention_twin
+        # the engine builds valid tables; validate=False keeps the call free of host syncs
+        return kernel(q, c.arena, c.page_loc[layer], block_table, context_lens, c.layout, self.sm_scale,
+                      validate=False, **self.split, **packed)
+
+    def over_open_copy(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       context_lens: torch.Tensor) -> torch.Tensor:
+        """Rows q [n, Hq, D] of one request, each with its context length, over an open copy of
+        its pages restored as k, v [P·16, H, D] (whole pages): the uncompressed kernel on the
+        copy gives the fused kernel's bits on the pages themselves (the same arithmetic after
+        the restore), and many rows re-reading one prefix restore it once."""
+        from ..kernels import decode_attention_twin
+        c = self.cache
+        P, H, D = k.shape[0] // PAGE_TOKENS, c.num_kv_heads, c.head_dim
+        copy = torch.stack([k.view(P, PAGE_TOKENS, H, D), v.view(P, PAGE_TOKENS, H, D)], dim=1)
+        arena = copy.view(-1).view(torch.uint8)
+        loc = open_loc(torch.arange(P, dtype=torch.int64, device=q.device) * c.layout.open_page_bytes)
+        table = torch.arange(P, dtype=torch.int32, device=q.device).expand(q.shape[0], P)
+        return decode_attention_twin(q, arena, loc, table, context_lens, c.layout, self.sm_scale,
+                                     validate=False, **self.split)
+
+
+class TorchDecode:
+    """Decode attention in torch over the pages the cache reads back (any cache, any dtype);
+    ``exact``: fp64 (deterministic mode)."""
+
+    graph_safe = False              # reads the context lengths on the host: dynamic shapes
+
+    def __init__(self, cache, sm_scale: float, *, exact: bool = False):
+        self.cache, self.sm_scale, self.exact = cache, sm_scale, exact
+
+    def prepare(self, context_lens, block_table, graph: bool = False) -> None:
+        """Nothing to plan on the host."""
+
+    def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+        return torch_decode_attention(q, lambda ids: self.cache.read_pages(layer, ids), block_table,
+                                      context_lens, self.sm_scale, exact=self.exact)
+
+
+class FlashInferPagedDecode:
+    """FlashInfer's paged decode reading the open pages in place (kernels/flashinfer_decode.py):
+    one plan a step, each layer its own page indices."""
+
+    graph_safe = True
+
+    def __init__(self, cache, sm_scale: float, num_qo_heads: int):
+        from ..kernels.flashinfer_decode import FlashInferDecode
+        self.cache, self.sm_scale = cache, sm_scale
+        self.kernel = FlashInferDecode(cache.arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes)
+
+    def prepare(self, context_lens, block_table, graph: bool = False) -> None:
+        self.kernel.prepare(context_lens, block_table, self.sm_scale, graph)
+
+    def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+        return self.kernel.run(q, self.cache.page_loc[layer])
+
+
+def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, exact: bool = False):
+    """Decode attention in fp32 torch (fp64 when ``exact``: then a row's result does not depend
+    on the batch's padding, up to ~1e-16 relative before the final rounding):
+    q [B, Hq, D]; ``read_pages(ids) -> [n, 2, 16, H, D]``.
+
+    o_b = softmax(sm_scale · q_b K_bᵀ) V_b over the first context_lens[b] tokens of request b,
+    query head i reading KV head i // (Hq / H).
+    """
+    ftype = torch.float64 if exact else torch.float32
+    B, Hq, D = q.shape
+    lens = context_lens.to(torch.int64)
+    max_pages = int(-(-int(lens.max()) // PAGE_TOKENS))
+    table = block_table[:, :max_pages].to(torch.int64)
+    used = torch.arange(max_pages, device=q.device)[None, :] * PAGE_TOKENS < lens[:, None]
+    ids = torch.where(used, table, torch.zeros_like(table))
+    uniq, inverse = torch.unique(ids[used], return_inverse=True)
+    pages = read_pages(uniq)                                    # [n, 2, 16, H, D]
+    H = pages.shape[3]
+    slot = torch.zeros_like(ids)
+    slot[used] = inverse
+    kv = pages[slot]                                            # [B, P, 2, 16, H, D]
+    k = kv[:, :, 0].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
+    v = kv[:, :, 1].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
+    qg = q.to(ftype).reshape(B, H, Hq // H, D)
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * sm_scale
+    valid = torch.arange(max_pages * PAGE_TOKENS, device=q.device)[None, :] < lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)           # unwritten slots may hold NaN bits
+    out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v)
+    return out.reshape(B, Hq, D).float().to(q.dtype)

@@ -1,0 +1,144 @@
+"""Prefill over open pages: a chunk that starts its request (``start == 0``: a whole prompt, or
+the first chunk of a long one) attends causally to its own fresh K/V. The step has just written
+them into open pages; nothing is read back from the cache, the attention runs on the K/V tensors
+the model computed (:class:`OpenPrefill`).
+
+On the GPU (bf16, fp16) it runs cuDNN's attention, its queries and keys padded to a multiple of
+``CUDNN_BUCKET``: cuDNN builds a graph for every new shape (~45 ms on an H200), and a workload's
+prompt lengths would each pay one; the buckets' graphs are built when the engine starts
+(:meth:`OpenPrefill.warm_up`). Elsewhere (and in fp32) SDPA.
+
+This file also holds the dense attention both prefill routes run once K/V are contiguous:
+:func:`prefill_attention` (causal, after a prefix), :func:`attend_lse` (cuDNN with its
+log-sum-exp, or its fp32 torch equal) and :func:`cudnn_takes` (whether cuDNN's SDPA serves q).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+# SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
+# 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
+CUDA_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+# cuDNN attention pads its queries (causal: and keys) to a multiple of this many rows, so that a
+# run builds a few graphs, not one per prompt length (see attend_lse)
+CUDNN_BUCKET = 512
+
+
+class OpenPrefill:
+    """Whole prompts (and first chunks) over their own K/V: causal attention, no prefix."""
+
+    def __init__(self, sm_scale: float):
+        self.sm_scale = sm_scale
+
+    def plan(self, chunks, device) -> list[slice]:
+        """Host work once a step: the rows of each chunk in the step's q, from (offset, chunk)
+        pairs."""
+        return [slice(off, off + ch.length) for off, ch in chunks]
+
+    def run(self, layer: int, q, k, v, out: torch.Tensor, plan: list[slice]) -> None:
+        """Each chunk's rows of ``out`` (the step's q, k, v rows are the chunk's own tokens)."""
+        for sl in plan:
+            out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, self.sm_scale)
+
+    def warm_up(self, q: torch.Tensor, kv: torch.Tensor) -> None:
+        """Build cuDNN's graph of every causal bucket up to ``q``'s rows (zero q [N, Hq, D] and
+        kv [>= N, H, D], N a multiple of CUDNN_BUCKET; CUDA only)."""
+        for n in range(CUDNN_BUCKET, q.shape[0] + 1, CUDNN_BUCKET):
+            attend_lse(q[:n], kv[:n], kv[:n], True, self.sm_scale)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of q [n, Hq, D] (positions start..start+n-1) over k, v [start+n, H, D]:
+    query i sees keys j <= start + i. Memory linear in n (no score matrix) on CUDA.
+
+    CUDA: torch's fused kernels in bf16 -- cuDNN for a whole prompt (top-left causal, GQA native,
+    its shapes bucketed: :func:`attend_lse`), SDPA's FlashAttention where cuDNN is missing; with a
+    prefix, SDPA's bottom-right causal variant (``causal_lower_right``, FlashAttention/memory-
+    efficient kernels), K/V heads repeated for GQA. CPU (and fp32): SDPA.
+    """
+    if start == 0 and cudnn_takes(q):
+        return attend_lse(q, k, v, True, scale)[0]                           # cuDNN, its shapes bucketed
+    n, Hq, _ = q.shape
+    H = k.shape[1]
+    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))        # [1, heads, len, D]
+    if start == 0:
+        with sdpa_kernel(CUDA_SDPA, set_priority=True) if q.is_cuda else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=Hq != H)
+    elif q.is_cuda:
+        if Hq != H:
+            kb, vb = kb.repeat_interleave(Hq // H, dim=1), vb.repeat_interleave(Hq // H, dim=1)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(n, start + n), scale=scale)
+    else:
+        pos = torch.arange(start + n, device=q.device)
+        mask = pos[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != H)
+    return o[0].transpose(0, 1)
+
+
+def attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
+    """(o [n, Hq, D], lse [n, Hq] fp32) of q over k, v (causal: top-left, k as long as q). CUDA
+    (bf16, fp16): cuDNN's SDPA kernel, which returns its log-sum-exp; elsewhere the same in fp32
+    torch (tests).
+
+    cuDNN builds an execution graph for every new shape (~45 ms of host time on an H200, ~0.5-0.8 s
+    for the first of a kind; docs/benchmarks.md), and a workload's prompts and chunks come in
+    every length. So the queries are padded with zero rows up to a multiple of ``bucket`` (default
+    CUDNN_BUCKET on CUDA) and the padded rows' outputs dropped; for a causal call the keys are
+    padded alike, which changes nothing for a real row: row i sees keys 0..i only, all real. A
+    causal graph then depends on the bucket alone; a prefix's (uncausal) on the bucket and the
+    prefix's length, which zero keys would change (they add e^0 to every softmax)."""
+    n, Hq, _ = q.shape
+    bucket = bucket or (CUDNN_BUCKET if cudnn_takes(q) else 1)
+    if n % bucket:
+        pad = lambda t: F.pad(t, (0, 0, 0, 0, 0, bucket - n % bucket))  # noqa: E731 - rows at the end
+        q, (k, v) = pad(q), ((pad(k), pad(v)) if causal else (k, v))
+        o, lse = attend_lse(q, k, v, causal, scale, bucket)
+        return o[:n], lse[:n]
+    g, cudnn = Hq // k.shape[1], cudnn_takes(q)
+    if cudnn:
+        if g > 1 and not cudnn["gqa"]:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qb, kb, vb, None, True, 0.0, causal, False,
+                                                                    scale=scale)[:2]
+        return o[0].transpose(0, 1), lse.reshape(Hq, n).transpose(0, 1).float()
+    kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)                                     # [Hq, n]
+    return torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), vf), lse.transpose(0, 1)
+
+
+def cudnn_takes(q: torch.Tensor) -> dict | None:
+    """What cuDNN's SDPA with its log-sum-exp offers for q ({"gqa": bool}: K/V heads fewer than
+    query heads without repeating them), or None where it does not serve q (not CUDA, bf16 or
+    fp16, or not in this torch and GPU)."""
+    return _cudnn_probe() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+
+
+@functools.cache
+def _cudnn_probe() -> dict | None:
+    """Whether this torch and GPU run cuDNN's SDPA with its log-sum-exp, and with GQA (asked
+    once, on a tiny problem)."""
+    if not torch.cuda.is_available():
+        return None
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    x = torch.randn(1, 4, 64, 128, dtype=torch.bfloat16, device="cuda")
+    try:
+        op(x, x, x, None, True, 0.0, False, False)
+    except Exception:                               # noqa: BLE001 - no cuDNN SDPA here: varlen route
+        return None
+    try:
+        op(x, x[:, :2], x[:, :2], None, True, 0.0, False, False)
+        return {"gqa": True}
+    except Exception:                               # noqa: BLE001
+        return {"gqa": False}
