@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine.kv_cache import KVCache
-
 ALLOC, FREE, SEAL, STREAMS = "a", "f", "s", "t"
 
 
@@ -80,8 +78,13 @@ class LockstepCache:
             self._cache.set_seal_streams(ids, streams)
             self.log.append((STREAMS, ids, list(streams)))
 
-    # sealed whole (and logged) by ``seal``, as any cache without a split seal
-    start_seal, finish_seal = KVCache.start_seal, KVCache.finish_seal
+    # the page store's two halves of a seal: here the second seals whole (and logs it) by ``seal``
+    def start_seal(self, ids):
+        return list(ids)
+
+    def finish_seal(self, job, min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
+        keep = set(job if keep is None else keep)
+        return self.seal([p for p in job if p in keep], min_capacity=min_capacity, reclaim=reclaim)
 
     def take_log(self) -> list[tuple]:
         log, self.log = self.log, []
