@@ -15,7 +15,6 @@ import faulthandler
 import hashlib
 import importlib
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import tempfile
 import threading
 import time
 
+from ..config import child_environment
 from .stats import percentile
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
@@ -199,10 +199,7 @@ def run_worker(cmd: list[str], timeout: float, threads: int = 0) -> dict:
     ``timeout`` seconds; ``process_s`` either way. ``threads``: its CPU threads (0: torch's default)."""
     tail = collections.deque(maxlen=80)
     t0 = time.perf_counter()
-    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
-           **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    env = child_environment(**({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=die_with_parent)
 

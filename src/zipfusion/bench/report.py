@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 
+from ..config import zipfusion_variables
+
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -77,7 +79,7 @@ def run_meta(kind: str, argv: list[str] | None, device: str | None) -> dict:
     if argv is None:           # the command line from "bench" on (zipfusion's main, or python -m zipfusion)
         argv = sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else [
             "bench", kind, f"(called from {os.path.basename(sys.argv[0])})"]
-    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ZIPFUSION_")]
+    env = zipfusion_variables()
     return {"benchmark": f"zipfusion bench {kind}", "command": " ".join(env + ["zipfusion", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "device": device, "device_name": device_name(device), "host": platform.node(),

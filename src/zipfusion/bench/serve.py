@@ -36,6 +36,7 @@ import time
 import warnings
 import zlib
 
+from ..config import child_environment, visible_gpus
 from . import MODES, datasets, flashinfer_skip_reason, report
 from .offline import die_with_parent, note
 from .stats import goodput, summary
@@ -111,9 +112,9 @@ def gpu_memory(pid: int | None, device: str) -> dict:
         return {}
     out = {"gpu_process_mib": None, "gpu_used_mib": None}
     index = str(device).partition(":")[2] or "0"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    if visible[0].strip().isdigit():
-        index = visible[min(int(index), len(visible) - 1)].strip()
+    visible = visible_gpus()
+    if visible and visible[0].isdigit():
+        index = visible[min(int(index), len(visible) - 1)]
     try:
         run = lambda *q: subprocess.run(["nvidia-smi", *q, "--format=csv,noheader,nounits"],  # noqa: E731
                                         capture_output=True, text=True, timeout=20).stdout
@@ -141,9 +142,7 @@ class Server:
         port = free_port()
         cmd = [sys.executable, "-m", "zipfusion", "serve", "--model", model, "--device", device, "--host",
                "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
-        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+        env = child_environment()
         fd, log_path = tempfile.mkstemp(prefix=f"zipfusion_bench_serve_{port}_", suffix=".log")
         with os.fdopen(fd, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
