@@ -29,16 +29,16 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
 from zipfusion.engine import llm_engine, runner, scheduler  # noqa: E402
-from zipfusion.memory import codec, host_tier, manager, page_store, page_table, prefix_cache  # noqa: E402
+from zipfusion.memory import codec, compaction, host_tier, manager, page_store, page_table, prefix_cache  # noqa: E402
 
 TIMED = {
     scheduler.Scheduler: ("schedule", "_schedule_prefill", "_schedule_decode", "_admit", "_running_needs", "finish",
                           "_swap_in", "_fill_streams"),
     page_store.PageStore: ("before_forward", "after_forward", "seal_now", "make_room", "alloc", "_start", "_finish",
                            "_collect", "_reclaim", "_freed"),
-    manager.KVCacheManager: ("alloc_pages", "_make_room_for_groups", "_compact_layer", "_repack", "_repack_plan",
-                             "analyze_pages", "seal_analyzed", "_analyze", "_compress_batch", "_wave", "_affordable", "free_pages",
-                             "_make_room_for_packing", "capacity_new_pages"),
+    manager.KVCacheManager: ("alloc_pages", "analyze_pages", "seal_analyzed", "_analyze", "_compress_batch", "_wave",
+                             "_affordable", "free_pages", "capacity_new_pages"),
+    compaction: ("make_room_for_groups", "make_room_for_packing", "compact_layer", "repack", "repack_plan"),
     page_table.PageTable: ("sync", "sync_layer", "check"),
     host_tier.HostTier: ("put", "take", "drop"),
     prefix_cache.PrefixCache: ("make_room", "evict_pages", "match", "release", "insert"),

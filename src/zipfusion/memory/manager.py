@@ -21,13 +21,10 @@ layer for compression (compressed space is taken before the open slots are freed
 (the scheduler asks first, so the engine never meets it). ``seal_pages`` never fails and
 never lowers the capacity below what was promised (``min_capacity``): a page that finds no room
 it may take stays open (still a valid page) and is returned, to be sealed again later.
-Compaction is incremental: it evacuates a layer's emptiest packed chunks, just enough of them
-to free the chunks asked for. Device: "cuda" (Triton codec and copy kernels), "cpu" (torch
-reference codec), or "meta" (no bytes: ``zipfusion.testing.AccountingManager`` seals pages of
-given sizes, for simulations).
-Reads in flight: freed chunks reach another layer only after a CUDA event recorded at the free
-has completed (chunks.py); compaction and compression copy on the current stream, so a caller
-using several streams must order them against it.
+Compaction (compaction.py) is incremental. Device: "cuda" (Triton codec and copy kernels), "cpu"
+(torch reference codec), or "meta" (no bytes: ``zipfusion.testing.AccountingManager``). Every
+copy runs on the current stream; a chunk freed while queued kernels may read it is reused only
+behind their event (chunks.py).
 """
 
 from __future__ import annotations
@@ -39,16 +36,16 @@ import numpy as np
 import torch
 
 from ..format import PageLayout
-from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_open, loc_offset, moved_loc,
+from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_open, loc_offset,
                              open_loc)
-from . import codec
+from . import codec, compaction
 from .chunks import ChunkPool, default_chunk_bytes, groups_available
 from .copy import copy_ranges, move_ranges
 from .errors import BudgetTooSmall, MemoryExhausted
 from .open_pages import OpenGroups
 from .packed import PackedSpace
 from .page_table import OPEN, STATE_NAMES, STORED, PageTable
-from .stats import LayerStats, MemoryStats
+from .stats import MemoryStats, memory_stats
 
 
 Reclaim = Callable[[np.ndarray], object] | None     # offered the pages compaction would move; may free some
@@ -142,7 +139,7 @@ class KVCacheManager:
 
         Raises MemoryExhausted, with nothing changed, when they do not fit (with the reserve
         kept, or counting it too when ``keep_reserve`` is False). ``reclaim``: the caller's
-        policy for pages compaction would move (:meth:`_compact_layer`).
+        policy for pages compaction would move (memory/compaction.py).
         """
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
             raise ValueError(f"alloc_pages(n) needs a non-negative int, got {n!r}")
@@ -156,7 +153,7 @@ class KVCacheManager:
                 f"{cap}; preempt a request (free its pages) and retry", needed=n, available=cap)
         g = self.open.groups_needed(n)
         if g:
-            self._make_room_for_groups(g, self.reserve if keep_reserve else 0, reclaim)
+            compaction.make_room_for_groups(self, g, self.reserve if keep_reserve else 0, reclaim)
             for _ in range(g):
                 chunks = np.array([self.pool.take(self.pool.pool_of(l)) for l in range(self.num_layers)],
                                   dtype=np.int64)
@@ -170,31 +167,6 @@ class KVCacheManager:
         t.sync(ids)
         self._counts[OPEN] += n
         return ids.tolist()
-
-    def _make_room_for_groups(self, g: int, reserve: int, reclaim: Reclaim) -> None:
-        """Compact until the pool(s) hold ``g`` groups beyond ``reserve`` chunks per layer, the
-        emptiest chunks first. Shared pool: in rounds, each layer gives at most twice its share
-        (one layer asked for all would repack denser chunks while others hold near-empty ones)."""
-        L = self.num_layers
-        if self.pool.shared:
-            missing = (g + reserve) * L - self.pool.available(0)
-            share = max(1, -(-2 * missing // L))
-            for last in (False, True):                 # rounds of shares, then whatever is left
-                while missing > 0:                     # (the bound promised it)
-                    before = missing
-                    for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
-                        if missing <= 0:
-                            break
-                        missing -= self._compact_layer(layer, missing if last else min(missing, share), reclaim)
-                    if missing == before or last:
-                        break
-        else:
-            for layer in range(L):
-                missing = g + reserve - self.pool.available(layer)
-                if missing > 0:
-                    self._compact_layer(layer, missing, reclaim)
-        if self._groups_available(False, reserve == self.reserve) < g:   # capacity bound was checked
-            raise AssertionError("compaction freed fewer chunks than its bound promised")
 
     # ================================================================== free
     def free_pages(self, ids: Iterable[int]) -> None:
@@ -348,8 +320,8 @@ class KVCacheManager:
     def _wave(self, stored: np.ndarray):
         """The next wave of pages ``stored`` [L, m] (open-slot order): (pages, placement) for the
         most whole batches of S whose next fit the pool's chunks hold as they are now (the
-        reserve may be used, as ``_make_room_for_packing`` allows), or (one batch, None) when
-        not even one fits: that batch goes through ``_make_room_for_packing``.
+        reserve may be used, as ``compaction.make_room_for_packing`` allows), or (one batch, None) when
+        not even one fits: that batch goes through ``compaction.make_room_for_packing``.
 
         A prefix's fresh chunks per layer are the placement's chunk ordinal at its last page.
         """
@@ -375,7 +347,7 @@ class KVCacheManager:
                         split=None, min_capacity: int = 0, reclaim: Reclaim = None) -> bool:
         """Place, encode (one launch) and account the pages ``ids[part]`` (encoded ``sizes``
         [L, k]); then free their open slots. ``split``: their placement when the caller knows
-        it fits, else ``_make_room_for_packing`` makes room. False (nothing changed): no room,
+        it fits, else ``compaction.make_room_for_packing`` makes room. False (nothing changed): no room,
         or not ``_affordable``."""
         t = self.table
         open_bytes = self.layout.open_page_bytes
@@ -384,7 +356,7 @@ class KVCacheManager:
         stored = np.where(as_open, open_bytes, sizes)
         flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
         if split is None:
-            split = self._make_room_for_packing(stored, reclaim)
+            split = compaction.make_room_for_packing(self, stored, reclaim)
             if split is None:
                 return self._compress_staged(batch, flat, stored, as_open, state, min_capacity)
         if not self._affordable(batch, stored, split, min_capacity):
@@ -467,31 +439,6 @@ class KVCacheManager:
                                         reclaim=self.packed.reclaimable_bound(need, stored.sum(1)))
         return free_slots + S * groups >= min(self.capacity_new_pages(), min_capacity)
 
-    def _make_room_for_packing(self, stored: np.ndarray, reclaim: Reclaim):
-        """The placement split for ``packed.place`` once every layer can take the fresh chunks
-        that placing ``stored`` [L, k] needs (the reserve may be used), compacting if it must;
-        None if even compaction cannot make the room. Compaction moves fill pointers, so the
-        need is recomputed after it."""
-        split = self.packed.placement(stored)
-        need = self.packed.chunks_needed(stored, split)
-        if self.pool.shared:
-            for layer in np.argsort(-self.packed.reclaimable_bound(), kind="stable").tolist():
-                missing = int(need.sum()) - self.pool.available(0)
-                if missing <= 0:
-                    break
-                if self._compact_layer(layer, missing, reclaim):
-                    split = self.packed.placement(stored)
-                    need = self.packed.chunks_needed(stored, split)
-            return split if self.pool.available(0) >= need.sum() else None
-        for layer in np.nonzero(need)[0].tolist():
-            missing = int(need[layer]) - self.pool.available(layer)
-            if missing > 0 and self._compact_layer(layer, missing, reclaim):
-                split = self.packed.placement(stored)
-                need = self.packed.chunks_needed(stored, split)
-            if self.pool.available(layer) < need[layer]:
-                return None
-        return split
-
     # ================================================================== compaction
     def compact(self, layers: Iterable[int] | None = None, reclaim: Reclaim = None) -> int:
         """Repack every layer's compressed pages so that chunks with holes return to the pool.
@@ -503,56 +450,7 @@ class KVCacheManager:
         layers = range(self.num_layers) if layers is None else list(layers)
         for layer in layers:
             self._check_layer(layer)
-        return sum(self._compact_layer(int(layer), None, reclaim) for layer in layers)
-
-    def _compact_layer(self, layer: int, want: int | None, reclaim: Reclaim) -> int:
-        """Repack the layer's emptiest packed chunks, enough to free ``want`` chunks (all of
-        them when None); returns the chunks freed. The pages it would move are first offered to
-        ``reclaim`` (the caller's policy: the page store evicts cached pages nobody holds);
-        those it frees are dropped instead of moved."""
-        if self.packed.held[layer] < 2:
-            return 0
-        plan = self._repack_plan(layer, want)
-        gone = 0
-        if plan is not None and reclaim is not None:
-            held = int(self.packed.held[layer])
-            ids, locs, _, (order, new_locs, *_) = plan
-            before = self._counts[STORED]
-            reclaim(ids[order[new_locs[order] != locs[order]]])
-            if self._counts[STORED] < before:                    # pages freed: plan again
-                self.pages_reclaimed += before - self._counts[STORED]
-                gone = held - int(self.packed.held[layer])       # chunks emptied by the frees
-                if want is not None and gone >= want:
-                    return gone
-                plan = (self._repack_plan(layer, None if want is None else want - gone)
-                        if self.packed.held[layer] >= 2 else None)
-        return gone + (0 if plan is None else self._repack(layer, plan))
-
-    def _repack_plan(self, layer: int, want: int | None):
-        """(stored page ids, their offsets and sizes in the layer, packed.plan_repack's plan),
-        or None when repacking would free nothing."""
-        t = self.table
-        ids = np.nonzero(t.state == STORED)[0]
-        locs = loc_offset(t.loc[layer, ids])
-        sizes = t.size[layer, ids]
-        plan = self.packed.plan_repack(layer, locs, sizes, want)
-        return None if plan is None else (ids, locs, sizes, plan)
-
-    def _repack(self, layer: int, plan) -> int:
-        """Carry out a repack plan: move the pages, free the emptied chunks."""
-        t = self.table
-        ids, locs, sizes, (order, new_locs, kept, freed, fill_chunk, fill_ptr) = plan
-        moved = order[new_locs[order] != locs[order]]
-        move_ranges(self.arena, locs[moved], new_locs[moved], sizes[moved], self.compaction_batch_bytes)
-        self.packed.apply_repack(layer, order, new_locs, sizes, kept, freed, fill_chunk, fill_ptr)
-        t.loc[layer, ids] = moved_loc(t.loc[layer, ids], new_locs)
-        self.pool.release([(c, self.pool.pool_of(layer)) for c in freed])
-        self.pages_moved += int(moved.size)
-        self.bytes_moved += int(sizes[moved].sum())
-        self.compactions += 1
-        if moved.size:
-            t.sync_layer(layer)
-        return len(freed)
+        return sum(compaction.compact_layer(self, int(layer), None, reclaim) for layer in layers)
 
     # ================================================================== page data
     def open_page(self, layer: int, page_id: int) -> torch.Tensor:
@@ -598,24 +496,5 @@ class KVCacheManager:
         return self._stored_bytes / (n * self.num_layers * self.layout.open_page_bytes) if n else 1.0
 
     def stats(self) -> MemoryStats:
-        C = self.chunk_bytes
-        n_open, n_stored = self._counts[OPEN], self._counts[STORED]
-        blocks = n_stored * self.layout.num_blocks
-        layers = []
-        for l in range(self.num_layers):
-            comp = int(self.packed.layer_live[l])
-            held = int(self.packed.held[l]) * C
-            layers.append(LayerStats(
-                open_bytes=n_open * self.layout.open_page_bytes, compressed_bytes=comp,
-                packed_chunk_bytes=held, free_in_chunks=held - comp,
-                fragmentation=(held - comp) / held if held else 0.0,
-                compressible_fraction=float(self._comp_blocks[l]) / blocks if blocks else float("nan"),
-                chunks=int(self.packed.held[l]) + self.open.num_groups))
-        return MemoryStats(
-            arena_bytes=self.num_chunks * C, chunk_bytes=C, num_chunks=self.num_chunks,
-            pool_chunks=sum(self.pool.available(p) for p in range(self.pool.num_pools)),
-            pending_chunks=self.pool.pending(), open_pages=n_open, stored_pages=n_stored,
-            capacity_new_pages=self.capacity_new_pages(), pages_compressed=self.pages_compressed,
-            pages_moved=self.pages_moved, bytes_moved=self.bytes_moved, compactions=self.compactions,
-            pages_reclaimed=self.pages_reclaimed,
-            stored_ratio=self.stored_ratio(), layers=layers)
+        """The numbers the engine reports (memory/stats.py)."""
+        return memory_stats(self)

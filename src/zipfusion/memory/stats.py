@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+from .page_table import OPEN, STORED
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
 
 
 @dataclass
@@ -44,3 +50,27 @@ class MemoryStats:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["layers"] = [dict(vars(layer)) for layer in self.layers]
         return d
+
+
+def memory_stats(m: KVCacheManager) -> MemoryStats:
+    """The manager's numbers now: the arena, the pool, page counts, cumulative work, per layer."""
+    C = m.chunk_bytes
+    n_open, n_stored = m._counts[OPEN], m._counts[STORED]
+    blocks = n_stored * m.layout.num_blocks
+    layers = []
+    for layer in range(m.num_layers):
+        comp = int(m.packed.layer_live[layer])
+        held = int(m.packed.held[layer]) * C
+        layers.append(LayerStats(
+            open_bytes=n_open * m.layout.open_page_bytes, compressed_bytes=comp,
+            packed_chunk_bytes=held, free_in_chunks=held - comp,
+            fragmentation=(held - comp) / held if held else 0.0,
+            compressible_fraction=float(m._comp_blocks[layer]) / blocks if blocks else float("nan"),
+            chunks=int(m.packed.held[layer]) + m.open.num_groups))
+    return MemoryStats(
+        arena_bytes=m.num_chunks * C, chunk_bytes=C, num_chunks=m.num_chunks,
+        pool_chunks=sum(m.pool.available(p) for p in range(m.pool.num_pools)),
+        pending_chunks=m.pool.pending(), open_pages=n_open, stored_pages=n_stored,
+        capacity_new_pages=m.capacity_new_pages(), pages_compressed=m.pages_compressed,
+        pages_moved=m.pages_moved, bytes_moved=m.bytes_moved, compactions=m.compactions,
+        pages_reclaimed=m.pages_reclaimed, stored_ratio=m.stored_ratio(), layers=layers)
