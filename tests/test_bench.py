@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from zipfusion.bench import datasets, parse_modes, serve
+from zipfusion.bench import client, datasets, parse_modes, serve, serve_results, server_process
 from zipfusion.bench.stats import goodput, meets_slo, parse_goodput, percentile, summary
 from zipfusion.cli import main
 
@@ -125,14 +125,14 @@ def synthetic_record(sent, first, gaps, tokens, ok=True, error=None):
         chunks.append(chunks[-1] + g)
     rec = {"ok": ok, "error": error, "sent": sent, "chunks": chunks, "tokens": tokens, "output_tokens": tokens,
            "prompt_tokens": 10, "done": chunks[-1] + 0.001}
-    return serve.finish_record(rec)
+    return client.finish_record(rec)
 
 
 def test_rate_row_counts_failed_and_lost_and_takes_latencies_in_ms():
     recs = [synthetic_record(0.0, 0.1, [0.01] * 4, 5), synthetic_record(0.5, 0.3, [0.02] * 4, 5),
             {"ok": False, "error": "HTTP 500: boom", "chunks": []},
             synthetic_record(1.0, 0.1, [0.01], 2, ok=False)]                 # no error, cut short: lost
-    row = serve.rate_row(recs, 2.0, 4.0, {"ttft": 200.0})
+    row = serve_results.rate_row(recs, 2.0, 4.0, {"ttft": 200.0})
     assert (row["completed"], row["failed"], row["lost"], row["num_requests"]) == (2, 1, 1, 4)
     assert row["errors"] == ["HTTP 500: boom"] and row["request_rate"] == 4.0
     assert row["ttft_ms"]["p50"] == pytest.approx(200.0) and row["ttft_ms"]["n"] == 2
@@ -140,12 +140,12 @@ def test_rate_row_counts_failed_and_lost_and_takes_latencies_in_ms():
     assert row["output_tok_s"] == pytest.approx(5.0) and row["requests_s"] == pytest.approx(1.0)
     assert row["good_requests"] == 1 and row["slo_attainment"] == 0.25
     row["server"] = {"peak_running": 3, "preemptions": 0}
-    assert not serve.within_slo(row, 0.2)                           # a failed request: not sustained
-    ok = serve.rate_row(recs[:2], 2.0, 2.0, {"ttft": 500.0})
+    assert not serve_results.within_slo(row, 0.2)                   # a failed request: not sustained
+    ok = serve_results.rate_row(recs[:2], 2.0, 2.0, {"ttft": 500.0})
     ok["server"] = {"peak_running": 2, "preemptions": 1}
-    burst = serve.rate_row(recs[:2], 0.5, math.inf, {"ttft": 500.0})
+    burst = serve_results.rate_row(recs[:2], 0.5, math.inf, {"ttft": 500.0})
     burst["server"] = {"peak_running": 4, "preemptions": 0}
-    s = serve.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)
+    s = serve_results.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)
     assert s["max_rate_within_slo"] == 2.0 and s["max_requests_s"] == pytest.approx(4.0) and s["peak_running"] == 4
     assert s["failed"] == 1 and s["lost"] == 1 and s["preemptions"] == 1 and burst["request_rate"] == "inf"
 
@@ -155,17 +155,18 @@ def test_metrics_text_and_memory_flatness():
             'zipfusion:kv_compressible_fraction{layer="0",model_name="m"} 0.5\n'
             'zipfusion:kv_compressible_fraction{layer="1",model_name="m"} 1.0\n'
             'zipfusion:kv_compressible_fraction{layer="2",model_name="m"} NaN\n')
-    m = serve.parse_metrics(text)
+    m = server_process.parse_metrics(text)
     assert m == {"zipfusion:num_requests_running": 3.0, "zipfusion:kv_compressible_fraction": 0.75}
-    assert serve.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1100.0})["flat"] is True
-    assert serve.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1400.0})["flat"] is False
+    assert server_process.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1100.0})["flat"] is True
+    assert server_process.memory_check({"rss_mib": 1000.0}, {"rss_mib": 1400.0})["flat"] is False
     # judged after the first rate (its kernel builds are no leak), the whole growth reported
-    m = serve.memory_check({"rss_mib": 1000.0, "gpu_used_mib": 9000.0}, {"rss_mib": 1400.0, "gpu_used_mib": 9500.0},
-                           {"rss_mib": 1350.0, "gpu_used_mib": 9000.0})
+    m = server_process.memory_check({"rss_mib": 1000.0, "gpu_used_mib": 9000.0},
+                                    {"rss_mib": 1400.0, "gpu_used_mib": 9500.0},
+                                    {"rss_mib": 1350.0, "gpu_used_mib": 9000.0})
     assert m["growth_mib"] == {"rss_mib": 400.0, "gpu_used_mib": 500.0} and m["flat"] is False
     assert m["growth_after_first_rate_mib"] == {"rss_mib": 50.0, "gpu_used_mib": 500.0}
-    assert serve.memory_check({"rss_mib": None}, {"rss_mib": None})["flat"] is None
-    assert serve.process_memory(__import__("os").getpid())["rss_mib"] > 0
+    assert server_process.memory_check({"rss_mib": None}, {"rss_mib": None})["flat"] is None
+    assert server_process.process_memory(__import__("os").getpid())["rss_mib"] > 0
 
 
 # -- the command line ----------------------------------------------------------------------------------------
@@ -290,14 +291,15 @@ def test_the_comparison_of_modes_and_their_server_flags():
     import argparse
     args = argparse.Namespace(kv_memory_gb=16.0, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=4096,
                               server_args="--max-num-seqs 128 --no-enable-prefix-caching")
-    assert serve.server_flags(args, "compressed") == ["--kv-memory-gb", "16.0", "--max-model-len", "4096",
-                                                      "--max-num-seqs", "128", "--no-enable-prefix-caching"]
-    assert serve.server_flags(args, "flashinfer")[4:7] == ["--no-kv-compression", "--attention-backend", "flashinfer"]
+    assert server_process.server_flags(args, "compressed") == ["--kv-memory-gb", "16.0", "--max-model-len", "4096",
+                                                               "--max-num-seqs", "128", "--no-enable-prefix-caching"]
+    assert server_process.server_flags(args, "flashinfer")[4:7] == ["--no-kv-compression", "--attention-backend",
+                                                                    "flashinfer"]
     result = {"config": {"goodput": {}},
               "modes": {"compressed": {"summary": {"max_rate_within_slo": 6.0, "max_output_tok_s": 900.0}},
                         "uncompressed": {"summary": {"max_rate_within_slo": 4.0, "max_output_tok_s": 600.0}},
                         "flashinfer": {"skipped": "FlashInfer runs on CUDA only"}}}
-    comp = serve.comparison(result, ["compressed", "uncompressed", "flashinfer"])
+    comp = serve_results.comparison(result, ["compressed", "uncompressed", "flashinfer"])
     assert set(comp["per_mode"]) == {"compressed", "uncompressed"}
     ratio = comp["ratios"]["compressed/uncompressed"]
     assert ratio["max_rate_within_slo"] == 1.5 and ratio["max_output_tok_s"] == 1.5
@@ -308,14 +310,14 @@ def test_merge_of_runs_one_mode_each(tmp_path, capsys):
     """--merge: one mode per call (a time limit per call), then one comparison; runs of another
     workload are refused in one line."""
     def run_json(path, mode, rate_ok, kv=16.0):
-        row = serve.rate_row([synthetic_record(0.0, 0.1, [0.01] * 4, 5)], 1.0, rate_ok, {"ttft": 500.0})
+        row = serve_results.rate_row([synthetic_record(0.0, 0.1, [0.01] * 4, 5)], 1.0, rate_ok, {"ttft": 500.0})
         row.update(server={"peak_running": 2, "preemptions": 0}, memory_after={"rss_mib": 100.0})
         config = {"model": "m", "dataset": "reasoning", "length_dist": {}, "num_prompts": 1, "prompt_format": "ids",
                   "kv_memory_gb": kv, "max_concurrency": None, "goodput": {"ttft": 500.0}, "slo_attainment": 0.9,
                   "seed": 0, "modes": [mode], "num_prompts_note": None}
+        summary = serve_results.mode_summary([row], {"ttft": 500.0}, 0.9)
         path.write_text(json.dumps({"meta": {"command": f"run {mode}", "device_name": "gpu"}, "config": config,
-                                    "modes": {mode: {"rates": [row], "summary": serve.mode_summary([row], {"ttft": 500.0},
-                                                                                                   0.9)}}}))
+                                    "modes": {mode: {"rates": [row], "summary": summary}}}))
     run_json(tmp_path / "u.json", "uncompressed", 2.0)
     run_json(tmp_path / "c.json", "compressed", 3.0)
     assert main(["bench", "serve", "--merge", str(tmp_path / "u.json"), str(tmp_path / "c.json"),
@@ -335,16 +337,16 @@ def test_the_highest_rate_within_the_slo_needs_every_lower_rate_within_it_too():
     fast, slow = synthetic_record(0.0, 0.1, [0.01], 2), synthetic_record(0.0, 0.3, [0.01], 2)
     rows = []
     for rate, rec in ((1.0, slow), (2.0, fast), (4.0, fast)):
-        row = serve.rate_row([rec], 1.0, rate, slo)
+        row = serve_results.rate_row([rec], 1.0, rate, slo)
         row["server"] = {}
         rows.append(row)
-    assert serve.mode_summary(rows, slo, 0.9)["max_rate_within_slo"] == 0.0      # the lowest rate missed it
-    assert serve.mode_summary(rows[1:], slo, 0.9)["max_rate_within_slo"] == 4.0
-    assert serve.mode_summary(rows[1:], {}, 0.9)["max_rate_within_slo"] is None
+    assert serve_results.mode_summary(rows, slo, 0.9)["max_rate_within_slo"] == 0.0   # the lowest rate missed it
+    assert serve_results.mode_summary(rows[1:], slo, 0.9)["max_rate_within_slo"] == 4.0
+    assert serve_results.mode_summary(rows[1:], {}, 0.9)["max_rate_within_slo"] is None
     # a run cut short (a time limit): summarised from the rates it finished, marked partial
     result = {"config": {"goodput": slo, "slo_attainment": 0.9},
               "modes": {"compressed": {"rates": rows[1:], "partial": True},
-                        "uncompressed": {"summary": serve.mode_summary(rows[1:2], slo, 0.9)}}}
-    comp = serve.comparison(result, ["compressed", "uncompressed"])
+                        "uncompressed": {"summary": serve_results.mode_summary(rows[1:2], slo, 0.9)}}}
+    comp = serve_results.comparison(result, ["compressed", "uncompressed"])
     assert comp["per_mode"]["compressed"]["partial"] and comp["ratios"]["compressed/uncompressed"][
         "max_rate_within_slo"] == 2.0

@@ -490,22 +490,22 @@ def test_a_request_that_can_never_fit_is_a_400_and_small_ones_all_succeed():
 
 
 def test_bench_serve_client_runs_against_a_live_server(live):
-    """zipfusion bench serve's client half (zipfusion.bench.serve), 4 requests against the live server."""
+    """zipfusion bench serve's client half (zipfusion.bench.client), 4 requests against the live server."""
     import asyncio
     import math
 
-    from zipfusion.bench import datasets, serve
+    from zipfusion.bench import client, datasets, serve_results
     url, _ = live
     ds = datasets.build(datasets.resolve("random", 8, 6), "random", 4, seed=0)
-    recs, duration, _ = asyncio.run(serve.run_rate(url, ds, 50.0, model=None, timeout=T, metrics_interval=0.2))
-    r = serve.rate_row(recs, duration, 50.0, {})
+    recs, duration, _ = asyncio.run(client.run_rate(url, ds, 50.0, model=None, timeout=T, metrics_interval=0.2))
+    r = serve_results.rate_row(recs, duration, 50.0, {})
     assert r["completed"] == 4 and r["failed"] == r["lost"] == 0 and r["output_tokens"] == 24
     # one chunk per token (return_token_ids), unless the server sends two at once
     assert r["ttft_ms"]["n"] == 4 and 4 * 2 <= r["itl_ms"]["n"] <= 4 * 5 and r["ttft_ms"]["p50"] > 0
     # groups of 3 behind a shared 40-token prefix, one at a time: the ones after the first find it cached
     ds = datasets.build(datasets.resolve("random", 8, 2, shared_prefix=40, group=3), "random", 6, seed=1)
-    recs, duration, _ = asyncio.run(serve.run_rate(url, ds, math.inf, model=None, timeout=T, max_concurrency=1))
-    r = serve.rate_row(recs, duration, math.inf, {})
+    recs, duration, _ = asyncio.run(client.run_rate(url, ds, math.inf, model=None, timeout=T, max_concurrency=1))
+    r = serve_results.rate_row(recs, duration, math.inf, {})
     assert r["completed"] == 6 and r["input_tokens"] == 6 * 48 and r["cached_tokens"] >= 4 * 32
 
 

@@ -1,0 +1,193 @@
+"""What ``zipfusion bench serve`` (:mod:`.serve`) makes of its request records.
+
+Per rate a row (latencies in ms as vLLM reports them: mean / p50 / p90 / p99 of TTFT, TPOT, ITL
+and end-to-end latency; requests/s, output and total tokens/s; requests that failed or were
+lost; goodput against ``--goodput``'s SLO). Per mode a summary: the highest Poisson rate
+sustained within the SLO, the peaks. Across modes the comparison (the first mode's ratios to the
+others), the table and the plot, and the end of a run: JSON + PNG, the tables, the memory
+verdicts and the exit status.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from . import report
+from .offline import note
+from .server_process import FLAT_MIB
+from .stats import goodput, summary
+
+RATIO_KEYS = {"max_rate_within_slo": "max rate in SLO", "max_goodput_req_s": "max goodput",
+              "max_output_tok_s": "output tok/s at saturation", "max_requests_s": "req/s at saturation",
+              "peak_running": "peak batch"}
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:.3g}"
+
+
+def rate_row(recs: list[dict], duration: float, rate: float, slo: dict[str, float],
+             max_concurrency: int | None = None) -> dict:
+    """The numbers of one rate from its request records (latencies in ms, as vLLM reports them)."""
+    ok = [r for r in recs if r["ok"]]
+    failed = [r for r in recs if r.get("error")]
+    lost = [r for r in recs if not r["ok"] and not r.get("error")]
+    out_tokens = sum(r.get("output_tokens", r.get("tokens", 0)) for r in ok)
+    in_tokens = sum(r.get("prompt_tokens", 0) for r in ok)
+    ms = lambda xs: {k: (v * 1e3 if v is not None and k != "n" else v)  # noqa: E731
+                     for k, v in summary(xs).items()}
+    row = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": max_concurrency,
+           "num_requests": len(recs), "completed": len(ok), "failed": len(failed), "lost": len(lost),
+           "errors": sorted({str(r["error"])[:300] for r in failed})[:5], "duration_s": duration,
+           "requests_s": len(ok) / duration, "output_tok_s": out_tokens / duration,
+           "total_tok_s": (in_tokens + out_tokens) / duration, "input_tokens": in_tokens, "output_tokens": out_tokens,
+           "cached_tokens": sum(r.get("cached_tokens", 0) for r in ok),
+           "ttft_ms": ms(r["ttft_s"] for r in ok), "tpot_ms": ms(r["tpot_s"] for r in ok if r["tpot_s"] is not None),
+           "itl_ms": ms(x for r in ok for x in r["itl_s"]), "e2el_ms": ms(r["e2el_s"] for r in ok)}
+    if slo:
+        row.update(goodput(recs, slo, duration))
+    return row
+
+
+def within_slo(row: dict, attainment: float) -> bool:
+    """A rate is sustained within the SLO when no request failed or was lost and at least
+    ``attainment`` of its requests met the SLO."""
+    return row["failed"] == row["lost"] == 0 and row.get("slo_attainment", 0.0) >= attainment
+
+
+def mode_summary(rows: list[dict], slo: dict, attainment: float) -> dict:
+    """What the comparison takes from one mode's rates. ``max_rate_within_slo``: the highest
+    Poisson rate that, with every lower rate run, was sustained within the SLO (0: not even the
+    lowest; None: no SLO given)."""
+    best = 0.0
+    for r in sorted((r for r in rows if r["request_rate"] != "inf"), key=lambda r: r["request_rate"]):
+        if not within_slo(r, attainment):
+            break
+        best = r["request_rate"]
+    return {"max_rate_within_slo": best if slo else None,
+            "max_goodput_req_s": max((r["goodput_req_s"] for r in rows), default=None) if slo else None,
+            "max_output_tok_s": max(r["output_tok_s"] for r in rows),
+            "max_requests_s": max(r["requests_s"] for r in rows),
+            "peak_running": max(r["server"].get("peak_running") or 0 for r in rows),
+            "preemptions": sum(r["server"].get("preemptions", 0) for r in rows),
+            "failed": sum(r["failed"] for r in rows), "lost": sum(r["lost"] for r in rows)}
+
+
+def comparison(result: dict, modes: list[str]) -> dict:
+    """Per mode its summary (a run cut short, e.g. by a time limit, is summarised from the rates it
+    finished, marked ``partial``), and the first mode's ratios to the others."""
+    c = result["config"]
+    per = {}
+    for m in modes:
+        run = result["modes"].get(m, {})
+        if "summary" in run:
+            per[m] = run["summary"]
+        elif run.get("rates"):
+            per[m] = {**mode_summary(run["rates"], c.get("goodput") or {}, c.get("slo_attainment", 0.9)),
+                      "partial": True}
+    return {"per_mode": per, "ratios": report.ratios(per, tuple(RATIO_KEYS), modes[0])}
+
+
+COLUMNS = [("mode", "mode", "{}"), ("rate", "rate", "{}"), ("completed", "ok", "{}"), ("failed", "fail", "{}"),
+           ("lost", "lost", "{}"), ("requests_s", "req/s", "{:.2f}"), ("output_tok_s", "out tok/s", "{:,.1f}"),
+           ("ttft_p50", "TTFT p50", "{:,.0f}"), ("ttft_p99", "TTFT p99", "{:,.0f}"), ("tpot_p50", "TPOT p50", "{:.1f}"),
+           ("tpot_p99", "TPOT p99", "{:.1f}"), ("itl_p50", "ITL p50", "{:.1f}"), ("itl_p99", "ITL p99", "{:.1f}"),
+           ("goodput", "goodput", "{:.2f}"), ("peak_running", "peak batch", "{:.0f}"),
+           ("preemptions", "preempt", "{:.0f}"), ("rss_mib", "server RSS MiB", "{:,.0f}")]
+
+
+def table_rows(result: dict) -> list[dict]:
+    rows = []
+    for mode, m in result["modes"].items():
+        if "rates" not in m:
+            rows.append({"mode": mode, "note": note(m)})
+            continue
+        for r in m["rates"]:
+            rows.append({"mode": mode, "rate": rate_label(float(r["request_rate"])), **r,
+                         **{f"{k}_{p}": r[f"{k}_ms"][p] for k in ("ttft", "tpot", "itl") for p in ("p50", "p99")},
+                         "goodput": r.get("goodput_req_s"), "peak_running": r["server"].get("peak_running"),
+                         "preemptions": r["server"].get("preemptions"), "rss_mib": r["memory_after"].get("rss_mib")})
+    return rows
+
+
+def plot(result: dict, path: str) -> bool:
+    """Latency against request rate, every mode on the same axes: TTFT and TPOT (p50 solid, p99
+    dashed), output tokens/s and goodput (or requests/s). The all-at-once rate (inf) is drawn at
+    the request rate it achieved, as a star."""
+    plt = report.pyplot()
+    modes = {m: v for m, v in result["modes"].items() if v.get("rates")}
+    if plt is None or not modes:
+        return False
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    slo = result["config"]["goodput"]
+    panels = [(axes[0][0], "ttft_ms", "TTFT (ms)"), (axes[0][1], "tpot_ms", "TPOT (ms)")]
+    for i, (mode, m) in enumerate(modes.items()):
+        color = f"C{i}"
+        rows = sorted(m["rates"], key=lambda r: (r["request_rate"] == "inf", float(r["request_rate"])))
+        finite = [r for r in rows if r["request_rate"] != "inf"]
+        burst = [r for r in rows if r["request_rate"] == "inf"]
+        xs = [r["request_rate"] for r in finite]
+        for ax, key, _ in panels:
+            for p, style in (("p50", "-o"), ("p99", "--o")):
+                ax.plot(xs, [r[key][p] if r[key][p] is not None else math.nan for r in finite], style, color=color,
+                        label=f"{mode} {p}", ms=4)
+                ax.plot([r["requests_s"] for r in burst], [r[key][p] or math.nan for r in burst], "*", color=color,
+                        ms=9)
+        axes[1][0].plot(xs, [r["output_tok_s"] for r in finite], "-o", color=color, label=mode, ms=4)
+        axes[1][0].plot([r["requests_s"] for r in burst], [r["output_tok_s"] for r in burst], "*", color=color, ms=9)
+        key, name = ("goodput_req_s", "goodput (req/s in SLO)") if slo else ("requests_s", "requests/s completed")
+        axes[1][1].plot(xs, [r[key] for r in finite], "-o", color=color, label=mode, ms=4)
+        axes[1][1].plot([r["requests_s"] for r in burst], [r[key] for r in burst], "*", color=color, ms=9)
+        axes[1][1].set_ylabel(name)
+    for ax, key, name in panels:
+        ax.set_ylabel(name)
+        with warnings.catch_warnings():            # one point (one rate): matplotlib widens the limits itself
+            warnings.simplefilter("ignore", UserWarning)
+            ax.set_yscale("log")
+        if key[:4] in slo:
+            ax.axhline(slo[key[:4]], color="gray", ls=":", lw=1, label="SLO")
+    axes[1][0].set_ylabel("output tokens/s")
+    for ax in (a for row in axes for a in row):
+        ax.set_xlabel("request rate (req/s, Poisson; *: all at once, at the rate achieved)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    c, m = result["config"], result["meta"]
+    fig.suptitle(f"zipfusion bench serve: {c['model']} on {m['device_name']}, {c['dataset']} x {c['num_prompts']} "
+                 f"per rate, KV {c['kv_memory_gb'] or 'default'} GiB"
+                 + (", SLO " + " ".join(f"{k}:{v:g}" for k, v in slo.items()) + " ms" if slo else ""),
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def finish(result: dict, out: str) -> int:
+    """The comparison, JSON + PNG, then the tables (the comparison last); 1 when a request
+    failed or was lost, or a mode failed."""
+    slo, attainment = result["config"]["goodput"], result["config"]["slo_attainment"]
+    result["comparison"] = comparison(result, result["config"]["modes"])
+    failed = sum(m["summary"]["failed"] + m["summary"]["lost"] for m in result["modes"].values() if "summary" in m)
+    print(report.save(result, out, plot))
+    print(report.text_table(table_rows(result), COLUMNS))
+    for mode, m in result["modes"].items():
+        if "memory" in m:
+            mem = m["memory"]
+            later = mem["growth_after_first_rate_mib"]
+            print(f"{mode}: server memory from after the warm-up to the end: "
+                  + (", ".join(f"{k} {v:+,.0f}" for k, v in mem["growth_mib"].items()) or "not measured")
+                  + (" MiB; after the first rate: " + ", ".join(f"{k} {v:+,.0f}" for k, v in later.items())
+                     if later else "") + f" MiB ({'flat' if mem['flat'] else 'NOT FLAT' if mem['flat'] is False else '?'}"
+                  + f", tolerance {FLAT_MIB:.0f} MiB)")
+    per = result["comparison"]["per_mode"]
+    if slo:
+        print(f"SLO {' '.join(f'{k}:{v:g}' for k, v in slo.items())} ms, >= {attainment:.0%} of requests: "
+              + "; ".join(f"{m} sustains {report.fmt(s['max_rate_within_slo'], '{:.3g}')} req/s" for m, s in per.items()))
+    if result["comparison"]["ratios"]:
+        print(report.ratio_table(result["comparison"]["ratios"],
+                                 RATIO_KEYS if slo else {k: v for k, v in RATIO_KEYS.items() if "slo" not in k
+                                                         and "goodput" not in k}))
+    if failed:
+        print(f"{failed} request(s) failed or were lost")
+    return 1 if failed or any("error" in m for m in result["modes"].values()) else 0
