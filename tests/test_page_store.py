@@ -1,0 +1,111 @@
+"""PageStore (memory/page_store.py): a page's life from allocation to free, and the seal in two
+halves a step apart -- analysed before one forward, placed after the next -- with pages freed (and
+their ids taken again) in between (CPU, the real arena)."""
+
+from __future__ import annotations
+
+import torch
+
+from zipfusion.engine.kv_cache import ArenaKVCache
+from zipfusion.format import PAGE_TOKENS
+from zipfusion.memory.page_store import PageStore
+from test_memory import LAYOUT, assert_contents, fill
+
+OPEN = LAYOUT.open_page_bytes
+
+
+class Req:
+    """What the page store reads of a request: its pages and how many of its tokens are computed."""
+
+    def __init__(self, rid: int, pages: list[int], tokens: int):
+        self.request_id, self.pages, self.num_computed = rid, pages, tokens
+        self.num_sealed_pages, self.prefix_node = 0, 0
+
+    def token_block(self, i: int) -> tuple:
+        return tuple(range(1000 * self.request_id + PAGE_TOKENS * i, 1000 * self.request_id + PAGE_TOKENS * (i + 1)))
+
+
+def store(prefix_caching: bool = False):
+    cache = ArenaKVCache(2, LAYOUT.num_kv_heads, LAYOUT.head_dim, 64 * OPEN, "cpu", chunk_bytes=4 * OPEN)
+    return cache, PageStore(cache, prefix_caching=prefix_caching)
+
+
+def test_a_seal_is_placed_a_step_after_its_analysis():
+    """Pages filled in step 0 are analysed before step 1's forward and placed after it: until then
+    they are open pages (the capacity lags, it never runs ahead), and they read the same bits."""
+    cache, ps = store()
+    m = cache.manager
+    a = Req(0, ps.alloc(4), 4 * PAGE_TOKENS)
+    written = fill(m, a.pages, [1.0, 0.9], seed=1)
+    ps.after_forward([a])                                   # step 0: the four pages filled
+    assert ps.waiting() == a.pages and {m.page_state(p) for p in a.pages} == {"open"}
+    before = ps.capacity()
+    ps.before_forward()                                     # step 1: analysed (a compress batch waits)
+    assert ps.after_forward([]) == 0                        # ... not placed in the step it was launched
+    assert {m.page_state(p) for p in a.pages} == {"open"} and ps.capacity() == before
+    ps.before_forward()                                     # step 2: none launched while one is in flight
+    assert ps.after_forward([]) == 4                        # placed
+    assert {m.page_state(p) for p in a.pages} == {"stored"} and not ps.waiting()
+    assert m.stored_ratio() < 0.8
+    assert_contents(m, written)
+
+
+def test_pages_freed_between_analysis_and_placement_are_left_alone():
+    """A request finishes after its pages' analysis: they are freed, and their ids may serve new
+    open pages before the placement. The placement seals only the pages still alive; the new pages
+    under the old ids stay open with their own bits."""
+    cache, ps = store()
+    m = cache.manager
+    a = Req(0, ps.alloc(4), 4 * PAGE_TOKENS)
+    b = Req(1, ps.alloc(4), 4 * PAGE_TOKENS)
+    written = fill(m, a.pages + b.pages, [1.0, 1.0], seed=2)
+    ps.after_forward([a, b])
+    ps.before_forward()                                     # step 1: all eight analysed
+    assert ps.after_forward([]) == 0
+    ps.release(a.pages)                                     # a finishes: its pages freed
+    for layer in range(2):
+        for p in a.pages:
+            del written[layer, p]
+    again = ps.alloc(4)                                     # last freed, first taken: a's ids again
+    assert sorted(again) == sorted(a.pages)
+    written.update(fill(m, again, [0.0, 0.0], seed=3))      # other bits (incompressible)
+    ps.before_forward()                                     # step 2
+    assert ps.after_forward([]) == 4                        # only b's pages handed to the seal
+    assert {m.page_state(p) for p in b.pages} == {"stored"}
+    assert {m.page_state(p) for p in again} == {"open"}
+    assert not ps.waiting()
+    assert_contents(m, written)
+
+
+def test_seal_now_places_the_analysed_pages_and_the_rest():
+    """The scheduler's last resort before a preemption: whatever waits is sealed at once, the
+    seal in flight included; it says whether the capacity grew."""
+    cache, ps = store()
+    m = cache.manager
+    a = Req(0, ps.alloc(16), 16 * PAGE_TOKENS)
+    written = fill(m, a.pages, [1.0, 1.0], seed=4)
+    a.num_computed = 8 * PAGE_TOKENS
+    ps.after_forward([a])
+    ps.before_forward()                                     # the first eight in flight
+    a.num_computed = 16 * PAGE_TOKENS
+    ps.after_forward([a])                                   # (not yet placed) the other eight wait
+    assert len(ps.waiting()) == 16
+    before = ps.capacity(keep_reserve=False)
+    grew = ps.seal_now()                                    # (at this size: 8 chunks freed, 8 taken)
+    assert grew == (ps.capacity(keep_reserve=False) > before) and not ps.waiting()
+    assert {m.page_state(p) for p in a.pages} == {"stored"}
+    assert_contents(m, written)
+
+
+def test_full_pages_join_the_prefix_cache_and_eviction_leaves_the_seal_queue():
+    """With prefix caching, a full page is cached as it is collected; released by its request it
+    stays (evictable); evicted for room it is freed, and leaves the seal queue with it."""
+    cache, ps = store(prefix_caching=True)
+    a = Req(0, ps.alloc(2), 2 * PAGE_TOKENS)
+    ps.after_forward([a])
+    assert ps.prefix.num_cached_pages == 2 and len(ps.waiting()) == 2
+    ps.release(a.pages)
+    assert ps.prefix.num_evictable_pages == 2 and len(ps.waiting()) == 2     # cached, still to seal
+    ps.make_room(ps.capacity() + 2)                         # more than is free: evicts both
+    assert ps.prefix.num_cached_pages == 0 and not ps.waiting()
+    assert torch.all(cache.page_loc[:, a.pages] == -1)
