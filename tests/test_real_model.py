@@ -95,7 +95,7 @@ def test_compression_on_off_bit_identical_bf16(gguf_path, bf16_llm, prompts):
     res = {}
     for compress in (True, False):
         llm = bf16_llm if compress else LLM(str(gguf_path), device="cpu", kv_compression=False, kv_memory_gb=0.1)
-        llm.engine.peak_kv_stats = None                   # the numbers of this run only
+        llm.engine.reset_stats()                          # the numbers of this run only
         res[compress] = (run(llm, prompts[1:]), llm.kv_stats())
     (on, stats_on), (off, stats_off) = res[True], res[False]
     assert stats_on["stored_pages"] > 0 and stats_on["stored_ratio"] < 1.0     # pages really were compressed

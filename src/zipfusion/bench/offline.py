@@ -62,10 +62,7 @@ def warm_up(eng, max_len: int) -> None:
             eng.add_request(first.prompt_ids + rand(n), greedy(2))
     while eng.has_work():
         eng.step()
-    eng.scheduler.num_preemptions = 0
-    eng.scheduler.reset_prefix_cache()                              # the run starts with a cold cache
-    eng.scheduler.prefix.stats = type(eng.scheduler.prefix.stats)()
-    eng.peak_kv_stats = None
+    eng.reset_stats()                                               # the run starts with a cold cache
     if eng.host_tier is not None:
         eng.host_tier.start(wait=True)            # its pinned buffer, before the clock starts
 

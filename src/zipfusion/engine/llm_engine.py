@@ -397,6 +397,15 @@ class LLMEngine:
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 
+    def reset_stats(self) -> None:
+        """Start the counters afresh (preemptions, recomputed tokens, the prefix cache's hits, the
+        busiest step's KV numbers), and the prefix cache cold: a benchmark's run after its warm-up."""
+        self.scheduler.num_preemptions = 0
+        self.recomputed_tokens = 0
+        self.scheduler.reset_prefix_cache()
+        self.scheduler.prefix.stats = type(self.scheduler.prefix.stats)()
+        self.peak_kv_stats, self._peak_pages = None, -1
+
     def kv_stats(self, at_peak: bool = False) -> dict:
         """The cache's numbers (pages, bytes, ratio: now, or ``at_peak`` at the busiest step since
         ``peak_kv_stats`` was last cleared) with ``reuse_stats``'s counters now."""
