@@ -169,7 +169,7 @@ class AttentionBackend:
         """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): a whole
         prompt's causal call for every bucket up to ``max_tokens`` tokens, and one prefix call of
         a split chunk. torch builds a graph per new shape, ~45 ms each on an H200 and 0.5-0.8 s for
-        the first of a kind (benchmarks/results/prefill_attention/cudnn_graph_builds.txt), which
+        the first of a kind (benchmarks/results/prefill_h200/cudnn_graph_builds.txt), which
         the first requests would otherwise wait for; graphs of longer prefixes are built when first
         met."""
         c = self.cache
