@@ -215,7 +215,7 @@ def tune_case(case, fi, ceiling):
     """Variants of the CUDA fused kernel and twin at one case: cp.async depth x split-KV."""
     recs = measure_case(case, fi, [], {}, ceiling) if fi is not None else []
     # (the full grid of the per-warp kernel, tma x stages 3/4/6 x splits 1/4/8, is in
-    # results/attention_tune.json of 2026-12-02)
+    # benchmarks/results/attention_tune.json of 2026-12-02, in git history)
     # the producer-warp kernel (2026-12-05) against each kernel's per-warp default
     variants = [dict(stages=4, tma=True, producer=False), dict(stages=3, tma=False, producer=False),
                 dict(producer=True), dict(producer=True, num_splits=4),

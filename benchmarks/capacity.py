@@ -20,7 +20,7 @@ Also timed (host CPU, time.perf_counter, medians): the bookkeeping per decode st
 steady-state batch, and compaction (planning + page-table updates; the byte moves run on the
 GPU and are reported as bytes, with an estimate from a stated copy bandwidth).
 
-    PYTHONPATH=src python benchmarks/capacity.py            # writes benchmarks/results/capacity.*
+    PYTHONPATH=src python benchmarks/capacity.py            # writes benchmarks/results/capacity_cpu/capacity.*
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def scenarios() -> dict[str, np.ndarray]:
 def real_model_point() -> dict[str, np.ndarray]:
     """SmolLM2-135M's measured per-layer fractions (benchmarks/real_model.py), stretched from its
     30 layers over these 32: the real-model point beside the synthetic ones."""
-    path = Path(__file__).parent / "results" / "real_model_kv.json"
+    path = Path(__file__).parent / "results" / "real_model_kv_cpu" / "real_model_kv.json"
     if not path.exists():
         return {}
     layers = json.loads(path.read_text())["all"]["layers"]
@@ -217,7 +217,7 @@ def time_compaction(budget: float, fractions: np.ndarray, reqs, m: KVCacheManage
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/capacity_cpu")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--gpu-check", metavar="JSON", help="run the real-bytes CUDA check, write JSON")
     ap.add_argument("--merge-gpu", metavar="JSON", help="add a --gpu-check result to capacity.json/md")

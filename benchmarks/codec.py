@@ -15,7 +15,7 @@ run against the torch reference: metadata and sizes of every page, the compresse
 every page, and the decompressed pages. Also measured: a plain device-to-device copy of the
 same bytes (the bandwidth ceiling).
 
-    PYTHONPATH=src python benchmarks/codec.py --out benchmarks/results      # on a CUDA GPU
+    PYTHONPATH=src python benchmarks/codec.py --out benchmarks/results/codec_h200  # on a CUDA GPU
     PYTHONPATH=src python benchmarks/codec.py --check-only --gib 0.001     # CPU smoke run
 """
 

@@ -6,7 +6,7 @@ generation of "The capital of France is" and a 900-token prefill, and records th
 average at each measurement (other processes on the box change the answer: with every core busy,
 torch's spinning OpenMP threads fight them for the cores). Result: ``OUT.json``.
 
-    python benchmarks/cpu_threads.py                     # the committed result (benchmarks/results/cpu_threads.json)
+    python benchmarks/cpu_threads.py     # the committed result: benchmarks/results/cpu_threads/cpu_threads.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default=None, help="comma-separated (default: 1 and every core)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--models", default="demo,smollm2")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_threads"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_threads" / "cpu_threads"))
     args = ap.parse_args(argv)
     import torch
 

@@ -5,7 +5,7 @@ caches it; this times a call of each listed shape twice: first (with the build) 
 heads (32 query, 8 KV, 128 dims), bf16, with the log-sum-exp. Why the engine buckets cuDNN shapes
 (engine/attention_prefill_open.py, CUDNN_BUCKET). Prints one line per shape:
 
-    PYTHONPATH=src python3 benchmarks/cudnn_graph_builds.py > benchmarks/results/prefill_attention/cudnn_graph_builds.txt
+    PYTHONPATH=src python3 benchmarks/cudnn_graph_builds.py > benchmarks/results/prefill_h200/cudnn_graph_builds.txt
 """
 import time
 

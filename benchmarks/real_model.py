@@ -13,7 +13,7 @@ Texts, ~4,096 tokens each (first ``--tokens`` tokens), none of them committed:
   python     the standard library's argparse.py
 Their SHA-256 and the Python version are recorded, since the stdlib texts follow the Python version.
 
-    PYTHONPATH=src python benchmarks/real_model.py          # writes benchmarks/results/real_model_kv.*
+    PYTHONPATH=src python benchmarks/real_model.py   # writes benchmarks/results/real_model_kv_cpu/real_model_kv.*
     PYTHONPATH=src python benchmarks/real_model.py --model other.gguf --text a.txt --text b.txt
 
 Prints one summary line: overall compressible fraction, K and V. Re-run it after a rope change:
@@ -39,7 +39,7 @@ from zipfusion.analysis.checkpoints import LICENSE_MEMBER, WHEEL, cache_dir, smo
 from zipfusion.analysis.kv_stats import analyze_kv, require_matplotlib
 from zipfusion.analysis.model_kv import capture_kv, load_for_analysis, merge_full_pages, text_ids
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "real_model_kv_cpu"
 
 
 def report_dict(report) -> dict:

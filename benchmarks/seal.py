@@ -38,12 +38,12 @@ After, each change and what it should save:
    of host on the 2-core CPU box (device="meta"), expected ~0.4-0.6 ms on the GPU host.
 
 Predicted after: analyze ~0.25 ms + sync ~0.03 + host ~0.5 + encode ~0.6 (the compress kernel
-moved 3.4 TB/s read + written in benchmarks/results/codec.md: 1.89 GB -> 0.55 ms) = ~1.4 ms, so
+moved 3.4 TB/s read + written in benchmarks/results/codec_h200/codec.md: 1.89 GB -> 0.55 ms) = ~1.4 ms, so
 ~1.3 TB/s effective (goal >= 1 TB/s; the two-pass floor is (2 x 1.07 + 0.82) GB / 4.3 TB/s =
 0.69 ms). ``--batch-by-batch`` should land near 3-4 ms (the structure before, minus changes
 2-4). What then remains is the host placement between the sync and the encode launch.
 
-    PYTHONPATH=src python benchmarks/seal.py --out benchmarks/results          # on a CUDA GPU
+    PYTHONPATH=src python benchmarks/seal.py --out benchmarks/results/seal_h200  # on a CUDA GPU
     PYTHONPATH=src python benchmarks/seal.py --layers 2 --heads 1 --head-dim 64 --pages 8 --reps 2
                                                                                 # CPU smoke run
 """

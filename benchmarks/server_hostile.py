@@ -12,7 +12,7 @@ the end; nothing leaves 127.0.0.1.
 
     python benchmarks/server_hostile.py                          # CPU, demo model (the committed result)
     python benchmarks/server_hostile.py --model ~/.cache/zipfusion/wheels/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --scenarios stream_itl --prompt-tokens 2000 --out benchmarks/results/server_hostile_smollm2 \\
+        --scenarios stream_itl --prompt-tokens 2000 --out benchmarks/results/server_hostile_cpu/smollm2_chunk256 \\
         -- --max-num-batched-tokens 256
 
 Result: ``OUT.json`` (every latency, and p50 / p99 / max per scenario).
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                          "at --max-num-seqs 256)")
     ap.add_argument("--scenarios", default="all", help="comma-separated names, 'stream_itl', or all")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "server_hostile"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server_hostile_cpu/server_hostile"))
     args = ap.parse_args(argv)
     proc, url, log_path = start_server(args, extra)
     try:

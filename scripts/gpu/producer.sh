@@ -12,7 +12,7 @@
 #                                         # uncompressed (~5 min; on an H100 80GB the engine sees
 #                                         # 47.7 GiB free: BURST_ARGS="--scale 0.75")
 # (long_generation x0.25 is no quick whole run: > 200 s a mode, its 16 requests in two waves, the
-# second a tail of 8,192 steps; results/attention_producer_2026-12-05/long_generation_x0.25_timeout)
+# second a tail of 8,192 steps; benchmarks/results/workloads_h100/long_generation_x0.25)
 # Output under $OUT/<part>.
 set -u
 OUT=${OUT:-/tmp/producer}

@@ -8,7 +8,7 @@
 #   bash scripts/gpu/workloads_gpu.sh --scale 0.25 --modes compressed,uncompressed --timeout 150   # ~6-7 min
 #   bash scripts/gpu/workloads_gpu.sh --scenarios burst,deterministic                               # one part
 #     of the full run (parts: docs/benchmarks.md "Workloads"), then on the CPU:
-#   python3 benchmarks/workloads.py --merge P1/workloads.json P2/workloads.json ... --out benchmarks/results/workloads
+#   python3 benchmarks/workloads.py --merge P1/workloads.json P2/workloads.json ... --out benchmarks/results/workloads_h200
 set -uo pipefail
 OUT=${OUT:-/tmp/workloads_out}
 mkdir -p "$OUT"

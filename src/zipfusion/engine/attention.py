@@ -132,7 +132,7 @@ class AttentionBackend:
         """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): the prefill
         routes' calls for every shape a step of up to ``max_tokens`` tokens starts with. torch
         builds a graph per new shape, ~45 ms each on an H200 and 0.5-0.8 s for the first of a
-        kind (benchmarks/results/prefill_attention/cudnn_graph_builds.txt), which the first
+        kind (benchmarks/results/prefill_h200/cudnn_graph_builds.txt), which the first
         requests would otherwise wait for."""
         c = self.cache
         if not cudnn_takes(torch.empty(0, dtype=c.dtype, device=c.device)):
