@@ -34,11 +34,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import percentiles as _percentiles, start_server  # noqa: E402
-
-
-def percentiles(xs: list[float]) -> dict:
-    return {**_percentiles(xs), "max": max(xs) if xs else None}
+from zipfusion.bench.server_process import Server  # noqa: E402  (zipfusion bench serve's server process)
+from zipfusion.bench.stats import summary as percentiles  # noqa: E402  (mean, p50/p90/p99, max, n)
 
 SMALL = {"prompt": list(range(10, 18)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 T = 120.0            # the bound on any one HTTP call
@@ -165,7 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server_hostile_cpu/server_hostile"))
     args = ap.parse_args(argv)
-    proc, url, log_path = start_server(args, extra)
+    server = Server.start(args.model, args.device, extra, args.startup_timeout)
+    url = server.url
     try:
         info = httpx.get(url + "/v1/models", timeout=T).json()["data"][0]
         bodies = hostile_requests(info["max_model_len"], args.prompt_tokens, args.fan_out)
@@ -199,11 +197,7 @@ def main(argv=None) -> int:
         Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}.json")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except Exception:
-            proc.kill()
+        server.stop()
     return 0
 
 
