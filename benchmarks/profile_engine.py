@@ -181,8 +181,8 @@ def _attention_sweep(cache, q, b, sm_scale):
 
 
 def cache_attention(cache, layer, q, b, sm_scale, splits, stages):
-    from zipfusion.kernels import decode_attention, decode_attention_twin
-    kernel = decode_attention if cache.kv_compression else decode_attention_twin
+    from zipfusion.kernels import decode_attention, decode_attention_uncompressed
+    kernel = decode_attention if cache.kv_compression else decode_attention_uncompressed
     return kernel(q, cache.arena, cache.page_loc[layer], b["block_table"], b["context_lens"],
                   cache.layout, sm_scale, validate=False, num_splits=splits, stages=stages)
 

@@ -3,7 +3,7 @@
 ``plan_unfused`` (host side, once per page set) lists the compressed and open pages of a layer
 and builds the page table of the scratch buffer; ``decode_attention_unfused`` then decompresses
 the compressed pages with ``zipfusion.format.triton_codec.decompress_pages``, copies the open
-ones next to them, and runs :func:`decode_attention_twin` over the scratch buffer as an arena of
+ones next to them, and runs :func:`decode_attention_uncompressed` over the scratch buffer as an arena of
 open pages. This is what a system without the fused kernel would do every step.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from zipfusion.format import triton_codec
 from zipfusion.format.layout import PAGE_TOKENS, PageLayout, loc_is_compressed, loc_is_open, open_bf16_index, open_loc
-from zipfusion.kernels.decode_attention import _check_inputs, decode_attention_twin
+from zipfusion.kernels.decode_attention import _check_inputs, decode_attention_uncompressed
 
 
 @dataclass
@@ -63,5 +63,5 @@ def decode_attention_unfused(q, arena, page_loc_layer, block_table, context_lens
         bf = arena[:arena.numel() // 2 * 2].view(torch.bfloat16)
         idx = plan.open_starts[:, None] + torch.arange(n, device=arena.device)
         plan.scratch[pc:].view(-1, n).copy_(bf[idx])
-    return decode_attention_twin(q, plan.scratch.view(-1).view(torch.uint8), plan.scratch_loc,
+    return decode_attention_uncompressed(q, plan.scratch.view(-1).view(torch.uint8), plan.scratch_loc,
                                  block_table, context_lens, layout, sm_scale, out, **twin_kwargs)

@@ -16,7 +16,7 @@ from helpers import (adversarial_escape_blocks, build_arena, escape_pattern_bloc
                      pages_from_block_bits)
 from zipfusion.analysis.synthetic import model_like_pages, pages_with_fraction, realistic_pages
 from zipfusion.format import PageLayout
-from zipfusion.kernels import decode_attention, decode_attention_twin
+from zipfusion.kernels import decode_attention, decode_attention_uncompressed
 from zipfusion.testing import reference_decode_attention
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from unfused import decode_attention_unfused  # noqa: E402  (benchmarks/unfused.py: the baseline)
@@ -97,7 +97,7 @@ def check_case(c, unfused=True, **kw):
     assert worst < 5e-2, f"a head's max error is {worst:.3g} of its max |ref| {tag}"
     # same values read from open pages: bit-identical, fused and twin
     out_o = decode_attention(c["q"], c["arena_o"], c["loc_o"], *args, out=poisoned(c["q"]), **kw)
-    out_t = decode_attention_twin(c["q"], c["arena_o"], c["loc_o"], *args,
+    out_t = decode_attention_uncompressed(c["q"], c["arena_o"], c["loc_o"], *args,
                                   out=poisoned(c["q"]), **kw)
     assert same_bits(out_c, out_o), f"compressed and open pages give different bits {tag}"
     assert same_bits(out_c, out_t), f"fused kernel and its twin give different bits {tag}"
@@ -171,7 +171,7 @@ def check_batch_invariance(c, batches, split_pages, **kw):
     and twin alike; every result is close to the float64 reference."""
     kernels = {"fused, compressed pages": (decode_attention, c["arena_c"], c["loc_c"]),
                "fused, open pages": (decode_attention, c["arena_o"], c["loc_o"]),
-               "twin": (decode_attention_twin, c["arena_o"], c["loc_o"])}
+               "twin": (decode_attention_uncompressed, c["arena_o"], c["loc_o"])}
     seen = {}                                  # request -> (its output row, where it came from)
     for i, (rows, width) in enumerate(batches):
         q, bt, lens = sub_batch(c, rows, width, seed=c["seed"] + i)
@@ -277,7 +277,7 @@ def test_bad_ids(small):
     with pytest.raises(ValueError, match="partial page"):
         _call(c, page_loc_layer=loc)
     with pytest.raises(ValueError, match="open pages only"):
-        _call(c, fn=decode_attention_twin)
+        _call(c, fn=decode_attention_uncompressed)
 
 
 def test_bad_ids_are_asserted_on_the_device_too():
@@ -287,11 +287,11 @@ def test_bad_ids_are_asserted_on_the_device_too():
     from zipfusion.kernels.decode_attention import check_ids, check_ids_async
     c = make_case([20, 7], 1, 4, 128, "mixed", 3, device="cpu")
     args = dict(arena=c["arena_c"], page_loc_layer=c["loc_c"], block_table=c["bt"], context_lens=c["lens"],
-                layout=c["layout"], twin=None)
+                layout=c["layout"], open_only=None)
     check_ids_async(**args)                                     # a sound step passes
     bt = c["bt"].clone()
     bt[0, 0] = c["loc_c"].numel()
-    bad = [dict(block_table=bt), dict(context_lens=torch.zeros_like(c["lens"])), dict(twin="the twin")]
+    bad = [dict(block_table=bt), dict(context_lens=torch.zeros_like(c["lens"])), dict(open_only="the uncompressed kernel")]
     for change, match in ((lambda loc, p: -1, "no page"), (lambda loc, p: loc[p] + 2, "16-byte aligned"),
                           (lambda loc, p: c["arena_c"].numel() + 16, "past the end")):
         loc = c["loc_c"].clone()
@@ -395,7 +395,7 @@ def test_escape_patterns_gpu(backend):
     q = (torch.randn(B, 32, 128, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
     args = (bt, lens, PageLayout(8, 128), 128 ** -0.5)
     out_c = decode_attention(q, arena_c, loc_c, *args, backend=backend)
-    out_t = decode_attention_twin(q, arena_o, loc_o, *args, backend=backend)
+    out_t = decode_attention_uncompressed(q, arena_o, loc_o, *args, backend=backend)
     assert torch.isfinite(out_t.float()).all()
     assert same_bits(out_c, out_t), "fused (escapes) and twin give different bits"
 
@@ -433,7 +433,7 @@ def test_adversarial_values_and_garbage_past_the_end_gpu(backend):
         page.view(2, 16, 2, 128)[:, :3] = vals
     args = (c["bt"], c["lens"], c["layout"], c["scale"])
     out_c = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, backend=backend)
-    out_t = decode_attention_twin(c["q"], c["arena_o"], c["loc_o"], *args, backend=backend)
+    out_t = decode_attention_uncompressed(c["q"], c["arena_o"], c["loc_o"], *args, backend=backend)
     assert torch.isfinite(out_c.float()).all(), \
         "garbage past the context leaked into the output (seeds 11, 5)"
     assert same_bits(out_c, out_t), "fused and twin give different bits (seeds 11, 5)"
@@ -478,7 +478,7 @@ def test_bad_ids_device_assert_cuda():
         "from zipfusion.kernels.decode_attention import check_ids_async",
         "c = make_case([20, 7], 1, 4, 128, 'mixed', 3, device='cuda')",
         "args = dict(arena=c['arena_c'], page_loc_layer=c['loc_c'], block_table=c['bt'],",
-        "            context_lens=c['lens'], layout=c['layout'], twin=None)",
+        "            context_lens=c['lens'], layout=c['layout'], open_only=None)",
         "check_ids_async(**args); torch.cuda.synchronize(); print('sound ok', flush=True)",
         "loc = c['loc_c'].clone(); loc[c['bt'][0, 0].long()] += 2",
         "check_ids_async(**{**args, 'page_loc_layer': loc}); print('queued', flush=True)",
@@ -666,7 +666,7 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     outs = {}
     for name, fn, arena, loc in (("compressed", decode_attention, c["arena_c"], c["loc_c"]),
                                  ("open", decode_attention, c["arena_o"], c["loc_o"]),
-                                 ("twin", decode_attention_twin, c["arena_o"], c["loc_o"])):
+                                 ("twin", decode_attention_uncompressed, c["arena_o"], c["loc_o"])):
         outs[name] = plan.run(_Decode(c, fn, arena, loc, **kw), 0, c["q"], c["layout"].num_kv_heads)
     args = (c["bt"], c["lens"], c["layout"], c["scale"])
     plain = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, **kw)

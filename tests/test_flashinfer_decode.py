@@ -121,7 +121,7 @@ def _filled_cache(H=8, D=128, lens=(8192, 100, 17, 1), seed=0):
 @pytest.mark.parametrize("graph", [False, True])
 def test_flashinfer_matches_twin_on_the_arena(graph):
     pytest.importorskip("flashinfer")
-    from zipfusion.kernels import decode_attention_twin
+    from zipfusion.kernels import decode_attention_uncompressed
     cache, table, lens = _filled_cache()
     B, Hq, D, scale = table.shape[0], 32, 128, 128 ** -0.5
     attn = AttentionBackend(cache, "flashinfer", kv_compression=False, num_qo_heads=Hq, sm_scale=scale)
@@ -145,7 +145,7 @@ def test_flashinfer_matches_twin_on_the_arena(graph):
     else:
         got = [attn.decode(layer, q, dt, dl) for layer in range(2)]
     for layer in range(2):
-        want = decode_attention_twin(q, cache.arena, cache.page_loc[layer], dt, dl, cache.layout, scale)
+        want = decode_attention_uncompressed(q, cache.arena, cache.page_loc[layer], dt, dl, cache.layout, scale)
         torch.testing.assert_close(got[layer].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 

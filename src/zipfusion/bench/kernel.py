@@ -1,12 +1,12 @@
 """``zipfusion bench kernel``: decode attention over compressed KV (the fused kernel: the
-``compressed`` mode) against the same kernel over open pages (the twin: ``uncompressed``) and
+``compressed`` mode) against the same kernel over open pages (the uncompressed kernel, result key ``twin``: ``uncompressed``) and
 FlashInfer's paged decode (``flashinfer``, where it is installed), on CUDA.
 
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with an
 exact fraction of compressible blocks (:func:`~zipfusion.analysis.synthetic.pages_with_fraction`;
 at 0.92 the real model's outlier statistics, :func:`~zipfusion.analysis.synthetic.model_like_pages`).
 Every request's pages are scattered (random page ids); every full page is compressed for the fused
-kernel; the twin and FlashInfer read the same values from open pages. Inputs are rotated over
+kernel; the uncompressed kernel and FlashInfer read the same values from open pages. Inputs are rotated over
 several copies so that no timed call finds its data in L2; each kernel is timed as a CUDA graph of
 many calls (median over replays). benchmarks/attention.py adds the development variants (the
 unfused baseline, tuning) on top of this module.
@@ -26,7 +26,7 @@ import torch
 
 from ..analysis.synthetic import compressible_fraction, model_like_pages, pages_with_fraction
 from ..format import PageLayout, encode_pages_into, page_sizes
-from ..kernels import decode_attention, decode_attention_twin
+from ..kernels import decode_attention, decode_attention_uncompressed
 from . import report
 
 PS = 16
@@ -143,7 +143,7 @@ class Pool:
 
 
 class Case:
-    """B requests of ctx tokens: open caches (FlashInfer/twin) and compressed arenas (fused)."""
+    """B requests of ctx tokens: open caches (FlashInfer, the uncompressed kernel) and compressed arenas (fused)."""
 
     def __init__(self, pool: Pool, B, ctx, seed=0):
         self.B, self.ctx, self.shape, dev = B, ctx, pool.shape, pool.device
@@ -180,7 +180,7 @@ class Case:
         return self.kv[i % self.sets].view(-1).view(torch.uint8)
 
     def run_twin(self, i, **kw):
-        return decode_attention_twin(self.q, self.arena_o(i), self.loc_o, self.bt, self.lens,
+        return decode_attention_uncompressed(self.q, self.arena_o(i), self.loc_o, self.bt, self.lens,
                                      self.layout, self.shape.d ** -0.5, self.out, validate=False, **kw)
 
     def run_fused(self, i, **kw):

@@ -46,13 +46,13 @@ class KernelDecode:
     def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                  **packed) -> torch.Tensor:
         """``packed``: the kernel's ``spans`` and ``slot_heads`` (packing.py)."""
-        from ..kernels import decode_attention, decode_attention_twin
+        from ..kernels import decode_attention, decode_attention_uncompressed
         c = self.cache
         if self.check_pages:
             from ..kernels.decode_attention import check_ids_async
             check_ids_async(c.arena, c.page_loc[layer], block_table, context_lens, c.layout,
-                            None if self.compressed else "decode_attention_twin")
-        kernel = decode_attention if self.compressed else decode_attention_twin
+                            None if self.compressed else "decode_attention_uncompressed")
+        kernel = decode_attention if self.compressed else decode_attention_uncompressed
         # the engine builds valid tables; validate=False keeps the call free of host syncs
         return kernel(q, c.arena, c.page_loc[layer], block_table, context_lens, c.layout, self.sm_scale,
                       validate=False, **self.split, **packed)
@@ -63,14 +63,14 @@ class KernelDecode:
         its pages restored as k, v [P·16, H, D] (whole pages): the uncompressed kernel on the
         copy gives the fused kernel's bits on the pages themselves (the same arithmetic after
         the restore), and many rows re-reading one prefix restore it once."""
-        from ..kernels import decode_attention_twin
+        from ..kernels import decode_attention_uncompressed
         c = self.cache
         P, H, D = k.shape[0] // PAGE_TOKENS, c.num_kv_heads, c.head_dim
         copy = torch.stack([k.view(P, PAGE_TOKENS, H, D), v.view(P, PAGE_TOKENS, H, D)], dim=1)
         arena = copy.view(-1).view(torch.uint8)
         loc = open_loc(torch.arange(P, dtype=torch.int64, device=q.device) * c.layout.open_page_bytes)
         table = torch.arange(P, dtype=torch.int32, device=q.device).expand(q.shape[0], P)
-        return decode_attention_twin(q, arena, loc, table, context_lens, c.layout, self.sm_scale,
+        return decode_attention_uncompressed(q, arena, loc, table, context_lens, c.layout, self.sm_scale,
                                      validate=False, **self.split)
 
 

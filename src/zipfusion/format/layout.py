@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 try:       # the Triton interpreter runs a @jit function only where triton.language is visible to it
-    import triton.language as tl  # noqa: F401  (the tag functions below are kernels' twins too)
+    import triton.language as tl  # noqa: F401  (the tag functions below are kernels' own too)
 except ImportError:                 # no Triton on this platform: the torch/NumPy uses still work
     tl = None
 
@@ -33,8 +33,8 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # for a page in open form ([2, 16, H, D] bf16) and clear for a compressed one; -1 for no page.
 # Offsets are multiples of 16, so bit 0 is free. These are the only functions that read or
 # write the tag. Each is plain integer arithmetic, so one body serves Python ints, NumPy arrays,
-# torch tensors and Triton kernels: a kernel module makes its twin with ``triton.jit(loc_offset)``
-# (in its own import, so that the twin is interpreted exactly when its kernels are).
+# torch tensors and Triton kernels: a kernel module makes its Triton copy with ``triton.jit(loc_offset)``
+# (in its own import, so that the copy is interpreted exactly when its kernels are).
 
 def loc_is_open(loc):
     """Whether the page at ``loc`` is in open form (bit 0 set)."""

@@ -1,8 +1,8 @@
 """The restore of compressed groups (docs/format.md section 2): the one Triton routine that the
 codec's decompress kernel (``triton_codec.py``), the decode attention kernel
 (``kernels/triton_attention.py``) and the paged prefill kernel (``kernels/prefill_attention.py``)
-call; ``reference.decode_blocks`` is its torch twin, and ``kernels/cuda/decode_attention.cu``
-its CUDA C++ twin.
+call; ``reference.decode_blocks`` is its torch counterpart, and ``kernels/cuda/decode_attention.cu``
+its CUDA C++ counterpart.
 
 A *group* is 8 consecutive values of a block (8 channels of one token): two 32-bit words of
 low bytes ``lo0`` (values 0..3) and ``lo1`` (values 4..7) and one word ``code`` of 4-bit codes

@@ -40,7 +40,7 @@ MAX_GROUP = 16
 
 def default_stages(compressed: bool, group: int) -> int:
     """Half pages in flight per warp, measured best at batch 32 / 8K, G = 4
-    (benchmarks/attention.py --tune): the fused kernel 4 (3 CTAs per SM), the twin 3 (4 CTAs per
+    (benchmarks/attention.py --tune): the fused kernel 4 (3 CTAs per SM), the uncompressed kernel 3 (4 CTAs per
     SM at 128 registers). Groups over 8 need twice the accumulators and spill at 3: 4."""
     return 3 if not compressed and group <= 8 else 4
 
@@ -51,8 +51,8 @@ PRODUCER_STAGES = 4     # the producer kernel's depth: 2 pages (4 half pages) a 
 def default_producer(compressed: bool, hopper: bool) -> bool:
     """Whether the producer-warp kernel runs by default: for compressed pages on Hopper, where
     it was measured faster (benchmarks/attention.py --tune, H100, batch 32 x 8K: 1-2 % at every
-    fraction); the twin keeps its per-warp copies (its open pages cost the producer 32 row
-    copies each: 0.81x the per-warp twin). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides
+    fraction); the uncompressed kernel keeps its per-warp copies (its open pages cost the producer 32 row
+    copies each: 0.81x its per-warp form). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides
     (config.environment)."""
     override = environment().cuda_producer
     return hopper and (compressed if override is None else override)
@@ -196,12 +196,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: to
     the fewest splits within 3 % of the cheapest S win (the model leaves out that a partial wave
     runs faster and what the merge costs), with >= 16 pages a split.
 
-    The slots are the fused kernel's at its default depth (4 stages, 3 CTAs per SM) for the twin
-    too: the split count fixes the order of the final sums, so fused and twin must agree on it
+    The slots are the fused kernel's at its default depth (4 stages, 3 CTAs per SM) for the
+    uncompressed kernel too: the split count fixes the order of the final sums, so both must agree on it
     to give the same bits. Measured on the H200 (benchmarks/profile_engine.py, batch 32 x 8K,
     8 KV heads, 396 slots): S = 3 / 6 / 12 / 8 / 4 / 5 took 7.13 / 7.23 / 7.43 / 7.52 / 7.53 /
     7.85 ms for the 32 layers (fused), the model's order; c = 2.5 pages fits those times. The
-    twin (3 stages) at S = 4 / 3 / 5: 8.38 / 8.54 / 8.53 ms. Uniform contexts are the case
+    uncompressed kernel (3 stages) at S = 4 / 3 / 5: 8.38 / 8.54 / 8.53 ms. Uniform contexts are the case
     where the waves show most.
     """
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -2,7 +2,7 @@
 the choice of kernel.
 
 ``decode_attention`` (fused: reads open and compressed pages, restores BF16 in registers) and
-``decode_attention_twin`` (the same arithmetic over open pages only: the same bits) run
+``decode_attention_uncompressed`` (the same arithmetic over open pages only: the same bits) run
 
 * the CUDA C++ kernel (``cuda_attention.py``, ``cuda/decode_attention.cu``) on CUDA tensors where
   it applies (head_dim 128, GQA group <= 16, nvcc present), and
@@ -24,7 +24,7 @@ graph's padding) has no keys at all. The kernel restores each shared page
 once for the R rows, and the heads fill the MMA columns that a GQA group of 4 leaves as padding
 (one 8-wide n-tile), so two rows cost about what one did. The CUDA kernel does it in one launch;
 the Triton route runs each slot as a plain row (:func:`packed_rows`): the same values, not the
-same bits (the sums run in another order), and the fused kernel and its twin agree bit for bit
+same bits (the sums run in another order), and the fused kernel and the uncompressed kernel agree bit for bit
 on either route.
 """
 
@@ -108,12 +108,12 @@ def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, s
     check_scale_and_out(sm_scale, out, q)
 
 
-def page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None):
+def page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None):
     """What a kernel would read wrongly, as (message, one-element bool tensor on the device)
     pairs (a message may be a function, called only once the fault is read: it may read values),
     computed without a host sync or a data-dependent shape (so also inside a CUDA graph):
     context lengths, page ids, locations (freed, misaligned, past the arena), a compressed partial
-    last page. ``twin``: the name of the twin entry point being checked (every page must be
+    last page. ``open_only``: the name of the uncompressed entry point being checked (every page must be
     open), or None for a fused kernel. A bad location is worse than a wrong result on the GPU: the
     fused kernel's bulk copies from a misaligned address never complete and it spins."""
     if context_lens.numel() == 0:
@@ -141,25 +141,25 @@ def page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin: 
         ("the last, partial page of a request must be open (uncompressed)",
          ((lens % PAGE_TOKENS != 0) & (last >= 0) & loc_is_compressed(last)).any()),
     ]
-    if twin:
-        faults.append((f"{twin} reads open pages only; use the fused kernel for compressed pages",
+    if open_only:
+        faults.append((f"{open_only} reads open pages only; use the fused kernel for compressed pages",
                        (live & ~is_open).any()))
     return faults
 
 
-def check_ids(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None):
+def check_ids(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None):
     """:func:`page_faults` read on the host (one device sync): ValueError naming the first."""
-    for message, fault in page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin):
+    for message, fault in page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only):
         if bool(fault):
             raise ValueError(message() if callable(message) else message)
 
 
-def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, twin: str | None) -> None:
+def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None) -> None:
     """:func:`page_faults` asserted on the device, no host sync (``torch._assert_async``): a
     fault stops the process with a device-side assert instead of a kernel reading garbage or
     spinning. The engine runs it before each decode attention call with
     ``EngineConfig(check_pages=True)`` (a debugging aid; it costs a few small kernels per layer)."""
-    faults = page_faults(arena, page_loc_layer, block_table, context_lens, layout, twin)
+    faults = page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only)
     if faults:
         torch._assert_async(~torch.stack([f for _, f in faults]).any())
 
@@ -243,7 +243,7 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
     if validate:                  # (a packed launch's padding requests have no keys: length 0)
         keep = context_lens > 0 if spans is not None else slice(None)
         check_ids(arena, page_loc_layer, block_table[keep], context_lens[keep], layout,
-                  None if compressed else "decode_attention_twin")
+                  None if compressed else "decode_attention_uncompressed")
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
@@ -301,14 +301,14 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
                    stages, tma, producer, spans, slot_heads)
 
 
-def decode_attention_twin(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
+def decode_attention_uncompressed(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                           out=None, *, num_splits: int | None = None,
                           split_pages: int | None = None, validate: bool = True,
                           backend: str | None = None, tile_pages: int | None = None,
                           num_warps: int | None = None, stages: int | None = None,
                           tma: bool | None = None, producer: bool | None = None,
                           spans: torch.Tensor | None = None, slot_heads: int | None = None):
-    """The uncompressed twin: same tiling and arithmetic, every page must be open; same
+    """The uncompressed kernel: same tiling and arithmetic, every page must be open; same
     arguments as :func:`decode_attention`, and the same bits for the same values."""
     return _launch(False, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,

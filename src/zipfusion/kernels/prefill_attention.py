@@ -33,7 +33,7 @@ tiles up to the tile's last query are masked (the second loop); later tiles are 
 tile loads, the restore (one routine, ``_restore_tile``) and the softmax update
 (``_tile_compute``) are those of the decode kernel, ``triton_attention.py`` (its docstring has
 the restore's math): every page source yields the same bf16 tile, so ``compressed=True`` (open
-pages, raw and compressed blocks) and ``compressed=False`` (the twin: open pages only) give the
+pages, raw and compressed blocks) and ``compressed=False`` (the uncompressed kernel: open pages only) give the
 same bits. A row's result depends only on its chunk's pages, its position and its tile, which is
 fixed by its chunk alone: not on the other chunks of the launch. Under the Triton interpreter
 (CPU) the dots run on fp32-upcast operands (``_dot``).
@@ -254,7 +254,7 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
     log2-sum-exp of its scores x sm_scale·log2(e); a plan with ``kv_end`` ends chunks' keys early.
 
     ``compressed``: True reads open and compressed pages (fused restore), False open pages only
-    (the twin); both give the same bits for the same values. ``plan``: from
+    (the uncompressed kernel); both give the same bits for the same values. ``plan``: from
     :func:`plan_prefill` (made here if None: a device sync when q_indptr is on the GPU).
     ``validate`` checks page ids and locations (a device sync; False inside CUDA graphs).
     Tuning: ``block_m`` (rows per program, only without a plan), ``tile_pages`` (TP, pages per

@@ -38,7 +38,7 @@ byte interleaving (``prmt``) makes four words of bf16 pairs = channels (2k, 2k+1
 words an open page or a raw block holds at that place. Every source -- open page, raw block,
 compressed block -- thus yields the same words, which are put back in channel order and split
 into the same bf16 [R, D] tile. The arithmetic after that point is shared, so the output is
-bit-identical whether a page is open or compressed; the uncompressed *twin* is the same kernel
+bit-identical whether a page is open or compressed; the *uncompressed kernel* is the same kernel
 compiled with ``COMPRESSED=False`` (plain words only) and gives the same bits too.
 
 Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and masks, and the
@@ -75,7 +75,7 @@ def _kernels(device: torch.device):
 
 
 # The page-location tag (format/layout.py), made here so that this module's interpreted copy
-# makes interpreted twins.
+# makes interpreted copies.
 _loc_is_open = triton.jit(loc_is_open)
 _loc_is_compressed = triton.jit(loc_is_compressed)
 _loc_offset = triton.jit(loc_offset)
@@ -250,7 +250,7 @@ def _load_meta(arena32, page_loc_ptr, bt_ptr, b, stride_bt, p0, slot, p_end, h,
 
 @triton.jit
 def _open_only(off):
-    """Twin: every group is plain words at ``off`` (lo, code, plain, escape records, packed,
+    """Uncompressed kernel: every group is plain words at ``off`` (lo, code, plain, escape records, packed,
     escaped, meta as in _tile_load; the unused ones are placeholders of the right shape)."""
     return off, off, off, off, off < 0, off < 0, off.to(tl.uint32)
 
@@ -317,7 +317,7 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
                        axis=0) != 0
     else:
         v_lo, v_code, v_plain, v_esc, v_packed, v_escaped, v_meta = _open_only(v_open)
-        any_esc = ctx < 0          # unused by the twin; a scalar tensor like the fused kernel's
+        any_esc = ctx < 0          # unused by the uncompressed kernel; a scalar tensor like the fused kernel's
     k_p4, k_lo, k_code, k_esc = _group_load(arena32, k_lo, k_code, k_plain, k_esc, k_packed,
                                             k_escaped, kv_valid, COMPRESSED)
     v_p4, v_lo, v_code, v_esc = _group_load(arena32, v_lo, v_code, v_plain, v_esc, v_packed,

@@ -46,7 +46,7 @@
 //   * bulk copies (Hopper's TMA; the fused kernel's default): one `cp.async.bulk` per compressed
 //     half page (its blocks are contiguous), 16 row copies per open one, completion counted on an
 //     mbarrier; the layout stays as in memory (open K in token rows);
-//   * cp.async (16 bytes a lane; the twin's default): open pages are rearranged into the layout
+//   * cp.async (16 bytes a lane; the uncompressed kernel's default): open pages are rearranged into the layout
 //     of all-raw blocks, and chunks are swizzled inside each block so that the fragment loads
 //     are free of bank conflicts (see "swizzles" below).
 // The compute then runs one straight-line gather per staged layout (Kind). Page ids, locations
@@ -56,7 +56,7 @@
 // Exactness. Every source (open page, raw block, compressed block) yields the same 32-bit
 // words in the same registers, so everything after the restore -- the MMAs, the softmax, the
 // combine and the merge -- is the same instruction stream on the same bits. The uncompressed
-// twin (COMPRESSED = false) reads open pages only and gives the same bits as the fused kernel.
+// uncompressed kernel (COMPRESSED = false) reads open pages only and gives the same bits as the fused kernel.
 
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -240,7 +240,7 @@ __device__ __forceinline__ Lane lane_offsets(int q) {
 // hold the escapes first, then zeros: the scan stops at the first zero (most such blocks have
 // one escape), the same branch for the whole warp.
 // Then prmt interleaves low and high bytes into bf16 pairs (values 2k, 2k+1).
-// A raw group is the same four words, read as they are. The twin of format/triton_restore.py.
+// A raw group is the same four words, read as they are. The counterpart of format/triton_restore.py.
 
 __device__ __forceinline__ void read_raw(const uint8_t* p, uint32_t (&w)[4]) {
   const uint4 r = *reinterpret_cast<const uint4*>(p);
@@ -396,7 +396,7 @@ __device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, ui
 
 template <bool COMPRESSED, bool TMA>
 __device__ __forceinline__ int stage_kind(uint32_t marks, bool open_rows) {
-  if (!COMPRESSED) return TMA ? OPEN_ROWS : ALL_RAW;      // the twin: open pages only
+  if (!COMPRESSED) return TMA ? OPEN_ROWS : ALL_RAW;      // the uncompressed kernel: open pages only
   if (open_rows) return OPEN_ROWS;
   if (marks == 0xFFFFFFFFu) return ALL_RAW;
   if ((marks & 0x80808080u) == 0) return ALL_COMPRESSED;        // no raw block, no escapes
