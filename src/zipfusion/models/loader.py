@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import LOAD_FORMATS
 from .config import ModelConfig, load_config
 from .gguf import is_gguf_path
 from .layers import rope_inv_freq
@@ -75,9 +76,6 @@ class ModelSource:
     config_path: Path               # config.json, a shipped config, or a .gguf file
     weights_dir: Path | None        # checkpoint folder or .gguf file; None: random weights
     tokenizer_dir: Path | None      # folder with tokenizer files, or a .gguf file
-
-
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
 
 
 def _resolve_gguf(name: str, path: Path, load_format: str) -> ModelSource:
