@@ -218,6 +218,7 @@ def cmd_analyze(args) -> int:
             if not path.is_file():
                 raise FileNotFoundError(f"--text {name}: no such file")
             texts.append(path.read_text(errors="replace"))
+    _show_build_progress()
     report = analyze_model(args.model, texts, device=args.device or _default_device(),
                            max_tokens=args.max_tokens, load_format=args.load_format)
     print(report.render())

@@ -170,7 +170,7 @@ class LLMEngine:
             gb = cfg.kv_memory_gb
             if gb > free:
                 raise ValueError(f"kv_memory_gb={gb:g} is more than the {free:.1f} GiB free on {self.device}; "
-                                 f"pass a smaller kv_memory_gb")
+                                 f"pass a smaller kv_memory_gb, or leave it out to size it from what is free")
         tp_size = self.tp.size if self.tp else 1
         if self.tp:                         # every rank the same budget: page ids agree (distributed/lockstep.py)
             gb = self.tp.agree_budget(gb)
