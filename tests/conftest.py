@@ -7,7 +7,13 @@ is present. Triton is imported right away so that no test module can change it l
 
 Tests that need a CUDA GPU are marked ``@pytest.mark.gpu`` (or ``pytest.param(...,
 marks=pytest.mark.gpu)``): without a GPU the hook below skips them with the reason, and on the
-GPU machine ``python -m pytest -m gpu`` runs all of them.
+GPU machine ``python -m pytest -m gpu`` runs all of them (building the CUDA kernel with nvcc
+included: five builds took 223 s of a 2-core CPU machine's run).
+
+The README's test command runs the files in parallel (pytest-xdist: ``-n auto --dist loadfile``,
+each file in one worker so its module fixtures are built once): every test runs on one torch
+thread, most of the time in the Triton interpreter (one core), so one process left every other
+core idle. At most :data:`MAX_WORKERS` workers, each a torch process of its own.
 """
 
 import os
@@ -26,6 +32,17 @@ except ImportError:       # no Triton on this platform: the Triton tests skip or
     pass
 
 _NO_GPU = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+MAX_WORKERS = 8
+
+
+@pytest.hookimpl(optionalhook=True)          # pytest-xdist's hook: a run without xdist knows none
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core this process may use, at most :data:`MAX_WORKERS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):          # non-Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -419,8 +419,10 @@ def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
                   max_model_len=256, **kw)
         eng = llm.engine
-        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        run_to_completion(eng, [eng.add_request(prefix + [7], sp)])        # caches the prefix's pages
+        # the prefix's pages cached by a prefill alone; then a prefill over them and one packed
+        # decode step (each decode step costs ~10 s of the Triton interpreter here)
+        run_to_completion(eng, [eng.add_request(prefix + [7], SamplingParams(temperature=0, max_tokens=1))])
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         reqs = [eng.add_request(p, sp) for p in ps]
         run_to_completion(eng, reqs, keep_logits=True)
         plans = [p for p in planned if p is not None]

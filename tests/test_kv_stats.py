@@ -28,6 +28,10 @@ def test_report_matches_codec(tmp_path):
     assert "compressible blocks" in report.render()
     report.plot(str(tmp_path / "kv.png"))
     assert (tmp_path / "kv.png").stat().st_size > 1000
+    report.model = "some-model"                            # issue 48: the plot names the model and the totals
+    v1 = report.v1["size_ratio"]
+    assert report.headline().startswith(f"some-model: stored at {report.size_ratio:.1%} of BF16 with format v2, "
+                                        f"{v1:.1%} with v1")
 
 
 def test_v1_and_v2_side_by_side():
@@ -64,6 +68,7 @@ def test_analyze_the_demo_model(tmp_path):
     from zipfusion.models import build_model
     report = analyze_model("demo", progress=False)
     cfg = build_model("demo").config
+    assert report.model == "demo"
     assert len(report.layers) == cfg.num_hidden_layers
     assert report.num_kv_heads == cfg.num_key_value_heads and report.head_dim == cfg.head_dim
     assert report.pages >= 4
@@ -79,14 +84,18 @@ def test_analyze_the_demo_model(tmp_path):
     assert torch.equal(k0[0].view(torch.int16), k_ref[0].to(torch.bfloat16).view(torch.int16))
 
 
-def test_cli_analyze(tmp_path, capsys):
+def test_cli_analyze(tmp_path, capsys, caplog):
     from zipfusion.cli import main
+    caplog.set_level("INFO", logger="zipfusion.models")
     text = tmp_path / "t.txt"
     text.write_text("And the earth was without form, and void; and darkness was upon the face of the deep. " * 6)
     assert main(["analyze", "--model", "demo", "--device", "cpu", "--text", str(text),
                  "--plot", str(tmp_path / "kv.png")]) == 0
-    out = capsys.readouterr().out
-    assert "compressible blocks" in out and (tmp_path / "kv.png").is_file()
+    out = capsys.readouterr()
+    assert "compressible blocks" in out.out and (tmp_path / "kv.png").is_file()
+    # issue 48: each stage says so on stderr (the model's loading, a bar per layer, the measuring)
+    assert any(r.getMessage().startswith("loading model demo (safetensors, bfloat16, on cpu)") for r in caplog.records)
+    assert "Running the model over 1 text(s)" in out.err and "layer" in out.err and "Measuring" in out.err
     assert main(["analyze", "--model", "demo", "--text", str(tmp_path / "missing.txt")]) == 2
 
 

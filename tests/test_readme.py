@@ -23,3 +23,13 @@ def test_ci_runs_the_readme_test_command():
     test_command = quick_start_commands()[1].strip()
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_command in ci
+
+
+def test_the_python_snippet_runs_as_written(capsys):
+    """Issue 48: the README's Python snippet runs wherever the quick start runs (a CPU, a few GiB
+    free): no GPU-sized kv_memory_gb, no model path to fill in."""
+    section = (ROOT / "README.md").read_text().split("## Use", 1)[1].split("\n## ", 1)[0]
+    snippet = re.findall(r"```python\n(.+?)\n```", section, flags=re.S)
+    assert len(snippet) == 1
+    exec(compile(snippet[0], "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()

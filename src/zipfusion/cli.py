@@ -20,7 +20,7 @@ import sys
 import time
 
 from . import __version__
-from .config import add_cli_args
+from .config import LOAD_FORMATS, add_cli_args
 
 
 class CLIError(Exception):
@@ -218,6 +218,7 @@ def cmd_analyze(args) -> int:
             if not path.is_file():
                 raise FileNotFoundError(f"--text {name}: no such file")
             texts.append(path.read_text(errors="replace"))
+    _show_build_progress()
     report = analyze_model(args.model, texts, device=args.device or _default_device(),
                            max_tokens=args.max_tokens, load_format=args.load_format)
     print(report.render())
@@ -259,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0 = off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0 (default: 1.0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: none); a prompt's tokens repeat whatever else runs beside it "
+                        "only with --deterministic")
     g.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -289,13 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log level of the server and the engine (default: info)")
     s.set_defaults(func=cmd_serve)
     a = sub.add_parser("analyze", help="how well a model's KV compresses, per layer")
-    a.add_argument("--model", default="demo", help="checkpoint folder (with tokenizer) or 'demo' (default: demo)")
+    a.add_argument("--model", default="demo", help="checkpoint folder (with tokenizer files), .gguf file (with "
+                                                   "tokenizer metadata), or 'demo' (default: demo)")
     a.add_argument("--text", action="append", help="a text file to run the model on (repeatable); "
                    "default: a built-in sample of prose, a list and code")
     a.add_argument("--max-tokens", type=int, default=4096, help="tokens per text (default: 4096)")
     a.add_argument("--device", default=None, help="cuda or cpu (default: cuda when a GPU is visible)")
-    a.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"],
-                   help="(default: auto)")
+    a.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="auto (from the files), safetensors, gguf, or random (ignore the weights) (default: auto)")
     a.add_argument("--plot", default=None, help="write a PNG of the per-layer numbers here (needs matplotlib)")
     a.set_defaults(func=cmd_analyze)
     from .bench.cli import add_bench_parser        # zipfusion bench serve|throughput|latency|kernel

@@ -41,6 +41,7 @@ PREFILL_SPLIT_MIN_TOKENS = 1024
 PREFILL_SPLIT_GRAIN = 2048
 TP_START_METHODS = ("spawn", "forkserver")
 TP_TIMEOUT_S = 600.0             # how long a tensor-parallel collective waits for a peer
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
 
 
 def _opt(default, help: str, **kw):
@@ -56,7 +57,9 @@ class EngineConfig:
                               "llama-3.1-8b-random / qwen3-8b-random (random weights)")
     device: str = _opt("auto", "cuda, cuda:N, cpu, or auto (cuda when a GPU is visible)")
     dtype: str = _opt("bfloat16", "bfloat16, or float32 (needs --no-kv-compression)")
-    kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 only)")
+    kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 only)",
+                                off_help="keep KV pages uncompressed (default: full pages are kept losslessly "
+                                         "compressed; needed for --dtype float32)")
     kv_memory_gb: float | None = _opt(None, "GiB for the KV cache (default: what the GPU has free after "
                                             f"the weights x {GPU_MEMORY_UTILIZATION} - "
                                             f"{ACTIVATION_RESERVE_GB} GiB; {CPU_KV_MEMORY_GB} on CPU)")
@@ -69,9 +72,10 @@ class EngineConfig:
               f"{SERVING_MAX_NUM_BATCHED_TOKENS['big_gpu']} on a GPU with >= 70 GiB, "
               f"{SERVING_MAX_NUM_BATCHED_TOKENS['gpu']} on a smaller one, {SERVING_MAX_NUM_BATCHED_TOKENS['cpu']} "
               "on the CPU, so running streams keep a short inter-token gap)")
-    seed: int = _opt(0, "seed for random weights and for requests sampled without a seed")
+    seed: int = _opt(0, "seed for random weights and for requests sampled without a seed (a seeded request "
+                        "repeats its tokens exactly only with --deterministic; see there)")
     load_format: str = _opt("auto", "auto, safetensors, gguf, or random (ignore the weights)",
-                            choices=("auto", "safetensors", "gguf", "random"))
+                            choices=LOAD_FORMATS)
     enforce_eager: bool = _opt(False, "no CUDA graphs")
     attention_backend: str = _opt("auto", "decode attention: auto, kernel (our kernels, also on CPU), torch, "
                                           "or flashinfer (FlashInfer's paged decode: uncompressed KV on CUDA, "
@@ -83,21 +87,26 @@ class EngineConfig:
                           choices=ADMISSION_POLICIES)
     enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "
                                              "(full pages, compressed as they are; evicted least recently "
-                                             "used when memory is needed)")
+                                             "used when memory is needed)",
+                                       off_help="compute every prompt in full (default: requests share the KV "
+                                                "pages of their prompts' common beginnings, as in vLLM)")
     packed_decode: bool = _opt(False, "experimental: decode rows behind one shared prefix travel in pairs through "
                                       "the decode kernel, which restores each shared page once for both "
                                       "(GQA groups of up to 4 heads; not with deterministic=True)")
     kv_host_memory_gb: float | None = _opt(
         None, "GiB of pinned host memory for KV pages the prefix cache evicts (kept as stored, brought back "
-              "on a hit instead of recomputed; a preempted request's pages too); default on a GPU: "
-              "min(2 x kv_memory_gb, a quarter of the host's free memory); 0: off (the default on the CPU "
-              "and with tensor parallelism)")
+              "on a hit instead of recomputed; a preempted request's pages too); 0: off (default: on one GPU, "
+              "min(2 x kv_memory_gb, a quarter of the host's free memory); 0 on the CPU and with tensor "
+              "parallelism)")
     async_scheduling: bool = _opt(False, "schedule the next step while the GPU computes this one (vLLM's async "
                                          "scheduling; CUDA, one GPU): the host's scheduling leaves the gap "
                                          "between steps, tokens unchanged. Off by default: on the H200 the "
                                          "long workload hung with it twice (2026-12-05, docs/benchmarks.md)")
-    deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling "
-                                      "parameters and seed (batch-invariant kernels; slower)")
+    deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling parameters and seed "
+                                      "(batch-invariant kernels; slower). Without it the logits can differ slightly "
+                                      "(rounding) with the batch a request runs in and with how much of its "
+                                      "prompt the prefix cache held, so a seeded request sampled at temperature "
+                                      "> 0 can give other tokens (as in vLLM without batch invariance)")
     chunk_bytes: int | None = _opt(None, "arena chunk size in bytes (default: from the KV memory)")
     tensor_parallel_size: int = _opt(1, "split the model over this many GPUs (processes; gloo on the CPU): "
                                         "Megatron tensor parallelism, one worker process per rank "
@@ -200,7 +209,8 @@ def default_cpu_threads() -> int:
 
 
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One ``--option`` per field (``--no-kv-compression`` for a bool that defaults to True)."""
+    """One ``--option`` per field (``--no-kv-compression`` for a bool that defaults to True, with
+    its ``off_help``: what the flag does, not what it turns off)."""
     for f in dataclasses.fields(EngineConfig):
         if f.name in skip:
             continue
@@ -208,7 +218,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
         help = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"]
         if f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                help=f"turn off: {help}")
+                                help=f.metadata["off_help"])
         elif f.default is False:
             parser.add_argument(flag, dest=f.name, action="store_true", help=help)
         else:

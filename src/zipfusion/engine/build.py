@@ -59,7 +59,7 @@ def kv_memory_gb(config: EngineConfig, device: torch.device) -> float:
                 else min(CPU_KV_MEMORY_GB, 0.5 * free))
     if config.kv_memory_gb > free:
         raise ValueError(f"kv_memory_gb={config.kv_memory_gb:g} is more than the {free:.1f} GiB free on {device}; "
-                         f"pass a smaller kv_memory_gb")
+                         f"pass a smaller kv_memory_gb, or leave it out to size it from what is free")
     return config.kv_memory_gb
 
 

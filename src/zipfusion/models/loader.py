@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import LOAD_FORMATS
 from .config import ModelConfig, load_config
 from .gguf import is_gguf_path
 from .layers import rope_inv_freq
@@ -37,26 +38,27 @@ log = logging.getLogger("zipfusion.models")
 
 
 class BuildProgress:
-    """Logs, every ``every`` seconds while a model is built, what phase it is in and how far it
-    got (an 8B model on the CPU takes minutes); nothing for a build that ends sooner."""
+    """Logs (INFO, ``zipfusion.models``) that a model build starts, where it is every ``every``
+    seconds (an 8B model on the CPU takes minutes; a GGUF file is dequantized on load) and how
+    long it took, so a command loading a model never sits silent."""
 
-    def __init__(self, name: str, every: float | None = None):
-        self.name, self.t0 = name, time.perf_counter()
+    def __init__(self, name: str, every: float | None = None, what: str = ""):
+        self.name, self.what, self.t0 = name, what, time.perf_counter()
         self.every = PROGRESS_EVERY_S if every is None else every
         self.phase, self.done, self.total = "allocating the parameters", 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zipfusion-build-progress", daemon=True)
 
     def __enter__(self):
+        log.info("loading model %s%s ...", self.name, f" ({self.what})" if self.what else "")
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        elapsed = time.perf_counter() - self.t0
-        if exc[0] is None and elapsed >= self.every:
-            log.info("model %s built in %.0f s", self.name, elapsed)
+        if exc[0] is None:
+            log.info("model %s loaded in %.1f s", self.name, time.perf_counter() - self.t0)
 
     def step(self, phase: str, done: int, total: int) -> None:
         self.phase, self.done, self.total = phase, done, total
@@ -75,9 +77,6 @@ class ModelSource:
     config_path: Path               # config.json, a shipped config, or a .gguf file
     weights_dir: Path | None        # checkpoint folder or .gguf file; None: random weights
     tokenizer_dir: Path | None      # folder with tokenizer files, or a .gguf file
-
-
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
 
 
 def _resolve_gguf(name: str, path: Path, load_format: str) -> ModelSource:
@@ -242,7 +241,11 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
     if isinstance(source, str):
         source = resolve_model(source)
     cfg = load_config(source.config_path)
-    with BuildProgress(source.name if source.weights_dir is None else Path(source.name).name) as progress:
+    dt = str(dtype).replace("torch.", "")
+    what = (f"random weights, {dt}" if source.weights_dir is None else f"GGUF, dequantized to {dt}"
+            if is_gguf_path(source.weights_dir) else f"safetensors, {dt}")
+    with BuildProgress(source.name if source.weights_dir is None else Path(source.name).name,
+                       what=f"{what}, on {device}") as progress:
         with torch.device(device):
             model = CausalLM(cfg, deterministic=deterministic)
         progress.step(f"converting to {str(dtype).replace('torch.', '')}", 0, 0)

@@ -19,7 +19,8 @@ class APIKeyMiddleware:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                                          kind="invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
+                                          kind="invalid_request_error", headers={"WWW-Authenticate": "Bearer"},
+                                          code="invalid_api_key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

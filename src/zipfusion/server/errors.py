@@ -1,7 +1,9 @@
 """Every error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 404 and 405 included (FastAPI's own ``{"detail"}`` never reaches a client); a request refused
-before it reaches the engine counts in ``zipfusion:requests_rejected``.
+before it reaches the engine counts in ``zipfusion:requests_rejected``. As in OpenAI's API,
+``code`` is a string naming the error where OpenAI has one (``invalid_api_key``,
+``model_not_found``) and null otherwise; the HTTP status is the response's.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_body(message: str, status: int = 400, param: str | None = None, kind: str | None = None) -> dict:
+def error_body(message: str, status: int = 400, param: str | None = None, kind: str | None = None,
+               code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind or ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": status}}
+                      "param": param, "code": code}}
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, kind: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return ErrorJSONResponse(error_body(message, status, param, kind), status_code=status, headers=headers)
+                   headers: dict | None = None, code: str | None = None) -> JSONResponse:
+    return ErrorJSONResponse(error_body(message, status, param, kind, code), status_code=status, headers=headers)
 
 
 def validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -76,7 +79,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(BadRequest)
     async def _bad(_, exc: BadRequest):
         metrics.rejected.inc()
-        return error_response(str(exc), exc.status, exc.param)
+        return error_response(str(exc), exc.status, exc.param, code=exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, exc: StarletteHTTPException):

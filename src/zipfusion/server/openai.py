@@ -160,7 +160,7 @@ class OpenAIServer:
     def check_model(self, body: _Body) -> None:
         if body.model is not None and body.model not in self.names:
             raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.name!r} "
-                             "(see /v1/models)", 404, "model")
+                             "(see /v1/models)", 404, "model", code="model_not_found")
 
     async def completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:
         """The prompts as token ids, and as the client's text where it sent text (for echo)."""
@@ -209,7 +209,7 @@ ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["integer", "string", "null"]}}}}}
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
 def _error(description: str) -> dict:

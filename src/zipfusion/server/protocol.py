@@ -9,6 +9,11 @@ accepted and ignored with a warning in the log, as vLLM does (clients send field
 any server); ``store``, ``metadata``, ``user``, ``service_tier`` and ``reasoning_effort`` are
 accepted and have no effect. vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
 ``stop_token_ids`` and ``ignore_eos`` are implemented.
+
+``seed`` (sample i uses seed + i) gives the same tokens again only on a server started with
+``--deterministic``: otherwise the logits can differ slightly with the batch a request runs in and
+with how much of its prompt the prefix cache holds, as in vLLM without batch invariance
+(:data:`SEED_DOC`, which /openapi.json carries).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
@@ -26,14 +31,28 @@ MAX_N = 128                   # most samples one request may ask for
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1      # a 64-bit signed seed (vLLM's range)
 Annotated_bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 Annotated_token = Annotated[int, Field(ge=0)]
+SEED_DOC = ("Sample i of the request uses seed + i. A seeded request gives the same tokens again only on a server "
+            "started with --deterministic: otherwise its logits can differ slightly with the batch it runs in and "
+            "with how many of its prompt tokens the prefix cache holds (usage.prompt_tokens_details.cached_tokens), "
+            "as in vLLM without batch invariance.")
 
 
 class BadRequest(Exception):
-    """A request the server refuses (400) before it reaches the engine."""
+    """A request the server refuses (400) before it reaches the engine; ``code``: OpenAI's name
+    for the error, where it has one (see :mod:`.errors`)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code = status, param, code
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    """A value's error in our words (the handler prints it as ``field: message``)."""
+    return PydanticCustomError("invalid_value", "{message}", {"message": message})
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def bad_text(value, where: str = "") -> str | None:
@@ -102,7 +121,7 @@ class _Body(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description=SEED_DOC)
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, Annotated_bias] | None = None
@@ -118,6 +137,13 @@ class _Body(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0)
     stop_token_ids: list[Annotated_token] | None = None
     ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, stop):
+        if stop is None or isinstance(stop, str) or isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+            return stop
+        raise _invalid("expected a string, a list of strings, or null")
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -202,6 +228,33 @@ class CompletionRequest(_Body):
     suffix: str | None = None
     return_token_ids: bool = False        # vLLM's: each choice (and each streamed chunk) carries its token ids
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, p):
+        """One clear complaint for a prompt of none of its four shapes (pydantic's would list
+        every shape's failure, each under its own made-up param)."""
+        if isinstance(p, str) or isinstance(p, list) and all(isinstance(x, str) for x in p):
+            return p
+        nested = isinstance(p, list) and bool(p) and all(isinstance(row, list) for row in p)
+        rows = p if nested else [p]
+        if not all(isinstance(row, list) and all(_is_int(x) for x in row) for row in rows):
+            raise _invalid("expected a string, a list of strings, a list of token ids, or a list of lists of "
+                           "token ids")
+        for i, row in enumerate(rows):
+            for j, x in enumerate(row):
+                if x < 0:
+                    where = f"prompt[{i}][{j}]" if nested else f"prompt[{j}]"
+                    raise _invalid(f"token ids must be >= 0 ({where} is {x})")
+        return p
+        if rows is None or not all(isinstance(r, list) and all(_is_int(x) for x in r) for r in rows):
+            raise _invalid(f"expected {shapes}")
+        for i, row in enumerate(rows):
+            j = next((j for j, x in enumerate(row) if x < 0), None)
+            if j is not None:
+                where = f"prompt[{j}]" if rows is not p else f"prompt[{i}][{j}]"
+                raise _invalid(f"token ids must be >= 0 ({where} is {row[j]})")
+        return p
+
     def check(self) -> None:
         self.check_common()
         if self.suffix:
@@ -221,6 +274,14 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, content):
+        if content is None or isinstance(content, str) or isinstance(content, list) and all(
+                isinstance(part, dict) for part in content):
+            return content
+        raise _invalid("expected a string, a list of content parts ({'type': 'text', 'text': ...}), or null")
 
     def text(self, where: str) -> str:
         """The content as one string: text parts joined by newlines; any other part: 400."""
