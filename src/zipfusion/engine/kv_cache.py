@@ -52,7 +52,8 @@ class KVCache:
 
     def finish_seal(self, job, min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
         """``seal``'s result for the pages ``start_seal`` was given (those of ``keep``)."""
-        ids = job if keep is None else [p for p in job if p in set(keep)]
+        alive = None if keep is None else set(keep)
+        ids = job if alive is None else [p for p in job if p in alive]
         return self.seal(ids, min_capacity=min_capacity, reclaim=reclaim) if ids else []
 
     def flush_table(self) -> None:
