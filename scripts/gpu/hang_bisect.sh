@@ -5,7 +5,7 @@
 # benchmarks/workloads.py worker process (long / compressed, 16 x 32K prompts) with a time limit;
 # shortly before it a watchdog prints the GPU's utilisation (busy: a kernel runs on; idle: the
 # host waits), and the worker prints every thread's stack (faulthandler). One device call, ~8 min:
-#   bash scripts/gpu/hang_bisect.sh            # $OUT/<variant>.err|out, the summary on stdout
+#   bash scripts/gpu/hang_bisect.sh [variant ...]   # $OUT/<variant>.err|out, the summary on stdout
 set -u
 OUT=${OUT:-/tmp/hang_out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
@@ -36,9 +36,15 @@ variant() {   # name limit_s mode [key=json ...]
   grep -h -A14 "Timeout" "$OUT/$name.err" | head -30
 }
 
-variant async 80 compressed_async
-variant async_checked 80 compressed_async 'engine={"check_pages": true}'   # a bad page location: an assert, not a spin
-CUDA_LAUNCH_BLOCKING=1 variant async_blocking 80 compressed_async
-variant async_eager 80 compressed_async 'engine={"enforce_eager": true}'
-variant async_no_host_tier 80 compressed_async host_gb=0
-variant plain 80 compressed
+run_variant() {   # name: one of the variants below
+  case $1 in
+  async) variant async 80 compressed_async ;;
+  async_checked) variant async_checked 80 compressed_async 'engine={"check_pages": true}' ;;  # a bad page location: an assert, not a spin
+  async_blocking) CUDA_LAUNCH_BLOCKING=1 variant async_blocking 80 compressed_async ;;
+  async_eager) variant async_eager 80 compressed_async 'engine={"enforce_eager": true}' ;;
+  async_no_host_tier) variant async_no_host_tier 80 compressed_async host_gb=0 ;;
+  plain) variant plain 80 compressed ;;
+  *) echo "unknown variant $1"; return 2 ;;
+  esac
+}
+for v in ${*:-async async_checked async_blocking async_eager async_no_host_tier plain}; do run_variant "$v"; done
