@@ -32,6 +32,7 @@ DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows mo
 # of 2x the long prompt's own latency; docs/benchmarks.md, "The server under hostile requests").
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
+WATCHDOG_TIMEOUT_S = 300.0   # on CUDA: longest one engine step may run (engine/watchdog.py)
 ADMISSION_POLICIES = ("estimate", "conservative", "optimistic")
 # Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
 # chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
@@ -98,10 +99,15 @@ class EngineConfig:
               "on a hit instead of recomputed; a preempted request's pages too); 0: off (default: on one GPU, "
               "min(2 x kv_memory_gb, a quarter of the host's free memory); 0 on the CPU and with tensor "
               "parallelism)")
-    async_scheduling: bool = _opt(False, "schedule the next step while the GPU computes this one (vLLM's async "
-                                         "scheduling; CUDA, one GPU): the host's scheduling leaves the gap "
-                                         "between steps, tokens unchanged. Off by default: on the H200 the "
-                                         "long workload hung with it twice (2026-12-05, docs/benchmarks.md)")
+    async_scheduling: bool = _opt(True, "schedule the next step while the GPU computes this one (vLLM's async "
+                                        "scheduling, SGLang's overlap; CUDA, one GPU): the host's scheduling "
+                                        "leaves the gap between steps, tokens unchanged",
+                                  off_help="schedule each step after the previous one's tokens are back "
+                                           "(default: the next step is scheduled while the GPU computes)")
+    watchdog_timeout_s: float | None = _opt(
+        None, "seconds one engine step may run before the process is ended with every thread's stack "
+              f"(a stalled GPU; SGLang's --watchdog-timeout); 0: off (default: {WATCHDOG_TIMEOUT_S:g} on "
+              "CUDA, off on the CPU)")
     deterministic: bool = _opt(False, "a request's tokens depend only on its prompt, sampling parameters and seed "
                                       "(batch-invariant kernels; slower). Without it the logits can differ slightly "
                                       "(rounding) with the batch a request runs in and with how much of its "
@@ -156,6 +162,10 @@ class EngineConfig:
         if self.kv_memory_gb is not None and (isinstance(self.kv_memory_gb, bool) or not isinstance(
                 self.kv_memory_gb, (int, float)) or not self.kv_memory_gb > 0):
             raise ValueError(f"kv_memory_gb must be a positive number, got {self.kv_memory_gb!r}")
+        if self.watchdog_timeout_s is not None and (
+                isinstance(self.watchdog_timeout_s, bool) or not isinstance(self.watchdog_timeout_s, (int, float))
+                or not self.watchdog_timeout_s >= 0):
+            raise ValueError(f"watchdog_timeout_s must be a number >= 0 (0: off), got {self.watchdog_timeout_s!r}")
         if self.kv_host_memory_gb is not None and (
                 isinstance(self.kv_host_memory_gb, bool) or not isinstance(self.kv_host_memory_gb, (int, float))
                 or not self.kv_host_memory_gb >= 0):

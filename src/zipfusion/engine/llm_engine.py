@@ -6,13 +6,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from typing import NamedTuple
 
 import torch
 
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..models.parallel import TensorParallel, use as use_parallel
-from ..config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig
 from ..format.layout import PAGE_TOKENS
 from ..memory.copy import HostArray
 from .attention import AttentionBackend
@@ -22,6 +23,7 @@ from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs
 from .scheduler import KVCacheTooSmall, Scheduler, SchedulerOutput
+from .watchdog import Watchdog
 
 log = logging.getLogger("zipfusion")
 
@@ -117,6 +119,7 @@ class LLMEngine:
         # the CPU the forward runs in the host's own thread, so nothing would overlap; tests set the
         # attribute there to run the same code.
         self.async_scheduling = cfg.async_scheduling and self.device.type == "cuda" and not self.tp
+        self.watchdog = self._build_watchdog(cfg.watchdog_timeout_s)
         self._ahead: SchedulerOutput | None = None
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
@@ -188,9 +191,22 @@ class LLMEngine:
         self.max_model_len = fits
         self._len_note = f" (what kv_memory_gb={self.kv_memory_gb:g} holds; give more kv_memory_gb)"
 
+    def _build_watchdog(self, timeout_s: float | None):
+        """The step watchdog (engine/watchdog.py), or None: ``timeout_s`` None is the default
+        (WATCHDOG_TIMEOUT_S on CUDA, off on the CPU), 0 is off."""
+        if timeout_s is None:
+            timeout_s = WATCHDOG_TIMEOUT_S if self.device.type == "cuda" else 0
+        if not timeout_s:
+            return None
+        watchdog = Watchdog(timeout_s)
+        weakref.finalize(self, watchdog.close)           # an engine collected unclosed stops it too
+        return watchdog
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group (idempotent; also done when
-        the engine is collected, and at exit). ``LLM.close()`` calls it."""
+        """Stop the tensor-parallel workers and leave the process group, stop the watchdog
+        (idempotent; also done when the engine is collected, and at exit). ``LLM.close()`` calls it."""
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.tp:
             self.tp.shutdown()
 
@@ -245,6 +261,15 @@ class LLMEngine:
         and are placed and encoded while the next step's forward runs (memory/page_store.py: no
         wait for the device); with ``async_scheduling`` the next step is scheduled then too
         (:meth:`_schedule_ahead`). The sampled tokens come back after that."""
+        if self.watchdog is None:
+            return self._step()
+        self.watchdog.begin()
+        try:
+            return self._step()
+        finally:
+            self.watchdog.end()
+
+    def _step(self) -> StepResult:
         clock = PhaseClock()
         out = self._take_ahead() or self._forget_preempted(self.scheduler.schedule())
         running = len(self.scheduler.running)
