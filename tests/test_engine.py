@@ -421,3 +421,49 @@ def test_chunks_returning_late_and_scheduling_ahead_give_the_plain_runs_bits(ckp
     for a, b in zip(plain, late):
         assert a.output_ids == b.output_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_steps_never_wait_for_the_device_but_for_their_tokens():
+    """Issue 44: compression costs the decode path no device-to-host sync. Every synchronizing
+    CUDA call torch knows of (torch.cuda.set_sync_debug_mode: stream syncs, blocking copies,
+    .item(), ...) made during steps with mixed prefill chunks (short tails included), seals
+    and async scheduling is recorded with its stack; none may come from anywhere but the
+    step's one wait for its sampled tokens."""
+    import traceback
+    import warnings
+    llm = LLM("demo", device="cuda", kv_memory_gb=0.004, max_num_seqs=16, max_num_batched_tokens=96,
+              max_model_len=400)
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+
+    def batch(seed):
+        for p in prompts(seed, [200, 37, 90, 150, 120, 64]):
+            llm.engine.add_request(p, sp)
+    batch(0)                                      # warm-up: kernels compiled, pinned buffers cached
+    while llm.engine.has_work():
+        llm.engine.step()
+    syncs = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            syncs.append("".join(traceback.format_stack(limit=14)))
+    batch(1)
+    old = warnings.showwarning
+    warnings.showwarning = note
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            steps = 0
+            while llm.engine.has_work():
+                llm.engine.step()
+                steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    stats = llm.kv_stats()
+    assert stats["stored_pages"] > 0 and steps > 60
+    bad = [s for s in syncs if "_finish_sample" not in s]
+    assert not bad, f"{len(bad)} device syncs outside the token wait; first:\n{bad[0]}"

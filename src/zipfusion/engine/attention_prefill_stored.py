@@ -77,7 +77,7 @@ class RowsPrefill:
         token's context length."""
         plan = []
         for off, ch in chunks:
-            pages = torch.tensor(ch.used_pages, dtype=torch.int32, device=device)
+            pages = to_device(torch.tensor(ch.used_pages, dtype=torch.int32), device)    # pinned: no wait
             lens = torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=device)
             copy = self.read is not None and ch.length > ROWS_MAX_TOKENS
             plan.append((slice(off, off + ch.length), pages if copy else pages.expand(ch.length, len(pages)),
