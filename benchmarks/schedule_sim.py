@@ -12,7 +12,7 @@ put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-c
 the host tier's swaps (its books, no bytes: ``zipfusion.testing.AccountingHostTier``, sized as
 the engine sizes it on the H200 unless ``--host-gb``). It cannot say anything about GPU time; it does
 report the host's seconds in the engine's own code between forwards (scheduling, the seal's host
-side, the rest; and, with ``--async-scheduling`` (the engine's default on CUDA), the scheduling done beside
+side, the rest; and, with ``--async-scheduling`` (the engine's opt-in), the scheduling done beside
 the forward), and a digest of every step's decisions and outputs: a change meant to leave the
 decisions alone must leave it as it was. The default is the engine's: the plain order.
 
@@ -181,7 +181,7 @@ def main() -> None:
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="schedule each step while the last one runs, before its tokens are back (the engine's "
-                         "default on CUDA; default here: after them, as --no-async-scheduling)")
+                         "--async-scheduling; default: after them, the engine's default)")
     ap.add_argument("--host-gb", type=float, default=None,
                     help=f"host tier GiB (default: the scenario's, else min(2 x KV, {H200_HOST_GB:g}); 0: none)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds of the lengths and page sizes drawn")
