@@ -103,7 +103,8 @@ class FP8Report:
 
     def as_dict(self) -> dict:
         """Plain numbers for JSON: per scale and design the overall, K and V ratios and per-layer
-        ratios; per scale the adaptive design's blocks by mode and mean escapes per block."""
+        ratios; per scale the adaptive design's blocks by mode and mean escape-stream nibbles per
+        block (escapes rounded up to a multiple of 8 per block, over all blocks, raw ones too)."""
         out = {"ratio_is": "stored bytes / FP8 bytes (full pages, records included)", "scales": {}}
         for scale in SCALES:
             modes = [sum(s.modes[scale][m] for s in self.layers) for m in range(4)]
@@ -112,7 +113,7 @@ class FP8Report:
                                 "value": self.ratio(scale, d, 1),
                                 "layers": [s.ratio(scale, d) for s in self.layers]} for d in DESIGNS},
                 "adaptive_blocks_by_mode": dict(zip(MODE_NAMES, (m / sum(modes) for m in modes))),
-                "adaptive_escapes_per_block": 8 * sum(s.escapes[scale] for s in self.layers) / sum(modes),
+                "adaptive_escape_nibbles_per_block": 8 * sum(s.escapes[scale] for s in self.layers) / sum(modes),
                 "block_entropy_reference": self.entropy_reference(scale),
             }
         return out
