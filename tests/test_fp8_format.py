@@ -4,11 +4,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zipfusion.format import CorruptPageError
+from zipfusion.format import CorruptPageError, PageLayout
 from zipfusion.format.fp8 import E4M3_MAX, dequantize_e4m3, head_scales, quantize_e4m3
 from zipfusion.format.fp8_blocks import (BLK2, BLK3, BODY_BYTES, COL2, DESIGNS, RAW, block_sizes, choose_modes,
                                          decode_blocks, decode_fp8_page, encode_blocks, encode_fp8_page,
-                                         fp8_page_sizes, pack_fields, unpack_fields)
+                                         fp8_page_sizes, pack_fields, record_bytes, unpack_fields)
 
 ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 NAN_CODES = (0x7F, 0xFF)
@@ -167,7 +167,7 @@ def test_round_trip_is_bit_exact(page, design):
     buf = encode_fp8_page(page, design)
     H, D = page.shape[2:]
     assert buf.numel() == int(fp8_page_sizes(page[None], design)[0])
-    assert buf.numel() <= 2 * 16 * H * D + 2 * H * 8 * (D // 32 // 2 + 1)   # raw blocks + records at most
+    assert buf.numel() <= 2 * 16 * H * D + 2 * H * record_bytes(PageLayout(H, D))   # all raw at most
     assert torch.equal(decode_fp8_page(buf, H, D), page)
 
 
@@ -195,12 +195,17 @@ def test_corrupt_pages_are_refused():
     with pytest.raises(CorruptPageError):
         decode_fp8_page(bad, 1, 64)
     meta = int(buf[4]) | int(buf[5]) << 8
-    if (meta >> 4) & 3 in (BLK2, BLK3):  # one escape word more than the codes say
-        bad = torch.cat([buf, torch.zeros(4, dtype=torch.uint8)])
-        bad[5] = (meta + 64) >> 8
-        bad[4] = (meta + 64) & 0xFF
-        with pytest.raises(CorruptPageError):
-            decode_fp8_page(bad, 1, 64)
+    assert (meta >> 4) & 3 != RAW
+    bad = torch.cat([buf, torch.zeros(4, dtype=torch.uint8)])     # one escape word more than the codes say
+    bad[4], bad[5] = (meta + 64) & 0xFF, (meta + 64) >> 8
+    v_first = int(buf[8]) | int(buf[9]) << 8
+    bad[8], bad[9] = (v_first + 4) & 0xFF, (v_first + 4) >> 8       # V's first block starts 4 bytes later
+    with pytest.raises(CorruptPageError, match="escape-stream length"):
+        decode_fp8_page(bad, 1, 64)
+    bad = buf.clone()
+    bad[4] = (meta & 0xF0) | 15                                     # β = 15: past every mode's limit
+    with pytest.raises(CorruptPageError, match="base out of range"):
+        decode_fp8_page(bad, 1, 64)
 
 
 def test_bad_input_is_named():

@@ -29,7 +29,8 @@ group restore from byte ``j`` of 32-bit words, as format v1 pairs values ``j`` a
 a plane of ``b``-bit fields (b = 4, 2, 1) stores value ``v`` in byte ``4·(v // (4p)) + v % 4``,
 bits ``b·((v // 4) % p)``, ``p = 8 / b`` fields per byte (:func:`pack_fields`). blk3's code is a
 2-bit plane of ``d & 3`` and a 1-bit plane of ``d >> 2``. The restore of 4 values in a register:
-``byte = n + 15·(n & 0x08) + 8·(d + β)`` per byte lane (no carries between lanes).
+``byte = n + 15·(n & 0x08) + 8·(d + β)`` per byte lane (no carries between lanes once escape
+codes are zeroed; an escaped value's exponent is then ORed into bits 3..6).
 
 Page: for each (head, K/V) a record of a u32 byte offset of its first block and one u16 metadata
 word per block ``β | mode << 4 | w << 6``, zero-padded to 8 bytes; then the blocks' bodies in
