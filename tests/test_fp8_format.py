@@ -219,3 +219,48 @@ def test_bad_input_is_named():
         choose_modes(torch.zeros(1, 512, dtype=torch.uint8), "k9")
     with pytest.raises(TypeError, match="1-D torch.uint8"):
         decode_fp8_page(torch.zeros(8, dtype=torch.int32), 1, 64)
+
+
+def swar_restore(body: bytes, meta: int) -> list[int]:
+    """The restore as a kernel would run it, 4 values per 32-bit word (docs/fp8_format.md section
+    4): for slot s of a 32-value group, nibbles ``n``, codes ``d``, escape mask ``m``; escape codes
+    zeroed, ``byte = n + 15·(n & 0x08..) + 8·(d + β)``, then an escaped lane XORs ``(β ^ e) << 3``
+    with its exponent ``e`` from the stream (rank = escape codes before it in the block)."""
+    mode, k = (meta >> 4) & 3, 3 if (meta >> 4) & 3 == BLK3 else 2
+    word = lambda at: int.from_bytes(body[at:at + 4], "little")             # noqa: E731
+    ones, at = 0x01010101, 16 if mode == COL2 else 0
+    out, rank = [], 0
+    stream = body[BODY_BYTES[mode]:]
+    for g in range(16):
+        for s in range(8):
+            n = (word(at + 16 * g + 4 * (s >> 1)) >> (4 * (s & 1))) & 0x0F0F0F0F
+            d = (word(at + 256 + 8 * g + 4 * (s >> 2)) >> (2 * (s & 3))) & 3 * ones
+            if k == 3:
+                d |= ((word(at + 384 + 4 * g) >> s) & ones) << 2
+            m = d & (d >> 1) & (d >> 2 if k == 3 else 0xFFFFFFFF) & ones
+            d ^= m * ((1 << k) - 1)
+            base = (word(4 * (s >> 1)) >> (4 * (s & 1))) & 0x0F0F0F0F if mode == COL2 else (meta & 15) * ones
+            x = n + 15 * (n & 0x08080808) + 8 * (d + base)
+            assert x < 1 << 32                                              # no carry out of the word
+            for j in range(4):
+                if (m >> (8 * j)) & 1:
+                    e = (stream[rank >> 1] >> (4 * (rank & 1))) & 15
+                    x ^= (((base >> (8 * j)) ^ e) & 15) << (8 * j + 3)
+                    rank += 1
+            out += [(x >> (8 * j)) & 0xFF for j in range(4)]
+    return out
+
+
+@pytest.mark.parametrize("design", ["blk3", "blk2", "col2"])
+def test_the_kernels_word_arithmetic_restores_every_block(design):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 512, generator=g) * torch.tensor([1e-3, 0.05, 1.0, 30.0, 400.0, 1.0])[:, None]
+    blocks = quantize_e4m3(x)
+    blocks[5, ::43] = ALL_CODES[::22]                                       # subnormals, other bands
+    blocks[5, 1:6] = torch.tensor([0x7F, 0xFF, 0x80, 0x7E, 0xFE], dtype=torch.uint8)   # NaN, -0, ±448
+    meta = choose_modes(blocks, design)
+    assert bool(((meta >> 4) & 3 != RAW).all()) and bool((meta >> 6).any())             # escapes too
+    bodies = encode_blocks(blocks, meta)
+    for i in range(blocks.shape[0]):
+        if (int(meta[i]) >> 4) & 3 != RAW:
+            assert swar_restore(bytes(bodies[i].tolist()), int(meta[i])) == blocks[i].tolist()
