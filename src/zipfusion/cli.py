@@ -220,11 +220,16 @@ def cmd_analyze(args) -> int:
             texts.append(path.read_text(errors="replace"))
     _show_build_progress()
     report = analyze_model(args.model, texts, device=args.device or _default_device(),
-                           max_tokens=args.max_tokens, load_format=args.load_format)
+                           max_tokens=args.max_tokens, load_format=args.load_format, kv_dtype=args.kv_dtype)
     print(report.render())
     if args.plot:
         report.plot(args.plot)
         print(f"plot written to {args.plot}")
+        if report.fp8 is not None:
+            path = Path(args.plot)
+            fp8_plot = str(path.with_name(f"{path.stem}_fp8{path.suffix or '.png'}"))
+            report.fp8.plot(fp8_plot, title=f"{report.model}: FP8 E4M3 + lossless blocks, stored / FP8 bytes")
+            print(f"FP8 plot written to {fp8_plot}")
     return 0
 
 
@@ -300,7 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", default=None, help="cuda or cpu (default: cuda when a GPU is visible)")
     a.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="auto (from the files), safetensors, gguf, or random (ignore the weights) (default: auto)")
-    a.add_argument("--plot", default=None, help="write a PNG of the per-layer numbers here (needs matplotlib)")
+    a.add_argument("--plot", default=None, help="write a PNG of the per-layer numbers here (needs matplotlib); "
+                   "with --kv-dtype fp8 also NAME_fp8.png")
+    a.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="bf16: the BF16 page format (v2, v1 beside); fp8: also quantize the KV to FP8 E4M3 as vLLM's "
+                        "fp8 KV cache does (scale 1.0, and amax/448 per KV head) and size it in the lossless FP8 "
+                        "block format, per design (default: bf16)")
     a.set_defaults(func=cmd_analyze)
     from .bench.cli import add_bench_parser        # zipfusion bench serve|throughput|latency|kernel
     add_bench_parser(sub)

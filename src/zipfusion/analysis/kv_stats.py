@@ -50,6 +50,7 @@ class KVReport:
     pages: int                    # full pages per layer that were analysed
     layers: list[LayerStats] = field(default_factory=list)
     model: str | None = None      # what made this KV (a checkpoint's name), for the plot's title
+    fp8: object = None            # analyze --kv-dtype fp8: the FP8 + lossless sizes (fp8_stats.FP8Report)
 
     def _mean(self, field: str) -> float:
         """A per-layer fraction averaged over layers (every layer has as many blocks)."""
@@ -120,6 +121,8 @@ class KVReport:
         if worst is not None:
             lines.append(f"least compressible layer: {worst.layer} (K {worst.key_fraction:.1%}, "
                          f"V {worst.value_fraction:.1%}); the shared chunk pool lends it other layers' savings")
+        if self.fp8 is not None:
+            lines += ["", self.fp8.render()]
         return "\n".join(lines)
 
     def headline(self) -> str:

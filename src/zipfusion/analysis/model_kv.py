@@ -17,6 +17,7 @@ from ..format.layout import PAGE_TOKENS
 from ..models import build_model, load_tokenizer, resolve_model
 from ..models.layers import apply_rope
 from ..models.llama import KVCacheStep
+from .fp8_stats import analyze_fp8
 from .kv_stats import KVReport, analyze_kv
 
 # Used when no text is given: English prose, a list, and Python code, so that the numbers are
@@ -95,9 +96,12 @@ def merge_full_pages(per_text: list[list[tuple[torch.Tensor, torch.Tensor]]]) ->
             for i in range(len(per_text[0]))]
 
 
-def analyze_ids(net, ids_list: list[list[int]], *, progress: bool = False, model: str | None = None) -> KVReport:
+def analyze_ids(net, ids_list: list[list[int]], *, progress: bool = False, model: str | None = None,
+                kv_dtype: str = "bf16") -> KVReport:
     """Compressibility of the KV that ``net`` writes for each token sequence, full pages merged.
-    ``progress``: a bar on stderr, a step per layer of each text's forward pass."""
+    ``progress``: a bar on stderr, a step per layer of each text's forward pass. ``kv_dtype="fp8"``:
+    the report's ``fp8`` also sizes that KV quantized to E4M3 in the FP8 block format."""
+    check_kv_dtype(kv_dtype)
     from tqdm.auto import tqdm
 
     device = next(net.parameters()).device
@@ -108,15 +112,29 @@ def analyze_ids(net, ids_list: list[list[int]], *, progress: bool = False, model
         per_text = [capture_kv(net, torch.tensor(ids, device=device), on_layer=bar.update) for ids in ids_list]
     if progress:
         print(f"Measuring how the KV of {layers} layers compresses ...", file=sys.stderr)
-    report = analyze_kv(merge_full_pages(per_text))
+    layers_kv = merge_full_pages(per_text)
+    report = analyze_kv(layers_kv)
     report.model = model
+    if kv_dtype == "fp8":
+        report.fp8 = analyze_fp8(layers_kv)
     return report
 
 
+KV_DTYPES = ("bf16", "fp8")
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+
+
 def analyze_model(model: str, texts: list[str] | None = None, *, device: str = "cpu",
-                  max_tokens: int = 4096, load_format: str = "auto", progress: bool = True) -> KVReport:
+                  max_tokens: int = 4096, load_format: str = "auto", progress: bool = True,
+                  kv_dtype: str = "bf16") -> KVReport:
     """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`); the
-    report names the model (a checkpoint folder's or a .gguf file's name)."""
+    report names the model (a checkpoint folder's or a .gguf file's name). ``kv_dtype="fp8"``
+    adds the FP8 + lossless sizes (:mod:`zipfusion.analysis.fp8_stats`)."""
+    check_kv_dtype(kv_dtype)
     net, tokenizer = load_for_analysis(model, device=device, load_format=load_format)
     ids_list = [text_ids(tokenizer, text, max_tokens) for text in (texts or [SAMPLE_TEXT])]
-    return analyze_ids(net, ids_list, progress=progress, model=Path(str(model)).name)
+    return analyze_ids(net, ids_list, progress=progress, model=Path(str(model)).name, kv_dtype=kv_dtype)

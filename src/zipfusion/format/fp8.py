@@ -1,0 +1,75 @@
+"""FP8 E4M3 quantization of KV, as vLLM's ``kv_cache_dtype="fp8"`` writes it: the one place.
+
+E4M3 (``torch.float8_e4m3fn``) is one byte ``s eeee mmm``: sign ``s``, 4-bit biased exponent
+field ``e`` (bias 7), 3 mantissa bits ``m``. Its value is
+
+    (-1)^s · 2^(e-7) · (1 + m/8)     for e = 1..15 (normal; ``e = 15, m = 7`` is NaN)
+    (-1)^s · 2^(-6) · (m/8)          for e = 0     (zero and subnormals, steps of 2^-9)
+
+so the finite range is ±448 (``0x7E``/``0xFE``), ``0x7F``/``0xFF`` are NaN, and there is no
+infinity. Quantization (vLLM's ``scaled_convert``: ``x / scale`` in FP32, then a saturating
+round-to-nearest-even conversion):
+
+    q = E4M3_rne(clamp(x / scale, -448, 448))      (NaN stays NaN)
+    x' = E4M3_value(q) · scale                     (dequantization)
+
+``scale`` is one FP32 number per tensor (vLLM's default is 1.0) or one per KV head
+(:func:`head_scales`: ``amax / 448`` over the head's values, so that the largest one lands on
+448). Codes are returned as ``uint8`` bytes: the lossless FP8 block format
+(:mod:`zipfusion.format.fp8_blocks`) codes those bytes, and an FP8 KV cache stores them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0          # largest finite E4M3 magnitude
+E4M3_NAN = 0x7F           # one of the two NaN codes (0xFF is the other)
+
+
+def _scale_tensor(x: torch.Tensor, scale) -> torch.Tensor:
+    """``scale`` as an FP32 tensor that broadcasts against ``x`` [..., H, D]: a number, a
+    0-d tensor, or one scale per KV head ([H])."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if s.dim() == 1:
+        if x.dim() < 2 or s.shape[0] != x.shape[-2]:
+            raise ValueError(f"per-head scales [{s.shape[0]}] need values shaped [..., {s.shape[0]}, head_dim], "
+                             f"got {list(x.shape)}")
+        s = s[:, None]
+    elif s.dim() != 0:
+        raise ValueError(f"scale must be a number, a 0-d tensor or one per KV head ([H]), got shape {list(s.shape)}")
+    if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
+        raise ValueError("FP8 scales must be finite and > 0")
+    return s
+
+
+def quantize_e4m3(x: torch.Tensor, scale=1.0) -> torch.Tensor:
+    """``x`` (bf16, fp16 or fp32, any shape) -> E4M3 codes (uint8, same shape):
+    ``E4M3_rne(clamp(x / scale, -448, 448))``, computed in FP32 like vLLM's cache write.
+    ``scale``: a number, a 0-d tensor, or one per KV head ([H], ``x`` shaped [..., H, D])."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"FP8 quantization takes bfloat16, float16 or float32 values, got {x.dtype}")
+    s = _scale_tensor(x, scale)
+    y = (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX)       # clamp keeps NaN: NaN -> the NaN code
+    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize_e4m3(codes: torch.Tensor, scale=1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """E4M3 codes (uint8) -> ``E4M3_value(codes) · scale`` in ``dtype`` (the product in FP32)."""
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise TypeError(f"E4M3 codes must be a torch.uint8 tensor, got {got}")
+    return (codes.view(torch.float8_e4m3fn).float() * _scale_tensor(codes, scale)).to(dtype)
+
+
+def head_scales(x: torch.Tensor) -> torch.Tensor:
+    """One scale per KV head for ``x`` [tokens, H, D]: ``amax_h / 448`` (FP32 [H]), 1.0 for a
+    head whose values are all zero (or not finite), so that ``x / scale`` spans ±448."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"per-head scales need values shaped [tokens, num_kv_heads, head_dim], got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    amax = x.float().abs().amax(dim=(0, 2))
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, amax / E4M3_MAX, torch.ones_like(amax))

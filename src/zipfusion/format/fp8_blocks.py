@@ -1,0 +1,312 @@
+"""Lossless block format for FP8 E4M3 KV pages (issue 47 item 3): the torch reference codec.
+
+A page of E4M3 codes ``[2, 16, H, D]`` (uint8, :func:`zipfusion.format.fp8.quantize_e4m3`) is cut
+into the BF16 format's 512-value blocks (:func:`zipfusion.format.layout.to_blocks`: K channel-
+grouped, V token-grouped). A byte is ``s eeee mmm``; the sign and mantissa are kept as they are,
+as a 4-bit *nibble* ``n = s << 3 | m``, and the exponent field ``e`` (0..15) is coded in k bits
+against a base ``β``: ``d = e - β``. A code ``d`` in ``0 .. 2^k - 2`` is the value's exponent
+(the *window* ``[β, β + 2^k - 2]``); the all-ones code ``2^k - 1`` is an *escape*: the value's
+exponent is the next 4-bit entry of the block's escape stream (escapes in value order). Each
+block is stored in the smallest of these *modes* (metadata ``mode``):
+
+| mode | base | code | body bytes | window |
+| --- | --- | --- | --- | --- |
+| 0 raw   | -                                    | -      | 512                      | - |
+| 1 blk3  | one ``β`` per block (``β <= 9``)     | 3 bits | 256 + 128 + 64 = 448     | 7 exponents |
+| 2 blk2  | one ``β`` per block (``β <= 13``)    | 2 bits | 256 + 128 = 384          | 3 exponents |
+| 3 col2  | one ``β_c`` per column ``c = v & 31`` | 2 bits | 16 + 256 + 128 = 400     | 3 exponents |
+
+plus ``4·w`` bytes of escape stream, ``w = ceil(escapes / 8)`` (nibbles, zero-padded to a
+32-bit word). For a K block, column ``c`` is channel ``32j + c`` over the 16 tokens (K's scale
+is per channel); for V it is channel ``c mod 32`` of each token. A mode's base is the one with
+the fewest values outside its window (ties: the smallest ``β``), and ``β + d <= 15`` for every
+in-window code, so restoring never carries out of the exponent field. A block is raw unless a
+mode is strictly smaller than 512 bytes. A *design* is the set of modes an encoder may use
+(:data:`DESIGNS`); the format reads them all.
+
+Planes (kernel-friendly: fixed places, the 4 values ``4i + j`` (``j = 0..3``) of a 32-value
+group restore from byte ``j`` of 32-bit words, as format v1 pairs values ``j`` and ``j + 4``):
+a plane of ``b``-bit fields (b = 4, 2, 1) stores value ``v`` in byte ``4·(v // (4p)) + v % 4``,
+bits ``b·((v // 4) % p)``, ``p = 8 / b`` fields per byte (:func:`pack_fields`). blk3's code is a
+2-bit plane of ``d & 3`` and a 1-bit plane of ``d >> 2``. The restore of 4 values in a register:
+``byte = n + 15·(n & 0x08) + 8·(d + β)`` per byte lane (no carries between lanes once escape
+codes are zeroed; an escaped value's exponent is then ORed into bits 3..6).
+
+Page: for each (head, K/V) a record of a u32 byte offset of its first block and one u16 metadata
+word per block ``β | mode << 4 | w << 6``, zero-padded to 8 bytes; then the blocks' bodies in
+format order, each ``body + 4·w`` bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import BLOCK_VALUES, PAGE_TOKENS, PageLayout, from_blocks, to_blocks
+from .reference import CorruptPageError
+
+RAW, BLK3, BLK2, COL2 = 0, 1, 2, 3
+MODE_NAMES = ("raw", "blk3", "blk2", "col2")
+BODY_BYTES = (512, 448, 384, 400)       # per mode, without the escape stream
+CODE_BITS = (0, 3, 2, 2)
+COLUMNS = 32
+DESIGNS = {"blk3": (BLK3,), "blk2": (BLK2,), "col2": (COL2,), "adaptive": (BLK3, BLK2, COL2)}
+DEFAULT_DESIGN = "adaptive"
+MAX_BODY = 512 + 4 * (BLOCK_VALUES // 8)  # a body buffer that holds any mode's escapes
+
+
+def exponent_field(codes: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes -> their 4-bit exponent fields ``(x >> 3) & 15`` (int64)."""
+    return (codes.to(torch.int64) >> 3) & 15
+
+
+def pack_fields(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` [..., n] (each < 2^bits, n a multiple of 32/bits) -> plane [..., n·bits/8] uint8:
+    value ``v`` at byte ``4·(v // (4p)) + v % 4``, bits ``bits·((v // 4) % p)``, ``p = 8/bits``."""
+    p = 8 // bits
+    x = x.to(torch.int64).unflatten(-1, (-1, p, 4))
+    shift = (bits * torch.arange(p, device=x.device)).view(p, 1)
+    return (x << shift).sum(-2).flatten(-2).to(torch.uint8)
+
+
+def unpack_fields(plane: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_fields`: [..., m] bytes -> [..., m·8/bits] int64 fields."""
+    p = 8 // bits
+    y = plane.to(torch.int64).unflatten(-1, (-1, 1, 4))
+    shift = (bits * torch.arange(p, device=plane.device)).view(p, 1)
+    return ((y >> shift) & ((1 << bits) - 1)).flatten(-3)
+
+
+def _best_window(e: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e [..., n] exponent fields -> (β, values outside [β, β + width - 1]) for the β in
+    ``0 .. 16 - width`` with the fewest outside (the smallest such β), each [...]."""
+    hist = torch.zeros(*e.shape[:-1], 17, dtype=torch.int64, device=e.device)
+    hist.scatter_add_(-1, e + 1, torch.ones_like(e))
+    below = torch.cumsum(hist, -1)                                   # below[x] = #{e < x}
+    b = torch.arange(0, 17 - width, device=e.device)
+    outside = e.shape[-1] - (below[..., b + width] - below[..., b])
+    n, beta = outside.min(-1)
+    return beta, n
+
+
+def _mode_plan(e: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks' exponent fields [N, 512] -> (per-value base [N, 512], escapes [N]) in ``mode``."""
+    width = (1 << CODE_BITS[mode]) - 1
+    if mode == COL2:
+        beta, n = _best_window(e.view(-1, BLOCK_VALUES // COLUMNS, COLUMNS).transpose(1, 2), width)
+        return beta.repeat(1, BLOCK_VALUES // COLUMNS), n.sum(-1)
+    beta, n = _best_window(e, width)
+    return beta[:, None].expand_as(e), n
+
+
+def _escape_words(n: torch.Tensor) -> torch.Tensor:
+    return (n + 7) // 8
+
+
+def choose_modes(codes: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
+    """E4M3 blocks [..., 512] (uint8) -> each block's u16 metadata word (int64 [...]):
+    ``β | mode << 4 | w << 6`` of the smallest allowed mode, raw (0) unless one is smaller."""
+    modes = _design(design)
+    e = exponent_field(codes).reshape(-1, BLOCK_VALUES)
+    best_size = torch.full(e.shape[:1], BODY_BYTES[RAW], dtype=torch.int64, device=e.device)
+    best_meta = torch.zeros_like(best_size)
+    for mode in modes:
+        base, n = _mode_plan(e, mode)
+        w = _escape_words(n)
+        size = BODY_BYTES[mode] + 4 * w
+        beta = base[:, 0] if mode != COL2 else torch.zeros_like(n)
+        better = size < best_size
+        best_size = torch.where(better, size, best_size)
+        best_meta = torch.where(better, beta | (mode << 4) | (w << 6), best_meta)
+    return best_meta.view(codes.shape[:-1])
+
+
+def block_sizes(meta: torch.Tensor) -> torch.Tensor:
+    """Stored bytes of each block from its metadata word: ``BODY_BYTES[mode] + 4·w``."""
+    mode = (meta >> 4) & 3
+    return torch.tensor(BODY_BYTES, device=meta.device)[mode] + 4 * (meta >> 6)
+
+
+def _design(design: str) -> tuple[int, ...]:
+    if design not in DESIGNS:
+        raise ValueError(f"unknown FP8 block design {design!r}; use one of {sorted(DESIGNS)}")
+    return DESIGNS[design]
+
+
+def encode_blocks(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """E4M3 blocks [N, 512] uint8 and their metadata [N] -> bodies [N, MAX_BODY] uint8 (block
+    ``i`` uses the first ``block_sizes(meta)[i]`` bytes, the rest is zero)."""
+    N = codes.shape[0]
+    x = codes.to(torch.int64)
+    e = (x >> 3) & 15
+    nib = ((x >> 4) & 8) | (x & 7)
+    out = torch.zeros(N, MAX_BODY, dtype=torch.int64, device=codes.device)
+    mode_of = (meta >> 4) & 3
+    out[:, :BLOCK_VALUES] = x                                            # raw
+    for mode in (BLK3, BLK2, COL2):
+        sel = mode_of == mode
+        if not bool(sel.any()):
+            continue
+        es = e[sel]
+        base, n = _mode_plan(es, mode)
+        k = CODE_BITS[mode]
+        d = es - base
+        esc = (d < 0) | (d >= (1 << k) - 1)
+        d = torch.where(esc, (1 << k) - 1, d)
+        parts = [pack_fields(base[:, :COLUMNS], 4)] if mode == COL2 else []
+        parts.append(pack_fields(nib[sel], 4))
+        parts += [pack_fields(d & 3, 2), pack_fields(d >> 2, 1)] if k == 3 else [pack_fields(d, 2)]
+        body = torch.cat(parts, -1).to(torch.int64)
+        stream = _pack_escapes(es, esc)
+        body = torch.cat([body, stream], -1)
+        out[sel] = torch.nn.functional.pad(body, (0, MAX_BODY - body.shape[1]))
+    return out.to(torch.uint8)
+
+
+def _pack_escapes(e: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
+    """Escaped exponents in value order, two per byte (low nibble first), [N, 256] int64."""
+    order = torch.sort((~esc).to(torch.int8), dim=-1, stable=True).indices   # escaped first
+    rank = torch.arange(BLOCK_VALUES, device=e.device)
+    vals = torch.where(rank < esc.sum(-1, keepdim=True), e.gather(-1, order), 0)
+    return vals[:, 0::2] | (vals[:, 1::2] << 4)
+
+
+def decode_blocks(bodies: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_blocks`: bodies [N, ≥ size] uint8, metadata [N] -> E4M3 bytes
+    [N, 512] uint8. Per value: ``e = β + d``, or the next escape-stream nibble for ``d = 2^k - 1``;
+    byte ``= (n & 8) << 4 | e << 3 | (n & 7)``."""
+    b = torch.nn.functional.pad(bodies.to(torch.int64), (0, max(0, MAX_BODY - bodies.shape[1])))
+    mode_of, beta = (meta >> 4) & 3, meta & 15
+    out = b[:, :BLOCK_VALUES].clone()
+    for mode in (BLK3, BLK2, COL2):
+        sel = mode_of == mode
+        if not bool(sel.any()):
+            continue
+        body, k = b[sel], CODE_BITS[mode]
+        at = 0
+        if mode == COL2:
+            base = unpack_fields(body[:, :COLUMNS // 2], 4).repeat(1, BLOCK_VALUES // COLUMNS)
+            at = COLUMNS // 2
+        else:
+            base = beta[sel][:, None].expand(-1, BLOCK_VALUES)
+        nib = unpack_fields(body[:, at:at + 256], 4)
+        d = unpack_fields(body[:, at + 256:at + 384], 2)
+        if k == 3:
+            d = d | (unpack_fields(body[:, at + 384:at + 448], 1) << 2)
+        esc = d == (1 << k) - 1
+        rank = (torch.cumsum(esc, -1) - 1).clamp(min=0)
+        stream = body[:, BODY_BYTES[mode]:]
+        esc_e = (stream.gather(-1, (rank >> 1).clamp(max=stream.shape[1] - 1)) >> (4 * (rank & 1))) & 15
+        e = torch.where(esc, esc_e, base + d)
+        out[sel] = ((nib & 8) << 4) | (e << 3) | (nib & 7)
+    return out.to(torch.uint8)
+
+
+def check_meta(meta: torch.Tensor, bodies: torch.Tensor | None = None) -> None:
+    """Raise :class:`CorruptPageError` for metadata no encoder writes: bits 13..15 set, a raw or
+    col2 block with β != 0, β past its mode's limit (``β + 2^k - 2 > 15``), and, given the
+    bodies, an escape-stream length that does not match the escape codes."""
+    mode, beta = (meta >> 4) & 3, meta & 15
+    if bool((meta >> 13).any()) or bool((meta < 0).any()):
+        raise CorruptPageError("FP8 block metadata has bits above bit 12 set")
+    limit = torch.tensor([0, 9, 13, 0], device=meta.device)[mode]
+    if bool((beta > limit).any()):
+        raise CorruptPageError("FP8 block metadata: base out of range for its mode")
+    if bodies is None:
+        return
+    e_codes = _escape_counts(bodies.to(torch.int64), mode)
+    if not torch.equal(_escape_words(e_codes), meta >> 6):
+        raise CorruptPageError("FP8 block metadata: escape-stream length does not match the escape codes")
+
+
+def _escape_counts(b: torch.Tensor, mode: torch.Tensor) -> torch.Tensor:
+    """Number of escape codes in each block's code planes (0 for raw)."""
+    count = torch.zeros_like(mode)
+    for m in (BLK3, BLK2, COL2):
+        at = COLUMNS // 2 if m == COL2 else 0
+        d = unpack_fields(b[:, at + 256:at + 384], 2)
+        if CODE_BITS[m] == 3:
+            d = d | (unpack_fields(b[:, at + 384:at + 448], 1) << 2)
+        count = torch.where(mode == m, (d == (1 << CODE_BITS[m]) - 1).sum(-1), count)
+    return count
+
+
+# --------------------------------------------------------------------------------------------
+# Pages
+# --------------------------------------------------------------------------------------------
+
+def _check_fp8_pages(pages: torch.Tensor) -> PageLayout:
+    if not isinstance(pages, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor of E4M3 KV pages, got {type(pages).__name__}")
+    if pages.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise TypeError(f"FP8 KV pages must be uint8 E4M3 codes or torch.float8_e4m3fn, got {pages.dtype}")
+    if pages.dim() != 5 or pages.shape[1] != 2 or pages.shape[2] != PAGE_TOKENS:
+        raise ValueError("expected pages of shape [num_pages, 2, 16, num_kv_heads, head_dim] "
+                         f"(K then V, 16 tokens), got {list(pages.shape)}")
+    return PageLayout(int(pages.shape[3]), int(pages.shape[4]))
+
+
+def record_bytes(layout: PageLayout) -> int:
+    """Bytes per (head, K or V) record: a u32 offset + a u16 per block, padded to 8."""
+    return 8 * -(-(4 + 2 * layout.blocks_per_head) // 8)
+
+
+def fp8_block_meta(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
+    """Metadata words [P, H, 2, nb] (int64) of E4M3 pages [P, 2, 16, H, D] under ``design``."""
+    _check_fp8_pages(pages)
+    return choose_modes(to_blocks(pages.contiguous().view(torch.uint8)), design)
+
+
+def fp8_page_sizes(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
+    """Encoded bytes of each E4M3 page [P, 2, 16, H, D], [P] int64, without encoding."""
+    layout = _check_fp8_pages(pages)
+    meta = fp8_block_meta(pages, design)
+    return 2 * layout.num_kv_heads * record_bytes(layout) + block_sizes(meta).flatten(1).sum(1)
+
+
+def encode_fp8_page(page: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
+    """One E4M3 page [2, 16, H, D] (uint8 codes) -> a 1-D uint8 tensor (records + bodies)."""
+    if not isinstance(page, torch.Tensor) or page.dim() != 4:
+        raise ValueError("expected one page of shape [2, 16, num_kv_heads, head_dim], got "
+                         f"{list(page.shape) if isinstance(page, torch.Tensor) else type(page).__name__}")
+    layout = _check_fp8_pages(page[None])
+    blocks = to_blocks(page[None].contiguous().view(torch.uint8)).reshape(-1, BLOCK_VALUES)
+    meta = choose_modes(blocks, design)
+    sizes = block_sizes(meta)
+    R = record_bytes(layout)
+    header = 2 * layout.num_kv_heads * R
+    starts = header + torch.cumsum(sizes, 0) - sizes
+    nb = layout.blocks_per_head
+    first = starts.view(-1, nb)[:, 0]
+    rec = torch.cat([torch.stack([(first >> (8 * i)) & 0xFF for i in range(4)], -1),
+                     torch.stack([meta.view(-1, nb) & 0xFF, meta.view(-1, nb) >> 8], -1).flatten(1),
+                     first.new_zeros(first.shape[0], R - 4 - 2 * nb)], -1)
+    bodies = encode_blocks(blocks, meta)
+    keep = torch.arange(MAX_BODY) < sizes[:, None]
+    return torch.cat([rec.flatten().to(torch.uint8), bodies[keep]])
+
+
+def decode_fp8_page(buf: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A 1-D uint8 page from :func:`encode_fp8_page` -> E4M3 codes [2, 16, H, D] uint8, bit-exact.
+    Raises :class:`CorruptPageError` if the records do not describe exactly ``buf``."""
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise TypeError("an encoded FP8 page is a 1-D torch.uint8 tensor")
+    layout = PageLayout(num_kv_heads, head_dim)
+    R, nb = record_bytes(layout), layout.blocks_per_head
+    header = 2 * num_kv_heads * R
+    if buf.numel() < header:
+        raise CorruptPageError("FP8 page shorter than its records")
+    rec = buf[:header].to(torch.int64).view(-1, R)
+    first = rec[:, 0] | (rec[:, 1] << 8) | (rec[:, 2] << 16) | (rec[:, 3] << 24)
+    meta = (rec[:, 4:4 + 2 * nb:2] | (rec[:, 5:4 + 2 * nb:2] << 8)).flatten()
+    if bool((rec[:, 4 + 2 * nb:] != 0).any()):
+        raise CorruptPageError("FP8 page record padding is not zero")
+    check_meta(meta)
+    sizes = block_sizes(meta)
+    starts = header + torch.cumsum(sizes, 0) - sizes
+    if not torch.equal(first, starts.view(-1, nb)[:, 0]) or int(starts[-1] + sizes[-1]) != buf.numel():
+        raise CorruptPageError("FP8 page records do not match the page's length and block offsets")
+    idx = (starts[:, None] + torch.arange(MAX_BODY)).clamp(max=buf.numel() - 1)
+    bodies = torch.where(torch.arange(MAX_BODY) < sizes[:, None], buf[idx].to(torch.int64), 0)
+    check_meta(meta, bodies)
+    codes = decode_blocks(bodies, meta)
+    return from_blocks(codes.view(1, num_kv_heads, 2, nb, BLOCK_VALUES))[0]
