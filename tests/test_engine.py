@@ -423,22 +423,33 @@ def test_chunks_returning_late_and_scheduling_ahead_give_the_plain_runs_bits(ckp
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
+STEP_SYNC_CASES = {   # (engine options, prompt lengths): short tails after 96-token chunks; 1024+
+    # chunks over compressed prefixes taking split_prefill's cuDNN calls (its thresholds scaled to
+    # the demo model's 1024 positions)
+    "short": (dict(kv_memory_gb=0.004, max_num_batched_tokens=96, max_model_len=400), [200, 37, 90, 150, 120, 64]),
+    "split": (dict(kv_memory_gb=0.02, max_num_batched_tokens=256, max_model_len=1024, prefill_split_min_tokens=128,
+                   prefill_split_grain=128), [900, 700, 500, 40]),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_steps_never_wait_for_the_device_but_for_their_tokens():
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "async"])
+@pytest.mark.parametrize("case", sorted(STEP_SYNC_CASES))
+def test_gpu_steps_never_wait_for_the_device_but_for_their_tokens(case, ahead):
     """Issue 44: compression costs the decode path no device-to-host sync. Every synchronizing
     CUDA call torch knows of (torch.cuda.set_sync_debug_mode: stream syncs, blocking copies,
-    .item(), ...) made during steps with mixed prefill chunks (short tails included), seals
-    and async scheduling is recorded with its stack; none may come from anywhere but the
-    step's one wait for its sampled tokens."""
+    .item(), ...) made during steps with mixed prefill chunks (short tails, long continuation
+    chunks), seals, with and without async scheduling, is recorded with its stack; none may
+    come from anywhere but the step's one wait for its sampled tokens."""
     import traceback
     import warnings
-    llm = LLM("demo", device="cuda", kv_memory_gb=0.004, max_num_seqs=16, max_num_batched_tokens=96,
-              max_model_len=400)
+    options, lengths = STEP_SYNC_CASES[case]
+    llm = LLM("demo", device="cuda", max_num_seqs=16, async_scheduling=ahead, **options)
     sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 
     def batch(seed):
-        for p in prompts(seed, [200, 37, 90, 150, 120, 64]):
+        for p in prompts(seed, lengths):
             llm.engine.add_request(p, sp)
     batch(0)                                      # warm-up: kernels compiled, pinned buffers cached
     while llm.engine.has_work():
@@ -461,6 +472,6 @@ def test_gpu_steps_never_wait_for_the_device_but_for_their_tokens():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     stats = llm.kv_stats()
-    assert stats["stored_pages"] > 0 and steps > 60
+    assert stats["stored_pages"] > 0 and steps > 60 and llm.engine.async_scheduling == ahead
     bad = [s for s in syncs if "_finish_sample" not in s]
     assert not bad, f"{len(bad)} device syncs outside the token wait; first:\n{bad[0]}"
