@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""Decode steps at equal rows from a workloads steps.json (benchmarks/workloads.py): for each mode
+and decode-row count, the steps without prefill, their wall time p50 / p90 / p99 (ms) and the
+seal's mean host time (ms). Compare a compressed step with an uncompressed one at the same rows.
+
+    python3 benchmarks/step_stats.py benchmarks/results/workloads_h100/async_long/long/steps.json
+"""
+
+import json
+import sys
+
+import numpy as np
+
+
+def decode_steps(steps: dict) -> dict:
+    """{(mode, rows): (wall ms array, seal ms array)} of the steps without prefill."""
+    out = {}
+    for key, rec in steps.items():
+        i = rec["fields"].index
+        for r in rec["rows"]:
+            if r[i("prefill_tokens")] == 0 and r[i("decode_rows")] > 0:
+                t, s = out.setdefault((key, r[i("decode_rows")]), ([], []))
+                t.append(1e3 * r[i("seconds")])
+                s.append(1e3 * r[i("seal_s")])
+    return {k: (np.array(t), np.array(s)) for k, (t, s) in out.items()}
+
+
+def main(path: str) -> None:
+    print("| rows | run | steps | p50 | p90 | p99 | seal mean |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for (key, rows), (t, s) in sorted(decode_steps(json.load(open(path))).items(), key=lambda x: (x[0][1], x[0][0])):
+        p50, p90, p99 = np.percentile(t, [50, 90, 99])
+        print(f"| {rows} | {key} | {t.size} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {s.mean():.3f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
