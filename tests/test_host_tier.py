@@ -80,7 +80,7 @@ def test_round_trip_is_bit_exact_in_every_form(device, room):
     ids = m.alloc_pages(10)
     for i, p in enumerate(ids):
         write(m, p, page_data(i))
-    assert m.seal_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
+    assert m.compress_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
     compressed = [i for i, p in enumerate(ids[:8]) if not loc_is_open(m.table.loc[:, p]).all()]
     assert compressed, "page_data should give compressible pages"
     before = {i: stored_bytes(m, ids[i]) for i in compressed}
@@ -112,7 +112,7 @@ def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
     ids = m.alloc_pages(4)
     for i, p in enumerate(ids):
         write(m, p, page_data(i))
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     host = HostTier(m, 1 << 20)
     host.start(wait=True)
     torch.cuda._sleep(100_000_000)                      # the compute stream busy for a while
@@ -124,7 +124,7 @@ def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
     ids2 = m.alloc_pages(4)
     for i, p in enumerate(ids2):
         write(m, p, page_data(100 + i))
-    m.seal_pages(ids2)
+    m.compress_pages(ids2)
     recs2 = host.put(ids2, ids2)                        # the same ring bytes, after the swap-in read them
     assert recs2[0].start == recs[0].start and recs[0].copied is not None
     torch.cuda.synchronize()
@@ -153,7 +153,7 @@ def test_ring_drops_the_oldest_reuses_holes_and_wraps():
     ids = m.alloc_pages(8)
     for i, p in enumerate(ids):
         write(m, p, data(i))
-    assert m.seal_pages(ids) == []
+    assert m.compress_pages(ids) == []
     sizes = HostTier(m, 0).page_bytes(ids)[1].sum(0)
     size = int(sizes[0])
     assert (sizes == size).all() and size < L * OPEN
@@ -255,7 +255,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def seal(self):
         ids = sorted(p for p in self.to_seal if self.m.page_state(p) == "open")
-        self.to_seal = set(self.m.seal_pages(ids)) if ids else set()
+        self.to_seal = set(self.m.compress_pages(ids)) if ids else set()
 
     @rule(which=st.integers(0, 10))
     def finish(self, which):

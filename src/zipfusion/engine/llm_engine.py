@@ -281,11 +281,11 @@ class LLMEngine:
         self.recomputed_tokens += recomputed
         return recomputed
 
-    def _postprocess(self, sampled: list[Request], logits, tokens, sealed: int) -> list[Request]:
+    def _postprocess(self, sampled: list[Request], logits, tokens, placed: int) -> list[Request]:
         """The sampled tokens appended (the step's one wait for the device), finished requests
         let go of; returns those."""
         finished = self._finish_sample(sampled, logits, tokens) if sampled else []
-        self._note_kv_stats(sealed)
+        self._note_kv_stats(placed)
         for r, reason in finished:
             self.scheduler.finish(r, reason)
             self.runner.forget(r.request_id)
@@ -389,11 +389,11 @@ class LLMEngine:
         mt = r.params.max_tokens
         return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
 
-    def _note_kv_stats(self, sealed: int) -> None:
+    def _note_kv_stats(self, placed: int) -> None:
         """Keep the cache's numbers from the step with the most pages in use, taken again when
         pages were compressed."""
         pages = sum(len(r.pages) for r in self.scheduler.running)
-        if self.peak_kv_stats is None or pages > self._peak_pages or (sealed and pages == self._peak_pages):
+        if self.peak_kv_stats is None or pages > self._peak_pages or (placed and pages == self._peak_pages):
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 

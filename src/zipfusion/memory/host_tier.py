@@ -4,8 +4,8 @@ When the prefix cache evicts a page nobody holds (memory is needed: often the pa
 preempted request), the page's bytes go here as they lie in the arena -- compressed pages
 compressed, so fewer bytes cross PCIe -- and the page id is freed. A later request whose tokens
 match the page takes it back: a new open page is allocated and the bytes come back to the
-device; a compressed page is placed in packed space as its bytes are (sealed without encoding:
-``KVCacheManager.seal_stored``), or, with no room for it there, decoded into the open page (bit
+device; a compressed page is placed in packed space as its bytes are (without encoding:
+``KVCacheManager.encoded_pages``), or, with no room for it there, decoded into the open page (bit
 for bit) and sealed again later like any full page. Nothing is recomputed. When the tier is
 full its least recently stored pages are dropped (then they are recomputed, as without a tier).
 
@@ -204,7 +204,7 @@ class HostTier:
     def take(self, records: list[Record], ids, stream: int = 0, min_capacity: int = 0, reclaim=None) -> list[int]:
         """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit; returns
         the ids left open. A page that was stored compressed goes back into packed space as its
-        bytes are (``KVCacheManager.seal_stored``: no decode, nothing to seal again; fill stream
+        bytes are (``KVCacheManager.encoded_pages``: no decode, nothing to seal again; fill stream
         ``stream``, keeping ``min_capacity`` new pages as a seal does); one that finds no room, or
         was open when it left, is an open page again (decoded), to be sealed later like any full
         page."""
@@ -238,25 +238,24 @@ class HostTier:
             at += n
         return staged
 
-    def _restore(self, ids: np.ndarray, staged: torch.Tensor | None, start: np.ndarray, nbytes: np.ndarray,
+    def _restore(self, ids: np.ndarray, staged: torch.Tensor, start: np.ndarray, nbytes: np.ndarray,
                  open_form: np.ndarray, stream: int, min_capacity: int, reclaim=None) -> list[int]:
         """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
-        open forms copied into their slots, pages that were stored sealed from their bytes
-        (``seal_stored``), the compressed layers of those left open decoded into their slots."""
+        open forms copied into their slots, pages that were stored placed from their bytes
+        (``encoded_pages``), the compressed layers of those left open decoded into their slots."""
         m = self.m
         page = m.layout.open_page_bytes
         dst = loc_offset(m.table.loc[:, ids])
-        if staged is not None:
-            copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
+        copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
         sealable = ~open_form.all(0) if m.kv_compression else np.zeros(ids.size, dtype=bool)
         left = ids[~sealable].tolist()
         if sealable.any():
             m.set_streams(ids[sealable], np.full(int(sealable.sum()), stream))
-            still = set(m.seal_stored(ids[sealable], staged, start[:, sealable], nbytes[:, sealable], min_capacity,
-                                      reclaim))
+            job = m.encoded_pages(ids[sealable], staged, start[:, sealable], nbytes[:, sealable])
+            still = set(m.place_pages(job, min_capacity, reclaim))
             left += sorted(still)
             sealable &= ~np.isin(ids, list(still))
-        if staged is None:
+        if staged.device.type == "meta":                     # no bytes (an accounting run): nothing to decode
             return left
         # pages left open: their compressed layers decoded (trusted: this process encoded them) into
         # their slots, all layers together (few launches, no host sync)
