@@ -157,17 +157,16 @@ def test_ring_drops_the_oldest_reuses_holes_and_wraps():
     sizes = HostTier(m, 0).page_bytes(ids)[1].sum(0)
     size = int(sizes[0])
     assert (sizes == size).all() and size < L * OPEN
-    dropped = []
-    host = HostTier(m, 3 * size + size // 2, on_drop=dropped.append)
+    host = HostTier(m, 3 * size + size // 2)
     a = host.put(ids[:3], ["a0", "a1", "a2"])
-    assert dropped == [] and host.used == 3 * size
+    assert host.take_dropped() == [] and host.used == 3 * size
     b = host.put(ids[3:4], ["b0"])                                  # no room at the head: a0 goes
-    assert dropped == ["a0"] and not a[0].live and b[0].start == 0   # wrapped to the front
+    assert host.take_dropped() == ["a0"] and not a[0].live and b[0].start == 0   # wrapped to the front
     back = m.alloc_pages(1)
     host.take([a[2]], back)                                         # a hole at the head's end
     assert same_bits(read(m, back[0]), data(2))
     c = host.put(ids[4:6], ["c0", "c1"])                            # a1 goes; the hole is passed
-    assert dropped == ["a0", "a1"] and all(r.live for r in b + c)
+    assert host.take_dropped() == ["a1"] and all(r.live for r in b + c)
     again = m.alloc_pages(3)
     host.take(b + c, again)
     for p, k in zip(again, (3, 4, 5)):

@@ -22,7 +22,7 @@ Layout: one pinned buffer of the tier's budget (no host allocation per transfer:
 memory can stall the device). On CUDA a background thread pins it once the engine has started
 (``start``; tens of GiB take seconds); until it is ready ``put`` keeps nothing, as without a tier. It is used as a ring: each page's
 layers' byte ranges lie one after another (``Record``) at the head; space comes back from the
-tail, so when the tier is full it drops its oldest pages first (``on_drop`` tells the owner) and
+tail, so when the tier is full it drops its oldest pages first (``take_dropped``: their owners) and
 a page taken back leaves a hole that is reused once the tail passes it.
 """
 
@@ -74,11 +74,11 @@ DECODE_BATCH_BYTES = 256 << 20     # a swap-in decodes at most this many open-pa
 
 
 class HostTier:
-    def __init__(self, manager, budget_bytes: int, on_drop=None):
+    def __init__(self, manager, budget_bytes: int):
         self.m, self.budget = manager, int(budget_bytes) // 16 * 16
         self.pin = manager.device.type == "cuda"
         self.stream = torch.cuda.Stream(manager.device) if self.pin else None    # copies out, beside compute
-        self.on_drop = on_drop                  # called with a record's owner when it is dropped
+        self._dropped: list = []                # owners of the records dropped for room, not taken yet
         self.buf: torch.Tensor | None = None
         self._pinning: threading.Thread | None = None
         self.ring: deque[Record] = deque()       # allocation order: the tail first
@@ -143,8 +143,7 @@ class HostTier:
             rec.live = False
             self.used -= rec.size
             self.stats.dropped += 1
-            if self.on_drop is not None:
-                self.on_drop(rec.owner)
+            self._dropped.append(rec.owner)
         while self.ring and not self.ring[0].live:       # holes the tail now passes
             self.ring.popleft()
 
@@ -152,9 +151,14 @@ class HostTier:
     def put(self, ids, owners) -> list[Record | None]:
         """Copy pages (open or stored) to the host as they lie, one record per page (None: a
         page larger than the whole tier); the caller then frees them. The oldest records make
-        room (their owners are told)."""
+        room (their owners: ``take_dropped``)."""
         with self._timed("out"):
             return self._put(np.asarray(ids, dtype=np.int64), owners)
+
+    def take_dropped(self) -> list:
+        """The owners of the records dropped for room since the last call, oldest first."""
+        out, self._dropped = self._dropped, []
+        return out
 
     def _put(self, ids: np.ndarray, owners) -> list[Record | None]:
         if self.buf is None and not self.pin:
