@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Decode-attention benchmark: FlashInfer vs our twin, fused and unfused kernels (GPU only).
+"""Decode-attention benchmark: FlashInfer vs our uncompressed, fused and unfused kernels (GPU only).
 
-"twin" and "fused" are the CUDA C++ kernels (zipfusion/kernels/cuda/decode_attention.cu);
-"twin_triton" and "fused_triton" are the Triton kernels (the CPU-checkable reference), timed
+"uncompressed" (over open pages; once called the twin) and "fused" are the CUDA C++ kernels
+(zipfusion/kernels/cuda/decode_attention.cu);
+"uncompressed_triton" and "fused_triton" are the Triton kernels (the CPU-checkable reference), timed
 with --triton.
 
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with
@@ -11,7 +12,7 @@ outlier blocks raw in format v1 and v2), and at "0.92" the real model's outlier 
 (model_like_pages: v1 compresses ~92 % of blocks, v2 all of them, ~8 % with escapes). Records
 carry the stored/raw ratio under v2 and v1 and the v1 fraction side by side.
 Every request's pages are scattered (random page ids); all full pages are compressed for the
-fused and unfused kernels; the twin and FlashInfer read the same values from open pages.
+fused and unfused kernels; the uncompressed kernel and FlashInfer read the same values from open pages.
 Inputs are rotated over several copies so that no timed call finds its data in L2. Each
 kernel is timed as a CUDA graph of many calls (median over replays). The core (pools, cases,
 timing, FlashInfer) is zipfusion.bench.kernel's, which `zipfusion bench kernel` runs for users;
@@ -60,7 +61,7 @@ DIAG_DEFINES = {"copy": "ZF_DIAG_COPY_ONLY", "compute": "ZF_DIAG_COMPUTE_ONLY"}
 
 class Case(core.Case):
     """The package's case (open caches and compressed arenas) with the unfused baseline:
-    decompress every page (Triton), then the twin over the result."""
+    decompress every page (Triton), then the uncompressed kernel over the result."""
     plan = None
 
     def run_unfused(self, i, **kw):
@@ -94,7 +95,7 @@ def main():
     ap.add_argument("--num-splits", type=int, default=None)
     ap.add_argument("--tma", type=int, choices=[0, 1], default=None)
     ap.add_argument("--producer", type=int, choices=[0, 1], default=None,
-                    help="1: the producer-warp kernel (fused and twin), 0: per-warp copies")
+                    help="1: the producer-warp kernel (fused and uncompressed), 0: per-warp copies")
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernels")
     ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
                     help="build the CUDA kernel with this define (repeatable), e.g. ZF_ESC_KIND: the "
@@ -124,7 +125,7 @@ def main():
         cfg["tma"] = bool(args.tma)
     if args.producer is not None:
         cfg["producer"] = bool(args.producer)
-    kernels = ["twin", "fused", "unfused"] + (["twin_triton", "fused_triton"] if args.triton else [])
+    kernels = ["uncompressed", "fused", "unfused"] + (["uncompressed_triton", "fused_triton"] if args.triton else [])
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
 
@@ -212,7 +213,7 @@ def main():
 
 
 def tune_case(case, fi, ceiling):
-    """Variants of the CUDA fused kernel and twin at one case: cp.async depth x split-KV."""
+    """Variants of the CUDA fused and uncompressed kernels at one case: cp.async depth x split-KV."""
     recs = measure_case(case, fi, [], {}, ceiling) if fi is not None else []
     # (the full grid of the per-warp kernel, tma x stages 3/4/6 x splits 1/4/8, is in
     # benchmarks/results/attention_tune.json of 2026-12-02, in git history)
@@ -221,11 +222,11 @@ def tune_case(case, fi, ceiling):
                 dict(producer=True), dict(producer=True, num_splits=4),
                 dict(producer=True, num_splits=8), dict(stages=4, tma=True, num_splits=8, producer=False)]
     fi_ms = recs[0]["median_ms"] if recs else None
-    for name in ("twin", "fused"):
+    for name in ("uncompressed", "fused"):
         for v in variants:
             fn = getattr(case, "run_" + name)
             t, spread, how = time_calls(lambda i: fn(i, **v), case.sets)
-            nbytes = case.open_bytes if name == "twin" else case.comp_bytes
+            nbytes = case.open_bytes if name == "uncompressed" else case.comp_bytes
             r = dict(kernel=name, variant=json.dumps(v), median_ms=t * 1e3,
                      spread_ms=spread * 1e3, bytes_read=nbytes, batch=case.B,
                      context=case.ctx, timing=how)
@@ -241,7 +242,7 @@ def write_md(records, info, path):
     for r in records:
         by.setdefault((r["compressible_fraction_nominal"], r["batch"], r["context"]), {})[r["kernel"]] = r
     lines = [
-        "# Decode attention: fused (compressed KV) vs FlashInfer, twin and unfused",
+        "# Decode attention: fused (compressed KV) vs FlashInfer, uncompressed and unfused",
         "",
         f"Device: {info['device']} ({info['sms']} SMs); torch {info['torch']}, triton "
         f"{info['triton']}, FlashInfer {info.get('flashinfer', 'n/a')} "
@@ -252,10 +253,10 @@ def write_md(records, info, path):
         + (f"picked by the same run's tuning at batch 32 / 8K / 100%: `{info['chosen_config']}`."
            if info.get("chosen_config") else
            "the defaults of zipfusion.kernels.cuda_attention (fused: 4 half-page stages and "
-           "bulk copies (TMA); twin: 3 stages and cp.async; split-KV heuristic)."),
+           "bulk copies (TMA); uncompressed: 3 stages and cp.async; split-KV heuristic)."),
         "",
-        "twin and fused are the CUDA C++ kernels (kernels/cuda/decode_attention.cu); unfused = "
-        "Triton decompress + twin. "
+        "uncompressed and fused are the CUDA C++ kernels (kernels/cuda/decode_attention.cu); unfused = "
+        "Triton decompress + uncompressed. "
         "Llama-3.1-8B attention: 32 query heads, 8 KV heads, head_dim 128, page size 16, "
         "bf16; every request has the same context, pages scattered in random order; all pages "
         "compressed for fused/unfused. Each time is the median per call over 11 replays of a "
@@ -263,13 +264,13 @@ def write_md(records, info, path):
         "so L2 does not hold them). GB/s = bytes read (+ written, unfused) / time. "
         "Compressible = measured fraction of 512-value blocks that compress.",
         "",
-        "| compressible | batch | context | FlashInfer ms | twin ms | fused ms | unfused ms | "
-        "fused GB/s | fused x FI | twin x FI | fused x twin | unfused x FI | bit-identical |",
+        "| compressible | batch | context | FlashInfer ms | uncompressed ms | fused ms | unfused ms | "
+        "fused GB/s | fused x FI | uncompressed x FI | fused x uncompressed | unfused x FI | bit-identical |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key in sorted(by, key=lambda k: (-k[0], k[1], k[2])):
         k = by[key]
-        fi, tw, fu, un = (k.get(n) for n in ("flashinfer", "twin", "fused", "unfused"))
+        fi, tw, fu, un = (k.get(n) for n in ("flashinfer", "uncompressed", "fused", "unfused"))
         ms = lambda r: f"{r['median_ms']:.4f}" if r else "-"  # noqa: E731
         lines.append(
             f"| {fu['compressible_fraction']:.2f} | {key[1]} | {key[2]} | {ms(fi)} | {ms(tw)} | "
@@ -278,19 +279,19 @@ def write_md(records, info, path):
             f"{tw.get('speedup_vs_flashinfer', math.nan):.3f} | "
             f"{tw['median_ms'] / fu['median_ms']:.3f} | "
             f"{un.get('speedup_vs_flashinfer', math.nan):.3f} | "
-            f"{fu.get('bit_identical_to_twin')} |")
+            f"{fu.get('bit_identical_to_uncompressed')} |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
 
 def plot_tune(records, path):
-    """--tune: each variant's speedup over FlashInfer at each fraction, fused and twin."""
+    """--tune: each variant's speedup over FlashInfer at each fraction, fused and uncompressed."""
     plt = pyplot()
     if plt is None:
         return
     fracs = sorted({r["compressible_fraction_nominal"] for r in records}, reverse=True)
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.8), sharey=True)
-    for ax, name in zip(axes, ("fused", "twin")):
+    for ax, name in zip(axes, ("fused", "uncompressed")):
         variants = list(dict.fromkeys(r["variant"] for r in records if r["kernel"] == name))
         w = 0.8 / max(1, len(variants))
         for j, v in enumerate(variants):
@@ -365,7 +366,7 @@ def plot(records, path):
         rs = [r for r in records if r["compressible_fraction_nominal"] == f]
         keys = sorted({(r["batch"], r["context"]) for r in rs})
         x = range(len(keys))
-        for j, name in enumerate(["twin", "fused", "unfused"]):
+        for j, name in enumerate(["uncompressed", "fused", "unfused"]):
             ys = [next((r.get("speedup_vs_flashinfer", 0) for r in rs if r["kernel"] == name
                         and (r["batch"], r["context"]) == k), 0) for k in keys]
             ax.bar([i + (j - 1) * 0.27 for i in x], ys, width=0.27, label=name)

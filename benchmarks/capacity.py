@@ -1,8 +1,8 @@
 """How many concurrent requests fit: no compression vs compression without / with the shared pool.
 
-Runs on CPU with the real KVCacheManager in accounting mode (zipfusion.testing.AccountingManager: page tables,
-chunks, open groups, packed space and compaction planning all run; no arena bytes exist, so
-``seal_pages`` is handed each page's encoded size instead of running the codec). Page sizes
+Runs on CPU with the real KVCacheManager on the meta device (page tables, chunks, open groups,
+packed space and compaction planning all run; no arena bytes exist, so each page is placed with
+its drawn encoded size instead of running the codec: zipfusion.testing.place_with_sizes). Page sizes
 follow the format exactly: a page with ``n`` compressible blocks out of 64 is
 ``header + 768 n + 1024 (64 - n)`` bytes; ``n`` is drawn per page and layer as Binomial(64, f)
 for the layer's compressible-block fraction ``f``.
@@ -40,7 +40,7 @@ import torch
 from zipfusion.format import PageLayout
 from zipfusion.format.layout import loc_offset
 from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
-from zipfusion.testing import AccountingManager
+from zipfusion.testing import place_with_sizes
 
 L, H, D = 32, 8, 128
 LAYOUT = PageLayout(H, D)
@@ -91,8 +91,8 @@ class Sizes:
 
 
 def make_manager(budget: float, mode: str) -> KVCacheManager:
-    return AccountingManager(L, LAYOUT, int(budget), kv_compression=(mode != "none"),
-                             shared_pool=(mode != "no pool"))
+    return KVCacheManager(L, LAYOUT, int(budget), device="meta", kv_compression=(mode != "none"),
+                          shared_pool=(mode != "no pool"))
 
 
 def prefill(m: KVCacheManager, sizes: Sizes, mode: str) -> list[int]:
@@ -102,7 +102,7 @@ def prefill(m: KVCacheManager, sizes: Sizes, mode: str) -> list[int]:
         new = m.alloc_pages(n)
         pages += new
         if mode != "none":
-            m.seal_pages(new, sizes=sizes(n))
+            place_with_sizes(m, new, sizes(n))
     return pages
 
 
@@ -114,7 +114,7 @@ def all_fit(budget: float, mode: str, fractions: np.ndarray, n: int) -> bool:
         for _ in range(OUTPUT // 16):
             new = m.alloc_pages(n)
             if mode != "none":
-                m.seal_pages(new, sizes=sizes(n))
+                place_with_sizes(m, new, sizes(n))
             for r, p in zip(reqs, new):
                 r.append(p)
     except MemoryExhausted:
@@ -147,7 +147,7 @@ def admitted(budget: float, mode: str, fractions: np.ndarray, policy: str) -> di
                 m.free_pages(reqs.pop())        # preempt the newest; it would be recomputed later
                 preempted += 1
         if mode != "none":
-            m.seal_pages(new, sizes=sizes(len(reqs)))
+            place_with_sizes(m, new, sizes(len(reqs)))
         for r, p in zip(reqs, new):
             r.append(p)
     return {"admitted": len(reqs) + preempted, "completed_together": len(reqs), "preempted": preempted}
@@ -181,7 +181,7 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
                 r["pages"] += m.alloc_pages(extra)
                 full = r["pages"][PROMPT // 16:PROMPT // 16 + (r["tok"] - PROMPT) // 16]
                 if full:
-                    m.seal_pages(full, sizes=sizes(len(full)))
+                    place_with_sizes(m, full, sizes(len(full)))
             reqs.append(r)
         crossing = [r for r in reqs if r["tok"] % 16 == 0 and r["tok"] < PROMPT + OUTPUT]
         if crossing:                         # the next token starts a new page
@@ -192,7 +192,7 @@ def steady_state(budget: float, fractions: np.ndarray, steps: int, seed: int = 1
             r["tok"] += 1
         filled = [r["pages"][-1] for r in reqs if r["tok"] % 16 == 0]
         if filled:
-            m.seal_pages(filled, sizes=sizes(len(filled)))
+            place_with_sizes(m, filled, sizes(len(filled)))
         m.capacity_new_pages()               # what the scheduler reads every step
         dt_ = time.perf_counter() - t0
         (prefill_t if admitted_now else decode_t).append(dt_)
@@ -323,7 +323,7 @@ def write_markdown(res: dict, path: Path) -> None:
     if g:
         lines += [f"Real bytes on {g['device']} (torch {g['torch']}, codec: {g['codec']}; {g['layers']} "
                   f"layers, 8x128 heads, {g['pages']} pages at 80 % compressible, every page checked "
-                  f"bit-exact after compression and after compaction): seal_pages of a 128-page "
+                  f"bit-exact after compression and after compaction): compress_pages of a 128-page "
                   f"prefill chunk {g['compress_prefill_chunk_128_pages_ms_median']:.2f} ms, of a 4-page "
                   f"decode step {g['compress_decode_step_4_pages_ms_median']:.2f} ms (analyze, size "
                   f"sync, placement, encode); compaction after freeing every other page: "
@@ -361,7 +361,7 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
               layout: PageLayout = LAYOUT, layers: int = L) -> dict:
     """Real bytes on the GPU: compress (Triton codec dispatch), read back, free half, compact.
 
-    Checks every page bit-exactly after compression and after compaction, times seal_pages
+    Checks every page bit-exactly after compression and after compaction, times compress_pages
     for a decode step (a few pages) and for a prefill chunk, and times compaction's byte moves.
     """
     from zipfusion.analysis.synthetic import pages_with_fraction
@@ -390,12 +390,12 @@ def gpu_check(out_path: Path, device: str = "cuda", budget: float = 8e9, n_pages
     ids = []
 
     def timed_seal(n: int) -> float:
-        """Seconds of seal_pages for n new pages written with the data (kept in ids)."""
+        """Seconds of compress_pages for n new pages written with the data (kept in ids)."""
         new = m.alloc_pages(n)
         write(new)
         sync()
         t0 = time.perf_counter()
-        m.seal_pages(new)
+        m.compress_pages(new)
         sync()
         dt_s = time.perf_counter() - t0
         ids.extend(new)

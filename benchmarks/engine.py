@@ -109,7 +109,7 @@ def fill_requests(cache, ctx, pool, max_requests, compress):
             src = (torch.arange(n_full, device=cache.device) + i * 7 + layer * 13) % P   # vary pages
             arena16[(base[:, None] + ar[None, :]).reshape(-1)] = pool[src].reshape(-1)
         if compress:
-            left = cache.seal(ids[:n_full])
+            left = cache.manager.compress_pages(ids[:n_full])
             if left:                             # compressed space ran out: this one does not fit
                 cache.free(ids)
                 break

@@ -36,7 +36,7 @@ TIMED = {
                           "_swap_in", "_fill_streams"),
     page_store.PageStore: ("before_forward", "after_forward", "seal_now", "make_room", "alloc", "_start", "_finish",
                            "_collect", "_reclaim", "_freed"),
-    manager.KVCacheManager: ("alloc_pages", "analyze_pages", "seal_analyzed", "_analyze", "_compress_batch", "_wave",
+    manager.KVCacheManager: ("alloc_pages", "analyze_pages", "place_pages", "_compress_batch", "_wave",
                              "_affordable", "free_pages", "capacity_new_pages"),
     compaction: ("make_room_for_groups", "make_room_for_packing", "compact_layer", "repack", "repack_plan"),
     page_table.PageTable: ("sync", "sync_layer", "check"),

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import attention as bench  # noqa: E402  (benchmarks/attention.py)
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--kernel", choices=["twin", "fused"], default="fused")
+ap.add_argument("--kernel", choices=["uncompressed", "fused"], default="fused")
 ap.add_argument("--fraction", type=float, default=1.0)
 ap.add_argument("--batch", type=int, default=32)
 ap.add_argument("--context", type=int, default=8192)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The engine's scheduling and memory at full size, without a GPU: the workload scenarios on the
 Llama-3.1-8B shape through the real ``LLMEngine.step`` (scheduler, admission, preemption, seal
-batching), the real ``KVCacheManager`` in accounting mode (``zipfusion.testing.AccountingManager``: page tables,
-chunks, placement and compaction plans, no bytes) and no model (every row samples token 0).
+batching), the real ``KVCacheManager`` on the meta device (page tables, chunks, placement and
+compaction plans, no bytes: ``zipfusion.testing.place_with_sizes``) and no model (every row samples token 0).
 Each full page is "compressed" to the size of a page whose blocks are each compressible with
 probability ``--fraction`` (the measured 96 % of random-weight Llama KV, or 0.92 for SmolLM2).
 
@@ -37,8 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
-from zipfusion.engine.kv_cache import ArenaKVCache, KVCache  # noqa: E402
-from zipfusion.testing import AccountingHostTier, AccountingManager  # noqa: E402
+from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.testing import AccountingHostTier, place_with_sizes  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402
 
 L, H, D = 32, 8, 128                      # Llama-3.1-8B's KV shape
@@ -54,23 +54,37 @@ def requests(name: str, seed: int = 0) -> tuple:
     return sc, list(zip(prompts, lengths(sc.output, sc.output_cap, len(prompts), rng)))
 
 
-class SimCache(ArenaKVCache):
-    """An ArenaKVCache on the meta device whose sealed pages get drawn sizes."""
+class DrawnSizes:
+    """The page store's seal mechanics on a manager on the meta device (no bytes): nothing to
+    analyse, so a page's size is drawn when it is placed (every block compressible with
+    probability ``fraction``); the rest is the manager's."""
 
-    def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int, chunk_bytes: int | None = None):
-        super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress)
-        self.manager = AccountingManager(L, self.layout, budget_bytes, kv_compression=compress,
-                                         chunk_bytes=chunk_bytes)
-        self.rng, self.fraction = np.random.default_rng(seed), fraction
+    def __init__(self, manager, fraction: float, seed: int):
+        self.accounts, self.fraction = manager, fraction
+        self.rng = np.random.default_rng(seed)
 
-    start_seal, finish_seal = KVCache.start_seal, KVCache.finish_seal     # sealed whole, by seal()
+    def __getattr__(self, name):
+        return getattr(self.accounts, name)
 
-    def seal(self, ids, min_capacity: int = 0, reclaim=None):
-        if not ids or not self.kv_compression:
+    def analyze_pages(self, ids) -> list[int]:
+        return list(ids)
+
+    def place_pages(self, job: list[int], min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
+        keep = set(job if keep is None else keep)
+        ids = [p for p in job if p in keep]
+        if not ids:
             return []
         nc = self.rng.binomial(LAYOUT.num_blocks, self.fraction, size=(L, len(ids)))
         sizes = LAYOUT.page_bytes(0) - nc * 256
-        return self.manager.seal_pages(list(ids), sizes=sizes, min_capacity=min_capacity, reclaim=reclaim)
+        return place_with_sizes(self.accounts, ids, sizes, min_capacity=min_capacity, reclaim=reclaim)
+
+
+class SimCache(ArenaKVCache):
+    """An ArenaKVCache on the meta device whose pages get drawn sizes when they are compressed."""
+
+    def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int, chunk_bytes: int | None = None):
+        super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress, chunk_bytes=chunk_bytes)
+        self.manager = DrawnSizes(self.manager, fraction, seed)
 
 
 H200_HOST_GB = 30.0      # the engine's default host tier on the H200 runs: a quarter of its free host memory
@@ -104,7 +118,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.max_model_len = longest
     if host_gb is None:
         host_gb = sc.host_gb if sc.host_gb is not None else min(2 * gb, H200_HOST_GB)
-    tier = AccountingHostTier(eng.cache.manager, int(host_gb * 2**30)) if host_gb else None
+    tier = AccountingHostTier(eng.cache.manager.accounts, int(host_gb * 2**30)) if host_gb else None
     eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission, host_tier=tier)
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
     eng.runner.forget = lambda rid: None

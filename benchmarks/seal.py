@@ -1,8 +1,8 @@
-"""Sealing one long prompt: ``KVCacheManager.seal_pages`` end to end at the Llama-8B shape.
+"""Sealing one long prompt: ``KVCacheManager.compress_pages`` end to end at the Llama-8B shape.
 
 A real manager (32 layers, 8 KV heads x 128, so 64 KiB open pages) gets the 512 pages of one 8K
 prompt filled with synthetic KV of which ~96 % of the blocks compress
-(``zipfusion.analysis.synthetic.pages_with_fraction``), then ``seal_pages`` seals them
+(``zipfusion.analysis.synthetic.pages_with_fraction``), then ``compress_pages`` compresses them
 (16,384 pages: 1.07 GB of open pages read, ~0.82 GB of compressed pages written). Each
 repetition frees the previous pages and fills fresh ones; the median is reported:
 
@@ -27,7 +27,7 @@ the record offsets, a Triton launch, a CUDA event with a query per chunk, and ~0
 numpy placement: ~0.75 ms a batch, ~12 ms; plus the analysis (~0.25 ms kernel + two syncs).
 After, each change and what it should save:
 
-1. waves (manager.seal_pages / _wave): the 16 batches fit in the pool at once, so one
+1. waves (manager.compress_pages / _wave): the 16 batches fit in the pool at once, so one
    vectorised placement and one encode launch: saves ~15 x (launch + torch ops + event) and
    15 idle gaps of the device, ~8-10 ms;
 2. pinned asynchronous uploads of offsets / indices / destinations (memory.copy.to_device):
@@ -71,7 +71,7 @@ GB = 1e9
 
 
 class Probe:
-    """Times codec.analyze / codec.encode from inside seal_pages (host clock, and CUDA
+    """Times codec.analyze / codec.encode from inside compress_pages (host clock, and CUDA
     events on the GPU)."""
 
     def __init__(self, cuda: bool):
@@ -169,7 +169,7 @@ def run(args, batch_by_batch: bool) -> dict:
                     a.record()
                 probe.reset()
                 t = time.perf_counter()
-                left = m.seal_pages(ids)
+                left = m.compress_pages(ids)
                 if cuda:
                     b.record()
                     torch.cuda.synchronize()

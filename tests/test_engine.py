@@ -269,7 +269,7 @@ def test_a_bad_prompt_in_a_batch_queues_nothing_and_the_engine_goes_on():
     assert len(good) == 1 and len(good[0].token_ids) == 4
 
 
-def test_pages_left_open_under_pressure_are_retried(ckpts):
+def test_pages_left_open_under_pressure_are_retried(ckpts, monkeypatch):
     """The seal contract (issue 20): a seal that finds no room it may take leaves pages open,
     and the scheduler hands exactly those pages back at its next seal, where they compress. The
     run under pressure gives the tokens of a run with room to spare (deterministic mode: the two
@@ -280,13 +280,13 @@ def test_pages_left_open_under_pressure_are_retried(ckpts):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     tight = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, admission="conservative",
                 kv_memory_gb=12 * chunk / 2**30, chunk_bytes=chunk, max_num_batched_tokens=64, deterministic=True)
-    calls, finish = [], tight.engine.cache.finish_seal
+    calls, place = [], tight.engine.cache.manager.place_pages
 
-    def logged(job, min_capacity=0, reclaim=None, keep=None):    # the page store seals in two halves
-        left = finish(job, min_capacity, reclaim, keep)
+    def logged(job, min_capacity=0, reclaim=None, keep=None):    # the page store's placements
+        left = place(job, min_capacity, reclaim, keep)
         calls.append((set(job.ids.tolist()) if keep is None else set(keep), set(left)))
         return left
-    tight.engine.cache.finish_seal = logged
+    monkeypatch.setattr(tight.engine.cache.manager, "place_pages", logged)
     got = [o.token_ids for o in tight.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
     left_open = [(i, left) for i, (_, left) in enumerate(calls) if left]
     assert left_open, "no seal left a page open: the test needs more pressure"

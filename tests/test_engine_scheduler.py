@@ -12,7 +12,10 @@ from zipfusion.engine.scheduler import KVCacheTooSmall, Scheduler
 
 
 class FakeCache(KVCache):
+    """A page pool whose manager (the seal's mechanics, driven by the page store) is itself:
+    pages are compressed (recorded) whole when placed; a compress batch is ``slots_per_chunk``."""
     kv_compression = True            # it seals (records) full pages, as a compressing cache does
+    slots_per_chunk = 1
 
     def __init__(self, pages):
         self.free_ids = list(range(pages))
@@ -26,7 +29,23 @@ class FakeCache(KVCache):
     def free(self, ids):
         self.free_ids += list(ids)
 
-    def seal(self, ids, min_capacity=0, reclaim=None):
+    @property
+    def manager(self):
+        return self
+
+    def set_streams(self, ids, streams):
+        pass
+
+    def analyze_pages(self, ids):
+        return list(ids)
+
+    def place_pages(self, job, min_capacity=0, reclaim=None, keep=None):
+        keep = set(job if keep is None else keep)
+        ids = [p for p in job if p in keep]
+        return self.compress(ids) if ids else []
+
+    def compress(self, ids):
+        """The pages left open."""
         self.sealed += list(ids)
         return []
 
@@ -112,9 +131,9 @@ def test_decode_preempts_the_newest_and_recomputes(prefix_caching):
 
 class SealingCache(FakeCache):
     """Sealing 2 pages frees the room of one (compression); pages wait for a batch of 8."""
-    seal_batch = 8
+    slots_per_chunk = 8
 
-    def seal(self, ids, min_capacity=0, reclaim=None):
+    def compress(self, ids):
         self.sealed += list(ids)
         self.free_ids += [10_000 + len(self.sealed) + i for i in range(len(ids) // 2)]
         return []
@@ -216,9 +235,9 @@ def test_estimate_admission_keeps_room_for_running_requests_outputs():
 
 class NoRoomCache(FakeCache):
     """Every seal finds no room: all pages stay open."""
-    seal_batch = 2
+    slots_per_chunk = 2
 
-    def seal(self, ids, min_capacity=0, reclaim=None):
+    def compress(self, ids):
         self.calls.append(list(ids))
         return list(ids)
 
@@ -262,7 +281,7 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
     class StreamCache(FakeCache):
         kv_compression = True                   # streams are only given to a cache that compresses
 
-        def set_seal_streams(self, ids, ss):
+        def set_streams(self, ids, ss):
             streams.update(zip(ids, ss))
 
     cache = StreamCache(400)
@@ -285,9 +304,9 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
 
 class TightCache(FakeCache):
     """Sealing sometimes finds no room (every other call leaves every page open)."""
-    seal_batch = 4
+    slots_per_chunk = 4
 
-    def seal(self, ids, min_capacity=0, reclaim=None):
+    def compress(self, ids):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls % 2:
             return list(ids)

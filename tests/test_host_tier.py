@@ -80,7 +80,7 @@ def test_round_trip_is_bit_exact_in_every_form(device, room):
     ids = m.alloc_pages(10)
     for i, p in enumerate(ids):
         write(m, p, page_data(i))
-    assert m.seal_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
+    assert m.compress_pages(ids[:8]) == []                         # 8 stored (compressed or open form), 2 open
     compressed = [i for i, p in enumerate(ids[:8]) if not loc_is_open(m.table.loc[:, p]).all()]
     assert compressed, "page_data should give compressible pages"
     before = {i: stored_bytes(m, ids[i]) for i in compressed}
@@ -112,7 +112,7 @@ def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
     ids = m.alloc_pages(4)
     for i, p in enumerate(ids):
         write(m, p, page_data(i))
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     host = HostTier(m, 1 << 20)
     host.start(wait=True)
     torch.cuda._sleep(100_000_000)                      # the compute stream busy for a while
@@ -124,7 +124,7 @@ def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
     ids2 = m.alloc_pages(4)
     for i, p in enumerate(ids2):
         write(m, p, page_data(100 + i))
-    m.seal_pages(ids2)
+    m.compress_pages(ids2)
     recs2 = host.put(ids2, ids2)                        # the same ring bytes, after the swap-in read them
     assert recs2[0].start == recs[0].start and recs[0].copied is not None
     torch.cuda.synchronize()
@@ -153,21 +153,20 @@ def test_ring_drops_the_oldest_reuses_holes_and_wraps():
     ids = m.alloc_pages(8)
     for i, p in enumerate(ids):
         write(m, p, data(i))
-    assert m.seal_pages(ids) == []
+    assert m.compress_pages(ids) == []
     sizes = HostTier(m, 0).page_bytes(ids)[1].sum(0)
     size = int(sizes[0])
     assert (sizes == size).all() and size < L * OPEN
-    dropped = []
-    host = HostTier(m, 3 * size + size // 2, on_drop=dropped.append)
+    host = HostTier(m, 3 * size + size // 2)
     a = host.put(ids[:3], ["a0", "a1", "a2"])
-    assert dropped == [] and host.used == 3 * size
+    assert host.take_dropped() == [] and host.used == 3 * size
     b = host.put(ids[3:4], ["b0"])                                  # no room at the head: a0 goes
-    assert dropped == ["a0"] and not a[0].live and b[0].start == 0   # wrapped to the front
+    assert host.take_dropped() == ["a0"] and not a[0].live and b[0].start == 0   # wrapped to the front
     back = m.alloc_pages(1)
     host.take([a[2]], back)                                         # a hole at the head's end
     assert same_bits(read(m, back[0]), data(2))
     c = host.put(ids[4:6], ["c0", "c1"])                            # a1 goes; the hole is passed
-    assert dropped == ["a0", "a1"] and all(r.live for r in b + c)
+    assert host.take_dropped() == ["a1"] and all(r.live for r in b + c)
     again = m.alloc_pages(3)
     host.take(b + c, again)
     for p, k in zip(again, (3, 4, 5)):
@@ -255,7 +254,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def seal(self):
         ids = sorted(p for p in self.to_seal if self.m.page_state(p) == "open")
-        self.to_seal = set(self.m.seal_pages(ids)) if ids else set()
+        self.to_seal = set(self.m.compress_pages(ids)) if ids else set()
 
     @rule(which=st.integers(0, 10))
     def finish(self, which):
@@ -321,10 +320,11 @@ def test_engine_with_a_host_tier_gives_the_same_tokens_and_swaps():
             eng.host_tier.start(wait=True)                         # CUDA: pinned before the run
         idle = eng.cache.stats()["pages_in_use"]                   # CUDA graphs hold a scratch page
         reqs = [eng.add_request(p, sp) for p in ps]
-        computed = recomputed = 0
+        computed, per_step = 0, []
+        eng.add_observer(lambda res, st: per_step.append(st.recomputed_tokens))   # the step's numbers
         while eng.has_work():
-            res = eng.step()
-            computed, recomputed = computed + res.prefill_tokens, recomputed + res.recomputed_tokens
+            computed += eng.step().prefill_tokens
+        recomputed = sum(per_step)
         stats = eng.reuse_stats()
         runs[gb] = (hashlib.sha256(repr([r.output_ids for r in reqs]).encode()).hexdigest(), computed, stats)
         assert stats["recomputed_tokens"] == recomputed <= computed

@@ -12,7 +12,7 @@ from zipfusion.analysis.synthetic import pages_with_fraction
 from zipfusion.format import PageLayout, decode_pages
 from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, RunningRequest
 from zipfusion.memory.chunks import groups_available
-from zipfusion.testing import AccountingManager
+from zipfusion.testing import place_with_sizes
 
 LAYOUT = PageLayout(1, 64)                 # open page 4096 bytes, smallest compressed 3088
 OPEN = LAYOUT.open_page_bytes
@@ -68,7 +68,7 @@ def _two_layer(shared: bool) -> tuple[KVCacheManager, dict, list[int]]:
                        shared_pool=shared, reserve_chunks=0)
     ids = m.alloc_pages(40)
     written = fill(m, ids, [1.0, 0.0])
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     assert [len(m.packed.chunks[l]) for l in range(2)] == [8, 10]
     return m, written, ids
 
@@ -106,7 +106,7 @@ def test_page_loc_encoding_and_round_trip():
     loc = m.page_loc[:, ids]
     assert bool(((loc & 1) == 1).all()) and bool(((loc & ~1) % 16 == 0).all())
     written = fill(m, ids, [1.0, 0.8, 0.0])
-    m.seal_pages(ids[:4])
+    m.compress_pages(ids[:4])
     loc = m.page_loc[:, ids]
     assert bool((loc[:2, :4] & 1 == 0).all())          # compressed
     assert bool((loc[2, :4] & 1 == 1).all())           # all-raw pages are kept in open form
@@ -158,7 +158,7 @@ def test_compaction_moves_bytes_exactly_and_frees_chunks():
     m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     ids = m.alloc_pages(40)
     written = fill(m, ids, [1.0, 0.6])
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     m.free_pages(ids[::2])                 # holes everywhere, no chunk empties
     for pid in ids[::2]:
         del written[0, pid], written[1, pid]
@@ -186,7 +186,7 @@ def test_alloc_compacts_when_the_pool_is_short():
     m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     ids = m.alloc_pages(m.capacity_new_pages())
     written = fill(m, ids, [1.0, 1.0])
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     m.free_pages(ids[1::2])
     for pid in ids[1::2]:
         del written[0, pid], written[1, pid]
@@ -208,7 +208,7 @@ def test_compaction_drops_what_the_reclaim_hook_frees_instead_of_moving_it(dropp
         m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
         ids = m.alloc_pages(m.capacity_new_pages())
         written = fill(m, ids, [1.0, 1.0])
-        m.seal_pages(ids)
+        m.compress_pages(ids)
         m.free_pages(ids[1::2])                              # holes: alloc below must compact
         live = ids[0::2]
         can_drop = {"none": [], "some": live[::3], "all": live}[droppable]
@@ -246,14 +246,14 @@ def test_budget_too_small():
     KVCacheManager(4, LAYOUT, budget_bytes=4 * OPEN * 12, chunk_bytes=4 * OPEN)
 
 
-def test_seal_in_two_halves_equals_seal_pages():
-    """analyze_pages then seal_analyzed (the engine's split around a forward) places and encodes
-    exactly as seal_pages does; a page freed between the halves is refused, nothing changed."""
+def test_analysis_then_placement_equals_compress_pages():
+    """analyze_pages then place_pages (the page store's split around a forward) places and
+    encodes exactly as compress_pages does; a page freed between the halves is refused, nothing changed."""
     def run(split: bool):
         m = KVCacheManager(2, LAYOUT, budget_bytes=24 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=0)
         ids = m.alloc_pages(12)
         written = fill(m, ids, [0.9, 0.5], seed=3)
-        left = m.seal_analyzed(m.analyze_pages(ids[:9])) if split else m.seal_pages(ids[:9])
+        left = m.place_pages(m.analyze_pages(ids[:9])) if split else m.compress_pages(ids[:9])
         return m, written, left, ids
     (a, _, la, _), (b, wb, lb, ids) = run(False), run(True)
     assert la == lb and np.array_equal(a.table.loc, b.table.loc) and np.array_equal(a.table.size, b.table.size)
@@ -266,16 +266,16 @@ def test_seal_in_two_halves_equals_seal_pages():
     b.free_pages([ids[10]])
     before = snapshot(b)
     with pytest.raises(ValueError, match="not allocated"):
-        b.seal_analyzed(job)
+        b.place_pages(job)
     assert_same(before, snapshot(b))
-    assert b.seal_analyzed(b.analyze_pages([])) == []
+    assert b.place_pages(b.analyze_pages([])) == []
 
 
 def test_bad_ids_and_double_free_leave_state_unchanged():
     m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
     ids = m.alloc_pages(3)
     fill(m, ids, [1.0, 1.0])
-    m.seal_pages(ids[:1])
+    m.compress_pages(ids[:1])
     m.free_pages([ids[2]])
     before = snapshot(m)
     cases = [
@@ -284,8 +284,8 @@ def test_bad_ids_and_double_free_leave_state_unchanged():
         (m.free_pages, [m.max_pages], "does not exist"),
         (m.free_pages, [-1], "does not exist"),
         (m.free_pages, [ids[0], ids[0]], "repeat"),
-        (m.seal_pages, [ids[0]], "already compressed"),
-        (m.seal_pages, [ids[2]], "not allocated"),
+        (m.compress_pages, [ids[0]], "already compressed"),
+        (m.compress_pages, [ids[2]], "not allocated"),
         (m.alloc_pages, -1, "non-negative"),
     ]
     for fn, arg, msg in cases:
@@ -296,8 +296,8 @@ def test_bad_ids_and_double_free_leave_state_unchanged():
         m.free_pages(["a"])
     with pytest.raises(ValueError, match="does not exist"):
         m.open_page(2, ids[1])
-    with pytest.raises(TypeError, match="sizes"):                  # a real manager analyzes the bytes
-        m.seal_pages([ids[1]], sizes=np.full((2, 1), OPEN))
+    with pytest.raises(ValueError, match="meta"):                  # a manager with bytes analyzes them
+        place_with_sizes(m, [ids[1]], np.full((2, 1), OPEN))
     assert_same(before, snapshot(m))
 
 
@@ -315,17 +315,17 @@ def test_memory_exhausted_leaves_state_unchanged():
 # ------------------------------------------------------------------------------ meta / admission
 def test_meta_device_accounting():
     L8B = PageLayout(8, 128)
-    m = AccountingManager(32, L8B, budget_bytes=4 << 30)
+    m = KVCacheManager(32, L8B, budget_bytes=4 << 30, device="meta")
     cap = m.capacity_new_pages()
     ids = m.alloc_pages(512)
     assert m.capacity_new_pages() == cap - 512
-    m.seal_pages(ids, sizes=np.full((32, 512), L8B.min_page_bytes))
+    place_with_sizes(m, ids, np.full((32, 512), L8B.min_page_bytes))
     assert m.capacity_new_pages() > cap - 512
     assert m.stored_ratio() == pytest.approx(L8B.min_page_bytes / L8B.open_page_bytes)
     with pytest.raises(ValueError, match="sizes"):
-        m.seal_pages(m.alloc_pages(1))
+        place_with_sizes(m, m.alloc_pages(1), None)
     with pytest.raises(ValueError, match="page sizes"):
-        m.seal_pages(m.alloc_pages(1), sizes=np.full((32, 1), 100))
+        place_with_sizes(m, m.alloc_pages(1), np.full((32, 1), 100))
 
 
 def test_admission_conservative_and_estimate():
@@ -344,7 +344,7 @@ def test_admission_conservative_and_estimate():
         adm.can_admit(0, 16)
     ids = m.alloc_pages(40)
     fill(m, ids, [1.0, 1.0])
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     est = Admission(m, mode="estimate")
     r = LAYOUT.min_page_bytes / OPEN
     assert est.ratio() == pytest.approx(r * 1.02)           # the observed ratio + the base margin
@@ -358,7 +358,7 @@ def test_estimate_admission_adapts():
     m = KVCacheManager(2, LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 1.0])
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     est = Admission(m, mode="estimate")
     base = est.ratio()
     est.on_preempt()
@@ -382,7 +382,7 @@ def test_reserved_pages_over_a_batch_is_the_sum_of_each_requests_pages():
     m = KVCacheManager(2, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 0.5])
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     g = np.random.default_rng(0)
     for trial in range(300):
         adm = Admission(m, mode=("estimate", "conservative", "optimistic")[trial % 3])
@@ -448,7 +448,7 @@ def test_cuda_round_trip_and_pending_chunks():
     m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, device="cuda", chunk_bytes=chunk)
     ids = m.alloc_pages(8)
     written = {k: v.cuda() for k, v in fill(m, ids, [1.0, 0.5]).items()}
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     assert m.page_loc.device.type == "cuda"
     assert torch.equal(m.page_loc.cpu(), torch.from_numpy(m.table.loc))
     assert_contents(m, written)
@@ -465,7 +465,7 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
     m = KVCacheManager(2, LAYOUT, budget_bytes=16 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     old = m.alloc_pages(5)
     written = fill(m, old, [1.0, 1.0])
-    m.seal_pages(old)                                  # observed ratio ~0.75
+    m.compress_pages(old)                                  # observed ratio ~0.75
     est, cons = Admission(m, mode="estimate"), Admission(m, mode="conservative")
     tokens = 16 * 26
     assert est.can_admit(tokens, 0) and not cons.can_admit(tokens, 0)
@@ -480,7 +480,7 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
         for layer in range(2):
             m.open_page(layer, mine[-1]).copy_(raw[i])
             written[layer, mine[-1]] = raw[i]
-        m.seal_pages([mine[-1]])
+        m.compress_pages([mine[-1]])
     assert hit
     assert_contents(m, written)
     m.free_pages(mine)                                     # preempt the newest request
@@ -529,7 +529,7 @@ def test_packed_place_general_next_fit_matches_reference(seed):
     (False, 18, 4),     # per-layer pools: a wave of 2 batches, then no room
 ])
 def test_waves_seal_like_batch_by_batch(monkeypatch, shared, budget, spare):
-    """seal_pages in waves (several batches per placement and encode) ends where sealing one
+    """compress_pages in waves (several batches per placement and encode) ends where sealing one
     batch of S at a time does, in pools so tight that later batches need the chunks earlier
     ones free, or compaction: same pages left open, sizes, pool, stored bytes and contents."""
     chunk = 4 * OPEN
@@ -542,11 +542,11 @@ def test_waves_seal_like_batch_by_batch(monkeypatch, shared, budget, spare):
                            shared_pool=shared, reserve_chunks=1)
         old = m.alloc_pages(6)
         written = fill(m, old, [0.9, 0.4], seed=3)
-        m.seal_pages(old[:3])
+        m.compress_pages(old[:3])
         m.free_pages(old[1:3])                             # holes: compaction has work
         ids = m.alloc_pages(m.capacity_new_pages() - spare)
         written.update(fill(m, ids, [1.0, 0.6], seed=4))
-        left = m.seal_pages(ids)
+        left = m.compress_pages(ids)
         assert_contents(m, {k: v for k, v in written.items() if k[1] in ids or k[1] == old[0]})
         results.append((left, m.table.size[:, ids].copy(), [m.pool.available(p) for p in range(m.pool.num_pools)],
                         m.stored_ratio(), m.capacity_new_pages(), m.compactions))
@@ -568,7 +568,7 @@ def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
         m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
         ids = m.alloc_pages(6)
         written = fill(m, ids, [0.7, 0.0])
-        m.seal_pages(ids)
+        m.compress_pages(ids)
         assert_contents(m, written)
         results.append((m.arena, m.page_loc.clone(), m.table.size.copy()))
     (a0, loc0, size0), (a1, loc1, size1) = results
@@ -594,7 +594,7 @@ def _interleaved_history(seed: int):
     import random
     rng = random.Random(seed)
     L, chunks, S, reserve = rng.choice([1, 2, 3]), rng.randint(6, 24), rng.choice([2, 4, 8]), rng.choice([0, 0, 1])
-    m = AccountingManager(L, LAYOUT, chunks * S * OPEN, chunk_bytes=S * OPEN, reserve_chunks=reserve)
+    m = KVCacheManager(L, LAYOUT, chunks * S * OPEN, chunk_bytes=S * OPEN, reserve_chunks=reserve, device="meta")
     sizes = lambda n: np.array([[LAYOUT.page_bytes(0) - rng.randint(0, LAYOUT.num_blocks) * 256  # noqa: E731
                                  for _ in range(n)] for _ in range(L)])
     reqs, nid = {}, 0
@@ -610,7 +610,7 @@ def _interleaved_history(seed: int):
         if rng.random() < 0.7:
             ids = [p for r in reqs.values() for p in r if m.page_state(p) == "open"]
             if ids:
-                m.seal_pages(ids, sizes=sizes(len(ids)))
+                place_with_sizes(m, ids, sizes(len(ids)))
         for r in list(reqs):
             if rng.random() < 0.3:
                 m.free_pages(reqs.pop(r))
@@ -628,7 +628,7 @@ def test_a_seal_short_of_room_goes_on_in_open_slot_order(monkeypatch):
     from zipfusion.memory import manager as manager_module
     m, ids, sizes, promised = _interleaved_history(13)
     assert len(ids) == 34
-    assert copy.deepcopy(m).seal_pages(ids, sizes=sizes, min_capacity=promised) == []
+    assert place_with_sizes(copy.deepcopy(m), ids, sizes, min_capacity=promised) == []
 
     class RequestOrderOnly:                            # np, but the fallback's sort keeps the order
         def __getattr__(self, name):
@@ -637,7 +637,7 @@ def test_a_seal_short_of_room_goes_on_in_open_slot_order(monkeypatch):
         def lexsort(self, keys):
             return np.arange(len(keys[0]))
     monkeypatch.setattr(manager_module, "np", RequestOrderOnly())
-    assert len(m.seal_pages(ids, sizes=sizes, min_capacity=promised)) == 26
+    assert len(place_with_sizes(m, ids, sizes, min_capacity=promised)) == 26
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
@@ -655,7 +655,7 @@ def test_memory_full_of_open_pages_still_compresses(monkeypatch, use_triton):
     ids = np.asarray(m.alloc_pages(m.capacity_new_pages(keep_reserve=False), keep_reserve=False))
     assert m.pool.available(0) == 0 and len(ids) == 3 * m.slots_per_chunk
     written = fill(m, ids, [0.9, 0.0], seed=7)          # layer 1: raw pages, kept in open form
-    assert m.seal_pages(ids) == []
+    assert m.compress_pages(ids) == []
     assert all(m.page_state(int(p)) == "stored" for p in ids) and m.stored_ratio() < 1.0
     assert_contents(m, written)
     m.free_pages(ids[:4])                               # the packed chunks behave as usual after
@@ -664,11 +664,11 @@ def test_memory_full_of_open_pages_still_compresses(monkeypatch, use_triton):
 
 def test_accounting_memory_full_of_open_pages_still_compresses():
     """The same in accounting mode (no bytes): the simulator's runs see what the engine does."""
-    m = AccountingManager(2, LAYOUT, 20 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
+    m = KVCacheManager(2, LAYOUT, 20 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1, device="meta")
     ids = list(m.alloc_pages(m.capacity_new_pages(keep_reserve=False), keep_reserve=False))
     assert m.pool.available(0) == 0 and len(ids) == 10 * m.slots_per_chunk
     sizes = np.full((2, len(ids)), LAYOUT.page_bytes(0) - LAYOUT.num_blocks * 256)   # 5 a chunk
-    assert m.seal_pages(ids, sizes=sizes) == []
+    assert place_with_sizes(m, ids, sizes) == []
     assert m.capacity_new_pages(keep_reserve=False) == 2 * m.slots_per_chunk          # 8 chunks of 10 a layer
 
 
@@ -692,7 +692,7 @@ def test_a_device_page_table_copy_follows_every_change(deferred):
     ids = m.alloc_pages(m.capacity_new_pages())
     check()
     written = fill(m, ids, [1.0, 1.0])
-    m.seal_pages(ids)
+    m.compress_pages(ids)
     check()
     m.free_pages(ids[1::2])
     check()
@@ -701,7 +701,7 @@ def test_a_device_page_table_copy_follows_every_change(deferred):
     check()
     more = m.alloc_pages(m.capacity_new_pages(keep_reserve=False), keep_reserve=False)
     fill(m, list(new) + list(more), [0.5, 1.0], seed=2)
-    m.seal_pages(list(new) + list(more))
+    m.compress_pages(list(new) + list(more))
     check()
     assert any(stale) == deferred
     assert_contents(m, {k: v for k, v in written.items() if k[1] in ids[::2]})
@@ -719,7 +719,7 @@ def test_fill_streams_keep_pages_that_leave_together_in_their_own_chunks(repack)
         ids = m.alloc_pages(5)
         written.update(fill(m, ids, [0.9, 0.5], seed=i))
         m.set_streams(ids, [s] * len(ids))
-        assert m.seal_pages(ids) == []
+        assert m.compress_pages(ids) == []
         pages[s] += ids
     chunk_of = lambda p: {int(loc) // m.chunk_bytes for loc in m.table.loc[:, p]}  # noqa: E731
     assert not set().union(*map(chunk_of, pages[0])) & set().union(*map(chunk_of, pages[1]))
@@ -731,7 +731,7 @@ def test_fill_streams_keep_pages_that_leave_together_in_their_own_chunks(repack)
         ids = m.alloc_pages(3)
         written.update(fill(m, ids, [0.9, 0.5], seed=9))
         m.set_streams(ids, [0] * 3)
-        assert m.seal_pages(ids) == []
+        assert m.compress_pages(ids) == []
         pages[0] += ids
         assert_contents(m, written)
     moved, before = m.bytes_moved, m.capacity_new_pages()

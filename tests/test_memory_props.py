@@ -110,7 +110,7 @@ class ManagerMachine(RuleBasedStateMachine):
             stream = {p: r.seed % 3 for r in self.reqs for p in r.pages}
             self.m.set_streams(ids, [stream[p] for p in ids])
             promised = self.adm.promised_pages([RunningRequest(len(r.pages), r.ntok, r.total) for r in self.reqs])
-            self.unsealed = set(self.m.seal_pages(ids, min_capacity=promised))
+            self.unsealed = set(self.m.compress_pages(ids, min_capacity=promised))
 
     # ------------------------------------------------------------------ rules
     @rule(prompt=st.integers(1, 200), out=st.integers(0, 60))

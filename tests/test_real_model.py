@@ -154,8 +154,8 @@ def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm,
     memory manager's placement, reserve and chunking as the engine runs them)."""
     from zipfusion.analysis.model_kv import capture_kv
     from zipfusion.format import PageLayout, page_sizes
-    from zipfusion.memory import MemoryExhausted
-    from zipfusion.testing import AccountingManager
+    from zipfusion.memory import KVCacheManager, MemoryExhausted
+    from zipfusion.testing import place_with_sizes
     ids = (sum(prompts, []) * 40)[:1024]
     layers = capture_kv(bf16_llm.engine.model, torch.tensor(ids))              # [(K, V) [T, H, D]] x 30
     pages = [torch.stack([k, v], 1).view(-1, 16, 2, *k.shape[1:]).transpose(1, 2) for k, v in layers]
@@ -167,7 +167,7 @@ def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm,
     for factor in (1.0, 1.05, 1.3, 2.0, 4.0, 256 * 2**20 / one_request):
         counts = {}
         for compress in (True, False):
-            m = AccountingManager(L, layout, int(one_request * factor), kv_compression=compress)
+            m = KVCacheManager(L, layout, int(one_request * factor), device="meta", kv_compression=compress)
             n = 0
             while True:
                 try:
@@ -175,7 +175,7 @@ def test_compressed_capacity_is_never_below_uncompressed_on_real_pages(bf16_llm,
                 except MemoryExhausted:
                     break
                 if compress:
-                    m.seal_pages(new, sizes=sizes[:, n % sizes.shape[1], None])
+                    place_with_sizes(m, new, sizes[:, n % sizes.shape[1], None])
                 n += 1
             counts[compress] = n
         assert counts[True] >= counts[False] >= 8192 // 16, (factor, counts)

@@ -41,6 +41,16 @@ def test_multi_turn_reuses_each_conversation_through_the_prefix_cache(host_gb):
         assert 1.5 * r["new_prompt_tokens"] < r["prefill_tokens_computed"] < r["prompt_tokens"]
 
 
+def test_a_swap_in_whose_allocation_makes_the_tier_drop_its_pages_recomputes_them():
+    """A host tier too small for the conversations (2 GiB): allocating the pages a swap-in needs
+    may compact, evict cached pages to the tier, and so drop older records -- some of the very
+    pages being swapped in. The chain then ends before the first of them (they are recomputed)
+    instead of the swap-in reading a dropped record (it raised AttributeError before)."""
+    r = schedule_sim.simulate("multi_turn", "compressed", 0.96, "estimate", host_gb=2)
+    assert r["requests"] == 64 * 8 and r["swapped_in_pages"] > 0
+    assert r["new_prompt_tokens"] < r["prefill_tokens_computed"] < r["prompt_tokens"]
+
+
 def test_mix_pages_leave_their_chunks_together():
     """The mix at full size (600 requests, 12 GiB, ~160 GB of KV written): pages sealed into the
     fill stream of their request's expected finish leave their chunks together, so compaction

@@ -273,8 +273,8 @@ def test_lockstep_ids_agree_and_capacity_is_the_tightest_ranks():
         else:
             full = [i for ids in live for i in ids[:-1] if i not in sealed]
             sealed.update(full)
-            cache.set_seal_streams(full, [i % 3 for i in full])
-            cache.seal(full)
+            cache.manager.set_streams(full, [i % 3 for i in full])    # as the page store does
+            cache.manager.place_pages(cache.manager.analyze_pages(full))
         if rng.random() < 0.3:
             drv.send_ops()
     drv.send_ops()

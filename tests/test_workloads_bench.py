@@ -109,7 +109,7 @@ def test_host_timers_smoke(tmp_path):
     calls = {k: v[0] for k, v in res["timers"].items()}
     steps = calls["LLMEngine.step"]
     assert steps >= res["record"]["requests"] and calls["Scheduler.schedule"] == steps
-    assert calls["KVCacheManager.seal_analyzed"] >= 1 and calls["codec.analyze"] == calls["KVCacheManager._analyze"]
+    assert calls["KVCacheManager.place_pages"] >= 1 and calls["codec.analyze"] == calls["KVCacheManager.analyze_pages"]
 
 
 def test_a_worker_out_of_time_says_where_it_was(tmp_path):

@@ -3,7 +3,7 @@
 # (10 min) together as below. Send .carry along (scripts/gpu/carry_wheels.sh). Output under $OUT.
 #   bash scripts/gpu/open_goals.sh tests preemption esc     # ~9 min
 #   bash scripts/gpu/open_goals.sh server                   # ~5 min
-# tests:      the host tier's GPU tests (seal_stored's round trip on CUDA, the copies' timing events)
+# tests:      the host tier's GPU tests (encoded_pages + place_pages round trip on CUDA, the copies' timing events)
 # preemption: long_swap vs long_recompute, compressed: workloads.json's preemption_cost (issue 22:
 #             <= 0.05 of what recompute costs)
 # esc:        the decode kernel's COMPRESSED_ESC page kind (built with -DZF_ESC_KIND): its CUDA

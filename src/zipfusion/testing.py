@@ -1,7 +1,7 @@
 """Helpers for tests and benchmarks (nothing in the engine calls this module): driving an engine
-step by step, a memory manager and a host tier that only count (``AccountingManager``,
-``AccountingHostTier``), and torch references for paged attention over the arena (float64 math, any
-device), reading pages exactly as the kernels must: ``loc_is_open(page_loc)``: an open page
+step by step, placement from given sizes by a memory manager on the meta device
+(``place_with_sizes``), a host tier that only counts (``AccountingHostTier``), and torch
+references for paged attention over the arena (float64 math, any device), reading pages exactly as the kernels must: ``loc_is_open(page_loc)``: an open page
 stored as ``[2, 16, H, D]`` bf16, else a compressed page decoded with the format's reference
 codec."""
 
@@ -16,51 +16,37 @@ from .memory import KVCacheManager
 from .memory.host_tier import HostTier
 
 
-class AccountingManager(KVCacheManager):
-    """A :class:`KVCacheManager` on the meta device: page tables, chunk pool, packing and
-    compaction plans, no bytes. Each seal takes the pages' encoded sizes ([L, len(ids)], drawn
-    by the caller) instead of analyzing their bytes (benchmarks/schedule_sim.py, capacity.py)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, device="meta", **kwargs)
-        self._sizes = None
-
-    def seal_pages(self, ids, sizes=None, min_capacity: int = 0, reclaim=None) -> list[int]:
-        ids = list(ids)
-        self._sizes = self._checked(sizes, len(ids))
-        try:
-            return super().seal_pages(ids, min_capacity=min_capacity, reclaim=reclaim)
-        finally:
-            self._sizes = None
-
-    def _analyze(self, ids):
-        return None, self._sizes
-
-    def _checked(self, sizes, n: int) -> np.ndarray:
-        if sizes is None:
-            raise ValueError("AccountingManager.seal_pages needs the pages' encoded sizes (sizes=)")
-        sizes = np.asarray(sizes, dtype=np.int64)
-        if sizes.shape != (self.num_layers, n):
-            raise ValueError(f"seal_pages: sizes must be [num_layers, len(ids)] = {[self.num_layers, n]}, "
-                             f"got {list(sizes.shape)}")
-        lo, hi = self.layout.min_page_bytes, self.layout.max_page_bytes
-        if ((sizes < lo) | (sizes > hi) | (sizes % 16 != 0)).any():
-            raise ValueError(f"seal_pages: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
-        return sizes
+def place_with_sizes(m: KVCacheManager, ids, sizes, min_capacity: int = 0, reclaim=None) -> list[int]:
+    """Compress the open pages ``ids`` of a manager on the meta device (page tables, chunk pool,
+    packing and compaction plans, no bytes) as if their encoded sizes were ``sizes``
+    ([L, len(ids)], drawn by the caller: benchmarks/schedule_sim.py, capacity.py); the ids left
+    open. The real manager's placement, of pages "encoded already" (``encoded_pages``)."""
+    ids = list(ids)
+    if m.device.type != "meta":
+        raise ValueError("place_with_sizes: a manager on the meta device (no bytes) only")
+    if sizes is None:
+        raise ValueError("place_with_sizes needs the pages' encoded sizes (sizes=)")
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if sizes.shape != (m.num_layers, len(ids)):
+        raise ValueError(f"place_with_sizes: sizes must be [num_layers, len(ids)] = {[m.num_layers, len(ids)]}, "
+                         f"got {list(sizes.shape)}")
+    lo, hi = m.layout.min_page_bytes, m.layout.max_page_bytes
+    if ((sizes < lo) | (sizes > hi) | (sizes % 16 != 0)).any():
+        raise ValueError(f"place_with_sizes: sizes must be page sizes of the format ({lo}..{hi}, multiples of 16)")
+    no_bytes = torch.empty(0, dtype=torch.uint8, device="meta")
+    job = m.encoded_pages(ids, no_bytes, np.zeros_like(sizes), sizes)
+    return m.place_pages(job, min_capacity=min_capacity, reclaim=reclaim)
 
 
 class AccountingHostTier(HostTier):
     """A :class:`HostTier` that keeps the books (its ring of records, drops when full) and moves
-    no bytes: the host tier of an ``AccountingManager`` (benchmarks/schedule_sim.py)."""
+    no bytes: the host tier of a manager on the meta device (benchmarks/schedule_sim.py)."""
 
     def _allocate(self) -> None:
         self.buf = torch.empty(self.budget, dtype=torch.uint8, device="meta")
 
     def _copy_out(self, off, nbytes, records) -> None:
         pass
-
-    def _stage_in(self, records):
-        return None                           # no bytes: seal_stored places the pages by their sizes
 
 
 def run_to_completion(engine, reqs=(), keep_logits: bool = False) -> None:

@@ -1,5 +1,6 @@
 """``zipfusion bench kernel``: decode attention over compressed KV (the fused kernel: the
-``compressed`` mode) against the same kernel over open pages (the uncompressed kernel, result key ``twin``: ``uncompressed``) and
+``compressed`` mode) against the same kernel over open pages (the uncompressed kernel:
+``uncompressed``) and
 FlashInfer's paged decode (``flashinfer``, where it is installed), on CUDA.
 
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with an
@@ -34,10 +35,10 @@ REAL_MODEL_FRACTION = 0.92    # SmolLM2-135M's v1 fraction with fp32 rope (docs/
                               # pool is model_like_pages: v2 compresses every block (~8 % escaped)
 ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
 # name -> (Case method, fixed keyword arguments, the bytes it moves: Case.traffic's kind)
-KERNELS = {"twin": ("run_twin", {}, "open"), "fused": ("run_fused", {}, "compressed"),
-           "twin_triton": ("run_twin", {"backend": "triton"}, "open"),
+KERNELS = {"uncompressed": ("run_uncompressed", {}, "open"), "fused": ("run_fused", {}, "compressed"),
+           "uncompressed_triton": ("run_uncompressed", {"backend": "triton"}, "open"),
            "fused_triton": ("run_fused", {"backend": "triton"}, "compressed")}
-MODE_KERNELS = {"compressed": "fused", "uncompressed": "twin", "flashinfer": "flashinfer"}
+MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "flashinfer": "flashinfer"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +180,7 @@ class Case:
     def arena_o(self, i):
         return self.kv[i % self.sets].view(-1).view(torch.uint8)
 
-    def run_twin(self, i, **kw):
+    def run_uncompressed(self, i, **kw):
         return decode_attention_uncompressed(self.q, self.arena_o(i), self.loc_o, self.bt, self.lens,
                                      self.layout, self.shape.d ** -0.5, self.out, validate=False, **kw)
 
@@ -241,12 +242,12 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table
         if ref is not None:
             r["rel_err_vs_flashinfer"] = rel(o, ref)
         recs.append(r)
-    for tw, fu in (("twin", "fused"), ("twin_triton", "fused_triton")):
-        if tw in outs and fu in outs:
-            same = bool(torch.equal(outs[tw], outs[fu]))
+    for un, fu in (("uncompressed", "fused"), ("uncompressed_triton", "fused_triton")):
+        if un in outs and fu in outs:
+            same = bool(torch.equal(outs[un], outs[fu]))
             for r in recs:
                 if r["kernel"] == fu:
-                    r["bit_identical_to_twin"] = same
+                    r["bit_identical_to_uncompressed"] = same
     fi_ms = recs[0]["median_ms"] if fi is not None else None
     for r in recs:
         r.update(batch=case.B, context=case.ctx)
@@ -266,8 +267,8 @@ def fmt(recs):
                      f"(±{r['spread_ms']:.4f}) {r['achieved_GBps']:7.0f} GB/s "
                      f"x{r.get('speedup_vs_flashinfer', float('nan')):.3f} "
                      f"{r.get('variant', '')} "
-                     f"{'bitEQ' if r.get('bit_identical_to_twin') else ''}"
-                     f"{'BIT-MISMATCH' if r.get('bit_identical_to_twin') is False else ''} "
+                     f"{'bitEQ' if r.get('bit_identical_to_uncompressed') else ''}"
+                     f"{'BIT-MISMATCH' if r.get('bit_identical_to_uncompressed') is False else ''} "
                      f"err={r.get('rel_err_vs_flashinfer', float('nan')):.2g}")
     return "\n".join(lines)
 
@@ -303,14 +304,14 @@ def cases_table(records: list[dict]) -> list[dict]:
     rows = list(by.values())
     for row in rows:
         fused = row.get("fused")
-        for other, name in (("twin", "compressed/uncompressed"), ("flashinfer", "compressed/flashinfer")):
+        for other, name in (("uncompressed", "compressed/uncompressed"), ("flashinfer", "compressed/flashinfer")):
             row[name] = row[other] / fused if fused and row.get(other) else None
     return rows
 
 
 COLUMNS = [("fraction", "compressible", "{:.2f}"), ("batch", "batch", "{}"), ("context", "context", "{}"),
            ("stored_ratio", "stored ratio", "{:.3f}"), ("fused", "compressed ms", "{:.4f}"),
-           ("twin", "uncompressed ms", "{:.4f}"), ("flashinfer", "flashinfer ms", "{:.4f}"),
+           ("uncompressed", "uncompressed ms", "{:.4f}"), ("flashinfer", "flashinfer ms", "{:.4f}"),
            ("compressed/uncompressed", "x uncompressed", "{:.3f}"), ("compressed/flashinfer", "x flashinfer", "{:.3f}")]
 
 

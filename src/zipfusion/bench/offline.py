@@ -1,6 +1,7 @@
 """The offline harness shared by ``zipfusion bench throughput`` / ``latency`` and
 benchmarks/workloads.py: an engine warmed up outside the numbers, requests run to the end with
-every ``StepResult`` kept, a run's numbers, and each (workload, mode) in its own process.
+every step's numbers kept (a :class:`Step`: the engine's ``StepResult`` and the ``StepStats`` its
+observer gets), a run's numbers, and each (workload, mode) in its own process.
 
     python -m zipfusion.bench.offline KIND JOB_JSON SECONDS     # a worker: KIND is throughput or latency
 
@@ -22,12 +23,29 @@ import sys
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 from ..config import child_environment
 from .stats import percentile
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
-               "forward_s", "seal_s", "ahead_s", "recomputed_tokens")
+               "forward_s", "seal_s", "ahead_s", "recomputed_tokens")      # a step log's columns
+
+
+class Step(NamedTuple):
+    """One step: its ``StepResult``'s size and the ``StepStats`` the engine's observer got."""
+    decode_rows: int
+    prefill_tokens: int
+    running: int
+    preempted: int
+    sealed_pages: int
+    recomputed_tokens: int
+    start: float
+    seconds: float
+    schedule_s: float
+    forward_s: float
+    seal_s: float
+    ahead_s: float
 
 
 def log(*a) -> None:
@@ -71,31 +89,35 @@ def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=
     """Every request added at once (or, ``sequential``, each after the previous one finished), the
     engine stepped until none is left; ``turns[i]``: request i's conversation goes on, each message
     sent when the previous answer is done (prompt + answer + message). Returns (requests in order
-    of arrival, StepResults without their logits, wall seconds from the first request to the last
-    token). A line of progress on stderr every ``progress_s`` seconds."""
+    of arrival, a :class:`Step` per step, wall seconds from the first request to the last token).
+    A line of progress on stderr every ``progress_s`` seconds."""
     steps, reqs, follow = [], [], {}
+    observe = lambda res, stats: steps.append(Step(*res[3:], *stats))  # noqa: E731  (the engine's observer)
+    eng.add_observer(observe)
     t0 = last = time.perf_counter()
     pending = list(zip(prompts, outs, turns or [[]] * len(prompts)))
-    while pending or eng.has_work():
-        if pending and (not sequential or not eng.has_work()):
-            batch = pending if not sequential else pending[:1]
-            for p, o, more in batch:
-                reqs.append(eng.add_request(p, greedy(o)))
-                follow[reqs[-1].request_id] = (o, more)
-            pending = pending[len(batch):]
-        res = eng.step()
-        for r in res.finished:                      # a conversation's next turn
-            o, more = follow.pop(r.request_id)
-            if more:
-                pending.append((r.prompt_ids + r.output_ids + more[0], o, more[1:]))
-        steps.append(res._replace(logits=None))
-        if on_step is not None:
-            on_step(eng, res)
-        if time.perf_counter() - last > progress_s:
-            last = time.perf_counter()
-            done = sum(r.finish_reason is not None for r in reqs)
-            log(f"  {label} {last - t0:.0f} s: {done}/{len(prompts)} requests done, {len(steps)} steps, "
-                f"{res.running} running, {eng.scheduler.num_preemptions} preemptions")
+    try:
+        while pending or eng.has_work():
+            if pending and (not sequential or not eng.has_work()):
+                batch = pending if not sequential else pending[:1]
+                for p, o, more in batch:
+                    reqs.append(eng.add_request(p, greedy(o)))
+                    follow[reqs[-1].request_id] = (o, more)
+                pending = pending[len(batch):]
+            res = eng.step()
+            for r in res.finished:                      # a conversation's next turn
+                o, more = follow.pop(r.request_id)
+                if more:
+                    pending.append((r.prompt_ids + r.output_ids + more[0], o, more[1:]))
+            if on_step is not None:
+                on_step(eng, res)
+            if time.perf_counter() - last > progress_s:
+                last = time.perf_counter()
+                done = sum(r.finish_reason is not None for r in reqs)
+                log(f"  {label} {last - t0:.0f} s: {done}/{len(prompts)} requests done, {len(steps)} steps, "
+                    f"{res.running} running, {eng.scheduler.num_preemptions} preemptions")
+    finally:
+        eng.remove_observer(observe)
     return reqs, steps, time.perf_counter() - t0
 
 

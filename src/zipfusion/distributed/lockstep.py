@@ -9,10 +9,13 @@ cache operations in the same order. A page id comes from the page table's free l
 rank's arena has the same budget (the smallest any rank can give, agreed at start-up) and
 the same page geometry (H / tp heads each), hence the same id range.
 
-* :class:`LockstepCache` wraps rank 0's cache for the scheduler. ``alloc``/``free``/``seal``
-  run on rank 0's cache and are logged; the log travels with the next message to the
-  workers, who replay it and check that their ids are rank 0's (``PageIdsDiverged``
-  otherwise). A seal is sent at once, so the workers compress while rank 0 does.
+* :class:`LockstepCache` wraps rank 0's cache for the scheduler. ``alloc``/``free`` run on rank
+  0's cache and are logged; the log travels with the next message to the workers, who replay
+  it and check that their ids are rank 0's (``PageIdsDiverged`` otherwise).
+* Its ``manager`` (:class:`LockstepManager`) is rank 0's memory manager as the page store
+  (memory/page_store.py) drives the seal through it: the same mechanics, logged. A placement
+  (``place_pages``) is sent at once, so the workers compress the same pages while rank 0 does;
+  every rank analyses the pages' sizes then (``compress_pages``), not a step ahead.
 * ``capacity_new_pages`` is the tightest rank's: ``min(rank 0's own, each worker's last
   report - pages allocated since)``. An allocation of n pages lowers a cache's capacity by at
   most n and a free never lowers it, so the bound never promises a page some rank lacks; a
@@ -21,8 +24,8 @@ the same page geometry (H / tp heads each), hence the same id range.
   tightest rank, the log is sent first and the fresh reports are used (after a preemption
   or an abort: rare), so the bound is not needlessly tight.
 * ``stored_ratio`` (admission's estimate) is the largest -- the least compressed -- rank's.
-* The seal's fill streams (a placement hint, memory/packed.py) are logged too, so every rank
-  groups its packed pages alike.
+* The fill streams (``set_streams``, a placement hint, memory/packed.py) are logged too, so
+  every rank groups its packed pages alike.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ class LockstepCache:
         self._unsent_allocs = 0
         self._unsent_frees = False
         self._reports: np.ndarray | None = None        # [workers, REPORT] after every sent message
+        if getattr(cache, "kv_compression", False):
+            self.manager = LockstepManager(self.log, driver, cache.manager)
 
-    def __getattr__(self, name):                         # seal_batch, deterministic, stats, ...
+    def __getattr__(self, name):                         # kv_compression, deterministic, stats, ...
         return getattr(self._cache, name)
 
     # -- operations, logged ------------------------------------------------------------------
@@ -63,31 +68,9 @@ class LockstepCache:
             self.log.append((FREE, ids))
             self._unsent_frees = True
 
-    def seal(self, ids, min_capacity: int = 0, reclaim=None):
-        ids = list(ids)
-        if not ids or not getattr(self._cache, "kv_compression", False):
-            return self._cache.seal(ids, min_capacity=min_capacity)
-        self.log.append((SEAL, ids, min_capacity))
-        self._driver.send_ops()                        # the workers compress while rank 0 does
-        return self._cache.seal(ids, min_capacity=min_capacity, reclaim=reclaim)
-
-    def set_seal_streams(self, ids, streams) -> None:
-        """Fill streams are a placement hint: every rank places its pages by them."""
-        ids = list(ids)
-        if ids and getattr(self._cache, "kv_compression", False):
-            self._cache.set_seal_streams(ids, streams)
-            self.log.append((STREAMS, ids, list(streams)))
-
-    # the page store's two halves of a seal: here the second seals whole (and logs it) by ``seal``
-    def start_seal(self, ids):
-        return list(ids)
-
-    def finish_seal(self, job, min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
-        keep = set(job if keep is None else keep)
-        return self.seal([p for p in job if p in keep], min_capacity=min_capacity, reclaim=reclaim)
-
     def take_log(self) -> list[tuple]:
-        log, self.log = self.log, []
+        log = self.log[:]
+        self.log.clear()                               # the one list, its manager's too
         self._unsent_allocs, self._unsent_frees = 0, False
         return log
 
@@ -119,6 +102,39 @@ class LockstepCache:
         return max(local, float(self._reports[:, 2].max()))
 
 
+class LockstepManager:
+    """Rank 0's memory manager as the page store sees it (its compression mechanics): each
+    operation runs on rank 0's manager and is logged for the workers, who replay it on theirs."""
+
+    def __init__(self, log: list[tuple], driver, manager):
+        self._log, self._driver, self._manager = log, driver, manager
+
+    def __getattr__(self, name):                         # slots_per_chunk, page_state, ...
+        return getattr(self._manager, name)
+
+    def set_streams(self, ids, streams) -> None:
+        """Fill streams are a placement hint: every rank places its pages by them."""
+        ids = list(ids)
+        if ids:
+            self._manager.set_streams(ids, streams)
+            self._log.append((STREAMS, ids, list(streams)))
+
+    def analyze_pages(self, ids) -> list[int]:
+        """Nothing launched: the pages are analysed at their placement, on every rank alike."""
+        return list(ids)
+
+    def place_pages(self, job: list[int], min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
+        """Compress the pages of ``job`` still alive (``keep``) on every rank: logged and sent
+        first, so the workers compress while rank 0 does; rank 0's pages left open."""
+        keep = set(job if keep is None else keep)
+        ids = [p for p in job if p in keep]
+        if not ids:
+            return []
+        self._log.append((SEAL, ids, min_capacity))
+        self._driver.send_ops()
+        return self._manager.compress_pages(ids, min_capacity=min_capacity, reclaim=reclaim)
+
+
 def apply_ops(cache, log: list[tuple], left_open: set[int]) -> None:
     """A worker: replay rank 0's cache operations on this rank's cache. ``left_open``: pages
     this rank could not compress yet (no room); retried with the next seal."""
@@ -131,15 +147,13 @@ def apply_ops(cache, log: list[tuple], left_open: set[int]) -> None:
         elif op[0] == FREE:
             cache.free(op[1])
             left_open.difference_update(op[1])
-        elif op[0] == SEAL:
-            ids = set(op[1]) | left_open
-            manager = getattr(cache, "manager", None)
-            if manager is not None:                     # rank 0 may retry pages this rank already sealed
-                ids = {i for i in ids if manager.page_state(i) == "open"}
+        elif op[0] == SEAL:                             # only a compressing cache logs these
+            m = cache.manager                           # rank 0 may retry pages this rank already sealed
+            ids = sorted(i for i in set(op[1]) | left_open if m.page_state(i) == "open")
             left_open.clear()
-            left_open.update(cache.seal(sorted(ids), min_capacity=op[2]))
+            left_open.update(m.compress_pages(ids, min_capacity=op[2]) if ids else [])
         elif op[0] == STREAMS:
-            cache.set_seal_streams(op[1], op[2])
+            cache.manager.set_streams(op[1], op[2])
         else:
             raise ValueError(f"unknown cache operation {op[0]!r}")
 

@@ -7,7 +7,9 @@
 
 Both address K/V by page id and slot (token % 16) and offer the same methods, so the
 scheduler, the runner and the attention backend (attention.py) do not care which. Attention
-itself (which kernel reads the pages) lives in attention.py.
+itself (which kernel reads the pages) lives in attention.py. Compressing full pages is the page
+store's (memory/page_store.py), on the arena cache's ``manager``; a dense cache has nothing to
+compress.
 """
 
 from __future__ import annotations
@@ -39,23 +41,6 @@ class KVCache:
         """Bytes of stored full pages over their open size (1.0 when nothing is compressed)."""
         return 1.0
 
-    # A seal in two halves (memory/page_store.py calls them), so that the host's part runs while
-    # a forward runs: ``start_seal`` before a step's forward (on the GPU: the size analysis
-    # launched), ``finish_seal`` after a later step's forward is launched (placement and
-    # encoding) for the pages ``keep`` still allocated. Here: all of it in ``finish_seal``.
-    def start_seal(self, ids):
-        return list(ids)
-
-    def set_seal_streams(self, ids, streams) -> None:
-        """Which fill stream each page is sealed into (memory/packed.py); a cache without packed
-        space ignores it."""
-
-    def finish_seal(self, job, min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
-        """``seal``'s result for the pages ``start_seal`` was given (those of ``keep``)."""
-        alive = None if keep is None else set(keep)
-        ids = job if alive is None else [p for p in job if p in alive]
-        return self.seal(ids, min_capacity=min_capacity, reclaim=reclaim) if ids else []
-
     def flush_table(self) -> None:
         """Bring the kernels' page table up to date (the runner calls it before each forward)."""
 
@@ -86,11 +71,6 @@ class ArenaKVCache(KVCache):
         return self.manager.arena
 
     @property
-    def seal_batch(self) -> int:
-        """Full pages worth one seal (the manager seals a group's worth at a time)."""
-        return self.manager.slots_per_chunk if self.kv_compression else 1
-
-    @property
     def page_loc(self) -> torch.Tensor:
         return self.manager.page_loc
 
@@ -101,26 +81,6 @@ class ArenaKVCache(KVCache):
     def free(self, ids):
         if ids:
             self.manager.free_pages(list(ids))
-
-    def seal(self, ids, min_capacity: int = 0, reclaim=None):
-        """Seal full pages (open -> stored); returns the ids left open (no room yet, or room promised to
-        running requests: ``min_capacity`` new pages must still fit). They stay readable as
-        open pages; the page store offers them again later."""
-        if not ids or not self.kv_compression:
-            return []
-        return self.manager.seal_pages(list(ids), min_capacity=min_capacity, reclaim=reclaim)
-
-    def start_seal(self, ids):
-        if not ids or not self.kv_compression:
-            return None
-        return self.manager.analyze_pages(list(ids))
-
-    def set_seal_streams(self, ids, streams) -> None:
-        if self.kv_compression:
-            self.manager.set_streams(ids, streams)
-
-    def finish_seal(self, job, min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
-        return [] if job is None else self.manager.seal_analyzed(job, min_capacity, reclaim, keep)
 
     def flush_table(self) -> None:
         self.manager.table.flush()
@@ -190,9 +150,6 @@ class DenseKVCache(KVCache):
 
     def free(self, ids):
         self._free.extend(ids)
-
-    def seal(self, ids, min_capacity: int = 0, reclaim=None):
-        return []
 
     def capacity_new_pages(self, keep_reserve: bool = True):
         return len(self._free)

@@ -44,7 +44,7 @@ class PhaseClock:
         self._last = now
 
     def times(self) -> dict:
-        """StepResult's timing fields."""
+        """StepStats' timing fields."""
         return {"start": self.start, "seconds": self._last - self.start,
                 **{f"{p}_s": self._s[p] for p in self.PHASES}}
 
@@ -52,8 +52,7 @@ class PhaseClock:
 class StepResult(NamedTuple):
     """What one :meth:`LLMEngine.step` did: the requests that finished, the rows it sampled
     (``logits[i]`` is the row that gave ``sampled[i]`` its newest token: valid until the next
-    step, clone to keep), and its size and timings (seconds, from the host clock:
-    :class:`PhaseClock`)."""
+    step, clone to keep), and its size."""
     finished: list
     sampled: list
     logits: object                   # torch.Tensor [len(sampled), V] fp32, or None
@@ -61,14 +60,19 @@ class StepResult(NamedTuple):
     prefill_tokens: int
     running: int                     # requests running after scheduling
     preempted: int
-    sealed_pages: int                # pages handed to the seal (those it left open are handed again later)
+
+
+class StepStats(NamedTuple):
+    """A step's numbers beyond its result, for the engine's observers (:meth:`LLMEngine.add_observer`:
+    benchmarks): seconds from the host clock (:class:`PhaseClock`)."""
+    sealed_pages: int                # pages handed to the seal's placement (those it left open are handed again later)
+    recomputed_tokens: int           # prefill tokens whose K/V had been computed before a preemption
     start: float                     # time.perf_counter() at the step's start
     seconds: float
     schedule_s: float
     forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
     seal_s: float                    # the page store's two points: analysis launch, placement and encode launch, full pages collected
-    ahead_s: float = 0.0             # scheduling the next step while this one ran on the GPU (async_scheduling)
-    recomputed_tokens: int = 0       # prefill tokens whose K/V had been computed before a preemption
+    ahead_s: float                   # scheduling the next step while this one ran on the GPU (async_scheduling)
 
 
 class LLMEngine:
@@ -125,6 +129,7 @@ class LLMEngine:
         self.peak_kv_stats: dict | None = None
         self._peak_pages = -1
         self.recomputed_tokens = 0            # prefill tokens computed again after a preemption
+        self._observers: list = []            # called after each step: fn(StepResult, StepStats)
         log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, KV cache %.2f GiB "
                  "(%s), max_model_len %d, max_num_seqs %d", self.source.name, mc.num_hidden_layers,
                  mc.num_key_value_heads, mc.head_dim, str(self.dtype).replace("torch.", ""), self.device,
@@ -252,6 +257,14 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def add_observer(self, fn) -> None:
+        """Call ``fn(result: StepResult, stats: StepStats)`` at the end of every step (benchmarks:
+        a step's phase times); ``remove_observer(fn)`` stops it."""
+        self._observers.append(fn)
+
+    def remove_observer(self, fn) -> None:
+        self._observers.remove(fn)
+
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Run one scheduled step; returns what it did (:class:`StepResult`).
@@ -282,16 +295,18 @@ class LLMEngine:
         tokens = self._launch_sample(sampled, logits) if sampled else None
         clock.mark("forward")
         # the pages this step fills hold K/V of tokens known already (a step writes its inputs')
-        sealed = self.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
+        placed = self.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
         clock.mark("seal")
         if self.async_scheduling:
             self._ahead = self._schedule_ahead(sampled)
             clock.mark("ahead")
-        finished = self._postprocess(sampled, logits, tokens, sealed)
+        finished = self._postprocess(sampled, logits, tokens, placed)
         clock.mark("forward")
-        return StepResult(finished, sampled, logits if sampled else None, len(out.decode),
-                          sum(ch.length for ch in out.prefill), running, len(out.preempted), sealed,
-                          recomputed_tokens=recomputed, **clock.times())
+        res = StepResult(finished, sampled, logits if sampled else None, len(out.decode),
+                         sum(ch.length for ch in out.prefill), running, len(out.preempted))
+        for fn in self._observers:
+            fn(res, StepStats(placed, recomputed, **clock.times()))
+        return res
 
     def _count_computed(self, out: SchedulerOutput) -> int:
         """The step's tokens are computed: the requests' counters move on. Returns the prefill
@@ -306,11 +321,11 @@ class LLMEngine:
         self.recomputed_tokens += recomputed
         return recomputed
 
-    def _postprocess(self, sampled: list[Request], logits, tokens, sealed: int) -> list[Request]:
+    def _postprocess(self, sampled: list[Request], logits, tokens, placed: int) -> list[Request]:
         """The sampled tokens appended (the step's one wait for the device), finished requests
         let go of; returns those."""
         finished = self._finish_sample(sampled, logits, tokens) if sampled else []
-        self._note_kv_stats(sealed)
+        self._note_kv_stats(placed)
         for r, reason in finished:
             self.scheduler.finish(r, reason)
             self.runner.forget(r.request_id)
@@ -414,11 +429,11 @@ class LLMEngine:
         mt = r.params.max_tokens
         return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
 
-    def _note_kv_stats(self, sealed: int) -> None:
+    def _note_kv_stats(self, placed: int) -> None:
         """Keep the cache's numbers from the step with the most pages in use, taken again when
         pages were compressed."""
         pages = sum(len(r.pages) for r in self.scheduler.running)
-        if self.peak_kv_stats is None or pages > self._peak_pages or (sealed and pages == self._peak_pages):
+        if self.peak_kv_stats is None or pages > self._peak_pages or (placed and pages == self._peak_pages):
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 

@@ -267,18 +267,28 @@ class Scheduler:
             if wait:
                 return None
             keep = chain.index(away[0])
-        lost = [n for n in away if n.host is None]
+        chain, away = self._cut_at_lost(chain, keep)
+        if away:
+            pages = self.pages.alloc(len(away))
+            # the allocation's compaction may have evicted pages to the tier, which dropped older ones
+            chain, still = self._cut_at_lost(chain, len(chain))
+            self.pages.release(pages[len(still):])
+            # compressed pages go back compressed where there is room (as a seal of pages no running
+            # request holds: the current window's stream, the room promised to running requests kept)
+            if still:
+                self.pages.swap_in(still, pages[:len(still)], self._steps // FILL_WINDOW % FILL_STREAMS)
+        return chain
+
+    def _cut_at_lost(self, chain: list, keep: int) -> tuple[list, list]:
+        """The chain up to ``keep`` and its first page the host tier dropped (the rest let go of),
+        and its pages still on the host tier."""
+        lost = [n for n in chain if n.page is None and n.host is None]
         if lost:
             keep = min(keep, chain.index(lost[0]))
         if keep < len(chain):
             self.prefix.release([n.page for n in chain[keep:] if n.page is not None])
             chain = chain[:keep]
-            away = [n for n in chain if n.page is None]
-        if away:
-            # compressed pages go back compressed where there is room (as a seal of pages no running
-            # request holds: the current window's stream, the room promised to running requests kept)
-            self.pages.swap_in(away, self.pages.alloc(len(away)), self._steps // FILL_WINDOW % FILL_STREAMS)
-        return chain
+        return chain, [n for n in chain if n.page is None]
 
     def _unadmit(self, req: Request) -> None:
         """Undo ``_admit`` (or a preempted run): the request waits holding nothing."""

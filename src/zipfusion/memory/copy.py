@@ -88,8 +88,9 @@ def copy_ranges(src: torch.Tensor, dst: torch.Tensor, src_off: np.ndarray, dst_o
                 nbytes: np.ndarray) -> None:
     """Copy ``nbytes[i]`` bytes from ``src`` at ``src_off[i]`` to ``dst`` at ``dst_off[i]`` (uint8
     tensors on one device, ranges 16-byte aligned; ``src`` and ``dst`` may be one tensor only if
-    no destination overlaps a source: ``move_ranges`` is for that)."""
-    if len(src_off) == 0:
+    no destination overlaps a source: ``move_ranges`` is for that). On the meta device (no bytes):
+    nothing."""
+    if len(src_off) == 0 or dst.device.type == "meta":
         return
     src_off, dst_off, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src_off, dst_off, nbytes))
     if src.is_cuda and triton is not None:

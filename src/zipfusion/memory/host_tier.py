@@ -4,8 +4,8 @@ When the prefix cache evicts a page nobody holds (memory is needed: often the pa
 preempted request), the page's bytes go here as they lie in the arena -- compressed pages
 compressed, so fewer bytes cross PCIe -- and the page id is freed. A later request whose tokens
 match the page takes it back: a new open page is allocated and the bytes come back to the
-device; a compressed page is placed in packed space as its bytes are (sealed without encoding:
-``KVCacheManager.seal_stored``), or, with no room for it there, decoded into the open page (bit
+device; a compressed page is placed in packed space as its bytes are (without encoding:
+``KVCacheManager.encoded_pages``), or, with no room for it there, decoded into the open page (bit
 for bit) and sealed again later like any full page. Nothing is recomputed. When the tier is
 full its least recently stored pages are dropped (then they are recomputed, as without a tier).
 
@@ -22,7 +22,7 @@ Layout: one pinned buffer of the tier's budget (no host allocation per transfer:
 memory can stall the device). On CUDA a background thread pins it once the engine has started
 (``start``; tens of GiB take seconds); until it is ready ``put`` keeps nothing, as without a tier. It is used as a ring: each page's
 layers' byte ranges lie one after another (``Record``) at the head; space comes back from the
-tail, so when the tier is full it drops its oldest pages first (``on_drop`` tells the owner) and
+tail, so when the tier is full it drops its oldest pages first (``take_dropped``: their owners) and
 a page taken back leaves a hole that is reused once the tail passes it.
 """
 
@@ -74,11 +74,11 @@ DECODE_BATCH_BYTES = 256 << 20     # a swap-in decodes at most this many open-pa
 
 
 class HostTier:
-    def __init__(self, manager, budget_bytes: int, on_drop=None):
+    def __init__(self, manager, budget_bytes: int):
         self.m, self.budget = manager, int(budget_bytes) // 16 * 16
         self.pin = manager.device.type == "cuda"
         self.stream = torch.cuda.Stream(manager.device) if self.pin else None    # copies out, beside compute
-        self.on_drop = on_drop                  # called with a record's owner when it is dropped
+        self._dropped: list = []                # owners of the records dropped for room, not taken yet
         self.buf: torch.Tensor | None = None
         self._pinning: threading.Thread | None = None
         self.ring: deque[Record] = deque()       # allocation order: the tail first
@@ -143,8 +143,7 @@ class HostTier:
             rec.live = False
             self.used -= rec.size
             self.stats.dropped += 1
-            if self.on_drop is not None:
-                self.on_drop(rec.owner)
+            self._dropped.append(rec.owner)
         while self.ring and not self.ring[0].live:       # holes the tail now passes
             self.ring.popleft()
 
@@ -152,9 +151,14 @@ class HostTier:
     def put(self, ids, owners) -> list[Record | None]:
         """Copy pages (open or stored) to the host as they lie, one record per page (None: a
         page larger than the whole tier); the caller then frees them. The oldest records make
-        room (their owners are told)."""
+        room (their owners: ``take_dropped``)."""
         with self._timed("out"):
             return self._put(np.asarray(ids, dtype=np.int64), owners)
+
+    def take_dropped(self) -> list:
+        """The owners of the records dropped for room since the last call, oldest first."""
+        out, self._dropped = self._dropped, []
+        return out
 
     def _put(self, ids: np.ndarray, owners) -> list[Record | None]:
         if self.buf is None and not self.pin:
@@ -204,7 +208,7 @@ class HostTier:
     def take(self, records: list[Record], ids, stream: int = 0, min_capacity: int = 0, reclaim=None) -> list[int]:
         """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit; returns
         the ids left open. A page that was stored compressed goes back into packed space as its
-        bytes are (``KVCacheManager.seal_stored``: no decode, nothing to seal again; fill stream
+        bytes are (``KVCacheManager.encoded_pages``: no decode, nothing to seal again; fill stream
         ``stream``, keeping ``min_capacity`` new pages as a seal does); one that finds no room, or
         was open when it left, is an open page again (decoded), to be sealed later like any full
         page."""
@@ -238,25 +242,24 @@ class HostTier:
             at += n
         return staged
 
-    def _restore(self, ids: np.ndarray, staged: torch.Tensor | None, start: np.ndarray, nbytes: np.ndarray,
+    def _restore(self, ids: np.ndarray, staged: torch.Tensor, start: np.ndarray, nbytes: np.ndarray,
                  open_form: np.ndarray, stream: int, min_capacity: int, reclaim=None) -> list[int]:
         """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
-        open forms copied into their slots, pages that were stored sealed from their bytes
-        (``seal_stored``), the compressed layers of those left open decoded into their slots."""
+        open forms copied into their slots, pages that were stored placed from their bytes
+        (``encoded_pages``), the compressed layers of those left open decoded into their slots."""
         m = self.m
         page = m.layout.open_page_bytes
         dst = loc_offset(m.table.loc[:, ids])
-        if staged is not None:
-            copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
+        copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
         sealable = ~open_form.all(0) if m.kv_compression else np.zeros(ids.size, dtype=bool)
         left = ids[~sealable].tolist()
         if sealable.any():
             m.set_streams(ids[sealable], np.full(int(sealable.sum()), stream))
-            still = set(m.seal_stored(ids[sealable], staged, start[:, sealable], nbytes[:, sealable], min_capacity,
-                                      reclaim))
+            job = m.encoded_pages(ids[sealable], staged, start[:, sealable], nbytes[:, sealable])
+            still = set(m.place_pages(job, min_capacity, reclaim))
             left += sorted(still)
             sealable &= ~np.isin(ids, list(still))
-        if staged is None:
+        if staged.device.type == "meta":                     # no bytes (an accounting run): nothing to decode
             return left
         # pages left open: their compressed layers decoded (trusted: this process encoded them) into
         # their slots, all layers together (few launches, no host sync)

@@ -18,13 +18,16 @@ baseline), counting chunks that compaction is sure to free, and keeping ``reserv
 layer for compression (compressed space is taken before the open slots are freed).
 
 ``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short
-(the scheduler asks first, so the engine never meets it). ``seal_pages`` never fails and
-never lowers the capacity below what was promised (``min_capacity``): a page that finds no room
-it may take stays open (still a valid page) and is returned, to be sealed again later.
-Compaction (compaction.py) is incremental. Device: "cuda" (Triton codec and copy kernels), "cpu"
-(torch reference codec), or "meta" (no bytes: ``zipfusion.testing.AccountingManager``). Every
-copy runs on the current stream; a chunk freed while queued kernels may read it is reused only
-behind their event (chunks.py).
+(the scheduler asks first, so the engine never meets it).
+
+Compression's mechanics (when, which pages, in which order is memory/page_store.py's policy):
+``analyze_pages`` (sizes launched) or ``encoded_pages`` (encoded already: the host tier's), then
+``place_pages`` (placed, encoded); ``compress_pages`` is both. Placement never fails nor lowers
+the capacity below what was promised (``min_capacity``): a page with no room it may take stays
+open (valid) and is returned. Compaction (compaction.py) is incremental. Device: "cuda" (Triton),
+"cpu" (torch reference codec), or "meta" (no bytes; sizes given: ``testing.place_with_sizes``).
+Every copy runs on the current stream; a chunk freed while queued kernels may read it is reused
+only behind their event (chunks.py).
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ from .stats import MemoryStats, memory_stats
 Reclaim = Callable[[np.ndarray], object] | None     # offered the pages compaction would move; may free some
 
 
-class SealJob(NamedTuple):
-    """Pages whose sizes are being analyzed (``KVCacheManager.analyze_pages``)."""
+class Analysis(NamedTuple):
+    """Open pages and their encoded sizes, on their way to placement (``analyze_pages``,
+    ``encoded_pages``; ``place_pages`` takes it)."""
     ids: np.ndarray
-    state: object                    # the codec's state (None: sizes given, no bytes)
+    state: object                    # the codec's state (memory/codec.py)
     sizes: object                    # [L * n] or [L, n]: np.ndarray or copy.HostArray
 
 
@@ -206,22 +210,38 @@ class KVCacheManager:
         per_block = RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES
         return np.where(sizes >= self.layout.open_page_bytes, 0, -(-saved // per_block))
 
-    def analyze_pages(self, ids: Iterable[int]) -> "SealJob":
-        """The first half of :meth:`seal_pages`: check the full open pages ``ids`` and launch the
-        analysis of their encoded sizes, without waiting for it (on CUDA). The pages must stay
-        allocated and unwritten until :meth:`seal_analyzed` takes the job (the engine launches
-        the analysis before a step's forward and places the pages while the forward runs)."""
-        ids = self.table.check(ids, OPEN, "seal_pages")
-        if not self.kv_compression:
-            raise ValueError("seal_pages: this manager was built with kv_compression=False")
+    def analyze_pages(self, ids: Iterable[int]) -> Analysis:
+        """The first half of :meth:`compress_pages`: check the full open pages ``ids`` and launch
+        the analysis of their encoded sizes (the codec's), without waiting for it (on CUDA). The
+        pages must stay allocated and unwritten until :meth:`place_pages` takes the analysis (the
+        page store launches it before a step's forward and places the pages while a later
+        forward runs)."""
+        ids = self._compressible(ids, "analyze_pages")
         if ids.size == 0:
-            return SealJob(ids, None, np.zeros((self.num_layers, 0), np.int64))
-        state, sizes = self._analyze(ids)
-        return SealJob(ids, state, sizes)
+            return Analysis(ids, None, np.zeros((self.num_layers, 0), np.int64))
+        state, sizes = codec.analyze(self.arena, loc_offset(self.table.loc[:, ids]).reshape(-1), self.layout)
+        return Analysis(ids, state, sizes)
 
-    def seal_pages(self, ids: Iterable[int], min_capacity: int = 0, reclaim: Reclaim = None) -> list[int]:
-        """Full open pages -> compressed pages in every layer; returns the ids left open
-        (``analyze_pages`` then ``seal_analyzed``).
+    def encoded_pages(self, ids: Iterable[int], buf: torch.Tensor, start: np.ndarray, nbytes: np.ndarray) -> Analysis:
+        """Open pages whose encoding exists already (the host tier's swap-in), for
+        :meth:`place_pages`: layer ``l`` of page ``ids[i]`` is ``nbytes[l, i]`` bytes at
+        ``start[l, i]`` of ``buf``, or its open form where that is a whole open page (then it is in
+        the open slot already). Placed as analysed pages are, the bytes copied instead of encoded
+        (on the meta device: no bytes, the sizes alone); pages left open have their compressed
+        layers elsewhere than their open slots: the caller decodes them there."""
+        ids = self._compressible(ids, "encoded_pages")
+        nbytes = np.asarray(nbytes, dtype=np.int64).reshape(self.num_layers, ids.size)
+        return Analysis(ids, codec.stored(buf, start, nbytes), nbytes)
+
+    def _compressible(self, ids: Iterable[int], op: str) -> np.ndarray:
+        ids = self.table.check(ids, OPEN, op)
+        if not self.kv_compression:
+            raise ValueError(f"{op}: this manager was built with kv_compression=False")
+        return ids
+
+    def compress_pages(self, ids: Iterable[int], min_capacity: int = 0, reclaim: Reclaim = None) -> list[int]:
+        """Full open pages -> compressed pages in every layer, now; returns the ids left open
+        (``analyze_pages`` then ``place_pages``).
 
         ``min_capacity``: new pages promised to running requests (admission's reservation). A
         batch is compressed only if ``capacity_new_pages()`` stays at least that high (or, if it
@@ -243,36 +263,24 @@ class KVCacheManager:
         that finds no room it stays open, with every later one: valid open pages, to be
         compressed again later.
         """
-        return self.seal_analyzed(self.analyze_pages(ids), min_capacity, reclaim)
-
-    def seal_stored(self, ids: Iterable[int], buf: torch.Tensor | None, start: np.ndarray, nbytes: np.ndarray,
-                    min_capacity: int = 0, reclaim: Reclaim = None) -> list[int]:
-        """Seal open pages whose encoding exists already (the host tier's swap-in): layer ``l`` of
-        page ``ids[i]`` is ``nbytes[l, i]`` bytes at ``start[l, i]`` of ``buf`` (None: no bytes, an
-        accounting manager), or its open form where that is a whole open page (then it is in the
-        open slot already). Placed as :meth:`seal_analyzed` places pages, the bytes copied instead
-        of encoded; returns the ids left open (no room), whose compressed layers are not in their
-        open slots: the caller decodes them there."""
-        ids = self.table.check(ids, OPEN, "seal_stored")
-        nbytes = np.asarray(nbytes, dtype=np.int64).reshape(self.num_layers, ids.size)
-        state = None if buf is None else codec.stored(buf, start, nbytes)
-        return self.seal_analyzed(SealJob(ids, state, nbytes), min_capacity, reclaim)
+        return self.place_pages(self.analyze_pages(ids), min_capacity, reclaim)
 
     def set_streams(self, ids: Iterable[int], streams: Iterable[int]) -> None:
         """The fill stream each page is sealed into (packed.py: pages expected to be freed together
         share chunks); 0 until set."""
         self.page_stream[np.asarray(list(ids), dtype=np.int64)] = np.asarray(list(streams), dtype=np.int64)
 
-    def seal_analyzed(self, job: "SealJob", min_capacity: int = 0, reclaim: Reclaim = None,
-                      keep: Iterable[int] | None = None) -> list[int]:
-        """The second half of :meth:`seal_pages`: wait for the job's sizes, place and encode,
-        stream by stream (``set_streams``), each in the order given. ``keep``: the job's pages
-        still to seal (default: all of them); the others were freed since the analysis (their
-        ids may even be open pages again, other ones) and are left alone."""
+    def place_pages(self, job: Analysis, min_capacity: int = 0, reclaim: Reclaim = None,
+                    keep: Iterable[int] | None = None) -> list[int]:
+        """The second half of :meth:`compress_pages`: wait for the analysis' sizes, place and
+        encode, stream by stream (``set_streams``), each in the order given; returns the ids left
+        open. ``keep``: the analysed pages still to place (default: all of them); the others were
+        freed since the analysis (their ids may even be open pages again, other ones) and are
+        left alone."""
         t = self.table
         ids = np.asarray(job.ids, dtype=np.int64)
         alive = np.ones(ids.size, bool) if keep is None else np.isin(ids, np.asarray(list(keep), dtype=np.int64))
-        t.check(ids[alive], OPEN, "seal_pages")            # none freed since the analysis
+        t.check(ids[alive], OPEN, "place_pages")            # none freed since the analysis
         n = ids.size
         if not alive.any():
             return []
@@ -283,13 +291,13 @@ class KVCacheManager:
         for stream in dict.fromkeys(streams[alive].tolist()):       # in order of first appearance
             self.packed.use_stream(stream)
             order = np.nonzero((streams == stream) & alive)[0]        # as given (a request's pages together)
-            left += self._seal_in_order(ids, order, sizes, stored, job.state, min_capacity, reclaim)
+            left += self._place_in_order(ids, order, sizes, stored, job.state, min_capacity, reclaim)
         t.sync(ids[alive])                 # one copy of the touched page_loc columns to the device
         return left
 
-    def _seal_in_order(self, ids: np.ndarray, order: np.ndarray, sizes: np.ndarray, stored: np.ndarray, state,
-                       min_capacity: int, reclaim: Reclaim) -> list[int]:
-        """Place and encode the pages ``ids[order]`` wave by wave (``seal_pages``); the ids left open."""
+    def _place_in_order(self, ids: np.ndarray, order: np.ndarray, sizes: np.ndarray, stored: np.ndarray, state,
+                        min_capacity: int, reclaim: Reclaim) -> list[int]:
+        """Place and encode the pages ``ids[order]`` wave by wave (``compress_pages``); the ids left open."""
         t, S, n = self.table, self.slots_per_chunk, order.size
         by_slot = False
         left, i = [], 0
@@ -310,12 +318,6 @@ class KVCacheManager:
                 break
             i += k
         return left
-
-    def _analyze(self, ids: np.ndarray):
-        """(codec state, encoded sizes of the open pages ``ids``, layer-major: a
-        ``copy.HostArray`` or an array). (zipfusion.testing.AccountingManager gives drawn sizes
-        instead, with no bytes.)"""
-        return codec.analyze(self.arena, loc_offset(self.table.loc[:, ids]).reshape(-1), self.layout)
 
     def _wave(self, stored: np.ndarray):
         """The next wave of pages ``stored`` [L, m] (open-slot order): (pages, placement) for the
@@ -362,12 +364,11 @@ class KVCacheManager:
         if not self._affordable(batch, stored, split, min_capacity):
             return False
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
-        if state is not None:
-            enc = ~as_open
-            codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
-            if as_open.any():
-                src = loc_offset(t.loc[:, batch])
-                move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
+        enc = ~as_open
+        codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
+        if as_open.any():
+            src = loc_offset(t.loc[:, batch])
+            move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
         self._now_stored(batch, stored, as_open, dst)
         self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
         return True
@@ -387,19 +388,17 @@ class KVCacheManager:
         if not released or not fits or not self._affordable(batch, stored, split, min_capacity):
             return False
         open_bytes, k = self.layout.open_page_bytes, batch.size
-        if state is not None:                           # stage: [open copies | compressed pages]
-            src = loc_offset(t.loc[:, batch])
-            at_open = np.arange(L * k, dtype=np.int64).reshape(L, k) * open_bytes
-            at_enc = L * k * open_bytes + (np.cumsum(stored) - stored.ravel()).reshape(L, k)
-            stage = torch.empty(L * k * open_bytes + int(stored.sum()), dtype=torch.uint8, device=self.arena.device)
-            copy_ranges(self.arena, stage, src.ravel(), at_open.ravel(), np.full(L * k, open_bytes, np.int64))
-            enc = ~as_open
-            codec.encode(stage, codec.staged(state, flat[enc], at_open[enc], stage.device), flat[enc],
-                         at_enc[enc], self.layout)
+        src = loc_offset(t.loc[:, batch])               # stage: [open copies | compressed pages]
+        at_open = np.arange(L * k, dtype=np.int64).reshape(L, k) * open_bytes
+        at_enc = L * k * open_bytes + (np.cumsum(stored) - stored.ravel()).reshape(L, k)
+        stage = torch.empty(L * k * open_bytes + int(stored.sum()), dtype=torch.uint8, device=self.arena.device)
+        copy_ranges(self.arena, stage, src.ravel(), at_open.ravel(), np.full(L * k, open_bytes, np.int64))
+        enc = ~as_open
+        codec.encode(stage, codec.staged(state, flat[enc], at_open[enc], stage.device), flat[enc],
+                     at_enc[enc], self.layout)
         self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
-        if state is not None:
-            copy_ranges(stage, self.arena, np.where(as_open, at_open, at_enc).ravel(), dst.ravel(), stored.ravel())
+        copy_ranges(stage, self.arena, np.where(as_open, at_open, at_enc).ravel(), dst.ravel(), stored.ravel())
         self._now_stored(batch, stored, as_open, dst)
         return True
 

@@ -25,6 +25,11 @@ construction: ``fill_stream_of`` (which fill stream each owner's pages join: mem
 and ``promised`` (the new pages admission promised to running requests, which a seal must not
 take). Compaction's moves are offered to the prefix cache first: cached pages nobody holds are
 evicted (to the host tier, if any) rather than moved.
+
+The seal's flow and policy are all here; the mechanics are the memory manager's (``cache.manager``,
+memory/manager.py): ``set_streams``, ``analyze_pages`` (sizes launched) and ``place_pages``
+(placed and encoded, for the pages still alive). Under tensor parallelism ``cache.manager`` is
+rank 0's manager behind the log the workers replay (distributed/lockstep.py), the same seam.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from .prefix_cache import PrefixCache
 
 UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
 SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
-                        # (the cache's ``seal_batch``) or this many steps after the last seal:
+                        # (``seal_min_pages``) or this many steps after the last seal:
                         # one call's fixed cost (analysis, placement) serves many pages
 SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
                         # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
@@ -55,16 +60,18 @@ class PageStore:
         ``promised()``: new pages the seal must leave room for (default 0)."""
         self.cache = cache
         self.kv_compression = bool(getattr(cache, "kv_compression", False))
+        self._manager = cache.manager if self.kv_compression else None    # the seal's mechanics
         self.prefix = PrefixCache(self._freed, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
                                   enabled=prefix_caching, host=host_tier)
         self._fill_stream_of = fill_stream_of or (lambda owners: [0] * len(owners))
         self._promised = promised or (lambda: 0)
-        self.seal_min_pages = getattr(cache, "seal_batch", 1)
+        # a compress batch: a group of open slots (the manager places a group's worth at a time)
+        self.seal_min_pages = self._manager.slots_per_chunk if self.kv_compression else 1
         # full pages not sealed yet (or left open: no room), each with its place in the seal
         # order: (owner, page index), so that a request's pages are placed together, share
         # packed chunks and free them together
         self._queue: dict[int, tuple[int, int]] = {}
-        self._job = None                       # the cache's seal job: analysed, not placed yet
+        self._job = None                       # the manager's analysis: launched, not placed yet
         self._job_ids: list[int] = []          # its pages, in seal order
         self._job_ready = False                # its sizes are on the host (a step has passed)
         self._in_flight: set[int] = set()      # its pages not freed since
@@ -122,7 +129,7 @@ class PageStore:
     def after_forward(self, filled: Sequence = ()) -> int:
         """The forward is launched: place and encode the seal analysed in an earlier step, then
         collect the pages the requests ``filled`` have filled (offered to the prefix cache,
-        queued for a seal). Returns how many pages were handed to the cache's seal."""
+        queued for a seal). Returns how many pages were handed to the placement."""
         sealed = self._finish() if self._job_ready else 0
         self._job_ready = self._job is not None     # launched this step: placed at the next one's
         self._collect(filled)
@@ -148,16 +155,16 @@ class PageStore:
 
     def _start(self) -> None:
         ids = sorted(self._queue, key=self._queue.__getitem__)
-        self.cache.set_seal_streams(ids, self._fill_stream_of([self._queue[p][0] for p in ids]))
-        self._job, self._job_ids, self._job_ready = self.cache.start_seal(ids), ids, False
+        self._manager.set_streams(ids, self._fill_stream_of([self._queue[p][0] for p in ids]))
+        self._job, self._job_ids, self._job_ready = self._manager.analyze_pages(ids), ids, False
         self._in_flight = set(ids)
         self._wait = 0
 
     def _finish(self) -> int:
         job, alive = self._job, [p for p in self._job_ids if p in self._in_flight]
         self._job, self._job_ids, self._job_ready, self._in_flight = None, [], False, set()
-        left = self.cache.finish_seal(job, min_capacity=self._promised(), reclaim=self._reclaim,
-                                      keep=alive) if alive else []
+        left = self._manager.place_pages(job, min_capacity=self._promised(), reclaim=self._reclaim,
+                                         keep=alive) if alive else []
         for p in set(alive).difference(left):
             self._queue.pop(p, None)
         self._stuck = self._stuck + 1 if left else 0

@@ -74,8 +74,6 @@ class PrefixCache:
         self._free, self._capacity = free, capacity
         self.host = host if enabled else None                      # a HostTier, or None
         self._on_host: dict[int, Node] = {}                         # node id -> node
-        if self.host is not None:
-            self.host.on_drop = self._host_dropped
         self._by_key: dict[tuple, Node] = {}
         self._by_page: dict[int, Node] = {}
         self._evictable: OrderedDict[int, Node] = OrderedDict()     # oldest first
@@ -200,6 +198,8 @@ class PrefixCache:
                 node.host = rec
                 self._on_host[node.node_id] = node
                 kept.add(node.node_id)
+        for node in self.host.take_dropped():           # older pages dropped for their room
+            self._host_dropped(node)
         return kept
 
     def _host_dropped(self, node: Node) -> None:

@@ -3,8 +3,9 @@
 Linear layers follow the Megatron split. A *column-parallel* layer keeps rows
 ``rank·n/tp .. (rank+1)·n/tp`` of every stacked output part (q|k|v, gate|up) and needs no
 communication; a *row-parallel* layer keeps the matching input columns and all-reduces its
-partial sums. Each parameter has a ``weight_loader(param, loaded, shard)`` that cuts the full
-checkpoint tensor down to this rank's part, so the loader stays the same at any TP size.
+partial sums. Each such layer has a ``weight_loader(param, loaded, shard)`` that cuts the full
+checkpoint tensor down to this rank's part of its parameter (``weight_loaders``: by parameter
+name), so the loader stays the same at any TP size.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def weight_loaders(model: nn.Module) -> dict:
+    """Parameter name -> the ``weight_loader`` of the layer that holds it (the tensor-parallel
+    layers'; other parameters are copied whole)."""
+    return {f"{mn}.{pn}" if mn else pn: mod.weight_loader
+            for mn, mod in model.named_modules() if hasattr(mod, "weight_loader")
+            for pn, _ in mod.named_parameters(recurse=False)}
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ (+ b) with W's output rows split over ranks; ``output_sizes`` fuses several
     projections (q|k|v or gate|up) into one GEMM, each part split separately."""
@@ -96,12 +105,10 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [_divide(n, t.size, "output size") for n in output_sizes]
         self.in_features = in_features
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
-        self.weight.weight_loader = self.weight_loader
         self.weight.num_parts = len(output_sizes)
         _full(self.weight, (sum(output_sizes), in_features), self.output_sizes)
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)))
-            self.bias.weight_loader = self.weight_loader
             self.bias.num_parts = len(output_sizes)
             _full(self.bias, (sum(output_sizes),), self.output_sizes)
         else:
@@ -130,11 +137,9 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.local_in = _divide(in_features, t.size, "input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
-        self.weight.weight_loader = self.weight_loader
         _full(self.weight, (out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if bias:
-            self.bias.weight_loader = self.weight_loader
             _full(self.bias, (out_features,))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -165,7 +170,6 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = -(-num_embeddings // t.size)
         self.start = t.rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, embedding_dim))
-        self.weight.weight_loader = self.weight_loader
         _full(self.weight, (num_embeddings, embedding_dim))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:

@@ -21,7 +21,7 @@ import torch
 from ..config import LOAD_FORMATS
 from .config import ModelConfig, load_config
 from .gguf import is_gguf_path
-from .layers import rope_inv_freq
+from .layers import rope_inv_freq, weight_loaders
 from .llama import STACKED, CausalLM
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -180,6 +180,7 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
     every parameter must be found."""
     tensors = _gguf_tensors(folder, model.config) if is_gguf_path(folder) else _safetensors_tensors(folder)
     params = dict(model.named_parameters())
+    loaders = weight_loaders(model)
     done: set[tuple[str, int]] = set()
     total, loaded_numel = sum(p.numel() for p in params.values()), 0
     for file, name, tensor in tensors:
@@ -193,7 +194,7 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
             raise ValueError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
         param = params[target]
         loaded = tensor.to(param.dtype)
-        loader = getattr(param, "weight_loader", None)
+        loader = loaders.get(target)
         if loader is not None:
             loader(param, loaded.to(param.device), part)
         else:
@@ -215,6 +216,7 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
     """Normal(0, std) for matrices and embeddings, ones for norms, zeros for biases."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     total, done = sum(p.numel() for p in model.parameters()), 0
+    loaders = weight_loaders(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if progress is not None:
@@ -229,7 +231,7 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
                 full = torch.empty(p.full_shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=gen)
                 parts = full.split(p.part_sizes) if p.part_sizes else [full]
                 for i, part in enumerate(parts):
-                    p.weight_loader(p, part, i)
+                    loaders[name](p, part, i)
             else:
                 p.normal_(0.0, std, generator=gen)
 
