@@ -23,7 +23,8 @@ import torch
 
 from ..format.fp8 import head_scales, quantize_e4m3
 from ..format.fp8_blocks import DESIGNS, MODE_NAMES, block_sizes, exponent_field, fp8_block_meta, record_bytes
-from ..format.layout import PAGE_TOKENS, PageLayout, to_blocks
+from ..format.layout import PAGE_TOKENS, to_blocks
+from .kv_stats import full_pages
 
 SCALES = ("tensor", "head")
 
@@ -48,14 +49,7 @@ def _pages(x: torch.Tensor, P: int) -> torch.Tensor:
 
 def fp8_layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> FP8LayerStats:
     """One layer's K and V ([tokens, H, D], any float dtype) under every scale and design."""
-    if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"expected K and V of shape [tokens, num_kv_heads, head_dim], got "
-                         f"{list(k.shape)} and {list(v.shape)}")
-    T, H, D = k.shape
-    layout = PageLayout(H, D)
-    P = T // PAGE_TOKENS
-    if P == 0:
-        raise ValueError(f"need at least {PAGE_TOKENS} tokens (one full page) to analyse, got {T}")
+    H, D, layout, P = full_pages(k, v)
     k, v = _pages(k, P), _pages(v, P)
     stats = FP8LayerStats(layer=layer, fp8_bytes=P * 2 * PAGE_TOKENS * H * D)
     records = P * H * record_bytes(layout)                                 # per role

@@ -206,18 +206,24 @@ def _outlier_stats(bits: torch.Tensor):
     return meta, torch.bincount(n_out.flatten(), minlength=OUTLIER_BINS), int(below.sum())
 
 
-def layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerStats:
-    """Statistics of one layer's K and V, each [tokens, H, D] bf16."""
-    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        raise TypeError(f"KV must be bfloat16 to measure the BF16 format, got {k.dtype}/{v.dtype}")
+def full_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, PageLayout, int]:
+    """(H, D, layout, P) of one layer's K and V [tokens, H, D]: P full pages of 16 tokens (a
+    partial last page is left out); ValueError for other shapes or fewer than 16 tokens."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"expected K and V of shape [tokens, num_kv_heads, head_dim], got "
                          f"{list(k.shape)} and {list(v.shape)}")
     T, H, D = k.shape
-    layout = PageLayout(H, D)
     P = T // PAGE_TOKENS
     if P == 0:
         raise ValueError(f"need at least {PAGE_TOKENS} tokens (one full page) to analyse, got {T}")
+    return H, D, PageLayout(H, D), P
+
+
+def layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerStats:
+    """Statistics of one layer's K and V, each [tokens, H, D] bf16."""
+    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        raise TypeError(f"KV must be bfloat16 to measure the BF16 format, got {k.dtype}/{v.dtype}")
+    H, D, layout, P = full_pages(k, v)
     pages = torch.stack([k[:P * PAGE_TOKENS], v[:P * PAGE_TOKENS]])   # [2, T, H, D]
     pages = pages.view(2, P, PAGE_TOKENS, H, D).transpose(0, 1).contiguous().cpu()
     blocks = to_blocks(pages)                                          # [P, H, 2, nb, 512]
