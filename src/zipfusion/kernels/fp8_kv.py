@@ -100,12 +100,24 @@ if triton is not None:
         """E4M3 bytes (any integer tensor, values 0..255) -> bf16 of fp32(E4M3(b)) * scale.
 
         s = b >> 7, e = (b >> 3) & 15, m = b & 7; |x| = m·2^-9 when e = 0 (subnormal), else the
-        fp32 with exponent field e - 7 + 127 and mantissa m << 20; NaN where b & 0x7F = 0x7F."""
+        fp32 with exponent field e - 7 + 127 and mantissa m << 20; NaN where b & 0x7F = 0x7F; the
+        sign is set as a bit (so -0 stays -0). Equal to :func:`dequantize_e4m3` bit for bit but
+        for the NaNs' payloads."""
         x = b.to(tl.int32) & 0xFF
         e = (x >> 3) & 15
         m = x & 7
         normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
         mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
         mag = tl.where((x & 0x7F) == 0x7F, float("nan"), mag)
-        val = tl.where((x >> 7) != 0, -mag, mag)
-        return (val * scale).to(tl.bfloat16)
+        val = (mag.to(tl.int32, bitcast=True) | ((x >> 7) << 31)).to(tl.float32, bitcast=True)   # sign; -0 too
+        return _bf16_rne(val * scale)
+
+
+    @triton.jit
+    def _bf16_rne(v):
+        """fp32 -> bf16 rounded to nearest even, written out (the interpreter's cast truncates,
+        a GPU's rounds): bits + 0x7FFF + (bit 16), high half; NaN -> 0x7FC0."""
+        bits = v.to(tl.uint32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
