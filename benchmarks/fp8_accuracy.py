@@ -150,7 +150,43 @@ def measure(model: str, texts: list[str], chat: bool, max_tokens: int) -> dict:
         print(f"  {model} {mode}: {rows[mode]['identical_outputs']}/{len(texts)} identical, "
               f"mean KL {rows[mode]['mean_kl_nats']:.3g}, argmax agreement {rows[mode]['forced_argmax_agreement']:.4f}",
               flush=True)
-    return {"chat_template": chat, "prompt_tokens": plens, "reference_outputs": ref_out, "modes": rows}
+    kv = kv_value_stats(model, texts, chat, ref_out)
+    print(f"  {model} K/V under E4M3: " + "; ".join(
+        f"{r} max |x| {s['max_abs']:.4g}, saturated {s['saturated_share']:.2e}, rel. RMS error "
+        f"{s['relative_rms_error']:.4f}" for r, s in kv.items()), flush=True)
+    return {"chat_template": chat, "prompt_tokens": plens, "reference_outputs": ref_out, "modes": rows,
+            "kv_values_under_e4m3": kv}
+
+
+def kv_value_stats(model: str, texts: list[str], chat: bool, outputs: list[list[int]]) -> dict:
+    """What E4M3 does to this model's K/V over the reference's sequences (prompt + output; one
+    causal BF16 forward each, analysis.model_kv.capture_kv: rotated K and V as the cache stores
+    them): largest magnitudes, the share that saturates (|x| > 448), that lands in E4M3's
+    subnormal range (0 < |x| < 2^-6: fewer than 3 mantissa bits kept) or becomes 0 (|x| < 2^-10,
+    ties to 0 at 2^-10), and the relative RMS rounding error ||x' - x|| / ||x||."""
+    from zipfusion.analysis.model_kv import capture_kv, load_for_analysis
+    from zipfusion.kernels.fp8_kv import E4M3_MAX, dequantize_e4m3, quantize_e4m3
+    net, tok = load_for_analysis(model)
+    acc = {r: dict(n=0, sat=0, sub=0, zero=0, err2=0.0, norm2=0.0, absmax=0.0) for r in ("k", "v")}
+    for text, out in zip(texts, outputs):
+        if chat:
+            text = tok.apply_chat_template([{"role": "user", "content": text}])
+        ids = torch.tensor(tok.encode(text) + out)
+        for k, v in capture_kv(net, ids):
+            for role, x in (("k", k), ("v", v)):
+                x = x.float()
+                a, q = x.abs(), dequantize_e4m3(quantize_e4m3(x), dtype=torch.float32)
+                s = acc[role]
+                s["n"] += x.numel()
+                s["sat"] += int((a > E4M3_MAX).sum())
+                s["sub"] += int(((a > 0) & (a < 2.0 ** -6)).sum())
+                s["zero"] += int(((a > 0) & (q == 0)).sum())
+                s["err2"] += float(((q - x) ** 2).sum())
+                s["norm2"] += float((x ** 2).sum())
+                s["absmax"] = max(s["absmax"], float(a.max()))
+    return {role: {"values": s["n"], "max_abs": s["absmax"], "saturated_share": s["sat"] / s["n"],
+                   "subnormal_share": s["sub"] / s["n"], "flushed_to_zero_share": s["zero"] / s["n"],
+                   "relative_rms_error": (s["err2"] / s["norm2"]) ** 0.5} for role, s in acc.items()}
 
 
 def plot(results: dict, path: Path) -> None:

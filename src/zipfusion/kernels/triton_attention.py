@@ -45,7 +45,8 @@ Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and ma
 dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
 
 The tile loads (``_load_meta``, ``_tile_load``), the restore and the softmax update
-(``_tile_compute``) also serve the prefill kernel (``prefill_attention.py``).
+(``_tile_compute``) also serve the prefill kernel (``prefill_attention.py``); the arithmetic after
+the restore (``attend_tile``) and a slice's store (``store_split``) serve the FP8 kernel too.
 """
 
 from __future__ import annotations
