@@ -110,13 +110,13 @@ if triton is not None:
         mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
         mag = tl.where((x & 0x7F) == 0x7F, float("nan"), mag)
         val = (mag.to(tl.int32, bitcast=True) | ((x >> 7) << 31)).to(tl.float32, bitcast=True)   # sign; -0 too
-        return _bf16_rne(val * scale)
-
+        return bf16_rne(val * scale)
 
     @triton.jit
-    def _bf16_rne(v):
-        """fp32 -> bf16 rounded to nearest even, written out (the interpreter's cast truncates,
-        a GPU's rounds): bits + 0x7FFF + (bit 16), high half; NaN -> 0x7FC0."""
+    def bf16_rne(v):
+        """fp32 -> bf16 rounded to nearest even by integer ops, torch's rounding on every backend
+        (the Triton interpreter's own cast truncates): bits + 0x7FFF + (bit 16), the high half;
+        NaN -> the canonical bf16 NaN 0x7FC0. (rope_store.py rounds with it too.)"""
         bits = v.to(tl.uint32, bitcast=True)
         r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         r = tl.where(v != v, 0x7FC0, r)

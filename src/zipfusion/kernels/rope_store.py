@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..format.layout import PAGE_TOKENS, open_bf16_index
+from .fp8_kv import bf16_rne   # (this module is never copied for the interpreter: same mode as fp8_kv)
 
 _open_bf16_index = triton.jit(open_bf16_index)
 PAGE_TOKENS_C = tl.constexpr(PAGE_TOKENS)
@@ -39,10 +40,7 @@ def _round(x, dtype: tl.constexpr):
     """fp32 -> ``dtype``. bf16: round to nearest even by integer ops, torch's rounding on every
     backend (the Triton interpreter's own cast truncates); NaN -> the canonical bf16 NaN."""
     if dtype == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        b = tl.where(x != x, 0x7FC0, b)
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return bf16_rne(x)
     return x.to(dtype)
 
 
