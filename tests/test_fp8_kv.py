@@ -290,6 +290,26 @@ def test_deterministic_fp8_outputs_do_not_depend_on_the_batch(backend):
     assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
 
 
+def test_fp8_pages_survive_preemption_eviction_and_the_host_tier():
+    """Deterministic fp8 under memory pressure (preemption, recompute, prefix-cache eviction): the
+    same tokens with a host tier that brings evicted FP8 pages back as without one."""
+    shared = list(range(3, 203))
+    ps = [shared[:120] + [9 + i] * (5 + 9 * i) for i in range(8)]
+    sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    runs = {}
+    for gb in (0, 0.05):
+        with LLM("demo", device="cpu", kv_cache_dtype="fp8", kv_memory_gb=0.0006, admission="optimistic",
+                 max_num_batched_tokens=64, deterministic=True, kv_host_memory_gb=gb) as llm:
+            eng = llm.engine
+            if eng.host_tier is not None:
+                eng.host_tier.start(wait=True)
+            reqs = [eng.add_request(p, sp) for p in ps]
+            run_to_completion(eng)
+            runs[gb] = ([r.output_ids for r in reqs], eng.reuse_stats())
+    assert runs[0][0] == runs[0.05][0]
+    assert runs[0][1]["preemptions"] > 0 and runs[0.05][1]["swapped_in_pages"] > 0
+
+
 def test_cli_help_says_fp8_is_lossy(capsys):
     from zipfusion.cli import main
     for command in ("generate", "serve"):
