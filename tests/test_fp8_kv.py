@@ -87,8 +87,9 @@ def test_dequantize_every_byte_and_the_scale():
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
     assert torch.equal(got[ok], want[ok]) and torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))
-    x = torch.randn(1000) * 300
-    assert torch.equal(quantize_e4m3(x, 2.5), quantize_e4m3(x / 2.5))
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 300
+    assert torch.equal(quantize_e4m3(x, 2.5), quantize_e4m3(x * (1 / 2.5)))
+    assert torch.equal(quantize_e4m3(x, 4.0), quantize_e4m3(x / 4))
     half = dequantize_e4m3(b, 0.5)
     assert torch.equal(half[ok], (want[ok] * 0.5).float().to(torch.bfloat16)) and bool(half[~ok].isnan().all())
 
@@ -108,6 +109,21 @@ def test_the_kernels_dequant_equals_torchs_bit_for_bit(scale):
     nan = want.isnan()                           # (NaN bit patterns may differ: 0x7F and 0xFF only)
     assert torch.equal(out.isnan(), nan) and int(nan.sum()) == 2
     assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@triton.jit
+def _quant_kernel(src, dst, inv_scale, N: tl.constexpr):
+    i = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(dst + i, fp8_kv.e4m3_quant(tl.load(src + i), inv_scale))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3, 4.0])
+def test_the_kernels_quantizer_equals_torchs_on_every_bf16_value(scale):
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(DEVICE)
+    out = torch.empty(65536, dtype=torch.uint8, device=DEVICE)
+    _quant_kernel[(64,)](x, out, 1.0 / scale, N=1024)
+    want, nan = quantize_e4m3(x, scale), x.isnan()
+    assert torch.equal(out[~nan], want[~nan]) and bool((out[nan] == 0x7F).all())
 
 
 # -- the cache -----------------------------------------------------------------------------------
@@ -139,6 +155,36 @@ def test_store_and_read_round_trip_with_adversarial_values():
     assert got_v[0, 0, :4].tolist() == [448.0, -448.0, 0.0, 0.0] and torch.signbit(got_v[0, 0, 2])
     assert torch.isnan(got_v[0, 0, 4]) and float(got_v[0, 0, 5]) == 448.0 and torch.isnan(got_k[0, 0, 4])
     assert cache.layout.open_page_bytes == PageLayout(H, D).open_page_bytes // 2
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 4.0)])
+def test_the_merged_rope_store_kernel_writes_the_torch_stores_bytes(scales):
+    """The FP8 variant of kernels/rope_store.py (CUDA's store; the interpreter here) against the
+    torch store: the same page bytes and the same returned q, k', v', adversarial values included."""
+    L, H, Hq, D, T = 1, 2, 4, 64, 21
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(T, Hq, D, generator=g).to(torch.bfloat16)
+    k = (torch.randn(T, H, D, generator=g) * 60).to(torch.bfloat16)
+    v = (torch.randn(T, H, D, generator=g) * 1e-3).to(torch.bfloat16)
+    special = torch.tensor([1e6, -float("inf"), -0.0, 2.0 ** -12, float("nan"), 447.9, -(2.0 ** -11)])
+    k[0, 0, :7], v[1, 1, :7] = special, special
+    ang = torch.rand(T, D // 2, generator=g) * 6
+    q, k, v, cos, sin = (x.to(DEVICE) for x in (q, k, v, ang.cos(), ang.sin()))
+    out = {}
+    for merged in (False, True):
+        cache = Fp8KVCache(L, H, D, 2 ** 20, DEVICE, k_scale=scales[0], v_scale=scales[1], merged_store=merged)
+        ids = cache.alloc(2)
+        cache.arena.zero_()
+        where = torch.randperm(32, generator=torch.Generator().manual_seed(2))[:T]     # distinct (page, slot)
+        page_ids, slots = torch.tensor(ids)[where // 16].to(DEVICE), (where % 16).to(DEVICE)
+        out[merged] = (*cache.store(0, q, k, v, cos, sin, page_ids, slots, want_kv=True), cache.arena.clone())
+    a, b = out[False][3], out[True][3]                                              # the arena's bytes
+    nan = (a & 0x7F) == 0x7F                  # (a NaN byte's sign is the rope's NaN's: not kept alike)
+    assert torch.equal(nan, (b & 0x7F) == 0x7F) and bool(nan.any()) and torch.equal(a[~nan], b[~nan])
+    for a, b in zip(out[False][:3], out[True][:3]):                                 # q, k', v' (NaN payloads aside)
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a[~a.isnan()].view(torch.int16), b[~b.isnan()].view(torch.int16))
+    assert bool(out[True][1].isnan().any()) and bool(out[True][2].isnan().any())
 
 
 def test_capacity_is_about_twice_the_bf16_pages_at_equal_memory():

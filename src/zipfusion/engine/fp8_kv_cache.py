@@ -8,10 +8,11 @@ allocator and admission count pages by the layout's ``open_page_bytes``, so the 
 and read as ``bf16(E4M3 · s)``, with per-tensor scales ``k_scale``, ``v_scale`` (default 1.0,
 as vLLM's).
 
-* ``store``: rope (models.layers.apply_rope), then K/V quantized into the open pages with torch
-  ops, on the CPU and on CUDA alike (the merged Triton rope+store kernel has no FP8 variant
-  yet). When the step's fresh K/V are wanted (prefill chunks attend to them,
-  attention_prefill_open.py) it returns them *as the pages hold them* (quantized and read back),
+* ``store``: rope (models.layers.apply_rope), then K/V quantized into the open pages: torch ops
+  on the CPU, on CUDA the merged Triton rope+store kernel (kernels/rope_store.py, its FP8
+  variant: the same bits; ``merged_store`` as for BF16). When the step's fresh K/V are wanted
+  (prefill chunks attend to them, attention_prefill_open.py) it returns them *as the pages hold
+  them* (quantized and read back),
   so a prompt's own tokens see exactly what later tokens, a prefix-cache hit or a recompute see.
 * ``read_pages``: pages read back dequantized to BF16 (the torch decode route, prefill over
   stored pages).
@@ -36,20 +37,22 @@ class Fp8KVCache(ArenaKVCache):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, device,
                  k_scale: float = 1.0, v_scale: float = 1.0, **kwargs):
-        """``kwargs``: ArenaKVCache's (``kv_compression`` and ``merged_store`` are always off)."""
+        """``kwargs``: ArenaKVCache's (``kv_compression`` is always off; ``merged_store``: the
+        FP8 rope+store kernel, default on CUDA)."""
         if kwargs.pop("kv_compression", False):
             raise ValueError("kv_cache_dtype='fp8' pages are not compressed (lossless compression of FP8 "
                              "pages is not supported yet); pass kv_compression=False")
-        if kwargs.pop("merged_store", False):
-            raise ValueError("the merged rope+store kernel writes BF16 pages only; FP8 pages are stored by torch ops")
         self.k_scale, self.v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        super().__init__(num_layers, num_kv_heads, head_dim, budget_bytes, device, kv_compression=False,
-                         merged_store=False, **kwargs)
+        super().__init__(num_layers, num_kv_heads, head_dim, budget_bytes, device, kv_compression=False, **kwargs)
 
     def store(self, layer, q, k, v, cos, sin, page_ids, slots, want_kv: bool):
         """Rotate q, k and write k, v as E4M3 bytes into the open pages at (page_ids[t],
         slots[t]); returns (q, k', v') rotated, k', v' the values the pages now hold (None
-        unless ``want_kv``)."""
+        unless ``want_kv``). On CUDA (``merged_store``) one Triton kernel, the same bits."""
+        if self.merged_store:
+            from ..kernels.rope_store import rope_and_store
+            return rope_and_store(q, k, v, cos, sin, self.arena, self.page_loc[layer], page_ids, slots,
+                                  want_k=want_kv, fp8_scales=(self.k_scale, self.v_scale))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         idx = self.layout.open_elements(self.page_loc[layer, page_ids], slots)        # [T, 2, H, D]
         kb, vb = quantize_e4m3(k, self.k_scale), quantize_e4m3(v, self.v_scale)

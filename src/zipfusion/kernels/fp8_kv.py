@@ -9,8 +9,8 @@ Scales, as vLLM's fp8 KV cache: one ``k_scale`` and one ``v_scale`` (per tensor;
 vLLM's default when a checkpoint carries none). The arithmetic takes a scale so that per-(layer,
 head) scales can come later. With s the scale::
 
-    store:   byte = E4M3_RNE( clamp(fp32(x) / s, -448, 448) )     (round to nearest, ties to even;
-                                                                  saturating: |x/s| > 448 -> +-448)
+    store:   byte = E4M3_RNE( clamp(fp32(x) · fp32(1/s), -448, 448) )   (round to nearest, ties
+                                                                  to even; saturating: |x/s| > 448 -> +-448)
     read:    x'   = bf16( fp32(E4M3(byte)) * s )                  (exact for s = 1: an E4M3 value
                                                                   is a BF16 value)
 
@@ -21,8 +21,10 @@ below half the smallest subnormal (2^-10) round to a zero of their sign; BF16 su
 
 Open FP8 pages have the BF16 open page's shape, ``[2, 16, H, D]``, at one byte a value
 (:class:`Fp8PageLayout`), in the same arena; the page location tag (format/layout.py) is
-unchanged. The Triton decode kernel (``fp8_attention.py``) dequantizes with integer and fp32
-arithmetic (:func:`e4m3_dequant`), which equals :func:`dequantize_e4m3` bit for bit.
+unchanged. The Triton kernels quantize (:func:`e4m3_quant`, the CUDA store in rope_store.py) and
+dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py) with integer and fp32
+arithmetic, equal to :func:`quantize_e4m3` / :func:`dequantize_e4m3` bit for bit (NaNs' sign and
+payload aside).
 
 (The lossless FP8 block codec and ``zipfusion analyze --kv-dtype fp8`` are separate work
 (``format/fp8.py``); the quantizer here is meant to be unified with that module's.)
@@ -46,11 +48,12 @@ except ImportError:                    # no Triton: the torch functions still wo
 
 
 def quantize_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``x`` (any float dtype) -> E4M3 bytes (torch.uint8, same shape): x / scale rounded to the
-    nearest E4M3 value (ties to even), saturating at +-448; NaN stays NaN (module docstring)."""
+    """``x`` (any float dtype) -> E4M3 bytes (torch.uint8, same shape): x · (1/scale) in fp32
+    rounded to the nearest E4M3 value (ties to even), saturating at +-448; NaN stays NaN (module
+    docstring). The kernels' :func:`e4m3_quant` gives the same bytes (a NaN's sign aside)."""
     y = x.float()
     if scale != 1.0:
-        y = y / scale
+        y = y * (1.0 / scale)
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -111,6 +114,26 @@ if triton is not None:
         mag = tl.where((x & 0x7F) == 0x7F, float("nan"), mag)
         val = (mag.to(tl.int32, bitcast=True) | ((x >> 7) << 31)).to(tl.float32, bitcast=True)   # sign; -0 too
         return bf16_rne(val * scale)
+
+    @triton.jit
+    def e4m3_quant(x, inv_scale):
+        """Values -> E4M3 bytes (uint8) of y = fp32(x)·inv_scale, as :func:`quantize_e4m3` with
+        scale = 1/inv_scale (the same bits for scale 1 or a power of 2): |y| clamped to 448;
+        normals (|y| >= 2^-6) rounded to 3 mantissa bits to nearest even on the fp32 bits
+        (bits + 0x7FFFF + bit 20, >> 20, less the exponent bias difference 120 << 3); subnormals
+        m = round_half_even(|y|·2^9) (m = 8 is the smallest normal, byte 0x08); the sign as a bit
+        (-0 and negative values rounding to 0 give 0x80); NaN -> 0x7F."""
+        y = x.to(tl.float32) * inv_scale
+        sign = (y.to(tl.uint32, bitcast=True) >> 31) << 7
+        a = tl.where(tl.abs(y) < 448.0, tl.abs(y), 448.0)
+        ab = a.to(tl.uint32, bitcast=True)
+        normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+        q = a * 512.0                                   # exact; < 8 where it is used
+        fl = q.to(tl.uint32)                            # floor (q >= 0)
+        frac = q - fl.to(tl.float32)
+        sub = fl + ((frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))).to(tl.uint32)
+        byte = tl.where(a < 0.015625, sub, normal) | sign
+        return tl.where(y != y, 0x7F, byte).to(tl.uint8)
 
     @triton.jit
     def bf16_rne(v):
