@@ -25,7 +25,8 @@ request's logits do not depend on its batch: the only difference between modes i
     PYTHONPATH=src python benchmarks/fp8_accuracy.py            # both models, 32 prompts x 64 tokens
     PYTHONPATH=src python benchmarks/fp8_accuracy.py --models demo --prompts 4 --max-tokens 8   # a smoke run
 
-Writes benchmarks/results/fp8_accuracy_cpu/fp8_accuracy.{json,png} (``--out``) and prints a table.
+Writes benchmarks/results/fp8_accuracy_cpu/fp8_accuracy.{json,png} (``--out``) and prints a table
+(``--replot``: the PNG again from the JSON).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def plot(results: dict, path: Path) -> None:
         b = axes[0].bar(xs, share, w, color=colors[mode], label=mode)
         axes[0].bar_label(b, fmt="%.0f%%", fontsize=8)
         b = axes[1].bar(xs, kl, w, color=colors[mode], label=mode)
-        axes[1].bar_label(b, labels=[f"{v:.2g}" for v in kl], fontsize=8)
+        axes[1].bar_label(b, labels=[f"{v:.3g}" for v in kl], fontsize=8)
     for ax, title in ((axes[0], "greedy outputs identical to bf16 (% of prompts)"),
                       (axes[1], "mean KL(bf16 || mode) of next-token distributions (nats)")):
         ax.set_xticks(range(len(models)), models)
@@ -229,7 +230,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out, run nothing")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads((args.out / "fp8_accuracy.json").read_text())["results"], args.out / "fp8_accuracy.png")
+        return
     torch.set_num_threads(args.threads)
     results = {}
     t0 = time.perf_counter()
