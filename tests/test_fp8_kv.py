@@ -336,6 +336,26 @@ def test_deterministic_fp8_outputs_do_not_depend_on_the_batch(backend):
     assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
 
 
+def test_continuation_chunks_read_the_dequantized_pages():
+    """A prompt prefilled whole (its fresh K/V as stored), in 24-token chunks (later chunks over
+    the pages restored by the cache: GatherPrefill) and in 16-token chunks through the FP8 decode
+    kernel (rows): the same tokens, logits within bf16 rounding of each other."""
+    text = ("In the beginning God created the heaven and the earth. And the earth was without form, "
+            "and void; and darkness was upon the face of the deep.")
+    res = {}
+    for name, kw in (("whole", dict(max_num_batched_tokens=8192)), ("gather", dict(max_num_batched_tokens=24)),
+                     ("rows", dict(max_num_batched_tokens=16, attention_backend="kernel"))):
+        with LLM("demo", device="cpu", kv_cache_dtype="fp8", kv_memory_gb=0.05, **kw) as llm:
+            ids = llm.tokenizer.encode(text)
+            assert len(ids) > 32
+            r = llm.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            run_to_completion(llm.engine, [r], keep_logits=True)
+            res[name] = (r.output_ids, torch.stack(r.logits).float())
+    for name in ("gather", "rows"):
+        assert res[name][0] == res["whole"][0]
+        assert float((res[name][1] - res["whole"][1]).abs().max()) <= 0.0625
+
+
 def test_fp8_pages_survive_preemption_eviction_and_the_host_tier():
     """Deterministic fp8 under memory pressure (preemption, recompute, prefix-cache eviction): the
     same tokens with a host tier that brings evicted FP8 pages back as without one."""

@@ -96,7 +96,7 @@ class AttentionBackend:
             self.decode = FlashInferPagedDecode(cache, sm_scale, num_qo_heads)
         else:
             self.decode = TorchDecode(cache, sm_scale, exact=deterministic)
-        read = page_reader(cache, kind != "torch" and not fp8, kv_compression)
+        read = page_reader(cache, kind != "torch", kv_compression)
         if deterministic:
             self.prefill_open = self.prefill_stored = RowsPrefill(
                 self.decode, read if kind == "kernel" and kv_compression else None)
