@@ -408,9 +408,9 @@ def test_fp8_kernel_large_cases_gpu(G, D):
     (arena, loc, lay), (barena, bloc, blay), deq = fp8_pages(P, H, D, seed=G, scale=(0.5, 2.0))
     g = torch.Generator().manual_seed(G)
     B = 6
-    q = torch.randn(B, H * G, D, generator=g).to(torch.bfloat16).cuda()
-    bt = torch.stack([torch.randperm(P, generator=g)[:256] for _ in range(B)]).to(torch.int32).cuda()
-    lens = torch.tensor([4096, 1, 17, 2000, 4095, 333], dtype=torch.int32).cuda()
+    q = torch.randn(B, H * G, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    bt = torch.stack([torch.randperm(P, generator=g)[:256] for _ in range(B)]).to(torch.int32).to(DEVICE)
+    lens = torch.tensor([4096, 1, 17, 2000, 4095, 333], dtype=torch.int32).to(DEVICE)
     for split in ({}, {"split_pages": 64}):
         got = decode_attention_fp8(q, arena, loc, bt, lens, lay, D ** -0.5, k_scale=0.5, v_scale=2.0, **split)
         twin = decode_attention_uncompressed(q, barena, bloc, bt, lens, blay, D ** -0.5, backend="triton", **split)
