@@ -43,6 +43,10 @@ PREFILL_SPLIT_GRAIN = 2048
 TP_START_METHODS = ("spawn", "forkserver")
 TP_TIMEOUT_S = 600.0             # how long a tensor-parallel collective waits for a peer
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
+# kv_cache_dtype: the names accepted (vLLM spells fp8 "fp8_e4m3"; "auto" is the model's, bf16) and
+# the canonical name each stands for (EngineConfig keeps the canonical one)
+KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPE_CANONICAL = {"auto": "bf16", "bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 
 def _opt(default, help: str, **kw):
@@ -60,7 +64,14 @@ class EngineConfig:
     dtype: str = _opt("bfloat16", "bfloat16, or float32 (needs --no-kv-compression)")
     kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 only)",
                                 off_help="keep KV pages uncompressed (default: full pages are kept losslessly "
-                                         "compressed; needed for --dtype float32)")
+                                         "compressed; needed for --dtype float32; always off with "
+                                         "--kv-cache-dtype fp8)")
+    kv_cache_dtype: str = _opt(
+        "bf16", "how K/V values are stored: bf16 (exact; losslessly compressed unless --no-kv-compression) or "
+                "fp8 (E4M3, one byte a value: about 2x the KV pages in the same memory. LOSSY: each K/V value "
+                "is rounded to 3 mantissa bits and |x| > 448 saturates (per-tensor scale 1.0, as vLLM's "
+                "default); outputs differ from bf16. FP8 pages are not compressed: kv_compression is off "
+                "with fp8). Also accepted: auto (= bf16), fp8_e4m3 (= fp8)", choices=KV_CACHE_DTYPE_NAMES)
     kv_memory_gb: float | None = _opt(None, "GiB for the KV cache (default: what the GPU has free after "
                                             f"the weights x {GPU_MEMORY_UTILIZATION} - "
                                             f"{ACTIVATION_RESERVE_GB} GiB; {CPU_KV_MEMORY_GB} on CPU)")
@@ -177,11 +188,31 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
 
+        self.kv_cache_dtype = KV_CACHE_DTYPE_CANONICAL[self.kv_cache_dtype]
+        if self.kv_cache_dtype == "fp8":
+            self._check_fp8()
         if self.attention_backend == "flashinfer":
             if self.kv_compression:
                 raise ValueError("attention_backend='flashinfer' reads uncompressed pages only; pass kv_compression=False")
             if self.deterministic:
                 raise ValueError("attention_backend='flashinfer' is not batch-invariant; drop deterministic=True")
+
+    def _check_fp8(self) -> None:
+        """kv_cache_dtype='fp8': bf16 activations, pages never compressed (kv_compression turned
+        off), our Triton decode kernel or torch (no FlashInfer, no packed decode)."""
+        self.kv_compression = False
+        if str(self.dtype).lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
+            raise ValueError(f"kv_cache_dtype='fp8' runs with dtype='bfloat16' activations, got dtype={self.dtype!r}")
+        if self.attention_backend == "flashinfer":
+            raise ValueError("attention_backend='flashinfer' does not read FP8 pages; drop kv_cache_dtype='fp8' "
+                             "or use attention_backend='auto'")
+        if self.packed_decode:
+            raise ValueError("packed_decode does not read FP8 pages; drop packed_decode or kv_cache_dtype='fp8'")
+
+    @property
+    def kv_lossy(self) -> bool:
+        """Whether the KV cache changes the values it holds (fp8); bf16 keeps every bit."""
+        return self.kv_cache_dtype != "bf16"
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **options) -> "EngineConfig":

@@ -7,7 +7,8 @@ When it is built the backend picks one object for each of three routes, by the c
 device, and keeps them:
 
 * ``decode`` (attention_decode.py): a decode row over its request's pages -- our kernel (fused
-  over compressed pages, or uncompressed), torch, or FlashInfer's;
+  over compressed pages, or uncompressed; the Triton FP8 kernel over FP8 pages), torch, or
+  FlashInfer's;
 * ``prefill_open`` (attention_prefill_open.py): a chunk that starts its request, over its own
   fresh K/V (cuDNN on the GPU, SDPA elsewhere);
 * ``prefill_stored`` (attention_prefill_stored.py): a chunk that continues its request, over the
@@ -41,7 +42,7 @@ import torch
 from ..config import PREFILL_SPLIT_GRAIN, PREFILL_SPLIT_MIN_TOKENS
 from ..format import PAGE_TOKENS
 from ..models.llama import KVCacheStep
-from .attention_decode import FlashInferPagedDecode, KernelDecode, TorchDecode
+from .attention_decode import FlashInferPagedDecode, Fp8KernelDecode, KernelDecode, TorchDecode
 from .attention_prefill_open import CUDNN_BUCKET, OpenPrefill, cudnn_takes
 from .attention_prefill_stored import GatherPrefill, RowsPrefill, page_reader
 from .packing import PackedPlan, plan_packed, rows_per_request
@@ -83,7 +84,12 @@ class AttentionBackend:
             kind = "kernel" if cache.device.type == "cuda" and arena is not None else "torch"
         self.kind, self.cache, self.sm_scale, self.num_qo_heads = kind, cache, sm_scale, num_qo_heads
         self.split_grain = split_grain
-        if kind == "kernel":
+        fp8 = cache.kv_dtype == "fp8"           # E4M3 pages (fp8_kv_cache.py): read by the FP8 kernel or torch
+        if fp8 and kind == "flashinfer":
+            raise ValueError("attention_backend='flashinfer' does not read FP8 pages; use 'auto', 'kernel' or 'torch'")
+        if kind == "kernel" and fp8:
+            self.decode = Fp8KernelDecode(cache, sm_scale, deterministic=deterministic, check_pages=check_pages)
+        elif kind == "kernel":
             self.decode = KernelDecode(cache, sm_scale, compressed=kv_compression, deterministic=deterministic,
                                        check_pages=check_pages)
         elif kind == "flashinfer":
@@ -100,7 +106,7 @@ class AttentionBackend:
                                                 split_min_tokens, split_grain)
         # decode rows behind one shared prefix share the decode kernel's restores of its pages
         # (packing.py); not batch-invariant
-        self.packed = packed and kind == "kernel" and not deterministic
+        self.packed = packed and kind == "kernel" and not deterministic and not fp8
         self._packed: PackedPlan | None = None             # this step's, from prepare_decode
         self._packed_buffers: PackedPlan | None = None    # packed CUDA graphs' inputs (packed_graph_buffers)
 

@@ -53,7 +53,10 @@ ROWS_MAX_TOKENS = 16
 def page_reader(cache, kernels: bool, compressed: bool):
     """``read(layer, pages, n) -> K, V [n, H, D]``: a request's first n tokens restored from its
     pages (int32 ``pages`` on the cache's device). ``kernels``: the kernels' restore over the
-    arena (``gather_kv``); otherwise the cache reads them (torch, any cache)."""
+    arena (``gather_kv``); otherwise the cache reads them (torch, any cache; FP8 pages dequantized
+    from the device tensor itself, no host sync)."""
+    if cache.kv_dtype == "fp8":
+        return lambda layer, pages, n: cache.read_tokens(layer, pages, n)
     if not kernels:
         return lambda layer, pages, n: cache.read_tokens(layer, pages.tolist(), n)
 

@@ -10,6 +10,7 @@ import torch
 
 from ..config import ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, GPU_MEMORY_UTILIZATION, EngineConfig
 from ..memory import BudgetTooSmall
+from .fp8_kv_cache import Fp8KVCache
 from .kv_cache import ArenaKVCache, DenseKVCache
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -65,14 +66,17 @@ def kv_memory_gb(config: EngineConfig, device: torch.device) -> float:
 
 def build_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, gb: float,
                    tp_size: int = 1):
-    """The KV cache of ``gb`` GiB for this rank's 1/tp_size of the KV heads: compressed pages in an
-    arena (ArenaKVCache) in bfloat16, dense pages (DenseKVCache) otherwise."""
+    """The KV cache of ``gb`` GiB for this rank's 1/tp_size of the KV heads: pages in an arena in
+    bfloat16 (ArenaKVCache, compressed or not; Fp8KVCache with ``kv_cache_dtype="fp8"``: E4M3
+    pages, one byte a value), dense pages (DenseKVCache) otherwise."""
     mc, budget = model_config, int(gb * 2**30)
     L, H, D = mc.num_hidden_layers, mc.num_key_value_heads // tp_size, mc.head_dim
     if dtype != torch.bfloat16:
         return DenseKVCache(L, H, D, DenseKVCache.pages_for(budget, L, H, D, dtype), dtype, device)
     kw = {"chunk_bytes": config.chunk_bytes} if config.chunk_bytes else {}
     try:
+        if config.kv_cache_dtype == "fp8":
+            return Fp8KVCache(L, H, D, budget, device, defer_table_sync=True, **kw)
         return ArenaKVCache(L, H, D, budget, device, kv_compression=config.kv_compression,
                             defer_table_sync=True, **kw)
     except BudgetTooSmall as exc:

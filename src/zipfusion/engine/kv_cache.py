@@ -29,6 +29,7 @@ class KVCache:
     dtype: torch.dtype
     device: torch.device
     kv_compression: bool = False
+    kv_dtype: str = "bf16"        # how K/V values are stored: "bf16" (exact), "fp8" (E4M3, fp8_kv_cache.py)
 
     def read_tokens(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [n_tokens, H, D] of a request's first ``n_tokens`` tokens (its prefix)."""
@@ -48,6 +49,8 @@ class KVCache:
 class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 
+    layout_class = PageLayout     # a page's geometry (Fp8KVCache: one byte a value)
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
                  device, kv_compression: bool = True, merged_store: bool | None = None,
                  defer_table_sync: bool = False, **manager_kwargs):
@@ -58,7 +61,7 @@ class ArenaKVCache(KVCache):
         copy per change (~10,000 per run in the mix)."""
         from ..memory import KVCacheManager
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.layout = PageLayout(num_kv_heads, head_dim)
+        self.layout = self.layout_class(num_kv_heads, head_dim)
         self.dtype, self.device = torch.bfloat16, torch.device(device)
         self.kv_compression = kv_compression
         self.manager = KVCacheManager(num_layers, self.layout, int(budget_bytes), self.device,

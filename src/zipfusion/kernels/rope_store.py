@@ -11,9 +11,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..format.layout import PAGE_TOKENS, open_bf16_index
+from ..format.layout import PAGE_TOKENS, loc_offset, open_bf16_index
+from .fp8_kv import bf16_rne, e4m3_dequant, e4m3_quant   # (never copied for the interpreter: one mode)
 
 _open_bf16_index = triton.jit(open_bf16_index)
+_loc_offset = triton.jit(loc_offset)
 PAGE_TOKENS_C = tl.constexpr(PAGE_TOKENS)
 
 
@@ -39,17 +41,16 @@ def _round(x, dtype: tl.constexpr):
     """fp32 -> ``dtype``. bf16: round to nearest even by integer ops, torch's rounding on every
     backend (the Triton interpreter's own cast truncates); NaN -> the canonical bf16 NaN."""
     if dtype == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        b = tl.where(x != x, 0x7FC0, b)
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return bf16_rne(x)
     return x.to(dtype)
 
 
 @triton.jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, arena16_ptr,
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr, arena_ptr,
                        page_loc_ptr, page_ids_ptr, slots_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
-                       HQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, STORE_K: tl.constexpr):
+                       inv_k_scale, inv_v_scale, k_scale, v_scale,
+                       HQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, STORE_K: tl.constexpr,
+                       FP8: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -65,26 +66,46 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_p
         h = head - HQ
         o1, o2 = _rotate(k_ptr + t * sk_t + h * sk_h, cos, sin, c, HALF)
         k1, k2 = _round(o1, tl.bfloat16), _round(o2, tl.bfloat16)
-        if STORE_K:
-            dst = k_out_ptr + (t * H + h) * D
-            tl.store(dst + c, _round(o1, k_out_ptr.dtype.element_ty))
-            tl.store(dst + HALF + c, _round(o2, k_out_ptr.dtype.element_ty))
         vsrc = v_ptr + t * sv_t + h * sv_h
+        v1 = _round(tl.load(vsrc + c).to(tl.float32), tl.bfloat16)
+        v2 = _round(tl.load(vsrc + HALF + c).to(tl.float32), tl.bfloat16)
         page = tl.load(page_ids_ptr + t)
         slot = tl.load(slots_ptr + t)
-        base = _open_bf16_index(tl.load(page_loc_ptr + page))      # an open page
-        k_dst = arena16_ptr + base + (slot * H + h) * D
-        v_dst = arena16_ptr + base + ((PAGE_TOKENS_C + slot) * H + h) * D
+        loc = tl.load(page_loc_ptr + page)                          # an open page
+        if FP8:         # E4M3 bytes (fp8_kv.py); k_out, v_out: the values as stored
+            base = _loc_offset(loc)
+            k1, k2 = e4m3_quant(k1, inv_k_scale), e4m3_quant(k2, inv_k_scale)
+            v1, v2 = e4m3_quant(v1, inv_v_scale), e4m3_quant(v2, inv_v_scale)
+            if STORE_K:
+                row = (t * H + h) * D
+                tl.store(k_out_ptr + row + c, e4m3_dequant(k1, k_scale))
+                tl.store(k_out_ptr + row + HALF + c, e4m3_dequant(k2, k_scale))
+                tl.store(v_out_ptr + row + c, e4m3_dequant(v1, v_scale))
+                tl.store(v_out_ptr + row + HALF + c, e4m3_dequant(v2, v_scale))
+        else:
+            base = _open_bf16_index(loc)
+            if STORE_K:
+                dst = k_out_ptr + (t * H + h) * D
+                tl.store(dst + c, _round(o1, k_out_ptr.dtype.element_ty))
+                tl.store(dst + HALF + c, _round(o2, k_out_ptr.dtype.element_ty))
+        k_dst = arena_ptr + base + (slot * H + h) * D
+        v_dst = arena_ptr + base + ((PAGE_TOKENS_C + slot) * H + h) * D
         tl.store(k_dst + c, k1)
         tl.store(k_dst + HALF + c, k2)
-        tl.store(v_dst + c, _round(tl.load(vsrc + c).to(tl.float32), tl.bfloat16))
-        tl.store(v_dst + HALF + c, _round(tl.load(vsrc + HALF + c).to(tl.float32), tl.bfloat16))
+        tl.store(v_dst + c, v1)
+        tl.store(v_dst + HALF + c, v2)
 
 
-def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, want_k: bool = False):
+def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, want_k: bool = False,
+                   fp8_scales: tuple[float, float] | None = None):
     """q [T, Hq, D], k, v [T, H, D] (views with unit channel stride), cos/sin [T, D/2] fp32 ->
     (rotated q [T, Hq, D], rotated k [T, H, D] if ``want_k`` else None); rotated k and v are
-    written as bf16 into the open pages ``page_ids[t]`` at slot ``slots[t]`` of this layer."""
+    written as bf16 into the open pages ``page_ids[t]`` at slot ``slots[t]`` of this layer.
+
+    ``fp8_scales`` = (k_scale, v_scale): the pages are FP8 (fp8_kv.Fp8PageLayout) and k, v are
+    written as E4M3 bytes of bf16(k)/k_scale, bf16(v)/v_scale (fp8_kv.quantize_e4m3's bits for
+    scales that are powers of 2, 1 included); returns (q, k', v') with k', v' the values as
+    stored (dequantized; None unless ``want_k``)."""
     import torch
     T, HQ, D = q.shape
     H = k.shape[1]
@@ -93,10 +114,15 @@ def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, wa
             raise ValueError(f"rope_and_store: {name} needs unit stride over channels")
     q_out = torch.empty(T, HQ, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, H, D, dtype=k.dtype, device=k.device) if want_k else q_out
+    v_out = torch.empty(T, H, D, dtype=v.dtype, device=v.device) if want_k and fp8_scales else q_out
+    ks, vs = fp8_scales or (1.0, 1.0)
     if T:
-        n2 = arena.numel() // 2 * 2
+        target = arena if fp8_scales else arena[:arena.numel() // 2 * 2].view(torch.bfloat16)
         _rope_store_kernel[(T, HQ + H)](
-            q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_out, arena[:n2].view(torch.bfloat16),
+            q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_out, v_out, target,
             page_loc_layer, page_ids, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), HQ=HQ, H=H, D=D, STORE_K=want_k)
+            v.stride(0), v.stride(1), 1.0 / ks, 1.0 / vs, ks, vs, HQ=HQ, H=H, D=D, STORE_K=want_k,
+            FP8=fp8_scales is not None)
+    if fp8_scales:
+        return q_out, (k_out if want_k else None), (v_out if want_k else None)
     return q_out, (k_out if want_k else None)

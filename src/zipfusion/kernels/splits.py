@@ -14,6 +14,7 @@ any batch. Without it the split count comes from the caller's heuristic (``defau
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -59,3 +60,34 @@ def plan_splits(out: torch.Tensor, max_pages: int, num_splits: int | None,
     part_o = torch.empty(B * Hq * S * D, dtype=torch.float32, device=out.device)
     part_lse = torch.empty(B * Hq * S, dtype=torch.float32, device=out.device)
     return SplitPlan(S, pages, part_o, part_lse)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages: int,
+                       device: torch.device) -> int:
+    """Split-KV factor: about 4 programs per SM, each with at least 4 tiles of work."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    want = -(-4 * sms // max(1, batch * num_kv_heads))
+    most = max(1, max_pages // (4 * tile_pages))
+    return int(max(1, min(want, most, 64)))
+
+
+def tile_plan(out: torch.Tensor, batch: int, num_kv_heads: int, max_pages: int, num_splits, split_pages,
+              tile_pages, interpreted: bool) -> tuple[int, SplitPlan | None]:
+    """A Triton decode launch's tile of TP pages and its :class:`SplitPlan` (None for an empty
+    batch). ``tile_pages`` (a power of 2; default 2 compiled, 1 interpreted, and a divisor of
+    ``split_pages``); ``split_pages`` must be a multiple of TP."""
+    TP = tile_pages or (1 if interpreted else 2)
+    if tile_pages is None and split_pages is not None:
+        TP = math.gcd(TP, split_pages)              # a default tile that divides the split
+    if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
+        raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
+    if split_pages is not None and split_pages % TP:
+        raise ValueError(f"split_pages={split_pages} must be a multiple of the Triton kernel's "
+                         f"tile of {TP} pages (tile_pages={TP})")
+    if batch == 0:
+        return TP, None
+    return TP, plan_splits(out, max_pages, num_splits, split_pages,
+                           lambda: default_num_splits(batch, num_kv_heads, max_pages, TP, out.device), TP)

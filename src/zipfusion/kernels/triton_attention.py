@@ -45,12 +45,11 @@ Under the interpreter (``INTERPRET``: CPU) ``prmt`` is replaced by shifts and ma
 dots run on fp32-upcast operands (exact for bf16 products; the interpreter's bf16 dot is wrong).
 
 The tile loads (``_load_meta``, ``_tile_load``), the restore and the softmax update
-(``_tile_compute``) also serve the prefill kernel (``prefill_attention.py``).
+(``_tile_compute``) also serve the prefill kernel (``prefill_attention.py``); the arithmetic after
+the restore (``attend_tile``) and a slice's store (``store_split``) serve the FP8 kernel too.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -59,7 +58,7 @@ import triton.language as tl
 from ..format import triton_restore
 from ..format.layout import PAGE_TOKENS, loc_is_compressed, loc_is_open, loc_offset
 from ..triton_interpreter import kernel_module, same_mode
-from .splits import plan_splits
+from .splits import tile_plan
 
 
 def _interpreting() -> bool:
@@ -338,8 +337,15 @@ def _tile_compute(mask, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo,
     running max m_i, sum l_i and accumulator acc [M, D] (M query rows). ``mask`` (broadcast to
     [M, R]) keeps the scores it is true for, where ``MASKED`` (else every score is kept)."""
     k = _restore_tile(k_p4, k_lo, k_code, k_meta, k_esc, k_packed, any_esc, COMPRESSED, INTERPRET)
-    qk = _dot(q, tl.trans(k), tl.full([q.shape[0], k.shape[0]], 0.0, tl.float32), INTERPRET)
     v = _restore_tile(v_p4, v_lo, v_code, v_meta, v_esc, v_packed, any_esc, COMPRESSED, INTERPRET)
+    return attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET, MASKED)
+
+
+@triton.jit
+def attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, MASKED: tl.constexpr):
+    """The arithmetic after the restore, shared by every kernel that reads pages (the FP8 kernel
+    of fp8_attention.py too): k, v [R, D] bf16; S = q·Kᵀ, one online-softmax update."""
+    qk = _dot(q, tl.trans(k), tl.full([q.shape[0], k.shape[0]], 0.0, tl.float32), INTERPRET)
     if MASKED:
         qk = tl.where(mask, qk * qk_scale, float("-inf"))
     else:
@@ -405,6 +411,17 @@ def _decode_attention_kernel(
         (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta, v_esc,
          v_packed, any_esc) = nxt
 
+    store_split(acc, m_i, l_i, q_rows, s, num_splits, out_ptr, part_o_ptr, part_lse_ptr, G, D)
+
+
+@triton.jit
+def store_split(acc, m_i, l_i, q_rows, s, num_splits, out_ptr, part_o_ptr, part_lse_ptr,
+                G: tl.constexpr, D: tl.constexpr):
+    """A slice's result: o = acc / l (bf16 into ``out`` when it is the only split), else o and
+    lse = m + log2 l into the partials the merge kernel reads. Rows past G are padding."""
+    gq = tl.arange(0, acc.shape[0])
+    qmask = (gq < G)[:, None]
+    d = tl.arange(0, D)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     if num_splits == 1:
         tl.store(out_ptr + q_rows[:, None] * D + d[None, :], o.to(tl.bfloat16), mask=qmask)
@@ -451,42 +468,19 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, n
 # Host side
 # ------------------------------------------------------------------------------------------
 
-def _default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages: int,
-                        device: torch.device) -> int:
-    """Split-KV factor: about 4 programs per SM, each with at least 4 tiles of work."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
-    want = -(-4 * sms // max(1, batch * num_kv_heads))
-    most = max(1, max_pages // (4 * tile_pages))
-    return int(max(1, min(want, most, 64)))
-
-
 def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens, num_kv_heads,
                             qk_scale, out, *, compressed, num_splits=None, split_pages=None,
                             tile_pages=None, num_warps=None):
     """Launch the Triton kernel (and the merge when there are several splits). Inputs are
-    checked by the caller; ``qk_scale`` is sm_scale·log2(e). ``tile_pages`` (TP, a power of 2;
-    default 2 compiled, 1 interpreted, and a divisor of ``split_pages``) and ``num_warps`` tune
-    the kernel; ``split_pages`` must be a multiple of TP."""
+    checked by the caller; ``qk_scale`` is sm_scale·log2(e). ``tile_pages`` (splits.tile_plan)
+    and ``num_warps`` tune the kernel."""
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     B, Hq, D = q.shape
     H = num_kv_heads
     G = Hq // H
-    TP = tile_pages or (1 if interp else 2)
-    if tile_pages is None and split_pages is not None:
-        TP = math.gcd(TP, split_pages)              # a default tile that divides the split
-    if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
-        raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
-    if split_pages is not None and split_pages % TP:
-        raise ValueError(f"split_pages={split_pages} must be a multiple of the Triton kernel's "
-                         f"tile of {TP} pages (tile_pages={TP})")
-    if B == 0:
+    TP, plan = tile_plan(out, B, H, block_table.shape[1], num_splits, split_pages, tile_pages, interp)
+    if plan is None:
         return out
-    max_pages = block_table.shape[1]
-    plan = plan_splits(out, max_pages, num_splits, split_pages,
-                       lambda: _default_num_splits(B, H, max_pages, TP, q.device), TP)
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
     attn_kernel[(B, H, plan.count)](
         q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,

@@ -48,6 +48,13 @@ from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, _Bod
 log = logging.getLogger("zipfusion.server")
 
 
+def kv_cache_metadata(config) -> dict:
+    """What /v1/models says of the KV cache: how values are stored and whether that is lossy
+    (fp8: E4M3, outputs differ from bf16) or not (bf16, compressed or not: every bit kept)."""
+    return {"kv_cache_dtype": config.kv_cache_dtype, "kv_compression": config.kv_compression,
+            "lossy": config.kv_lossy}
+
+
 def default_model_name(source) -> str:
     """The name a model is served under when --served-model-name is not given: a checkpoint
     folder's name or a .gguf file's stem, never the absolute path the server was given."""
@@ -99,7 +106,8 @@ class OpenAIServer:
     async def models(self):
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "zipfusion",
                                             "root": self.name,
-                                            "max_model_len": self.engine.max_model_len}
+                                            "max_model_len": self.engine.max_model_len,
+                                            **kv_cache_metadata(self.engine.config)}
                                            for n in self.names]}
 
     async def prometheus(self):

@@ -1,0 +1,70 @@
+"""The FP8 KV cache (``kv_cache_dtype="fp8"``): E4M3 pages in the memory manager's arena.
+
+:class:`Fp8KVCache` is an :class:`~.kv_cache.ArenaKVCache` whose pages hold one byte a value
+(``kernels.fp8_kv.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3), never compressed. The arena, the
+allocator and admission count pages by the layout's ``open_page_bytes``, so the same
+``kv_memory_gb`` holds about twice the pages of BF16 (uncompressed). It is lossy
+(kernels/fp8_kv.py has the rounding): every value is stored as ``E4M3_RNE(clamp(x / s, ±448))``
+and read as ``bf16(E4M3 · s)``, with per-tensor scales ``k_scale``, ``v_scale`` (default 1.0,
+as vLLM's).
+
+* ``store``: rope (models.layers.apply_rope), then K/V quantized into the open pages: torch ops
+  on the CPU, on CUDA the merged Triton rope+store kernel (kernels/rope_store.py, its FP8
+  variant: the same bits; ``merged_store`` as for BF16). When the step's fresh K/V are wanted
+  (prefill chunks attend to them, attention_prefill_open.py) it returns them *as the pages hold
+  them* (quantized and read back),
+  so a prompt's own tokens see exactly what later tokens, a prefix-cache hit or a recompute see.
+* ``read_pages``: pages read back dequantized to BF16 (the torch decode route, prefill over
+  stored pages).
+* decode: the Triton FP8 kernel (kernels/fp8_attention.py) reads the bytes in place
+  (engine/attention_decode.py: ``Fp8KernelDecode``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.fp8_kv import Fp8PageLayout, check_scale, dequantize_e4m3, quantize_e4m3
+from ..models.layers import apply_rope
+from .kv_cache import ArenaKVCache
+
+
+class Fp8KVCache(ArenaKVCache):
+    """E4M3 pages in the arena (module docstring); ``k_scale``, ``v_scale``: per-tensor scales."""
+
+    layout_class = Fp8PageLayout
+    kv_dtype = "fp8"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, device,
+                 k_scale: float = 1.0, v_scale: float = 1.0, **kwargs):
+        """``kwargs``: ArenaKVCache's (``kv_compression`` is always off; ``merged_store``: the
+        FP8 rope+store kernel, default on CUDA)."""
+        if kwargs.pop("kv_compression", False):
+            raise ValueError("kv_cache_dtype='fp8' pages are not compressed (lossless compression of FP8 "
+                             "pages is not supported yet); pass kv_compression=False")
+        self.k_scale, self.v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+        super().__init__(num_layers, num_kv_heads, head_dim, budget_bytes, device, kv_compression=False, **kwargs)
+
+    def store(self, layer, q, k, v, cos, sin, page_ids, slots, want_kv: bool):
+        """Rotate q, k and write k, v as E4M3 bytes into the open pages at (page_ids[t],
+        slots[t]); returns (q, k', v') rotated, k', v' the values the pages now hold (None
+        unless ``want_kv``). On CUDA (``merged_store``) one Triton kernel, the same bits."""
+        if self.merged_store:
+            from ..kernels.rope_store import rope_and_store
+            return rope_and_store(q, k, v, cos, sin, self.arena, self.page_loc[layer], page_ids, slots,
+                                  want_k=want_kv, fp8_scales=(self.k_scale, self.v_scale))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        idx = self.layout.open_elements(self.page_loc[layer, page_ids], slots)        # [T, 2, H, D]
+        kb, vb = quantize_e4m3(k, self.k_scale), quantize_e4m3(v, self.v_scale)
+        self.arena.index_copy_(0, idx.reshape(-1), torch.stack([kb, vb], dim=1).reshape(-1))
+        if not want_kv:
+            return q, None, None
+        return q, dequantize_e4m3(kb, self.k_scale, k.dtype), dequantize_e4m3(vb, self.v_scale, v.dtype)
+
+    def read_pages(self, layer, ids):
+        """Pages [n, 2, 16, H, D] bf16: K as bf16(E4M3 · k_scale), V as bf16(E4M3 · v_scale)."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).to(self.device)
+        H, D = self.num_kv_heads, self.head_dim
+        raw = self.arena[self.layout.page_byte_index(self.page_loc[layer, ids])].view(-1, 2, 16, H, D)
+        return torch.stack([dequantize_e4m3(raw[:, 0], self.k_scale), dequantize_e4m3(raw[:, 1], self.v_scale)],
+                           dim=1)

@@ -1,0 +1,124 @@
+"""Paged decode attention over FP8 (E4M3) pages: the Triton kernel and its entry point.
+
+The pages are open FP8 pages in the arena (``fp8_kv.Fp8PageLayout``: ``[2, 16, H, D]`` at one
+byte a value, at ``loc_offset(page_loc)``). Per tile of TP pages the kernel loads the K and V
+bytes of head h, dequantizes them (``fp8_kv.e4m3_dequant``: ``bf16(fp32(E4M3(byte)) · scale)``,
+``k_scale`` for K, ``v_scale`` for V) and then runs *the same arithmetic as the BF16 kernels*:
+``triton_attention.attend_tile`` (S = c·q Kᵀ with c = sm_scale·log2 e, online softmax in base 2,
+acc += P_bf16·V) and ``triton_attention.store_split``, with the same split plan
+(``splits.tile_plan``) and merge kernel. So its output equals, bit for bit, the uncompressed
+BF16 kernel's (``decode_attention_uncompressed``) over BF16 pages holding the dequantized
+values, with the same tile and splits; ``split_pages`` makes it batch-invariant as there.
+
+Triton on any GPU it compiles for and, on CPU tensors, through the interpreter (the dots on
+fp32-upcast operands there, as in the BF16 kernels). The CUDA C++ kernel does not read FP8:
+the engine's decode route for FP8 pages is this kernel (engine/attention_decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..format.layout import PAGE_TOKENS, loc_offset
+from ..triton_interpreter import kernel_module, same_mode
+from . import fp8_kv, triton_attention
+from .decode_attention import LOG2E, _check_inputs, check_ids
+from .fp8_kv import Fp8PageLayout, check_scale
+from .splits import check_split_args, tile_plan
+
+_TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode
+_attend_tile, _store_split = _TA.attend_tile, _TA.store_split
+_dequant = same_mode(fp8_kv).e4m3_dequant
+_loc_offset = triton.jit(loc_offset)
+PT = tl.constexpr(PAGE_TOKENS)
+
+
+def _interpreting() -> bool:
+    return not isinstance(_fp8_decode_kernel, triton.runtime.jit.JITFunction)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "pages_per_split", "num_splits"])
+def _fp8_decode_kernel(q_ptr, arena, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                       qk_scale, k_scale, v_scale, stride_bt, pages_per_split, num_splits,
+                       H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                       TP: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (b, h, s): request b, KV head h, split s; the G query heads of the group at once."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    R: tl.constexpr = TP * PT
+    ctx = tl.load(ctx_ptr + b)
+    n_pages = (ctx + PT - 1) // PT
+    p_begin = s * pages_per_split
+    p_end = tl.minimum(p_begin + pages_per_split, n_pages)
+
+    gq = tl.arange(0, G_PAD)
+    q_rows = (b * H * G + h * G + gq).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=(gq < G)[:, None], other=0.0)
+    r = tl.arange(0, R)
+    t = r % PT                      # token inside its page
+    slot = r // PT                  # page inside the tile
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
+    l_i = tl.full([G_PAD], 0.0, tl.float32)
+    acc = tl.full([G_PAD, D], 0.0, tl.float32)
+    for p0 in range(p_begin, p_end, TP):
+        page = p0 + slot
+        in_range = page < p_end
+        valid = in_range & (page * PT + t < ctx)
+        pid = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page, mask=in_range, other=0)
+        base = _loc_offset(tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1))
+        k_off = base + (t * H + h) * D              # role 0, slot t, head h (base: int64)
+        v_off = base + ((t + PT) * H + h) * D       # role 1
+        kb = tl.load(arena + k_off[:, None] + d[None, :], mask=valid[:, None], other=0)
+        vb = tl.load(arena + v_off[:, None] + d[None, :], mask=valid[:, None], other=0)
+        m_i, l_i, acc = _attend_tile(valid[None, :], _dequant(kb, k_scale), _dequant(vb, v_scale), q,
+                                     m_i, l_i, acc, qk_scale, INTERPRET, True)
+    _store_split(acc, m_i, l_i, q_rows, s, num_splits, out_ptr, part_o_ptr, part_lse_ptr, G, D)
+
+
+def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
+                         out=None, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                         num_splits: int | None = None, split_pages: int | None = None,
+                         validate: bool = True, tile_pages: int | None = None,
+                         num_warps: int | None = None):
+    """Paged decode attention over open FP8 pages (module docstring).
+
+    q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64; block_table int32 [B, W];
+    context_lens int32 [B]; ``layout`` an :class:`~.fp8_kv.Fp8PageLayout` -> [B, Hq, D] bf16::
+
+        o_b = softmax(sm_scale · q_b K'ᵀ) V',  K' = bf16(E4M3(K bytes) · k_scale),
+                                             V' = bf16(E4M3(V bytes) · v_scale)
+
+    over the first context_lens[b] tokens. ``num_splits``, ``split_pages`` (batch-invariant),
+    ``validate``, ``tile_pages``, ``num_warps``: as for ``decode_attention``.
+    """
+    if not isinstance(layout, Fp8PageLayout):
+        raise TypeError(f"layout must be a zipfusion.kernels.fp8_kv.Fp8PageLayout, got {type(layout).__name__}")
+    _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_split_args(num_splits, split_pages)
+    if validate:
+        check_ids(arena, page_loc_layer, block_table, context_lens, layout, "decode_attention_fp8")
+    q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    m = kernel_module(arena.device, __name__, __file__, _interpreting())
+    merge = triton_attention._kernels(arena.device)[1]
+    interp = arena.device.type == "cpu"
+    B, Hq, D = q.shape
+    H = layout.num_kv_heads
+    TP, plan = tile_plan(out, B, H, block_table.shape[1], num_splits, split_pages, tile_pages, interp)
+    if plan is None:
+        return out
+    G = Hq // H
+    m._fp8_decode_kernel[(B, H, plan.count)](
+        q, arena, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
+        float(sm_scale) * LOG2E, k_scale, v_scale, block_table.stride(0), plan.pages, plan.count,
+        H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, INTERPRET=interp,
+        num_warps=num_warps or 4, num_stages=1)
+    if plan.count > 1:
+        merge[(B * Hq,)](plan.part_o, plan.part_lse, out, context_lens, plan.pages, plan.count,
+                         HQ=Hq, D=D, num_warps=4)
+    return out

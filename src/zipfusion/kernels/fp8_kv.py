@@ -1,0 +1,146 @@
+"""FP8 (E4M3) KV pages: the quantizer, the dequantizer and the page geometry at one byte a value.
+
+``kv_cache_dtype="fp8"`` (EngineConfig) stores K and V as OCP E4M3 (``torch.float8_e4m3fn``:
+1 sign bit, 4 exponent bits with bias 7, 3 mantissa bits; no infinities; 0x7F / 0xFF are NaN;
+largest finite magnitude 448, smallest subnormal 2^-9). It is *lossy*: a BF16 value (8
+significant bits) keeps 4. Activations and weights stay BF16.
+
+Scales, as vLLM's fp8 KV cache: one ``k_scale`` and one ``v_scale`` (per tensor; default 1.0,
+vLLM's default when a checkpoint carries none). The arithmetic takes a scale so that per-(layer,
+head) scales can come later. With s the scale::
+
+    store:   byte = E4M3_RNE( clamp(fp32(x) · fp32(1/s), -448, 448) )   (round to nearest, ties
+                                                                  to even; saturating: |x/s| > 448 -> +-448)
+    read:    x'   = bf16( fp32(E4M3(byte)) * s )                  (exact for s = 1: an E4M3 value
+                                                                  is a BF16 value)
+
+Special inputs: +-inf saturate to +-448; NaN stays NaN (byte 0x7F or 0xFF, read back as NaN:
+attention over a NaN key or value gives NaN, as it does in BF16); -0 stays -0 (0x80); values
+below half the smallest subnormal (2^-10) round to a zero of their sign; BF16 subnormals
+(|x| < 2^-126) are far below that and become zeros too.
+
+Open FP8 pages have the BF16 open page's shape, ``[2, 16, H, D]``, at one byte a value
+(:class:`Fp8PageLayout`), in the same arena; the page location tag (format/layout.py) is
+unchanged. The Triton kernels quantize (:func:`e4m3_quant`, the CUDA store in rope_store.py) and
+dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py) with integer and fp32
+arithmetic, equal to :func:`quantize_e4m3` / :func:`dequantize_e4m3` bit for bit (NaNs' sign and
+payload aside).
+
+(The lossless FP8 block codec and ``zipfusion analyze --kv-dtype fp8`` are separate work
+(``format/fp8.py``); the quantizer here is meant to be unified with that module's.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..format.layout import PageLayout, loc_offset, open_bf16_index
+
+E4M3_MAX = 448.0                       # largest finite E4M3 magnitude (0x7E = 1.75 * 2^8)
+E4M3_NAN = 0x7F                        # the quiet NaN byte torch writes (sign bit 0)
+KV_CACHE_DTYPES = ("bf16", "fp8")      # the canonical names (config.py normalises aliases)
+
+try:       # the Triton interpreter runs a @jit function only where triton.language is visible to it
+    import triton
+    import triton.language as tl
+except ImportError:                    # no Triton: the torch functions still work
+    triton = tl = None
+
+
+def quantize_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``x`` (any float dtype) -> E4M3 bytes (torch.uint8, same shape): x · (1/scale) in fp32
+    rounded to the nearest E4M3 value (ties to even), saturating at +-448; NaN stays NaN (module
+    docstring). The kernels' :func:`e4m3_quant` gives the same bytes (a NaN's sign aside)."""
+    y = x.float()
+    if scale != 1.0:
+        y = y * (1.0 / scale)
+    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize_e4m3(b: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """E4M3 bytes (torch.uint8) -> ``dtype`` values fp32(E4M3(b)) * scale (rounded to ``dtype``)."""
+    y = b.view(torch.float8_e4m3fn).float()
+    if scale != 1.0:
+        y = y * scale
+    return y.to(dtype)
+
+
+def check_scale(name: str, scale) -> float:
+    """A KV scale: a positive finite float (one-line ValueError otherwise)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < float(scale) < float("inf"):
+        raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+class Fp8PageLayout(PageLayout):
+    """An open page ``[2, 16, H, D]`` at one byte a value (E4M3): half a BF16 page. FP8 pages
+    are never compressed (the compressed-page sizes of :class:`PageLayout` do not apply)."""
+
+    @property
+    def open_page_bytes(self) -> int:
+        return super().open_page_bytes // 2
+
+    def open_elements(self, page_loc: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Byte indices [T, 2, H, D] into the arena of slot ``slots[t]`` of the open page at
+        ``page_loc[t]``: role r, head h, channel c at
+        ``loc_offset(page_loc) + ((r·16 + slot)·H + h)·D + c`` (the BF16 layout's element order)."""
+        return super().open_elements(page_loc, slots) - open_bf16_index(page_loc).view(-1, 1, 1, 1) \
+            + loc_offset(page_loc).view(-1, 1, 1, 1)
+
+    def page_byte_index(self, page_loc: torch.Tensor) -> torch.Tensor:
+        """Byte indices [n, open_page_bytes] of whole open pages at ``page_loc`` [n]."""
+        return loc_offset(page_loc)[:, None] + torch.arange(self.open_page_bytes, device=page_loc.device)
+
+
+def _interpreting() -> bool:
+    """Whether this module's @jit helper was made by the Triton interpreter (same_mode asks)."""
+    return not isinstance(e4m3_dequant, triton.runtime.jit.JITFunction)
+
+
+if triton is not None:
+    @triton.jit
+    def e4m3_dequant(b, scale):
+        """E4M3 bytes (any integer tensor, values 0..255) -> bf16 of fp32(E4M3(b)) * scale.
+
+        s = b >> 7, e = (b >> 3) & 15, m = b & 7; |x| = m·2^-9 when e = 0 (subnormal), else the
+        fp32 with exponent field e - 7 + 127 and mantissa m << 20; NaN where b & 0x7F = 0x7F; the
+        sign is set as a bit (so -0 stays -0). Equal to :func:`dequantize_e4m3` bit for bit but
+        for the NaNs' payloads."""
+        x = b.to(tl.int32) & 0xFF
+        e = (x >> 3) & 15
+        m = x & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        mag = tl.where((x & 0x7F) == 0x7F, float("nan"), mag)
+        val = (mag.to(tl.int32, bitcast=True) | ((x >> 7) << 31)).to(tl.float32, bitcast=True)   # sign; -0 too
+        return bf16_rne(val * scale)
+
+    @triton.jit
+    def e4m3_quant(x, inv_scale):
+        """Values -> E4M3 bytes (uint8) of y = fp32(x)·inv_scale, as :func:`quantize_e4m3` with
+        scale = 1/inv_scale (the same bits for scale 1 or a power of 2): |y| clamped to 448;
+        normals (|y| >= 2^-6) rounded to 3 mantissa bits to nearest even on the fp32 bits
+        (bits + 0x7FFFF + bit 20, >> 20, less the exponent bias difference 120 << 3); subnormals
+        m = round_half_even(|y|·2^9) (m = 8 is the smallest normal, byte 0x08); the sign as a bit
+        (-0 and negative values rounding to 0 give 0x80); NaN -> 0x7F."""
+        y = x.to(tl.float32) * inv_scale
+        sign = (y.to(tl.uint32, bitcast=True) >> 31) << 7
+        a = tl.where(tl.abs(y) < 448.0, tl.abs(y), 448.0)
+        ab = a.to(tl.uint32, bitcast=True)
+        normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+        q = a * 512.0                                   # exact; < 8 where it is used
+        fl = q.to(tl.uint32)                            # floor (q >= 0)
+        frac = q - fl.to(tl.float32)
+        sub = fl + ((frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))).to(tl.uint32)
+        byte = tl.where(a < 0.015625, sub, normal) | sign
+        return tl.where(y != y, 0x7F, byte).to(tl.uint8)
+
+    @triton.jit
+    def bf16_rne(v):
+        """fp32 -> bf16 rounded to nearest even by integer ops, torch's rounding on every backend
+        (the Triton interpreter's own cast truncates): bits + 0x7FFF + (bit 16), the high half;
+        NaN -> the canonical bf16 NaN 0x7FC0. (rope_store.py rounds with it too.)"""
+        bits = v.to(tl.uint32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
