@@ -166,7 +166,7 @@ def kv_value_stats(model: str, texts: list[str], chat: bool, outputs: list[list[
     subnormal range (0 < |x| < 2^-6: fewer than 3 mantissa bits kept) or becomes 0 (|x| < 2^-10,
     ties to 0 at 2^-10), and the relative RMS rounding error ||x' - x|| / ||x||."""
     from zipfusion.analysis.model_kv import capture_kv, load_for_analysis
-    from zipfusion.kernels.fp8_kv import E4M3_MAX, dequantize_e4m3, quantize_e4m3
+    from zipfusion.format.fp8 import E4M3_MAX, dequantize_e4m3, quantize_e4m3
     net, tok = load_for_analysis(model)
     acc = {r: dict(n=0, sat=0, sub=0, zero=0, err2=0.0, norm2=0.0, absmax=0.0) for r in ("k", "v")}
     for text, out in zip(texts, outputs):

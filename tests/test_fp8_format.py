@@ -75,8 +75,10 @@ def test_quantize_names_bad_input():
         quantize_e4m3(torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="per-head scales"):
         quantize_e4m3(torch.zeros(4, 2, 8), torch.ones(3))
-    with pytest.raises(ValueError, match="> 0"):
+    with pytest.raises(ValueError, match="FP8 scale must be a positive finite number"):
         quantize_e4m3(torch.zeros(4), 0.0)
+    with pytest.raises(ValueError, match="> 0"):
+        quantize_e4m3(torch.zeros(4), torch.tensor(-1.0))
     with pytest.raises(TypeError, match="uint8"):
         dequantize_e4m3(torch.zeros(4))
     with pytest.raises(ValueError, match="tokens, num_kv_heads, head_dim"):

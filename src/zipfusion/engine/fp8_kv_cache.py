@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.fp8_kv import Fp8PageLayout, check_scale, dequantize_e4m3, quantize_e4m3
+from ..format.fp8 import check_scale, dequantize_e4m3, quantize_e4m3
+from ..kernels.fp8_kv import Fp8PageLayout
 from ..models.layers import apply_rope
 from .kv_cache import ArenaKVCache
 

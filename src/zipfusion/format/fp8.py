@@ -27,10 +27,24 @@ E4M3_MAX = 448.0          # largest finite E4M3 magnitude
 E4M3_NAN = 0x7F           # one of the two NaN codes (0xFF is the other)
 
 
-def _scale_tensor(x: torch.Tensor, scale) -> torch.Tensor:
-    """``scale`` as an FP32 tensor that broadcasts against ``x`` [..., H, D]: a number, a
-    0-d tensor, or one scale per KV head ([H])."""
-    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+def check_scale(name: str, scale) -> float:
+    """A per-tensor scale: a positive finite number (one-line ValueError otherwise)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < float(scale) < float("inf"):
+        raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+def _scale_tensor(x: torch.Tensor, scale) -> torch.Tensor | None:
+    """``scale`` as an FP32 tensor on ``x``'s device that broadcasts against ``x`` [..., H, D]
+    (a number, a 0-d tensor, or one scale per KV head, [H]); None for the number 1.0 (nothing
+    to do). A number becomes a device tensor, not a Python scalar: torch divides by a scalar on
+    CUDA as a multiplication by its reciprocal, by a tensor exactly, as the kernels do. A
+    number is checked on the host; a tensor's check reads it back (analysis only)."""
+    if not isinstance(scale, torch.Tensor):
+        if check_scale("FP8 scale", scale) == 1.0:
+            return None
+        return torch.full((), float(scale), dtype=torch.float32, device=x.device)
+    s = scale.to(device=x.device, dtype=torch.float32)
     if s.dim() == 1:
         if x.dim() < 2 or s.shape[0] != x.shape[-2]:
             raise ValueError(f"per-head scales [{s.shape[0]}] need values shaped [..., {s.shape[0]}, head_dim], "
@@ -45,23 +59,27 @@ def _scale_tensor(x: torch.Tensor, scale) -> torch.Tensor:
 
 def quantize_e4m3(x: torch.Tensor, scale=1.0) -> torch.Tensor:
     """``x`` (bf16, fp16 or fp32, any shape) -> E4M3 codes (uint8, same shape):
-    ``E4M3_rne(clamp(x / scale, -448, 448))``, computed in FP32 like vLLM's cache write.
+    ``E4M3_rne(clamp(x / scale, -448, 448))``, the division in FP32 like vLLM's cache write
+    (and the kernels' ``kernels/fp8_kv.e4m3_quant``: the same bytes, NaNs' sign aside).
     ``scale``: a number, a 0-d tensor, or one per KV head ([H], ``x`` shaped [..., H, D])."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"FP8 quantization takes bfloat16, float16 or float32 values, got {x.dtype}")
     s = _scale_tensor(x, scale)
-    y = (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX)       # clamp keeps NaN: NaN -> the NaN code
-    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+    y = x.float() if s is None else x.float() / s
+    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)   # clamp keeps NaN
 
 
 def dequantize_e4m3(codes: torch.Tensor, scale=1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """E4M3 codes (uint8) -> ``E4M3_value(codes) · scale`` in ``dtype`` (the product in FP32)."""
+    """E4M3 codes (uint8) -> ``E4M3_value(codes) · scale`` in ``dtype`` (the product in FP32,
+    then rounded to ``dtype``, as the kernels' ``e4m3_dequant``)."""
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
         raise TypeError(f"E4M3 codes must be a torch.uint8 tensor, got {got}")
-    return (codes.view(torch.float8_e4m3fn).float() * _scale_tensor(codes, scale)).to(dtype)
+    s = _scale_tensor(codes, scale)
+    y = codes.view(torch.float8_e4m3fn).float()
+    return (y if s is None else y * s).to(dtype)
 
 
 def head_scales(x: torch.Tensor) -> torch.Tensor:

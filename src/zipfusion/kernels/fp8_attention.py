@@ -25,7 +25,8 @@ from ..format.layout import PAGE_TOKENS, loc_offset
 from ..triton_interpreter import kernel_module, same_mode
 from . import fp8_kv, triton_attention
 from .decode_attention import LOG2E, _check_inputs, check_ids
-from .fp8_kv import Fp8PageLayout, check_scale
+from ..format.fp8 import check_scale
+from .fp8_kv import Fp8PageLayout
 from .splits import check_split_args, tile_plan
 
 _TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode

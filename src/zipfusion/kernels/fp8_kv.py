@@ -9,7 +9,7 @@ Scales, as vLLM's fp8 KV cache: one ``k_scale`` and one ``v_scale`` (per tensor;
 vLLM's default when a checkpoint carries none). The arithmetic takes a scale so that per-(layer,
 head) scales can come later. With s the scale::
 
-    store:   byte = E4M3_RNE( clamp(fp32(x) · fp32(1/s), -448, 448) )   (round to nearest, ties
+    store:   byte = E4M3_RNE( clamp(fp32(x) / s, -448, 448) )          (round to nearest, ties
                                                                   to even; saturating: |x/s| > 448 -> +-448)
     read:    x'   = bf16( fp32(E4M3(byte)) * s )                  (exact for s = 1: an E4M3 value
                                                                   is a BF16 value)
@@ -23,11 +23,12 @@ Open FP8 pages have the BF16 open page's shape, ``[2, 16, H, D]``, at one byte a
 (:class:`Fp8PageLayout`), in the same arena; the page location tag (format/layout.py) is
 unchanged. The Triton kernels quantize (:func:`e4m3_quant`, the CUDA store in rope_store.py) and
 dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py) with integer and fp32
-arithmetic, equal to :func:`quantize_e4m3` / :func:`dequantize_e4m3` bit for bit (NaNs' sign and
+arithmetic, equal to format/fp8.py's ``quantize_e4m3`` / ``dequantize_e4m3`` bit for bit (NaNs' sign and
 payload aside).
 
-(The lossless FP8 block codec and ``zipfusion analyze --kv-dtype fp8`` are separate work
-(``format/fp8.py``); the quantizer here is meant to be unified with that module's.)
+The torch quantizer and dequantizer are format/fp8.py's (the one definition, also the lossless
+FP8 block codec's and ``zipfusion analyze --kv-dtype fp8``'s); this module adds the page geometry
+and the Triton twins.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ import torch
 
 from ..format.layout import PageLayout, loc_offset, open_bf16_index
 
-E4M3_MAX = 448.0                       # largest finite E4M3 magnitude (0x7E = 1.75 * 2^8)
-E4M3_NAN = 0x7F                        # the quiet NaN byte torch writes (sign bit 0)
 KV_CACHE_DTYPES = ("bf16", "fp8")      # the canonical names (config.py normalises aliases)
 
 try:       # the Triton interpreter runs a @jit function only where triton.language is visible to it
@@ -45,31 +44,6 @@ try:       # the Triton interpreter runs a @jit function only where triton.langu
     import triton.language as tl
 except ImportError:                    # no Triton: the torch functions still work
     triton = tl = None
-
-
-def quantize_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``x`` (any float dtype) -> E4M3 bytes (torch.uint8, same shape): x · (1/scale) in fp32
-    rounded to the nearest E4M3 value (ties to even), saturating at +-448; NaN stays NaN (module
-    docstring). The kernels' :func:`e4m3_quant` gives the same bytes (a NaN's sign aside)."""
-    y = x.float()
-    if scale != 1.0:
-        y = y * (1.0 / scale)
-    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def dequantize_e4m3(b: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """E4M3 bytes (torch.uint8) -> ``dtype`` values fp32(E4M3(b)) * scale (rounded to ``dtype``)."""
-    y = b.view(torch.float8_e4m3fn).float()
-    if scale != 1.0:
-        y = y * scale
-    return y.to(dtype)
-
-
-def check_scale(name: str, scale) -> float:
-    """A KV scale: a positive finite float (one-line ValueError otherwise)."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < float(scale) < float("inf"):
-        raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
-    return float(scale)
 
 
 class Fp8PageLayout(PageLayout):
@@ -116,14 +90,14 @@ if triton is not None:
         return bf16_rne(val * scale)
 
     @triton.jit
-    def e4m3_quant(x, inv_scale):
-        """Values -> E4M3 bytes (uint8) of y = fp32(x)·inv_scale, as :func:`quantize_e4m3` with
-        scale = 1/inv_scale (the same bits for scale 1 or a power of 2): |y| clamped to 448;
+    def e4m3_quant(x, scale):
+        """Values -> E4M3 bytes (uint8) of y = fp32(x) / scale (division rounded to nearest, as
+        :func:`quantize_e4m3`'s: the same bytes, a NaN's sign aside): |y| clamped to 448;
         normals (|y| >= 2^-6) rounded to 3 mantissa bits to nearest even on the fp32 bits
         (bits + 0x7FFFF + bit 20, >> 20, less the exponent bias difference 120 << 3); subnormals
         m = round_half_even(|y|·2^9) (m = 8 is the smallest normal, byte 0x08); the sign as a bit
         (-0 and negative values rounding to 0 give 0x80); NaN -> 0x7F."""
-        y = x.to(tl.float32) * inv_scale
+        y = tl.math.div_rn(x.to(tl.float32), scale)
         sign = (y.to(tl.uint32, bitcast=True) >> 31) << 7
         a = tl.where(tl.abs(y) < 448.0, tl.abs(y), 448.0)
         ab = a.to(tl.uint32, bitcast=True)

@@ -48,7 +48,7 @@ def _round(x, dtype: tl.constexpr):
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr, arena_ptr,
                        page_loc_ptr, page_ids_ptr, slots_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
-                       inv_k_scale, inv_v_scale, k_scale, v_scale,
+                       k_scale, v_scale,
                        HQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, STORE_K: tl.constexpr,
                        FP8: tl.constexpr):
     t = tl.program_id(0)
@@ -74,8 +74,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_p
         loc = tl.load(page_loc_ptr + page)                          # an open page
         if FP8:         # E4M3 bytes (fp8_kv.py); k_out, v_out: the values as stored
             base = _loc_offset(loc)
-            k1, k2 = e4m3_quant(k1, inv_k_scale), e4m3_quant(k2, inv_k_scale)
-            v1, v2 = e4m3_quant(v1, inv_v_scale), e4m3_quant(v2, inv_v_scale)
+            k1, k2 = e4m3_quant(k1, k_scale), e4m3_quant(k2, k_scale)
+            v1, v2 = e4m3_quant(v1, v_scale), e4m3_quant(v2, v_scale)
             if STORE_K:
                 row = (t * H + h) * D
                 tl.store(k_out_ptr + row + c, e4m3_dequant(k1, k_scale))
@@ -103,8 +103,8 @@ def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, wa
     written as bf16 into the open pages ``page_ids[t]`` at slot ``slots[t]`` of this layer.
 
     ``fp8_scales`` = (k_scale, v_scale): the pages are FP8 (fp8_kv.Fp8PageLayout) and k, v are
-    written as E4M3 bytes of bf16(k)/k_scale, bf16(v)/v_scale (fp8_kv.quantize_e4m3's bits for
-    scales that are powers of 2, 1 included); returns (q, k', v') with k', v' the values as
+    written as E4M3 bytes of bf16(k)/k_scale, bf16(v)/v_scale (format.fp8.quantize_e4m3's bits);
+    returns (q, k', v') with k', v' the values as
     stored (dequantized; None unless ``want_k``)."""
     import torch
     T, HQ, D = q.shape
@@ -121,7 +121,7 @@ def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, wa
         _rope_store_kernel[(T, HQ + H)](
             q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_out, v_out, target,
             page_loc_layer, page_ids, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), 1.0 / ks, 1.0 / vs, ks, vs, HQ=HQ, H=H, D=D, STORE_K=want_k,
+            v.stride(0), v.stride(1), ks, vs, HQ=HQ, H=H, D=D, STORE_K=want_k,
             FP8=fp8_scales is not None)
     if fp8_scales:
         return q_out, (k_out if want_k else None), (v_out if want_k else None)
