@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from zipfusion.bench import client, datasets, parse_modes, serve, serve_results, server_process
+from zipfusion.bench import KERNEL_MODES, client, datasets, parse_modes, serve, serve_results, server_process
 from zipfusion.bench.stats import goodput, meets_slo, parse_goodput, percentile, summary
 from zipfusion.cli import main
 
@@ -112,7 +112,10 @@ def test_rates_and_modes_parse_or_fail_in_one_line():
             serve.parse_rates(bad)
     assert parse_modes("compressed,uncompressed") == ["compressed", "uncompressed"]
     with pytest.raises(ValueError, match="unknown mode"):
-        parse_modes("compressed,fp8")
+        parse_modes("compressed,int4")
+    assert parse_modes("compressed,fp8") == ["compressed", "fp8"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("compressed,fp8", known=KERNEL_MODES)
     assert serve.parse_fractions("2,0.5,1") == [0.5, 1.0, 2.0]
     assert serve.sweep_rates(4.0, [0.5, 1, 2], []) == [2.0, 4.0, 8.0]
     # a later mode runs the first mode's grid, plus its own fractions past the grid's end
@@ -235,6 +238,19 @@ def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
     assert result["identical_outputs"] is True                  # greedy, one schedule: the same tokens
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1] == "identical tokens across modes: True" and "compressed/uncompressed" in printed[-2]
+
+
+def test_throughput_compares_the_lossy_fp8_kv_cache(tmp_path):
+    """fp8 (E4M3 KV pages, vLLM's --kv-cache-dtype fp8) beside the lossless mode, same memory."""
+    assert main(["bench", "throughput", *TINY, "--compare", "compressed,fp8", "--num-prompts", "6",
+                 "--kv-memory-gb", "0.002", "--out", str(tmp_path / "tp")]) == 0
+    result = json.loads((tmp_path / "tp.json").read_text())
+    recs = {r["mode"]: r for r in result["records"]}
+    assert set(recs) == {"compressed", "fp8"}
+    for r in recs.values():
+        assert "error" not in r, r.get("error")
+        assert r["requests"] == r["finished"] == 6 and r["output_tokens"] == 36
+    assert "compressed/fp8" in result["ratios"]
 
 
 def test_latency_on_the_demo_model(tmp_path):

@@ -1,4 +1,4 @@
-"""Paged decode attention: fused (compressed pages), twin (open pages), unfused, vs float64.
+"""Paged decode attention: fused (compressed pages), the uncompressed kernel (open pages), unfused, vs float64.
 
 CPU tests run the Triton kernels under the Triton interpreter (tests/conftest.py) at small
 sizes; the tests marked gpu (large shapes, the CUDA kernel, the Triton kernel compiled) run
@@ -83,7 +83,7 @@ def same_bits(a, b):
 
 
 def check_case(c, unfused=True, **kw):
-    """Fused kernel vs float64 reference; compressed and open pages, fused and twin (and the
+    """Fused kernel vs float64 reference; compressed and open pages, fused and uncompressed kernels (and the
     unfused baseline) bit-identical. ``kw``: the kernels' keyword arguments."""
     args = (c["bt"], c["lens"], c["layout"], c["scale"])
     tag = f"(seed {c['seed']}, {kw})"
@@ -95,16 +95,16 @@ def check_case(c, unfused=True, **kw):
     assert rel < 1e-2, f"relative error {rel:.3g} vs float64 reference {tag}"
     worst = ((out_c.double() - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-6)).max()
     assert worst < 5e-2, f"a head's max error is {worst:.3g} of its max |ref| {tag}"
-    # same values read from open pages: bit-identical, fused and twin
+    # same values read from open pages: bit-identical, fused and uncompressed kernels
     out_o = decode_attention(c["q"], c["arena_o"], c["loc_o"], *args, out=poisoned(c["q"]), **kw)
     out_t = decode_attention_uncompressed(c["q"], c["arena_o"], c["loc_o"], *args,
                                   out=poisoned(c["q"]), **kw)
     assert same_bits(out_c, out_o), f"compressed and open pages give different bits {tag}"
-    assert same_bits(out_c, out_t), f"fused kernel and its twin give different bits {tag}"
+    assert same_bits(out_c, out_t), f"fused and uncompressed kernels give different bits {tag}"
     if unfused:
         out_u = decode_attention_unfused(c["q"], c["arena_c"], c["loc_c"], *args,
                                          out=poisoned(c["q"]), **kw)
-        assert same_bits(out_c, out_u), f"unfused baseline differs from the twin {tag}"
+        assert same_bits(out_c, out_u), f"unfused baseline differs from the uncompressed kernel {tag}"
     return rel
 
 
@@ -168,10 +168,10 @@ def sub_batch(c, rows, width, seed):
 def check_batch_invariance(c, batches, split_pages, **kw):
     """Every request of ``c`` that is in several ``batches`` (lists of (rows, table width))
     gets the same bits in each of them, fused over compressed pages, fused over open pages
-    and twin alike; every result is close to the float64 reference."""
+    and the uncompressed kernel alike; every result is close to the float64 reference."""
     kernels = {"fused, compressed pages": (decode_attention, c["arena_c"], c["loc_c"]),
                "fused, open pages": (decode_attention, c["arena_o"], c["loc_o"]),
-               "twin": (decode_attention_uncompressed, c["arena_o"], c["loc_o"])}
+               "uncompressed": (decode_attention_uncompressed, c["arena_o"], c["loc_o"])}
     seen = {}                                  # request -> (its output row, where it came from)
     for i, (rows, width) in enumerate(batches):
         q, bt, lens = sub_batch(c, rows, width, seed=c["seed"] + i)
@@ -377,7 +377,7 @@ def test_cuda_producer_kernel(splits, G, kind, seed):
 def test_escape_patterns_gpu(backend):
     """Format v2 escapes in both decode kernels: blocks carrying every finite pattern of
     exponent <= 140 as an escape (4 per block, next to windows just above or below it), and
-    the 4/5-outlier blocks made finite, compressed, against the same pages open (the twin).
+    the 4/5-outlier blocks made finite, compressed, against the same pages open (the uncompressed kernel).
     (Every pattern, NaN and inf included, goes through the Triton restore bit for bit in
     tests/test_prefill_attention.py::test_gather_restores_escape_patterns.)"""
     blocks = escape_pattern_blocks()
@@ -397,7 +397,7 @@ def test_escape_patterns_gpu(backend):
     out_c = decode_attention(q, arena_c, loc_c, *args, backend=backend)
     out_t = decode_attention_uncompressed(q, arena_o, loc_o, *args, backend=backend)
     assert torch.isfinite(out_t.float()).all()
-    assert same_bits(out_c, out_t), "fused (escapes) and twin give different bits"
+    assert same_bits(out_c, out_t), "fused (escapes) and uncompressed kernels give different bits"
 
 
 @gpu
@@ -411,7 +411,7 @@ def test_cuda_kernel_group_sizes(G, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_adversarial_values_and_garbage_past_the_end_gpu(backend):
     """±0, subnormals, huge and tiny exponents in the same blocks, and NaN/inf bytes in the
-    unused slots of each request's open last page: output finite, compressed == twin bits."""
+    unused slots of each request's open last page: output finite, compressed == uncompressed bits."""
     c = make_case([45, 16, 3], 2, 4, 128, "mixed", 11)
     gen = torch.Generator().manual_seed(5)
     for arena, loc in ((c["arena_c"], c["loc_c"]), (c["arena_o"], c["loc_o"])):
@@ -436,7 +436,7 @@ def test_adversarial_values_and_garbage_past_the_end_gpu(backend):
     out_t = decode_attention_uncompressed(c["q"], c["arena_o"], c["loc_o"], *args, backend=backend)
     assert torch.isfinite(out_c.float()).all(), \
         "garbage past the context leaked into the output (seeds 11, 5)"
-    assert same_bits(out_c, out_t), "fused and twin give different bits (seeds 11, 5)"
+    assert same_bits(out_c, out_t), "fused and uncompressed kernels give different bits (seeds 11, 5)"
 
 
 @gpu
@@ -566,17 +566,17 @@ def test_cuda_build_failure_is_remembered_and_warned_once(monkeypatch, environ, 
 
 def test_cuda_copy_choice(environ):
     """Which CUDA kernel variant a call gets: the producer warp for compressed pages on Hopper,
-    per-warp copies for the twin and wherever a per-warp knob is asked for, the environment
+    per-warp copies for the uncompressed kernel and wherever a per-warp knob is asked for, the environment
     overriding the default; contradictions are clear errors."""
     from zipfusion.kernels.cuda_attention import CudaKernelUnavailable, choose_copy
     environ(ZIPFUSION_CUDA_PRODUCER=None)
     assert choose_copy(True, True, 4, None, None, None) == (4, 2)          # fused: producer
-    assert choose_copy(False, True, 4, None, None, None) == (3, 0)         # twin: cp.async
+    assert choose_copy(False, True, 4, None, None, None) == (3, 0)         # uncompressed: cp.async
     assert choose_copy(True, False, 4, None, None, None) == (4, 0)         # sm_80: cp.async
     assert choose_copy(True, True, 4, 3, None, None) == (3, 1)             # a per-warp depth
     assert choose_copy(True, True, 4, None, False, None) == (4, 0)         # cp.async asked for
     assert choose_copy(True, True, 4, 4, True, False) == (4, 1)
-    assert choose_copy(False, True, 4, None, None, True) == (4, 2)         # the producer twin
+    assert choose_copy(False, True, 4, None, None, True) == (4, 2)         # the uncompressed producer kernel
     environ(ZIPFUSION_CUDA_PRODUCER="0")
     assert choose_copy(True, True, 4, None, None, None) == (4, 1)
     environ(ZIPFUSION_CUDA_PRODUCER="1")
@@ -593,7 +593,7 @@ def test_cuda_copy_choice(environ):
 def test_cuda_split_heuristic_packs_whole_waves(monkeypatch):
     """The split-KV wave model (H200: 132 SMs): the measured best at batch 32 x 8K (3 splits
     for the fused kernel's 396 slots), >= 16 pages a split, and no splits where one wave of
-    whole requests already fills the GPU. It takes no kernel or depth: fused and twin must
+    whole requests already fills the GPU. It takes no kernel or depth: fused and uncompressed kernels must
     split alike to give the same bits (check_case holds them to it)."""
     from types import SimpleNamespace
     from zipfusion.kernels import cuda_attention as ca
@@ -658,7 +658,7 @@ PACKED = [
 
 def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     """Packed requests vs the plain kernel row by row (close) and the float64 reference;
-    compressed pages, open pages and the twin give the same bits."""
+    compressed pages, open pages and the uncompressed kernel give the same bits."""
     from zipfusion.engine import packing
     monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     c = packed_case(groups, lone, G, kind, seed)
@@ -673,7 +673,7 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     outs = {}
     for name, fn, arena, loc in (("compressed", decode_attention, c["arena_c"], c["loc_c"]),
                                  ("open", decode_attention, c["arena_o"], c["loc_o"]),
-                                 ("twin", decode_attention_uncompressed, c["arena_o"], c["loc_o"])):
+                                 ("uncompressed", decode_attention_uncompressed, c["arena_o"], c["loc_o"])):
         outs[name] = plan.run(_Decode(c, fn, arena, loc, **kw), 0, c["q"], c["layout"].num_kv_heads)
     args = (c["bt"], c["lens"], c["layout"], c["scale"])
     plain = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, **kw)
@@ -685,7 +685,7 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
         assert rel < 1e-2, f"row {b}: relative error {rel:.3g} vs float64 {tag}"
         assert float((got[b].double() - plain[b].double()).abs().max()) < 2e-2, f"row {b} vs plain {tag}"
     assert same_bits(got, outs["open"]), f"compressed and open pages give different bits {tag}"
-    assert same_bits(got, outs["twin"]), f"fused kernel and its twin give different bits {tag}"
+    assert same_bits(got, outs["uncompressed"]), f"fused and uncompressed kernels give different bits {tag}"
     # the same plan in a CUDA graph's buffers: more requests (padding, no keys), wider tables,
     # filled after a larger step's plan (its rows, lengths and spans must not leak)
     V, R = plan.rows.shape

@@ -21,14 +21,14 @@ case $part in
 kernel)
   TESTS="producer or pipeline or escape_patterns_gpu or packed_requests_cuda or small_cases_cuda"
   OUT=$OUT/default TESTS_K="$TESTS" TESTS_TIMEOUT=180 BENCH_TIMEOUT=150 \
-    bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|error|Error|^\| (fused|twin|flashinfer|unfused)" | head -40
+    bash scripts/gpu/gpu_attention.sh --quick 2>&1 | grep -E "passed|failed|error|Error|^\| (fused|uncompressed|flashinfer|unfused)" | head -40
   OUT=$OUT/esc TESTS_ARGS="--cuda-define ZF_ESC_KIND" TESTS_K="producer or escape or pipeline" TESTS_TIMEOUT=150 \
     BENCH_TIMEOUT=120 bash scripts/gpu/gpu_attention.sh --tune --fractions 1.0,0.92 --define ZF_ESC_KIND 2>&1 | grep -E "passed|failed|error|Error| fused " | head -30
   ;;
 diag)   # what bounds the producer kernel: its copies alone, its instructions alone (wrong outputs)
   for d in copy compute; do
     OUT=$OUT/diag_$d TESTS_K="build_defines" TESTS_TIMEOUT=60 BENCH_TIMEOUT=150 \
-      bash scripts/gpu/gpu_attention.sh --quick --diag $d 2>&1 | grep -E "passed|failed|rror|^\| (fused|twin|flashinfer) " | head -20
+      bash scripts/gpu/gpu_attention.sh --quick --diag $d 2>&1 | grep -E "passed|failed|rror|^\| (fused|uncompressed|flashinfer) " | head -20
   done
   ;;
 splits) # fixed cost a CTA: the producer kernel, whole and its copies alone, over the split count

@@ -6,21 +6,24 @@
 - ``latency``: one batch of B prompts of L tokens: prefill time, then per-token decode (:mod:`.latency`);
 - ``kernel``: decode attention, compressed vs uncompressed kernel vs FlashInfer (:mod:`.kernel`).
 
-Each takes ``--compare compressed,uncompressed[,flashinfer]`` (:data:`MODES`), prints a table
-last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
+Each takes ``--compare compressed,uncompressed[,flashinfer][,fp8]`` (:data:`MODES`; fp8, the lossy
+FP8 KV cache, not in the kernel bench), prints a table last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
 ids or text (:mod:`.datasets`). Importing this package is cheap (no torch): the CLI builds its
 parser from :mod:`.cli`.
 """
 
 from __future__ import annotations
 
-# mode -> (engine options, ``zipfusion serve`` flags); the three a user compares
+# mode -> (engine options, ``zipfusion serve`` flags): what a user compares. fp8 is the lossy
+# FP8 (E4M3) KV cache (vLLM's --kv-cache-dtype fp8), the comparison a zero-tolerance team weighs.
 MODES = {
     "compressed": ({"kv_compression": True}, []),
     "uncompressed": ({"kv_compression": False}, ["--no-kv-compression"]),
     "flashinfer": ({"kv_compression": False, "attention_backend": "flashinfer"},
                    ["--no-kv-compression", "--attention-backend", "flashinfer"]),
+    "fp8": ({"kv_cache_dtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
 }
+KERNEL_MODES = ("compressed", "uncompressed", "flashinfer")     # zipfusion bench kernel's (BF16 pages)
 DEFAULT_COMPARE = "compressed,uncompressed"
 
 

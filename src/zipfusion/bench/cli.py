@@ -55,7 +55,8 @@ def _common(p: argparse.ArgumentParser, kind: str, compare_default: str = DEFAUL
                    help=f"run these modes one after the other, each in its own process, and print their ratios: "
                         f"comma-separated of {', '.join(MODES)} (bare --compare: {compare_default})")
     if kind == "kernel":
-        p.add_argument("--mode", default=None, help="one mode alone (default: all three, as --compare)")
+        p.add_argument("--mode", default=None, help="one mode alone (default: all three, as --compare; "
+                       "fp8 is not a kernel mode)")
     else:
         p.add_argument("--mode", default="compressed", help="the one mode to run without --compare "
                        "(default: %(default)s)")
@@ -229,10 +230,11 @@ def cmd_bench(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from . import parse_modes
-    modes = parse_modes(args.compare if args.compare is not None else args.mode or args.default_modes)
-    args.argv = getattr(args, "argv", None)
+    from . import KERNEL_MODES, parse_modes
     kind = args.bench_command
+    modes = parse_modes(args.compare if args.compare is not None else args.mode or args.default_modes,
+                        **({"known": KERNEL_MODES} if kind == "kernel" else {}))
+    args.argv = getattr(args, "argv", None)
     if kind != "kernel":
         for flag in ("kv_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_prompts"):
             v = getattr(args, flag, None)
