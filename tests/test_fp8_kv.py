@@ -19,8 +19,7 @@ from zipfusion.format.layout import open_loc
 from zipfusion.kernels import decode_attention_uncompressed
 from zipfusion.kernels import fp8_kv
 from zipfusion.kernels.fp8_attention import decode_attention_fp8
-from zipfusion.format.fp8 import E4M3_MAX, dequantize_e4m3, quantize_e4m3
-from zipfusion.kernels.fp8_kv import Fp8PageLayout
+from zipfusion.format.fp8 import E4M3_MAX, Fp8PageLayout, dequantize_e4m3, quantize_e4m3
 from zipfusion.models.layers import apply_rope
 from zipfusion.testing import run_to_completion
 

@@ -1,7 +1,7 @@
 """The FP8 KV cache (``kv_cache_dtype="fp8"``): E4M3 pages in the memory manager's arena.
 
 :class:`Fp8KVCache` is an :class:`~.kv_cache.ArenaKVCache` whose pages hold one byte a value
-(``kernels.fp8_kv.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3), never compressed. The arena, the
+(``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3), never compressed. The arena, the
 allocator and admission count pages by the layout's ``open_page_bytes``, so the same
 ``kv_memory_gb`` holds about twice the pages of BF16 (uncompressed). It is lossy
 (kernels/fp8_kv.py has the rounding): every value is stored as ``E4M3_RNE(clamp(x / s, ±448))``
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..format.fp8 import check_scale, dequantize_e4m3, quantize_e4m3
-from ..kernels.fp8_kv import Fp8PageLayout
+from ..format.fp8 import Fp8PageLayout, check_scale, dequantize_e4m3, quantize_e4m3
 from ..models.layers import apply_rope
 from .kv_cache import ArenaKVCache
 

@@ -16,12 +16,15 @@ round-to-nearest-even conversion):
 ``scale`` is one FP32 number per tensor (vLLM's default is 1.0) or one per KV head
 (:func:`head_scales`: ``amax / 448`` over the head's values, so that the largest one lands on
 448). Codes are returned as ``uint8`` bytes: the lossless FP8 block format
-(:mod:`zipfusion.format.fp8_blocks`) codes those bytes, and an FP8 KV cache stores them.
+(:mod:`zipfusion.format.fp8_blocks`) codes those bytes, and an FP8 KV cache stores them in open
+pages of one byte a value (:class:`Fp8PageLayout`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .layout import PageLayout, loc_offset, open_bf16_index
 
 E4M3_MAX = 448.0          # largest finite E4M3 magnitude
 E4M3_NAN = 0x7F           # one of the two NaN codes (0xFF is the other)
@@ -91,3 +94,23 @@ def head_scales(x: torch.Tensor) -> torch.Tensor:
     amax = x.float().abs().amax(dim=(0, 2))
     ok = torch.isfinite(amax) & (amax > 0)
     return torch.where(ok, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+class Fp8PageLayout(PageLayout):
+    """An open page ``[2, 16, H, D]`` at one byte a value (E4M3): half a BF16 page. FP8 pages
+    are never compressed (the compressed-page sizes of :class:`PageLayout` do not apply)."""
+
+    @property
+    def open_page_bytes(self) -> int:
+        return super().open_page_bytes // 2
+
+    def open_elements(self, page_loc: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Byte indices [T, 2, H, D] into the arena of slot ``slots[t]`` of the open page at
+        ``page_loc[t]``: role r, head h, channel c at
+        ``loc_offset(page_loc) + ((r·16 + slot)·H + h)·D + c`` (the BF16 layout's element order)."""
+        return super().open_elements(page_loc, slots) - open_bf16_index(page_loc).view(-1, 1, 1, 1) \
+            + loc_offset(page_loc).view(-1, 1, 1, 1)
+
+    def page_byte_index(self, page_loc: torch.Tensor) -> torch.Tensor:
+        """Byte indices [n, open_page_bytes] of whole open pages at ``page_loc`` [n]."""
+        return loc_offset(page_loc)[:, None] + torch.arange(self.open_page_bytes, device=page_loc.device)

@@ -1,6 +1,6 @@
 """Paged decode attention over FP8 (E4M3) pages: the Triton kernel and its entry point.
 
-The pages are open FP8 pages in the arena (``fp8_kv.Fp8PageLayout``: ``[2, 16, H, D]`` at one
+The pages are open FP8 pages in the arena (``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` at one
 byte a value, at ``loc_offset(page_loc)``). Per tile of TP pages the kernel loads the K and V
 bytes of head h, dequantizes them (``fp8_kv.e4m3_dequant``: ``bf16(fp32(E4M3(byte)) · scale)``,
 ``k_scale`` for K, ``v_scale`` for V) and then runs *the same arithmetic as the BF16 kernels*:
@@ -25,8 +25,7 @@ from ..format.layout import PAGE_TOKENS, loc_offset
 from ..triton_interpreter import kernel_module, same_mode
 from . import fp8_kv, triton_attention
 from .decode_attention import LOG2E, _check_inputs, check_ids
-from ..format.fp8 import check_scale
-from .fp8_kv import Fp8PageLayout
+from ..format.fp8 import Fp8PageLayout, check_scale
 from .splits import check_split_args, tile_plan
 
 _TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode
@@ -88,7 +87,7 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
     """Paged decode attention over open FP8 pages (module docstring).
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64; block_table int32 [B, W];
-    context_lens int32 [B]; ``layout`` an :class:`~.fp8_kv.Fp8PageLayout` -> [B, Hq, D] bf16::
+    context_lens int32 [B]; ``layout`` an :class:`~zipfusion.format.fp8.Fp8PageLayout` -> [B, Hq, D] bf16::
 
         o_b = softmax(sm_scale · q_b K'ᵀ) V',  K' = bf16(E4M3(K bytes) · k_scale),
                                              V' = bf16(E4M3(V bytes) · v_scale)
@@ -97,7 +96,7 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
     ``validate``, ``tile_pages``, ``num_warps``: as for ``decode_attention``.
     """
     if not isinstance(layout, Fp8PageLayout):
-        raise TypeError(f"layout must be a zipfusion.kernels.fp8_kv.Fp8PageLayout, got {type(layout).__name__}")
+        raise TypeError(f"layout must be a zipfusion.format.fp8.Fp8PageLayout, got {type(layout).__name__}")
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     check_split_args(num_splits, split_pages)

@@ -1,4 +1,4 @@
-"""FP8 (E4M3) KV pages: the quantizer, the dequantizer and the page geometry at one byte a value.
+"""FP8 (E4M3) KV pages in Triton: the quantizer and dequantizer the store and decode kernels inline.
 
 ``kv_cache_dtype="fp8"`` (EngineConfig) stores K and V as OCP E4M3 (``torch.float8_e4m3fn``:
 1 sign bit, 4 exponent bits with bias 7, 3 mantissa bits; no infinities; 0x7F / 0xFF are NaN;
@@ -20,50 +20,24 @@ below half the smallest subnormal (2^-10) round to a zero of their sign; BF16 su
 (|x| < 2^-126) are far below that and become zeros too.
 
 Open FP8 pages have the BF16 open page's shape, ``[2, 16, H, D]``, at one byte a value
-(:class:`Fp8PageLayout`), in the same arena; the page location tag (format/layout.py) is
+(``format.fp8.Fp8PageLayout``), in the same arena; the page location tag (format/layout.py) is
 unchanged. The Triton kernels quantize (:func:`e4m3_quant`, the CUDA store in rope_store.py) and
 dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py) with integer and fp32
 arithmetic, equal to format/fp8.py's ``quantize_e4m3`` / ``dequantize_e4m3`` bit for bit (NaNs' sign and
 payload aside).
 
 The torch quantizer and dequantizer are format/fp8.py's (the one definition, also the lossless
-FP8 block codec's and ``zipfusion analyze --kv-dtype fp8``'s); this module adds the page geometry
-and the Triton twins.
+FP8 block codec's and ``zipfusion analyze --kv-dtype fp8``'s), as is the one-byte page layout
+(``Fp8PageLayout``); this module holds their Triton twins.
 """
 
 from __future__ import annotations
-
-import torch
-
-from ..format.layout import PageLayout, loc_offset, open_bf16_index
-
-KV_CACHE_DTYPES = ("bf16", "fp8")      # the canonical names (config.py normalises aliases)
 
 try:       # the Triton interpreter runs a @jit function only where triton.language is visible to it
     import triton
     import triton.language as tl
 except ImportError:                    # no Triton: the torch functions still work
     triton = tl = None
-
-
-class Fp8PageLayout(PageLayout):
-    """An open page ``[2, 16, H, D]`` at one byte a value (E4M3): half a BF16 page. FP8 pages
-    are never compressed (the compressed-page sizes of :class:`PageLayout` do not apply)."""
-
-    @property
-    def open_page_bytes(self) -> int:
-        return super().open_page_bytes // 2
-
-    def open_elements(self, page_loc: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Byte indices [T, 2, H, D] into the arena of slot ``slots[t]`` of the open page at
-        ``page_loc[t]``: role r, head h, channel c at
-        ``loc_offset(page_loc) + ((r·16 + slot)·H + h)·D + c`` (the BF16 layout's element order)."""
-        return super().open_elements(page_loc, slots) - open_bf16_index(page_loc).view(-1, 1, 1, 1) \
-            + loc_offset(page_loc).view(-1, 1, 1, 1)
-
-    def page_byte_index(self, page_loc: torch.Tensor) -> torch.Tensor:
-        """Byte indices [n, open_page_bytes] of whole open pages at ``page_loc`` [n]."""
-        return loc_offset(page_loc)[:, None] + torch.arange(self.open_page_bytes, device=page_loc.device)
 
 
 def _interpreting() -> bool:

@@ -102,7 +102,7 @@ def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, wa
     (rotated q [T, Hq, D], rotated k [T, H, D] if ``want_k`` else None); rotated k and v are
     written as bf16 into the open pages ``page_ids[t]`` at slot ``slots[t]`` of this layer.
 
-    ``fp8_scales`` = (k_scale, v_scale): the pages are FP8 (fp8_kv.Fp8PageLayout) and k, v are
+    ``fp8_scales`` = (k_scale, v_scale): the pages are FP8 (format.fp8.Fp8PageLayout) and k, v are
     written as E4M3 bytes of bf16(k)/k_scale, bf16(v)/v_scale (format.fp8.quantize_e4m3's bits);
     returns (q, k', v') with k', v' the values as
     stored (dequantized; None unless ``want_k``)."""
