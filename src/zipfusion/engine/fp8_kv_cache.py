@@ -22,9 +22,11 @@ as vLLM's).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..format.fp8 import Fp8PageLayout, check_scale, dequantize_e4m3, quantize_e4m3
+from ..memory.copy import to_device
 from ..models.layers import apply_rope
 from .kv_cache import ArenaKVCache
 
@@ -63,7 +65,8 @@ class Fp8KVCache(ArenaKVCache):
 
     def read_pages(self, layer, ids):
         """Pages [n, 2, 16, H, D] bf16: K as bf16(E4M3 · k_scale), V as bf16(E4M3 · v_scale)."""
-        ids = torch.as_tensor(ids, dtype=torch.int64).to(self.device)
+        ids = ids.to(self.device, torch.int64) if isinstance(ids, torch.Tensor) else \
+            to_device(np.asarray(ids, dtype=np.int64), self.device)     # pinned: no wait for the GPU
         H, D = self.num_kv_heads, self.head_dim
         raw = self.arena[self.layout.page_byte_index(self.page_loc[layer, ids])].view(-1, 2, 16, H, D)
         return torch.stack([dequantize_e4m3(raw[:, 0], self.k_scale), dequantize_e4m3(raw[:, 1], self.v_scale)],
