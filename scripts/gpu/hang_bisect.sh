@@ -4,7 +4,8 @@
 # the host waiting on an event; with CUDA_LAUNCH_BLOCKING=1 it finished). Each variant is one
 # benchmarks/workloads.py worker process (long / compressed, 16 x 32K prompts) with a time limit;
 # shortly before it a watchdog prints the GPU's utilisation (busy: a kernel runs on; idle: the
-# host waits), and the worker prints every thread's stack (faulthandler). One device call, ~8 min:
+# host waits) and cuda-gdb names the kernels on the GPU, and the worker prints every thread's
+# stack (faulthandler). One device call, ~8 min:
 #   bash scripts/gpu/hang_bisect.sh [variant ...]   # $OUT/<variant>.err|out, the summary on stdout
 set -u
 OUT=${OUT:-/tmp/hang_out}; mkdir -p "$OUT"
@@ -27,8 +28,18 @@ variant() {   # name limit_s mode [key=json ...]
   local name=$1 lim=$2; shift 2
   local spec; spec=$(job "$@")
   echo "== $name"
-  ( sleep $((lim - 8)); echo "-- GPU utilisation at $((lim - 8)) s:"
-    for _ in 1 2 3; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 1; done ) &
+  # a run still alive ATTACH s before its limit has stalled (it finishes in ~70 s): the GPU's
+  # utilisation, then cuda-gdb attached to the worker names the kernels resident on the GPU
+  local at=$((lim - ${ATTACH:-45}))
+  ( sleep $at; echo "-- GPU utilisation at $at s:"
+    for _ in 1 2 3; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 1; done
+    local pid; pid=$(pgrep -f "workloads.py --worker" | head -1)
+    if [ -n "$pid" ] && command -v cuda-gdb >/dev/null; then
+      echo "-- cuda-gdb attached to $pid (full output: $OUT/$name.gdb)"
+      timeout 35 cuda-gdb -p "$pid" -batch -ex "info cuda kernels" -ex "info cuda blocks" \
+        -ex "info cuda threads" > "$OUT/$name.gdb" 2>&1
+      grep -A6 -i "kernel" "$OUT/$name.gdb" | head -20 | cut -c1-240
+    fi ) &
   local wd=$! t0=$SECONDS
   timeout -k 3 "$lim" python3 benchmarks/workloads.py --worker "$spec" $((lim - 4)) > "$OUT/$name.out" 2> "$OUT/$name.err"
   echo "rc $? after $((SECONDS - t0)) s"; kill $wd 2>/dev/null
