@@ -114,8 +114,9 @@ def test_rates_and_modes_parse_or_fail_in_one_line():
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("compressed,int4")
     assert parse_modes("compressed,fp8") == ["compressed", "fp8"]
+    assert parse_modes("fp8,flashinfer_fp8", known=KERNEL_MODES) == ["fp8", "flashinfer_fp8"]
     with pytest.raises(ValueError, match="unknown mode"):
-        parse_modes("compressed,fp8", known=KERNEL_MODES)
+        parse_modes("compressed,flashinfer_fp8")          # a kernel mode only
     assert serve.parse_fractions("2,0.5,1") == [0.5, 1.0, 2.0]
     assert serve.sweep_rates(4.0, [0.5, 1, 2], []) == [2.0, 4.0, 8.0]
     # a later mode runs the first mode's grid, plus its own fractions past the grid's end
@@ -272,6 +273,21 @@ def test_kernel_smoke_on_the_cpu(tmp_path):
     assert case["compressed/uncompressed"] == pytest.approx(kernels["uncompressed"]["median_ms"]
                                                             / kernels["fused"]["median_ms"])
     assert case["stored_ratio"] < 1.0
+
+
+def test_kernel_smoke_fp8_modes_on_the_cpu(tmp_path):
+    """The lossy FP8 kernel beside the uncompressed one: timed, its quantization error reported
+    (small, not zero on random values); FlashInfer's FP8 mode is skipped off CUDA, with a note."""
+    assert main(["bench", "kernel", "--device", "cpu", "--fractions", "1", "--compare",
+                 "uncompressed,fp8,flashinfer_fp8", "--out", str(tmp_path / "k")]) == 0
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert "CUDA" in result["config"]["flashinfer_skipped"]
+    kernels = {r["kernel"]: r for r in result["records"]}
+    assert set(kernels) == {"uncompressed", "fp8"}
+    assert 0 < kernels["fp8"]["rel_err_vs_uncompressed"] < 0.1
+    assert kernels["fp8"]["bytes_read"] * 2 == kernels["uncompressed"]["bytes_read"]
+    (case,) = result["cases"]
+    assert case["fp8"] == kernels["fp8"]["median_ms"] and case["fp8/flashinfer_fp8"] is None
 
 
 def test_serve_against_a_real_server_on_loopback(tmp_path, capsys):

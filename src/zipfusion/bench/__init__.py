@@ -7,7 +7,7 @@
 - ``kernel``: decode attention, compressed vs uncompressed kernel vs FlashInfer (:mod:`.kernel`).
 
 Each takes ``--compare compressed,uncompressed[,flashinfer][,fp8]`` (:data:`MODES`; fp8, the lossy
-FP8 KV cache, not in the kernel bench), prints a table last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
+FP8 KV cache; the kernel bench adds flashinfer_fp8, :data:`KERNEL_MODES`), prints a table last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
 ids or text (:mod:`.datasets`). Importing this package is cheap (no torch): the CLI builds its
 parser from :mod:`.cli`.
 """
@@ -23,7 +23,8 @@ MODES = {
                    ["--no-kv-compression", "--attention-backend", "flashinfer"]),
     "fp8": ({"kv_cache_dtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
 }
-KERNEL_MODES = ("compressed", "uncompressed", "flashinfer")     # zipfusion bench kernel's (BF16 pages)
+# zipfusion bench kernel's: BF16 pages (compressed, open, FlashInfer's) and E4M3 pages (ours, FlashInfer's)
+KERNEL_MODES = ("compressed", "uncompressed", "flashinfer", "fp8", "flashinfer_fp8")
 DEFAULT_COMPARE = "compressed,uncompressed"
 
 

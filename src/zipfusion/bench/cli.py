@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import DEFAULT_COMPARE, MODES
+from . import DEFAULT_COMPARE, KERNEL_MODES, MODES
 
 DATASET_HELP = ("chat (prompt ~300 / output ~250 tokens), reasoning (decode-heavy: ~200 / ~1,500), long "
                 "(~12,000 / ~250), agent (prefill-heavy: ~1,000 / ~120 behind a 2,048-token prefix shared by "
@@ -53,10 +53,11 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
 def _common(p: argparse.ArgumentParser, kind: str, compare_default: str = DEFAULT_COMPARE) -> None:
     p.add_argument("--compare", nargs="?", const=compare_default, default=None, metavar="MODES",
                    help=f"run these modes one after the other, each in its own process, and print their ratios: "
-                        f"comma-separated of {', '.join(MODES)} (bare --compare: {compare_default})")
+                        f"comma-separated of {', '.join(KERNEL_MODES if kind == 'kernel' else MODES)} "
+                        f"(bare --compare: {compare_default})")
     if kind == "kernel":
-        p.add_argument("--mode", default=None, help="one mode alone (default: all three, as --compare; "
-                       "fp8 is not a kernel mode)")
+        p.add_argument("--mode", default=None, help="one mode alone (default: the first three, as --compare); "
+                       "fp8 and flashinfer_fp8 time the lossy E4M3 pages")
     else:
         p.add_argument("--mode", default="compressed", help="the one mode to run without --compare "
                        "(default: %(default)s)")

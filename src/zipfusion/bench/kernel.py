@@ -1,7 +1,9 @@
 """``zipfusion bench kernel``: decode attention over compressed KV (the fused kernel: the
 ``compressed`` mode) against the same kernel over open pages (the uncompressed kernel:
-``uncompressed``) and
-FlashInfer's paged decode (``flashinfer``, where it is installed), on CUDA.
+``uncompressed``) and FlashInfer's paged decode (``flashinfer``, where it is installed), on CUDA;
+and the lossy FP8 side: our Triton kernel over E4M3 pages (``fp8``) and FlashInfer's decode over
+the same E4M3 pages (``flashinfer_fp8``), both with scale 1 (the values quantized from the same
+BF16 pages; their error is reported against FlashInfer's BF16 output).
 
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with an
 exact fraction of compressible blocks (:func:`~zipfusion.analysis.synthetic.pages_with_fraction`;
@@ -27,6 +29,7 @@ import torch
 
 from ..analysis.synthetic import compressible_fraction, model_like_pages, pages_with_fraction
 from ..format import PageLayout, encode_pages_into, page_sizes
+from ..format.fp8 import Fp8PageLayout, quantize_e4m3
 from ..kernels import decode_attention, decode_attention_uncompressed
 from . import report
 
@@ -37,8 +40,11 @@ ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touc
 # name -> (Case method, fixed keyword arguments, the bytes it moves: Case.traffic's kind)
 KERNELS = {"uncompressed": ("run_uncompressed", {}, "open"), "fused": ("run_fused", {}, "compressed"),
            "uncompressed_triton": ("run_uncompressed", {"backend": "triton"}, "open"),
-           "fused_triton": ("run_fused", {"backend": "triton"}, "compressed")}
-MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "flashinfer": "flashinfer"}
+           "fused_triton": ("run_fused", {"backend": "triton"}, "compressed"),
+           "fp8": ("run_fp8", {}, "fp8")}
+MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "flashinfer": "flashinfer", "fp8": "fp8",
+                "flashinfer_fp8": "flashinfer_fp8"}
+FLASHINFER_KV = {"flashinfer": torch.bfloat16, "flashinfer_fp8": torch.float8_e4m3fn}   # mode -> its pages' dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +177,18 @@ class Case:
         self.q = torch.randn(B, self.shape.hq, self.shape.d, generator=g).to(torch.bfloat16).to(dev)
         self.out = torch.empty_like(self.q)
         self.P = P
+        self._kv8 = None
+
+    @property
+    def kv8(self) -> torch.Tensor:
+        """The open caches quantized to E4M3 (scale 1), uint8 [sets, P, 2, 16, H, D] (made once)."""
+        if self._kv8 is None:
+            self._kv8 = quantize_e4m3(self.kv)
+        return self._kv8
 
     def traffic(self, kind: str) -> tuple[int, int]:
         """(bytes read, bytes written) of a kernel reading ``kind`` pages."""
-        return {"open": (self.open_bytes, 0), "compressed": (self.comp_bytes, 0),
+        return {"open": (self.open_bytes, 0), "compressed": (self.comp_bytes, 0), "fp8": (self.open_bytes // 2, 0),
                 "unfused": (self.comp_bytes + self.open_bytes, self.open_bytes)}[kind]
 
     def arena_o(self, i):
@@ -188,6 +202,13 @@ class Case:
         return decode_attention(self.q, self.arena_c[i % self.sets], self.loc_c, self.bt,
                                 self.lens, self.layout, self.shape.d ** -0.5, self.out, validate=False, **kw)
 
+    def run_fp8(self, i, **kw):
+        from ..kernels.fp8_attention import decode_attention_fp8
+        layout = Fp8PageLayout(self.shape.hkv, self.shape.d)
+        loc = self.loc_o // 2 | 1                  # open page i at i x (half the BF16 page's bytes)
+        return decode_attention_fp8(self.q, self.kv8[i % self.sets].view(-1), loc, self.bt, self.lens, layout,
+                                    self.shape.d ** -0.5, self.out, validate=False, **kw)
+
 
 class FlashInfer:
     def __init__(self, device="cuda"):
@@ -196,18 +217,20 @@ class FlashInfer:
         self.version = flashinfer.__version__
         self.ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
 
-    def prepare(self, case: Case):
+    def prepare(self, case: Case, kv_dtype: torch.dtype = torch.bfloat16):
+        """FlashInfer's decode of ``case`` over its BF16 pages, or its E4M3 pages (scale 1)."""
         dev = case.q.device
         w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.ws, "NHD", use_tensor_cores=True, backend="fa2")
         npr = case.bt.shape[1]
         indptr = torch.arange(case.B + 1, device=dev, dtype=torch.int32) * npr
         last = torch.full((case.B,), case.ctx - (npr - 1) * PS, dtype=torch.int32, device=dev)
         w.plan(indptr, case.bt.flatten().contiguous(), last, case.shape.hq, case.shape.hkv, case.shape.d, PS,
-               pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+               pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
         out = torch.empty_like(case.q)
+        kv = case.kv if kv_dtype == torch.bfloat16 else case.kv8.view(kv_dtype)
 
         def run(i):
-            return w.run(case.q, case.kv[i % case.sets], out=out)
+            return w.run(case.q, kv[i % case.sets], out=out)
         return run
 
 
@@ -215,19 +238,27 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table=KERNELS):
+def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table=KERNELS,
+                 fi_modes=("flashinfer",)):
     """Times and checks one case; returns records. ``table``: kernel name -> (Case method, fixed
-    keyword arguments, traffic kind); ``cfg``: keyword arguments of the kernels without fixed ones."""
+    keyword arguments, traffic kind); ``cfg``: keyword arguments of the kernels without fixed ones;
+    ``fi_modes``: FlashInfer's kernels to time (FLASHINFER_KV) when ``fi`` is given. Errors are
+    against FlashInfer's BF16 output where it runs."""
     recs = []
     outs = {}
     ref = None
     device = case.q.device
-    if fi is not None:
-        run = fi.prepare(case)
-        ref = run(0).clone()
+    for mode in fi_modes if fi is not None else ():
+        run = fi.prepare(case, FLASHINFER_KV[mode])
+        o = run(0).clone()
         t, spread, how = time_calls(run, case.sets, device=device)
-        recs.append(dict(kernel="flashinfer", median_ms=t * 1e3, spread_ms=spread * 1e3,
-                         bytes_read=case.open_bytes, timing=how))
+        r = dict(kernel=mode, median_ms=t * 1e3, spread_ms=spread * 1e3, timing=how,
+                 bytes_read=case.traffic("open" if mode == "flashinfer" else "fp8")[0])
+        if mode == "flashinfer":
+            ref = o
+        elif ref is not None:
+            r["rel_err_vs_flashinfer"] = rel(o, ref)
+        recs.append(r)
     for name in kernels:
         method, fixed, kind = table[name]
         fn = getattr(case, method)
@@ -248,7 +279,9 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table
             for r in recs:
                 if r["kernel"] == fu:
                     r["bit_identical_to_uncompressed"] = same
-    fi_ms = recs[0]["median_ms"] if fi is not None else None
+    if "fp8" in outs and "uncompressed" in outs:        # the quantization's error (FP8 is lossy)
+        next(r for r in recs if r["kernel"] == "fp8")["rel_err_vs_uncompressed"] = rel(outs["fp8"], outs["uncompressed"])
+    fi_ms = next((r["median_ms"] for r in recs if r["kernel"] == "flashinfer"), None)
     for r in recs:
         r.update(batch=case.B, context=case.ctx)
         moved = r["bytes_read"] + r.get("bytes_written", 0)
@@ -306,6 +339,8 @@ def cases_table(records: list[dict]) -> list[dict]:
         fused = row.get("fused")
         for other, name in (("uncompressed", "compressed/uncompressed"), ("flashinfer", "compressed/flashinfer")):
             row[name] = row[other] / fused if fused and row.get(other) else None
+        fp8, fi8 = row.get("fp8"), row.get("flashinfer_fp8")
+        row["fp8/flashinfer_fp8"] = fi8 / fp8 if fp8 and fi8 else None
     return rows
 
 
@@ -313,6 +348,8 @@ COLUMNS = [("fraction", "compressible", "{:.2f}"), ("batch", "batch", "{}"), ("c
            ("stored_ratio", "stored ratio", "{:.3f}"), ("fused", "compressed ms", "{:.4f}"),
            ("uncompressed", "uncompressed ms", "{:.4f}"), ("flashinfer", "flashinfer ms", "{:.4f}"),
            ("compressed/uncompressed", "x uncompressed", "{:.3f}"), ("compressed/flashinfer", "x flashinfer", "{:.3f}")]
+FP8_COLUMNS = [("fp8", "fp8 ms", "{:.4f}"), ("flashinfer_fp8", "flashinfer fp8 ms", "{:.4f}"),
+               ("fp8/flashinfer_fp8", "fp8 x flashinfer fp8", "{:.3f}")]
 
 
 def plot(result: dict, path: str) -> bool:
@@ -353,11 +390,12 @@ def run(args, modes: list[str], device: str) -> int:
         batches, contexts = [1], [32]
         print("smoke run on the CPU (Triton interpreter, 2 query heads, 1 KV head, one tiny case): the "
               "timings mean nothing", file=sys.stderr)
-    kernels = [MODE_KERNELS[m] for m in modes if m != "flashinfer"]
+    kernels = [MODE_KERNELS[m] for m in modes if m not in FLASHINFER_KV]
+    fi_modes = [m for m in modes if m in FLASHINFER_KV]
     meta = report.run_meta("kernel", args.argv, device)
     info = {"shape": dataclasses.asdict(shape), "page_tokens": PS}
     fi = None
-    if "flashinfer" in modes:
+    if fi_modes:
         from . import flashinfer_skip_reason
         why = flashinfer_skip_reason(device)
         if why:
@@ -377,7 +415,7 @@ def run(args, modes: list[str], device: str) -> int:
         if f not in pools:
             pools[f] = Pool(f, seed=int(f * 100) + 1, shape=shape, device=device)
         case = Case(pools[f], B, ctx, seed=B * 7 + ctx)
-        recs = measure_case(case, fi, kernels, {}, ceiling)
+        recs = measure_case(case, fi, kernels, {}, ceiling, fi_modes=fi_modes)
         for r in recs:
             r.update(compressible_fraction=pools[f].fraction, compressible_fraction_nominal=f, **pools[f].formats)
         print(f"[{n + 1}/{len(cases)}] fraction {f:g}, batch {B}, context {ctx}: "
@@ -390,7 +428,8 @@ def run(args, modes: list[str], device: str) -> int:
                                        "contexts": contexts, "smoke": smoke, **info},
               "records": records, "cases": cases_table(records)}
     print(report.save(result, args.out, plot))
-    print(report.text_table(result["cases"], COLUMNS))
+    fp8 = any(m in modes for m in ("fp8", "flashinfer_fp8"))
+    print(report.text_table(result["cases"], COLUMNS + (FP8_COLUMNS if fp8 else [])))
     print("x uncompressed / x flashinfer: the other kernel's time / the compressed kernel's (above 1: compressed "
           "is faster)")
     return 0
