@@ -95,16 +95,24 @@ def test_dequantize_every_byte_and_the_scale():
 
 
 @triton.jit
-def _dequant_kernel(src, dst, scale, N: tl.constexpr):
+def _dequant_kernel(src, dst, scale, N: tl.constexpr, NATIVE: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(dst + i, fp8_kv.e4m3_dequant(tl.load(src + i), scale))
+    if NATIVE:
+        tl.store(dst + i, fp8_kv.e4m3_dequant_native(tl.load(src + i), scale))
+    else:
+        tl.store(dst + i, fp8_kv.e4m3_dequant(tl.load(src + i), scale))
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.3, 7.0])
-def test_the_kernels_dequant_equals_torchs_bit_for_bit(scale):
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    DEVICE != "cuda", reason="the hardware's E4M3 conversion: the compiled kernel's path (CUDA)"))])
+@pytest.mark.parametrize("scale", [1.0, 0.3, 7.0, 2.0 ** -20])
+def test_the_kernels_dequant_equals_torchs_bit_for_bit(scale, native):
+    """Both dequantizers (the interpreter's integer one, the GPU's conversions) give torch's bits
+    for every byte: subnormals, -0, the largest values, the NaNs, a scale that makes bf16
+    subnormals."""
     b = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
     out = torch.empty(256, dtype=torch.bfloat16, device=DEVICE)
-    _dequant_kernel[(1,)](b, out, scale, N=256)
+    _dequant_kernel[(1,)](b, out, scale, N=256, NATIVE=native)
     want = dequantize_e4m3(b, scale)
     nan = want.isnan()                           # (NaN bit patterns may differ: 0x7F and 0xFF only)
     assert torch.equal(out.isnan(), nan) and int(nan.sum()) == 2

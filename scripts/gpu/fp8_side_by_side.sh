@@ -4,8 +4,8 @@
 #             open pages, FlashInfer's BF16 decode, our FP8 kernel and FlashInfer's FP8 decode
 #             (its E4M3 JIT build, ~30 s), batch 32/64 x 8K at 100 % and the real model's 92 %
 #             compressible (~2 min)
-#   run    -- zipfusion bench throughput: a decode-heavy run (the reasoning dataset, 48 requests,
-#             answers ~600 tokens) at 4 GiB of KV in every mode, each mode in its own process
+#   run    -- zipfusion bench throughput: a decode-heavy run (the reasoning dataset, 160 requests,
+#             answers ~500 tokens) at 4 GiB of KV in every mode, each mode in its own process
 #             (~4 min): capacity (peak batch) and whole-run tokens/s
 # FP8-lossless stays an analyzer result (docs/fp8_format.md): no kernel reads it.
 #   bash scripts/gpu/fp8_side_by_side.sh [kernel] [run]     # results under $OUT
@@ -21,8 +21,8 @@ kernel)
     --out "$OUT/kernel_fp8" > "$OUT/kernel_fp8.log" 2>&1; echo "kernel rc $?"; tail -8 "$OUT/kernel_fp8.log" ;;
 run)
   timeout -k 10 ${RUN_LIMIT:-330} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
-    --kv-memory-gb 4 --compare compressed,uncompressed,fp8 --dataset reasoning --num-prompts 48 --output-len 600 \
-    --timeout 110 --out "$OUT/throughput_fp8" > "$OUT/throughput_fp8.log" 2>&1; echo "run rc $?"
+    --kv-memory-gb 4 --compare compressed,uncompressed,fp8 --dataset reasoning --num-prompts 160 --output-len 500 \
+    --timeout 150 --out "$OUT/throughput_fp8" > "$OUT/throughput_fp8.log" 2>&1; echo "run rc $?"
   grep -v "^  \[" "$OUT/throughput_fp8.log" | tail -12 | cut -c1-250 ;;
 *) echo "unknown part $part (kernel, run)"; exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 
 The pages are open FP8 pages in the arena (``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` at one
 byte a value, at ``loc_offset(page_loc)``). Per tile of TP pages the kernel loads the K and V
-bytes of head h, dequantizes them (``fp8_kv.e4m3_dequant``: ``bf16(fp32(E4M3(byte)) · scale)``,
+bytes of head h, dequantizes them (``bf16(fp32(E4M3(byte)) · scale)``: ``fp8_kv.e4m3_dequant``'s
+integer arithmetic under the interpreter, the GPU's conversions compiled, the same bits),
 ``k_scale`` for K, ``v_scale`` for V) and then runs *the same arithmetic as the BF16 kernels*:
 ``triton_attention.attend_tile`` (S = c·q Kᵀ with c = sm_scale·log2 e, online softmax in base 2,
 acc += P_bf16·V) and ``triton_attention.store_split``, with the same split plan
@@ -30,7 +31,9 @@ from .splits import check_split_args, tile_plan
 
 _TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode
 _attend_tile, _store_split = _TA.attend_tile, _TA.store_split
-_dequant = same_mode(fp8_kv).e4m3_dequant
+_FK = same_mode(fp8_kv)
+_dequant, _dequant_native = _FK.e4m3_dequant, _FK.e4m3_dequant_native
+NUM_STAGES = 1                                      # the compiled kernel's software pipelining
 _loc_offset = triton.jit(loc_offset)
 PT = tl.constexpr(PAGE_TOKENS)
 
@@ -74,8 +77,11 @@ def _fp8_decode_kernel(q_ptr, arena, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, par
         v_off = base + ((t + PT) * H + h) * D       # role 1
         kb = tl.load(arena + k_off[:, None] + d[None, :], mask=valid[:, None], other=0)
         vb = tl.load(arena + v_off[:, None] + d[None, :], mask=valid[:, None], other=0)
-        m_i, l_i, acc = _attend_tile(valid[None, :], _dequant(kb, k_scale), _dequant(vb, v_scale), q,
-                                     m_i, l_i, acc, qk_scale, INTERPRET, True)
+        if INTERPRET:                               # integer arithmetic (the interpreter's casts truncate)
+            k, v = _dequant(kb, k_scale), _dequant(vb, v_scale)
+        else:                                       # the hardware's conversions: the same bits
+            k, v = _dequant_native(kb, k_scale), _dequant_native(vb, v_scale)
+        m_i, l_i, acc = _attend_tile(valid[None, :], k, v, q, m_i, l_i, acc, qk_scale, INTERPRET, True)
     _store_split(acc, m_i, l_i, q_rows, s, num_splits, out_ptr, part_o_ptr, part_lse_ptr, G, D)
 
 
@@ -83,7 +89,7 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
                          out=None, *, k_scale: float = 1.0, v_scale: float = 1.0,
                          num_splits: int | None = None, split_pages: int | None = None,
                          validate: bool = True, tile_pages: int | None = None,
-                         num_warps: int | None = None):
+                         num_warps: int | None = None, num_stages: int | None = None):
     """Paged decode attention over open FP8 pages (module docstring).
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64; block_table int32 [B, W];
@@ -93,7 +99,8 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
                                              V' = bf16(E4M3(V bytes) · v_scale)
 
     over the first context_lens[b] tokens. ``num_splits``, ``split_pages`` (batch-invariant),
-    ``validate``, ``tile_pages``, ``num_warps``: as for ``decode_attention``.
+    ``validate``, ``tile_pages``, ``num_warps``: as for ``decode_attention``; ``num_stages``:
+    Triton's software pipelining of the compiled kernel (default :data:`NUM_STAGES`).
     """
     if not isinstance(layout, Fp8PageLayout):
         raise TypeError(f"layout must be a zipfusion.format.fp8.Fp8PageLayout, got {type(layout).__name__}")
@@ -117,7 +124,7 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
         q, arena, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
         float(sm_scale) * LOG2E, k_scale, v_scale, block_table.stride(0), plan.pages, plan.count,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, INTERPRET=interp,
-        num_warps=num_warps or 4, num_stages=1)
+        num_warps=num_warps or 4, num_stages=num_stages or NUM_STAGES)
     if plan.count > 1:
         merge[(B * Hq,)](plan.part_o, plan.part_lse, out, context_lens, plan.pages, plan.count,
                          HQ=Hq, D=D, num_warps=4)

@@ -24,7 +24,8 @@ Open FP8 pages have the BF16 open page's shape, ``[2, 16, H, D]``, at one byte a
 unchanged. The Triton kernels quantize (:func:`e4m3_quant`, the CUDA store in rope_store.py) and
 dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py) with integer and fp32
 arithmetic, equal to format/fp8.py's ``quantize_e4m3`` / ``dequantize_e4m3`` bit for bit (NaNs' sign and
-payload aside).
+payload aside); compiled for the GPU, the decode kernel dequantizes with the hardware's conversions
+instead (:func:`e4m3_dequant_native`, the same bits).
 
 The torch quantizer and dequantizer are format/fp8.py's (the one definition, also the lossless
 FP8 block codec's and ``zipfusion analyze --kv-dtype fp8``'s), as is the one-byte page layout
@@ -62,6 +63,15 @@ if triton is not None:
         mag = tl.where((x & 0x7F) == 0x7F, float("nan"), mag)
         val = (mag.to(tl.int32, bitcast=True) | ((x >> 7) << 31)).to(tl.float32, bitcast=True)   # sign; -0 too
         return bf16_rne(val * scale)
+
+    @triton.jit
+    def e4m3_dequant_native(b, scale):
+        """:func:`e4m3_dequant` with the GPU's own conversions, the compiled kernels' path: the
+        byte read as E4M3 and converted to fp32 (exact: every E4M3 value is an fp32 value), the
+        product with the scale rounded to bf16 by the hardware's round-to-nearest-even. The same
+        bits as :func:`e4m3_dequant` (NaNs' payloads aside) in a few instructions instead of ~20
+        integer ones a value. Not for the interpreter (its casts truncate, and it has no E4M3)."""
+        return (b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
 
     @triton.jit
     def e4m3_quant(x, scale):
