@@ -4,7 +4,7 @@
 #             open pages, FlashInfer's BF16 decode, our FP8 kernel and FlashInfer's FP8 decode
 #             (its E4M3 JIT build, ~30 s), batch 32/64 x 8K at 100 % and the real model's 92 %
 #             compressible (~2 min)
-#   run    -- zipfusion bench throughput: a decode-heavy run (the reasoning dataset, 160 requests,
+#   run    -- zipfusion bench throughput: a decode-heavy run (the reasoning dataset, 128 requests,
 #             answers ~500 tokens) at 4 GiB of KV in every mode, each mode in its own process
 #             (~4 min): capacity (peak batch) and whole-run tokens/s
 # FP8-lossless stays an analyzer result (docs/fp8_format.md): no kernel reads it.
@@ -17,12 +17,12 @@ for part in ${*:-kernel run}; do
 case $part in
 kernel)
   timeout -k 10 ${KERNEL_LIMIT:-200} python3 -m zipfusion bench kernel --compare \
-    compressed,uncompressed,flashinfer,fp8,flashinfer_fp8 --fractions 1,0.92 --batches 32,64 --contexts 8192 \
+    compressed,uncompressed,flashinfer,fp8,flashinfer_fp8 --fractions ${FRACTIONS:-1,0.92} --batches 32,64 --contexts 8192 \
     --out "$OUT/kernel_fp8" > "$OUT/kernel_fp8.log" 2>&1; echo "kernel rc $?"; tail -8 "$OUT/kernel_fp8.log" ;;
 run)
   timeout -k 10 ${RUN_LIMIT:-330} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
-    --kv-memory-gb 4 --compare compressed,uncompressed,fp8 --dataset reasoning --num-prompts 160 --output-len 500 \
-    --timeout 150 --out "$OUT/throughput_fp8" > "$OUT/throughput_fp8.log" 2>&1; echo "run rc $?"
+    --kv-memory-gb 4 --compare compressed,uncompressed,fp8 --dataset reasoning --num-prompts 128 --output-len 500 \
+    --timeout 130 --out "$OUT/throughput_fp8" > "$OUT/throughput_fp8.log" 2>&1; echo "run rc $?"
   grep -v "^  \[" "$OUT/throughput_fp8.log" | tail -12 | cut -c1-250 ;;
 *) echo "unknown part $part (kernel, run)"; exit 2 ;;
 esac

@@ -16,7 +16,7 @@ from zipfusion.bench.kernel import Case, Pool, time_calls
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=None)
-ap.add_argument("--cases", default="32x8192,64x8192,8x32768")
+ap.add_argument("--cases", default="32x8192,64x8192")
 args = ap.parse_args()
 pool = Pool(1.0, seed=101)
 rows = []
@@ -32,7 +32,7 @@ for spec in args.cases.split(","):
         base[name] = t
         print(f"B{B} ctx{ctx} {name} default {t * 1e3:.4f} ms", file=sys.stderr, flush=True)
     ref = {}
-    for tp, w, st in itertools.product((2, 4, 8), (4, 8), (1, 2, 3)):
+    for tp, w, st in itertools.product((2, 4, 8), (4, 8), (1, 2)):
         kw = dict(tile_pages=tp, num_warps=w, num_stages=st)
         try:
             o = case.run_fp8(0, **kw).clone()
