@@ -2,11 +2,12 @@
 
 The pages are open FP8 pages in the arena (``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` at one
 byte a value, at ``loc_offset(page_loc)``). Per tile of TP pages the kernel loads the K and V
-bytes of head h, dequantizes them (``bf16(fp32(E4M3(byte)) · scale)``: ``fp8_kv.e4m3_dequant``'s
-integer arithmetic under the interpreter, the GPU's conversions compiled, the same bits),
-``k_scale`` for K, ``v_scale`` for V) and then runs *the same arithmetic as the BF16 kernels*:
-``triton_attention.attend_tile`` (S = c·q Kᵀ with c = sm_scale·log2 e, online softmax in base 2,
-acc += P_bf16·V) and ``triton_attention.store_split``, with the same split plan
+bytes of head h, dequantizes them (``bf16(fp32(E4M3(byte)) · scale)``, ``k_scale`` for K,
+``v_scale`` for V: ``fp8_kv.e4m3_dequant``'s integer arithmetic under the interpreter, the GPU's
+conversions compiled, the same bits) and then runs *the same arithmetic as the BF16 kernels*:
+``triton_attention.begin_split`` (the split's pages, q, the softmax state), ``attend_tile``
+(S = c·q Kᵀ with c = sm_scale·log2 e, online softmax in base 2, acc += P_bf16·V) and
+``store_split``, with the same split plan
 (``splits.tile_plan``) and merge kernel. So its output equals, bit for bit, the uncompressed
 BF16 kernel's (``decode_attention_uncompressed``) over BF16 pages holding the dequantized
 values, with the same tile and splits; ``split_pages`` makes it batch-invariant as there.
@@ -30,7 +31,7 @@ from ..format.fp8 import Fp8PageLayout, check_scale
 from .splits import check_split_args, tile_plan
 
 _TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode
-_attend_tile, _store_split = _TA.attend_tile, _TA.store_split
+_begin_split, _attend_tile, _store_split = _TA.begin_split, _TA.attend_tile, _TA.store_split
 _FK = same_mode(fp8_kv)
 _dequant, _dequant_native = _FK.e4m3_dequant, _FK.e4m3_dequant_native
 NUM_STAGES = 1                                      # the compiled kernel's software pipelining
@@ -51,22 +52,9 @@ def _fp8_decode_kernel(q_ptr, arena, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, par
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    R: tl.constexpr = TP * PT
-    ctx = tl.load(ctx_ptr + b)
-    n_pages = (ctx + PT - 1) // PT
-    p_begin = s * pages_per_split
-    p_end = tl.minimum(p_begin + pages_per_split, n_pages)
-
-    gq = tl.arange(0, G_PAD)
-    q_rows = (b * H * G + h * G + gq).to(tl.int64)
+    ctx, p_begin, p_end, q, q_rows, t, slot, m_i, l_i, acc = _begin_split(
+        q_ptr, ctx_ptr, b, h, s, pages_per_split, H, D, G, G_PAD, TP)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=(gq < G)[:, None], other=0.0)
-    r = tl.arange(0, R)
-    t = r % PT                      # token inside its page
-    slot = r // PT                  # page inside the tile
-    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
-    l_i = tl.full([G_PAD], 0.0, tl.float32)
-    acc = tl.full([G_PAD, D], 0.0, tl.float32)
     for p0 in range(p_begin, p_end, TP):
         page = p0 + slot
         in_range = page < p_end

@@ -358,6 +358,28 @@ def attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
     return m_new, l_i, acc
 
 
+@triton.jit
+def begin_split(q_ptr, ctx_ptr, b, h, s, pages_per_split, H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                G_PAD: tl.constexpr, TP: tl.constexpr):
+    """Program (b, h, s)'s start, shared by every kernel that reads pages (the FP8 kernel too):
+    request b's context and the pages [p_begin, p_end) of split s; the G query rows of KV head h
+    (padded to G_PAD) and their row ids; a tile's token t and page slot of each of its TP·16
+    rows; the online softmax's state (running max, sum, accumulator), empty."""
+    ctx = tl.load(ctx_ptr + b)
+    n_pages = (ctx + PT - 1) // PT
+    p_begin = s * pages_per_split
+    p_end = tl.minimum(p_begin + pages_per_split, n_pages)
+    gq = tl.arange(0, G_PAD)
+    q_rows = (b * H * G + h * G + gq).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=(gq < G)[:, None], other=0.0)
+    r = tl.arange(0, TP * PT)
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
+    l_i = tl.full([G_PAD], 0.0, tl.float32)
+    acc = tl.full([G_PAD, D], 0.0, tl.float32)
+    return ctx, p_begin, p_end, q, q_rows, r % PT, r // PT, m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_bt", "pages_per_split", "num_splits"])
 def _decode_attention_kernel(
         q_ptr, arena32, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -369,25 +391,8 @@ def _decode_attention_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    R: tl.constexpr = TP * PT
-
-    ctx = tl.load(ctx_ptr + b)
-    n_pages = (ctx + PT - 1) // PT
-    p_begin = s * pages_per_split
-    p_end = tl.minimum(p_begin + pages_per_split, n_pages)
-
-    gq = tl.arange(0, G_PAD)
-    q_rows = (b * H * G + h * G + gq).to(tl.int64)
-    qmask = (gq < G)[:, None]
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=qmask, other=0.0)
-
-    r = tl.arange(0, R)
-    t = r % PT                      # token inside its page
-    slot = r // PT                  # page inside the tile
-    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
-    l_i = tl.full([G_PAD], 0.0, tl.float32)
-    acc = tl.full([G_PAD, D], 0.0, tl.float32)
+    ctx, p_begin, p_end, q, q_rows, t, slot, m_i, l_i, acc = begin_split(
+        q_ptr, ctx_ptr, b, h, s, pages_per_split, H, D, G, G_PAD, TP)
 
     # Software pipeline: the K/V loads of tile i+1 and the page locations and records of tile
     # i+2 are issued before tile i is computed, so memory latency overlaps the restore and the
