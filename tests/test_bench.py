@@ -115,8 +115,7 @@ def test_rates_and_modes_parse_or_fail_in_one_line():
         parse_modes("compressed,int4")
     assert parse_modes("compressed,fp8") == ["compressed", "fp8"]
     assert parse_modes("fp8,flashinfer_fp8", known=KERNEL_MODES) == ["fp8", "flashinfer_fp8"]
-    with pytest.raises(ValueError, match="unknown mode"):
-        parse_modes("compressed,flashinfer_fp8")          # a kernel mode only
+    assert parse_modes("fp8,flashinfer_fp8") == ["fp8", "flashinfer_fp8"]      # an engine mode too
     assert serve.parse_fractions("2,0.5,1") == [0.5, 1.0, 2.0]
     assert serve.sweep_rates(4.0, [0.5, 1, 2], []) == [2.0, 4.0, 8.0]
     # a later mode runs the first mode's grid, plus its own fractions past the grid's end
@@ -243,11 +242,12 @@ def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
 
 def test_throughput_compares_the_lossy_fp8_kv_cache(tmp_path):
     """fp8 (E4M3 KV pages, vLLM's --kv-cache-dtype fp8) beside the lossless mode, same memory."""
-    assert main(["bench", "throughput", *TINY, "--compare", "compressed,fp8", "--num-prompts", "6",
-                 "--kv-memory-gb", "0.002", "--out", str(tmp_path / "tp")]) == 0
+    assert main(["bench", "throughput", *TINY, "--compare", "compressed,fp8,flashinfer_fp8", "--num-prompts",
+                 "6", "--kv-memory-gb", "0.002", "--out", str(tmp_path / "tp")]) == 0
     result = json.loads((tmp_path / "tp.json").read_text())
     recs = {r["mode"]: r for r in result["records"]}
-    assert set(recs) == {"compressed", "fp8"}
+    assert set(recs) == {"compressed", "fp8", "flashinfer_fp8"}
+    assert "CUDA" in recs.pop("flashinfer_fp8")["skipped"]      # FlashInfer's FP8 decode: CUDA only
     for r in recs.values():
         assert "error" not in r, r.get("error")
         assert r["requests"] == r["finished"] == 6 and r["output_tokens"] == 36

@@ -30,6 +30,28 @@ def test_config_accepts_flashinfer_and_rejects_unknown_backend():
         EngineConfig(attention_backend="flash")
 
 
+def test_config_accepts_flashinfer_over_fp8_pages():
+    c = EngineConfig(attention_backend="flashinfer", kv_cache_dtype="fp8", device="cuda")
+    assert c.kv_cache_dtype == "fp8" and c.kv_compression is False       # fp8 turns compression off
+
+
+def test_fp8_arena_view_holds_every_open_page_at_its_index():
+    """FlashInfer's view of an FP8 arena ([n, 2, 16, H, D] float8_e4m3fn): page ``page_indices``
+    of each open page holds that page's E4M3 bytes (the FP8 cache's own read, before dequantizing)."""
+    from zipfusion.engine.fp8_kv_cache import Fp8KVCache
+    cache = Fp8KVCache(3, 2, 64, 1 << 20, "cpu")
+    ids = cache.alloc(5)
+    g = torch.Generator().manual_seed(3)
+    cache.arena.copy_(torch.randint(0, 255, cache.arena.shape, generator=g, dtype=torch.uint8))
+    ob = cache.layout.open_page_bytes
+    n = cache.arena.numel() // ob
+    pages = cache.arena[:n * ob].view(torch.float8_e4m3fn).view(n, 2, PAGE_TOKENS, 2, 64)
+    for layer in range(3):
+        idx = fid.page_indices(cache.page_loc[layer], torch.tensor(ids), ob)
+        want = cache.arena[cache.layout.page_byte_index(cache.page_loc[layer, ids])]
+        assert torch.equal(pages[idx.long()].view(torch.uint8).reshape(len(ids), -1), want)
+
+
 def test_backend_rejects_flashinfer_on_cpu():
     cache = ArenaKVCache(1, 2, 64, 1 << 20, "cpu", kv_compression=False)
     with pytest.raises(ValueError, match="CUDA only"):
@@ -169,3 +191,57 @@ def test_engine_generates_with_flashinfer_like_the_twin(tmp_path):
         del llm
     assert all(a[:1] == b[:1] for a, b in zip(outs["auto"], outs["flashinfer"]))
     assert sum(a == b for a, b in zip(outs["auto"], outs["flashinfer"])) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 2.0)])
+def test_flashinfer_fp8_matches_our_fp8_kernel(scales):
+    """FlashInfer's FP8 decode over the FP8 cache's pages (its scales folded into the softmax and
+    the output) against our FP8 kernel (dequantize, then BF16 arithmetic): the same attention
+    to bf16 rounding, not the same bits."""
+    pytest.importorskip("flashinfer")
+    from zipfusion.engine.fp8_kv_cache import Fp8KVCache
+    from zipfusion.kernels.fp8_attention import decode_attention_fp8
+    lens = (8192, 100, 17, 1)
+    cache = Fp8KVCache(2, 8, 128, 256 << 20, "cuda", k_scale=scales[0], v_scale=scales[1])
+    W = -(-max(lens) // PAGE_TOKENS)
+    table = torch.zeros(len(lens), W, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        p = -(-n // PAGE_TOKENS)
+        table[b, :p] = torch.tensor(cache.alloc(p), dtype=torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vals = (torch.randn(cache.arena.shape, generator=g, device="cuda") * 2).to(torch.float8_e4m3fn)
+    cache.arena.copy_(vals.view(torch.uint8))
+    B, Hq, D, scale = len(lens), 32, 128, 128 ** -0.5
+    attn = AttentionBackend(cache, "flashinfer", kv_compression=False, num_qo_heads=Hq, sm_scale=scale)
+    q = torch.randn(B, Hq, D, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    attn.prepare_decode(lens_t, table)
+    dt, dl = table.cuda(), lens_t.cuda()
+    for layer in range(2):
+        got = attn.decode(layer, q, dt, dl)
+        want = decode_attention_fp8(q, cache.arena, cache.page_loc[layer], dt, dl, cache.layout, scale,
+                                    k_scale=scales[0], v_scale=scales[1])
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_engine_generates_with_flashinfer_over_fp8_pages(tmp_path):
+    """The engine with kv_cache_dtype='fp8' and FlashInfer's FP8 decode (CUDA graphs, mixed
+    steps): runs, and its first greedy tokens agree with our FP8 kernel's."""
+    pytest.importorskip("flashinfer")
+    pytest.importorskip("transformers")
+    from zipfusion import LLM, SamplingParams
+    from helpers import save_tiny_checkpoint
+    save_tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=g).tolist()} for n in (300, 40, 77)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for backend in ("auto", "flashinfer"):
+        llm = LLM(str(tmp_path), device="cuda", kv_cache_dtype="fp8", kv_memory_gb=0.1,
+                  attention_backend=backend, max_num_seqs=8)
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        del llm
+    assert all(len(o) == 8 for o in outs["flashinfer"])
+    assert all(a[:1] == b[:1] for a, b in zip(outs["auto"], outs["flashinfer"]))

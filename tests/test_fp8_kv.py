@@ -287,7 +287,7 @@ def test_fp8_kernel_arguments():
 @pytest.mark.parametrize("kw,match", [
     (dict(kv_cache_dtype="fp16"), r"kv_cache_dtype must be one of \['auto', 'bf16', 'fp8', 'fp8_e4m3'\]"),
     (dict(kv_cache_dtype="fp8", dtype="float32"), "runs with dtype='bfloat16' activations"),
-    (dict(kv_cache_dtype="fp8", attention_backend="flashinfer"), "does not read FP8 pages"),
+    (dict(kv_cache_dtype="fp8", attention_backend="flashinfer", deterministic=True), "batch-invariant"),
     (dict(kv_cache_dtype="fp8", packed_decode=True), "packed_decode does not read FP8 pages"),
 ])
 def test_config_errors(kw, match):

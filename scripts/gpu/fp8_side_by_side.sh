@@ -6,7 +6,8 @@
 #             compressible (~2 min)
 #   run    -- zipfusion bench throughput: a decode-heavy run (the reasoning dataset, 128 requests,
 #             answers ~500 tokens) at 4 GiB of KV in every mode, each mode in its own process
-#             (~4 min): capacity (peak batch) and whole-run tokens/s
+#             (~4 min): capacity (peak batch) and whole-run tokens/s; flashinfer_fp8: the FP8
+#             cache decoded by FlashInfer's FP8 kernel (RUN_MODES picks)
 # FP8-lossless stays an analyzer result (docs/fp8_format.md): no kernel reads it.
 #   bash scripts/gpu/fp8_side_by_side.sh [kernel] [run]     # results under $OUT
 set -uo pipefail
@@ -21,7 +22,7 @@ kernel)
     --out "$OUT/kernel_fp8" > "$OUT/kernel_fp8.log" 2>&1; echo "kernel rc $?"; tail -8 "$OUT/kernel_fp8.log" ;;
 run)
   timeout -k 10 ${RUN_LIMIT:-330} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
-    --kv-memory-gb 4 --compare compressed,uncompressed,fp8 --dataset reasoning --num-prompts 128 --output-len 500 \
+    --kv-memory-gb 4 --compare ${RUN_MODES:-compressed,uncompressed,fp8,flashinfer_fp8} --dataset reasoning --num-prompts 128 --output-len 500 \
     --timeout 130 --out "$OUT/throughput_fp8" > "$OUT/throughput_fp8.log" 2>&1; echo "run rc $?"
   grep -v "^  \[" "$OUT/throughput_fp8.log" | tail -12 | cut -c1-250 ;;
 *) echo "unknown part $part (kernel, run)"; exit 2 ;;

@@ -90,7 +90,7 @@ class EngineConfig:
                             choices=LOAD_FORMATS)
     enforce_eager: bool = _opt(False, "no CUDA graphs")
     attention_backend: str = _opt("auto", "decode attention: auto, kernel (our kernels, also on CPU), torch, "
-                                          "or flashinfer (FlashInfer's paged decode: uncompressed KV on CUDA, "
+                                          "or flashinfer (FlashInfer's paged decode: uncompressed BF16 or FP8 KV on CUDA, "
                                           "pip install flashinfer-python)",
                                   choices=("auto", "kernel", "torch", "flashinfer"))
     admission: str = _opt("estimate", "estimate: admit what fits at the observed compression ratio, "
@@ -199,13 +199,11 @@ class EngineConfig:
 
     def _check_fp8(self) -> None:
         """kv_cache_dtype='fp8': bf16 activations, pages never compressed (kv_compression turned
-        off), our Triton decode kernel or torch (no FlashInfer, no packed decode)."""
+        off), read by our Triton decode kernel, FlashInfer's FP8 decode (``attention_backend=
+        'flashinfer'``) or torch; no packed decode."""
         self.kv_compression = False
         if str(self.dtype).lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
             raise ValueError(f"kv_cache_dtype='fp8' runs with dtype='bfloat16' activations, got dtype={self.dtype!r}")
-        if self.attention_backend == "flashinfer":
-            raise ValueError("attention_backend='flashinfer' does not read FP8 pages; drop kv_cache_dtype='fp8' "
-                             "or use attention_backend='auto'")
         if self.packed_decode:
             raise ValueError("packed_decode does not read FP8 pages; drop packed_decode or kv_cache_dtype='fp8'")
 

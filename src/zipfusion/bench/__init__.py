@@ -6,8 +6,9 @@
 - ``latency``: one batch of B prompts of L tokens: prefill time, then per-token decode (:mod:`.latency`);
 - ``kernel``: decode attention, compressed vs uncompressed kernel vs FlashInfer (:mod:`.kernel`).
 
-Each takes ``--compare compressed,uncompressed[,flashinfer][,fp8]`` (:data:`MODES`; fp8, the lossy
-FP8 KV cache; the kernel bench adds flashinfer_fp8, :data:`KERNEL_MODES`), prints a table last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
+Each takes ``--compare compressed,uncompressed[,flashinfer][,fp8][,flashinfer_fp8]`` (:data:`MODES`;
+fp8, the lossy FP8 KV cache, read by our kernel or FlashInfer's; :data:`KERNEL_MODES` for the kernel
+bench), prints a table last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
 ids or text (:mod:`.datasets`). Importing this package is cheap (no torch): the CLI builds its
 parser from :mod:`.cli`.
 """
@@ -22,7 +23,11 @@ MODES = {
     "flashinfer": ({"kv_compression": False, "attention_backend": "flashinfer"},
                    ["--no-kv-compression", "--attention-backend", "flashinfer"]),
     "fp8": ({"kv_cache_dtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
+    # the FP8 KV cache decoded by FlashInfer's FP8 kernel (CUDA; vLLM's FP8 decode)
+    "flashinfer_fp8": ({"kv_cache_dtype": "fp8", "attention_backend": "flashinfer"},
+                       ["--kv-cache-dtype", "fp8", "--attention-backend", "flashinfer"]),
 }
+FLASHINFER_MODES = ("flashinfer", "flashinfer_fp8")                # need FlashInfer and CUDA
 # zipfusion bench kernel's: BF16 pages (compressed, open, FlashInfer's) and E4M3 pages (ours, FlashInfer's)
 KERNEL_MODES = ("compressed", "uncompressed", "flashinfer", "fp8", "flashinfer_fp8")
 DEFAULT_COMPARE = "compressed,uncompressed"

@@ -261,10 +261,10 @@ def run_job(kind: str, job: dict, timeout: float, threads: int = 0) -> dict:
 def run_modes(kind: str, modes: list[str], job: dict, timeout: float, describe) -> list[dict]:
     """One worker per mode, one after the other (a mode that cannot run here is skipped with the
     reason); a line of progress per stage. ``describe(record)``: the line of a finished mode."""
-    from . import flashinfer_skip_reason
+    from . import FLASHINFER_MODES, flashinfer_skip_reason
     records = []
     for i, mode in enumerate(modes):
-        why = flashinfer_skip_reason(job["device"], job.get("deterministic", False)) if mode == "flashinfer" else None
+        why = flashinfer_skip_reason(job["device"], job.get("deterministic", False)) if mode in FLASHINFER_MODES else None
         if why:
             log(f"[{i + 1}/{len(modes)}] {mode}: skipped ({why})")
             records.append({"mode": mode, "skipped": why})

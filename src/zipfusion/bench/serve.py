@@ -33,7 +33,7 @@ import math
 import time
 import zlib
 
-from . import datasets, flashinfer_skip_reason, report
+from . import FLASHINFER_MODES, datasets, flashinfer_skip_reason, report
 from .client import run_rate
 from .offline import log
 from .serve_results import finish, mode_summary, rate_label, rate_row
@@ -238,7 +238,7 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
 
     grid: list[float] = []
     for i, mode in enumerate(modes):
-        why = flashinfer_skip_reason(device) if mode == "flashinfer" and not args.url else None
+        why = flashinfer_skip_reason(device) if mode in FLASHINFER_MODES and not args.url else None
         if why:
             log(f"[{i + 1}/{len(modes)}] {mode}: skipped ({why})")
             result["modes"][mode] = {"skipped": why}

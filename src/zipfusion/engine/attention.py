@@ -84,9 +84,7 @@ class AttentionBackend:
             kind = "kernel" if cache.device.type == "cuda" and arena is not None else "torch"
         self.kind, self.cache, self.sm_scale, self.num_qo_heads = kind, cache, sm_scale, num_qo_heads
         self.split_grain = split_grain
-        fp8 = cache.kv_dtype == "fp8"           # E4M3 pages (fp8_kv_cache.py): read by the FP8 kernel or torch
-        if fp8 and kind == "flashinfer":
-            raise ValueError("attention_backend='flashinfer' does not read FP8 pages; use 'auto', 'kernel' or 'torch'")
+        fp8 = cache.kv_dtype == "fp8"    # E4M3 pages (fp8_kv_cache.py): the FP8 kernel, FlashInfer's or torch
         if kind == "kernel" and fp8:
             self.decode = Fp8KernelDecode(cache, sm_scale, deterministic=deterministic, check_pages=check_pages)
         elif kind == "kernel":

@@ -9,7 +9,8 @@ it is built, from the config and the device:
   :class:`Fp8KernelDecode`: the Triton FP8 kernel over E4M3 pages (``kv_cache_dtype="fp8"``);
 * :class:`TorchDecode`: fp32 torch over the pages read back (fp64 in deterministic mode);
 * :class:`FlashInferPagedDecode`: FlashInfer's paged decode over the open pages (CUDA,
-  uncompressed).
+  uncompressed; BF16 or E4M3 pages, FlashInfer applying the FP8 scales itself: not the bits of
+  our FP8 kernel).
 
 Each is prepared once a step (``prepare``: FlashInfer's plan) and called once a layer:
 ``decode(layer, q [B, Hq, D], block_table [B, W], context_lens [B]) -> [B, Hq, D]``.
@@ -126,7 +127,9 @@ class FlashInferPagedDecode:
     def __init__(self, cache, sm_scale: float, num_qo_heads: int):
         from ..kernels.flashinfer_decode import FlashInferDecode
         self.cache, self.sm_scale = cache, sm_scale
-        self.kernel = FlashInferDecode(cache.arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes)
+        fp8 = getattr(cache, "kv_dtype", "bf16") == "fp8"
+        self.kernel = FlashInferDecode(cache.arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes,
+                                       fp8_scales=(cache.k_scale, cache.v_scale) if fp8 else None)
 
     def prepare(self, context_lens, block_table, graph: bool = False) -> None:
         self.kernel.prepare(context_lens, block_table, self.sm_scale, graph)

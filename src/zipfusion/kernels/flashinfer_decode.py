@@ -1,4 +1,5 @@
-"""FlashInfer's paged decode kernel over the uncompressed arena (``attention_backend="flashinfer"``).
+"""FlashInfer's paged decode kernel over the uncompressed arena (``attention_backend="flashinfer"``),
+BF16 or FP8 pages.
 
 The baseline a user of SGLang would run: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
 (tensor cores for GQA groups >= 4, as SGLang does) reading our open pages in place.
@@ -16,6 +17,11 @@ plan (indptr, last page lengths: the split of the work) does not. One plan per s
 layer then writes its own indices into the wrapper's indices buffer -- a buffer we own and
 hand to the wrapper (``paged_kv_indices_buffer``, the wrapper's CUDA-graph mode) -- with two
 small device ops that a CUDA graph captures, and runs the kernel.
+
+FP8 pages (``kv_cache_dtype="fp8"``: ``format.fp8.Fp8PageLayout``, the same element order at one
+byte a value) are read as ``float8_e4m3fn`` with the cache's per-tensor ``k_scale`` / ``v_scale``,
+which FlashInfer folds into its softmax scale and output (vLLM's FP8 decode): lossy as the pages
+are, and not bit-equal to our FP8 kernel, which dequantizes to BF16 first.
 
 CUDA graphs: one wrapper per batch size (FlashInfer's CUDA-graph mode fixes it), made on first
 use; the graph buckets keep theirs, other sizes (eager mixed steps) share a few recent ones.
@@ -90,7 +96,9 @@ class _Slot:
 class FlashInferDecode:
     """Paged decode attention with FlashInfer over the open pages of an uncompressed arena."""
 
-    def __init__(self, arena: torch.Tensor, layout: PageLayout, num_qo_heads: int, chunk_bytes: int):
+    def __init__(self, arena: torch.Tensor, layout: PageLayout, num_qo_heads: int, chunk_bytes: int,
+                 fp8_scales: tuple[float, float] | None = None):
+        """``fp8_scales``: (k_scale, v_scale) of E4M3 pages (``layout`` an Fp8PageLayout); None: BF16."""
         ob = layout.open_page_bytes
         if chunk_bytes % ob:
             raise ValueError(f"attention_backend='flashinfer' needs chunk_bytes a multiple of the open page "
@@ -101,8 +109,10 @@ class FlashInferDecode:
         self.fi = import_flashinfer()
         self.layout, self.num_qo_heads, self.open_page_bytes = layout, num_qo_heads, ob
         n = arena.numel() // ob
-        self.pages = arena[:n * ob].view(torch.bfloat16).view(n, 2, PAGE_TOKENS, layout.num_kv_heads,
-                                                               layout.head_dim)
+        self.kv_dtype = torch.bfloat16 if fp8_scales is None else torch.float8_e4m3fn
+        self.scales = {} if fp8_scales is None else {"k_scale": float(fp8_scales[0]), "v_scale": float(fp8_scales[1])}
+        self.pages = arena[:n * ob].view(self.kv_dtype).view(n, 2, PAGE_TOKENS, layout.num_kv_heads,
+                                                              layout.head_dim)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=arena.device)
         self.tensor_cores = num_qo_heads // layout.num_kv_heads >= TENSOR_CORE_MIN_GROUP
         self._graph_slots: dict[int, _Slot] = {}
@@ -142,7 +152,7 @@ class FlashInferDecode:
         L = self.layout
         slot.wrapper.plan(torch.from_numpy(indptr), slot.ids[:nnz], torch.from_numpy(last),   # run() sets indices
                           self.num_qo_heads, L.num_kv_heads, L.head_dim, PAGE_TOKENS,
-                          q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=float(sm_scale))
+                          q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, sm_scale=float(sm_scale))
         self._current, self._current_bs = slot, bs
 
     def run(self, q: torch.Tensor, page_loc_layer: torch.Tensor) -> torch.Tensor:
@@ -152,4 +162,4 @@ class FlashInferDecode:
             raise RuntimeError(f"FlashInfer decode of {q.shape[0]} rows without a plan for them: call "
                                "prepare() (the runner's cache.prepare_decode) before the forward")
         slot.indices.copy_(page_indices(page_loc_layer, slot.ids, self.open_page_bytes))
-        return slot.wrapper.run(q.contiguous(), self.pages)
+        return slot.wrapper.run(q.contiguous(), self.pages, **self.scales)
