@@ -153,6 +153,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                     "stored ratio.")
     _dataset(t, 200)
     _offline(t)
+    t.add_argument("--profile-steps", default=None, metavar="START:END",
+                   help="trace steps START..END-1 of each mode's run with torch.profiler: a Chrome trace "
+                        "(OUT_<mode>.trace.json.gz, for Perfetto) and the top operators by device time in the JSON "
+                        "(as vLLM's --profile); the traced steps run slower, so their mode's numbers are not timings")
 
     lat = _subcommand(bsub, "latency", "one batch: prefill time, then per-token decode time",
                       "One batch of --batch-size requests with --input-len prompts: the time until each has its "

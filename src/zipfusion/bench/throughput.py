@@ -9,6 +9,7 @@ always with ``--deterministic``)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 from . import datasets, report
@@ -67,14 +68,73 @@ def worker(job: dict) -> dict:
     base = eng.cache.stats()
     log(f"  [{job['mode']}] {len(prompts)} requests ({sum(map(len, prompts)):,} prompt tokens, "
         f"{sum(ds.output_lens):,} to generate) at once")
+    trace = (StepTrace(job["profile_steps"], job["trace_path"].format(mode=job["mode"]))
+             if job.get("profile_steps") else None)
     reqs, steps, wall = run_requests(eng, prompts, ds.output_lens, label=f"[{job['mode']}]",
-                                     progress_s=job.get("progress_s", 20.0))
-    return {"mode": job["mode"], **summarize(eng, reqs, steps, wall, base),
+                                     progress_s=job.get("progress_s", 20.0), on_step=trace)
+    extra = trace.finish() if trace else {}
+    return {"mode": job["mode"], **summarize(eng, reqs, steps, wall, base), **extra,
             "finished": sum(r.finish_reason is not None for r in reqs),
             "expected_output_tokens": sum(ds.output_lens), "dataset": ds.summary(),
             "kv_memory_gb": eng.kv_memory_gb, "max_model_len": eng.max_model_len,
             "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
             "device_name": device_name(eng), "build_s": build_s, "warm_up_s": warm_s}
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``START:END`` -> (start, end) with 0 <= start < end (ValueError: one line)."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        a = b = -1
+    if not 0 <= a < b:
+        raise ValueError(f"--profile-steps takes START:END with 0 <= START < END, got {text!r}")
+    return a, b
+
+
+class StepTrace:
+    """torch.profiler over steps [start, end) of a run (an ``on_step`` hook of run_requests): the
+    Chrome trace written to ``path`` (gzipped), the top operators by device time (CPU time off the
+    GPU) returned by :meth:`finish`."""
+
+    def __init__(self, steps: str, path: str):
+        import torch
+        self.start, self.end = parse_steps(steps)
+        self.path, self.step, self.prof = path, 0, None
+        self.activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def __call__(self, eng, res) -> None:
+        import torch
+        self.step += 1                          # steps done
+        if self.step == self.start:
+            self.prof = torch.profiler.profile(activities=self.activities, record_shapes=False)
+            self.prof.__enter__()
+        elif self.step == self.end and self.prof is not None:
+            self._stop()
+
+    def _stop(self) -> None:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        self.prof.export_chrome_trace(self.path)
+        self.done, self.prof = self.prof, None
+
+    def finish(self) -> dict:
+        """The trace's summary (its steps, file and top operators), or why there is none."""
+        if self.prof is not None:               # the run ended inside the window
+            self._stop()
+        prof = getattr(self, "done", None)
+        if prof is None:
+            return {"profile": {"steps": [self.start, self.end], "note": f"the run had only {self.step} steps"}}
+        cuda = self.activities[-1].name == "CUDA"
+        key = "device_time_total" if cuda else "cpu_time_total"
+        ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:25]
+        top = [{"name": e.key, "calls": e.count, "device_ms" if cuda else "cpu_ms": getattr(e, key) / 1e3,
+                "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops]
+        log(f"  traced steps {self.start}..{self.end - 1}: {self.path}")
+        return {"profile": {"steps": [self.start, self.end], "trace": self.path, "top_ops": top}}
 
 
 def identical_outputs(records: list[dict]) -> bool | None:
@@ -102,6 +162,10 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
            "cpu_threads": args.cpu_threads, "dataset": args.dataset, "dist": dataclasses.asdict(dist),
            "num_prompts": args.num_prompts, "seed": args.seed, "range_ratio": args.range_ratio,
            "text": args.prompt_format == "text"}
+    if args.profile_steps:
+        parse_steps(args.profile_steps)         # a typo costs nothing
+        job["profile_steps"] = args.profile_steps
+        job["trace_path"] = os.path.abspath(args.out) + "_{mode}.trace.json.gz"
     meta = report.run_meta("throughput", args.argv, device)
     log(f"zipfusion bench throughput: {args.model} on {meta['device_name']}, {args.dataset} x {args.num_prompts}, "
         f"modes {', '.join(modes)}")
