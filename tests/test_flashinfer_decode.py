@@ -11,6 +11,7 @@ from zipfusion.config import EngineConfig
 from zipfusion.engine.attention import AttentionBackend
 from zipfusion.engine.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
+from zipfusion.format.layout import loc_offset
 from zipfusion.kernels import flashinfer_decode as fid
 
 
@@ -33,23 +34,6 @@ def test_config_accepts_flashinfer_and_rejects_unknown_backend():
 def test_config_accepts_flashinfer_over_fp8_pages():
     c = EngineConfig(attention_backend="flashinfer", kv_cache_dtype="fp8", device="cuda")
     assert c.kv_cache_dtype == "fp8" and c.kv_compression is False       # fp8 turns compression off
-
-
-def test_fp8_arena_view_holds_every_open_page_at_its_index():
-    """FlashInfer's view of an FP8 arena ([n, 2, 16, H, D] float8_e4m3fn): page ``page_indices``
-    of each open page holds that page's E4M3 bytes (the FP8 cache's own read, before dequantizing)."""
-    from zipfusion.engine.fp8_kv_cache import Fp8KVCache
-    cache = Fp8KVCache(3, 2, 64, 1 << 20, "cpu")
-    ids = cache.alloc(5)
-    g = torch.Generator().manual_seed(3)
-    cache.arena.copy_(torch.randint(0, 255, cache.arena.shape, generator=g, dtype=torch.uint8))
-    ob = cache.layout.open_page_bytes
-    n = cache.arena.numel() // ob
-    pages = cache.arena[:n * ob].view(torch.float8_e4m3fn).view(n, 2, PAGE_TOKENS, 2, 64)
-    for layer in range(3):
-        idx = fid.page_indices(cache.page_loc[layer], torch.tensor(ids), ob)
-        want = cache.arena[cache.layout.page_byte_index(cache.page_loc[layer, ids])]
-        assert torch.equal(pages[idx.long()].view(torch.uint8).reshape(len(ids), -1), want)
 
 
 def test_backend_rejects_flashinfer_on_cpu():
@@ -108,21 +92,30 @@ def test_paged_plan_rejects_bad_lengths():
         fid.paged_plan(np.array([33]), np.zeros((1, 2), dtype=np.int32))
 
 
-def test_arena_view_indices_address_the_open_pages():
-    """The arena as FlashInfer's NHD [N, 2, 16, H, D] pages, indexed by page_indices, is what
-    read_pages returns, in every layer (each layer's pages live in its own chunks)."""
-    cache = ArenaKVCache(3, 2, 64, 1 << 20, "cpu", kv_compression=False)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_arena_view_indices_address_the_open_pages(fp8):
+    """The arena as FlashInfer's NHD [N, 2, 16, H, D] pages (bf16, or float8_e4m3fn over FP8
+    pages), indexed by page_indices, holds each open page's bytes as they lie in the arena -- for
+    BF16 what read_pages returns -- in every layer (each layer's pages live in its own chunks)."""
+    from zipfusion.engine.fp8_kv_cache import Fp8KVCache
+    cache = (Fp8KVCache(3, 2, 64, 1 << 20, "cpu") if fp8 else
+             ArenaKVCache(3, 2, 64, 1 << 20, "cpu", kv_compression=False))
     ids = cache.alloc(5)
     g = torch.Generator().manual_seed(0)
     cache.arena.copy_(torch.randint(0, 255, cache.arena.shape, generator=g, dtype=torch.uint8))
     ob = cache.layout.open_page_bytes
     n = cache.arena.numel() // ob
-    pages = cache.arena[:n * ob].view(torch.bfloat16).view(n, 2, PAGE_TOKENS, 2, 64)
+    pages = cache.arena[:n * ob].view(torch.float8_e4m3fn if fp8 else torch.bfloat16).view(n, 2, PAGE_TOKENS, 2, 64)
     ids_t = torch.tensor(ids)
     for layer in range(3):
         idx = fid.page_indices(cache.page_loc[layer], ids_t, ob)
         assert idx.dtype == torch.int32
-        assert torch.equal(pages[idx.long()].view(torch.int16), cache.read_pages(layer, ids).view(torch.int16))
+        got = pages[idx.long()]
+        start = loc_offset(cache.page_loc[layer, ids])                  # each page's first byte
+        want = cache.arena[start[:, None] + torch.arange(ob)]
+        assert torch.equal(got.view(torch.uint8).reshape(len(ids), -1), want)
+        if not fp8:
+            assert torch.equal(got.view(torch.int16), cache.read_pages(layer, ids).view(torch.int16))
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -172,9 +165,11 @@ def test_flashinfer_matches_twin_on_the_arena(graph):
 
 
 @pytest.mark.gpu
-def test_engine_generates_with_flashinfer_like_the_twin(tmp_path):
-    """Whole engine (CUDA graphs, mixed prefill + decode steps): greedy tokens as the twin's.
-    GQA group 4, head_dim 128: the same FlashInfer build as the Llama-8B shape."""
+@pytest.mark.parametrize("kv", [dict(kv_compression=False), dict(kv_cache_dtype="fp8")], ids=["bf16", "fp8"])
+def test_engine_generates_with_flashinfer_like_our_kernel(tmp_path, kv):
+    """Whole engine (CUDA graphs, mixed prefill + decode steps) over BF16 or FP8 pages: greedy
+    tokens as our kernel's (FP8: FlashInfer folds the scales in, so only the first tokens must
+    agree). GQA group 4, head_dim 128: the same FlashInfer build as the Llama-8B shape."""
     pytest.importorskip("flashinfer")
     pytest.importorskip("transformers")
     from zipfusion import LLM, SamplingParams
@@ -185,12 +180,13 @@ def test_engine_generates_with_flashinfer_like_the_twin(tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = {}
     for backend in ("auto", "flashinfer"):
-        llm = LLM(str(tmp_path), device="cuda", kv_compression=False, kv_memory_gb=0.1,
-                  attention_backend=backend, max_num_seqs=8)
+        llm = LLM(str(tmp_path), device="cuda", kv_memory_gb=0.1, attention_backend=backend, max_num_seqs=8, **kv)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         del llm
+    assert all(len(o) == 8 for o in outs["flashinfer"])
     assert all(a[:1] == b[:1] for a, b in zip(outs["auto"], outs["flashinfer"]))
-    assert sum(a == b for a, b in zip(outs["auto"], outs["flashinfer"])) >= 2
+    if "kv_cache_dtype" not in kv:
+        assert sum(a == b for a, b in zip(outs["auto"], outs["flashinfer"])) >= 2
 
 
 @pytest.mark.gpu
@@ -224,24 +220,3 @@ def test_flashinfer_fp8_matches_our_fp8_kernel(scales):
                                     k_scale=scales[0], v_scale=scales[1])
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
-
-@pytest.mark.gpu
-def test_engine_generates_with_flashinfer_over_fp8_pages(tmp_path):
-    """The engine with kv_cache_dtype='fp8' and FlashInfer's FP8 decode (CUDA graphs, mixed
-    steps): runs, and its first greedy tokens agree with our FP8 kernel's."""
-    pytest.importorskip("flashinfer")
-    pytest.importorskip("transformers")
-    from zipfusion import LLM, SamplingParams
-    from helpers import save_tiny_checkpoint
-    save_tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=g).tolist()} for n in (300, 40, 77)]
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = {}
-    for backend in ("auto", "flashinfer"):
-        llm = LLM(str(tmp_path), device="cuda", kv_cache_dtype="fp8", kv_memory_gb=0.1,
-                  attention_backend=backend, max_num_seqs=8)
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        del llm
-    assert all(len(o) == 8 for o in outs["flashinfer"])
-    assert all(a[:1] == b[:1] for a, b in zip(outs["auto"], outs["flashinfer"]))

@@ -246,14 +246,6 @@ class CompletionRequest(_Body):
                     where = f"prompt[{i}][{j}]" if nested else f"prompt[{j}]"
                     raise _invalid(f"token ids must be >= 0 ({where} is {x})")
         return p
-        if rows is None or not all(isinstance(r, list) and all(_is_int(x) for x in r) for r in rows):
-            raise _invalid(f"expected {shapes}")
-        for i, row in enumerate(rows):
-            j = next((j for j, x in enumerate(row) if x < 0), None)
-            if j is not None:
-                where = f"prompt[{j}]" if rows is not p else f"prompt[{i}][{j}]"
-                raise _invalid(f"token ids must be >= 0 ({where} is {row[j]})")
-        return p
 
     def check(self) -> None:
         self.check_common()
