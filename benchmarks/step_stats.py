@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Decode steps at equal rows from a workloads steps.json (benchmarks/workloads.py): for each mode
+"""Decode steps at equal rows from a steps.json (benchmarks/workloads.py's, or `zipfusion bench
+throughput`'s OUT_steps.json): for each mode
 and decode-row count, the steps without prefill, their wall time p50 / p90 / p99 (ms) and the
 seal's mean host time (ms). Compare a compressed step with an uncompressed one at the same rows.
 

@@ -224,7 +224,10 @@ def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
     assert all(k in meta for k in ("device_name", "torch", "triton", "git_commit", "date"))
     recs = {r["mode"]: r for r in result["records"]}
     assert set(recs) == {"compressed", "uncompressed"}
+    steps = json.loads((tmp_path / "tp_steps.json").read_text())       # every step, by mode, apart
+    assert set(steps) == set(recs) and "step_log" not in recs["compressed"]
     for mode, r in recs.items():
+        assert len(steps[mode]["rows"]) == r["steps"] and "decode_rows" in steps[mode]["fields"]
         assert "error" not in r, r.get("error")
         assert r["requests"] == r["finished"] == 6 and r["output_tokens"] == r["expected_output_tokens"] == 36
         assert r["total_tok_s"] > r["output_tok_s"] > 0 and r["peak_batch"] >= 1 and r["wall_s"] > 0

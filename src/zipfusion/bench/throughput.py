@@ -4,7 +4,9 @@ then ``LLM.generate``'s loop over the engine, every step kept). Wall time runs f
 request to the last token: total and output tokens/s, requests/s, the peak batch, preemptions and
 the KV's stored ratio and compressible fraction; with ``--compare``, the ratios between modes and
 whether the modes produced the same tokens (greedy: they do wherever the schedules agree, and
-always with ``--deterministic``)."""
+always with ``--deterministic``). Every step's numbers go to OUT_steps.json, by mode (decode rows,
+prefill tokens, seconds and their host phases: ``benchmarks/step_stats.py`` compares decode steps
+at equal rows)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import os
 import time
 
 from . import datasets, report
-from .offline import device_name, log, note, run_modes, run_requests, summarize, warm_up
+from .offline import (STEP_FIELDS, device_name, log, note, run_modes, run_requests, step_rows, summarize,
+                      warm_up)
 
 RATIO_KEYS = {"total_tok_s": "total tok/s", "output_tok_s": "output tok/s", "requests_s": "req/s",
               "decode_tok_s_at_peak_batch": "decode tok/s at peak", "peak_batch": "peak batch"}
@@ -74,6 +77,7 @@ def worker(job: dict) -> dict:
                                      progress_s=job.get("progress_s", 20.0), on_step=trace)
     extra = trace.finish() if trace else {}
     return {"mode": job["mode"], **summarize(eng, reqs, steps, wall, base), **extra,
+            "step_fields": list(STEP_FIELDS), "step_log": step_rows(steps),
             "finished": sum(r.finish_reason is not None for r in reqs),
             "expected_output_tokens": sum(ds.output_lens), "dataset": ds.summary(),
             "kv_memory_gb": eng.kv_memory_gb, "max_model_len": eng.max_model_len,
@@ -172,11 +176,17 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
     records = run_modes("throughput", modes, job, args.timeout, lambda r: (
         f"wall {r['wall_s']:.2f} s, {r['total_tok_s']:,.1f} tok/s total, {r['output_tok_s']:,.1f} output, "
         f"peak batch {r['peak_batch']}, {r['preemptions']} preemptions"))
+    steps = {r["mode"]: {"fields": r.pop("step_fields"), "rows": r.pop("step_log")}
+             for r in records if "step_log" in r}                   # every step, apart: OUT_steps.json
     ran = {r["mode"]: r for r in records if "output_tok_s" in r}
     result = {"meta": meta, "config": {k: v for k, v in job.items() if k != "dist"} | {"length_dist": job["dist"]},
               "records": records, "ratios": report.ratios(ran, tuple(RATIO_KEYS), modes[0]),
               "identical_outputs": identical_outputs(records)}
     written = report.save(result, args.out, plot)
+    if steps:
+        steps_path = report.out_paths(args.out)[0][:-len(".json")] + "_steps.json"
+        report.write_json(steps, steps_path)                      # benchmarks/step_stats.py reads it
+        written += f" and {steps_path}"
     rows = [r if "output_tok_s" in r else {"mode": r["mode"], "note": note(r)} for r in records]
     print(written)
     print(report.text_table(rows, COLUMNS))
