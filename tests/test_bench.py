@@ -243,14 +243,16 @@ def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
     assert printed[-1] == "identical tokens across modes: True" and "compressed/uncompressed" in printed[-2]
 
 
-def test_throughput_profile_steps_writes_a_trace_and_the_top_operators(tmp_path, capsys):
+@pytest.mark.parametrize("steps", ["1:3", "0:2"])
+def test_throughput_profile_steps_writes_a_trace_and_the_top_operators(tmp_path, capsys, steps):
     import gzip
     out = tmp_path / "tp"
     assert main(["bench", "throughput", *TINY, "--mode", "compressed", "--num-prompts", "4", "--kv-memory-gb",
-                 "0.002", "--profile-steps", "1:3", "--out", str(out)]) == 0
+                 "0.002", "--profile-steps", steps, "--out", str(out)]) == 0
     (rec,) = json.loads((tmp_path / "tp.json").read_text())["records"]
     prof = rec["profile"]
-    assert prof["steps"] == [1, 3] and prof["trace"] == str(out) + "_compressed.trace.json.gz"
+    assert prof["steps"] == [int(x) for x in steps.split(":")]
+    assert prof["trace"] == str(out) + "_compressed.trace.json.gz"
     assert json.loads(gzip.open(prof["trace"]).read())["traceEvents"]        # a Chrome trace
     assert prof["top_ops"] and all(op["calls"] > 0 for op in prof["top_ops"])
     for bad in ("3:1", "x", "1:2:3", "-1:2"):

@@ -107,15 +107,20 @@ class StepTrace:
         self.path, self.step, self.prof = path, 0, None
         self.activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        if self.start == 0:                     # from the first step on
+            self._begin()
 
     def __call__(self, eng, res) -> None:
-        import torch
         self.step += 1                          # steps done
         if self.step == self.start:
-            self.prof = torch.profiler.profile(activities=self.activities, record_shapes=False)
-            self.prof.__enter__()
+            self._begin()
         elif self.step == self.end and self.prof is not None:
             self._stop()
+
+    def _begin(self) -> None:
+        import torch
+        self.prof = torch.profiler.profile(activities=self.activities, record_shapes=False)
+        self.prof.__enter__()
 
     def _stop(self) -> None:
         import torch
