@@ -100,7 +100,7 @@ def _dequant_kernel(src, dst, scale, N: tl.constexpr, NATIVE: tl.constexpr):
     if NATIVE:
         tl.store(dst + i, fp8_kv.e4m3_dequant_native(tl.load(src + i), scale))
     else:
-        tl.store(dst + i, fp8_kv.e4m3_dequant(tl.load(src + i), scale))
+        tl.store(dst + i, fp8_kv.e4m3_dequant_bits(tl.load(src + i), scale))
 
 
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(

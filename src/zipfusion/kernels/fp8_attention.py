@@ -3,7 +3,7 @@
 The pages are open FP8 pages in the arena (``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` at one
 byte a value, at ``loc_offset(page_loc)``). Per tile of TP pages the kernel loads the K and V
 bytes of head h, dequantizes them (``bf16(fp32(E4M3(byte)) · scale)``, ``k_scale`` for K,
-``v_scale`` for V: ``fp8_kv.e4m3_dequant``'s integer arithmetic under the interpreter, the GPU's
+``v_scale`` for V: ``fp8_kv.e4m3_dequant``, integer arithmetic under the interpreter, the GPU's
 conversions compiled, the same bits) and then runs *the same arithmetic as the BF16 kernels*:
 ``triton_attention.begin_split`` (the split's pages, q, the softmax state), ``attend_tile``
 (S = c·q Kᵀ with c = sm_scale·log2 e, online softmax in base 2, acc += P_bf16·V) and
@@ -32,8 +32,7 @@ from .splits import check_split_args, tile_plan
 
 _TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode
 _begin_split, _attend_tile, _store_split = _TA.begin_split, _TA.attend_tile, _TA.store_split
-_FK = same_mode(fp8_kv)
-_dequant, _dequant_native = _FK.e4m3_dequant, _FK.e4m3_dequant_native
+_dequant = same_mode(fp8_kv).e4m3_dequant
 NUM_STAGES = 1                                      # the compiled kernel's software pipelining
 _loc_offset = triton.jit(loc_offset)
 PT = tl.constexpr(PAGE_TOKENS)
@@ -65,11 +64,8 @@ def _fp8_decode_kernel(q_ptr, arena, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, par
         v_off = base + ((t + PT) * H + h) * D       # role 1
         kb = tl.load(arena + k_off[:, None] + d[None, :], mask=valid[:, None], other=0)
         vb = tl.load(arena + v_off[:, None] + d[None, :], mask=valid[:, None], other=0)
-        if INTERPRET:                               # integer arithmetic (the interpreter's casts truncate)
-            k, v = _dequant(kb, k_scale), _dequant(vb, v_scale)
-        else:                                       # the hardware's conversions: the same bits
-            k, v = _dequant_native(kb, k_scale), _dequant_native(vb, v_scale)
-        m_i, l_i, acc = _attend_tile(valid[None, :], k, v, q, m_i, l_i, acc, qk_scale, INTERPRET, True)
+        m_i, l_i, acc = _attend_tile(valid[None, :], _dequant(kb, k_scale), _dequant(vb, v_scale), q,
+                                     m_i, l_i, acc, qk_scale, INTERPRET, True)
     _store_split(acc, m_i, l_i, q_rows, s, num_splits, out_ptr, part_o_ptr, part_lse_ptr, G, D)
 
 

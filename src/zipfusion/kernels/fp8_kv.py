@@ -22,10 +22,11 @@ below half the smallest subnormal (2^-10) round to a zero of their sign; BF16 su
 Open FP8 pages have the BF16 open page's shape, ``[2, 16, H, D]``, at one byte a value
 (``format.fp8.Fp8PageLayout``), in the same arena; the page location tag (format/layout.py) is
 unchanged. The Triton kernels quantize (:func:`e4m3_quant`, the CUDA store in rope_store.py) and
-dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py) with integer and fp32
-arithmetic, equal to format/fp8.py's ``quantize_e4m3`` / ``dequantize_e4m3`` bit for bit (NaNs' sign and
-payload aside); compiled for the GPU, the decode kernel dequantizes with the hardware's conversions
-instead (:func:`e4m3_dequant_native`, the same bits).
+dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py and the store's returned
+K/V) equal to format/fp8.py's ``quantize_e4m3`` / ``dequantize_e4m3`` bit for bit (NaNs' sign and
+payload aside): the quantizer in integer and fp32 arithmetic; the dequantizer too under the
+interpreter (:func:`e4m3_dequant_bits`), and with the GPU's conversions compiled
+(:func:`e4m3_dequant_native`, the same bits).
 
 The torch quantizer and dequantizer are format/fp8.py's (the one definition, also the lossless
 FP8 block codec's and ``zipfusion analyze --kv-dtype fp8``'s), as is the one-byte page layout
@@ -42,14 +43,15 @@ except ImportError:                    # no Triton: the torch functions still wo
 
 
 def _interpreting() -> bool:
-    """Whether this module's @jit helper was made by the Triton interpreter (same_mode asks)."""
-    return not isinstance(e4m3_dequant, triton.runtime.jit.JITFunction)
+    """Whether this module's @jit helpers were made by the Triton interpreter (same_mode asks)."""
+    return not isinstance(e4m3_dequant_bits, triton.runtime.jit.JITFunction)
 
 
 if triton is not None:
     @triton.jit
-    def e4m3_dequant(b, scale):
-        """E4M3 bytes (any integer tensor, values 0..255) -> bf16 of fp32(E4M3(b)) * scale.
+    def e4m3_dequant_bits(b, scale):
+        """E4M3 bytes (any integer tensor, values 0..255) -> bf16 of fp32(E4M3(b)) * scale, in
+        integer and fp32 arithmetic (the interpreter's :func:`e4m3_dequant`).
 
         s = b >> 7, e = (b >> 3) & 15, m = b & 7; |x| = m·2^-9 when e = 0 (subnormal), else the
         fp32 with exponent field e - 7 + 127 and mantissa m << 20; NaN where b & 0x7F = 0x7F; the
@@ -66,12 +68,15 @@ if triton is not None:
 
     @triton.jit
     def e4m3_dequant_native(b, scale):
-        """:func:`e4m3_dequant` with the GPU's own conversions, the compiled kernels' path: the
-        byte read as E4M3 and converted to fp32 (exact: every E4M3 value is an fp32 value), the
-        product with the scale rounded to bf16 by the hardware's round-to-nearest-even. The same
-        bits as :func:`e4m3_dequant` (NaNs' payloads aside) in a few instructions instead of ~20
-        integer ones a value. Not for the interpreter (its casts truncate, and it has no E4M3)."""
+        """:func:`e4m3_dequant_bits` with the GPU's own conversions (the compiled kernels'
+        :func:`e4m3_dequant`): the byte read as E4M3 and converted to fp32 (exact: every E4M3 value
+        is an fp32 value), the product with the scale rounded to bf16 by the hardware's
+        round-to-nearest-even. The same bits (NaNs' payloads aside) in a few instructions instead
+        of ~20 integer ones a value. Not for the interpreter (its casts truncate, it has no E4M3)."""
         return (b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(tl.bfloat16)
+
+    # what the kernels call: the GPU's conversions compiled, the integer arithmetic interpreted
+    e4m3_dequant = e4m3_dequant_bits if _interpreting() else e4m3_dequant_native
 
     @triton.jit
     def e4m3_quant(x, scale):
