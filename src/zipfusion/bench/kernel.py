@@ -42,9 +42,8 @@ KERNELS = {"uncompressed": ("run_uncompressed", {}, "open"), "fused": ("run_fuse
            "uncompressed_triton": ("run_uncompressed", {"backend": "triton"}, "open"),
            "fused_triton": ("run_fused", {"backend": "triton"}, "compressed"),
            "fp8": ("run_fp8", {}, "fp8")}
-MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "flashinfer": "flashinfer", "fp8": "fp8",
-                "flashinfer_fp8": "flashinfer_fp8"}
-FLASHINFER_KV = {"flashinfer": torch.bfloat16, "flashinfer_fp8": torch.float8_e4m3fn}   # mode -> its pages' dtype
+MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "fp8": "fp8"}     # our kernels' modes
+FLASHINFER_KV = {"flashinfer": torch.bfloat16, "flashinfer_fp8": torch.float8_e4m3fn}   # FlashInfer's: pages' dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,7 +104,7 @@ class StepTrace:
     def __init__(self, steps: str, path: str):
         import torch
         self.start, self.end = parse_steps(steps)
-        self.path, self.step, self.prof = path, 0, None
+        self.path, self.step, self.prof, self.done = path, 0, None, None   # done: the finished profile
         self.activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         if self.start == 0:                     # from the first step on
@@ -134,7 +134,7 @@ class StepTrace:
         """The trace's summary (its steps, file and top operators), or why there is none."""
         if self.prof is not None:               # the run ended inside the window
             self._stop()
-        prof = getattr(self, "done", None)
+        prof = self.done
         if prof is None:
             return {"profile": {"steps": [self.start, self.end], "note": f"the run had only {self.step} steps"}}
         cuda = self.activities[-1].name == "CUDA"

@@ -127,9 +127,8 @@ class FlashInferPagedDecode:
     def __init__(self, cache, sm_scale: float, num_qo_heads: int):
         from ..kernels.flashinfer_decode import FlashInferDecode
         self.cache, self.sm_scale = cache, sm_scale
-        fp8 = getattr(cache, "kv_dtype", "bf16") == "fp8"
         self.kernel = FlashInferDecode(cache.arena, cache.layout, num_qo_heads, cache.manager.chunk_bytes,
-                                       fp8_scales=(cache.k_scale, cache.v_scale) if fp8 else None)
+                                       fp8_scales=(cache.k_scale, cache.v_scale) if cache.kv_dtype == "fp8" else None)
 
     def prepare(self, context_lens, block_table, graph: bool = False) -> None:
         self.kernel.prepare(context_lens, block_table, self.sm_scale, graph)
