@@ -203,6 +203,31 @@ def test_split_pages_batch_invariant(seed):
     check_batch_invariance(c, batches, split_pages=4)
 
 
+def test_balanced_splits_ignore_the_table_width(seed):
+    """Without split_pages each request's own pages are spread over the launch's splits: its bits
+    depend on the split count alone, not on the table's width or the other requests (the
+    engine's tables are as wide as max_model_len allows)."""
+    contexts = [37, 80, 21, 100, 1, 16]
+    c = make_case(contexts, 1, 4, 128, "mixed", seed)
+    pages = [-(-L // 16) for L in contexts]
+    batches = [([1, 0], pages[1]), ([0, 2, 1], max(pages[:3]) + 9), ([3, 1, 4, 0, 5, 2], 40)]
+    check_batch_invariance(c, batches, None, num_splits=3, tile_pages=1)
+
+
+def test_balanced_split_size():
+    """The host's copy of the kernels' rule: a request's pages over S splits in whole tiles, or
+    the fixed size; the longest request of a mixed batch is cut as finely as the others."""
+    from zipfusion.kernels.splits import split_size
+    assert split_size(137, -1, 3) == 46 and split_size(44, -1, 3) == 15
+    assert split_size(5, -2, 3) == 2 and split_size(7, -2, 3) == 4 and split_size(1, -2, 8) == 2
+    assert split_size(100, 16, 3) == 16 and split_size(3, -1, 1) == 3
+    for n in range(1, 300):
+        for S in (1, 2, 3, 7, 64):
+            for T in (1, 2, 4):
+                k = split_size(n, -T, S)
+                assert k % T == 0 and -(-n // k) <= S and (k == T or -(-n // (k - T)) > S), (n, S, T)
+
+
 def test_split_pages_arguments(small):
     c = small
     with pytest.raises(ValueError, match="split_pages"):
@@ -460,6 +485,20 @@ def test_split_pages_batch_invariant_gpu(backend, split_pages, G, seed):
     batches = [([0], pages[0]), ([1], pages[1]), ([0, 2, 1], max(pages[:3])),
                ([3, 1, 4, 0, 5, 2], max(pages[:6]) + 40), ([6, 0, 7, 1] * 8, max(pages) + 1)]
     check_batch_invariance(c, batches, split_pages, backend=backend)
+
+
+@gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_balanced_splits_ignore_the_table_width_gpu(backend, seed):
+    """Both kernels, balanced splits (no split_pages), 6 splits: a request's bits do not depend
+    on the table's width (the engine's CUDA graphs pass tables as wide as max_model_len) or on
+    the other requests."""
+    contexts = [1000, 3000, 500, 8192, 1, 17, 700, 16]
+    c = make_case(contexts, 8, 4, 128, "mixed", seed)
+    pages = [-(-L // 16) for L in contexts]
+    batches = [([0, 1], pages[1]), ([0, 2, 1], max(pages[:3]) + 7), ([3, 1, 4, 0, 5, 2], 2047),
+               ([6, 0, 7, 1] * 8, 2047)]
+    check_batch_invariance(c, batches, None, num_splits=6, backend=backend)
 
 
 # ------------------------------------------------------------------------------------------

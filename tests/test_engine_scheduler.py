@@ -62,10 +62,9 @@ def req(i, n, max_tokens=16):
 
 
 def advance(sched, out):
-    """What the engine does with a schedule: the page store's two points around the forward
-    (analysis launched, the earlier one placed), computed tokens counted, a token appended when
-    sampled."""
-    sched.pages.before_forward()
+    """What the engine does with a schedule: computed tokens counted, a token appended when
+    sampled, then the page store's seal behind the forward (the earlier analysis placed, the
+    pages filled collected, an analysis launched when due)."""
     for ch in out.prefill:
         ch.request.num_computed += ch.length
         if ch.completes:
@@ -259,13 +258,12 @@ def test_pages_left_open_wait_before_the_next_seal_try():
         advance(s, s.schedule())                                    # each step ends with a seal call
         steps += [step] * (len(cache.calls) - tries)
     gaps = [y - x for x, y in zip(steps, steps[1:])]
-    # the first pages fill in step 0, are analysed before step 1's forward and placed after step 2's
-    assert steps[0] == 2 and gaps == [SEAL_MAX_WAIT << min(i, SEAL_BACKOFF) for i in range(len(gaps))]
+    # the first pages fill in step 0, are analysed behind its forward and placed behind step 1's
+    assert steps[0] == 1 and gaps == [SEAL_MAX_WAIT << min(i, SEAL_BACKOFF) for i in range(len(gaps))]
     assert gaps[-2:] == [SEAL_MAX_WAIT << SEAL_BACKOFF] * 2, steps  # (the longest wait, again)
     tries = len(cache.calls)
     s.finish(b, "stop")                                             # pages let go of: try now
     for _ in range(2):                                              # analysed, then placed
-        s.pages.before_forward()
         s.pages.after_forward([])
     assert len(cache.calls) == tries + 1
 
@@ -293,8 +291,7 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
     for r in (a, b, c):
         s.add(r)
     out = s.schedule()
-    advance(s, out)
-    s.pages.before_forward()                                            # the full pages analysed
+    advance(s, out)                                                     # the full pages analysed
     sa, sb, sc = ({streams[p] for p in r.pages[:2]} for r in (a, b, c))
     assert len(sa) == len(sb) == len(sc) == 1 and sa == sc != sb
     assert sa == {(1 + 10 - 1) // 64 % sched_mod.FILL_STREAMS}        # step 1, 9 tokens still to come

@@ -1,5 +1,5 @@
 """PageStore (memory/page_store.py): a page's life from allocation to free, and the seal in two
-halves a step apart -- analysed before one forward, placed after the next -- with pages freed (and
+halves a step apart -- analysed behind one forward, placed behind the next -- with pages freed (and
 their ids taken again) in between (CPU, the real arena)."""
 
 from __future__ import annotations
@@ -31,20 +31,17 @@ def store(prefix_caching: bool = False):
 
 
 def test_a_seal_is_placed_a_step_after_its_analysis():
-    """Pages filled in step 0 are analysed before step 1's forward and placed after it: until then
-    they are open pages (the capacity lags, it never runs ahead), and they read the same bits."""
+    """Pages filled in step 0 are analysed behind its forward and placed behind step 1's: until
+    then they are open pages (the capacity lags, it never runs ahead), and they read the same bits."""
     cache, ps = store()
     m = cache.manager
     a = Req(0, ps.alloc(4), 4 * PAGE_TOKENS)
     written = fill(m, a.pages, [1.0, 0.9], seed=1)
-    ps.after_forward([a])                                   # step 0: the four pages filled
-    assert ps.waiting() == a.pages and {m.page_state(p) for p in a.pages} == {"open"}
     before = ps.capacity()
-    ps.before_forward()                                     # step 1: analysed (a compress batch waits)
-    assert ps.after_forward([]) == 0                        # ... not placed in the step it was launched
-    assert {m.page_state(p) for p in a.pages} == {"open"} and ps.capacity() == before
-    ps.before_forward()                                     # step 2: none launched while one is in flight
-    assert ps.after_forward([]) == 4                        # placed
+    assert ps.after_forward([a]) == 0                       # step 0: filled, analysed (a compress batch waits)
+    assert ps.waiting() == a.pages and {m.page_state(p) for p in a.pages} == {"open"}
+    assert ps.capacity() == before
+    assert ps.after_forward([]) == 4                        # step 1: placed
     assert {m.page_state(p) for p in a.pages} == {"stored"} and not ps.waiting()
     assert m.stored_ratio() < 0.8
     assert_contents(m, written)
@@ -59,9 +56,7 @@ def test_pages_freed_between_analysis_and_placement_are_left_alone():
     a = Req(0, ps.alloc(4), 4 * PAGE_TOKENS)
     b = Req(1, ps.alloc(4), 4 * PAGE_TOKENS)
     written = fill(m, a.pages + b.pages, [1.0, 1.0], seed=2)
-    ps.after_forward([a, b])
-    ps.before_forward()                                     # step 1: all eight analysed
-    assert ps.after_forward([]) == 0
+    assert ps.after_forward([a, b]) == 0                    # step 0: all eight analysed
     ps.release(a.pages)                                     # a finishes: its pages freed
     for layer in range(2):
         for p in a.pages:
@@ -69,8 +64,7 @@ def test_pages_freed_between_analysis_and_placement_are_left_alone():
     again = ps.alloc(4)                                     # last freed, first taken: a's ids again
     assert sorted(again) == sorted(a.pages)
     written.update(fill(m, again, [0.0, 0.0], seed=3))      # other bits (incompressible)
-    ps.before_forward()                                     # step 2
-    assert ps.after_forward([]) == 4                        # only b's pages handed to the seal
+    assert ps.after_forward([]) == 4                        # step 1: only b's pages handed to the seal
     assert {m.page_state(p) for p in b.pages} == {"stored"}
     assert {m.page_state(p) for p in again} == {"open"}
     assert not ps.waiting()
@@ -79,21 +73,24 @@ def test_pages_freed_between_analysis_and_placement_are_left_alone():
 
 def test_seal_now_places_the_analysed_pages_and_the_rest():
     """The scheduler's last resort before a preemption: whatever waits is sealed at once, the
-    seal in flight included; it says whether the capacity grew."""
+    seal in flight (analysed, not placed) and pages too few for a seal of their own alike; it
+    says whether the capacity grew."""
     cache, ps = store()
     m = cache.manager
     a = Req(0, ps.alloc(16), 16 * PAGE_TOKENS)
     written = fill(m, a.pages, [1.0, 1.0], seed=4)
     a.num_computed = 8 * PAGE_TOKENS
-    ps.after_forward([a])
-    ps.before_forward()                                     # the first eight in flight
-    a.num_computed = 16 * PAGE_TOKENS
-    ps.after_forward([a])                                   # (not yet placed) the other eight wait
-    assert len(ps.waiting()) == 16
+    ps.after_forward([a])                                   # the first eight analysed: in flight
+    assert len(ps.waiting()) == 8
     before = ps.capacity(keep_reserve=False)
-    grew = ps.seal_now()                                    # (at this size: 8 chunks freed, 8 taken)
+    grew = ps.seal_now()
     assert grew == (ps.capacity(keep_reserve=False) > before) and not ps.waiting()
-    assert {m.page_state(p) for p in a.pages} == {"stored"}
+    assert {m.page_state(p) for p in a.pages[:8]} == {"stored"}
+    a.num_computed = 11 * PAGE_TOKENS
+    assert ps.after_forward([a]) == 0                       # three more: too few to be due
+    assert ps.waiting() == a.pages[8:11]
+    ps.seal_now()
+    assert not ps.waiting() and {m.page_state(p) for p in a.pages[:11]} == {"stored"}
     assert_contents(m, written)
 
 

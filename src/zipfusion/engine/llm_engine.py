@@ -270,10 +270,10 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Run one scheduled step; returns what it did (:class:`StepResult`).
 
-        The order keeps the host's work off the gap between two forwards where it can: pages that
-        filled up in earlier steps have their sizes analysed before a step's forward is launched,
-        and are placed and encoded while the next step's forward runs (memory/page_store.py: no
-        wait for the device); with ``async_scheduling`` the next step is scheduled then too
+        The order keeps the host's work off the gap between two forwards where it can: the seal
+        runs once the forward is launched (memory/page_store.py: pages analysed behind one step's
+        sampling are placed and encoded while the next step's forward runs; no wait for the
+        device); with ``async_scheduling`` the next step is scheduled then too
         (:meth:`_schedule_ahead`). The sampled tokens come back after that."""
         if self.watchdog is None:
             return self._step()
@@ -288,8 +288,6 @@ class LLMEngine:
         out = self._take_ahead() or self._forget_preempted(self.scheduler.schedule())
         running = len(self.scheduler.running)
         clock.mark("schedule")
-        self.pages.before_forward()
-        clock.mark("seal")
         logits = self.runner.run(out)
         recomputed = self._count_computed(out)
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]

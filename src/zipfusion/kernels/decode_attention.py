@@ -286,7 +286,9 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
     or "triton".
 
     Split-KV (both kernels): ``num_splits`` overrides the default split count (which depends on
-    the batch); ``split_pages`` instead fixes every split to that many pages (split s = pages
+    the batch); each request's own pages are spread over the splits (balanced, in whole tiles:
+    splits.split_size), so its bits depend on the split count, not on the block table's width.
+    ``split_pages`` instead fixes every split to that many pages (split s = pages
     s·split_pages .. (s+1)·split_pages - 1 of each request, ceil(block_table width /
     split_pages) splits), so that a request's result depends only on its own q, pages and
     context length: the same bits alone or in any batch, with any block-table width. For the

@@ -52,7 +52,7 @@ def _fp8_decode_kernel(q_ptr, arena, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, par
     h = tl.program_id(1)
     s = tl.program_id(2)
     ctx, p_begin, p_end, q, q_rows, t, slot, m_i, l_i, acc = _begin_split(
-        q_ptr, ctx_ptr, b, h, s, pages_per_split, H, D, G, G_PAD, TP)
+        q_ptr, ctx_ptr, b, h, s, pages_per_split, num_splits, H, D, G, G_PAD, TP)
     d = tl.arange(0, D)
     for p0 in range(p_begin, p_end, TP):
         page = p0 + slot

@@ -359,16 +359,27 @@ def attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
 
 
 @triton.jit
-def begin_split(q_ptr, ctx_ptr, b, h, s, pages_per_split, H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                G_PAD: tl.constexpr, TP: tl.constexpr):
+def split_size(n_pages, pages_per_split, num_splits):
+    """Pages per split of a request of ``n_pages`` pages: ``pages_per_split`` if positive, else
+    (-T: balanced) its pages over the ``num_splits`` splits in whole tiles of T pages
+    (splits.split_size; the attention kernels and the merge agree on it)."""
+    tile = tl.maximum(-pages_per_split, 1)
+    even = (n_pages + num_splits - 1) // num_splits
+    return tl.where(pages_per_split > 0, pages_per_split, tl.maximum(tile, (even + tile - 1) // tile * tile))
+
+
+@triton.jit
+def begin_split(q_ptr, ctx_ptr, b, h, s, pages_per_split, num_splits, H: tl.constexpr, D: tl.constexpr,
+                G: tl.constexpr, G_PAD: tl.constexpr, TP: tl.constexpr):
     """Program (b, h, s)'s start, shared by every kernel that reads pages (the FP8 kernel too):
     request b's context and the pages [p_begin, p_end) of split s; the G query rows of KV head h
     (padded to G_PAD) and their row ids; a tile's token t and page slot of each of its TP·16
     rows; the online softmax's state (running max, sum, accumulator), empty."""
     ctx = tl.load(ctx_ptr + b)
     n_pages = (ctx + PT - 1) // PT
-    p_begin = s * pages_per_split
-    p_end = tl.minimum(p_begin + pages_per_split, n_pages)
+    pps = split_size(n_pages, pages_per_split, num_splits)
+    p_begin = s * pps
+    p_end = tl.minimum(p_begin + pps, n_pages)
     gq = tl.arange(0, G_PAD)
     q_rows = (b * H * G + h * G + gq).to(tl.int64)
     d = tl.arange(0, D)
@@ -392,7 +403,7 @@ def _decode_attention_kernel(
     h = tl.program_id(1)
     s = tl.program_id(2)
     ctx, p_begin, p_end, q, q_rows, t, slot, m_i, l_i, acc = begin_split(
-        q_ptr, ctx_ptr, b, h, s, pages_per_split, H, D, G, G_PAD, TP)
+        q_ptr, ctx_ptr, b, h, s, pages_per_split, num_splits, H, D, G, G_PAD, TP)
 
     # Software pipeline: the K/V loads of tile i+1 and the page locations and records of tile
     # i+2 are issued before tile i is computed, so memory latency overlaps the restore and the
@@ -446,11 +457,12 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, n
     The splits past the request's last page are left out (not added as zeros), and with n = 1
     the output is o_0 rounded to bf16, exactly what a one-split launch writes: the result does
     not depend on the number of splits of the launch (the batch's other requests, the block
-    table's width) when the split size is fixed.
+    table's width) when the split size is fixed; balanced splits depend on the count alone.
     """
     row = tl.program_id(0).to(tl.int64)
     n_pages = (tl.load(ctx_ptr + row // HQ) + PT - 1) // PT
-    n = tl.minimum(tl.maximum((n_pages + pages_per_split - 1) // pages_per_split, 1), num_splits)
+    pps = split_size(n_pages, pages_per_split, num_splits)
+    n = tl.minimum(tl.maximum((n_pages + pps - 1) // pps, 1), num_splits)
     base = row * num_splits
     d = tl.arange(0, D)
     o0 = tl.load(part_o_ptr + base * D + d)

@@ -6,17 +6,18 @@ space), may be moved by compaction or evicted to the host tier, and is freed (``
 prefix cache letting go of it). Every one of those steps goes through this object, so the seal
 queue always knows which pages still exist.
 
-The engine calls it at two points of a step:
+The engine calls it once a step, :meth:`after_forward`, once the step's forward and sampling
+are launched: the analysis launched in the *previous* step is placed and encoded (queued on the
+device right behind that step's sampling, it has run by now, so reading its sizes does not wait
+for this step's forward), the pages the step filled are collected, and when a seal is due the
+encoded sizes of the pages waiting are analysed on the device (launched behind this step's
+sampling, not waited for).
 
-* :meth:`before_forward`: when a seal is due, the encoded sizes of the pages waiting are
-  analysed on the device (launched, not waited for);
-* :meth:`after_forward`, once the forward is launched: the analysis launched in an *earlier*
-  step is placed and encoded (its sizes reached the host when that step's sampled tokens did,
-  so reading them never waits for the device), then the pages the step filled are collected.
-
-So compression costs the decode path no device-to-host sync: the host's placement runs while the
-forward runs on the device, and capacity lags the seal by one step (pages count as open until
-placed), never promising room that is not there. :meth:`seal_now` is the scheduler's last resort
+So compression costs the decode path no device-to-host sync and no host time between two
+forwards: all of it runs while the forward runs on the device (the analysis used to be launched
+before the forward, which an H100 trace of a decode-heavy run showed on the critical path), and
+capacity lags the seal by one step (pages count as open until placed), never promising room that
+is not there. :meth:`seal_now` is the scheduler's last resort
 before a preemption: everything waiting sealed at once (this one may wait for the device).
 
 The scheduler asks it for capacity (``capacity``, ``make_room``: evicting cached pages nobody
@@ -71,9 +72,8 @@ class PageStore:
         # order: (owner, page index), so that a request's pages are placed together, share
         # packed chunks and free them together
         self._queue: dict[int, tuple[int, int]] = {}
-        self._job = None                       # the manager's analysis: launched, not placed yet
+        self._job = None                       # the manager's analysis: launched, placed at the next step
         self._job_ids: list[int] = []          # its pages, in seal order
-        self._job_ready = False                # its sizes are on the host (a step has passed)
         self._in_flight: set[int] = set()      # its pages not freed since
         self._wait = 0                         # steps since the last seal's analysis
         self._stuck = 0                        # seals in a row that left pages open (no room)
@@ -118,21 +118,17 @@ class PageStore:
         if self.kv_compression:
             self._queue.update((p, (UNOWNED, p)) for p in left)
 
-    # -- the seal: the engine's two points of a step -------------------------------------------
-    def before_forward(self) -> None:
-        """When a seal is due (a compress batch waiting, or SEAL_MAX_WAIT steps since the last;
-        longer after seals that found no room) and none is in flight, launch the size analysis
-        of every page waiting."""
-        if self._job is None and self._due():
-            self._start()
-
+    # -- the seal: once a step, behind the forward ----------------------------------------------
     def after_forward(self, filled: Sequence = ()) -> int:
-        """The forward is launched: place and encode the seal analysed in an earlier step, then
-        collect the pages the requests ``filled`` have filled (offered to the prefix cache,
-        queued for a seal). Returns how many pages were handed to the placement."""
-        sealed = self._finish() if self._job_ready else 0
-        self._job_ready = self._job is not None     # launched this step: placed at the next one's
+        """The step's forward and sampling are launched: place and encode the seal analysed in the
+        previous step; collect the pages the requests ``filled`` have filled (offered to the prefix
+        cache, queued for a seal); when a seal is due (a compress batch waiting, or SEAL_MAX_WAIT
+        steps since the last; longer after seals that found no room), launch the size analysis
+        of every page waiting. Returns how many pages were handed to the placement."""
+        sealed = self._finish() if self._job is not None else 0
         self._collect(filled)
+        if self._due():
+            self._start()
         return sealed
 
     def seal_now(self) -> bool:
@@ -156,13 +152,13 @@ class PageStore:
     def _start(self) -> None:
         ids = sorted(self._queue, key=self._queue.__getitem__)
         self._manager.set_streams(ids, self._fill_stream_of([self._queue[p][0] for p in ids]))
-        self._job, self._job_ids, self._job_ready = self._manager.analyze_pages(ids), ids, False
+        self._job, self._job_ids = self._manager.analyze_pages(ids), ids
         self._in_flight = set(ids)
         self._wait = 0
 
     def _finish(self) -> int:
         job, alive = self._job, [p for p in self._job_ids if p in self._in_flight]
-        self._job, self._job_ids, self._job_ready, self._in_flight = None, [], False, set()
+        self._job, self._job_ids, self._in_flight = None, [], set()
         left = self._manager.place_pages(job, min_capacity=self._promised(), reclaim=self._reclaim,
                                          keep=alive) if alive else []
         for p in set(alive).difference(left):

@@ -11,7 +11,11 @@
 // Work split. A CTA of 4 warps takes (split s, KV head h, request b); its warps take the
 // split's pages round-robin (warp w: pages w, w+4, ...) and run flash decoding independently;
 // at the end the four warp states are combined in shared memory, and the splits of a request
-// are combined by `merge_kernel` (out = Σ 2^(lse_s − M) o_s / Σ 2^(lse_s − M)). Two kernels
+// are combined by `merge_kernel` (out = Σ 2^(lse_s − M) o_s / Σ 2^(lse_s − M)). A split's size
+// is `pages_per_split` pages when that is positive (deterministic mode: fixed, so a request's
+// sums do not depend on its batch); when it is -T, each request's own pages are spread over the
+// launch's splits in runs of whole T-page tiles (`split_size`: balanced, so that one long request
+// among short ones is cut as finely, and no split is left with the whole of it). Two kernels
 // share that plan and every per-page step (`Flash`): `attention_kernel`, where each warp also
 // copies its own pages, and `producer_kernel` (Hopper, the default for compressed pages), where a
 // fifth warp issues every copy and the four others only compute. Same pages per warp, same
@@ -686,6 +690,16 @@ __device__ __forceinline__ void combine(F& f, bool computes, uint8_t* smem, int 
   }
 }
 
+// Pages per split of a request of n_pages pages: pages_per_split if positive, else the request's
+// pages over the num_splits splits, rounded up to whole tiles of -pages_per_split pages. The
+// attention kernels and the merge ask the same question, so they agree on every split's pages.
+__device__ __forceinline__ int split_size(int n_pages, int pages_per_split, int num_splits) {
+  if (pages_per_split > 0) return pages_per_split;
+  const int tile = -pages_per_split;
+  const int even = (n_pages + num_splits - 1) / num_splits;
+  return max(tile, (even + tile - 1) / tile * tile);
+}
+
 // A split of a short request that holds no page: its partial result is empty.
 __device__ __forceinline__ void empty_split(long long row0, int G, int s, int num_splits,
                                             float* part_o, float* part_lse) {
@@ -721,8 +735,9 @@ attention_kernel(KERNEL_PARAMS) {
 
   const int ctx = context_lens[b];
   const int n_pages = (ctx + PAGE - 1) / PAGE;
-  const int p_begin = s * pages_per_split;
-  const int p_end = min(n_pages, p_begin + pages_per_split);
+  const int pps = split_size(n_pages, pages_per_split, num_splits);
+  const int p_begin = s * pps;
+  const int p_end = min(n_pages, p_begin + pps);
   const long long row0 = (long long)b * H * G + (long long)h * G;   // first query row of the group
   if (p_begin >= p_end) return empty_split(row0, G, s, num_splits, part_o, part_lse);
 
@@ -831,8 +846,9 @@ producer_kernel(KERNEL_PARAMS) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ctx = context_lens[b];
   const int n_pages = (ctx + PAGE - 1) / PAGE;
-  const int p_begin = s * pages_per_split;
-  const int n = min(n_pages, p_begin + pages_per_split) - p_begin;   // pages of this split
+  const int pps = split_size(n_pages, pages_per_split, num_splits);
+  const int p_begin = s * pps;
+  const int n = min(n_pages, p_begin + pps) - p_begin;                // pages of this split
   const long long row0 = (long long)b * H * G + (long long)h * G;
   if (n <= 0) return empty_split(row0, G, s, num_splits, part_o, part_lse);
 
@@ -919,14 +935,15 @@ producer_kernel(KERNEL_PARAMS) {
 // page are left out (not added as zeros), and with n = 1 the output is o_0 rounded, exactly what
 // a one-split launch writes (bf16(O / L) of the same O and L): the result does not depend on the
 // launch's split count (the other requests, the block table's width) when the split size is
-// fixed (split_pages in decode_attention.py).
+// fixed (split_pages in decode_attention.py); balanced splits depend on the count, not the width.
 __global__ void merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                              __nv_bfloat16* __restrict__ out, const int* __restrict__ context_lens,
                              int pages_per_split, int num_splits, int Hq) {
   const long long row = blockIdx.x;
   const int dim = threadIdx.x;
   const int n_pages = (context_lens[row / Hq] + PAGE - 1) / PAGE;
-  const int n = min(num_splits, max(1, (n_pages + pages_per_split - 1) / pages_per_split));
+  const int pps = split_size(n_pages, pages_per_split, num_splits);
+  const int n = min(num_splits, max(1, (n_pages + pps - 1) / pps));
   const float* lse = part_lse + row * num_splits;
   const float* o = part_o + row * num_splits * D + dim;
   if (n == 1) {
