@@ -74,9 +74,9 @@ def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt, budg
 
 @pytest.mark.parametrize("streams", [1, None])
 def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ckpt, monkeypatch, streams):
-    """Each step seals the pages earlier steps filled around its own forward (their sizes
-    analysed before it is launched, placement, compaction and encoding while it runs, the tokens
-    read after): under memory pressure, with many seals during decode, compressed and
+    """Each step seals the pages earlier steps filled behind its own forward (the earlier
+    analysis placed, compacted and encoded while it runs, the pages it filled analysed, the
+    tokens read after): under memory pressure, with many seals during decode, compressed and
     uncompressed runs give the same tokens and the same logits bits (deterministic mode, whose
     rows do not depend on the batch). One fill stream: requests finishing apart leave holes that
     compaction fills; the default streams (by expected finish) mostly avoid them."""
@@ -85,7 +85,7 @@ def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ck
         monkeypatch.setattr(scheduler, "FILL_STREAMS", streams)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
-    outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]        # finishing apart: holes, compaction
+    outs = [48, 4, 40, 8, 32, 12, 44, 16, 36, 20, 28, 24]        # finishing apart: holes, compaction
     page = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.01).engine.cache.layout.open_page_bytes
     res, sealed = {}, {}
     for comp in (True, False):
@@ -115,7 +115,7 @@ def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
     monkeypatch.setattr(scheduler, "FILL_STREAMS", 1)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
-    outs = [48, 16, 40, 24, 32, 8, 44, 20, 36, 12, 28, 4]
+    outs = [48, 4, 40, 8, 32, 12, 44, 16, 36, 20, 28, 24]
     page = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.01).engine.cache.layout.open_page_bytes
     init = page_table.PageTable.__init__
     res = {}
