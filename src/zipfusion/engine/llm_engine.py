@@ -71,7 +71,7 @@ class StepStats(NamedTuple):
     seconds: float
     schedule_s: float
     forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
-    seal_s: float                    # the page store's two points: analysis launch, placement and encode launch, full pages collected
+    seal_s: float                    # the page store's call behind the forward: placement and encode launch, full pages collected, analysis launch
     ahead_s: float                   # scheduling the next step while this one ran on the GPU (async_scheduling)
 
 
