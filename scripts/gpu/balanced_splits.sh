@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Verify and measure ad54bd1 (issue 44): decode splits balanced per request, and the seal's
+# analysis launched behind the step's sampling. Neither has run on a GPU yet.
+#   tests -- the decode kernels' GPU tests (balanced splits on the CUDA kernel, tables 2,047
+#            pages wide; the producer kernel; small cases) and the engine's seal / sync tests (~2 min)
+#   run   -- the decode-heavy run of benchmarks/results/trace_h100 (128 `reasoning` requests, 4 GiB
+#            of KV) compressed, uncompressed and fp8, each in its own process (~5 min), then decode
+#            steps at equal rows (benchmarks/step_stats.py): before, 9.4-9.7 ms p50 compressed
+#            against 8.3-8.7 uncompressed at 28-31 rows
+#   bash scripts/gpu/balanced_splits.sh [tests] [run]      # results under $OUT
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. scripts/gpu/env.sh || exit 1
+OUT=${OUT:-/tmp/balanced_out}; mkdir -p "$OUT"
+for part in ${*:-tests run}; do
+case $part in
+tests)
+  timeout -k 5 ${TEST_LIMIT:-150} python3 -m pytest -q -x -m gpu tests/test_decode_attention.py \
+    -k "balanced or producer or small_cases_cuda or split_pages_batch or packed_requests_cuda" > "$OUT/tests_kernel.log" 2>&1
+  echo "kernel tests rc $?"; tail -2 "$OUT/tests_kernel.log"
+  timeout -k 5 ${TEST_LIMIT:-150} python3 -m pytest -q -x tests/test_engine_kernel.py tests/test_engine.py tests/test_page_store.py \
+    -k "seals_around or page_table_kept or wait or identical" > "$OUT/tests_engine.log" 2>&1
+  echo "engine tests rc $?"; tail -2 "$OUT/tests_engine.log" ;;
+run)
+  timeout -k 10 ${RUN_LIMIT:-330} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
+    --kv-memory-gb 4 --compare ${RUN_MODES:-compressed,uncompressed,fp8} --dataset reasoning --num-prompts 128 \
+    --output-len 500 --timeout 130 --out "$OUT/throughput" > "$OUT/throughput.log" 2>&1; echo "run rc $?"
+  grep -v "^  \[" "$OUT/throughput.log" | tail -10 | cut -c1-220
+  python3 benchmarks/step_stats.py "$OUT/throughput_steps.json" | awk -F'|' 'NR<=2 || ($2+0>=24 && $2+0<=34)' ;;
+*) echo "unknown part $part (tests, run)"; exit 2 ;;
+esac
+done
