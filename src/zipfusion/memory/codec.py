@@ -8,8 +8,8 @@ bytes (the format's contract), so the rest of the manager does not care which on
 
 Two steps, because the manager must know the sizes before it can choose destinations:
 ``analyze(...) -> (state, sizes)`` (sizes: a ``copy.HostArray`` on their way to the host, so the
-caller decides when to wait: the engine launches the analysis before a step's forward and
-reads the sizes while the forward runs) then
+caller decides when to wait: the engine launches the analysis behind one step's sampling and
+reads the sizes while the next step's forward runs) then
 ``encode(..., state, keep, dst_offsets)`` for any subset of the analysis (on CUDA: one launch,
 indices and destinations in one asynchronous copy, no gather, no sync). ``decode`` reads
 compressed pages back (prefill over earlier chunks, the CPU attention path): the Triton

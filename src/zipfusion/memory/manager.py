@@ -214,8 +214,8 @@ class KVCacheManager:
         """The first half of :meth:`compress_pages`: check the full open pages ``ids`` and launch
         the analysis of their encoded sizes (the codec's), without waiting for it (on CUDA). The
         pages must stay allocated and unwritten until :meth:`place_pages` takes the analysis (the
-        page store launches it before a step's forward and places the pages while a later
-        forward runs)."""
+        page store launches it behind a step's sampling and places the pages while the next
+        step's forward runs)."""
         ids = self._compressible(ids, "analyze_pages")
         if ids.size == 0:
             return Analysis(ids, None, np.zeros((self.num_layers, 0), np.int64))
