@@ -323,10 +323,11 @@ class Scheduler:
         behind a cached prefix, whose pages are likely to outlive it (a conversation's next
         turn), takes stream FILL_STREAMS of its own; pages no running request holds (swapped back
         in, cached) the current window's."""
+        wanted = set(owners)          # a seal's few owners, not every running request
         finish = {r.request_id: (self._steps + self.admission.expected_tokens(
                       r.num_tokens, self._max_total_tokens(r), r.params.fixed_length) - r.num_tokens)
                   // FILL_WINDOW % FILL_STREAMS if not r.num_cached_tokens else FILL_STREAMS
-                  for r in self.running}
+                  for r in self.running if r.request_id in wanted}
         return [finish.get(o, self._steps // FILL_WINDOW % FILL_STREAMS) for o in owners]
 
     def retire(self, req: Request) -> None:
