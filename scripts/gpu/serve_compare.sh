@@ -7,6 +7,7 @@
 # SLO TTFT 2 s / TPOT 50 ms. Needs .carry/ (bash scripts/gpu/carry_wheels.sh).
 #   bash scripts/gpu/serve_compare.sh                      # ~8-9 min
 #   RATES=4,8,12 PROMPTS=120 bash scripts/gpu/serve_compare.sh --kv-memory-gb 16
+#   MODES="compressed uncompressed fp8" ...          # other modes (zipfusion.bench.MODES)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/env.sh || exit 1
@@ -14,7 +15,7 @@ OUT=${OUT:-/tmp/serve_out}
 mkdir -p "$OUT"
 LOG=$OUT/serve_compare.log
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG"
-for mode in compressed uncompressed; do
+for mode in ${MODES:-compressed uncompressed}; do
   timeout -k 20 ${MODE_S:-270} python3 -m zipfusion bench serve --model llama-3.1-8b-random --device cuda \
     --kv-memory-gb 8 --mode $mode --dataset reasoning --output-len 500 --num-prompts ${PROMPTS:-160} \
     --request-rates ${RATES:-6,10,14,18,22} --goodput ttft:2000 tpot:50 --out "$OUT/serve_$mode" "$@" \
@@ -22,6 +23,6 @@ for mode in compressed uncompressed; do
   echo "$mode: rc $?" | tee -a "$LOG"
   grep -v "^  \[" "$OUT/serve_$mode.log" | tail -14 | cut -c1-220 | tee -a "$LOG"
 done
-python3 -m zipfusion bench serve --merge "$OUT/serve_compressed.json" "$OUT/serve_uncompressed.json" \
+python3 -m zipfusion bench serve --merge $(for m in ${MODES:-compressed uncompressed}; do echo "$OUT/serve_$m.json"; done) \
   --out "$OUT/serve" 2>&1 | tail -20 | tee -a "$LOG"
 echo "total ${SECONDS}s" | tee -a "$LOG"
