@@ -792,3 +792,18 @@ def test_packed_request_arguments(small):
                                 dict(producer=True, num_splits=3)])
 def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed, monkeypatch):
     check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, backend="cuda", **kw)
+
+
+def test_packed_launches_in_cuda_graphs_only_where_the_cuda_kernel_serves_them(monkeypatch, environ):
+    """A packed launch is captured in a CUDA graph only where the CUDA kernel reads the spans
+    itself; the Triton route plans each slot's row on the host (``packed_rows``), which a graph
+    cannot hold (the engine's packed graphs failed capture on a head_dim-64 model on the H100)."""
+    from zipfusion.kernels import cuda_attention
+    from zipfusion.kernels.decode_attention import packed_launch_graph_safe
+    layout = PageLayout(2, 128)
+    environ(ZIPFUSION_ATTENTION_BACKEND=None)
+    assert not packed_launch_graph_safe("cpu", layout, 4)           # the CPU: no CUDA kernel
+    monkeypatch.setattr(cuda_attention, "unsupported_reason", lambda device, head_dim, G: None)
+    assert packed_launch_graph_safe("cpu", layout, 4)               # as where the kernel applies
+    environ(ZIPFUSION_ATTENTION_BACKEND="triton")
+    assert not packed_launch_graph_safe("cpu", layout, 4)           # the Triton route forced

@@ -204,6 +204,14 @@ def check_spans(spans, slot_heads, q, layout, context_lens, validate: bool) -> N
                              "shared tokens [0, begin_0) (unless empty), and end within the context")
 
 
+def packed_launch_graph_safe(device, layout, group: int) -> bool:
+    """Whether a packed launch on ``device`` (GQA ``group``) runs the CUDA kernel, which reads
+    ``spans`` itself and may be captured in a CUDA graph; the Triton route plans its rows on the
+    host (:func:`packed_rows`), which a graph cannot hold."""
+    return (environment().decode_kernel != "triton"
+            and cuda_attention.unsupported_reason(torch.device(device), layout.head_dim, group) is None)
+
+
 def packed_rows(q, block_table, context_lens, spans, slot_heads: int, num_kv_heads: int):
     """A packed launch's slots as plain rows (host work): ``(which, q, block_table, context_lens)``
     of its non-empty slots, ``which`` indexing the [B·R] slots. Slot r of request b is the row
