@@ -523,6 +523,43 @@ def test_packed_place_general_next_fit_matches_reference(seed):
     assert ps.layer_live.tolist() == [int(ps.live_bytes[list(ps.chunks[l])].sum()) for l in range(3)]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_place_streams_at_once_like_one_by_one(seed):
+    """A seal's fill streams placed in one vectorised pass (rows of (stream, layer), padded with
+    zero sizes) end where placing them stream by stream ends: the same offsets, fresh chunks
+    taken in the same order, live bytes and pages, and every stream's fill pointers (fresh
+    streams, parked ones, the current one among them)."""
+    import copy
+    from zipfusion.memory.packed import PackedSpace
+    rng = np.random.default_rng(seed)
+    L, C = 3, 10 * 1024
+    one = PackedSpace(L, 512, C, max_page_bytes=4096)
+    free_one, free_all = list(range(511, -1, -1)), list(range(511, -1, -1))
+    for _ in range(6):
+        all_ = copy.deepcopy(one)
+        streams = rng.permutation(6)[:int(rng.integers(1, 5))].tolist()
+        sizes = [rng.integers(1, 257, size=(L, int(rng.integers(1, 9)))) * 16 for _ in streams]
+        taken_one, taken_all = [], []
+        outs = []
+        for st, sz in zip(streams, sizes):                       # stream by stream
+            one.use_stream(st)
+            outs.append(one.place(sz, lambda layer: taken_one.append(layer) or free_one.pop()))
+        stacked = np.zeros((len(streams) * L, max(sz.shape[1] for sz in sizes)), dtype=np.int64)
+        for i, sz in enumerate(sizes):
+            stacked[i * L:(i + 1) * L, :sz.shape[1]] = sz
+        need = all_.chunks_needed(stacked, all_.placement(stacked, streams)).reshape(-1, L).sum(0)
+        out = all_.place(stacked, lambda layer: taken_all.append(layer) or free_all.pop(), streams=streams)
+        assert taken_all == taken_one and np.bincount(taken_all, minlength=L).tolist() == need.tolist()
+        for i, o in enumerate(outs):
+            assert np.array_equal(out[i * L:(i + 1) * L, :o.shape[1]], o)
+        all_.use_stream(streams[-1])
+        for name in ("live_bytes", "live_pages", "held", "layer_live", "fill_chunk", "fill_ptr"):
+            assert np.array_equal(getattr(all_, name), getattr(one, name)), name
+        assert all_.chunks == one.chunks and all_._parked.keys() == one._parked.keys()
+        for st in one._parked:
+            assert all(np.array_equal(a, b) for a, b in zip(all_._parked[st], one._parked[st])), st
+
+
 @pytest.mark.parametrize("shared,budget,spare", [
     (True, 21, 4),      # waves of 3 batches, then 1 each (the pool refilled by freed groups)
     (True, 19, 2),      # one batch, then compaction, then no room: pages left open

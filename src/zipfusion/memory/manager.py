@@ -287,13 +287,41 @@ class KVCacheManager:
         sizes = (job.sizes if isinstance(job.sizes, np.ndarray) else job.sizes.get()).reshape(self.num_layers, n)
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
         streams = self.page_stream[ids]
-        left = []
-        for stream in dict.fromkeys(streams[alive].tolist()):       # in order of first appearance
-            self.packed.use_stream(stream)
-            order = np.nonzero((streams == stream) & alive)[0]        # as given (a request's pages together)
-            left += self._place_in_order(ids, order, sizes, stored, job.state, min_capacity, reclaim)
+        groups = [(stream, np.nonzero((streams == stream) & alive)[0])    # as given (a request's pages
+                  for stream in dict.fromkeys(streams[alive].tolist())]  # together), streams in order
+        left = []                                                           # of first appearance
+        if not self._place_streams(ids, groups, sizes, stored, job.state, min_capacity):
+            for stream, order in groups:
+                self.packed.use_stream(stream)
+                left += self._place_in_order(ids, order, sizes, stored, job.state, min_capacity, reclaim)
         t.sync(ids[alive])                 # one copy of the touched page_loc columns to the device
         return left
+
+    def _place_streams(self, ids: np.ndarray, groups: list, sizes: np.ndarray, stored: np.ndarray, state,
+                       min_capacity: int) -> bool:
+        """Every stream's pages of a seal placed in one go, the common case: every stream's next fit
+        from its own fill pointers in one vectorised pass (``PackedSpace.placement`` over rows of
+        (stream, layer)), then one check that the pool holds them
+        all and that the seal is ``_affordable`` as a whole, one encode launch and one release of
+        the open slots. A seal's pages span several streams (~8 in a decode-heavy mix), and
+        stream by stream each paid the checks, an encode launch and the bookkeeping (0.4 ms of
+        host a stream on a 2-core CPU). False (nothing changed): the pool or the promised room
+        is tight; then stream by stream, wave by wave (``_place_in_order``). The pool gives fresh
+        chunks in the order stream by stream would take them, so both place alike."""
+        L, streams = self.num_layers, [stream for stream, _ in groups]
+        stacked = np.zeros((len(groups) * L, max(order.size for _, order in groups)), dtype=np.int64)
+        for i, (_, order) in enumerate(groups):           # row i·L + l: stream i's pages in layer l
+            stacked[i * L:(i + 1) * L, :order.size] = stored[:, order]
+        split = self.packed.placement(stacked, streams)
+        need = split.need.reshape(-1, L).sum(0)
+        part = np.concatenate([order for _, order in groups])
+        if not self._pool_holds(need[:, None])[0] or not self._affordable(ids[part], stored[:, part], need,
+                                                                            min_capacity):
+            return False
+        out = self.packed.place(stacked, lambda layer: self.pool.take(self.pool.pool_of(layer)), split, streams)
+        dst = [out[i * L:(i + 1) * L, :order.size] for i, (_, order) in enumerate(groups)]
+        self._write(ids, part, sizes[:, part], np.concatenate(dst, axis=1), state)
+        return True
 
     def _place_in_order(self, ids: np.ndarray, order: np.ndarray, sizes: np.ndarray, stored: np.ndarray, state,
                         min_capacity: int, reclaim: Reclaim) -> list[int]:
@@ -351,7 +379,6 @@ class KVCacheManager:
         [L, k]); then free their open slots. ``split``: their placement when the caller knows
         it fits, else ``compaction.make_room_for_packing`` makes room. False (nothing changed): no room,
         or not ``_affordable``."""
-        t = self.table
         open_bytes = self.layout.open_page_bytes
         batch = ids[part]
         as_open = sizes >= open_bytes                   # not smaller: store in open form
@@ -361,9 +388,20 @@ class KVCacheManager:
             split = compaction.make_room_for_packing(self, stored, reclaim)
             if split is None:
                 return self._compress_staged(batch, flat, stored, as_open, state, min_capacity)
-        if not self._affordable(batch, stored, split, min_capacity):
+        if not self._affordable(batch, stored, self.packed.chunks_needed(stored, split), min_capacity):
             return False
         dst = self.packed.place(stored, lambda layer: self.pool.take(self.pool.pool_of(layer)), split)
+        self._write(ids, part, sizes, dst, state)
+        return True
+
+    def _write(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, dst: np.ndarray, state) -> None:
+        """The pages ``ids[part]`` (encoded ``sizes`` [L, k]), placed at ``dst``: encoded there (one
+        launch; those not smaller copied in open form), accounted, their open slots freed."""
+        t, open_bytes = self.table, self.layout.open_page_bytes
+        batch = ids[part]
+        as_open = sizes >= open_bytes                   # not smaller: store in open form
+        stored = np.where(as_open, open_bytes, sizes)
+        flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
         enc = ~as_open
         codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
         if as_open.any():
@@ -371,7 +409,6 @@ class KVCacheManager:
             move_ranges(self.arena, src[as_open], dst[as_open], np.full(int(as_open.sum()), open_bytes, np.int64))
         self._now_stored(batch, stored, as_open, dst)
         self._release_groups(self.open.free(t.group[batch], t.slot[batch]))
-        return True
 
     def _compress_staged(self, batch: np.ndarray, flat: np.ndarray, stored: np.ndarray, as_open: np.ndarray,
                          state, min_capacity: int) -> bool:
@@ -385,7 +422,7 @@ class KVCacheManager:
         need = self.packed.chunks_needed(stored, split)
         released = self._groups_emptied(batch)          # each gives every layer's pool a chunk
         fits = bool(self._pool_holds(need[:, None], more=released)[0])
-        if not released or not fits or not self._affordable(batch, stored, split, min_capacity):
+        if not released or not fits or not self._affordable(batch, stored, need, min_capacity):
             return False
         open_bytes, k = self.layout.open_page_bytes, batch.size
         src = loc_offset(t.loc[:, batch])               # stage: [open copies | compressed pages]
@@ -421,9 +458,9 @@ class KVCacheManager:
         live = np.array([self.slots_per_chunk - len(self.open.free_slots[g]) for g in groups.tolist()])
         return int((counts == live).sum())
 
-    def _affordable(self, batch: np.ndarray, stored: np.ndarray, split, min_capacity: int) -> bool:
-        """Whether placing ``batch`` (stored sizes [L, k], placement ``split``) and freeing its
-        open slots leaves ``capacity_new_pages()`` at least ``min(now, min_capacity)``.
+    def _affordable(self, batch: np.ndarray, stored: np.ndarray, need: np.ndarray, min_capacity: int) -> bool:
+        """Whether placing ``batch`` (stored sizes [L, k], taking ``need`` [L] fresh chunks) and
+        freeing its open slots leaves ``capacity_new_pages()`` at least ``min(now, min_capacity)``.
 
         A page sealed into fresh chunks costs a group of ``S`` slots' worth of pool chunks (and
         may shrink what compaction is sure to reclaim) while freeing only its own slot, until
@@ -431,7 +468,6 @@ class KVCacheManager:
         open, until it pays for itself (at most about ``S`` pages wait at a time). Closed form
         of the state after ``place`` + ``open.free``; no state changed."""
         S = self.slots_per_chunk
-        need = self.packed.chunks_needed(stored, split)
         released = self._groups_emptied(batch)
         free_slots = self.open.num_free_slots + batch.size - S * released     # a released group: a chunk a layer
         groups = self._groups_available(gained=released - need,

@@ -60,7 +60,6 @@ class PackedSpace:
         self.chunks: list[set[int]] = [set() for _ in range(num_layers)]
         self.layer_live = np.zeros(num_layers, dtype=np.int64)
         self.held = np.zeros(num_layers, dtype=np.int64)        # len(self.chunks[layer])
-        self._rows = np.arange(num_layers)
         self.fill_chunk = np.full(num_layers, -1, dtype=np.int64)      # the current stream's
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
         self.stream = 0
@@ -72,9 +71,28 @@ class PackedSpace:
         if stream == self.stream:
             return
         self._parked[self.stream] = (self.fill_chunk, self.fill_ptr)
-        self.fill_chunk, self.fill_ptr = self._parked.pop(stream, (np.full(self.num_layers, -1, dtype=np.int64),
-                                                                   np.zeros(self.num_layers, dtype=np.int64)))
+        self.fill_chunk, self.fill_ptr = self._parked.pop(stream, self._fresh())
         self.stream = stream
+
+    def _fresh(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.full(self.num_layers, -1, dtype=np.int64), np.zeros(self.num_layers, dtype=np.int64)
+
+    def _fills(self, streams) -> tuple[np.ndarray, np.ndarray]:
+        """Fill chunks and pointers of ``streams`` (None: the current one), stacked [m·L]."""
+        if streams is None:
+            return self.fill_chunk, self.fill_ptr
+        fills = [(self.fill_chunk, self.fill_ptr) if s == self.stream else self._parked.get(s) or self._fresh()
+                 for s in streams]
+        return np.concatenate([f[0] for f in fills]), np.concatenate([f[1] for f in fills])
+
+    def _set_fills(self, streams, chunk: np.ndarray, ptr: np.ndarray) -> None:
+        L = self.num_layers
+        for i, s in enumerate([self.stream] if streams is None else streams):
+            c, p = chunk[i * L:(i + 1) * L].copy(), ptr[i * L:(i + 1) * L].copy()
+            if s == self.stream:
+                self.fill_chunk, self.fill_ptr = c, p
+            else:
+                self._parked[s] = (c, p)
 
     def _drop_fill(self, layer: int, chunks) -> None:
         """Parked streams whose fill chunk in ``layer`` is among ``chunks`` (emptied or repacked)
@@ -84,9 +102,12 @@ class PackedSpace:
                 fill[layer], ptr[layer] = -1, 0
 
     # ---------------------------------------------------------------- placement
-    def placement(self, sizes: np.ndarray) -> "Placement":
+    def placement(self, sizes: np.ndarray, streams=None) -> "Placement":
         """Next fit of pages ``sizes`` [L, n] (in order) from each layer's fill pointer, vectorised
-        over layers, one round per destination chunk (no state change).
+        over layers, one round per destination chunk (no state change). With ``streams`` (m
+        stream ids): ``sizes`` [m·L, n], row s·L + l the pages of layer l of stream
+        ``streams[s]``, from that stream's fill pointer (a whole seal's streams at once; rows
+        padded at their end with zero sizes, which are not pages).
 
         With c the cumulative sizes and chunk r of a layer beginning at cumulative byte
         ``base_r`` (``base_0 = -fill_ptr``, or ``-C`` when the layer has no fill chunk; then
@@ -101,9 +122,10 @@ class PackedSpace:
         cs = np.cumsum(sizes, axis=1)
         excl = cs - sizes
         span = int(cs[:, -1].max()) + 2 * C + 1
-        rows = self._rows
+        rows = np.arange(L)
         flat = (cs + rows[:, None] * span).ravel()
-        base = -np.where(self.fill_chunk >= 0, self.fill_ptr, C)
+        fill_chunk, fill_ptr = self._fills(streams)
+        base = -np.where(fill_chunk >= 0, fill_ptr, C)
         bases = [base]
         marks = np.zeros((L, n), dtype=np.int64)
         while True:
@@ -126,37 +148,41 @@ class PackedSpace:
         """
         return (self.placement(sizes) if split is None else split).need
 
-    def place(self, sizes: np.ndarray, take_chunk, split=None) -> np.ndarray:
-        """Bump-allocate pages of ``sizes`` [L, n]; returns byte offsets [L, n].
+    def place(self, sizes: np.ndarray, take_chunk, split=None, streams=None) -> np.ndarray:
+        """Bump-allocate pages of ``sizes`` [L, n] (with ``streams``: [m·L, n], as ``placement``);
+        returns byte offsets, the same shape.
 
         ``take_chunk(layer)`` gives a fresh chunk (the caller checked ``chunks_needed``).
-        Vectorised: the next fit of ``_split``, then per (layer, chunk) sums for the chunks'
-        live bytes and pages; Python only loops over the fresh chunks taken.
+        Vectorised: the next fit of ``placement``, then per (row, chunk) sums for the chunks'
+        live bytes and pages; Python only loops over the fresh chunks taken (stream by stream,
+        layers in order).
         """
-        L, n = sizes.shape
-        C = self.chunk_bytes
+        R, n = sizes.shape
+        L, C = self.num_layers, self.chunk_bytes
         if n == 0:
-            return np.empty((L, 0), dtype=np.int64)
-        plan = self.placement(sizes) if split is None else split
+            return np.empty((R, 0), dtype=np.int64)
+        plan = self.placement(sizes, streams) if split is None else split
         need = plan.need
-        table = np.full((L, int(need.max()) + 1), -1, dtype=np.int64)    # [layer, ordinal] -> chunk
-        table[:, 0] = self.fill_chunk
-        for layer in np.nonzero(need)[0].tolist():
-            for k in range(1, int(need[layer]) + 1):
-                table[layer, k] = c = take_chunk(layer)
+        table = np.full((R, int(need.max()) + 1), -1, dtype=np.int64)    # [row, ordinal] -> chunk
+        table[:, 0] = self._fills(streams)[0]
+        for r in np.nonzero(need)[0].tolist():
+            layer = r % L
+            for k in range(1, int(need[r]) + 1):
+                table[r, k] = c = take_chunk(layer)
                 self.chunks[layer].add(c)
-            self.held[layer] += need[layer]
-        rows = self._rows[:, None]
-        out = table[rows, plan.ordinal] * C + plan.offset
-        seg = (rows * table.shape[1] + plan.ordinal).ravel()             # (layer, ordinal) of each page
-        seg_bytes = np.bincount(seg, weights=sizes.ravel(), minlength=table.size).astype(np.int64)
+            self.held[layer] += need[r]
+        rows = np.arange(R)
+        out = table[rows[:, None], plan.ordinal] * C + plan.offset
+        real = sizes > 0                                                  # not padding
+        seg = (rows[:, None] * table.shape[1] + plan.ordinal)[real]       # (row, ordinal) of each page
+        seg_bytes = np.bincount(seg, weights=sizes[real], minlength=table.size).astype(np.int64)
         seg_pages = np.bincount(seg, minlength=table.size)
         used = seg_pages > 0                                              # chunks are distinct
         self.live_bytes[table.ravel()[used]] += seg_bytes[used]
         self.live_pages[table.ravel()[used]] += seg_pages[used]
-        self.fill_chunk = table[self._rows, plan.ordinal[:, -1]]
-        self.fill_ptr = plan.offset[:, -1] + sizes[:, -1]
-        self.layer_live += sizes.sum(1)
+        last = real.sum(1) - 1                                            # each row's last page
+        self._set_fills(streams, table[rows, plan.ordinal[rows, last]], plan.offset[rows, last] + sizes[rows, last])
+        self.layer_live += sizes.sum(1).reshape(-1, L).sum(0)
         self._bound = None
         return out
 
