@@ -98,6 +98,28 @@ def test_make_room_evicts_just_enough_and_disabled_caches_nothing():
     assert off.release(ids) == ids[::-1] and fake.capacity() == 8
 
 
+def test_make_room_learns_how_much_room_an_evicted_page_frees():
+    """Where an evicted page frees half a page of room (stored pages: compressed, counted in
+    whole chunks), make_room first asks for what is missing and needs several rounds (each a
+    copy to the host tier); having seen the rate, a later call asks for about what it needs
+    at once (within a round or two)."""
+    fake, pc = cache_of(256)
+    pages = fake.alloc(256)
+    insert_all(pc, blocks(*range(256)), pages)
+    pc.release(pages)
+    fake.free = lambda ids, free=fake.free: free(ids[::2])        # every other page frees its room
+    pc._free = fake.free
+    rounds, per_call = [], []
+    evict = pc.evict
+    pc.evict = lambda k, **kw: rounds.append(k) or evict(k, **kw)
+    for want in (8, 16, 24, 32, 40, 48):
+        rounds.clear()
+        cap, _ = pc.make_room(want)
+        assert cap >= want
+        per_call.append(len(rounds))
+    assert per_call[0] >= 2 and per_call[-1] == 1, per_call
+
+
 # -- through the engine ---------------------------------------------------------------------------
 
 SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
