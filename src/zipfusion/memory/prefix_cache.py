@@ -220,9 +220,8 @@ class PrefixCache:
         """Evict until the cache has room for ``n`` new pages or nothing is evictable; returns
         (the capacity then, the evicted page ids). A stored page frees less than an open one,
         so each round evicts what is missing at the rate of room per page the last call saw,
-        and asks again. (Asking only for what is missing, a compressed decode-heavy run took
-        3.2x the uncompressed one's rounds, each a copy to the host tier: 313 against 97 in
-        benchmarks/schedule_sim.py's replay of balanced_h100's run; now 162.)"""
+        and asks again (asking only for what is missing, a compressed run took about three
+        times the rounds of an uncompressed one, each a copy to the host tier)."""
         evicted = []
         cap = start = self._capacity(keep_reserve)
         ask = 0
