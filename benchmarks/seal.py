@@ -152,8 +152,9 @@ def run(args, batch_by_batch: bool) -> dict:
     chunk = args.chunk_pages * layout.open_page_bytes
     m = KVCacheManager(L, layout, int(open_total * 2.2) + 4 * L * chunk, device=device, chunk_bytes=chunk)
     pool = pages_with_fraction(min(n, args.pool), args.heads, args.head_dim, args.fraction, seed=0).to(device)
-    saved_wave = KVCacheManager._wave
-    if batch_by_batch:
+    saved = KVCacheManager._wave, KVCacheManager._place_streams
+    if batch_by_batch:           # stream by stream (not all at once), one batch of S pages a wave
+        KVCacheManager._place_streams = lambda self, *a: False
         KVCacheManager._wave = lambda self, stored: (min(self.slots_per_chunk, stored.shape[1]), None)
     rows, ids, checked = [], [], None
     try:
@@ -189,7 +190,7 @@ def run(args, batch_by_batch: bool) -> dict:
                 if rep:
                     rows.append(row)
     finally:
-        KVCacheManager._wave = saved_wave
+        KVCacheManager._wave, KVCacheManager._place_streams = saved
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     med["GBps"] = (open_total + med["stored_bytes"]) / GB / (med["total_ms"] / 1e3)
     return {"mode": "batch by batch" if batch_by_batch else "waves", "median": med, "reps": rows,
