@@ -232,8 +232,10 @@ class PrefixCache:
             ask = max(math.ceil((n - cap) / self._room_per_page), ask)
             evicted += self.evict(ask)
             cap = self._capacity(keep_reserve)
-        if evicted and cap > start:                 # the next call starts from this call's rate
-            self._room_per_page = min(1.0, (cap - start) / len(evicted))
+        if evicted and cap > start:     # the next call starts from this call's rate, asking at
+            # most twice what is missing in its first round (a few pages that freed a whole chunk's
+            # room, or many that freed little, say little about the next call)
+            self._room_per_page = min(1.0, max(0.5, (cap - start) / len(evicted)))
         return cap, evicted
 
     def clear(self) -> list[int]:
