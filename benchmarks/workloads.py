@@ -97,6 +97,9 @@ SCENARIOS = {
     "multi_turn": Scenario(64, 1024, 256, 24.0, turns=8, turn_prompt=256),
     "long_swap": Scenario(16, 32768, 512, 24.0, admission="optimistic", host_gb=48.0),
     "long_recompute": Scenario(16, 32768, 512, 24.0, admission="optimistic", host_gb=0.0),
+    # `zipfusion bench throughput --dataset reasoning --num-prompts 128 --output-len 500
+    # --kv-memory-gb 4`'s lengths (benchmarks/results/balanced_h100): decode-heavy, small KV
+    "reasoning": Scenario(128, 200, 500, 4.0, prompt_cap=2048, output_cap=2000),
 }
 DEFAULT_SCENARIOS = ("burst", "mix", "long", "deterministic", "long_generation")
 # --smoke: the demo model on the CPU (3 layers, 2 KV heads x 64: 1.5 KiB of KV per token), each
@@ -112,6 +115,7 @@ SMOKE_SIZES = {      # requests, prompt, output, KV GiB, and what else shrinks; 
     "multi_turn": (4, 40, 6, 0.002, dict(turns=3, turn_prompt=20)),
     "long_swap": (6, 200, 60, 0.0012, dict(host_gb=0.05)),
     "long_recompute": (6, 200, 60, 0.0012),
+    "reasoning": (8, 20, 40, 0.0003, dict(prompt_cap=60, output_cap=120)),
 }
 SMOKE = {name: dataclasses.replace(SCENARIOS[name], requests=r, prompt=p, output=o, kv_gb=kv,
                                    **(more[0] if more else {}))
