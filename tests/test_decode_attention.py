@@ -799,11 +799,11 @@ def test_packed_launches_in_cuda_graphs_only_where_the_cuda_kernel_serves_them(m
     itself; the Triton route plans each slot's row on the host (``packed_rows``), which a graph
     cannot hold (the engine's packed graphs failed capture on a head_dim-64 model on the H100)."""
     from zipfusion.kernels import cuda_attention
-    from zipfusion.kernels.decode_attention import packed_launch_graph_safe
+    from zipfusion.kernels.decode_attention import uses_cuda_kernel
     layout = PageLayout(2, 128)
     environ(ZIPFUSION_ATTENTION_BACKEND=None)
-    assert not packed_launch_graph_safe("cpu", layout, 4)           # the CPU: no CUDA kernel
+    assert not uses_cuda_kernel(None, "cpu", layout, 4)           # the CPU: no CUDA kernel
     monkeypatch.setattr(cuda_attention, "unsupported_reason", lambda device, head_dim, G: None)
-    assert packed_launch_graph_safe("cpu", layout, 4)               # as where the kernel applies
+    assert uses_cuda_kernel(None, "cpu", layout, 4)               # as where the kernel applies
     environ(ZIPFUSION_ATTENTION_BACKEND="triton")
-    assert not packed_launch_graph_safe("cpu", layout, 4)           # the Triton route forced
+    assert not uses_cuda_kernel(None, "cpu", layout, 4)           # the Triton route forced

@@ -175,9 +175,9 @@ class AttentionBackend:
         """Allocate the packed CUDA graphs' inputs for up to ``max_batch`` rows of up to
         ``max_pages`` pages; returns whether steps here may pack (a packed graph to capture)."""
         R = rows_per_request(self.num_qo_heads, self.cache.num_kv_heads) if self.packed else 0
-        from ..kernels.decode_attention import packed_launch_graph_safe
-        if R and not packed_launch_graph_safe(self.cache.device, self.cache.layout,
-                                              self.num_qo_heads // self.cache.num_kv_heads):
+        from ..kernels.decode_attention import uses_cuda_kernel
+        if R and not uses_cuda_kernel(None, self.cache.device, self.cache.layout,
+                                      self.num_qo_heads // self.cache.num_kv_heads):
             R = 0                      # the Triton route's host work: packed steps run eagerly
         if R:
             self._packed_buffers = PackedPlan.empty(max_batch, R, R * max_pages, max_batch,

@@ -164,17 +164,18 @@ def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, op
         torch._assert_async(~torch.stack([f for _, f in faults]).any())
 
 
-def _use_cuda(backend, q, layout) -> bool:
-    """Which kernel serves this call: the CUDA C++ kernel (``cuda_attention``) where it can
-    (CUDA tensors, head_dim 128, group <= 16, nvcc present), else the Triton kernel.
-    ``backend`` (or $ZIPFUSION_ATTENTION_BACKEND: config.environment) forces one."""
+def uses_cuda_kernel(backend, device, layout, group: int) -> bool:
+    """Which kernel serves a call on ``device`` (GQA ``group``): the CUDA C++ kernel
+    (``cuda_attention``) where it can (CUDA tensors, head_dim 128, group <= 16, nvcc present),
+    else the Triton kernel. ``backend`` (or $ZIPFUSION_ATTENTION_BACKEND: config.environment)
+    forces one. (A packed launch on the Triton route plans its rows on the host,
+    :func:`packed_rows`, so the engine captures packed CUDA graphs only where this is True.)"""
     backend = backend or environment().decode_kernel
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":
         return False
-    G = q.shape[1] // layout.num_kv_heads
-    reason = cuda_attention.unsupported_reason(q.device, layout.head_dim, G)
+    reason = cuda_attention.unsupported_reason(torch.device(device), layout.head_dim, group)
     if backend == "cuda" and reason:
         raise cuda_attention.CudaKernelUnavailable(
             f"backend='cuda' was asked for but {reason}; use backend='triton' or 'auto'")
@@ -202,14 +203,6 @@ def check_spans(spans, slot_heads, q, layout, context_lens, validate: bool) -> N
             raise ValueError(f"spans of packed request {b} are {sp[b].tolist()} (context {int(lens[b])}): each "
                              "slot's own tokens [begin, end) must begin at a page boundary, at or after the "
                              "shared tokens [0, begin_0) (unless empty), and end within the context")
-
-
-def packed_launch_graph_safe(device, layout, group: int) -> bool:
-    """Whether a packed launch on ``device`` (GQA ``group``) runs the CUDA kernel, which reads
-    ``spans`` itself and may be captured in a CUDA graph; the Triton route plans its rows on the
-    host (:func:`packed_rows`), which a graph cannot hold."""
-    return (environment().decode_kernel != "triton"
-            and cuda_attention.unsupported_reason(torch.device(device), layout.head_dim, group) is None)
 
 
 def packed_rows(q, block_table, context_lens, spans, slot_heads: int, num_kv_heads: int):
@@ -257,7 +250,7 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
         out = torch.empty_like(q)
     args = (q, arena, page_loc_layer, block_table, context_lens, layout.num_kv_heads,
             float(sm_scale) * LOG2E, out)
-    if _use_cuda(backend, q, layout):
+    if uses_cuda_kernel(backend, q.device, layout, q.shape[1] // layout.num_kv_heads):
         return cuda_attention.decode_attention_cuda(
             *args, compressed=compressed, num_splits=num_splits, split_pages=split_pages,
             stages=stages, tma=tma, producer=producer, spans=spans, slot_heads=slot_heads or 0)

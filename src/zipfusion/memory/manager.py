@@ -383,10 +383,10 @@ class KVCacheManager:
         batch = ids[part]
         as_open = sizes >= open_bytes                   # not smaller: store in open form
         stored = np.where(as_open, open_bytes, sizes)
-        flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
         if split is None:
             split = compaction.make_room_for_packing(self, stored, reclaim)
             if split is None:
+                flat = np.arange(self.num_layers)[:, None] * ids.size + part[None, :]   # [L, k] into the analysis
                 return self._compress_staged(batch, flat, stored, as_open, state, min_capacity)
         if not self._affordable(batch, stored, self.packed.chunks_needed(stored, split), min_capacity):
             return False
