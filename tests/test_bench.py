@@ -126,7 +126,8 @@ def synthetic_record(sent, first, gaps, tokens, ok=True, error=None):
     chunks = [sent + first]
     for g in gaps:
         chunks.append(chunks[-1] + g)
-    rec = {"ok": ok, "error": error, "sent": sent, "chunks": chunks, "tokens": tokens, "output_tokens": tokens,
+    rec = {"ok": ok, "error": error, "sent": sent, "chunks": chunks, "chunk_tokens": [1] * (len(chunks) - 1) + [
+               tokens - len(chunks) + 1], "tokens": tokens, "output_tokens": tokens,
            "prompt_tokens": 10, "done": chunks[-1] + 0.001}
     return client.finish_record(rec)
 
@@ -151,6 +152,22 @@ def test_rate_row_counts_failed_and_lost_and_takes_latencies_in_ms():
     s = serve_results.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)
     assert s["max_rate_within_slo"] == 2.0 and s["max_requests_s"] == pytest.approx(4.0) and s["peak_running"] == 4
     assert s["failed"] == 1 and s["lost"] == 1 and s["preemptions"] == 1 and burst["request_rate"] == "inf"
+
+
+def test_steady_output_counts_tokens_streamed_while_arrivals_last():
+    """The steady rate leaves out the ramp (before the first quarter's last arrival) and the tail
+    (after the last arrival): a run whose batch drains alone for long reads its sustained rate."""
+    recs = [synthetic_record(float(i), 0.5, [1.0] * 9, 10) for i in range(8)]      # one token a second each
+    recs.append(synthetic_record(8.0, 0.5, [1.0] * 99, 100))                     # a long tail alone
+    a, b = 2.0, 8.0                                               # arrivals of request 9 // 4 = 2 and the last
+    expect = sum(1 for r in recs for t in r["chunks"] if a <= t <= b)
+    assert serve_results.steady_output_tok_s(recs) == pytest.approx(expect / (b - a))
+    whole = serve_results.rate_row(recs, recs[-1]["done"], 1.0, {})
+    assert whole["steady_output_tok_s"] > 2 * whole["output_tok_s"]               # the tail dilutes the whole
+    assert serve_results.steady_output_tok_s([synthetic_record(0.0, 0.1, [0.01], 2)] * 8) is None   # at once
+    whole["server"] = {"peak_running": 9, "preemptions": 0}
+    s = serve_results.mode_summary([whole], {}, 0.9)
+    assert s["max_steady_output_tok_s"] == whole["steady_output_tok_s"]
 
 
 def test_metrics_text_and_memory_flatness():

@@ -269,6 +269,22 @@ def test_a_bad_prompt_in_a_batch_queues_nothing_and_the_engine_goes_on():
     assert len(good) == 1 and len(good[0].token_ids) == 4
 
 
+def test_memory_watch_names_the_step_that_grew_reserved_memory(caplog):
+    """The engine's MemoryWatch (on CUDA) warns once per 64 MiB of growth past the high-water mark,
+    naming the step and what the memory system did in it; CPU: the allocator's counters injected."""
+    from zipfusion.engine.llm_engine import MemoryWatch
+    llm = LLM("demo", device="cpu", max_model_len=64, kv_memory_gb=0.01)
+    import itertools
+    reserved = itertools.chain([100 << 20, 120 << 20, 400 << 20, 420 << 20], itertools.repeat(300 << 20))
+    watch = MemoryWatch(llm.engine, reserved=lambda d: next(reserved), peak=lambda d: 380 << 20)
+    llm.engine._memory_watch = watch
+    with caplog.at_level("WARNING", logger="zipfusion"):
+        llm.generate(["In the beginning God"] * 2, SamplingParams(max_tokens=3, temperature=0))
+    grew = [r.getMessage() for r in caplog.records if "GPU memory reserved by torch grew" in r.getMessage()]
+    assert len(grew) == 1 and "100 -> 400 MiB (allocated peak 380 MiB) at step 2" in grew[0], grew
+    assert "compressed +" in grew[0] and watch.high == 400 << 20
+
+
 def test_pages_left_open_under_pressure_are_retried(ckpts, monkeypatch):
     """The seal contract (issue 20): a seal that finds no room it may take leaves pages open,
     and the scheduler hands exactly those pages back at its next seal, where they compress. The

@@ -4,7 +4,7 @@ Every request of a dataset is a streaming /v1/completions request (httpx async; 
 ``ignore_eos``, token ids returned, the usage in the last chunk), each bounded by ``--timeout``
 seconds in all. Arrivals are a Poisson process at the rate (``inf``: all at once), with at most
 ``--max-concurrency`` in flight (a closed loop at rate inf). Per request its record: the send
-time, the time of every streamed chunk with tokens, the tokens, and from them TTFT (send to
+time, the time of every streamed chunk with tokens and their count, and from them TTFT (send to
 first token), the gaps between chunks (ITL), TPOT ((last - first token) / (tokens - 1)) and the
 end-to-end latency. While the rate runs the server's /metrics are sampled (:class:`.Sampler`)
 and progress is logged.
@@ -30,7 +30,8 @@ async def send(client, url: str, prompt, max_tokens: int, model: str | None, tim
             "return_token_ids": True, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
-    rec = {"ok": False, "error": None, "expected_output_tokens": max_tokens, "chunks": [], "tokens": 0}
+    rec = {"ok": False, "error": None, "expected_output_tokens": max_tokens, "chunks": [], "chunk_tokens": [],
+           "tokens": 0}
     rec["sent"] = time.perf_counter()
     done = False
     try:
@@ -56,6 +57,7 @@ async def send(client, url: str, prompt, max_tokens: int, model: str | None, tim
                 n = sum(len(c.get("token_ids") or ()) or bool(c.get("text")) for c in event.get("choices", []))
                 if n:
                     rec["chunks"].append(now)
+                    rec["chunk_tokens"].append(n)
                     rec["tokens"] += n
         rec["done"] = time.perf_counter()
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:

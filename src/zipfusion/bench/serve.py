@@ -40,6 +40,7 @@ from .serve_results import finish, mode_summary, rate_label, rate_row
 from .server_process import SIZE_FLAGS, Server, counter_deltas, memory_check, one_scrape, server_flags
 
 LOG = "zipfusion bench serve"
+GROWTH_LINE = "GPU memory reserved by torch grew"     # the engine's MemoryWatch warning
 
 
 def parse_rates(text: str) -> list[float]:
@@ -177,8 +178,11 @@ def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float], c
     finally:
         server.stop()
     mem = memory_check(start_memory, end_memory, run.rows[0]["memory_after"] if len(run.rows) > 1 else None)
+    mem["server_log"] = server.log_lines(GROWTH_LINE)[-20:]     # the engine's MemoryWatch: when and why
     if mem["flat"] is False:
         log(f"[{mode}] WARNING: the server's memory grew over the run: {mem['growth_mib']} MiB")
+        for line in mem["server_log"][-5:]:
+            log(f"[{mode}]   server: {line}")
     return {"server": {**server.info(), "model": run.model, "max_model_len": run.max_len},
             "saturation_req_s": saturation, "rates": run.rows, "memory": mem,
             "summary": mode_summary(run.rows, slo, args.slo_attainment)}

@@ -1,7 +1,8 @@
 """What ``zipfusion bench serve`` (:mod:`.serve`) makes of its request records.
 
 Per rate a row (latencies in ms as vLLM reports them: mean / p50 / p90 / p99 of TTFT, TPOT, ITL
-and end-to-end latency; requests/s, output and total tokens/s; requests that failed or were
+and end-to-end latency; requests/s, output and total tokens/s, and output tokens/s while
+arrivals last (the steady rate: a finite run's ramp and tail left out); requests that failed or were
 lost; goodput against ``--goodput``'s SLO). Per mode a summary: the highest Poisson rate
 sustained within the SLO, the peaks. Across modes the comparison (the first mode's ratios to the
 others), the table and the plot, and the end of a run: JSON + PNG, the tables, the memory
@@ -19,12 +20,26 @@ from .server_process import FLAT_MIB
 from .stats import goodput, summary
 
 RATIO_KEYS = {"max_rate_within_slo": "max rate in SLO", "max_goodput_req_s": "max goodput",
-              "max_output_tok_s": "output tok/s at saturation", "max_requests_s": "req/s at saturation",
+              "max_steady_output_tok_s": "output tok/s at saturation (steady)",
+              "max_output_tok_s": "output tok/s (whole rate)", "max_requests_s": "req/s (whole rate)",
               "peak_running": "peak batch"}
 
 
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:.3g}"
+
+
+def steady_output_tok_s(recs: list[dict], min_window_s: float = 1.0) -> float | None:
+    """Output tokens/s streamed while requests keep arriving: from the arrival of the first
+    quarter's last request to the last arrival. A finite run's ramp (the batch filling) and tail
+    (the last requests finishing alone) are left out, so past saturation this is what the server
+    sustains. None when arrivals span less than ``min_window_s`` (every request at once)."""
+    sends = sorted(r["sent"] for r in recs if "sent" in r)
+    if len(sends) < 4 or sends[-1] - sends[len(sends) // 4] < min_window_s:
+        return None
+    a, b = sends[len(sends) // 4], sends[-1]
+    tokens = sum(k for r in recs for t, k in zip(r.get("chunks", ()), r.get("chunk_tokens", ())) if a <= t <= b)
+    return tokens / (b - a)
 
 
 def rate_row(recs: list[dict], duration: float, rate: float, slo: dict[str, float],
@@ -41,6 +56,7 @@ def rate_row(recs: list[dict], duration: float, rate: float, slo: dict[str, floa
            "num_requests": len(recs), "completed": len(ok), "failed": len(failed), "lost": len(lost),
            "errors": sorted({str(r["error"])[:300] for r in failed})[:5], "duration_s": duration,
            "requests_s": len(ok) / duration, "output_tok_s": out_tokens / duration,
+           "steady_output_tok_s": steady_output_tok_s(recs),
            "total_tok_s": (in_tokens + out_tokens) / duration, "input_tokens": in_tokens, "output_tokens": out_tokens,
            "cached_tokens": sum(r.get("cached_tokens", 0) for r in ok),
            "ttft_ms": ms(r["ttft_s"] for r in ok), "tpot_ms": ms(r["tpot_s"] for r in ok if r["tpot_s"] is not None),
@@ -67,6 +83,8 @@ def mode_summary(rows: list[dict], slo: dict, attainment: float) -> dict:
         best = r["request_rate"]
     return {"max_rate_within_slo": best if slo else None,
             "max_goodput_req_s": max((r["goodput_req_s"] for r in rows), default=None) if slo else None,
+            "max_steady_output_tok_s": max((r["steady_output_tok_s"] for r in rows
+                                            if r.get("steady_output_tok_s") is not None), default=None),
             "max_output_tok_s": max(r["output_tok_s"] for r in rows),
             "max_requests_s": max(r["requests_s"] for r in rows),
             "peak_running": max(r["server"].get("peak_running") or 0 for r in rows),
@@ -91,6 +109,7 @@ def comparison(result: dict, modes: list[str]) -> dict:
 
 COLUMNS = [("mode", "mode", "{}"), ("rate", "rate", "{}"), ("completed", "ok", "{}"), ("failed", "fail", "{}"),
            ("lost", "lost", "{}"), ("requests_s", "req/s", "{:.2f}"), ("output_tok_s", "out tok/s", "{:,.1f}"),
+           ("steady_output_tok_s", "steady out tok/s", "{:,.1f}"),
            ("ttft_p50", "TTFT p50", "{:,.0f}"), ("ttft_p99", "TTFT p99", "{:,.0f}"), ("tpot_p50", "TPOT p50", "{:.1f}"),
            ("tpot_p99", "TPOT p99", "{:.1f}"), ("itl_p50", "ITL p50", "{:.1f}"), ("itl_p99", "ITL p99", "{:.1f}"),
            ("goodput", "goodput", "{:.2f}"), ("peak_running", "peak batch", "{:.0f}"),
@@ -113,7 +132,8 @@ def table_rows(result: dict) -> list[dict]:
 
 def plot(result: dict, path: str) -> bool:
     """Latency against request rate, every mode on the same axes: TTFT and TPOT (p50 solid, p99
-    dashed), output tokens/s and goodput (or requests/s). The all-at-once rate (inf) is drawn at
+    dashed), output tokens/s (the whole rate; dashed: while arrivals last) and goodput (or
+    requests/s). The all-at-once rate (inf) is drawn at
     the request rate it achieved, as a star."""
     plt = report.pyplot()
     modes = {m: v for m, v in result["modes"].items() if v.get("rates")}
@@ -135,6 +155,8 @@ def plot(result: dict, path: str) -> bool:
                 ax.plot([r["requests_s"] for r in burst], [r[key][p] or math.nan for r in burst], "*", color=color,
                         ms=9)
         axes[1][0].plot(xs, [r["output_tok_s"] for r in finite], "-o", color=color, label=mode, ms=4)
+        axes[1][0].plot(xs, [math.nan if r.get("steady_output_tok_s") is None else r["steady_output_tok_s"]
+                             for r in finite], "--", color=color, label=f"{mode}, while arrivals last", lw=1)
         axes[1][0].plot([r["requests_s"] for r in burst], [r["output_tok_s"] for r in burst], "*", color=color, ms=9)
         key, name = ("goodput_req_s", "goodput (req/s in SLO)") if slo else ("requests_s", "requests/s completed")
         axes[1][1].plot(xs, [r[key] for r in finite], "-o", color=color, label=mode, ms=4)

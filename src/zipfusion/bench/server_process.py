@@ -78,11 +78,15 @@ class Server:
             time.sleep(0.25)
 
     def log_tail(self, lines: int = 3) -> str:
+        return " | ".join(self.log_lines()[-lines:])
+
+    def log_lines(self, containing: str = "") -> list[str]:
+        """The lines of the server's log (one this benchmark started) that contain ``containing``."""
         try:
             with open(self.log_path, errors="replace") as f:
-                return " | ".join(line.strip() for line in f.read().splitlines()[-lines:] if line.strip())
+                return [line.strip() for line in f.read().splitlines() if line.strip() and containing in line]
         except (OSError, TypeError):
-            return ""
+            return []
 
     @property
     def pid(self) -> int | None:

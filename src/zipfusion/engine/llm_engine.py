@@ -49,6 +49,43 @@ class PhaseClock:
                 **{f"{p}_s": self._s[p] for p in self.PHASES}}
 
 
+class MemoryWatch:
+    """On CUDA: a warning each time the caching allocator's reserved GPU memory passes its
+    high-water mark by more than ``STEP_MIB`` (memory that a server should hold flat after its
+    warm-up), naming what the step did and what the memory system did since the last step, so
+    that the growth can be traced to its cause. A host call to the allocator's counters a step."""
+
+    STEP_MIB = 64
+
+    def __init__(self, engine: "LLMEngine", reserved=torch.cuda.memory_reserved,
+                 peak=torch.cuda.max_memory_allocated):
+        self.engine, self.steps, self.reserved, self.peak = engine, 0, reserved, peak
+        self.high = reserved(engine.device)
+        self.last = self._counters()
+
+    def _counters(self) -> dict:
+        e, out = self.engine, {}
+        if e.host_tier is not None:
+            out.update(host_out=e.host_tier.stats.pages_out, host_in=e.host_tier.stats.pages_in)
+        manager = getattr(e.cache, "manager", None)
+        if manager is not None:
+            out.update(compactions=manager.compactions, moved_mib=manager.bytes_moved >> 20,
+                       compressed=manager.pages_compressed)
+        return out
+
+    def check(self, res: "StepResult", placed: int) -> None:
+        self.steps += 1
+        now, counters = self.reserved(self.engine.device), self._counters()
+        if now > self.high + (self.STEP_MIB << 20):
+            during = ", ".join(f"{k} +{v - self.last.get(k, 0)}" for k, v in counters.items())
+            log.warning("GPU memory reserved by torch grew %d -> %d MiB (allocated peak %d MiB) at step %d: %d "
+                        "decode rows, %d prefill tokens, %d pages sealed; the memory system in this step: %s",
+                        self.high >> 20, now >> 20, self.peak(self.engine.device) >> 20,
+                        self.steps, res.decode_rows, res.prefill_tokens, placed, during)
+            self.high = now
+        self.last = counters
+
+
 class StepResult(NamedTuple):
     """What one :meth:`LLMEngine.step` did: the requests that finished, the rows it sampled
     (``logits[i]`` is the row that gave ``sampled[i]`` its newest token: valid until the next
@@ -124,6 +161,7 @@ class LLMEngine:
         # attribute there to run the same code.
         self.async_scheduling = cfg.async_scheduling and self.device.type == "cuda" and not self.tp
         self.watchdog = self._build_watchdog(cfg.watchdog_timeout_s)
+        self._memory_watch = MemoryWatch(self) if self.device.type == "cuda" else None
         self._ahead: SchedulerOutput | None = None
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
@@ -305,6 +343,8 @@ class LLMEngine:
                          sum(ch.length for ch in out.prefill), running, len(out.preempted))
         for fn in self._observers:
             fn(res, StepStats(placed, recomputed, **clock.times()))
+        if self._memory_watch is not None:
+            self._memory_watch.check(res, placed)
         return res
 
     def _count_computed(self, out: SchedulerOutput) -> int:

@@ -8,8 +8,8 @@ admits a request only when
 
     capacity_new_pages()  >=  ceil(r' · Σ_running (P_i - h_i))     what running requests will still take
                             +  ceil(r' · (P_new - 1)) + 1          the new request, whole
-                            +  ceil((1 - r') · step_pages)         a step's prefill pages sit open
-                                                                   until they are sealed
+                            +  ceil((1 - r') · (min(step_pages, prompt pages to come) + n + 1))
+                                                                   pages sit open, full, until sealed
 
 ``P_i`` counts the rest of request i's prompt and its expected output,
 ``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens (in the conservative mode all of
@@ -133,11 +133,23 @@ class Admission:
                              f"{prompt_tokens}, {max_new_tokens}")
         if self.mode == "optimistic":
             return 0
+        if not isinstance(running, RunningBatch):
+            running = RunningBatch.of(running)
         r = self.ratio()
         whole = self.expected_tokens(prompt_tokens, prompt_tokens + max_new_tokens, certain)  # the prompt is certain
         new = math.ceil(r * max(0, pages_for_tokens(whole) - held_pages - 1)) + 1
-        transient = math.ceil((1.0 - r) * self.step_pages)
-        return new + transient + self.reserved_pages(running) - self.cache.capacity_new_pages()
+        return new + self.transient_pages(prompt_tokens, held_pages, running) + self.reserved_pages(running) \
+            - self.cache.capacity_new_pages()
+
+    def transient_pages(self, prompt_tokens: int, held_pages: int, running: RunningBatch) -> int:
+        """What future pages cost beyond their share ``r'`` while they sit open, full, waiting for
+        their seal (a step): ``(1 - r')`` of the prompt pages a step's prefill allocates at once (the
+        prompts not yet in memory, the new one's included, at most a step's budget) and of one page
+        per request (a decode page that has just filled)."""
+        held, tokens = running.rows[:, 0], running.rows[:, 1]
+        prompts = int(np.maximum(0, -(-tokens // PAGE_TOKENS) - held).sum())
+        prompts += max(0, pages_for_tokens(prompt_tokens) - held_pages)
+        return math.ceil((1.0 - self.ratio()) * (min(self.step_pages, prompts) + len(held) + 1))
 
     # -- adapting ---------------------------------------------------------------------------
     def on_step(self) -> None:
