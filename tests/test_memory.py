@@ -357,7 +357,7 @@ def test_admission_conservative_and_estimate():
 def test_estimate_admission_sets_aside_what_open_pages_cost_until_their_seal():
     """A page sits open (a whole unit) from its allocation to its seal, though counted at r':
     admission sets aside (1 - r') of the prompt pages still to be allocated (at most a step's
-    budget) and one page per request, not (1 - r') of a whole step's budget whatever the prompts."""
+    budget), not (1 - r') of a whole step's budget whatever the prompts."""
     m = KVCacheManager(2, LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 1.0])
@@ -366,10 +366,10 @@ def test_estimate_admission_sets_aside_what_open_pages_cost_until_their_seal():
     r = est.ratio()
     assert r < 1
     decoding = RunningBatch([(5, 70, 200, 1), (3, 40, 90, 1)])          # prompts in memory: no page to come
-    assert est.transient_pages(16 * 2, 0, decoding) == math.ceil((1 - r) * (2 + 2 + 1))
+    assert est.transient_pages(16 * 2, 0, decoding) == math.ceil((1 - r) * 2)
     prefilling = RunningBatch([(2, 16 * 40, 16 * 41, 1)])                # 38 prompt pages to come
-    assert est.transient_pages(16 * 30, 0, prefilling) == math.ceil((1 - r) * (64 + 1 + 1))   # capped: a step
-    assert est.transient_pages(16 * 30, 28, prefilling) == math.ceil((1 - r) * (40 + 1 + 1))  # a prefix hit
+    assert est.transient_pages(16 * 30, 0, prefilling) == math.ceil((1 - r) * 64)        # capped: a step
+    assert est.transient_pages(16 * 30, 28, prefilling) == math.ceil((1 - r) * 40)       # a prefix hit
     # the shortfall moves with it: a short prompt beside decoding requests asks less than a long one
     assert est.shortfall(16 * 2, 0, decoding) < est.shortfall(16 * 2, 0, prefilling)
     assert Admission(m, mode="conservative", step_tokens=16 * 64).transient_pages(16 * 30, 0, prefilling) == 0

@@ -8,8 +8,9 @@ admits a request only when
 
     capacity_new_pages()  >=  ceil(r' · Σ_running (P_i - h_i))     what running requests will still take
                             +  ceil(r' · (P_new - 1)) + 1          the new request, whole
-                            +  ceil((1 - r') · (min(step_pages, prompt pages to come) + n + 1))
-                                                                   pages sit open, full, until sealed
+                            +  ceil((1 - r') · min(step_pages, prompt pages to come))
+                                                                   a step's prefill pages sit open
+                                                                   until they are sealed
 
 ``P_i`` counts the rest of request i's prompt and its expected output,
 ``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens (in the conservative mode all of
@@ -143,13 +144,14 @@ class Admission:
 
     def transient_pages(self, prompt_tokens: int, held_pages: int, running: RunningBatch) -> int:
         """What future pages cost beyond their share ``r'`` while they sit open, full, waiting for
-        their seal (a step): ``(1 - r')`` of the prompt pages a step's prefill allocates at once (the
-        prompts not yet in memory, the new one's included, at most a step's budget) and of one page
-        per request (a decode page that has just filled)."""
+        their seal: ``(1 - r')`` of the prompt pages a step's prefill allocates at once (the prompts
+        not yet in memory, the new one's included, at most a step's budget). A decode page waiting
+        for its seal is not counted: a seal due now (``PageStore.seal_now``) is the scheduler's last
+        resort before a preemption."""
         held, tokens = running.rows[:, 0], running.rows[:, 1]
         prompts = int(np.maximum(0, -(-tokens // PAGE_TOKENS) - held).sum())
         prompts += max(0, pages_for_tokens(prompt_tokens) - held_pages)
-        return math.ceil((1.0 - self.ratio()) * (min(self.step_pages, prompts) + len(held) + 1))
+        return math.ceil((1.0 - self.ratio()) * min(self.step_pages, prompts))
 
     # -- adapting ---------------------------------------------------------------------------
     def on_step(self) -> None:
