@@ -63,6 +63,13 @@ def test_dataset_overrides_seeds_prefix_clipping_and_text():
     assert datasets.fit(300, 900, 1024) == (300, 723)
     text = datasets.build(dist, "chat", 5, text=True)
     assert all(isinstance(t, str) and len(t.split()) == n for t, n in zip(text.prompts, text.prompt_lens))
+    # text lengths are words: fitted with room for words of several tokens (the demo's tokenizer)
+    from zipfusion.models import load_tokenizer, resolve_model
+    tok = load_tokenizer(resolve_model("demo").tokenizer_dir)
+    long = datasets.build(datasets.DATASETS["long"], "long", 8, text=True, max_len=1024)
+    assert long.clipped == 8
+    for t, o in zip(long.prompts, long.output_lens):
+        assert len(tok.encode(t)) + o < 1024
 
 
 @pytest.mark.parametrize("bad,words", [(dict(name="sharegpt"), "unknown dataset"),

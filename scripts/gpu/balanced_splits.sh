@@ -10,7 +10,11 @@
 #   serve -- serving at 4 GiB of KV, where the decode-heavy mix saturates near 3.6 req/s
 #            uncompressed (the offline run's rate), at Poisson 3 / 4 / 5 req/s (~9 min; 8 GiB did
 #            not saturate at 7 req/s in balanced_h100)
-#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve]      # results under $OUT
+#   steady -- serving at saturation in steady state: a closed loop of 64 requests in flight (more
+#            than 4 GiB holds in either mode: the KV binds) over 300 requests, both modes; the
+#            number is the output rate while requests keep being sent (~5 min; 160 Poisson
+#            requests a rate were mostly ramp and tail: benchmarks/results/onepass_h100, section 5)
+#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve] [steady]      # results under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/env.sh || exit 1
@@ -31,6 +35,10 @@ run)     # fp8_side_by_side.sh's whole run (writes throughput_fp8*), without Fla
 serve)
   RATES=${RATES:-3,4,5} PROMPTS=${PROMPTS:-180} MODE_S=${MODE_S:-270} OUT=$OUT/serve \
     bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 2>&1 | grep -v "^WARNING: Target" | tail -24 ;;
-*) echo "unknown part $part (tests, run, serve)"; exit 2 ;;
+steady)
+  RATES=inf PROMPTS=${PROMPTS:-300} MODE_S=${MODE_S:-200} OUT=$OUT/steady \
+    bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 --max-concurrency ${CONCURRENCY:-64} 2>&1 \
+    | grep -v "^WARNING: Target" | tail -12 ;;
+*) echo "unknown part $part (tests, run, serve, steady)"; exit 2 ;;
 esac
 done

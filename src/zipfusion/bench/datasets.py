@@ -49,7 +49,10 @@ DATASETS = {
     "random": LengthDist(1024, 128, about="fixed lengths (--input-len, --output-len, --range-ratio)"),
 }
 
-# a few hundred common words: text prompts are random sequences of them (about one token each)
+# a few hundred common words: text prompts are random sequences of them (about one token each;
+# lengths are fitted to max_len / TEXT_TOKENS_PER_WORD words, so that a tokenizer splitting some
+# words in two still leaves the request within max_len)
+TEXT_TOKENS_PER_WORD = 1.5
 WORDS = list(dict.fromkeys("""the of and to in is was that for on with as by at from his he it an be are this which or
 had not but were all have one their they been has there who more when so if will would no its
 into out up some time than them only other new then what about two first after these also any
@@ -164,7 +167,10 @@ def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | 
           max_len: int | None = None, range_ratio: float = 0.0, text: bool = False) -> Dataset:
     """``n`` requests of ``dist``. ``seed`` draws the lengths, ``id_seed`` (default ``seed``) the
     tokens: one set of lengths can be sent with fresh tokens (a prefix cache would find the same
-    prompts cached). The shared prefix counts within ``max_len``."""
+    prompts cached). The shared prefix counts within ``max_len`` (for ``text``, in words: within
+    ``max_len / TEXT_TOKENS_PER_WORD``)."""
+    if text and max_len is not None:          # words, not tokens: room for a word of several tokens
+        max_len = int(max_len / TEXT_TOKENS_PER_WORD)
     plens, olens, clipped = lengths(dist, n, seed=seed, max_len=max_len, range_ratio=range_ratio)
     prefix = dist.shared_prefix
     id_seed = seed if id_seed is None else id_seed
