@@ -11,7 +11,9 @@ values from open pages. Cases: one chunk of 8192 new tokens at start 0 (a fresh 
 then chunks of 8192 at starts 8192 / 16384 / 24576 (the rest of a 32K prompt in 8K chunks).
 SDPA gets the ideal input: K/V already contiguous and repeated to 32 heads (not timed), a
 bottom-right causal mask. Times are do_bench medians; TFLOP/s count 4·D flops per query head
-and attended key.
+and attended key. At starts > 0 also the engine's restore before its dense route (``gather_kv``
+over compressed and over open pages, GB/s of K/V written, a few ``tile_pages``): what a compressed
+mixed step adds.
 
     python3 benchmarks/prefill_attention.py --out DIR            # the 4 cases -> DIR/prefill_attention.json
     python3 benchmarks/prefill_attention.py --sweep --out DIR    # + a knob sweep at start 24576
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import os
 import sys
@@ -44,6 +47,7 @@ GPU = dict(HQ=32, H=8, D=128, chunk=8192, starts=(0, 8192, 16384, 24576))
 SMOKE = dict(HQ=8, H=2, D=64, chunk=8, starts=(0, 20))
 SWEEP = dict(block_m=(64, 128), tile_pages=(2, 4, 8), num_warps=(4, 8), num_stages=(1, 2, 3))
 KNOBS = tuple(SWEEP)
+GATHER_TILE_PAGES = (1, 2, 4, 8)   # gather_kv's pages a program (the engine uses 2)
 
 
 class Prompt:
@@ -177,12 +181,41 @@ def measure(case: Case, device, knobs) -> list[dict]:
                                                          else {})))
     sdpa = next((outs[k] for k in outs if k.startswith("sdpa")), None)
     same = torch.equal(outs["fused"].view(torch.int16), outs["twin"].view(torch.int16))
+    if case.start > 0:                            # the CPU's interpreter has one tile size
+        recs += gathers(case, device, GATHER_TILE_PAGES if device.type == "cuda" else (1,))
     for r in recs:
-        r["fused_equals_twin"] = same
-        if sdpa is not None:
+        r.setdefault("fused_equals_twin", same)
+        if sdpa is not None and r["kernel"] in outs:
             r["rel_err_vs_sdpa"] = rel(outs[r["kernel"]], sdpa)
     if not same:
         print("  WARNING: fused and twin outputs differ")
+    return recs
+
+
+def gathers(case: Case, device, tile_pages=GATHER_TILE_PAGES) -> list[dict]:
+    """The engine's continuation route restores the request's pages into one contiguous K/V
+    before dense attention (``gather_kv``, GatherPrefill): its cost over compressed pages against
+    open ones is what a compressed mixed step adds. Both must give the same bits."""
+    from zipfusion.kernels.prefill_attention import gather_kv
+    p, L = case.p, case.start + case.n
+    pages = p.block_table[0]
+    recs = []
+    for tp in tile_pages:
+        got = {}
+        for compressed in (True, False):
+            arena, loc = (p.arena_c, p.loc_c) if compressed else (p.arena_o, p.loc_o)
+            fn = functools.partial(gather_kv, arena, loc, pages, L, p.layout, compressed=compressed, tile_pages=tp)
+            got[compressed] = fn()
+            s = seconds(fn, device)
+            written = 2 * L * p.layout.num_kv_heads * p.layout.head_dim * 2
+            recs.append(dict(kernel="gather_" + ("compressed" if compressed else "open"), start=case.start,
+                             new_tokens=case.n, ms=s * 1e3, tflops=float("nan"), gb_s=written / s / 1e9,
+                             tile_pages=tp))
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got[True], got[False]))
+        for r in recs[-2:]:
+            r["fused_equals_twin"] = same
+        if not same:
+            print(f"  WARNING: gather over compressed and open pages differ (tile_pages {tp})")
     return recs
 
 

@@ -323,6 +323,12 @@ def test_benchmark_cpu_smoke(tmp_path, monkeypatch):
                                       "4", "--out", str(tmp_path)])
     bench.main()
     recs = json.loads((tmp_path / "prefill_attention.json").read_text())["records"]
+    gathered = [r for r in recs if r["kernel"].startswith("gather_")]
+    recs = [r for r in recs if not r["kernel"].startswith("gather_")]
     assert {(r["kernel"], r["start"]) for r in recs} == \
         {(k, s) for k in ("fused", "twin", "sdpa_math") for s in bench.SMOKE["starts"]}
     assert all(r["fused_equals_twin"] and r["rel_err_vs_sdpa"] < 2e-2 for r in recs)
+    # the engine's restore before its dense route, over compressed and open pages: the same bits
+    assert {(r["kernel"], r["start"]) for r in gathered} == \
+        {(k, s) for k in ("gather_compressed", "gather_open") for s in bench.SMOKE["starts"] if s > 0}
+    assert all(r["fused_equals_twin"] and r["gb_s"] > 0 for r in gathered)

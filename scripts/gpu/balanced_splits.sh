@@ -14,7 +14,11 @@
 #            than 4 GiB holds in either mode: the KV binds) over 300 requests, both modes; the
 #            number is the output rate while requests keep being sent (~5 min; 160 Poisson
 #            requests a rate were mostly ramp and tail: benchmarks/results/onepass_h100, section 5)
-#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve] [steady]      # results under $OUT
+#   gather -- what a compressed mixed step adds: the engine's restore of a chunk's pages before
+#            its dense prefill (gather_kv) over compressed vs open pages, tile sizes 1-8, beside the
+#            paged and dense prefill kernels (benchmarks/prefill_attention.py, ~2 min); the
+#            prefill-heavy run's steps with prefill took 10 % longer compressed (balanced_h100)
+#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve] [steady] [gather]   # results under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/env.sh || exit 1
@@ -39,6 +43,8 @@ steady)
   RATES=inf PROMPTS=${PROMPTS:-300} MODE_S=${MODE_S:-200} OUT=$OUT/steady \
     bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 --max-concurrency ${CONCURRENCY:-64} 2>&1 \
     | grep -v "^WARNING: Target" | tail -12 ;;
-*) echo "unknown part $part (tests, run, serve, steady)"; exit 2 ;;
+gather)
+  timeout -k 5 ${GATHER_LIMIT:-240} python3 benchmarks/prefill_attention.py --out "$OUT/prefill" 2>&1 | tail -30 ;;
+*) echo "unknown part $part (tests, run, serve, steady, gather)"; exit 2 ;;
 esac
 done
