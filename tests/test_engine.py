@@ -285,6 +285,31 @@ def test_memory_watch_names_the_step_that_grew_reserved_memory(caplog):
     assert "compressed +" in grew[0] and watch.high == 400 << 20
 
 
+def test_warm_up_runs_a_whole_step_budget_and_leaves_the_engine_as_new():
+    """``warm_up`` (the server's, on CUDA) prefills a prompt of the whole step budget, then leaves
+    nothing behind: every page free again, counters and request ids afresh, and later runs give
+    the tokens of an engine that never warmed up."""
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    prompts = ["In the beginning God", "And the earth was"]
+    kw = dict(device="cpu", max_model_len=256, kv_memory_gb=0.01, max_num_batched_tokens=128)
+    cold = LLM("demo", **kw)
+    warm = LLM("demo", **kw)
+    eng = warm.engine
+    free = eng.cache.capacity_new_pages()
+    steps = []
+    eng.add_observer(lambda res, stats: steps.append(res.prefill_tokens))
+    eng.warm_up()
+    assert steps[0] == 128 and not eng.has_work()           # the largest step: the whole budget
+    assert eng.cache.capacity_new_pages() == free and eng.scheduler.prefix.num_cached_pages == 0
+    assert eng.scheduler.prefix.stats.queried_tokens == 0 and eng.scheduler.num_preemptions == 0
+    outs = warm.generate(prompts, sp)
+    assert [o.request_id for o in outs] == [o.request_id for o in cold.generate(prompts, sp)]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cold.generate(prompts, sp)]
+    eng.add_request([5, 6, 7], sp)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.warm_up()
+
+
 def test_pages_left_open_under_pressure_are_retried(ckpts, monkeypatch):
     """The seal contract (issue 20): a seal that finds no room it may take leaves pages open,
     and the scheduler hands exactly those pages back at its next seal, where they compress. The

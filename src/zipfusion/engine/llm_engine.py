@@ -476,6 +476,28 @@ class LLMEngine:
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 
+    def warm_up(self) -> None:
+        """One request whose prompt fills a whole step's token budget (``max_num_batched_tokens``,
+        within max_model_len and the KV memory) and two output tokens, then the counters, the
+        prefix cache and the request ids afresh. The largest prefill step's activations are then in
+        torch's caching allocator before the first request (vLLM's profile run does the same), so a
+        server's GPU memory is flat from its first request on; the seal and a decode step have run."""
+        if self.has_work():
+            raise RuntimeError("warm_up() is for an idle engine: requests are in it")
+        room = (self.cache.capacity_new_pages() - 2) * PAGE_TOKENS
+        n = min(self.config.max_num_batched_tokens, self.max_model_len - 2, room)
+        if n < 1:
+            return
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(10, max(11, self.model_config.vocab_size - 10), (n,), generator=g).tolist()
+        self.add_request(ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while self.has_work():
+            self.step()
+        self.reset_stats()
+        self._ids = itertools.count()
+        if self._memory_watch is not None:
+            self._memory_watch = MemoryWatch(self)       # its high-water mark: after the warm-up
+
     def reset_stats(self) -> None:
         """Start the counters afresh (preemptions, recomputed tokens, the prefix cache's hits, the
         busiest step's KV numbers), and the prefix cache cold: a benchmark's run after its warm-up."""

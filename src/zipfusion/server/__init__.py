@@ -84,6 +84,8 @@ def serve(model="demo", host: str = "127.0.0.1", port: int = 8000, *, sock: sock
             device = engine_kwargs.get("device", "auto")
             engine_kwargs["max_num_batched_tokens"] = serving_max_num_batched_tokens(device)
         engine = LLMEngine(model) if isinstance(model, EngineConfig) else LLMEngine(model, **engine_kwargs)
+        if engine.device.type == "cuda":
+            engine.warm_up()           # the largest step's memory taken now, not under load
         app = create_app(engine, served_model_name, default_max_tokens=default_max_tokens, api_key=api_key,
                          limits=limits)
         bound = sock.getsockname()
