@@ -41,12 +41,9 @@ from ..format.layout import PAGE_TOKENS
 from .prefix_cache import PrefixCache
 
 UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
-SEAL_MAX_WAIT = 16      # full pages are sealed (compressed) once a compress batch of them waits
+SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
                         # (``seal_min_pages``) or this many steps after the last seal:
-                        # one call's fixed cost (analysis, placement) serves many pages (16, not 8:
-                        # a decode step fills a page a request every 16 steps, so each still waits
-                        # with at most one full page; simulated decode-heavy seal host time
-                        # 0.11 -> 0.08 ms a step, peaks unchanged: benchmarks/results/seal_host_cpu)
+                        # one call's fixed cost (analysis, placement) serves many pages
 SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
                         # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
                         # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
