@@ -52,8 +52,9 @@ class PhaseClock:
 class MemoryWatch:
     """On CUDA: a warning each time the caching allocator's reserved GPU memory passes its
     high-water mark by more than ``STEP_MIB`` (memory that a server should hold flat after its
-    warm-up), naming what the step did and what the memory system did since the last step, so
-    that the growth can be traced to its cause. A host call to the allocator's counters a step."""
+    warm-up), naming what the step did and what the memory system did in it (host-tier swaps,
+    compaction, pages compressed), so that the growth can be traced to its cause. A host call to
+    the allocator's counters a step."""
 
     STEP_MIB = 64
 
