@@ -47,6 +47,29 @@ def test_a_seal_is_placed_a_step_after_its_analysis():
     assert_contents(m, written)
 
 
+def test_a_busy_step_waits_longer_for_a_seal_than_a_small_one():
+    """Fewer full pages than a compress batch wait SEAL_MAX_WAIT steps for their seal, or
+    SEAL_BUSY_WAIT when the steps run SEAL_BUSY_ROWS requests or more (each still fills at most a
+    page in between; the seal's fixed cost serves more pages)."""
+    from zipfusion.memory.page_store import SEAL_BUSY_ROWS, SEAL_BUSY_WAIT, SEAL_MAX_WAIT
+
+    def steps_to_seal(rows: int) -> int:
+        cache, ps = store()
+        m = cache.manager
+        a = Req(0, ps.alloc(1), PAGE_TOKENS)                        # one full page: no compress batch
+        fill(m, a.pages, [1.0, 0.9], seed=1)
+        idle = [Req(i, [], 0) for i in range(1, rows)]              # rows that fill no page
+        for step in range(4 * SEAL_BUSY_WAIT):
+            ps.after_forward([a] + idle)
+            if m.page_state(a.pages[0]) == "stored":
+                return step                                          # analysed a step before
+        raise AssertionError("never sealed")
+
+    assert SEAL_BUSY_WAIT > SEAL_MAX_WAIT
+    assert steps_to_seal(1) == steps_to_seal(SEAL_BUSY_ROWS - 1) == SEAL_MAX_WAIT
+    assert steps_to_seal(SEAL_BUSY_ROWS) == SEAL_BUSY_WAIT
+
+
 def test_pages_freed_between_analysis_and_placement_are_left_alone():
     """A request finishes after its pages' analysis: they are freed, and their ids may serve new
     open pages before the placement. The placement seals only the pages still alive; the new pages

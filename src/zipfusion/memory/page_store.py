@@ -44,6 +44,12 @@ UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in)
 SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
                         # (``seal_min_pages``) or this many steps after the last seal:
                         # one call's fixed cost (analysis, placement) serves many pages
+SEAL_BUSY_ROWS = 16     # a step of at least this many requests waits SEAL_BUSY_WAIT steps instead:
+SEAL_BUSY_WAIT = 16     # each request still fills at most one page in between (a page every 16 decode
+                        # steps), and the seal's fixed host cost serves twice the pages (simulated
+                        # decode-heavy run: seal host 0.13-0.16 -> 0.08 ms a step, peaks unchanged:
+                        # benchmarks/results/seal_host_cpu); small batches keep SEAL_MAX_WAIT, so that
+                        # short runs still seal
 SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
                         # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
                         # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
@@ -76,6 +82,7 @@ class PageStore:
         self._job_ids: list[int] = []          # its pages, in seal order
         self._in_flight: set[int] = set()      # its pages not freed since
         self._wait = 0                         # steps since the last seal's analysis
+        self._rows = 0                         # requests in the last step
         self._stuck = 0                        # seals in a row that left pages open (no room)
         self._stuck_at = 0                     # the capacity after the last of them
 
@@ -123,9 +130,11 @@ class PageStore:
         """The step's forward and sampling are launched: place and encode the seal analysed in the
         previous step; collect the pages the requests ``filled`` have filled (offered to the prefix
         cache, queued for a seal); when a seal is due (a compress batch waiting, or SEAL_MAX_WAIT
-        steps since the last; longer after seals that found no room), launch the size analysis
+        steps since the last, SEAL_BUSY_WAIT in a step of SEAL_BUSY_ROWS requests or more; longer
+        after seals that found no room), launch the size analysis
         of every page waiting. Returns how many pages were handed to the placement."""
         sealed = self._finish() if self._job is not None else 0
+        self._rows = len(filled)
         self._collect(filled)
         if self._due():
             self._start()
@@ -146,7 +155,8 @@ class PageStore:
         if not self._queue:
             return False
         stuck = self._stuck > 0 and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
-        wait = SEAL_MAX_WAIT << min(self._stuck - 1, SEAL_BACKOFF) if stuck else SEAL_MAX_WAIT
+        base = SEAL_BUSY_WAIT if self._rows >= SEAL_BUSY_ROWS else SEAL_MAX_WAIT
+        wait = base << min(self._stuck - 1, SEAL_BACKOFF) if stuck else base
         return self._wait >= wait or (not stuck and len(self._queue) >= self.seal_min_pages)
 
     def _start(self) -> None:
