@@ -23,6 +23,10 @@ EXAMPLES = {
   # fixed rates, or a closed loop of 32 clients, against a server that is already running
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates 1,2,4,inf --dataset chat
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates inf --max-concurrency 32
+  # the output rate at saturation in steady state ("steady out tok/s": while requests keep being
+  # sent, ramp and tail left out): a closed loop with more in flight than the KV holds, both modes
+  zipfusion bench serve --model llama-3.1-8b-random --device cuda --kv-memory-gb 4 --compare \
+      --dataset reasoning --num-prompts 300 --request-rates inf --max-concurrency 64
   # one mode per call (a time limit per call), then one comparison of the two
   zipfusion bench serve ... --mode compressed --out c; zipfusion bench serve ... --mode uncompressed --out u
   zipfusion bench serve --merge c.json u.json --out both
