@@ -18,7 +18,10 @@
 #            its dense prefill (gather_kv) over compressed vs open pages, tile sizes 1-8, beside the
 #            paged and dense prefill kernels (benchmarks/prefill_attention.py, ~2 min); the
 #            prefill-heavy run's steps with prefill took 10 % longer compressed (balanced_h100)
-#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve] [steady] [gather]   # results under $OUT
+#   mixprof -- where a compressed mixed step's time goes: the prefill-heavy `agent` run (G) with
+#            steps 40-47 traced by torch.profiler in each mode (top operators by device time in
+#            the JSON; ~3 min)
+#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve] [steady] [gather] [mixprof]   # results under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/env.sh || exit 1
@@ -45,6 +48,27 @@ steady)
     | grep -v "^WARNING: Target" | tail -12 ;;
 gather)
   timeout -k 5 ${GATHER_LIMIT:-240} python3 benchmarks/prefill_attention.py --out "$OUT/prefill" 2>&1 | tail -30 ;;
-*) echo "unknown part $part (tests, run, serve, steady, gather)"; exit 2 ;;
+mixprof)
+  timeout -k 10 ${PROF_LIMIT:-240} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
+    --kv-memory-gb 4 --compare compressed,uncompressed --dataset agent --num-prompts 160 --timeout 110 \
+    --profile-steps ${PROF_STEPS:-40:48} --out "$OUT/mixprof" > "$OUT/mixprof.log" 2>&1; echo "mixprof rc $?"
+  rm -f "$OUT"/mixprof_*.trace.json.gz
+  python3 - "$OUT/mixprof.json" "$OUT/mixprof_steps.json" <<'EOF'
+import json, sys
+d, steps = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+for r in d["records"]:
+    p = r.get("profile")
+    if not p:
+        print(r["mode"], "no profile:", r.get("error", "")[-300:]); continue
+    a, b = p["steps"]
+    st = steps[r["mode"]]; i = st["fields"].index
+    rows = st["rows"][a:b]
+    print(f"{r['mode']}: steps {a}..{b - 1}: prefill tokens {[x[i('prefill_tokens')] for x in rows]}, "
+          f"decode rows {[x[i('decode_rows')] for x in rows]}, ms {[round(1e3 * x[i('seconds')], 1) for x in rows]}")
+    for o in p["top_ops"][:18]:
+        print(f"  {o.get('device_ms', o.get('cpu_ms', 0)):9.2f} ms {o['calls']:6d}  {o['name'][:90]}")
+EOF
+  ;;
+*) echo "unknown part $part (tests, run, serve, steady, gather, mixprof)"; exit 2 ;;
 esac
 done
