@@ -80,6 +80,11 @@ def test_bad_dataset_input_is_one_clear_line(bad, words):
         datasets.resolve(**{"input_len": None, "output_len": None, **bad})
 
 
+def test_a_shared_prefix_past_half_the_context_says_what_to_pass():
+    with pytest.raises(ValueError, match="pass --shared-prefix below 512"):
+        datasets.lengths(datasets.DATASETS["agent"], 4, max_len=1024)
+
+
 # -- percentiles, goodput, rates -----------------------------------------------------------------------
 
 def test_percentiles_interpolate_as_numpy():

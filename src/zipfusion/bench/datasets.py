@@ -157,7 +157,8 @@ def lengths(dist: LengthDist, n: int, *, seed: int = 0, max_len: int | None = No
     if max_len is None:
         return plens, olens, 0
     if dist.shared_prefix >= max_len // 2:
-        raise ValueError(f"a shared prefix of {dist.shared_prefix} tokens leaves too little of max_model_len={max_len}")
+        raise ValueError(f"a shared prefix of {dist.shared_prefix} tokens leaves too little of max_model_len={max_len}: "
+                         f"pass --shared-prefix below {max_len // 2} (or a model with a longer context)")
     fitted = [fit(p, o, max_len - dist.shared_prefix) for p, o in zip(plens, olens)]
     clipped = sum(f != po for f, po in zip(fitted, zip(plens, olens)))
     return [p for p, _ in fitted], [o for _, o in fitted], clipped
