@@ -139,19 +139,20 @@ class Admission:
         r = self.ratio()
         whole = self.expected_tokens(prompt_tokens, prompt_tokens + max_new_tokens, certain)  # the prompt is certain
         new = math.ceil(r * max(0, pages_for_tokens(whole) - held_pages - 1)) + 1
-        return new + self.transient_pages(prompt_tokens, held_pages, running) + self.reserved_pages(running) \
+        return new + self.transient_pages(prompt_tokens, held_pages, running, r) + self.reserved_pages(running) \
             - self.cache.capacity_new_pages()
 
-    def transient_pages(self, prompt_tokens: int, held_pages: int, running: RunningBatch) -> int:
+    def transient_pages(self, prompt_tokens: int, held_pages: int, running: RunningBatch,
+                        r: float | None = None) -> int:
         """What future pages cost beyond their share ``r'`` while they sit open, full, waiting for
         their seal: ``(1 - r')`` of the prompt pages a step's prefill allocates at once (the prompts
         not yet in memory, the new one's included, at most a step's budget). A decode page waiting
         for its seal is not counted: a seal due now (``PageStore.seal_now``) is the scheduler's last
-        resort before a preemption."""
+        resort before a preemption. ``r``: r' if the caller has it (:meth:`ratio`)."""
         held, tokens = running.rows[:, 0], running.rows[:, 1]
         prompts = int(np.maximum(0, -(-tokens // PAGE_TOKENS) - held).sum())
         prompts += max(0, pages_for_tokens(prompt_tokens) - held_pages)
-        return math.ceil((1.0 - self.ratio()) * min(self.step_pages, prompts))
+        return math.ceil((1.0 - (self.ratio() if r is None else r)) * min(self.step_pages, prompts))
 
     # -- adapting ---------------------------------------------------------------------------
     def on_step(self) -> None:
