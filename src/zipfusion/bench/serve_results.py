@@ -133,8 +133,9 @@ def table_rows(result: dict) -> list[dict]:
 def plot(result: dict, path: str) -> bool:
     """Latency against request rate, every mode on the same axes: TTFT and TPOT (p50 solid, p99
     dashed), output tokens/s (the whole rate; dashed: while arrivals last) and goodput (or
-    requests/s). The all-at-once rate (inf) is drawn at
-    the request rate it achieved, as a star."""
+    requests/s). The all-at-once rate (inf, or a closed loop with --max-concurrency) is drawn at
+    the request rate it achieved, as a star (hollow: its output tokens/s while requests kept
+    being sent)."""
     plt = report.pyplot()
     modes = {m: v for m, v in result["modes"].items() if v.get("rates")}
     if plt is None or not modes:
@@ -158,6 +159,9 @@ def plot(result: dict, path: str) -> bool:
         axes[1][0].plot(xs, [math.nan if r.get("steady_output_tok_s") is None else r["steady_output_tok_s"]
                              for r in finite], "--", color=color, label=f"{mode}, while arrivals last", lw=1)
         axes[1][0].plot([r["requests_s"] for r in burst], [r["output_tok_s"] for r in burst], "*", color=color, ms=9)
+        axes[1][0].plot([r["requests_s"] for r in burst], [math.nan if r.get("steady_output_tok_s") is None
+                                                           else r["steady_output_tok_s"] for r in burst],
+                        "*", color=color, ms=11, mfc="none", label=f"{mode}, while requests are sent" if burst else None)
         key, name = ("goodput_req_s", "goodput (req/s in SLO)") if slo else ("requests_s", "requests/s completed")
         axes[1][1].plot(xs, [r[key] for r in finite], "-o", color=color, label=mode, ms=4)
         axes[1][1].plot([r["requests_s"] for r in burst], [r[key] for r in burst], "*", color=color, ms=9)
@@ -170,8 +174,10 @@ def plot(result: dict, path: str) -> bool:
         if key[:4] in slo:
             ax.axhline(slo[key[:4]], color="gray", ls=":", lw=1, label="SLO")
     axes[1][0].set_ylabel("output tokens/s")
+    loop = result["config"].get("max_concurrency")
+    star = f"closed loop of {loop}" if loop else "all at once"
     for ax in (a for row in axes for a in row):
-        ax.set_xlabel("request rate (req/s, Poisson; *: all at once, at the rate achieved)")
+        ax.set_xlabel(f"request rate (req/s, Poisson; *: {star}, as achieved)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     c, m = result["config"], result["meta"]
