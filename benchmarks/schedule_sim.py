@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.memory.admission import MODES  # noqa: E402
 from zipfusion.testing import AccountingHostTier, place_with_sizes  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402
 
@@ -45,12 +46,15 @@ L, H, D = 32, 8, 128                      # Llama-3.1-8B's KV shape
 LAYOUT = PageLayout(H, D)
 
 
-def requests(name: str, seed: int = 0) -> tuple:
+def requests(name: str, seed: int = 0, num: int | None = None) -> tuple:
     """(scenario, [(prompt tokens, max_tokens)]): workloads.py's scenario and the very lengths
-    its worker draws for that seed (prompts, then outputs, from one generator)."""
+    its worker draws for that seed (prompts, then outputs, from one generator); ``num``: that many
+    requests drawn from its distributions instead of its own count."""
     sc = SCENARIOS[name]
     rng = random.Random(seed)
-    prompts = list(sc.prompt) if isinstance(sc.prompt, tuple) else lengths(sc.prompt, sc.prompt_cap, sc.requests, rng)
+    prompts = (list(sc.prompt) if isinstance(sc.prompt, tuple) and num is None else
+               lengths(sc.prompt if not isinstance(sc.prompt, tuple) else sc.prompt[0], sc.prompt_cap,
+                       num or sc.requests, rng))
     return sc, list(zip(prompts, lengths(sc.output, sc.output_cap, len(prompts), rng)))
 
 
@@ -92,16 +96,20 @@ H200_HOST_GB = 30.0      # the engine's default host tier on the H200 runs: a qu
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
              max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, async_scheduling: bool = False,
-             host_gb: float | None = None) -> dict:
+             host_gb: float | None = None, num_requests: int | None = None,
+             max_in_flight: int | None = None) -> dict:
     """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
     made of shared system prompts or conversations (shared_prefix, multi_turn): their very token
     ids from workloads.py, turns sent as answers finish, the prefix cache on. ``host_gb``: the
     host tier (an ``AccountingHostTier``: its books, no bytes); None: the scenario's, else the
-    engine's default on the H200 runs, min(2 x the KV memory, H200_HOST_GB)."""
+    engine's default on the H200 runs, min(2 x the KV memory, H200_HOST_GB). ``num_requests``:
+    that many drawn from the scenario's lengths; ``max_in_flight``: a closed loop (the next
+    request sent as one finishes), whose steady state -- from the send of the first quarter's
+    last request to the last send -- is reported: mean running requests and KV bytes in use."""
     import torch
     from zipfusion import LLMEngine
     from zipfusion.engine.scheduler import Scheduler
-    sc, reqs = requests(name, seed)
+    sc, reqs = requests(name, seed, num_requests)
     gb = sc.kv_gb
     eng = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, max_model_len=256)
     V = eng.model_config.vocab_size
@@ -124,7 +132,15 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.runner.forget = lambda rid: None
     eng.async_scheduling = async_scheduling         # as the engine does with async_scheduling=True
     t0 = time.perf_counter()
-    rs, results, _ = run_requests(eng, prompts, outs, turns=turns, progress_s=1e9)
+    arena, loop, done = eng.cache.stats()["arena_bytes"], [], [0]  # per step: (requests sent, running, KV in use)
+
+    def on_step(e, res):
+        done[0] += len(res.finished)
+        sent = done[0] + len(e.scheduler.running) + len(e.scheduler.waiting)
+        loop.append((sent, res.running, e.cache.stats()["bytes_in_use"] / arena))
+    on_step = on_step if max_in_flight else None
+    rs, results, _ = run_requests(eng, prompts, outs, turns=turns, progress_s=1e9, max_in_flight=max_in_flight,
+                                  on_step=on_step)
     steps = [(res.decode_rows, res.prefill_tokens, res.running) for res in results]
     # the decisions themselves, to check that a change to the host code changed none of them
     digest = hashlib.sha256(repr((steps, [r.output_ids for r in rs])).encode()).hexdigest()[:16]
@@ -147,7 +163,18 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "host_schedule_s": sum(res.schedule_s for res in results), "host_seal_s": sum(res.seal_s for res in results),
             "host_other_s": sum(res.forward_s for res in results),
             "host_ahead_s": sum(res.ahead_s for res in results),       # scheduled while a forward would run
-            "sim_seconds": time.perf_counter() - t0}
+            "sim_seconds": time.perf_counter() - t0, "max_in_flight": max_in_flight, **steady(loop, len(prompts))}
+
+
+def steady(loop: list[tuple], n: int) -> dict:
+    """A closed loop's steady state: the steps from the n/4-th send to the last one (ramp and
+    tail left out, as ``zipfusion bench serve``'s steady output rate)."""
+    w = [(run, use) for sent, run, use in loop if n // 4 <= sent < n]
+    if not w:
+        return {}
+    run, use = np.array(w).T
+    return {"steady_steps": len(w), "steady_mean_running": float(run.mean()),
+            "steady_kv_in_use": float(use.mean()), "steady_kv_in_use_p90": float(np.percentile(use, 90))}
 
 
 COMPARED = (("prefill_tokens_computed", "prefill tokens computed", -1), ("peak_batch", "peak batch", 1),
@@ -189,7 +216,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS))
     ap.add_argument("--modes", default="compressed,uncompressed")
-    ap.add_argument("--admission", default="estimate", choices=("estimate", "conservative", "optimistic"))
+    ap.add_argument("--admission", default="estimate", choices=MODES)
     ap.add_argument("--fraction", type=float, default=0.96)
     ap.add_argument("--chunk-pages", type=int, default=None,
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
@@ -198,6 +225,11 @@ def main() -> None:
                          "--async-scheduling; default: after them, the engine's default)")
     ap.add_argument("--host-gb", type=float, default=None,
                     help=f"host tier GiB (default: the scenario's, else min(2 x KV, {H200_HOST_GB:g}); 0: none)")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="requests drawn from each scenario's lengths (default: the scenario's count)")
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="a closed loop: at most this many requests unfinished, the next sent as one finishes; "
+                         "reports its steady state (mean running, KV in use)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds of the lengths and page sizes drawn")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
@@ -210,7 +242,8 @@ def main() -> None:
     for seed, name, mode in ((int(s), n, m) for s in args.seeds.split(",") for n in args.scenarios.split(",")
                              for m in args.modes.split(",")):
         r = simulate(name, mode, args.fraction, args.admission, seed=seed, chunk_pages=args.chunk_pages,
-                     async_scheduling=args.async_scheduling, host_gb=args.host_gb)
+                     async_scheduling=args.async_scheduling, host_gb=args.host_gb,
+                     num_requests=args.num_requests, max_in_flight=args.max_in_flight)
         recs.append(r)
         print(f"{name:16s} {mode:13s} seed {seed} preempt {r['preemptions']:4d}/{r['requests']:4d}  prefill "
               f"{r['prefill_tokens_computed'] / r['prompt_tokens']:.3f}x prompt  peak {r['peak_batch']:3d}  "
@@ -218,7 +251,9 @@ def main() -> None:
               f"ratio {r['stored_ratio_at_peak']}  {r['schedule_sha256']}  sealing {r['pages_handed_to_seal']} pages  "
               f"swapped in {r['swapped_in_pages']}  "
               f"host: schedule {r['host_schedule_s']:.2f} s seal {r['host_seal_s']:.2f} s rest "
-              f"{r['host_other_s']:.2f} s ahead {r['host_ahead_s']:.2f} s  ({r['sim_seconds']:.0f} s)", flush=True)
+              f"{r['host_other_s']:.2f} s ahead {r['host_ahead_s']:.2f} s  ({r['sim_seconds']:.0f} s)"
+              + (f"  steady: running {r['steady_mean_running']:.1f}, KV in use {r['steady_kv_in_use']:.3f}"
+                 if "steady_mean_running" in r else ""), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"records": recs}, f, indent=1)

@@ -432,3 +432,17 @@ def test_the_highest_rate_within_the_slo_needs_every_lower_rate_within_it_too():
     comp = serve_results.comparison(result, ["compressed", "uncompressed"])
     assert comp["per_mode"]["compressed"]["partial"] and comp["ratios"]["compressed/uncompressed"][
         "max_rate_within_slo"] == 2.0
+
+
+def test_run_requests_keeps_at_most_max_in_flight_unfinished():
+    """A closed loop: the next request is added only as one finishes; every request completes."""
+    from zipfusion import LLMEngine
+    from zipfusion.bench.offline import run_requests
+    eng = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, max_model_len=128)
+    seen = []
+    on_step = lambda e, res: seen.append(len(e.scheduler.running) + len(e.scheduler.waiting))  # noqa: E731
+    reqs, steps, _ = run_requests(eng, [[5 + i] * 6 for i in range(7)], [3, 5, 2, 4, 3, 2, 6], on_step=on_step,
+                                  progress_s=1e9, max_in_flight=3)
+    assert len(reqs) == 7 and all(r.finish_reason == "length" for r in reqs)
+    assert [len(r.output_ids) for r in reqs] == [3, 5, 2, 4, 3, 2, 6]
+    assert max(seen) == 3 and len(steps) > 6

@@ -407,7 +407,7 @@ def test_reserved_pages_over_a_batch_is_the_sum_of_each_requests_pages():
     m.compress_pages(ids)
     g = np.random.default_rng(0)
     for trial in range(300):
-        adm = Admission(m, mode=("estimate", "conservative", "optimistic")[trial % 3])
+        adm = Admission(m, mode=("estimate", "conservative", "optimistic", "lookahead")[trial % 4])
         adm.out_frac, adm.margin = float(g.uniform(0.25, 1.0)), float(g.uniform(0.02, 0.5))
         n = int(g.integers(0, 12))
         tokens = g.integers(1, 20_000, n)
@@ -416,8 +416,59 @@ def test_reserved_pages_over_a_batch_is_the_sum_of_each_requests_pages():
         future = sum(max(0, pages_for_tokens(adm.expected_tokens(q.num_tokens, q.max_total_tokens, q.certain))
                          - q.pages_held) for q in running)
         want = math.ceil(adm.ratio() * future)
+        if adm.mode == "lookahead" and any(q.certain for q in running):
+            want = busiest_step_reference(adm, running)
         assert adm.reserved_pages(running) == want
         assert adm.reserved_pages(RunningBatch.of(running)) == want
+
+
+def busiest_step_reference(adm, running) -> int:
+    """Admission's estimate with requests of certain length, step by step: at every future step
+    t, what the uncertain requests will take in all, plus each certain request's pages at t
+    (alive until FINISH_SLACK_STEPS past its last token) or, once ended, the prompt pages it had
+    yet to allocate less the full output pages it holds now (at the observed ratio)."""
+    from zipfusion.memory.admission import FINISH_SLACK_STEPS, pages_for_tokens
+    r, obs = adm.ratio(), min(1.0, adm.cache.stored_ratio())
+    fixed = sum(max(0, pages_for_tokens(adm.expected_tokens(q.num_tokens, q.max_total_tokens)) - q.pages_held)
+                for q in running if not q.certain)
+    sure = [q for q in running if q.certain]
+    horizon = max(max(0, q.max_total_tokens - q.num_tokens) for q in sure) + FINISH_SLACK_STEPS
+    best = -math.inf
+    for t in range(horizon + 1):
+        units = 0.0
+        for q in sure:
+            prompt = q.num_tokens if q.prompt_tokens is None else q.prompt_tokens
+            left = max(0, q.max_total_tokens - q.num_tokens)
+            if t <= left + FINISH_SLACK_STEPS:
+                units += r * max(0, pages_for_tokens(min(q.num_tokens + t, q.num_tokens + left)) - q.pages_held)
+            else:
+                units += r * max(0, prompt // 16 - q.pages_held) - obs * max(0, q.pages_held - 1 - prompt // 16)
+        best = max(best, units)
+    return math.ceil(r * fixed + best)
+
+
+def test_certain_requests_are_reserved_at_their_busiest_future_step():
+    """Requests of known length end at known steps: lookahead admission reserves what the batch
+    needs at its busiest future step, not the sum of every request's final size -- no more than
+    the sum, and at least what they all need now; the other modes still sum."""
+    m = KVCacheManager(2, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    ids = m.alloc_pages(8)
+    fill(m, ids, [1.0, 0.5])
+    m.compress_pages(ids)
+    est, cons = Admission(m, mode="lookahead"), Admission(m, mode="conservative")
+    plain = Admission(m, mode="estimate")
+    # one nearly done (4 tokens to go, 30 output pages held) and one long, just started
+    running = [RunningRequest(32, 16 * 31 + 12, 16 * 32, certain=True, prompt_tokens=16),
+               RunningRequest(2, 20, 16 * 40, certain=True, prompt_tokens=20)]
+    whole = est.reserved_pages([RunningRequest(q.pages_held, q.num_tokens, q.max_total_tokens, False) for q in running])
+    assert est.reserved_pages(running) == busiest_step_reference(est, running) < whole
+    assert est.reserved_pages(running) >= math.ceil(est.ratio() * (39 - 2) - min(1.0, m.stored_ratio()) * 30)
+    assert cons.reserved_pages(running) == 0 + (32 - 32) + (40 - 2)          # conservative: the sum, r' = 1
+    assert plain.reserved_pages(running) == whole                            # estimate: the sum at r'
+    assert est.shortfall(16, 100, running, certain=True) < plain.shortfall(16, 100, running, certain=True)
+    # both long: the sum (neither ends before the other is whole)
+    both = [RunningRequest(2, 20, 16 * 40, certain=True, prompt_tokens=20)] * 2
+    assert est.reserved_pages(both) == math.ceil(est.ratio() * 2 * 38)
 
 
 def test_a_certain_output_is_reserved_whole_not_clipped():

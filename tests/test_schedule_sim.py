@@ -70,3 +70,18 @@ def test_async_scheduling_makes_the_plain_orders_decisions(scenario):
     runs = {a: schedule_sim.simulate(scenario, "compressed", 0.96, "estimate", async_scheduling=a) for a in (True, False)}
     assert runs[True]["schedule_sha256"] == runs[False]["schedule_sha256"]
     assert runs[True]["host_ahead_s"] > 0 and runs[False]["host_ahead_s"] == 0
+
+
+def test_lookahead_admission_runs_more_of_a_closed_loop_at_once_without_preempting():
+    """A closed loop of decode-heavy requests of known length (the server's steady state under
+    load): estimate admission sums every running request's final size and leaves much of the KV
+    promised but unused; lookahead reserves their busiest future step (each request's end frees
+    its output pages) and runs more at once, with no preemption and the KV fuller."""
+    runs = {a: schedule_sim.simulate("reasoning", "compressed", 0.96, a, num_requests=120, max_in_flight=48)
+            for a in ("estimate", "lookahead")}
+    for r in runs.values():
+        assert r["requests"] == 120 and r["preemptions"] == 0
+        assert r["prefill_tokens_computed"] <= r["prompt_tokens"]
+    est, look = runs["estimate"], runs["lookahead"]
+    assert look["steady_mean_running"] > 1.2 * est["steady_mean_running"]
+    assert look["steady_kv_in_use"] > est["steady_kv_in_use"]

@@ -33,7 +33,7 @@ DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows mo
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 WATCHDOG_TIMEOUT_S = 300.0   # on CUDA: longest one engine step may run (engine/watchdog.py)
-ADMISSION_POLICIES = ("estimate", "conservative", "optimistic")
+ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")   # memory/admission.py MODES
 # Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
 # chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
 # (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a
@@ -94,7 +94,9 @@ class EngineConfig:
                                           "pip install flashinfer-python)",
                                   choices=("auto", "kernel", "torch", "flashinfer"))
     admission: str = _opt("estimate", "estimate: admit what fits at the observed compression ratio, "
-                                      "keeping room for running requests; conservative: at open size; "
+                                      "keeping room for running requests; lookahead: the same, with requests "
+                                      "of known length reserved at their busiest future step (more running "
+                                      "at once; not measured on a GPU yet); conservative: at open size; "
                                       "optimistic: whatever fits now (preempt later)",
                           choices=ADMISSION_POLICIES)
     enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "

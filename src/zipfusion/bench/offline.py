@@ -85,26 +85,32 @@ def warm_up(eng, max_len: int) -> None:
         eng.host_tier.start(wait=True)            # its pinned buffer, before the clock starts
 
 
-def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label="", turns=None):
-    """Every request added at once (or, ``sequential``, each after the previous one finished), the
-    engine stepped until none is left; ``turns[i]``: request i's conversation goes on, each message
-    sent when the previous answer is done (prompt + answer + message). Returns (requests in order
-    of arrival, a :class:`Step` per step, wall seconds from the first request to the last token).
-    A line of progress on stderr every ``progress_s`` seconds."""
+def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label="", turns=None,
+                 max_in_flight=None):
+    """Every request added at once (or, ``sequential``, each after the previous one finished;
+    ``max_in_flight``: at most that many unfinished at a time, the next added as one finishes: a
+    closed loop), the engine stepped until none is left; ``turns[i]``: request i's conversation
+    goes on, each message sent when the previous answer is done (prompt + answer + message).
+    Returns (requests in order of arrival, a :class:`Step` per step, wall seconds from the first
+    request to the last token). A line of progress on stderr every ``progress_s`` seconds."""
     steps, reqs, follow = [], [], {}
     observe = lambda res, stats: steps.append(Step(*res[3:], *stats))  # noqa: E731  (the engine's observer)
     eng.add_observer(observe)
     t0 = last = time.perf_counter()
     pending = list(zip(prompts, outs, turns or [[]] * len(prompts)))
+    cap = 1 if sequential else max_in_flight
+    in_flight = 0
     try:
         while pending or eng.has_work():
-            if pending and (not sequential or not eng.has_work()):
-                batch = pending if not sequential else pending[:1]
+            if pending:
+                batch = pending[:len(pending) if cap is None else max(0, cap - in_flight)]
                 for p, o, more in batch:
                     reqs.append(eng.add_request(p, greedy(o)))
                     follow[reqs[-1].request_id] = (o, more)
                 pending = pending[len(batch):]
+                in_flight += len(batch)
             res = eng.step()
+            in_flight -= len(res.finished)
             for r in res.finished:                      # a conversation's next turn
                 o, more = follow.pop(r.request_id)
                 if more:

@@ -302,7 +302,7 @@ class Scheduler:
 
     def _running_needs(self) -> RunningBatch:
         return RunningBatch([(len(r.pages), len(r.prompt_ids) + len(r.output_ids), self._max_total_tokens(r),
-                              r.params.fixed_length) for r in self.running])
+                              r.params.fixed_length, len(r.prompt_ids)) for r in self.running])
 
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts from scratch (recompute) when readmitted."""

@@ -25,7 +25,19 @@ adapt, as SGLang's new-token ratio does:
 * ``out_frac``, the share of its (clipped) max_tokens a request generates, learned from
   finished requests (1 until one finishes; never below OUT_FRAC_FLOOR; raised at a preemption).
 
-Modes: ``"estimate"`` (the above), ``"conservative"`` (r' = 1 and out_frac = 1: a running
+Requests of certain length end at a known step and free what they hold, so in the lookahead
+mode their reservations are not summed as if all were needed at once: what the running requests
+(and the one being admitted) will take is the *busiest future step* of their known trajectories --
+each certain request growing a token a step until its last token (FINISH_SLACK_STEPS steps
+later, for prefill chunks and jitter), then giving back its full pages at the ratio observed
+(its open page not counted); requests of uncertain length keep their whole expected need to the
+end, as above. In a closed loop of decode-heavy requests (`benchmarks/schedule_sim.py
+--max-in-flight 64`, 4 GiB) the sum leaves ~40 % of the KV promised and unused at every step;
+lookahead runs 1.51x / 1.57x the requests (compressed / uncompressed) with none preempted, but
+the compressed arena then runs near full and its seal's host time grows (more pages left open,
+compaction), so it is not the default until measured on a GPU.
+
+Modes: ``"estimate"`` (the above without lookahead), ``"lookahead"``, ``"conservative"`` (r' = 1 and out_frac = 1: a running
 request is never preempted), ``"optimistic"`` (vLLM's: admit whatever fits now, preempt when
 memory runs out).
 """
@@ -40,13 +52,15 @@ import numpy as np
 
 from ..format import PAGE_TOKENS
 
-MODES = ("estimate", "conservative", "optimistic")
+MODES = ("estimate", "lookahead", "conservative", "optimistic")
+ESTIMATED = ("estimate", "lookahead")       # the modes that estimate r' and out_frac
 CLIP_TOKENS = 4096        # outputs longer than this are reserved for this many tokens (SGLang's clip)
 BASE_MARGIN = 0.02        # the compression ratio estimate is raised by this share at least
 MAX_MARGIN = 0.5
 MARGIN_DECAY = 0.995      # per step, back toward BASE_MARGIN
 OUT_FRAC_FLOOR = 0.25
 OUT_FRAC_ALPHA = 0.05     # weight of one finished request in the out_frac average
+FINISH_SLACK_STEPS = 8    # a certain request's pages are counted this many steps past its last token
 
 
 def pages_for_tokens(num_tokens: int) -> int:
@@ -62,18 +76,23 @@ class RunningRequest:
     num_tokens: int          # tokens it has now (prompt + generated)
     max_total_tokens: int    # prompt + max_tokens, capped by max_model_len
     certain: bool = False    # it will reach max_total_tokens (SamplingParams.fixed_length)
+    prompt_tokens: int | None = None   # its prompt (None: num_tokens); pages of it may be shared
 
 
 class RunningBatch:
     """The running requests as columns (what the scheduler hands over each time it asks):
-    ``rows`` [n, 4] int64 of (pages held, tokens now, max total tokens, certain 0/1)."""
+    ``rows`` [n, 5] int64 of (pages held, tokens now, max total tokens, certain 0/1, prompt
+    tokens); rows of 4 take the prompt as all of the tokens now."""
 
     def __init__(self, rows):
-        self.rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows.reshape(-1, 5 if rows.size and rows.shape[-1] == 5 else 4)
+        self.rows = rows if rows.shape[1] == 5 else np.hstack([rows, rows[:, 1:2]])
 
     @classmethod
     def of(cls, running: Iterable[RunningRequest]) -> "RunningBatch":
-        return cls([(q.pages_held, q.num_tokens, q.max_total_tokens, q.certain) for q in running])
+        return cls([(q.pages_held, q.num_tokens, q.max_total_tokens, q.certain,
+                     q.num_tokens if q.prompt_tokens is None else q.prompt_tokens) for q in running])
 
 
 class Admission:
@@ -90,7 +109,7 @@ class Admission:
     # -- the estimates ----------------------------------------------------------------------
     def ratio(self) -> float:
         """r': the share of an open page a future page is counted as."""
-        if self.mode != "estimate":
+        if self.mode not in ESTIMATED:
             return 1.0
         return min(1.0, self.cache.stored_ratio() * (1.0 + self.margin))
 
@@ -98,21 +117,50 @@ class Admission:
         """Tokens a request is expected to reach: what it has plus its expected output (all of
         it when ``certain``: nothing can end it sooner)."""
         left = max(0, max_total_tokens - num_tokens)
-        if self.mode != "estimate" or certain:   # conservative: every page, however long the output
+        if self.mode not in ESTIMATED or certain:   # conservative: every page, however long the output
             return num_tokens + left
         return num_tokens + math.ceil(min(left, CLIP_TOKENS) * self.out_frac)
 
-    def reserved_pages(self, running: Iterable[RunningRequest] | RunningBatch) -> int:
-        """Open-page units promised to running requests: ``expected_tokens`` of each, as pages,
-        less the pages it holds (vectorised over the batch; the same integers)."""
+    def reserved_pages(self, running: Iterable[RunningRequest] | RunningBatch, extra=None, r: float | None = None) -> int:
+        """Open-page units promised to running requests (and ``extra``, a (held, tokens, total,
+        certain) row being admitted): ``expected_tokens`` of each, as pages, less the pages it
+        holds, summed; in the lookahead mode with requests of certain length, at the busiest future
+        step of their trajectories instead (the module's docstring). Vectorised over the batch."""
         if not isinstance(running, RunningBatch):
             running = RunningBatch.of(running)
-        held, tokens, total, certain = running.rows.T
+        rows = running.rows if extra is None else np.vstack([running.rows, np.asarray(extra, np.int64)[None]])
+        r = self.ratio() if r is None else r
+        held, tokens, total, certain, prompt = rows.T
         left = np.maximum(0, total - tokens)
-        if self.mode == "estimate":
+        if self.mode in ESTIMATED:
             left = np.where(certain != 0, left, np.ceil(np.minimum(left, CLIP_TOKENS) * self.out_frac).astype(np.int64))
-        future = int(np.maximum(0, -(-(tokens + left) // PAGE_TOKENS) - held).sum())
-        return math.ceil(self.ratio() * future)
+        future = np.maximum(0, -(-(tokens + left) // PAGE_TOKENS) - held)
+        sure = certain != 0
+        if self.mode != "lookahead" or not sure.any():
+            return math.ceil(r * int(future.sum()))
+        return math.ceil(r * int(future[~sure].sum())
+                         + self._busiest(held[sure], tokens[sure], left[sure], prompt[sure], r))
+
+    def _busiest(self, held, tokens, left, prompt, r: float) -> float:
+        """The most open-page units certain requests (held pages, tokens now, tokens to go, prompt
+        tokens) take at any future step t. Request i is alive while t <= left_i +
+        FINISH_SLACK_STEPS and needs r' x (pages of min(tokens_i + t, its total) tokens, less
+        those it holds now). Once ended, the pages it allocated past its prompt's full pages are
+        free again: it still counts r' x the prompt pages it had yet to allocate (they may stay,
+        shared through the prefix cache) and gives back, at the observed ratio, the full pages it
+        holds now past its prompt's (its open last page not counted). Between two ends the need
+        only rises, so the busiest step is t = 0 or some request's last counted step."""
+        end = left + FINISH_SLACK_STEPS
+        times = np.unique(np.concatenate([[0], end]))
+        grown = -(-np.minimum(tokens[:, None] + times[None, :], (tokens + left)[:, None]) // PAGE_TOKENS)
+        alive = end[:, None] >= times[None, :]
+        shared = prompt // PAGE_TOKENS
+        keep = np.maximum(0, shared - held)[:, None]
+        need = np.where(alive, np.maximum(0, grown - held[:, None]), keep).sum(axis=0)
+        own = np.maximum(0, held - 1 - shared)
+        freed = np.where(alive, 0, own[:, None]).sum(axis=0)
+        observed = min(1.0, self.cache.stored_ratio())
+        return float((r * need - observed * freed).max())
 
     def promised_pages(self, running: Iterable[RunningRequest] | RunningBatch) -> int:
         """New pages the running requests were promised: what a seal must leave room for (none
@@ -138,9 +186,12 @@ class Admission:
             running = RunningBatch.of(running)
         r = self.ratio()
         whole = self.expected_tokens(prompt_tokens, prompt_tokens + max_new_tokens, certain)  # the prompt is certain
+        transient = self.transient_pages(prompt_tokens, held_pages, running, r)
+        if self.mode == "lookahead" and (certain or running.rows[:, 3].any()):   # trajectories: the busiest step
+            row = (held_pages + 1, prompt_tokens, prompt_tokens + max_new_tokens, int(certain), prompt_tokens)  # +1: its last page
+            return self.reserved_pages(running, extra=row, r=r) + 1 + transient - self.cache.capacity_new_pages()
         new = math.ceil(r * max(0, pages_for_tokens(whole) - held_pages - 1)) + 1
-        return new + self.transient_pages(prompt_tokens, held_pages, running, r) + self.reserved_pages(running) \
-            - self.cache.capacity_new_pages()
+        return new + transient + self.reserved_pages(running, r=r) - self.cache.capacity_new_pages()
 
     def transient_pages(self, prompt_tokens: int, held_pages: int, running: RunningBatch,
                         r: float | None = None) -> int:
