@@ -13,7 +13,9 @@
 #   steady -- serving at saturation in steady state: a closed loop of 64 requests in flight (more
 #            than 4 GiB holds in either mode: the KV binds) over 300 requests, both modes; the
 #            number is the output rate while requests keep being sent (~5 min; 160 Poisson
-#            requests a rate were mostly ramp and tail: benchmarks/results/onepass_h100, section 5)
+#            requests a rate were mostly ramp and tail: benchmarks/results/onepass_h100, section 5);
+#            ADMISSION=lookahead runs both servers with that admission (the simulated closed loop
+#            ran 1.51x / 1.57x the requests: benchmarks/results/closed_loop_sim_cpu)
 #   gather -- what a compressed mixed step adds: the engine's restore of a chunk's pages before
 #            its dense prefill (gather_kv) over compressed vs open pages, tile sizes 1-8, beside the
 #            paged and dense prefill kernels (benchmarks/prefill_attention.py, ~2 min); the
@@ -44,7 +46,8 @@ serve)
     bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 2>&1 | grep -v "^WARNING: Target" | tail -24 ;;
 steady)
   RATES=inf PROMPTS=${PROMPTS:-300} MODE_S=${MODE_S:-200} OUT=$OUT/steady \
-    bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 --max-concurrency ${CONCURRENCY:-64} 2>&1 \
+    bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 --max-concurrency ${CONCURRENCY:-64} \
+    ${ADMISSION:+--server-args "--admission $ADMISSION"} 2>&1 \
     | grep -v "^WARNING: Target" | tail -12 ;;
 gather)
   timeout -k 5 ${GATHER_LIMIT:-240} python3 benchmarks/prefill_attention.py --out "$OUT/prefill" 2>&1 | tail -30 ;;
