@@ -29,17 +29,18 @@ Requests of certain length end at a known step and free what they hold, so in th
 mode their reservations are not summed as if all were needed at once: what the running requests
 (and the one being admitted) will take is the *busiest future step* of their known trajectories --
 each certain request growing a token a step until its last token (FINISH_SLACK_STEPS steps
-later, for prefill chunks and jitter), then giving back its full pages at the ratio observed
-(its open page not counted); requests of uncertain length keep their whole expected need to the
-end, as above. In a closed loop of decode-heavy requests (`benchmarks/schedule_sim.py
+later, for prefill chunks and jitter), then giving back the full pages it holds past its
+prompt's (at the ratio observed; the prompt's may be shared through the prefix cache, its open
+page is not counted); requests of uncertain length keep their whole expected need to the end,
+as above. In a closed loop of decode-heavy requests (`benchmarks/schedule_sim.py
 --max-in-flight 64`, 4 GiB) the sum leaves ~40 % of the KV promised and unused at every step;
 lookahead runs 1.51x / 1.57x the requests (compressed / uncompressed) with none preempted, but
 the compressed arena then runs near full and its seal's host time grows (more pages left open,
 compaction), so it is not the default until measured on a GPU.
 
-Modes: ``"estimate"`` (the above without lookahead), ``"lookahead"``, ``"conservative"`` (r' = 1 and out_frac = 1: a running
-request is never preempted), ``"optimistic"`` (vLLM's: admit whatever fits now, preempt when
-memory runs out).
+Modes: ``"estimate"`` (the above, without lookahead), ``"lookahead"``, ``"conservative"`` (r' = 1
+and out_frac = 1: a running request is never preempted), ``"optimistic"`` (vLLM's: admit whatever
+fits now, preempt when memory runs out).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Admission:
 
     def reserved_pages(self, running: Iterable[RunningRequest] | RunningBatch, extra=None, r: float | None = None) -> int:
         """Open-page units promised to running requests (and ``extra``, a (held, tokens, total,
-        certain) row being admitted): ``expected_tokens`` of each, as pages, less the pages it
+        certain, prompt) row being admitted): ``expected_tokens`` of each, as pages, less the pages it
         holds, summed; in the lookahead mode with requests of certain length, at the busiest future
         step of their trajectories instead (the module's docstring). Vectorised over the batch."""
         if not isinstance(running, RunningBatch):
