@@ -47,7 +47,7 @@ GPU = dict(HQ=32, H=8, D=128, chunk=8192, starts=(0, 8192, 16384, 24576))
 SMOKE = dict(HQ=8, H=2, D=64, chunk=8, starts=(0, 20))
 SWEEP = dict(block_m=(64, 128), tile_pages=(2, 4, 8), num_warps=(4, 8), num_stages=(1, 2, 3))
 KNOBS = tuple(SWEEP)
-GATHER_TILE_PAGES = (1, 2, 4, 8)   # gather_kv's pages a program (the engine uses 2)
+GATHER_TILE_PAGES = (1, 2, 4, 8)   # gather_kv's pages a program (the engine uses 1)
 
 
 class Prompt:

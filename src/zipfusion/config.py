@@ -33,7 +33,7 @@ DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows mo
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 WATCHDOG_TIMEOUT_S = 300.0   # on CUDA: longest one engine step may run (engine/watchdog.py)
-ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")   # memory/admission.py MODES
+ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")   # memory/admission.py
 # Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
 # chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
 # (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a

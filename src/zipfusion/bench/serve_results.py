@@ -142,6 +142,8 @@ def plot(result: dict, path: str) -> bool:
         return False
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     slo = result["config"]["goodput"]
+    steady = lambda rows: [math.nan if r.get("steady_output_tok_s") is None else r["steady_output_tok_s"]  # noqa: E731
+                           for r in rows]
     panels = [(axes[0][0], "ttft_ms", "TTFT (ms)"), (axes[0][1], "tpot_ms", "TPOT (ms)")]
     for i, (mode, m) in enumerate(modes.items()):
         color = f"C{i}"
@@ -156,12 +158,10 @@ def plot(result: dict, path: str) -> bool:
                 ax.plot([r["requests_s"] for r in burst], [r[key][p] or math.nan for r in burst], "*", color=color,
                         ms=9)
         axes[1][0].plot(xs, [r["output_tok_s"] for r in finite], "-o", color=color, label=mode, ms=4)
-        axes[1][0].plot(xs, [math.nan if r.get("steady_output_tok_s") is None else r["steady_output_tok_s"]
-                             for r in finite], "--", color=color, label=f"{mode}, while arrivals last", lw=1)
+        axes[1][0].plot(xs, steady(finite), "--", color=color, label=f"{mode}, while arrivals last", lw=1)
         axes[1][0].plot([r["requests_s"] for r in burst], [r["output_tok_s"] for r in burst], "*", color=color, ms=9)
-        axes[1][0].plot([r["requests_s"] for r in burst], [math.nan if r.get("steady_output_tok_s") is None
-                                                           else r["steady_output_tok_s"] for r in burst],
-                        "*", color=color, ms=11, mfc="none", label=f"{mode}, while requests are sent" if burst else None)
+        axes[1][0].plot([r["requests_s"] for r in burst], steady(burst), "*", color=color, ms=11, mfc="none",
+                        label=f"{mode}, while requests are sent" if burst else None)
         key, name = ("goodput_req_s", "goodput (req/s in SLO)") if slo else ("requests_s", "requests/s completed")
         axes[1][1].plot(xs, [r[key] for r in finite], "-o", color=color, label=mode, ms=4)
         axes[1][1].plot([r["requests_s"] for r in burst], [r[key] for r in burst], "*", color=color, ms=9)

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import ADMISSION_POLICIES as MODES
 from ..format import PAGE_TOKENS
 
-MODES = ("estimate", "lookahead", "conservative", "optimistic")
 ESTIMATED = ("estimate", "lookahead")       # the modes that estimate r' and out_frac
 CLIP_TOKENS = 4096        # outputs longer than this are reserved for this many tokens (SGLang's clip)
 BASE_MARGIN = 0.02        # the compression ratio estimate is raised by this share at least
