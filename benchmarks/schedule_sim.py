@@ -86,8 +86,10 @@ class DrawnSizes:
 class SimCache(ArenaKVCache):
     """An ArenaKVCache on the meta device whose pages get drawn sizes when they are compressed."""
 
-    def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int, chunk_bytes: int | None = None):
-        super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress, chunk_bytes=chunk_bytes)
+    def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int, chunk_bytes: int | None = None,
+                 reserve_chunks: int | None = None):
+        more = {} if reserve_chunks is None else {"reserve_chunks": reserve_chunks}
+        super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress, chunk_bytes=chunk_bytes, **more)
         self.manager = DrawnSizes(self.manager, fraction, seed)
 
 
@@ -95,7 +97,8 @@ H200_HOST_GB = 30.0      # the engine's default host tier on the H200 runs: a qu
 
 
 def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 0,
-             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, async_scheduling: bool = False,
+             max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, reserve_chunks: int | None = None,
+             async_scheduling: bool = False,
              host_gb: float | None = None, num_requests: int | None = None,
              max_in_flight: int | None = None) -> dict:
     """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
@@ -122,7 +125,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
         prompts, outs, turns = [[10 + i] * p for i, (p, _) in enumerate(reqs)], [o for _, o in reqs], None
     longest = max(len(p) + (sc.turns - 1) * (o + sc.turn_prompt) + o for p, o in zip(prompts, outs)) + 16
     eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed,
-                         chunk_pages and chunk_pages * LAYOUT.open_page_bytes)
+                         chunk_pages and chunk_pages * LAYOUT.open_page_bytes, reserve_chunks)
     eng.max_model_len = longest
     if host_gb is None:
         host_gb = sc.host_gb if sc.host_gb is not None else min(2 * gb, H200_HOST_GB)
@@ -132,12 +135,13 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     eng.runner.forget = lambda rid: None
     eng.async_scheduling = async_scheduling         # as the engine does with async_scheduling=True
     t0 = time.perf_counter()
-    arena, loop, done = eng.cache.stats()["arena_bytes"], [], [0]  # per step: (requests sent, running, KV in use)
+    arena, loop, done = eng.cache.stats()["arena_bytes"], [], [0]  # per step: (requests sent, running, shares)
+    page_bytes = eng.cache.num_layers * LAYOUT.open_page_bytes   # an open page in every layer
 
     def on_step(e, res):
         done[0] += len(res.finished)
         sent = done[0] + len(e.scheduler.running) + len(e.scheduler.waiting)
-        loop.append((sent, res.running, e.cache.stats()["bytes_in_use"] / arena))
+        loop.append((sent, res.running, arena_shares(e, arena, page_bytes)))
     on_step = on_step if max_in_flight else None
     rs, results, _ = run_requests(eng, prompts, outs, turns=turns, progress_s=1e9, max_in_flight=max_in_flight,
                                   on_step=on_step)
@@ -149,7 +153,8 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     stats = eng.peak_kv_stats or {}
     return {"scenario": name, "mode": mode, "seed": seed, "admission": admission, "async_scheduling": async_scheduling,
             "fraction": fraction, "kv_gb": gb,
-            "chunk_bytes": eng.cache.manager.chunk_bytes, "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
+            "chunk_bytes": eng.cache.manager.chunk_bytes,
+            "reserve_chunks": eng.cache.manager.reserve, "requests": len(rs), "preemptions": eng.scheduler.num_preemptions,
             "prompt_tokens": sum(len(r.prompt_ids) for r in rs),
             "new_prompt_tokens": sum(map(len, prompts)) + sum(len(x) for t in (turns or []) for x in t),
             "prefix_hit_tokens": eng.scheduler.prefix.stats.hit_tokens, "host_gb": host_gb,
@@ -166,15 +171,36 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "sim_seconds": time.perf_counter() - t0, "max_in_flight": max_in_flight, **steady(loop, len(prompts))}
 
 
+def arena_shares(e, arena: int, page_bytes: int) -> dict:
+    """Where the arena is at the end of a step, as shares of it: KV held (``in_use``: open pages in
+    full, stored pages at their size; ``open``: the open pages alone), the new pages that still fit
+    (``free``: free open slots and chunks, those compaction is sure to free included), the
+    compression reserve, and the rest (``unusable``: holes in packed chunks compaction cannot be
+    sure to free, chunk tails, the next-fit bound's slack); ``promised``: what admission keeps for
+    the running requests' future pages, inside ``free``."""
+    s, cache = e.cache.stats(), e.cache
+    free = cache.capacity_new_pages(keep_reserve=True) * page_bytes / arena
+    reserve = cache.capacity_new_pages(keep_reserve=False) * page_bytes / arena - free
+    use = s["bytes_in_use"] / arena
+    layers = s.get("layers") or []
+    opened = sum(x["open_bytes"] for x in layers) / arena if layers else use
+    promised = e.scheduler.admission.promised_pages(e.scheduler._running_needs()) * page_bytes / arena
+    return {"in_use": use, "open": opened, "free": free, "reserve": reserve,
+            "unusable": max(0.0, 1.0 - use - free - reserve), "promised": promised}
+
+
 def steady(loop: list[tuple], n: int) -> dict:
     """A closed loop's steady state: the steps from the n/4-th send to the last one (ramp and
-    tail left out, as ``zipfusion bench serve``'s steady output rate)."""
-    w = [(run, use) for sent, run, use in loop if n // 4 <= sent < n]
+    tail left out, as ``zipfusion bench serve``'s steady output rate): mean running requests
+    and the mean of each of :func:`arena_shares` (``steady_arena``)."""
+    w = [(run, shares) for sent, run, shares in loop if n // 4 <= sent < n]
     if not w:
         return {}
-    run, use = np.array(w).T
+    run = np.array([r for r, _ in w])
+    use = np.array([sh["in_use"] for _, sh in w])
     return {"steady_steps": len(w), "steady_mean_running": float(run.mean()),
-            "steady_kv_in_use": float(use.mean()), "steady_kv_in_use_p90": float(np.percentile(use, 90))}
+            "steady_kv_in_use": float(use.mean()), "steady_kv_in_use_p90": float(np.percentile(use, 90)),
+            "steady_arena": {k: float(np.mean([sh[k] for _, sh in w])) for k in w[0][1]}}
 
 
 COMPARED = (("prefill_tokens_computed", "prefill tokens computed", -1), ("peak_batch", "peak batch", 1),
@@ -220,6 +246,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.96)
     ap.add_argument("--chunk-pages", type=int, default=None,
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
+    ap.add_argument("--reserve-chunks", type=int, default=None,
+                    help="compressed mode's reserve of chunks per layer kept for the seal (default: the manager's, 2)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="schedule each step while the last one runs, before its tokens are back (the engine's "
                          "--async-scheduling; default: after them, the engine's default)")
@@ -242,6 +270,7 @@ def main() -> None:
     for seed, name, mode in ((int(s), n, m) for s in args.seeds.split(",") for n in args.scenarios.split(",")
                              for m in args.modes.split(",")):
         r = simulate(name, mode, args.fraction, args.admission, seed=seed, chunk_pages=args.chunk_pages,
+                     reserve_chunks=args.reserve_chunks,
                      async_scheduling=args.async_scheduling, host_gb=args.host_gb,
                      num_requests=args.num_requests, max_in_flight=args.max_in_flight)
         recs.append(r)
@@ -252,7 +281,8 @@ def main() -> None:
               f"swapped in {r['swapped_in_pages']}  "
               f"host: schedule {r['host_schedule_s']:.2f} s seal {r['host_seal_s']:.2f} s rest "
               f"{r['host_other_s']:.2f} s ahead {r['host_ahead_s']:.2f} s  ({r['sim_seconds']:.0f} s)"
-              + (f"  steady: running {r['steady_mean_running']:.1f}, KV in use {r['steady_kv_in_use']:.3f}"
+              + (f"  steady: running {r['steady_mean_running']:.1f}, arena: "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in r["steady_arena"].items())
                  if "steady_mean_running" in r else ""), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -85,3 +85,9 @@ def test_lookahead_admission_runs_more_of_a_closed_loop_at_once_without_preempti
     est, look = runs["estimate"], runs["lookahead"]
     assert look["steady_mean_running"] > 1.2 * est["steady_mean_running"]
     assert look["steady_kv_in_use"] > est["steady_kv_in_use"]
+    for r in runs.values():            # the arena's shares: what is held, what fits, the rest
+        a = r["steady_arena"]
+        assert a["in_use"] == pytest.approx(r["steady_kv_in_use"]) and 0 < a["open"] < a["in_use"]
+        assert a["in_use"] + a["free"] + a["reserve"] <= 1 + 1e-9      # capacity never counts held bytes
+        assert a["reserve"] > 0 and a["unusable"] >= 0
+    assert look["steady_arena"]["promised"] < 0.5 * est["steady_arena"]["promised"]

@@ -14,6 +14,7 @@
 #            than 4 GiB holds in either mode: the KV binds) over 300 requests, both modes; the
 #            number is the output rate while requests keep being sent (~5 min; 160 Poisson
 #            requests a rate were mostly ramp and tail: benchmarks/results/onepass_h100, section 5);
+#            KV_GB=16 PROMPTS=800 CONCURRENCY=256: the 16 GiB (MODE_S=270);
 #            ADMISSION=lookahead runs both servers with that admission (the simulated closed loop
 #            ran 1.51x / 1.57x the requests: benchmarks/results/closed_loop_sim_cpu)
 #   gather -- what a compressed mixed step adds: the engine's restore of a chunk's pages before
@@ -46,7 +47,7 @@ serve)
     bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 2>&1 | grep -v "^WARNING: Target" | tail -24 ;;
 steady)
   RATES=inf PROMPTS=${PROMPTS:-300} MODE_S=${MODE_S:-200} OUT=$OUT/steady \
-    bash scripts/gpu/serve_compare.sh --kv-memory-gb 4 --max-concurrency ${CONCURRENCY:-64} \
+    bash scripts/gpu/serve_compare.sh --kv-memory-gb ${KV_GB:-4} --max-concurrency ${CONCURRENCY:-64} \
     ${ADMISSION:+--server-args "--admission $ADMISSION"} 2>&1 \
     | grep -v "^WARNING: Target" | tail -12 ;;
 gather)
