@@ -177,6 +177,14 @@ def test_steady_output_counts_tokens_streamed_while_arrivals_last():
     whole = serve_results.rate_row(recs, recs[-1]["done"], 1.0, {})
     assert whole["steady_output_tok_s"] > 2 * whole["output_tok_s"]               # the tail dilutes the whole
     assert serve_results.steady_output_tok_s([synthetic_record(0.0, 0.1, [0.01], 2)] * 8) is None   # at once
+    # a closed loop of 4: the first 4 go at once, the rest as requests finish (the 5th at 3.0);
+    # the window starts at the 5th send, not at the 9 // 4 = 2nd (still the ramp, at 0.0)
+    loop = [synthetic_record(0.0 if i < 4 else float(i - 1), 0.5, [1.0] * 9, 10) for i in range(9)]
+    a, b = 3.0, 7.0
+    expect = sum(1 for r in loop for t in r["chunks"] if a <= t <= b)
+    assert serve_results.steady_output_tok_s(loop, max_concurrency=4) == pytest.approx(expect / (b - a))
+    assert serve_results.steady_output_tok_s(loop) == pytest.approx(
+        sum(1 for r in loop for t in r["chunks"] if 0.0 <= t <= b) / b)
     whole["server"] = {"peak_running": 9, "preemptions": 0}
     s = serve_results.mode_summary([whole], {}, 0.9)
     assert s["max_steady_output_tok_s"] == whole["steady_output_tok_s"]

@@ -29,15 +29,19 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:.3g}"
 
 
-def steady_output_tok_s(recs: list[dict], min_window_s: float = 1.0) -> float | None:
+def steady_output_tok_s(recs: list[dict], min_window_s: float = 1.0,
+                        max_concurrency: int | None = None) -> float | None:
     """Output tokens/s streamed while requests keep arriving: from the arrival of the first
-    quarter's last request to the last arrival. A finite run's ramp (the batch filling) and tail
-    (the last requests finishing alone) are left out, so past saturation this is what the server
-    sustains. None when arrivals span less than ``min_window_s`` (every request at once)."""
+    quarter's last request (in a closed loop of ``max_concurrency`` requests, at the earliest the
+    first one sent after a request finished: the first ``max_concurrency`` go at once) to the last
+    arrival. A finite run's ramp (the batch filling) and tail (the last requests finishing alone)
+    are left out, so past saturation this is what the server sustains. None when arrivals span
+    less than ``min_window_s`` (every request at once)."""
     sends = sorted(r["sent"] for r in recs if "sent" in r)
-    if len(sends) < 4 or sends[-1] - sends[len(sends) // 4] < min_window_s:
+    first = max(len(sends) // 4, min(max_concurrency or 0, len(sends) - 1))
+    if len(sends) < 4 or sends[-1] - sends[first] < min_window_s:
         return None
-    a, b = sends[len(sends) // 4], sends[-1]
+    a, b = sends[first], sends[-1]
     tokens = sum(k for r in recs for t, k in zip(r.get("chunks", ()), r.get("chunk_tokens", ())) if a <= t <= b)
     return tokens / (b - a)
 
@@ -56,7 +60,7 @@ def rate_row(recs: list[dict], duration: float, rate: float, slo: dict[str, floa
            "num_requests": len(recs), "completed": len(ok), "failed": len(failed), "lost": len(lost),
            "errors": sorted({str(r["error"])[:300] for r in failed})[:5], "duration_s": duration,
            "requests_s": len(ok) / duration, "output_tok_s": out_tokens / duration,
-           "steady_output_tok_s": steady_output_tok_s(recs),
+           "steady_output_tok_s": steady_output_tok_s(recs, max_concurrency=max_concurrency),
            "total_tok_s": (in_tokens + out_tokens) / duration, "input_tokens": in_tokens, "output_tokens": out_tokens,
            "cached_tokens": sum(r.get("cached_tokens", 0) for r in ok),
            "ttft_ms": ms(r["ttft_s"] for r in ok), "tpot_ms": ms(r["tpot_s"] for r in ok if r["tpot_s"] is not None),
