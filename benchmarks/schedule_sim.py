@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
+from zipfusion.config import memory_options  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.memory.admission import MODES  # noqa: E402
 from zipfusion.testing import AccountingHostTier, place_with_sizes  # noqa: E402
@@ -125,7 +126,8 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
         prompts, outs, turns = [[10 + i] * p for i, (p, _) in enumerate(reqs)], [o for _, o in reqs], None
     longest = max(len(p) + (sc.turns - 1) * (o + sc.turn_prompt) + o for p, o in zip(prompts, outs)) + 16
     eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed,
-                         chunk_pages and chunk_pages * LAYOUT.open_page_bytes, reserve_chunks)
+                         chunk_pages and chunk_pages * LAYOUT.open_page_bytes,
+                         memory_options(admission).get("reserve_chunks") if reserve_chunks is None else reserve_chunks)
     eng.max_model_len = longest
     if host_gb is None:
         host_gb = sc.host_gb if sc.host_gb is not None else min(2 * gb, H200_HOST_GB)
@@ -247,7 +249,8 @@ def main() -> None:
     ap.add_argument("--chunk-pages", type=int, default=None,
                     help="arena chunks of this many open pages (default: the manager's choice, 32 at these sizes)")
     ap.add_argument("--reserve-chunks", type=int, default=None,
-                    help="compressed mode's reserve of chunks per layer kept for the seal (default: the manager's, 2)")
+                    help="compressed mode's reserve of chunks per layer kept for the seal (default: the engine's, "
+                         "2, or config.LOOKAHEAD_RESERVE_CHUNKS with --admission lookahead)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="schedule each step while the last one runs, before its tokens are back (the engine's "
                          "--async-scheduling; default: after them, the engine's default)")

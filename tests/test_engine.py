@@ -108,6 +108,23 @@ def test_arena_preemption_completes(ckpts):
     assert llm.engine.cache.stats()["pages_in_use"] == 0 and cached > 0      # everything freed at the end
 
 
+def test_lookahead_admission_keeps_a_larger_compression_reserve(ckpts):
+    """Lookahead runs the arena near full: the engine keeps config.LOOKAHEAD_RESERVE_CHUNKS chunks a
+    layer for the seal (the manager's 2 otherwise), and the tokens are the same."""
+    from zipfusion.config import LOOKAHEAD_RESERVE_CHUNKS
+    path, _ = ckpts["llama"]
+    ps = prompts(5, [30, 12, 41, 7])
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for admission, reserve in (("estimate", 2), ("lookahead", LOOKAHEAD_RESERVE_CHUNKS)):
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_compression=True, admission=admission,
+                  kv_memory_gb=0.002)
+        assert llm.engine.cache.manager.reserve == reserve
+        outs[admission] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp,
+                                                             use_tqdm=False)]
+    assert outs["estimate"] == outs["lookahead"]
+
+
 def test_conservative_admission_avoids_preemption(ckpts):
     path, _ = ckpts["llama"]
     ps = prompts(3, [20, 20, 20, 20])

@@ -34,6 +34,17 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 WATCHDOG_TIMEOUT_S = 300.0   # on CUDA: longest one engine step may run (engine/watchdog.py)
 ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")   # memory/admission.py
+# Lookahead admission runs the arena near full, so its seal needs more room to pack into: 3 chunks
+# a layer kept for it instead of the manager's 2 (and, by the manager's chunk rule, chunks half
+# as large at 4 GiB: a seal that must open a fresh chunk costs half the capacity). With 2, one of
+# two seeds of the simulated closed loop left half the arena open, waiting for a seal
+# (benchmarks/results/closed_loop_sim_cpu, "Lookahead's reserve").
+LOOKAHEAD_RESERVE_CHUNKS = 3
+
+
+def memory_options(admission: str) -> dict:
+    """The memory manager's keyword arguments that ``admission`` asks for (memory/manager.py)."""
+    return {"reserve_chunks": LOOKAHEAD_RESERVE_CHUNKS} if admission == "lookahead" else {}
 # Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
 # chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
 # (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a

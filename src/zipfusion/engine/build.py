@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ..config import ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, GPU_MEMORY_UTILIZATION, EngineConfig
+from ..config import ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, GPU_MEMORY_UTILIZATION, EngineConfig, memory_options
 from ..memory import BudgetTooSmall
 from .fp8_kv_cache import Fp8KVCache
 from .kv_cache import ArenaKVCache, DenseKVCache
@@ -78,6 +78,6 @@ def build_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype, devic
         if config.kv_cache_dtype == "fp8":
             return Fp8KVCache(L, H, D, budget, device, defer_table_sync=True, **kw)
         return ArenaKVCache(L, H, D, budget, device, kv_compression=config.kv_compression,
-                            defer_table_sync=True, **kw)
+                            defer_table_sync=True, **kw, **memory_options(config.admission))
     except BudgetTooSmall as exc:
         raise ValueError(f"kv_memory_gb={gb:g} is too small for this model: {exc}") from None
