@@ -88,9 +88,9 @@ class SimCache(ArenaKVCache):
     """An ArenaKVCache on the meta device whose pages get drawn sizes when they are compressed."""
 
     def __init__(self, budget_bytes: int, compress: bool, fraction: float, seed: int, chunk_bytes: int | None = None,
-                 reserve_chunks: int | None = None):
-        more = {} if reserve_chunks is None else {"reserve_chunks": reserve_chunks}
-        super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress, chunk_bytes=chunk_bytes, **more)
+                 **manager_options):
+        super().__init__(L, H, D, budget_bytes, "meta", kv_compression=compress, chunk_bytes=chunk_bytes,
+                         **manager_options)
         self.manager = DrawnSizes(self.manager, fraction, seed)
 
 
@@ -125,9 +125,9 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     else:                                             # distinct prompts: no shared prefix
         prompts, outs, turns = [[10 + i] * p for i, (p, _) in enumerate(reqs)], [o for _, o in reqs], None
     longest = max(len(p) + (sc.turns - 1) * (o + sc.turn_prompt) + o for p, o in zip(prompts, outs)) + 16
+    options = memory_options(admission) if reserve_chunks is None else {"reserve_chunks": reserve_chunks}
     eng.cache = SimCache(int(gb * 2**30), mode == "compressed", fraction, seed,
-                         chunk_pages and chunk_pages * LAYOUT.open_page_bytes,
-                         memory_options(admission).get("reserve_chunks") if reserve_chunks is None else reserve_chunks)
+                         chunk_pages and chunk_pages * LAYOUT.open_page_bytes, **options)
     eng.max_model_len = longest
     if host_gb is None:
         host_gb = sc.host_gb if sc.host_gb is not None else min(2 * gb, H200_HOST_GB)

@@ -45,6 +45,8 @@ LOOKAHEAD_RESERVE_CHUNKS = 3
 def memory_options(admission: str) -> dict:
     """The memory manager's keyword arguments that ``admission`` asks for (memory/manager.py)."""
     return {"reserve_chunks": LOOKAHEAD_RESERVE_CHUNKS} if admission == "lookahead" else {}
+
+
 # Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
 # chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
 # (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a
