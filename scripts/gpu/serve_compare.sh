@@ -22,6 +22,9 @@ for mode in ${MODES:-compressed uncompressed}; do
     > "$OUT/serve_$mode.log" 2>&1
   echo "$mode: rc $?" | tee -a "$LOG"
   grep -v "^  \[" "$OUT/serve_$mode.log" | tail -14 | cut -c1-220 | tee -a "$LOG"
+  # the server's memory warnings (MemoryWatch: the step that grew it), here too: a device reply
+  # may leave the mode's log out
+  grep -E "WARNING: the server|\]   server: " "$OUT/serve_$mode.log" | tail -6 | cut -c1-400 | tee -a "$LOG"
 done
 python3 -m zipfusion bench serve --merge $(for m in ${MODES:-compressed uncompressed}; do echo "$OUT/serve_$m.json"; done) \
   --out "$OUT/serve" 2>&1 | tail -20 | tee -a "$LOG"
