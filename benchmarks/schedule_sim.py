@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
+from zipfusion.bench.serve_results import steady_start  # noqa: E402
 from zipfusion.config import memory_options  # noqa: E402
 from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.memory.admission import MODES  # noqa: E402
@@ -170,7 +171,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "host_schedule_s": sum(res.schedule_s for res in results), "host_seal_s": sum(res.seal_s for res in results),
             "host_other_s": sum(res.forward_s for res in results),
             "host_ahead_s": sum(res.ahead_s for res in results),       # scheduled while a forward would run
-            "sim_seconds": time.perf_counter() - t0, "max_in_flight": max_in_flight, **steady(loop, len(prompts))}
+            "sim_seconds": time.perf_counter() - t0, "max_in_flight": max_in_flight, **steady(loop, len(prompts), max_in_flight)}
 
 
 def arena_shares(e, arena: int, page_bytes: int) -> dict:
@@ -191,11 +192,11 @@ def arena_shares(e, arena: int, page_bytes: int) -> dict:
             "unusable": max(0.0, 1.0 - use - free - reserve), "promised": promised}
 
 
-def steady(loop: list[tuple], n: int) -> dict:
-    """A closed loop's steady state: the steps from the n/4-th send to the last one (ramp and
-    tail left out, as ``zipfusion bench serve``'s steady output rate): mean running requests
-    and the mean of each of :func:`arena_shares` (``steady_arena``)."""
-    w = [(run, shares) for sent, run, shares in loop if n // 4 <= sent < n]
+def steady(loop: list[tuple], n: int, max_in_flight: int | None) -> dict:
+    """A closed loop's steady state: the steps from ``zipfusion bench serve``'s steady start
+    (``steady_start``) to the last send (ramp and tail left out): mean running requests and the
+    mean of each of :func:`arena_shares` (``steady_arena``)."""
+    w = [(run, shares) for sent, run, shares in loop if steady_start(n, max_in_flight) <= sent < n]
     if not w:
         return {}
     run = np.array([r for r, _ in w])

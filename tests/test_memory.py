@@ -365,9 +365,9 @@ def test_estimate_admission_sets_aside_what_open_pages_cost_until_their_seal():
     est = Admission(m, mode="estimate", step_tokens=16 * 64)          # a step prefills up to 64 pages
     r = est.ratio()
     assert r < 1
-    decoding = RunningBatch([(5, 70, 200, 1), (3, 40, 90, 1)])          # prompts in memory: no page to come
+    decoding = RunningBatch([(5, 70, 200, 1, 70), (3, 40, 90, 1, 40)])  # prompts in memory: no page to come
     assert est.transient_pages(16 * 2, 0, decoding) == math.ceil((1 - r) * 2)
-    prefilling = RunningBatch([(2, 16 * 40, 16 * 41, 1)])                # 38 prompt pages to come
+    prefilling = RunningBatch([(2, 16 * 40, 16 * 41, 1, 16 * 40)])       # 38 prompt pages to come
     assert est.transient_pages(16 * 30, 0, prefilling) == math.ceil((1 - r) * 64)        # capped: a step
     assert est.transient_pages(16 * 30, 28, prefilling) == math.ceil((1 - r) * 40)       # a prefix hit
     # the shortfall moves with it: a short prompt beside decoding requests asks less than a long one

@@ -109,7 +109,7 @@ class EngineConfig:
     admission: str = _opt("estimate", "estimate: admit what fits at the observed compression ratio, "
                                       "keeping room for running requests; lookahead: the same, with requests "
                                       "of known length reserved at their busiest future step (more running "
-                                      "at once; not measured on a GPU yet); conservative: at open size; "
+                                      "at once; measured once on a GPU); conservative: at open size; "
                                       "optimistic: whatever fits now (preempt later)",
                           choices=ADMISSION_POLICIES)
     enable_prefix_caching: bool = _opt(True, "share the KV pages of prompts' common beginnings between requests "

@@ -29,6 +29,13 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:.3g}"
 
 
+def steady_start(n: int, max_concurrency: int | None = None) -> int:
+    """Where a run of ``n`` sends starts its steady state: the first quarter's last send, or in
+    a closed loop of ``max_concurrency`` requests, if later, the first send made after a request
+    finished (the first ``max_concurrency`` go at once)."""
+    return max(n // 4, min(max_concurrency or 0, n - 1))
+
+
 def steady_output_tok_s(recs: list[dict], min_window_s: float = 1.0,
                         max_concurrency: int | None = None) -> float | None:
     """Output tokens/s streamed while requests keep arriving: from the arrival of the first
@@ -38,7 +45,7 @@ def steady_output_tok_s(recs: list[dict], min_window_s: float = 1.0,
     are left out, so past saturation this is what the server sustains. None when arrivals span
     less than ``min_window_s`` (every request at once)."""
     sends = sorted(r["sent"] for r in recs if "sent" in r)
-    first = max(len(sends) // 4, min(max_concurrency or 0, len(sends) - 1))
+    first = steady_start(len(sends), max_concurrency)
     if len(sends) < 4 or sends[-1] - sends[first] < min_window_s:
         return None
     a, b = sends[first], sends[-1]

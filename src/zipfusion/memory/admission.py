@@ -35,8 +35,10 @@ page is not counted); requests of uncertain length keep their whole expected nee
 as above. In a closed loop of decode-heavy requests (`benchmarks/schedule_sim.py
 --max-in-flight 64`, 4 GiB) the sum leaves ~40 % of the KV promised and unused at every step;
 lookahead runs 1.51x / 1.57x the requests (compressed / uncompressed) with none preempted, but
-the compressed arena then runs near full and its seal's host time grows (more pages left open,
-compaction), so it is not the default until measured on a GPU.
+the compressed arena then runs near full (the engine keeps it config.LOOKAHEAD_RESERVE_CHUNKS
+chunks a layer for the seal), so it is not the default yet: on an H100 (4 GiB, 64 in flight:
+benchmarks/results/steady_h100, section 5) it raised the steady output 1.24x compressed and 1.41x
+uncompressed against the default, but that loop capped the compressed server.
 
 Modes: ``"estimate"`` (the above, without lookahead), ``"lookahead"``, ``"conservative"`` (r' = 1
 and out_frac = 1: a running request is never preempted), ``"optimistic"`` (vLLM's: admit whatever
@@ -83,12 +85,10 @@ class RunningRequest:
 class RunningBatch:
     """The running requests as columns (what the scheduler hands over each time it asks):
     ``rows`` [n, 5] int64 of (pages held, tokens now, max total tokens, certain 0/1, prompt
-    tokens); rows of 4 take the prompt as all of the tokens now."""
+    tokens)."""
 
     def __init__(self, rows):
-        rows = np.asarray(rows, dtype=np.int64)
-        rows = rows.reshape(-1, 5 if rows.size and rows.shape[-1] == 5 else 4)
-        self.rows = rows if rows.shape[1] == 5 else np.hstack([rows, rows[:, 1:2]])
+        self.rows = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
 
     @classmethod
     def of(cls, running: Iterable[RunningRequest]) -> "RunningBatch":
