@@ -46,6 +46,14 @@ moved 3.4 TB/s read + written in benchmarks/results/codec_h200/codec.md: 1.89 GB
     PYTHONPATH=src python benchmarks/seal.py --out benchmarks/results/seal_h200  # on a CUDA GPU
     PYTHONPATH=src python benchmarks/seal.py --layers 2 --heads 1 --head-dim 64 --pages 8 --reps 2
                                                                                 # CPU smoke run
+
+``--small 1,2,8,40,80``: the page store's seals instead (memory/page_store.py), a few pages at a
+time from several fill streams as a decode step leaves them: the host time of ``analyze_pages``
+(launched behind one step's sampling) and of ``place_pages`` (behind the next step's forward:
+sizes read, placement, encode launch), the device idle (synchronized) before each, medians over
+``--reps``; the first repetition of each size is profiled (cProfile: the functions with the most
+own time, in the JSON). A decode-heavy run on an H100 paid ~0.8 ms a placement whatever its size
+(benchmarks/results/seal_host_cpu): this says where it goes.
 """
 
 from __future__ import annotations
@@ -198,6 +206,62 @@ def run(args, batch_by_batch: bool) -> dict:
             "compressible_fraction": compressible_fraction(pool.cpu())}
 
 
+def run_small(args) -> dict:
+    """The page store's seals of ``n`` pages (each of ``--small``): analysis then placement."""
+    import cProfile
+    import io
+    import pstats
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if cuda else "cpu"
+    layout = PageLayout(args.heads, args.head_dim)
+    L, sizes = args.layers, [int(x) for x in args.small.split(",")]
+    chunk = args.chunk_pages * layout.open_page_bytes
+    m = KVCacheManager(L, layout, 4 * max(sizes) * L * layout.open_page_bytes + 8 * L * chunk, device=device,
+                       chunk_bytes=chunk)
+    pool = pages_with_fraction(args.pool, args.heads, args.head_dim, args.fraction, seed=0).to(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = []
+    for n in sizes:
+        reps, profile, held = [], None, []
+        for rep in range(args.reps + 2):                 # 0: warm-up, 1: profiled, the rest timed
+            ids = m.alloc_pages(n)
+            fill(m, ids, pool)
+            m.set_streams(ids, [i % 8 for i in range(n)])   # a decode step's pages: ~8 fill streams
+            sync()
+            prof = cProfile.Profile() if rep == 1 else None
+            if prof:
+                prof.enable()
+            t0 = time.perf_counter()
+            job = m.analyze_pages(ids)
+            t1 = time.perf_counter()
+            if prof:
+                prof.disable()
+            sync()                                       # a step later: the analysis has run
+            if prof:
+                prof.enable()
+            t2 = time.perf_counter()
+            left = m.place_pages(job)
+            t3 = time.perf_counter()
+            if prof:
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.profile_top)
+                profile = text.getvalue()
+            assert not left, f"{len(left)} pages left open: raise the budget"
+            held += ids
+            if len(held) > 2 * max(sizes):               # free the oldest: chunks empty and come back
+                m.free_pages(held[:n])
+                held = held[n:]
+            if rep >= 2:
+                reps.append({"analyze_host_ms": (t1 - t0) * 1e3, "place_host_ms": (t3 - t2) * 1e3})
+        m.free_pages(held)
+        med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+        out.append({"pages": n, "median": med, "reps": reps, "profile": profile})
+        print(f"seal of {n:4d} pages: analyze {med['analyze_host_ms']:.3f} ms, place {med['place_host_ms']:.3f} ms "
+              "of host (median)", flush=True)
+    return {"mode": "small", "rows": out, "slots_per_chunk": m.slots_per_chunk}
+
+
 def table(result) -> str:
     lines = [f"seal {result['pages']} pages x {result['layers']} layers (H={result['heads']}, "
              f"D={result['head_dim']}), {result['env']['device']}",
@@ -225,6 +289,9 @@ def main(argv=None):
     ap.add_argument("--modes", default="waves,batch-by-batch")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even with a GPU")
     ap.add_argument("--out", default=None, help="folder for seal.json")
+    ap.add_argument("--small", default=None,
+                    help="comma-separated page counts: the page store's small seals' host time instead (seal_small.json)")
+    ap.add_argument("--profile-top", type=int, default=25, help="functions kept of each --small profile")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     import triton
@@ -232,6 +299,14 @@ def main(argv=None):
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "command": "PYTHONPATH=src python benchmarks/seal.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    if args.small:
+        result = {"env": env, "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
+                  "fraction": args.fraction, "reps": args.reps, **run_small(args)}
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "seal_small.json"), "w") as f:
+                json.dump(result, f, indent=1)
+        return result
     result = {"env": env, "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
               "pages": args.pages, "fraction": args.fraction, "reps": args.reps, "rows": []}
     for mode in args.modes.split(","):

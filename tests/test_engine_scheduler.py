@@ -6,6 +6,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from zipfusion.engine.kv_cache import KVCache
+from zipfusion.format import PAGE_TOKENS
 from zipfusion.engine.request import Request, Status
 from zipfusion.engine.sampling import SamplingParams
 from zipfusion.engine.scheduler import KVCacheTooSmall, Scheduler
@@ -152,6 +153,31 @@ def test_pages_waiting_for_a_seal_are_sealed_before_anyone_is_preempted():
     out = s.schedule()                                             # a needs a 3rd page for token 32
     assert out.preempted == [] and out.decode == [a, b]
     assert sorted(cache.sealed) == sorted(a.pages[:2] + b.pages[:1])
+
+
+def test_full_pages_are_sealed_sooner_while_admission_waits_for_room():
+    """A request refused for want of room asks the page store for its seals at the short wait
+    (SEAL_MAX_WAIT): the pages waiting, once sealed, make room. With nobody waiting they wait
+    SEAL_IDLE_WAIT steps (a tail's seals of a page or two cost a placement each)."""
+    from zipfusion.memory.page_store import SEAL_IDLE_WAIT, SEAL_MAX_WAIT
+
+    def first_seal(waiting: bool) -> int:
+        cache = SealingCache(40)
+        s = Scheduler(cache, max_num_batched_tokens=1000, prefix_caching=False)
+        s.add(req(0, 16, max_tokens=400))                          # a full page in step 0, then decode
+        advance(s, s.schedule())
+        if waiting:
+            s.add(req(1, 30 * PAGE_TOKENS, max_tokens=16))         # fits alone, not beside request 0
+        for step in range(1, 2 * SEAL_IDLE_WAIT):
+            out = s.schedule()
+            assert [ch.request.request_id for ch in out.prefill] == []
+            advance(s, out)
+            if cache.sealed:
+                return step
+        raise AssertionError("never sealed")
+
+    assert first_seal(waiting=True) == SEAL_MAX_WAIT
+    assert first_seal(waiting=False) == SEAL_IDLE_WAIT
 
 
 class ReserveCache(SealingCache):

@@ -47,27 +47,60 @@ def test_a_seal_is_placed_a_step_after_its_analysis():
     assert_contents(m, written)
 
 
-def test_a_busy_step_waits_longer_for_a_seal_than_a_small_one():
-    """Fewer full pages than a compress batch wait SEAL_MAX_WAIT steps for their seal, or
-    SEAL_BUSY_WAIT when the steps run SEAL_BUSY_ROWS requests or more (each still fills at most a
-    page in between; the seal's fixed cost serves more pages)."""
-    from zipfusion.memory.page_store import SEAL_BUSY_ROWS, SEAL_BUSY_WAIT, SEAL_MAX_WAIT
+def test_how_long_full_pages_wait_for_their_seal():
+    """Fewer full pages than a compress batch wait SEAL_MAX_WAIT steps for their seal while
+    admission waits for room (``want_room``), SEAL_BUSY_WAIT in steps of SEAL_BUSY_ROWS requests
+    or more (each request still fills at most a page in between; the seal's fixed cost serves
+    more pages); when nothing waits for room, SEAL_IDLE_WAIT steps, and twice as long as before
+    in a busy step (SEAL_IDLE_BATCHES)."""
+    from zipfusion.memory.page_store import (SEAL_BUSY_ROWS, SEAL_BUSY_WAIT, SEAL_IDLE_BATCHES,
+                                             SEAL_IDLE_WAIT, SEAL_MAX_WAIT)
 
-    def steps_to_seal(rows: int) -> int:
+    def steps_to_seal(rows: int, room_wanted: bool) -> int:
         cache, ps = store()
         m = cache.manager
         a = Req(0, ps.alloc(1), PAGE_TOKENS)                        # one full page: no compress batch
         fill(m, a.pages, [1.0, 0.9], seed=1)
         idle = [Req(i, [], 0) for i in range(1, rows)]              # rows that fill no page
-        for step in range(4 * SEAL_BUSY_WAIT):
+        for step in range(2 * SEAL_IDLE_WAIT):
+            if room_wanted:
+                ps.want_room()                                       # the scheduler, before each forward
             ps.after_forward([a] + idle)
             if m.page_state(a.pages[0]) == "stored":
                 return step                                          # analysed a step before
         raise AssertionError("never sealed")
 
-    assert SEAL_BUSY_WAIT > SEAL_MAX_WAIT
-    assert steps_to_seal(1) == steps_to_seal(SEAL_BUSY_ROWS - 1) == SEAL_MAX_WAIT
-    assert steps_to_seal(SEAL_BUSY_ROWS) == SEAL_BUSY_WAIT
+    assert SEAL_MAX_WAIT < SEAL_BUSY_WAIT < SEAL_IDLE_BATCHES * SEAL_BUSY_WAIT <= SEAL_IDLE_WAIT
+    assert steps_to_seal(1, True) == steps_to_seal(SEAL_BUSY_ROWS - 1, True) == SEAL_MAX_WAIT
+    assert steps_to_seal(1, False) == steps_to_seal(SEAL_BUSY_ROWS - 1, False) == SEAL_IDLE_WAIT
+    assert steps_to_seal(SEAL_BUSY_ROWS, True) == SEAL_BUSY_WAIT
+    assert steps_to_seal(SEAL_BUSY_ROWS, False) == SEAL_IDLE_BATCHES * SEAL_BUSY_WAIT
+
+
+def test_a_busy_step_with_room_to_spare_seals_two_compress_batches_at_once():
+    """A compress batch of full pages is sealed at once, except in a step of SEAL_BUSY_ROWS
+    requests or more while nothing waits for room: then it waits for a second
+    (SEAL_IDLE_BATCHES), one placement for both."""
+    from zipfusion.memory.page_store import SEAL_BUSY_ROWS, SEAL_IDLE_BATCHES
+
+    def sealed_after_one_step(rows: int, batches: int, room_wanted: bool = False) -> bool:
+        cache, ps = store()
+        m = cache.manager
+        n = batches * ps.seal_min_pages
+        a = Req(0, ps.alloc(n), n * PAGE_TOKENS)
+        fill(m, a.pages, [1.0, 0.9], seed=2)
+        idle = [Req(i, [], 0) for i in range(1, rows)]
+        if room_wanted:
+            ps.want_room()
+        ps.after_forward([a] + idle)                                 # analysed if due ...
+        ps.after_forward([a] + idle)                                 # ... placed
+        return {m.page_state(p) for p in a.pages} == {"stored"}
+
+    assert SEAL_IDLE_BATCHES == 2
+    assert sealed_after_one_step(1, 1)
+    assert sealed_after_one_step(SEAL_BUSY_ROWS, 1, room_wanted=True)
+    assert not sealed_after_one_step(SEAL_BUSY_ROWS, 1)
+    assert sealed_after_one_step(SEAL_BUSY_ROWS, 2)
 
 
 def test_pages_freed_between_analysis_and_placement_are_left_alone():

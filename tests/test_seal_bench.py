@@ -22,3 +22,17 @@ def test_seal_benchmark_smoke(tmp_path, capsys):
     assert waves["median"]["encode_calls"] == 1 and batches["median"]["encode_calls"] == 2
     assert waves["median"]["stored_bytes"] == batches["median"]["stored_bytes"] < waves["open_bytes"]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| batch by batch |")
+
+
+def test_seal_benchmark_small_seals_smoke(tmp_path):
+    """--small: the page store's seals of a few pages, timed and profiled, every page placed."""
+    spec = importlib.util.spec_from_file_location("seal_bench", os.path.join(ROOT, "benchmarks", "seal.py"))
+    seal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seal)
+    result = seal.main(["--cpu", "--layers", "2", "--heads", "1", "--head-dim", "64", "--small", "1,5",
+                        "--chunk-pages", "4", "--reps", "2", "--pool", "16", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "seal_small.json").read_text())
+    assert [r["pages"] for r in saved["rows"]] == [1, 5] and saved["slots_per_chunk"] == 4
+    for r in result["rows"]:
+        assert len(r["reps"]) == 2 and r["median"]["place_host_ms"] > 0
+        assert "place_pages" in r["profile"] or "encode" in r["profile"]

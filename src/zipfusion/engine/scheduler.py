@@ -191,6 +191,7 @@ class Scheduler:
             if n <= 0:
                 if not admitted:
                     self._unadmit(req)
+                self.pages.want_room()
                 break
             new_pages = req.pages_needed(req.num_computed + n)
             if new_pages:
@@ -241,10 +242,12 @@ class Scheduler:
                 short = self.admission.shortfall(*args)
             if short > 0:
                 self.prefix.release([n.page for n in resident])
+                self.pages.want_room()
                 return False
         chain = self._swap_in(chain, wait=bool(self.running))
         if chain is None:                           # its pages on the host do not fit yet: wait
             self.prefix.release([n.page for n in resident])
+            self.pages.want_room()
             return False
         if chain:
             req.pages = [n.page for n in chain]

@@ -41,15 +41,21 @@ from ..format.layout import PAGE_TOKENS
 from .prefix_cache import PrefixCache
 
 UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
-SEAL_MAX_WAIT = 8       # full pages are sealed (compressed) once a compress batch of them waits
-                        # (``seal_min_pages``) or this many steps after the last seal:
-                        # one call's fixed cost (analysis, placement) serves many pages
+SEAL_MAX_WAIT = 8       # while admission waits for room, full pages are sealed (compressed) once a
+                        # compress batch of them waits (``seal_min_pages``) or this many steps after
+                        # the last seal: one call's fixed cost (analysis, placement) serves many pages
 SEAL_BUSY_ROWS = 16     # a step of at least this many requests waits SEAL_BUSY_WAIT steps instead:
 SEAL_BUSY_WAIT = 16     # each request still fills at most one page in between (a page every 16 decode
                         # steps), and the seal's fixed host cost serves twice the pages (simulated
                         # decode-heavy run: seal host 0.13-0.16 -> 0.08 ms a step, peaks unchanged:
                         # benchmarks/results/seal_host_cpu); small batches keep SEAL_MAX_WAIT, so that
                         # short runs still seal
+SEAL_IDLE_WAIT = 64     # when nothing waits for room (a server below saturation, a run's tail), pages
+SEAL_IDLE_BATCHES = 2   # wait longer: this many steps in a small step, and twice the batch and the wait
+                        # in a busy one. Each placement costs ~1 ms of an H100's host whatever its size
+                        # (benchmarks/results/seal_host_cpu), and a tail of a few requests, filling a
+                        # page every few steps, sealed 1-2 pages at a time; the pages stay open a little
+                        # longer, which nothing waits for
 SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
                         # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
                         # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
@@ -85,6 +91,7 @@ class PageStore:
         self._rows = 0                         # requests in the last step
         self._stuck = 0                        # seals in a row that left pages open (no room)
         self._stuck_at = 0                     # the capacity after the last of them
+        self._room_wanted = False              # admission refused a request for room since the last seal
 
     # -- capacity, allocation, release: what the scheduler asks --------------------------------
     def capacity(self, keep_reserve: bool = True) -> int:
@@ -129,16 +136,22 @@ class PageStore:
     def after_forward(self, filled: Sequence = ()) -> int:
         """The step's forward and sampling are launched: place and encode the seal analysed in the
         previous step; collect the pages the requests ``filled`` have filled (offered to the prefix
-        cache, queued for a seal); when a seal is due (a compress batch waiting, or SEAL_MAX_WAIT
-        steps since the last, SEAL_BUSY_WAIT in a step of SEAL_BUSY_ROWS requests or more; longer
-        after seals that found no room), launch the size analysis
-        of every page waiting. Returns how many pages were handed to the placement."""
+        cache, queued for a seal); when a seal is due (while admission waits for room: a compress
+        batch waiting, or SEAL_MAX_WAIT steps since the last, SEAL_BUSY_WAIT in a step of
+        SEAL_BUSY_ROWS requests or more; when nothing waits for room, SEAL_IDLE_WAIT steps, or twice
+        the batch and the wait in a busy step; longer after seals that found no room), launch the
+        size analysis of every page waiting. Returns how many pages were handed to the placement."""
         sealed = self._finish() if self._job is not None else 0
         self._rows = len(filled)
         self._collect(filled)
         if self._due():
             self._start()
         return sealed
+
+    def want_room(self) -> None:
+        """Admission refused a request for want of room: the pages waiting are sealed at the short
+        waits (SEAL_MAX_WAIT, SEAL_BUSY_WAIT) instead of SEAL_IDLE_WAIT, so that they make room soon."""
+        self._room_wanted = True
 
     def seal_now(self) -> bool:
         """Seal every waiting page now (the scheduler's last resort before preempting a running
@@ -156,8 +169,13 @@ class PageStore:
             return False
         stuck = self._stuck > 0 and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
         base = SEAL_BUSY_WAIT if self._rows >= SEAL_BUSY_ROWS else SEAL_MAX_WAIT
-        wait = base << min(self._stuck - 1, SEAL_BACKOFF) if stuck else base
-        return self._wait >= wait or (not stuck and len(self._queue) >= self.seal_min_pages)
+        if stuck:
+            return self._wait >= base << min(self._stuck - 1, SEAL_BACKOFF)
+        if self._room_wanted:
+            return len(self._queue) >= self.seal_min_pages or self._wait >= base
+        if base == SEAL_BUSY_WAIT:
+            return len(self._queue) >= SEAL_IDLE_BATCHES * self.seal_min_pages or self._wait >= SEAL_IDLE_BATCHES * base
+        return len(self._queue) >= self.seal_min_pages or self._wait >= SEAL_IDLE_WAIT
 
     def _start(self) -> None:
         ids = sorted(self._queue, key=self._queue.__getitem__)
@@ -165,6 +183,7 @@ class PageStore:
         self._job, self._job_ids = self._manager.analyze_pages(ids), ids
         self._in_flight = set(ids)
         self._wait = 0
+        self._room_wanted = False
 
     def _finish(self) -> int:
         job, alive = self._job, [p for p in self._job_ids if p in self._in_flight]
