@@ -24,7 +24,9 @@
 #   mixprof -- where a compressed mixed step's time goes: the prefill-heavy `agent` run (G) with
 #            steps 40-47 traced by torch.profiler in each mode (top operators by device time in
 #            the JSON; ~3 min)
-#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve] [steady] [gather] [mixprof]   # results under $OUT
+#   sealprof -- the page store's small seals on the GPU's host (benchmarks/seal.py --small: analysis and
+#            placement host ms for 1-80 pages, cProfile of each in seal_small.json; ~1 min)
+#   bash scripts/gpu/balanced_splits.sh [tests] [run] [serve] [steady] [gather] [mixprof] [sealprof]   # results under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/env.sh || exit 1
@@ -73,6 +75,9 @@ for r in d["records"]:
         print(f"  {o.get('device_ms', o.get('cpu_ms', 0)):9.2f} ms {o['calls']:6d}  {o['name'][:90]}")
 EOF
   ;;
-*) echo "unknown part $part (tests, run, serve, steady, gather, mixprof)"; exit 2 ;;
+sealprof)
+  timeout -k 5 ${SEAL_LIMIT:-150} python3 benchmarks/seal.py --small ${SEAL_PAGES:-1,2,8,40,80} --reps 9 --out "$OUT" \
+    > "$OUT/seal_small.log" 2>&1; echo "seal small rc $?"; grep "^seal of" "$OUT/seal_small.log" ;;
+*) echo "unknown part $part (tests, run, serve, steady, gather, mixprof, sealprof)"; exit 2 ;;
 esac
 done
