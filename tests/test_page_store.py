@@ -17,9 +17,10 @@ OPEN = LAYOUT.open_page_bytes
 class Req:
     """What the page store reads of a request: its pages and how many of its tokens are computed."""
 
-    def __init__(self, rid: int, pages: list[int], tokens: int):
+    def __init__(self, rid: int, pages: list[int], tokens: int, prompt: int = 0):
         self.request_id, self.pages, self.num_computed = rid, pages, tokens
         self.num_sealed_pages, self.prefix_node = 0, 0
+        self.prompt_ids = list(range(prompt))
 
     def token_block(self, i: int) -> tuple:
         return tuple(range(1000 * self.request_id + PAGE_TOKENS * i, 1000 * self.request_id + PAGE_TOKENS * (i + 1)))
@@ -56,23 +57,26 @@ def test_how_long_full_pages_wait_for_their_seal():
     from zipfusion.memory.page_store import (SEAL_BUSY_ROWS, SEAL_BUSY_WAIT, SEAL_IDLE_BATCHES,
                                              SEAL_IDLE_WAIT, SEAL_MAX_WAIT)
 
-    def steps_to_seal(rows: int, room_wanted: bool) -> int:
+    def steps_to_seal(rows: int, room_wanted: bool, prompt: int = 0, first: bool = False) -> int:
         cache, ps = store()
         m = cache.manager
-        a = Req(0, ps.alloc(1), PAGE_TOKENS)                        # one full page: no compress batch
+        a = Req(0, ps.alloc(2), 2 * PAGE_TOKENS, prompt)             # one full page to seal: no compress batch
+        a.num_sealed_pages = 0 if first else 1                       # (page 0 was handed to a seal before)
         fill(m, a.pages, [1.0, 0.9], seed=1)
         idle = [Req(i, [], 0) for i in range(1, rows)]              # rows that fill no page
         for step in range(2 * SEAL_IDLE_WAIT):
             if room_wanted:
                 ps.want_room()                                       # the scheduler, before each forward
             ps.after_forward([a] + idle)
-            if m.page_state(a.pages[0]) == "stored":
+            if m.page_state(a.pages[1]) == "stored":
                 return step                                          # analysed a step before
         raise AssertionError("never sealed")
 
     assert SEAL_MAX_WAIT < SEAL_BUSY_WAIT < SEAL_IDLE_BATCHES * SEAL_BUSY_WAIT <= SEAL_IDLE_WAIT
     assert steps_to_seal(1, True) == steps_to_seal(SEAL_BUSY_ROWS - 1, True) == SEAL_MAX_WAIT
     assert steps_to_seal(1, False) == steps_to_seal(SEAL_BUSY_ROWS - 1, False) == SEAL_IDLE_WAIT
+    assert steps_to_seal(1, False, prompt=2 * PAGE_TOKENS) == SEAL_MAX_WAIT    # a prompt's page
+    assert steps_to_seal(1, False, first=True) == SEAL_MAX_WAIT                # a request's first
     assert steps_to_seal(SEAL_BUSY_ROWS, True) == SEAL_BUSY_WAIT
     assert steps_to_seal(SEAL_BUSY_ROWS, False) == SEAL_IDLE_BATCHES * SEAL_BUSY_WAIT
 

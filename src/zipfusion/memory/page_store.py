@@ -51,11 +51,12 @@ SEAL_BUSY_WAIT = 16     # each request still fills at most one page in between (
                         # benchmarks/results/seal_host_cpu); small batches keep SEAL_MAX_WAIT, so that
                         # short runs still seal
 SEAL_IDLE_WAIT = 64     # when nothing waits for room (a server below saturation, a run's tail), pages
-SEAL_IDLE_BATCHES = 2   # wait longer: this many steps in a small step, and twice the batch and the wait
-                        # in a busy one. Each placement costs ~1 ms of an H100's host whatever its size
-                        # (benchmarks/results/seal_host_cpu), and a tail of a few requests, filling a
-                        # page every few steps, sealed 1-2 pages at a time; the pages stay open a little
-                        # longer, which nothing waits for
+SEAL_IDLE_BATCHES = 2   # a decode step filled wait longer: this many steps in a small step, and twice the
+                        # batch and the wait in a busy one. Each placement costs ~1 ms of an H100's host
+                        # whatever its size (benchmarks/results/seal_host_cpu), and a tail of a few
+                        # requests, filling a page every few steps, sealed 1-2 pages at a time; those
+                        # pages stay open a little longer, which nothing waits for. A prompt's pages and
+                        # a request's first keep the short wait (a short run still compresses)
 SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
                         # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
                         # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
@@ -92,6 +93,7 @@ class PageStore:
         self._stuck = 0                        # seals in a row that left pages open (no room)
         self._stuck_at = 0                     # the capacity after the last of them
         self._room_wanted = False              # admission refused a request for room since the last seal
+        self._first_waiting = False            # a request's first or a prompt's page collected since the last seal
 
     # -- capacity, allocation, release: what the scheduler asks --------------------------------
     def capacity(self, keep_reserve: bool = True) -> int:
@@ -138,8 +140,9 @@ class PageStore:
         previous step; collect the pages the requests ``filled`` have filled (offered to the prefix
         cache, queued for a seal); when a seal is due (while admission waits for room: a compress
         batch waiting, or SEAL_MAX_WAIT steps since the last, SEAL_BUSY_WAIT in a step of
-        SEAL_BUSY_ROWS requests or more; when nothing waits for room, SEAL_IDLE_WAIT steps, or twice
-        the batch and the wait in a busy step; longer after seals that found no room), launch the
+        SEAL_BUSY_ROWS requests or more; when nothing waits for room and no prompt's page or
+        request's first waits, SEAL_IDLE_WAIT steps, or in a busy step twice the batch and the wait; longer after seals
+        that found no room), launch the
         size analysis of every page waiting. Returns how many pages were handed to the placement."""
         sealed = self._finish() if self._job is not None else 0
         self._rows = len(filled)
@@ -175,7 +178,7 @@ class PageStore:
             return len(self._queue) >= self.seal_min_pages or self._wait >= base
         if base == SEAL_BUSY_WAIT:
             return len(self._queue) >= SEAL_IDLE_BATCHES * self.seal_min_pages or self._wait >= SEAL_IDLE_BATCHES * base
-        return len(self._queue) >= self.seal_min_pages or self._wait >= SEAL_IDLE_WAIT
+        return len(self._queue) >= self.seal_min_pages or self._wait >= (base if self._first_waiting else SEAL_IDLE_WAIT)
 
     def _start(self) -> None:
         ids = sorted(self._queue, key=self._queue.__getitem__)
@@ -183,7 +186,7 @@ class PageStore:
         self._job, self._job_ids = self._manager.analyze_pages(ids), ids
         self._in_flight = set(ids)
         self._wait = 0
-        self._room_wanted = False
+        self._room_wanted = self._first_waiting = False
 
     def _finish(self) -> int:
         job, alive = self._job, [p for p in self._job_ids if p in self._in_flight]
@@ -202,6 +205,8 @@ class PageStore:
         not compress has nothing to seal)."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
+            if r.num_sealed_pages < full and (r.num_sealed_pages == 0 or r.num_sealed_pages < len(r.prompt_ids) // PAGE_TOKENS):
+                self._first_waiting = True      # a prompt's page, or a request's first
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
                 if self.kv_compression:
