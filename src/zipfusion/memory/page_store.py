@@ -141,9 +141,9 @@ class PageStore:
         cache, queued for a seal); when a seal is due (while admission waits for room: a compress
         batch waiting, or SEAL_MAX_WAIT steps since the last, SEAL_BUSY_WAIT in a step of
         SEAL_BUSY_ROWS requests or more; when nothing waits for room and no prompt's page or
-        request's first waits, SEAL_IDLE_WAIT steps, or in a busy step twice the batch and the wait; longer after seals
-        that found no room), launch the
-        size analysis of every page waiting. Returns how many pages were handed to the placement."""
+        request's first waits, SEAL_IDLE_WAIT steps, or in a busy step twice the batch and the
+        wait; longer after seals that found no room), launch the size analysis of every page
+        waiting. Returns how many pages were handed to the placement."""
         sealed = self._finish() if self._job is not None else 0
         self._rows = len(filled)
         self._collect(filled)
@@ -177,8 +177,10 @@ class PageStore:
         if self._room_wanted:
             return len(self._queue) >= self.seal_min_pages or self._wait >= base
         if base == SEAL_BUSY_WAIT:
-            return len(self._queue) >= SEAL_IDLE_BATCHES * self.seal_min_pages or self._wait >= SEAL_IDLE_BATCHES * base
-        return len(self._queue) >= self.seal_min_pages or self._wait >= (base if self._first_waiting else SEAL_IDLE_WAIT)
+            return (len(self._queue) >= SEAL_IDLE_BATCHES * self.seal_min_pages
+                    or self._wait >= SEAL_IDLE_BATCHES * base)
+        return (len(self._queue) >= self.seal_min_pages
+                or self._wait >= (base if self._first_waiting else SEAL_IDLE_WAIT))
 
     def _start(self) -> None:
         ids = sorted(self._queue, key=self._queue.__getitem__)
@@ -205,7 +207,8 @@ class PageStore:
         not compress has nothing to seal)."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
-            if r.num_sealed_pages < full and (r.num_sealed_pages == 0 or r.num_sealed_pages < len(r.prompt_ids) // PAGE_TOKENS):
+            first = r.num_sealed_pages == 0 or r.num_sealed_pages < len(r.prompt_ids) // PAGE_TOKENS
+            if first and r.num_sealed_pages < full:
                 self._first_waiting = True      # a prompt's page, or a request's first
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
