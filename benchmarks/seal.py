@@ -206,6 +206,18 @@ def run(args, batch_by_batch: bool) -> dict:
             "compressible_fraction": compressible_fraction(pool.cpu())}
 
 
+def _timed(fn, prof):
+    """(fn(), its host seconds), the profiler ``prof`` (or None) on around the call alone."""
+    if prof:
+        prof.enable()
+    t = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t
+    if prof:
+        prof.disable()
+    return out, seconds
+
+
 def run_small(args) -> dict:
     """The page store's seals of ``n`` pages (each of ``--small``): analysis then placement."""
     import cProfile
@@ -229,21 +241,10 @@ def run_small(args) -> dict:
             m.set_streams(ids, [i % 8 for i in range(n)])   # a decode step's pages: ~8 fill streams
             sync()
             prof = cProfile.Profile() if rep == 1 else None
-            if prof:
-                prof.enable()
-            t0 = time.perf_counter()
-            job = m.analyze_pages(ids)
-            t1 = time.perf_counter()
-            if prof:
-                prof.disable()
+            job, analyze_s = _timed(lambda: m.analyze_pages(ids), prof)
             sync()                                       # a step later: the analysis has run
+            left, place_s = _timed(lambda: m.place_pages(job), prof)
             if prof:
-                prof.enable()
-            t2 = time.perf_counter()
-            left = m.place_pages(job)
-            t3 = time.perf_counter()
-            if prof:
-                prof.disable()
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.profile_top)
                 profile = text.getvalue()
@@ -253,7 +254,7 @@ def run_small(args) -> dict:
                 m.free_pages(held[:n])
                 held = held[n:]
             if rep >= 2:
-                reps.append({"analyze_host_ms": (t1 - t0) * 1e3, "place_host_ms": (t3 - t2) * 1e3})
+                reps.append({"analyze_host_ms": analyze_s * 1e3, "place_host_ms": place_s * 1e3})
         m.free_pages(held)
         med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
         out.append({"pages": n, "median": med, "reps": reps, "profile": profile})
