@@ -158,14 +158,14 @@ def test_pages_waiting_for_a_seal_are_sealed_before_anyone_is_preempted():
 def test_full_pages_are_sealed_sooner_while_admission_waits_for_room():
     """A request refused for want of room asks the page store for its seals at the short wait
     (SEAL_MAX_WAIT): the pages waiting, once sealed, make room. With nobody waiting, pages that
-    decode steps filled (not a request's first) wait SEAL_IDLE_WAIT steps after the last seal (a
-    tail's seals of a page or two cost a placement each)."""
+    decode steps filled (past a request's first SEAL_FIRST_PAGES) wait SEAL_IDLE_WAIT steps after
+    the last seal (a tail's seals of a page or two cost a placement each)."""
     from zipfusion.memory.page_store import SEAL_IDLE_WAIT, SEAL_MAX_WAIT
 
     def seals(waiting: bool) -> list[int]:
         cache = SealingCache(40)
         s = Scheduler(cache, max_num_batched_tokens=1000, prefix_caching=False)
-        s.add(req(0, 31, max_tokens=400))          # prompt page 0; decode fills page 1 in step 1, page 2 in 17
+        s.add(req(0, 95, max_tokens=400))          # prompt pages 0-4; decode fills page 5 in step 1, 6 in 17
         advance(s, s.schedule())
         if waiting:
             s.add(req(1, 30 * PAGE_TOKENS, max_tokens=16))         # fits alone, not beside request 0
@@ -178,7 +178,7 @@ def test_full_pages_are_sealed_sooner_while_admission_waits_for_room():
             steps += [step] * (len(cache.sealed) > sealed)
         return steps
 
-    # pages 0-1 (a prompt's page waiting: the short wait either way), then page 2: once full
+    # pages 0-5 (a prompt's pages waiting: the short wait either way), then page 6: once full
     # (step 17) it waits for the short wait or, with nobody waiting, SEAL_IDLE_WAIT steps after the
     # analysis of the first seal (a step before its placement)
     assert seals(waiting=True)[:2] == [SEAL_MAX_WAIT, 17 + 1]

@@ -54,28 +54,29 @@ def test_how_long_full_pages_wait_for_their_seal():
     or more (each request still fills at most a page in between; the seal's fixed cost serves
     more pages); when nothing waits for room, SEAL_IDLE_WAIT steps, and twice as long as before
     in a busy step (SEAL_IDLE_BATCHES)."""
-    from zipfusion.memory.page_store import (SEAL_BUSY_ROWS, SEAL_BUSY_WAIT, SEAL_IDLE_BATCHES,
-                                             SEAL_IDLE_WAIT, SEAL_MAX_WAIT)
+    from zipfusion.memory.page_store import (SEAL_BUSY_ROWS, SEAL_BUSY_WAIT, SEAL_FIRST_PAGES,
+                                             SEAL_IDLE_BATCHES, SEAL_IDLE_WAIT, SEAL_MAX_WAIT)
 
     def steps_to_seal(rows: int, room_wanted: bool, prompt: int = 0, first: bool = False) -> int:
         cache, ps = store()
         m = cache.manager
-        a = Req(0, ps.alloc(2), 2 * PAGE_TOKENS, prompt)             # one full page to seal: no compress batch
-        a.num_sealed_pages = 0 if first else 1                       # (page 0 was handed to a seal before)
+        k = SEAL_FIRST_PAGES                                         # one full page to seal: no compress batch,
+        a = Req(0, ps.alloc(k + 1), (k + 1) * PAGE_TOKENS, prompt)   # page k (pages 0..k-1 handed to a seal
+        a.num_sealed_pages = k - 1 if first else k                   # before; with ``first`` page k-1 too)
         fill(m, a.pages, [1.0, 0.9], seed=1)
         idle = [Req(i, [], 0) for i in range(1, rows)]              # rows that fill no page
         for step in range(2 * SEAL_IDLE_WAIT):
             if room_wanted:
                 ps.want_room()                                       # the scheduler, before each forward
             ps.after_forward([a] + idle)
-            if m.page_state(a.pages[1]) == "stored":
+            if m.page_state(a.pages[-1]) == "stored":
                 return step                                          # analysed a step before
         raise AssertionError("never sealed")
 
     assert SEAL_MAX_WAIT < SEAL_BUSY_WAIT < SEAL_IDLE_BATCHES * SEAL_BUSY_WAIT <= SEAL_IDLE_WAIT
     assert steps_to_seal(1, True) == steps_to_seal(SEAL_BUSY_ROWS - 1, True) == SEAL_MAX_WAIT
     assert steps_to_seal(1, False) == steps_to_seal(SEAL_BUSY_ROWS - 1, False) == SEAL_IDLE_WAIT
-    assert steps_to_seal(1, False, prompt=2 * PAGE_TOKENS) == SEAL_MAX_WAIT    # a prompt's page
+    assert steps_to_seal(1, False, prompt=(SEAL_FIRST_PAGES + 1) * PAGE_TOKENS) == SEAL_MAX_WAIT  # a prompt's
     assert steps_to_seal(1, False, first=True) == SEAL_MAX_WAIT                # a request's first
     assert steps_to_seal(SEAL_BUSY_ROWS, True) == SEAL_BUSY_WAIT
     assert steps_to_seal(SEAL_BUSY_ROWS, False) == SEAL_IDLE_BATCHES * SEAL_BUSY_WAIT

@@ -55,8 +55,10 @@ SEAL_IDLE_BATCHES = 2   # a decode step filled wait longer: this many steps in a
                         # batch and the wait in a busy one. Each placement costs ~1 ms of an H100's host
                         # whatever its size (benchmarks/results/seal_host_cpu), and a tail of a few
                         # requests, filling a page every few steps, sealed 1-2 pages at a time; those
-                        # pages stay open a little longer, which nothing waits for. A prompt's pages and
-                        # a request's first keep the short wait (a short run still compresses)
+                        # pages stay open a little longer, which nothing waits for
+SEAL_FIRST_PAGES = 4    # a request's prompt pages and its first this many keep the short wait: a short
+                        # run still compresses what it holds (the demo's 4 requests of ~60 tokens held
+                        # 12 full pages at their peak, 4 of them sealed with 64 steps for every page)
 SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
                         # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
                         # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
@@ -93,7 +95,7 @@ class PageStore:
         self._stuck = 0                        # seals in a row that left pages open (no room)
         self._stuck_at = 0                     # the capacity after the last of them
         self._room_wanted = False              # admission refused a request for room since the last seal
-        self._first_waiting = False            # a request's first or a prompt's page collected since the last seal
+        self._first_waiting = False            # a prompt's page or a request's first, since the last seal
 
     # -- capacity, allocation, release: what the scheduler asks --------------------------------
     def capacity(self, keep_reserve: bool = True) -> int:
@@ -141,7 +143,7 @@ class PageStore:
         cache, queued for a seal); when a seal is due (while admission waits for room: a compress
         batch waiting, or SEAL_MAX_WAIT steps since the last, SEAL_BUSY_WAIT in a step of
         SEAL_BUSY_ROWS requests or more; when nothing waits for room and no prompt's page or
-        request's first waits, SEAL_IDLE_WAIT steps, or in a busy step twice the batch and the
+        request's first (SEAL_FIRST_PAGES) waits, SEAL_IDLE_WAIT steps, or in a busy step twice the batch and the
         wait; longer after seals that found no room), launch the size analysis of every page
         waiting. Returns how many pages were handed to the placement."""
         sealed = self._finish() if self._job is not None else 0
@@ -207,9 +209,8 @@ class PageStore:
         not compress has nothing to seal)."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
-            first = r.num_sealed_pages == 0 or r.num_sealed_pages < len(r.prompt_ids) // PAGE_TOKENS
-            if first and r.num_sealed_pages < full:
-                self._first_waiting = True      # a prompt's page, or a request's first
+            if r.num_sealed_pages < min(full, max(SEAL_FIRST_PAGES, len(r.prompt_ids) // PAGE_TOKENS)):
+                self._first_waiting = True      # a prompt's page, or one of a request's first
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
                 if self.kv_compression:
