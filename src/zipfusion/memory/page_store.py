@@ -173,12 +173,13 @@ class PageStore:
         if not self._queue:
             return False
         stuck = self._stuck > 0 and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
-        base = SEAL_BUSY_WAIT if self._rows >= SEAL_BUSY_ROWS else SEAL_MAX_WAIT
+        busy = self._rows >= SEAL_BUSY_ROWS
+        base = SEAL_BUSY_WAIT if busy else SEAL_MAX_WAIT
         if stuck:
             return self._wait >= base << min(self._stuck - 1, SEAL_BACKOFF)
         if self._room_wanted:
             return len(self._queue) >= self.seal_min_pages or self._wait >= base
-        if base == SEAL_BUSY_WAIT:
+        if busy:
             return (len(self._queue) >= SEAL_IDLE_BATCHES * self.seal_min_pages
                     or self._wait >= SEAL_IDLE_BATCHES * base)
         return (len(self._queue) >= self.seal_min_pages
@@ -209,13 +210,15 @@ class PageStore:
         not compress has nothing to seal)."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
-            if r.num_sealed_pages < min(full, max(SEAL_FIRST_PAGES, len(r.prompt_ids) // PAGE_TOKENS)):
+            if full <= r.num_sealed_pages:           # most steps: no page filled (a page is 16 tokens)
+                continue
+            if r.num_sealed_pages < max(SEAL_FIRST_PAGES, len(r.prompt_ids) // PAGE_TOKENS):
                 self._first_waiting = True      # a prompt's page, or one of a request's first
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
                 if self.kv_compression:
                     self._queue[r.pages[i]] = (r.request_id, i)
-            r.num_sealed_pages = max(r.num_sealed_pages, full)
+            r.num_sealed_pages = full
         self._wait += 1
 
     def waiting(self) -> list[int]:
