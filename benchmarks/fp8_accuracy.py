@@ -1,10 +1,11 @@
 """The accuracy cost of the FP8 KV cache (issue 47 item 2), measured on the CPU.
 
-Three KV modes of one engine, the same model weights (BF16) and the same fixed prompts:
+Four KV modes of one engine, the same model weights (BF16) and the same fixed prompts:
 
   bf16           BF16 pages, uncompressed: the reference
   bf16_lossless  BF16 pages, losslessly compressed (kv_compression=True): 0 by construction, measured
-  fp8            E4M3 pages (kv_cache_dtype="fp8", per-tensor scale 1.0)
+  fp8            E4M3 pages (kv_cache_dtype="fp8", per-tensor scale 1.0, kv_compression=False)
+  fp8_lossless   the same E4M3 pages, full ones losslessly compressed on top (fp8's tokens by construction)
 
 Per mode and model:
 
@@ -44,7 +45,7 @@ from zipfusion.engine import LLM, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fp8_accuracy_cpu"
 MODES = {"bf16": dict(kv_compression=False), "bf16_lossless": dict(kv_compression=True),
-         "fp8": dict(kv_cache_dtype="fp8")}
+         "fp8": dict(kv_cache_dtype="fp8", kv_compression=False), "fp8_lossless": dict(kv_cache_dtype="fp8")}
 CHAT_PROMPTS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.",
     "Write a haiku about the sea.", "How do I reverse a list in Python?",
@@ -195,12 +196,12 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(results)
-    modes = list(MODES)
-    colors = {"bf16": "#4c72b0", "bf16_lossless": "#55a868", "fp8": "#c44e52"}
+    modes = [mode for mode in MODES if mode in results[models[0]]["modes"]]      # an older JSON: three
+    colors = {"bf16": "#4c72b0", "bf16_lossless": "#55a868", "fp8": "#c44e52", "fp8_lossless": "#dd8452"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     w = 0.8 / len(modes)
     for j, mode in enumerate(modes):
-        xs = [i + (j - 1) * w for i in range(len(models))]
+        xs = [i + (j - (len(modes) - 1) / 2) * w for i in range(len(models))]
         share = [100 * results[m]["modes"][mode]["identical_share"] for m in models]
         kl = [results[m]["modes"][mode]["mean_kl_nats"] for m in models]
         b = axes[0].bar(xs, share, w, color=colors[mode], label=mode)

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from zipfusion.format import CorruptPageError, PageLayout
 from zipfusion.format.fp8 import E4M3_MAX, dequantize_e4m3, head_scales, quantize_e4m3
 from zipfusion.format.fp8_blocks import (BLK2, BLK3, BODY_BYTES, COL2, DESIGNS, RAW, block_sizes, choose_modes,
-                                         decode_blocks, decode_fp8_page, encode_blocks, encode_fp8_page,
+                                         decode_blocks, decode_fp8_page, encode_blocks, encode_fp8_page, fp8_block_meta,
                                          fp8_page_sizes, pack_fields, record_bytes, unpack_fields)
 
 ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -198,7 +198,9 @@ def test_corrupt_pages_are_refused():
         decode_fp8_page(bad, 1, 64)
     meta = int(buf[4]) | int(buf[5]) << 8
     assert (meta >> 4) & 3 != RAW
-    bad = torch.cat([buf, torch.zeros(4, dtype=torch.uint8)])     # one escape word more than the codes say
+    end = 16 + int(block_sizes(fp8_block_meta(page[None])).sum())    # records + bodies, before the padding
+    bad = torch.cat([buf[:end], torch.zeros(4, dtype=torch.uint8)])  # one escape word more than the codes say
+    bad = torch.nn.functional.pad(bad, (0, -bad.numel() % 16))
     bad[4], bad[5] = (meta + 64) & 0xFF, (meta + 64) >> 8
     v_first = int(buf[8]) | int(buf[9]) << 8
     bad[8], bad[9] = (v_first + 4) & 0xFF, (v_first + 4) >> 8       # V's first block starts 4 bytes later

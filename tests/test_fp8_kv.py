@@ -204,15 +204,17 @@ def test_capacity_is_about_twice_the_bf16_pages_at_equal_memory():
 
     class MC:
         num_hidden_layers, num_key_value_heads, head_dim = L, H, D
-    built = build_kv_cache(EngineConfig(kv_cache_dtype="fp8_e4m3"), MC, torch.bfloat16, torch.device("cpu"), 1 / 16)
+    built = build_kv_cache(EngineConfig(kv_cache_dtype="fp8_e4m3", kv_compression=False), MC, torch.bfloat16,
+                           torch.device("cpu"), 1 / 16)
     assert isinstance(built, Fp8KVCache) and built.capacity_new_pages() == fp8
+    lossless = build_kv_cache(EngineConfig(kv_cache_dtype="fp8"), MC, torch.bfloat16, torch.device("cpu"), 1 / 16)
+    assert lossless.kv_compression and lossless.capacity_new_pages() == \
+        Fp8KVCache(L, H, D, budget, "cpu", kv_compression=True).capacity_new_pages()     # the seal's reserve kept
     assert type(build_kv_cache(EngineConfig(kv_cache_dtype="auto", kv_compression=False), MC, torch.bfloat16,
                                torch.device("cpu"), 1 / 16)) is ArenaKVCache
 
 
-def test_fp8_cache_refuses_compression_and_bad_scales():
-    with pytest.raises(ValueError, match="not compressed"):
-        Fp8KVCache(1, 1, 64, 2 ** 20, "cpu", kv_compression=True)
+def test_fp8_cache_refuses_bad_scales():
     with pytest.raises(ValueError, match="k_scale must be a positive finite number"):
         Fp8KVCache(1, 1, 64, 2 ** 20, "cpu", k_scale=0.0)
 
@@ -287,7 +289,9 @@ def test_fp8_kernel_arguments():
 @pytest.mark.parametrize("kw,match", [
     (dict(kv_cache_dtype="fp16"), r"kv_cache_dtype must be one of \['auto', 'bf16', 'fp8', 'fp8_e4m3'\]"),
     (dict(kv_cache_dtype="fp8", dtype="float32"), "runs with dtype='bfloat16' activations"),
-    (dict(kv_cache_dtype="fp8", attention_backend="flashinfer", deterministic=True), "batch-invariant"),
+    (dict(kv_cache_dtype="fp8", attention_backend="flashinfer"), "reads uncompressed pages only"),
+    (dict(kv_cache_dtype="fp8", kv_compression=False, attention_backend="flashinfer", deterministic=True),
+     "batch-invariant"),
     (dict(kv_cache_dtype="fp8", packed_decode=True), "packed_decode does not read FP8 pages"),
 ])
 def test_config_errors(kw, match):
@@ -295,10 +299,11 @@ def test_config_errors(kw, match):
         EngineConfig(**kw)
 
 
-def test_config_names_and_compression_off_with_fp8():
+def test_config_names_and_compression_with_fp8():
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
-    c = EngineConfig(kv_cache_dtype="fp8", kv_compression=True)
-    assert (c.kv_compression, c.kv_lossy) == (False, True)
+    c = EngineConfig(kv_cache_dtype="fp8")                        # lossless compression on top, as for bf16
+    assert (c.kv_compression, c.kv_lossy) == (True, True)
+    assert EngineConfig(kv_cache_dtype="fp8", kv_compression=False).kv_compression is False
     c = EngineConfig(kv_cache_dtype="auto")
     assert (c.kv_cache_dtype, c.kv_compression, c.kv_lossy) == ("bf16", True, False)
 
@@ -311,7 +316,7 @@ def greedy(llm, prompts, n=12):
 
 
 def test_engine_generates_with_fp8_and_pages_hold_one_byte_a_value():
-    with LLM("demo", device="cpu", kv_cache_dtype="fp8", kv_memory_gb=0.05) as llm:
+    with LLM("demo", device="cpu", kv_cache_dtype="fp8", kv_compression=False, kv_memory_gb=0.05) as llm:
         eng = llm.engine
         assert isinstance(eng.cache, Fp8KVCache) and not eng.cache.kv_compression
         outs = greedy(llm, PROMPTS)
@@ -324,6 +329,27 @@ def test_engine_generates_with_fp8_and_pages_hold_one_byte_a_value():
     # lossy, but close on a trained model: most greedy tokens agree with bf16
     agree = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
     assert agree >= 0.5 * 12 * len(PROMPTS), (outs, ref)
+
+
+def test_lossless_fp8_pages_give_the_open_fp8_pages_bits():
+    """kv_compression on top of fp8 (the FP8 block format): every token and logit of a batch equal
+    to the run with open FP8 pages, while most full pages are sealed; prefix-cache hits on sealed
+    pages included."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for compressed in (False, True):
+        with LLM("demo", device="cpu", kv_cache_dtype="fp8", kv_compression=compressed, kv_memory_gb=0.05,
+                 max_num_batched_tokens=64) as llm:
+            eng = llm.engine
+            outs = []
+            for _ in range(2):                                    # the second pass hits the prefix cache
+                reqs = [eng.add_request(llm.tokenizer.encode(p * 3), sp) for p in PROMPTS]
+                run_to_completion(eng, reqs, keep_logits=True)
+                outs += [(r.output_ids, torch.stack(r.logits)) for r in reqs]
+            runs[compressed] = outs, eng.cache.manager.pages_compressed, eng.cache.stored_ratio()
+    assert runs[False][1] == 0 and runs[True][1] > 10 and runs[True][2] < 0.97
+    for (ids0, lg0), (ids1, lg1) in zip(runs[False][0], runs[True][0]):
+        assert ids0 == ids1 and torch.equal(lg0, lg1)
 
 
 @pytest.mark.parametrize("backend", ["torch", "kernel"])
@@ -399,7 +425,9 @@ def test_models_metadata_says_fp8_is_lossy():
 
     from zipfusion.engine import LLMEngine
     from zipfusion.server.openai import create_app
-    for kw, want in ((dict(kv_cache_dtype="fp8"), ("fp8", False, True)), (dict(), ("bf16", True, False))):
+    for kw, want in ((dict(kv_cache_dtype="fp8"), ("fp8", True, True)),
+                     (dict(kv_cache_dtype="fp8", kv_compression=False), ("fp8", False, True)),
+                     (dict(), ("bf16", True, False))):
         engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.02, max_model_len=128, **kw)
         with TestClient(create_app(engine)) as c:
             m = c.get("/v1/models").json()["data"][0]

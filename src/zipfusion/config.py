@@ -75,16 +75,16 @@ class EngineConfig:
                               "llama-3.1-8b-random / qwen3-8b-random (random weights)")
     device: str = _opt("auto", "cuda, cuda:N, cpu, or auto (cuda when a GPU is visible)")
     dtype: str = _opt("bfloat16", "bfloat16, or float32 (needs --no-kv-compression)")
-    kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 only)",
+    kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bf16 pages, or fp8 ones: "
+                                      "their E4M3 bytes kept bit for bit)",
                                 off_help="keep KV pages uncompressed (default: full pages are kept losslessly "
-                                         "compressed; needed for --dtype float32; always off with "
-                                         "--kv-cache-dtype fp8)")
+                                         "compressed, bf16 or fp8; needed for --dtype float32)")
     kv_cache_dtype: str = _opt(
         "bf16", "how K/V values are stored: bf16 (exact; losslessly compressed unless --no-kv-compression) or "
                 "fp8 (E4M3, one byte a value: about 2x the KV pages in the same memory. LOSSY: each K/V value "
                 "is rounded to 3 mantissa bits and |x| > 448 saturates (per-tensor scale 1.0, as vLLM's "
-                "default); outputs differ from bf16. FP8 pages are not compressed: kv_compression is off "
-                "with fp8). Also accepted: auto (= bf16), fp8_e4m3 (= fp8)", choices=KV_CACHE_DTYPE_NAMES)
+                "default); outputs differ from bf16. Full FP8 pages are then compressed losslessly on top "
+                "unless --no-kv-compression). Also accepted: auto (= bf16), fp8_e4m3 (= fp8)", choices=KV_CACHE_DTYPE_NAMES)
     kv_memory_gb: float | None = _opt(None, "GiB for the KV cache (default: what the GPU has free after "
                                             f"the weights x {GPU_MEMORY_UTILIZATION} - "
                                             f"{ACTIVATION_RESERVE_GB} GiB; {CPU_KV_MEMORY_GB} on CPU)")
@@ -213,10 +213,9 @@ class EngineConfig:
                 raise ValueError("attention_backend='flashinfer' is not batch-invariant; drop deterministic=True")
 
     def _check_fp8(self) -> None:
-        """kv_cache_dtype='fp8': bf16 activations, pages never compressed (kv_compression turned
-        off), read by our Triton decode kernel, FlashInfer's FP8 decode (``attention_backend=
-        'flashinfer'``) or torch; no packed decode."""
-        self.kv_compression = False
+        """kv_cache_dtype='fp8': bf16 activations; full pages compressed losslessly in the FP8
+        block format with ``kv_compression``; read by our Triton decode kernels, FlashInfer's FP8
+        decode (``attention_backend='flashinfer'``, uncompressed) or torch; no packed decode."""
         if str(self.dtype).lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
             raise ValueError(f"kv_cache_dtype='fp8' runs with dtype='bfloat16' activations, got dtype={self.dtype!r}")
         if self.packed_decode:

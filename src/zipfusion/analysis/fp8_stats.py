@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..format.fp8 import head_scales, quantize_e4m3
-from ..format.fp8_blocks import DESIGNS, MODE_NAMES, block_sizes, exponent_field, fp8_block_meta, record_bytes
+from ..format.fp8_blocks import DESIGNS, MODE_NAMES, PAGE_ALIGN, block_sizes, exponent_field, fp8_block_meta, record_bytes
 from ..format.layout import PAGE_TOKENS, to_blocks
 from .kv_stats import full_pages
 
@@ -60,7 +60,9 @@ def fp8_layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> FP8LayerSta
         for design in DESIGNS:
             meta = fp8_block_meta(pages, design)                           # [P, H, 2, nb]
             size = block_sizes(meta)
-            stats.stored[scale, design] = (records + int(size[:, :, 0].sum()), records + int(size[:, :, 1].sum()))
+            page = 2 * H * record_bytes(layout) + size.flatten(1).sum(1)                 # [P], before padding
+            pad = int((-page % PAGE_ALIGN).sum())                                  # counted with V, the page's end
+            stats.stored[scale, design] = (records + int(size[:, :, 0].sum()), records + int(size[:, :, 1].sum()) + pad)
             if design == "adaptive":
                 stats.modes[scale] = torch.bincount(((meta >> 4) & 3).flatten(), minlength=4).tolist()
                 stats.escapes[scale] = int((meta >> 6).sum())

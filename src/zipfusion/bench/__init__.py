@@ -6,8 +6,9 @@
 - ``latency``: one batch of B prompts of L tokens: prefill time, then per-token decode (:mod:`.latency`);
 - ``kernel``: decode attention, compressed vs uncompressed kernel vs FlashInfer (:mod:`.kernel`).
 
-Each takes ``--compare compressed,uncompressed[,flashinfer][,fp8][,flashinfer_fp8]`` (:data:`MODES`;
-fp8, the lossy FP8 KV cache, read by our kernel or FlashInfer's; :data:`KERNEL_MODES` for the kernel
+Each takes ``--compare compressed,uncompressed[,flashinfer][,fp8][,fp8_lossless][,flashinfer_fp8]``
+(:data:`MODES`; fp8, the lossy FP8 KV cache, read by our kernel or FlashInfer's, fp8_lossless the
+same pages compressed losslessly on top; :data:`KERNEL_MODES` for the kernel
 bench), prints a table last and writes JSON + PNG (:mod:`.report`). Datasets are length distributions with random token
 ids or text (:mod:`.datasets`). Importing this package is cheap (no torch): the CLI builds its
 parser from :mod:`.cli`.
@@ -22,10 +23,12 @@ MODES = {
     "uncompressed": ({"kv_compression": False}, ["--no-kv-compression"]),
     "flashinfer": ({"kv_compression": False, "attention_backend": "flashinfer"},
                    ["--no-kv-compression", "--attention-backend", "flashinfer"]),
-    "fp8": ({"kv_cache_dtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
+    "fp8": ({"kv_cache_dtype": "fp8", "kv_compression": False}, ["--kv-cache-dtype", "fp8", "--no-kv-compression"]),
+    # FP8 pages, full ones compressed losslessly on top (the E4M3 bytes kept bit for bit)
+    "fp8_lossless": ({"kv_cache_dtype": "fp8", "kv_compression": True}, ["--kv-cache-dtype", "fp8"]),
     # the FP8 KV cache decoded by FlashInfer's FP8 kernel (CUDA; vLLM's FP8 decode)
-    "flashinfer_fp8": ({"kv_cache_dtype": "fp8", "attention_backend": "flashinfer"},
-                       ["--kv-cache-dtype", "fp8", "--attention-backend", "flashinfer"]),
+    "flashinfer_fp8": ({"kv_cache_dtype": "fp8", "kv_compression": False, "attention_backend": "flashinfer"},
+                       ["--kv-cache-dtype", "fp8", "--no-kv-compression", "--attention-backend", "flashinfer"]),
 }
 FLASHINFER_MODES = ("flashinfer", "flashinfer_fp8")                # need FlashInfer and CUDA
 # zipfusion bench kernel's: BF16 pages (compressed, open, FlashInfer's) and E4M3 pages (ours, FlashInfer's)

@@ -96,8 +96,8 @@ class AttentionBackend:
             self.decode = TorchDecode(cache, sm_scale, exact=deterministic)
         read = page_reader(cache, kind != "torch", kv_compression)
         if deterministic:
-            self.prefill_open = self.prefill_stored = RowsPrefill(
-                self.decode, read if kind == "kernel" and kv_compression else None)
+            self.prefill_open = self.prefill_stored = RowsPrefill(      # (FP8: no open copy, rows over pages)
+                self.decode, read if kind == "kernel" and kv_compression and not fp8 else None)
         else:
             self.prefill_open = OpenPrefill(sm_scale)
             self.prefill_stored = GatherPrefill(read, sm_scale, RowsPrefill(self.decode) if kind == "kernel" else None,

@@ -68,7 +68,7 @@ def build_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype, devic
                    tp_size: int = 1):
     """The KV cache of ``gb`` GiB for this rank's 1/tp_size of the KV heads: pages in an arena in
     bfloat16 (ArenaKVCache, compressed or not; Fp8KVCache with ``kv_cache_dtype="fp8"``: E4M3
-    pages, one byte a value), dense pages (DenseKVCache) otherwise."""
+    pages, one byte a value, compressed or not), dense pages (DenseKVCache) otherwise."""
     mc, budget = model_config, int(gb * 2**30)
     L, H, D = mc.num_hidden_layers, mc.num_key_value_heads // tp_size, mc.head_dim
     if dtype != torch.bfloat16:
@@ -76,7 +76,8 @@ def build_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype, devic
     kw = {"chunk_bytes": config.chunk_bytes} if config.chunk_bytes else {}
     try:
         if config.kv_cache_dtype == "fp8":
-            return Fp8KVCache(L, H, D, budget, device, defer_table_sync=True, **kw)
+            return Fp8KVCache(L, H, D, budget, device, kv_compression=config.kv_compression,
+                              defer_table_sync=True, **kw, **memory_options(config.admission))
         return ArenaKVCache(L, H, D, budget, device, kv_compression=config.kv_compression,
                             defer_table_sync=True, **kw, **memory_options(config.admission))
     except BudgetTooSmall as exc:

@@ -1,7 +1,9 @@
 """The FP8 KV cache (``kv_cache_dtype="fp8"``): E4M3 pages in the memory manager's arena.
 
 :class:`Fp8KVCache` is an :class:`~.kv_cache.ArenaKVCache` whose pages hold one byte a value
-(``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3), never compressed. The arena, the
+(``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3); with ``kv_compression`` its full pages
+are sealed into the lossless FP8 block format (``format.fp8_blocks``: the E4M3 bytes kept bit
+for bit, ~0.88 of their size on real KV) as BF16 pages are into theirs. The arena, the
 allocator and admission count pages by the layout's ``open_page_bytes``, so the same
 ``kv_memory_gb`` holds about twice the pages of BF16 (uncompressed). It is lossy
 (kernels/fp8_kv.py has the rounding): every value is stored as ``E4M3_RNE(clamp(x / s, ±448))``
@@ -39,13 +41,12 @@ class Fp8KVCache(ArenaKVCache):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, device,
                  k_scale: float = 1.0, v_scale: float = 1.0, **kwargs):
-        """``kwargs``: ArenaKVCache's (``kv_compression`` is always off; ``merged_store``: the
-        FP8 rope+store kernel, default on CUDA)."""
-        if kwargs.pop("kv_compression", False):
-            raise ValueError("kv_cache_dtype='fp8' pages are not compressed (lossless compression of FP8 "
-                             "pages is not supported yet); pass kv_compression=False")
+        """``kwargs``: ArenaKVCache's (``kv_compression``: full pages stored in the lossless FP8
+        block format, default off here; ``merged_store``: the FP8 rope+store kernel, default on
+        CUDA)."""
         self.k_scale, self.v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        super().__init__(num_layers, num_kv_heads, head_dim, budget_bytes, device, kv_compression=False, **kwargs)
+        kwargs.setdefault("kv_compression", False)
+        super().__init__(num_layers, num_kv_heads, head_dim, budget_bytes, device, **kwargs)
 
     def store(self, layer, q, k, v, cos, sin, page_ids, slots, want_kv: bool):
         """Rotate q, k and write k, v as E4M3 bytes into the open pages at (page_ids[t],
@@ -64,10 +65,14 @@ class Fp8KVCache(ArenaKVCache):
         return q, dequantize_e4m3(kb, self.k_scale, k.dtype), dequantize_e4m3(vb, self.v_scale, v.dtype)
 
     def read_pages(self, layer, ids):
-        """Pages [n, 2, 16, H, D] bf16: K as bf16(E4M3 · k_scale), V as bf16(E4M3 · v_scale)."""
-        ids = ids.to(self.device, torch.int64) if isinstance(ids, torch.Tensor) else \
-            to_device(np.asarray(ids, dtype=np.int64), self.device)     # pinned: no wait for the GPU
-        H, D = self.num_kv_heads, self.head_dim
-        raw = self.arena[self.layout.page_byte_index(self.page_loc[layer, ids])].view(-1, 2, 16, H, D)
+        """Pages [n, 2, 16, H, D] bf16: K as bf16(E4M3 · k_scale), V as bf16(E4M3 · v_scale)
+        (compressed pages decoded to their E4M3 bytes first)."""
+        if self.kv_compression:
+            raw = self.manager.read_pages(layer, ids.tolist() if isinstance(ids, torch.Tensor) else list(ids))
+        else:
+            ids = ids.to(self.device, torch.int64) if isinstance(ids, torch.Tensor) else \
+                to_device(np.asarray(ids, dtype=np.int64), self.device)     # pinned: no wait for the GPU
+            H, D = self.num_kv_heads, self.head_dim
+            raw = self.arena[self.layout.page_byte_index(self.page_loc[layer, ids])].view(-1, 2, 16, H, D)
         return torch.stack([dequantize_e4m3(raw[:, 0], self.k_scale), dequantize_e4m3(raw[:, 1], self.v_scale)],
                            dim=1)

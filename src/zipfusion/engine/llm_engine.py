@@ -172,8 +172,8 @@ class LLMEngine:
         log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, KV cache %.2f GiB "
                  "(%s), max_model_len %d, max_num_seqs %d", self.source.name, mc.num_hidden_layers,
                  mc.num_key_value_heads, mc.head_dim, str(self.dtype).replace("torch.", ""), self.device,
-                 self.kv_memory_gb, "fp8 (E4M3, lossy)" if cfg.kv_cache_dtype == "fp8"
-                 else "compressed" if cfg.kv_compression else "uncompressed",
+                 self.kv_memory_gb, ("fp8 (E4M3, lossy), " if cfg.kv_cache_dtype == "fp8" else "")
+                 + ("compressed" if cfg.kv_compression else "uncompressed"),
                  self.max_model_len, cfg.max_num_seqs)
 
     # -- building ---------------------------------------------------------------------------

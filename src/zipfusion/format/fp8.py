@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import PageLayout, loc_offset, open_bf16_index
+from .layout import BLOCK_VALUES, PageLayout, loc_offset, open_bf16_index
 
 E4M3_MAX = 448.0          # largest finite E4M3 magnitude
 E4M3_NAN = 0x7F           # one of the two NaN codes (0xFF is the other)
@@ -97,12 +97,38 @@ def head_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8PageLayout(PageLayout):
-    """An open page ``[2, 16, H, D]`` at one byte a value (E4M3): half a BF16 page. FP8 pages
-    are never compressed (the compressed-page sizes of :class:`PageLayout` do not apply)."""
+    """An open page ``[2, 16, H, D]`` at one byte a value (E4M3): half a BF16 page. Compressed,
+    a page is in the FP8 block format (:mod:`zipfusion.format.fp8_blocks`), whose records and
+    block sizes replace the BF16 format's below."""
+
+    element_dtype = torch.uint8
 
     @property
     def open_page_bytes(self) -> int:
         return super().open_page_bytes // 2
+
+    @property
+    def record_bytes(self) -> int:
+        from .fp8_blocks import record_bytes
+        return record_bytes(self)
+
+    @property
+    def min_page_bytes(self) -> int:
+        """Every block in its smallest mode (blk2) without escapes."""
+        from .fp8_blocks import BLK2, BODY_BYTES
+        return self.header_bytes + self.num_blocks * BODY_BYTES[BLK2]
+
+    @property
+    def max_page_bytes(self) -> int:
+        """Every block raw (stored in open form instead: no stored page is larger than open)."""
+        return self.header_bytes + self.num_blocks * BLOCK_VALUES
+
+    def compressed_blocks(self, sizes):
+        """Blocks stored in a coded mode, from stored sizes: a lower bound, ceil(saved / 128)
+        (a coded block saves 64 to 128 bytes less 4 per escape word)."""
+        import numpy as np
+        saved = self.max_page_bytes - sizes
+        return np.where(sizes >= self.open_page_bytes, 0, np.minimum(-(-saved // 128), self.num_blocks))
 
     def open_elements(self, page_loc: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Byte indices [T, 2, H, D] into the arena of slot ``slots[t]`` of the open page at

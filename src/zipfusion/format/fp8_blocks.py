@@ -34,7 +34,8 @@ codes are zeroed; an escaped value's exponent is then ORed into bits 3..6).
 
 Page: for each (head, K/V) a record of a u32 byte offset of its first block and one u16 metadata
 word per block ``β | mode << 4 | w << 6``, zero-padded to 8 bytes; then the blocks' bodies in
-format order, each ``body + 4·w`` bytes.
+format order, each ``body + 4·w`` bytes; then zeros to a multiple of 16 bytes (``PAGE_ALIGN``:
+the arena copies pages in 16-byte rows).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ COLUMNS = 32
 DESIGNS = {"blk3": (BLK3,), "blk2": (BLK2,), "col2": (COL2,), "adaptive": (BLK3, BLK2, COL2)}
 DEFAULT_DESIGN = "adaptive"
 MAX_BODY = 512 + 4 * (BLOCK_VALUES // 8)  # a body buffer that holds any mode's escapes
+PAGE_ALIGN = 16                           # a stored page's size is a multiple of this (the arena's copy rows)
 
 
 def exponent_field(codes: torch.Tensor) -> torch.Tensor:
@@ -250,6 +252,24 @@ def record_bytes(layout: PageLayout) -> int:
     return 8 * -(-(4 + 2 * layout.blocks_per_head) // 8)
 
 
+def header_bytes(layout: PageLayout) -> int:
+    """The records of a page: one per (head, K or V)."""
+    return 2 * layout.num_kv_heads * record_bytes(layout)
+
+
+def _round_up(n):
+    return (n + PAGE_ALIGN - 1) // PAGE_ALIGN * PAGE_ALIGN
+
+
+def _page_plan(meta: torch.Tensor, layout: PageLayout):
+    """Metadata words [P, NB] (format order) -> (block sizes [P, NB], block starts [P, NB]
+    from the page's first byte, page sizes [P]: records + bodies, padded to PAGE_ALIGN)."""
+    sizes = block_sizes(meta)
+    header = header_bytes(layout)
+    starts = header + torch.cumsum(sizes, 1) - sizes
+    return sizes, starts, _round_up(header + sizes.sum(1))
+
+
 def fp8_block_meta(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
     """Metadata words [P, H, 2, nb] (int64) of E4M3 pages [P, 2, 16, H, D] under ``design``."""
     _check_fp8_pages(pages)
@@ -257,32 +277,84 @@ def fp8_block_meta(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.T
 
 
 def fp8_page_sizes(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
-    """Encoded bytes of each E4M3 page [P, 2, 16, H, D], [P] int64, without encoding."""
+    """Encoded bytes of each E4M3 page [P, 2, 16, H, D], [P] int64 (padding included), without
+    encoding."""
     layout = _check_fp8_pages(pages)
-    meta = fp8_block_meta(pages, design)
-    return 2 * layout.num_kv_heads * record_bytes(layout) + block_sizes(meta).flatten(1).sum(1)
+    return _page_plan(fp8_block_meta(pages, design).flatten(1), layout)[2]
+
+
+def encode_fp8_pages(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 pages [P, 2, 16, H, D] (uint8 codes) -> (bytes [P, W] uint8, sizes [P] int64): page
+    ``p`` is the first ``sizes[p]`` bytes of row ``p`` (records, bodies, zero padding), the rest
+    of the row is zero. Batched, no host sync (the caller knows the sizes it copies)."""
+    layout = _check_fp8_pages(pages)
+    P, nb = pages.shape[0], layout.blocks_per_head
+    blocks = to_blocks(pages.contiguous().view(torch.uint8)).reshape(P, -1, BLOCK_VALUES)    # [P, NB, 512]
+    meta = choose_modes(blocks, design)                                                       # [P, NB]
+    sizes, starts, total = _page_plan(meta, layout)
+    first = starts.view(P, -1, nb)[..., 0]                                 # [P, 2H]: each record's offset
+    m = meta.view(P, -1, nb)
+    rec = torch.cat([torch.stack([(first >> (8 * i)) & 0xFF for i in range(4)], -1),
+                     torch.stack([m & 0xFF, m >> 8], -1).flatten(-2),
+                     first.new_zeros(*first.shape, record_bytes(layout) - 4 - 2 * nb)], -1)
+    header = header_bytes(layout)
+    W = header + meta.shape[1] * MAX_BODY                                  # a page of every block's largest body
+    bodies = encode_blocks(blocks.reshape(-1, BLOCK_VALUES), meta.reshape(-1)).view(P, -1, MAX_BODY)
+    j = torch.arange(MAX_BODY, device=pages.device)
+    pos = torch.where(j < sizes[..., None], starts[..., None] + j, W)     # past a body: the dropped column W
+    out = torch.zeros(P, W + PAGE_ALIGN, dtype=torch.uint8, device=pages.device)   # rows stay 16-byte aligned
+    out[:, :header] = rec.flatten(1).to(torch.uint8)
+    out.scatter_(1, pos.flatten(1), bodies.flatten(1))
+    out[:, W] = 0
+    return out, total
+
+
+def decode_fp8_pages(buf: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor | None,
+                     num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Encoded pages at byte ``offsets`` [P] of the 1-D uint8 ``buf`` -> E4M3 codes
+    [P, 2, 16, H, D] uint8, bit-exact. Given their ``sizes`` [P] (int64, on ``buf``'s device or
+    the host), every page is checked first: :class:`CorruptPageError` if its records do not
+    describe exactly that many bytes (padding zero) or hold metadata no encoder writes (host
+    syncs); ``sizes=None``: trusted bytes (this process's own), no check, no sync."""
+    layout = PageLayout(num_kv_heads, head_dim)
+    R, nb, header = record_bytes(layout), layout.blocks_per_head, header_bytes(layout)
+    off = offsets.to(buf.device, torch.int64)
+    P, dev = off.numel(), buf.device
+    last = buf.numel() - 1
+    rec = buf[(off[:, None] + torch.arange(header, device=dev)).clamp(max=last)].to(torch.int64).view(P, -1, R)
+    first = rec[..., 0] | (rec[..., 1] << 8) | (rec[..., 2] << 16) | (rec[..., 3] << 24)    # [P, 2H]
+    meta = (rec[..., 4:4 + 2 * nb:2] | (rec[..., 5:4 + 2 * nb:2] << 8)).flatten(1)          # [P, NB]
+    if sizes is not None:
+        check_meta(meta)
+        if bool((rec[..., 4 + 2 * nb:] != 0).any()):
+            raise CorruptPageError("FP8 page record padding is not zero")
+    bsize, starts, total = _page_plan(meta, layout)
+    j = torch.arange(MAX_BODY, device=dev)
+    at = (off[:, None, None] + starts[..., None] + j).clamp(max=last)
+    bodies = torch.where(j < bsize[..., None], buf[at].to(torch.int64), 0).view(-1, MAX_BODY)
+    if sizes is not None:
+        sizes = torch.as_tensor(sizes, dtype=torch.int64, device=dev).reshape(-1)
+        end = header + bsize.sum(1)
+        pad = torch.arange(PAGE_ALIGN, device=dev)
+        tail = buf[(off[:, None] + end[:, None] + pad).clamp(max=last)]
+        if (not torch.equal(first, starts.view(P, -1, nb)[..., 0]) or not torch.equal(total, sizes)
+                or bool((off + sizes > buf.numel()).any())):
+            raise CorruptPageError("FP8 page records do not match the page's length and block offsets")
+        if bool(((end[:, None] + pad < total[:, None]) & (tail != 0)).any()):
+            raise CorruptPageError("FP8 page padding is not zero")
+        check_meta(meta.reshape(-1), bodies)
+    codes = decode_blocks(bodies, meta.reshape(-1))
+    return from_blocks(codes.view(P, num_kv_heads, 2, nb, BLOCK_VALUES))
 
 
 def encode_fp8_page(page: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
-    """One E4M3 page [2, 16, H, D] (uint8 codes) -> a 1-D uint8 tensor (records + bodies)."""
+    """One E4M3 page [2, 16, H, D] (uint8 codes) -> a 1-D uint8 tensor (records, bodies, zero
+    padding to a multiple of PAGE_ALIGN)."""
     if not isinstance(page, torch.Tensor) or page.dim() != 4:
         raise ValueError("expected one page of shape [2, 16, num_kv_heads, head_dim], got "
                          f"{list(page.shape) if isinstance(page, torch.Tensor) else type(page).__name__}")
-    layout = _check_fp8_pages(page[None])
-    blocks = to_blocks(page[None].contiguous().view(torch.uint8)).reshape(-1, BLOCK_VALUES)
-    meta = choose_modes(blocks, design)
-    sizes = block_sizes(meta)
-    R = record_bytes(layout)
-    header = 2 * layout.num_kv_heads * R
-    starts = header + torch.cumsum(sizes, 0) - sizes
-    nb = layout.blocks_per_head
-    first = starts.view(-1, nb)[:, 0]
-    rec = torch.cat([torch.stack([(first >> (8 * i)) & 0xFF for i in range(4)], -1),
-                     torch.stack([meta.view(-1, nb) & 0xFF, meta.view(-1, nb) >> 8], -1).flatten(1),
-                     first.new_zeros(first.shape[0], R - 4 - 2 * nb)], -1)
-    bodies = encode_blocks(blocks, meta)
-    keep = torch.arange(MAX_BODY) < sizes[:, None]
-    return torch.cat([rec.flatten().to(torch.uint8), bodies[keep]])
+    out, size = encode_fp8_pages(page[None], design)
+    return out[0, :int(size[0])]
 
 
 def decode_fp8_page(buf: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -290,23 +362,7 @@ def decode_fp8_page(buf: torch.Tensor, num_kv_heads: int, head_dim: int) -> torc
     Raises :class:`CorruptPageError` if the records do not describe exactly ``buf``."""
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
         raise TypeError("an encoded FP8 page is a 1-D torch.uint8 tensor")
-    layout = PageLayout(num_kv_heads, head_dim)
-    R, nb = record_bytes(layout), layout.blocks_per_head
-    header = 2 * num_kv_heads * R
-    if buf.numel() < header:
+    if buf.numel() < header_bytes(PageLayout(num_kv_heads, head_dim)):
         raise CorruptPageError("FP8 page shorter than its records")
-    rec = buf[:header].to(torch.int64).view(-1, R)
-    first = rec[:, 0] | (rec[:, 1] << 8) | (rec[:, 2] << 16) | (rec[:, 3] << 24)
-    meta = (rec[:, 4:4 + 2 * nb:2] | (rec[:, 5:4 + 2 * nb:2] << 8)).flatten()
-    if bool((rec[:, 4 + 2 * nb:] != 0).any()):
-        raise CorruptPageError("FP8 page record padding is not zero")
-    check_meta(meta)
-    sizes = block_sizes(meta)
-    starts = header + torch.cumsum(sizes, 0) - sizes
-    if not torch.equal(first, starts.view(-1, nb)[:, 0]) or int(starts[-1] + sizes[-1]) != buf.numel():
-        raise CorruptPageError("FP8 page records do not match the page's length and block offsets")
-    idx = (starts[:, None] + torch.arange(MAX_BODY)).clamp(max=buf.numel() - 1)
-    bodies = torch.where(torch.arange(MAX_BODY) < sizes[:, None], buf[idx].to(torch.int64), 0)
-    check_meta(meta, bodies)
-    codes = decode_blocks(bodies, meta)
-    return from_blocks(codes.view(1, num_kv_heads, 2, nb, BLOCK_VALUES))[0]
+    at = torch.zeros(1, dtype=torch.int64, device=buf.device)
+    return decode_fp8_pages(buf, at, torch.tensor([buf.numel()]), num_kv_heads, head_dim)[0]

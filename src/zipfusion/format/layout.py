@@ -70,6 +70,8 @@ def open_bf16_index(loc):
 class PageLayout:
     """Byte geometry of one page for a given number of KV heads and head dim."""
 
+    element_dtype = torch.bfloat16    # an open page's values (Fp8PageLayout: uint8 E4M3 codes)
+
     num_kv_heads: int
     head_dim: int
 
@@ -123,6 +125,15 @@ class PageLayout:
         rhc = ((torch.arange(2, device=dev).view(2, 1, 1) * PAGE_TOKENS * H
                 + torch.arange(H, device=dev).view(1, H, 1)) * D + torch.arange(D, device=dev).view(1, 1, D))
         return open_bf16_index(page_loc).view(-1, 1, 1, 1) + slots.view(-1, 1, 1, 1) * (H * D) + rhc[None]
+
+    def compressed_blocks(self, sizes):
+        """Compressed blocks of stored pages from their stored sizes (NumPy; a page stored in
+        open form: 0). A page saves 256 bytes per compressed block less 16 per block with
+        escapes (format v2), so ceil(saved / 256) counts them exactly while a page has fewer
+        than 16 blocks with escapes (and undercounts by one per 16 beyond)."""
+        import numpy as np
+        saved = self.max_page_bytes - sizes
+        return np.where(sizes >= self.open_page_bytes, 0, -(-saved // (RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES)))
 
     def page_bytes(self, num_compressed_blocks, num_escaped_blocks=0):
         """Size of a page with that many compressed blocks, ``num_escaped_blocks`` of them with

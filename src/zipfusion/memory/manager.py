@@ -39,8 +39,7 @@ import numpy as np
 import torch
 
 from ..format import PageLayout
-from ..format.layout import (COMPRESSED_BLOCK_BYTES, RAW_BLOCK_BYTES, loc_is_open, loc_offset,
-                             open_loc)
+from ..format.layout import loc_is_open, loc_offset, open_loc
 from . import codec, compaction
 from .chunks import ChunkPool, default_chunk_bytes, groups_available
 from .copy import copy_ranges, move_ranges
@@ -186,7 +185,7 @@ class KVCacheManager:
         if st.size:
             locs = loc_offset(t.loc[:, st])
             sizes = t.size[:, st]
-            self._comp_blocks -= self._compressible_blocks(sizes).sum(1)
+            self._comp_blocks -= self.layout.compressed_blocks(sizes).sum(1)
             self._stored_bytes -= int(sizes.sum())
             self.pool.release([(c, self.pool.pool_of(layer)) for layer, c in self.packed.free(locs, sizes)])
         self._counts[OPEN] -= op.size
@@ -200,16 +199,6 @@ class KVCacheManager:
                            for layer, c in enumerate(chunks.tolist())])
 
     # ================================================================== compression
-    def _compressible_blocks(self, sizes: np.ndarray) -> np.ndarray:
-        """Compressible blocks of a stored page from its encoded size (open form: counted raw).
-
-        A page saves 256 bytes per compressed block less 16 per block with escapes (format v2),
-        so ceil(saved / 256) counts the compressed blocks exactly while a page has fewer than
-        16 blocks with escapes (and undercounts by one per 16 beyond)."""
-        saved = self.layout.max_page_bytes - sizes
-        per_block = RAW_BLOCK_BYTES - COMPRESSED_BLOCK_BYTES
-        return np.where(sizes >= self.layout.open_page_bytes, 0, -(-saved // per_block))
-
     def analyze_pages(self, ids: Iterable[int]) -> Analysis:
         """The first half of :meth:`compress_pages`: check the full open pages ``ids`` and launch
         the analysis of their encoded sizes (the codec's), without waiting for it (on CUDA). The
@@ -446,7 +435,7 @@ class KVCacheManager:
         t.loc[:, batch] = np.where(as_open, open_loc(dst), dst)
         t.size[:, batch] = stored
         t.state[batch] = STORED
-        self._comp_blocks += self._compressible_blocks(stored).sum(1)
+        self._comp_blocks += self.layout.compressed_blocks(stored).sum(1)
         self._stored_bytes += int(stored.sum())
         self._counts[OPEN] -= batch.size
         self._counts[STORED] += batch.size
@@ -489,21 +478,23 @@ class KVCacheManager:
 
     # ================================================================== page data
     def open_page(self, layer: int, page_id: int) -> torch.Tensor:
-        """View [2, 16, H, D] bf16 of an open page in the arena (write new tokens through it)."""
+        """View [2, 16, H, D] of an open page in the arena (bf16, or the layout's
+        ``element_dtype``; write new tokens through it)."""
         self._check_layer(layer)
         pid = int(self.table.check([page_id], OPEN, "open_page")[0])
         loc = loc_offset(int(self.table.loc[layer, pid]))
         n = self.layout.open_page_bytes
-        return self.arena[loc:loc + n].view(torch.bfloat16).view(2, 16, self.layout.num_kv_heads,
-                                                                  self.layout.head_dim)
+        return self.arena[loc:loc + n].view(self.layout.element_dtype).view(2, 16, self.layout.num_kv_heads,
+                                                                            self.layout.head_dim)
 
     def read_pages(self, layer: int, ids: Iterable[int]) -> torch.Tensor:
-        """Contents [n, 2, 16, H, D] bf16 of pages, open or compressed (decoded)."""
+        """Contents [n, 2, 16, H, D] of pages, open or compressed (decoded): bf16, or the
+        layout's ``element_dtype`` (E4M3 codes of FP8 pages)."""
         self._check_layer(layer)
         t = self.table
         ids = t.check(ids, None, "read_pages")
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty(ids.size, 2, 16, H, D, dtype=torch.bfloat16, device=self.device)
+        out = torch.empty(ids.size, 2, 16, H, D, dtype=self.layout.element_dtype, device=self.device)
         loc = t.loc[layer, ids]
         is_open = loc_is_open(loc)
         if is_open.any():
