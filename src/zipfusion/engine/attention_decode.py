@@ -6,7 +6,8 @@ it is built, from the config and the device:
 * :class:`KernelDecode`: our paged decode kernel (kernels/decode_attention.py: CUDA C++ on the
   GPU, Triton elsewhere). With ``kv_compression`` the fused kernel, which restores compressed
   blocks in registers; otherwise the uncompressed kernel, bit-identical to it on open pages;
-  :class:`Fp8KernelDecode`: the Triton FP8 kernel over E4M3 pages (``kv_cache_dtype="fp8"``);
+  :class:`Fp8KernelDecode`: the Triton FP8 kernels over E4M3 pages (``kv_cache_dtype="fp8"``;
+  with ``kv_compression`` the lossless one, which restores pages in the FP8 block format);
 * :class:`TorchDecode`: fp32 torch over the pages read back (fp64 in deterministic mode);
 * :class:`FlashInferPagedDecode`: FlashInfer's paged decode over the open pages (CUDA,
   uncompressed; BF16 or E4M3 pages, FlashInfer applying the FP8 scales itself: not the bits of
@@ -77,27 +78,34 @@ class KernelDecode:
 
 
 class Fp8KernelDecode(KernelDecode):
-    """The Triton FP8 kernel (kernels/fp8_attention.py) over the cache's E4M3 pages in place,
-    with its scales; the same split rule as :class:`KernelDecode` (the CUDA C++ kernel reads no
-    FP8). Pages are never compressed, so no open copy is ever needed."""
+    """The Triton FP8 kernels over the cache's E4M3 pages in place, with its scales: with
+    ``kv_compression`` the lossless one (kernels/fp8_lossless_attention.py: open pages and pages
+    in the FP8 block format, restored in registers), else the open one (kernels/fp8_attention.py),
+    the same bits on open pages; the same split rule as :class:`KernelDecode` (the CUDA C++ kernel
+    reads no FP8). No open copy (``RowsPrefill`` runs FP8 rows over the pages themselves)."""
 
     def __init__(self, cache, sm_scale: float, *, deterministic: bool = False, check_pages: bool = False):
-        super().__init__(cache, sm_scale, compressed=False, deterministic=deterministic, check_pages=check_pages)
+        super().__init__(cache, sm_scale, compressed=cache.kv_compression, deterministic=deterministic,
+                         check_pages=check_pages)
 
     def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                  **packed) -> torch.Tensor:
-        from ..kernels.fp8_attention import decode_attention_fp8
         if packed:
             raise ValueError("packed decode does not read FP8 pages")
+        if self.compressed:
+            from ..kernels.fp8_lossless_attention import decode_attention_fp8_lossless as kernel
+        else:
+            from ..kernels.fp8_attention import decode_attention_fp8 as kernel
         c = self.cache
         if self.check_pages:
             from ..kernels.decode_attention import check_ids_async
-            check_ids_async(c.arena, c.page_loc[layer], block_table, context_lens, c.layout, "decode_attention_fp8")
-        return decode_attention_fp8(q, c.arena, c.page_loc[layer], block_table, context_lens, c.layout, self.sm_scale,
-                                    k_scale=c.k_scale, v_scale=c.v_scale, validate=False, **self.split)
+            check_ids_async(c.arena, c.page_loc[layer], block_table, context_lens, c.layout,
+                            None if self.compressed else "decode_attention_fp8")
+        return kernel(q, c.arena, c.page_loc[layer], block_table, context_lens, c.layout, self.sm_scale,
+                      k_scale=c.k_scale, v_scale=c.v_scale, validate=False, **self.split)
 
     def over_open_copy(self, q, k, v, context_lens):
-        raise NotImplementedError("FP8 pages are never compressed: no open copy to attend over")
+        raise NotImplementedError("FP8 rows attend over the pages themselves: no open copy")
 
 
 class TorchDecode:
