@@ -136,31 +136,25 @@ def _design(design: str) -> tuple[int, ...]:
 
 def encode_blocks(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """E4M3 blocks [N, 512] uint8 and their metadata [N] -> bodies [N, MAX_BODY] uint8 (block
-    ``i`` uses the first ``block_sizes(meta)[i]`` bytes, the rest is zero)."""
-    N = codes.shape[0]
+    ``i`` uses the first ``block_sizes(meta)[i]`` bytes, the rest is zero). Every mode's body is
+    built for every block and the block's own kept (no data-dependent shape: no host sync on a
+    GPU, where the seal runs behind a forward)."""
     x = codes.to(torch.int64)
     e = (x >> 3) & 15
     nib = ((x >> 4) & 8) | (x & 7)
-    out = torch.zeros(N, MAX_BODY, dtype=torch.int64, device=codes.device)
-    mode_of = (meta >> 4) & 3
-    out[:, :BLOCK_VALUES] = x                                            # raw
+    mode_of = ((meta >> 4) & 3)[:, None]
+    out = torch.nn.functional.pad(x, (0, MAX_BODY - BLOCK_VALUES))                    # raw
     for mode in (BLK3, BLK2, COL2):
-        sel = mode_of == mode
-        if not bool(sel.any()):
-            continue
-        es = e[sel]
-        base, n = _mode_plan(es, mode)
+        base, _ = _mode_plan(e, mode)
         k = CODE_BITS[mode]
-        d = es - base
+        d = e - base
         esc = (d < 0) | (d >= (1 << k) - 1)
         d = torch.where(esc, (1 << k) - 1, d)
         parts = [pack_fields(base[:, :COLUMNS], 4)] if mode == COL2 else []
-        parts.append(pack_fields(nib[sel], 4))
+        parts.append(pack_fields(nib, 4))
         parts += [pack_fields(d & 3, 2), pack_fields(d >> 2, 1)] if k == 3 else [pack_fields(d, 2)]
-        body = torch.cat(parts, -1).to(torch.int64)
-        stream = _pack_escapes(es, esc)
-        body = torch.cat([body, stream], -1)
-        out[sel] = torch.nn.functional.pad(body, (0, MAX_BODY - body.shape[1]))
+        body = torch.cat(parts + [_pack_escapes(e, esc)], -1).to(torch.int64)
+        out = torch.where(mode_of == mode, torch.nn.functional.pad(body, (0, MAX_BODY - body.shape[1])), out)
     return out.to(torch.uint8)
 
 
@@ -175,31 +169,28 @@ def _pack_escapes(e: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
 def decode_blocks(bodies: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`encode_blocks`: bodies [N, ≥ size] uint8, metadata [N] -> E4M3 bytes
     [N, 512] uint8. Per value: ``e = β + d``, or the next escape-stream nibble for ``d = 2^k - 1``;
-    byte ``= (n & 8) << 4 | e << 3 | (n & 7)``."""
+    byte ``= (n & 8) << 4 | e << 3 | (n & 7)``. Every mode decoded for every block, the block's own
+    kept (no host sync)."""
     b = torch.nn.functional.pad(bodies.to(torch.int64), (0, max(0, MAX_BODY - bodies.shape[1])))
-    mode_of, beta = (meta >> 4) & 3, meta & 15
-    out = b[:, :BLOCK_VALUES].clone()
+    mode_of, beta = ((meta >> 4) & 3)[:, None], (meta & 15)[:, None]
+    out = b[:, :BLOCK_VALUES]
     for mode in (BLK3, BLK2, COL2):
-        sel = mode_of == mode
-        if not bool(sel.any()):
-            continue
-        body, k = b[sel], CODE_BITS[mode]
-        at = 0
+        k, at = CODE_BITS[mode], 0
         if mode == COL2:
-            base = unpack_fields(body[:, :COLUMNS // 2], 4).repeat(1, BLOCK_VALUES // COLUMNS)
+            base = unpack_fields(b[:, :COLUMNS // 2], 4).repeat(1, BLOCK_VALUES // COLUMNS)
             at = COLUMNS // 2
         else:
-            base = beta[sel][:, None].expand(-1, BLOCK_VALUES)
-        nib = unpack_fields(body[:, at:at + 256], 4)
-        d = unpack_fields(body[:, at + 256:at + 384], 2)
+            base = beta
+        nib = unpack_fields(b[:, at:at + 256], 4)
+        d = unpack_fields(b[:, at + 256:at + 384], 2)
         if k == 3:
-            d = d | (unpack_fields(body[:, at + 384:at + 448], 1) << 2)
+            d = d | (unpack_fields(b[:, at + 384:at + 448], 1) << 2)
         esc = d == (1 << k) - 1
         rank = (torch.cumsum(esc, -1) - 1).clamp(min=0)
-        stream = body[:, BODY_BYTES[mode]:]
+        stream = b[:, BODY_BYTES[mode]:]
         esc_e = (stream.gather(-1, (rank >> 1).clamp(max=stream.shape[1] - 1)) >> (4 * (rank & 1))) & 15
         e = torch.where(esc, esc_e, base + d)
-        out[sel] = ((nib & 8) << 4) | (e << 3) | (nib & 7)
+        out = torch.where(mode_of == mode, ((nib & 8) << 4) | (e << 3) | (nib & 7), out)
     return out.to(torch.uint8)
 
 
