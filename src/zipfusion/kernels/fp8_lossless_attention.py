@@ -152,7 +152,7 @@ def _patch_escapes(arena, x, esc, base, body, mode, w):
     lanes_before = p << 8
     stream = body.to(tl.int64)[:, None] * 4 + _body_bytes(mode)[:, None]
     limit = 4 * w[:, None]                                         # stream bytes
-    patch = tl.zeros(x.shape, tl.uint32)
+    patch = tl.full(x.shape, 0, tl.uint32)
     for lane in tl.static_range(4):
         r = before + ((lanes_before >> (8 * lane)) & 0xFF).to(tl.int32)
         hit = (((esc >> (8 * lane)) & 1) != 0) & ((r >> 1) < limit)
