@@ -14,7 +14,7 @@ from zipfusion.format import PageLayout
 from zipfusion.format.fp8 import Fp8PageLayout, quantize_e4m3
 from zipfusion.format.fp8_blocks import (BLK2, BLK3, COL2, RAW, block_sizes, encode_fp8_page, fp8_block_meta,
                                          record_bytes)
-from zipfusion.format.layout import BLOCK_VALUES, PAGE_TOKENS, from_blocks, open_loc
+from zipfusion.format.layout import BLOCK_VALUES, PAGE_TOKENS, from_blocks, open_loc, to_blocks
 from zipfusion.kernels import fp8_lossless_attention as fla
 from zipfusion.kernels.fp8_attention import decode_attention_fp8
 from zipfusion.kernels.fp8_lossless_attention import decode_attention_fp8_lossless
@@ -125,7 +125,7 @@ def modes_of(pages, design="adaptive"):
 # -- the restore alone ---------------------------------------------------------------------------
 
 @triton.jit
-def _restore_kernel(arena, arena32, loc_ptr, out, n_words, H: tl.constexpr, D: tl.constexpr,
+def _restore_kernel(arena32, loc_ptr, out, n_words, H: tl.constexpr, D: tl.constexpr,
                     TP: tl.constexpr, REC: tl.constexpr):
     """Program h: the K and V bytes of head h of TP pages, [2, 16·TP, D] each, as the kernel restores them."""
     NB: tl.constexpr = D // 32
@@ -136,7 +136,7 @@ def _restore_kernel(arena, arena32, loc_ptr, out, n_words, H: tl.constexpr, D: t
     r = tl.arange(0, TP * 16)[:, None]
     d = tl.arange(0, D)[None, :]
     for role in tl.static_range(2):
-        x = fla._role_tile(arena, arena32, n_words, loc, enc, slot, 1 << 30, h, role, H, D, NB, REC)
+        x = fla._role_tile(arena32, n_words, loc, enc, slot, 1 << 30, h, role, H, D, NB, REC)
         tl.store(out + ((h * 2 + role) * TP * 16 + r) * D + d, x)
 
 
@@ -145,7 +145,7 @@ def restored(arena, loc, lay: Fp8PageLayout) -> torch.Tensor:
     H, D, P = lay.num_kv_heads, lay.head_dim, loc.numel()
     out = torch.full((H, 2, P * 16, D), 0x55, dtype=torch.uint8, device=arena.device)
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
-    _restore_kernel[(H,)](arena, arena32, loc, out, arena32.numel(), H=H, D=D, TP=P, REC=record_bytes(lay))
+    _restore_kernel[(H,)](arena32, loc, out, arena32.numel(), H=H, D=D, TP=P, REC=record_bytes(lay))
     return out.view(H, 2, P, 16, D).permute(2, 1, 3, 0, 4)
 
 
@@ -284,15 +284,18 @@ def test_input_errors_are_one_clear_line():
         assert "\n" not in str(e.value)
 
 
-def corrupt(buf: torch.Tensor, H: int, D: int, how: str, g: torch.Generator) -> torch.Tensor:
-    """An encoded page's bytes with its records made wrong in one way."""
-    buf = buf.clone()
+def corrupt(page: torch.Tensor, how: str, g: torch.Generator) -> torch.Tensor:
+    """An E4M3 page [2, 16, H, D] encoded, its records made wrong in one way."""
+    buf = encode_fp8_page(page)
+    H, D = page.shape[2:]
     R = record_bytes(PageLayout(H, D))
     rec = buf[:2 * H * R].view(2 * H, R)
     nb = D // 32
     meta = rec[:, 4:4 + 2 * nb].view(2 * H, nb, 2)
-    if how == "first":                      # a first-block offset far past the arena (and one below it)
+    if how in ("first", "first_raw"):       # a first-block offset far past the arena
         rec[:, :4] = torch.tensor([0xF0, 0xFF, 0xFF, 0xFF], dtype=torch.uint8)
+        if how == "first_raw":              # ... and raw blocks: one reads the arena's last word
+            meta[:] = 0
     elif how == "escape_words":             # w = 127 everywhere, high bits set: sizes far past the page
         meta[..., 0] |= 0xC0
         meta[..., 1] = 0xFF
@@ -301,30 +304,44 @@ def corrupt(buf: torch.Tensor, H: int, D: int, how: str, g: torch.Generator) -> 
     elif how == "no_escape_words":          # escape codes in the planes but w = 0
         meta[..., 0] &= 0x3F
         meta[..., 1] = 0
+    elif how == "short_stream":             # the last block has more escape codes than its w holds,
+        word = int(meta[-1, -1, 0]) | int(meta[-1, -1, 1]) << 8      # and the page ends with its stream:
+        beta, w = word & 15, word >> 6                                # w cut where a word's escapes
+        assert (word >> 4) & 3 == BLK2                                # straddle 8·w (its window would
+        e = (to_blocks(page[None])[0, H - 1, 1, nb - 1].long() >> 3) & 15     # cross the page's end)
+        esc = ((e < beta) | (e > beta + 2)).view(128, 4).sum(1)
+        first = torch.cumsum(esc, 0) - esc
+        cut = max(k for k in range(1, w) if bool(((first < 8 * k) & (first + esc > 8 * k)).any()))
+        word += (cut - w) << 6
+        meta[-1, -1, 0], meta[-1, -1, 1] = word & 0xFF, word >> 8
+        buf = buf[:buf.numel() - 4 * (w - cut)]
     return buf
 
 
-@pytest.mark.parametrize("how", ["first", "escape_words", "random", "no_escape_words"])
+@pytest.mark.parametrize("how", ["first", "first_raw", "escape_words", "random", "no_escape_words", "short_stream"])
 def test_corrupt_records_never_read_outside_the_arena(how):
     """The arena is a slice of a larger buffer; the kernel, given corrupt records, gives the same
-    bits whatever lies before and after the slice (so it reads none of it). The encoded pages
-    sit at the arena's end, where an unclamped body would run past it."""
+    bits whatever lies before and after the slice (so it reads none of it). The last encoded page
+    ends the arena, where an unclamped body or stream would run past it."""
     H, D = 1, 64
-    pages = gauss_pages(3, H, D, seed=4)
+    pages = pages_of_blocks(3, H, D, seed=0, kinds=("sprinkled", "max_escapes"))
     g = torch.Generator().manual_seed(1)
     opened = pages[0].reshape(-1)
-    bufs = [corrupt(encode_fp8_page(pages[i]), H, D, how, g) for i in (1, 2)]
-    pad = [(-b.numel()) % 16 for b in bufs]
-    arena = torch.cat([opened, bufs[0], torch.zeros(pad[0], dtype=torch.uint8), bufs[1],
-                       torch.zeros(pad[1], dtype=torch.uint8)])
-    loc = torch.tensor([open_loc(0), opened.numel(), opened.numel() + bufs[0].numel() + pad[0]])
+    bufs = [corrupt(pages[i], how, g) for i in (1, 2)]
+    pad = (-bufs[0].numel()) % 16
+    arena = torch.cat([opened, bufs[0], torch.zeros(pad, dtype=torch.uint8), bufs[1]])
+    loc = torch.tensor([open_loc(0), opened.numel(), opened.numel() + bufs[0].numel() + pad])
     q = torch.randn(2, 2, D, generator=g).to(torch.bfloat16).to(DEVICE)
     bt = torch.tensor([[1, 2, 0], [2, 1, 0]], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([40, 33], dtype=torch.int32, device=DEVICE)
-    outs = []
+    outs, tiles = [], []
+    lay = Fp8PageLayout(H, D)
     for fill in (0x00, 0x7F, 0xFF):
         big = torch.full((arena.numel() + 8192,), fill, dtype=torch.uint8)
         big[4096:4096 + arena.numel()] = arena
         view = big.to(DEVICE)[4096:4096 + arena.numel()]
-        outs.append(decode_attention_fp8_lossless(q, view, loc.to(DEVICE), bt, lens, Fp8PageLayout(H, D), 0.125))
+        outs.append(decode_attention_fp8_lossless(q, view, loc.to(DEVICE), bt, lens, lay, 0.125,
+                                                  k_scale=2.0 ** -9))       # scores of O(1): every V row weighs
+        tiles.append(restored(view, loc[1:].to(DEVICE), lay))              # the bytes (NaN or not)
     assert same_bits(outs[0], outs[1]) and same_bits(outs[0], outs[2])
+    assert torch.equal(tiles[0], tiles[1]) and torch.equal(tiles[0], tiles[2])

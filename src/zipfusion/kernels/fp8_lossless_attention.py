@@ -43,10 +43,11 @@ token-major rows at the end, V blocks (token-grouped: ``512/D`` whole rows each)
    exponent is entry ``r`` of its block's stream of 4-bit exponents (at ``body + BODY_BYTES[mode]``,
    two a byte, low nibble first), ``r`` = escapes before it in the block::
 
-       P = esc · 0x01010101            lane l of P: escapes in lanes 0..l of the word (<= 4)
-       before_i = Σ_{i' < i} P_i' >> 24                   (an exclusive scan over the block's words)
-       r_l = before_i + lane l of (P << 8)                escapes in lanes < l
-       byte_l ^= (β_l ^ e_r) << 3                          (the lane's exponent field holds β_l)
+       P = esc · 0x01010101              lane l of P: escapes in lanes 0..l of the word (<= 4)
+       r_i = Σ_{i' < i} P_i' >> 24         escapes before word i (an exclusive scan of the block's words)
+       win = stream nibbles r_i .. r_i + 3   (two stream words, funnel-shifted)
+       e_l = nibble (lane l of P << 8) of win              (escapes in lanes < l)
+       byte_l ^= (β_l ^ e_l) << 3          where lane l escaped (its exponent field holds β_l)
 
 Corrupt records. The kernel clamps rather than validates them: the escape counts ``w`` are
 taken at most 64 (512 values), every block body is moved inside the arena (``0 <= body`` and
@@ -144,26 +145,29 @@ def _restore_words(arena32, plain, body, mode, beta, packed, valid, i):
 
 
 @triton.jit
-def _patch_escapes(arena, x, esc, base, body, mode, w):
-    """Step 3 of the module docstring: each escaped lane's exponent from its block's stream."""
-    p = esc * 0x01010101
+def _patch_escapes(arena32, x, esc, base, body, mode, w):
+    """Step 3 of the module docstring: each escaped lane's exponent from its block's stream. The
+    escapes of a word have the consecutive ranks r .. r + 3 at most: its window of 4 stream
+    nibbles comes from the two stream words r // 8 and r // 8 + 1, read only where it has
+    escapes (and the second only where the window crosses into it), and never past ``w`` words."""
+    p = esc * 0x01010101                                           # lane l: escapes in lanes 0..l
     cnt = (p >> 24).to(tl.int32)                                   # escapes in the word
-    before = tl.associative_scan(cnt, 1, _add) - cnt               # ... in the block's words before it
-    lanes_before = p << 8
-    stream = body.to(tl.int64)[:, None] * 4 + _body_bytes(mode)[:, None]
-    limit = 4 * w[:, None]                                         # stream bytes
+    r = tl.associative_scan(cnt, 1, _add) - cnt                    # ... in the block's words before it
+    at = (body + _body_bytes(mode) // 4)[:, None] + r // 8         # the stream's word r // 8
+    lo = tl.load(arena32 + at, mask=(cnt > 0) & (r // 8 < w[:, None]), other=0)
+    hi = tl.load(arena32 + at + 1, mask=(r % 8 + cnt > 8) & (r // 8 + 1 < w[:, None]), other=0)
+    win = (((hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | lo.to(tl.uint32, bitcast=True).to(tl.uint64))
+           >> (4 * (r % 8))).to(tl.uint32)                         # nibble k: the word's k-th escape
+    lanes_before = p << 8                                          # lane l: escapes in lanes < l
     patch = tl.full(x.shape, 0, tl.uint32)
     for lane in tl.static_range(4):
-        r = before + ((lanes_before >> (8 * lane)) & 0xFF).to(tl.int32)
-        hit = (((esc >> (8 * lane)) & 1) != 0) & ((r >> 1) < limit)
-        e = (tl.load(arena + stream + (r >> 1), mask=hit, other=0).to(tl.uint32) >> (4 * (r & 1))) & 15
-        b = (base >> (8 * lane)) & 15
-        patch = patch | tl.where(hit, (b ^ e) << (8 * lane + 3), 0)
-    return x ^ patch
+        e = win >> (4 * ((lanes_before >> (8 * lane)) & 0xFF))
+        patch = patch | (((e ^ (base >> (8 * lane))) & 15) << (8 * lane + 3))
+    return x ^ (patch & (esc * 0x78))                              # exponent bits 3..6 of escaped lanes
 
 
 @triton.jit
-def _role_tile(arena, arena32, n_words, loc, enc, page, ctx, h, ROLE: tl.constexpr,
+def _role_tile(arena32, n_words, loc, enc, page, ctx, h, ROLE: tl.constexpr,
                H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, REC: tl.constexpr):
     """The E4M3 bytes [16·TP, D] (uint8, token-major) of role ROLE (0 = K, 1 = V), head h, of a
     tile whose blocks ([TP·NB]) lie in pages ``page`` at ``loc`` (``enc``: encoded); rows past
@@ -187,7 +191,7 @@ def _role_tile(arena, arena32, n_words, loc, enc, page, ctx, h, ROLE: tl.constex
     plain = tl.where(enc[:, None], body[:, None] + tl.where(packed[:, None], nib, i), open_w)
     x, esc, base = _restore_words(arena32, plain, body, mode, beta, packed, valid, i)
     if _max(tl.where(packed & (w > 0), 1, 0), 0) != 0:          # a block of the tile has escapes
-        x = _patch_escapes(arena, x, esc, base, body, mode, w)
+        x = _patch_escapes(arena32, x, esc, base, body, mode, w)
     x = tl.where(valid, x, 0)
     if ROLE == 0:             # K: [TP, NB, 16 tokens, 8 words] -> [TP, 16, NB, 8] = token rows
         x = tl.permute(tl.reshape(x, (TP, NB, PT, 8)), (0, 2, 1, 3))
@@ -198,7 +202,7 @@ def _role_tile(arena, arena32, n_words, loc, enc, page, ctx, h, ROLE: tl.constex
 
 
 @triton.jit(do_not_specialize=["stride_bt", "pages_per_split", "num_splits", "n_words"])
-def _fp8_lossless_kernel(q_ptr, arena, arena32, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr,
+def _fp8_lossless_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr,
                          part_lse_ptr, qk_scale, k_scale, v_scale, stride_bt, pages_per_split, num_splits,
                          n_words, H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                          TP: tl.constexpr, REC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -218,8 +222,8 @@ def _fp8_lossless_kernel(q_ptr, arena, arena32, page_loc_ptr, bt_ptr, ctx_ptr, o
         loc = tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1)
         enc = in_range & _loc_is_compressed(loc)
         page = tl.where(in_range, page, 1 << 24)                  # (rows of no page: past ctx)
-        kb = _role_tile(arena, arena32, n_words, loc, enc, page, ctx, h, 0, H, D, NB, REC)
-        vb = _role_tile(arena, arena32, n_words, loc, enc, page, ctx, h, 1, H, D, NB, REC)
+        kb = _role_tile(arena32, n_words, loc, enc, page, ctx, h, 0, H, D, NB, REC)
+        vb = _role_tile(arena32, n_words, loc, enc, page, ctx, h, 1, H, D, NB, REC)
         m_i, l_i, acc = _attend_tile(valid[None, :], _dequant(kb, k_scale), _dequant(vb, v_scale), q,
                                      m_i, l_i, acc, qk_scale, INTERPRET, True)
     _store_split(acc, m_i, l_i, q_rows, s, num_splits, out_ptr, part_o_ptr, part_lse_ptr, G, D)
@@ -257,7 +261,7 @@ def decode_attention_fp8_lossless(q, arena, page_loc_layer, block_table, context
     G = Hq // H
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
     m._fp8_lossless_kernel[(B, H, plan.count)](
-        q, arena, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
+        q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
         float(sm_scale) * LOG2E, k_scale, v_scale, block_table.stride(0), plan.pages, plan.count,
         arena32.numel(), H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP,
         REC=record_bytes(layout), INTERPRET=interp, num_warps=num_warps or 4,
