@@ -347,6 +347,21 @@ def test_kernel_smoke_fp8_modes_on_the_cpu(tmp_path):
     assert case["fp8"] == kernels["fp8"]["median_ms"] and case["fp8/flashinfer_fp8"] is None
 
 
+def test_kernel_smoke_fp8_lossless_on_the_cpu(tmp_path):
+    """Our kernel over the E4M3 pages encoded in the lossless FP8 block format beside the open
+    ones: the same bits, fewer bytes read, its ratio columns filled."""
+    assert main(["bench", "kernel", "--device", "cpu", "--fractions", "1", "--compare", "fp8,fp8_lossless",
+                 "--out", str(tmp_path / "k")]) == 0
+    result = json.loads((tmp_path / "k.json").read_text())
+    kernels = {r["kernel"]: r for r in result["records"]}
+    assert set(kernels) == {"fp8", "fp8_lossless"} and kernels["fp8_lossless"]["bit_identical_to_fp8"] is True
+    stored = kernels["fp8_lossless"]["fp8_lossless_stored_ratio"]
+    assert 0.5 < stored < 1.0 and kernels["fp8_lossless"]["bytes_read"] == stored * kernels["fp8"]["bytes_read"]
+    (case,) = result["cases"]
+    assert case["fp8_lossless/fp8"] == pytest.approx(kernels["fp8"]["median_ms"] / kernels["fp8_lossless"]["median_ms"])
+    assert case["fp8_lossless_stored_ratio"] == stored
+
+
 def test_serve_against_a_real_server_on_loopback(tmp_path, capsys):
     """A ``zipfusion serve --model demo --device cpu --no-kv-compression`` process (the mode's
     flag), text prompts (the demo model has a tokenizer), one Poisson rate, an SLO."""

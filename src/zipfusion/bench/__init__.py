@@ -31,8 +31,9 @@ MODES = {
                        ["--kv-cache-dtype", "fp8", "--no-kv-compression", "--attention-backend", "flashinfer"]),
 }
 FLASHINFER_MODES = ("flashinfer", "flashinfer_fp8")                # need FlashInfer and CUDA
-# zipfusion bench kernel's: BF16 pages (compressed, open, FlashInfer's) and E4M3 pages (ours, FlashInfer's)
-KERNEL_MODES = ("compressed", "uncompressed", "flashinfer", "fp8", "flashinfer_fp8")
+# zipfusion bench kernel's: BF16 pages (compressed, open, FlashInfer's) and E4M3 pages (ours, FlashInfer's;
+# fp8_lossless: ours over the same E4M3 pages in the lossless FP8 block format, a kernel mode only)
+KERNEL_MODES = ("compressed", "uncompressed", "flashinfer", "fp8", "fp8_lossless", "flashinfer_fp8")
 DEFAULT_COMPARE = "compressed,uncompressed"
 
 

@@ -61,7 +61,8 @@ def _common(p: argparse.ArgumentParser, kind: str, compare_default: str = DEFAUL
                         f"(bare --compare: {compare_default})")
     if kind == "kernel":
         p.add_argument("--mode", default=None, help="one mode alone (default: the first three, as --compare); "
-                       "fp8 and flashinfer_fp8 time the lossy E4M3 pages")
+                       "fp8 and flashinfer_fp8 time the lossy E4M3 pages, fp8_lossless our kernel over them "
+                       "encoded in the lossless FP8 block format")
     else:
         p.add_argument("--mode", default="compressed", help="the one mode to run without --compare "
                        "(default: %(default)s)")

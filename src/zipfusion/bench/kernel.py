@@ -3,7 +3,9 @@
 ``uncompressed``) and FlashInfer's paged decode (``flashinfer``, where it is installed), on CUDA;
 and the lossy FP8 side: our Triton kernel over E4M3 pages (``fp8``) and FlashInfer's decode over
 the same E4M3 pages (``flashinfer_fp8``), both with scale 1 (the values quantized from the same
-BF16 pages; their error is reported against FlashInfer's BF16 output).
+BF16 pages; their error is reported against FlashInfer's BF16 output), and our kernel over those
+E4M3 pages encoded in the lossless FP8 block format (``fp8_lossless``: every page encoded,
+format/fp8_blocks.py; its output is ``fp8``'s bit for bit, its stored bytes over FP8's reported).
 
 Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with an
 exact fraction of compressible blocks (:func:`~zipfusion.analysis.synthetic.pages_with_fraction`;
@@ -30,6 +32,7 @@ import torch
 from ..analysis.synthetic import compressible_fraction, model_like_pages, pages_with_fraction
 from ..format import PageLayout, encode_pages_into, page_sizes
 from ..format.fp8 import Fp8PageLayout, quantize_e4m3
+from ..format.fp8_blocks import encode_fp8_page
 from ..kernels import decode_attention, decode_attention_uncompressed
 from . import report
 
@@ -41,8 +44,9 @@ ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touc
 KERNELS = {"uncompressed": ("run_uncompressed", {}, "open"), "fused": ("run_fused", {}, "compressed"),
            "uncompressed_triton": ("run_uncompressed", {"backend": "triton"}, "open"),
            "fused_triton": ("run_fused", {"backend": "triton"}, "compressed"),
-           "fp8": ("run_fp8", {}, "fp8")}
-MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "fp8": "fp8"}     # our kernels' modes
+           "fp8": ("run_fp8", {}, "fp8"), "fp8_lossless": ("run_fp8_lossless", {}, "fp8_lossless")}
+MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "fp8": "fp8",     # our kernels' modes
+                "fp8_lossless": "fp8_lossless"}
 FLASHINFER_KV = {"flashinfer": torch.bfloat16, "flashinfer_fp8": torch.float8_e4m3fn}   # FlashInfer's: pages' dtype
 
 
@@ -146,6 +150,18 @@ class Pool:
         self.offsets = torch.cumsum(self.sizes, 0) - self.sizes
         self.buf = torch.empty(int(self.sizes.sum()), dtype=torch.uint8, device=self.device)
         encode_pages_into(self.pages, self.buf, self.offsets)
+        self._fp8 = None
+
+    @property
+    def fp8_encoded(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The pages quantized to E4M3 (scale 1) and encoded in the lossless FP8 block format (on
+        the CPU, once: ~5 ms a page), each padded to 16 bytes, and their stored sizes unpadded."""
+        if self._fp8 is None:
+            blobs = [encode_fp8_page(p) for p in quantize_e4m3(self.pages).cpu()]
+            sizes = torch.tensor([b.numel() for b in blobs])
+            padded = [torch.nn.functional.pad(b, (0, -b.numel() % 16)).to(self.device) for b in blobs]
+            self._fp8 = padded, sizes.to(self.device)
+        return self._fp8
 
 
 class Case:
@@ -176,7 +192,10 @@ class Case:
         self.q = torch.randn(B, self.shape.hq, self.shape.d, generator=g).to(torch.bfloat16).to(dev)
         self.out = torch.empty_like(self.q)
         self.P = P
+        self.idx = idx
+        self.pool = pool
         self._kv8 = None
+        self._fp8l = None
 
     @property
     def kv8(self) -> torch.Tensor:
@@ -187,8 +206,23 @@ class Case:
 
     def traffic(self, kind: str) -> tuple[int, int]:
         """(bytes read, bytes written) of a kernel reading ``kind`` pages."""
+        if kind == "fp8_lossless":
+            return int(self.fp8l[2]), 0
         return {"open": (self.open_bytes, 0), "compressed": (self.comp_bytes, 0), "fp8": (self.open_bytes // 2, 0),
                 "unfused": (self.comp_bytes + self.open_bytes, self.open_bytes)}[kind]
+
+    @property
+    def fp8l(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The E4M3 pages (kv8's, same page ids) encoded in the lossless FP8 block format, packed
+        back to back at 16-byte offsets: (arenas [sets, bytes], page locations, stored bytes)."""
+        if self._fp8l is None:
+            blobs, sizes = self.pool.fp8_encoded
+            lengths = torch.tensor([b.numel() for b in blobs], device=self.q.device)[self.idx]
+            loc = torch.cumsum(lengths, 0) - lengths                   # bit 0 clear: encoded pages
+            arena = torch.cat(blobs).repeat(-(-self.P // len(blobs)))[:int(lengths.sum())]
+            self._fp8l = arena.unsqueeze(0).repeat(self.sets, 1), loc, int(sizes[self.idx].sum())
+        return self._fp8l
+
 
     def arena_o(self, i):
         return self.kv[i % self.sets].view(-1).view(torch.uint8)
@@ -207,6 +241,14 @@ class Case:
         loc = self.loc_o // 2 | 1                  # open page i at i x (half the BF16 page's bytes)
         return decode_attention_fp8(self.q, self.kv8[i % self.sets].view(-1), loc, self.bt, self.lens, layout,
                                     self.shape.d ** -0.5, self.out, validate=False, **kw)
+
+
+    def run_fp8_lossless(self, i, **kw):
+        from ..kernels.fp8_lossless_attention import decode_attention_fp8_lossless
+        layout = Fp8PageLayout(self.shape.hkv, self.shape.d)
+        arenas, loc, _ = self.fp8l
+        return decode_attention_fp8_lossless(self.q, arenas[i % self.sets], loc, self.bt, self.lens, layout,
+                                             self.shape.d ** -0.5, self.out, validate=False, **kw)
 
 
 class FlashInfer:
@@ -284,6 +326,11 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table
                     r["bit_identical_to_uncompressed"] = same
     if "fp8" in outs and "uncompressed" in outs:        # the quantization's error (FP8 is lossy)
         next(r for r in recs if r["kernel"] == "fp8")["rel_err_vs_uncompressed"] = rel(outs["fp8"], outs["uncompressed"])
+    for r in recs:
+        if r["kernel"] == "fp8_lossless":               # stored / FP8 bytes; the same bits as fp8
+            r["fp8_lossless_stored_ratio"] = r["bytes_read"] / case.traffic("fp8")[0]
+            if "fp8" in outs:
+                r["bit_identical_to_fp8"] = bool(torch.equal(outs["fp8"], outs["fp8_lossless"]))
     fi_ms = next((r["median_ms"] for r in recs if r["kernel"] == "flashinfer"), None)
     for r in recs:
         r.update(batch=case.B, context=case.ctx)
@@ -335,8 +382,11 @@ def cases_table(records: list[dict]) -> list[dict]:
     by = {}
     for r in records:
         key = (r["compressible_fraction_nominal"], r["batch"], r["context"])
-        by.setdefault(key, {"fraction": key[0], "batch": key[1], "context": key[2],
-                            "stored_ratio": r["stored_ratio"]})[r["kernel"]] = r["median_ms"]
+        row = by.setdefault(key, {"fraction": key[0], "batch": key[1], "context": key[2],
+                                  "stored_ratio": r["stored_ratio"]})
+        row[r["kernel"]] = r["median_ms"]
+        if "fp8_lossless_stored_ratio" in r:
+            row["fp8_lossless_stored_ratio"] = r["fp8_lossless_stored_ratio"]
     rows = list(by.values())
     for row in rows:
         fused = row.get("fused")
@@ -344,6 +394,8 @@ def cases_table(records: list[dict]) -> list[dict]:
             row[name] = row[other] / fused if fused and row.get(other) else None
         fp8, fi8 = row.get("fp8"), row.get("flashinfer_fp8")
         row["fp8/flashinfer_fp8"] = fi8 / fp8 if fp8 and fi8 else None
+        fp8l = row.get("fp8_lossless")
+        row["fp8_lossless/fp8"] = fp8 / fp8l if fp8 and fp8l else None
     return rows
 
 
@@ -352,7 +404,9 @@ COLUMNS = [("fraction", "compressible", "{:.2f}"), ("batch", "batch", "{}"), ("c
            ("uncompressed", "uncompressed ms", "{:.4f}"), ("flashinfer", "flashinfer ms", "{:.4f}"),
            ("compressed/uncompressed", "x uncompressed", "{:.3f}"), ("compressed/flashinfer", "x flashinfer", "{:.3f}")]
 FP8_COLUMNS = [("fp8", "fp8 ms", "{:.4f}"), ("flashinfer_fp8", "flashinfer fp8 ms", "{:.4f}"),
-               ("fp8/flashinfer_fp8", "fp8 x flashinfer fp8", "{:.3f}")]
+               ("fp8/flashinfer_fp8", "fp8 x flashinfer fp8", "{:.3f}"),
+               ("fp8_lossless_stored_ratio", "fp8 lossless stored / fp8", "{:.3f}"),
+               ("fp8_lossless", "fp8 lossless ms", "{:.4f}"), ("fp8_lossless/fp8", "fp8 lossless x fp8", "{:.3f}")]
 
 
 def plot(result: dict, path: str) -> bool:
@@ -431,7 +485,7 @@ def run(args, modes: list[str], device: str) -> int:
                                        "contexts": contexts, "smoke": smoke, **info},
               "records": records, "cases": cases_table(records)}
     print(report.save(result, args.out, plot))
-    fp8 = any(m in modes for m in ("fp8", "flashinfer_fp8"))
+    fp8 = any(m in modes for m in ("fp8", "fp8_lossless", "flashinfer_fp8"))
     print(report.text_table(result["cases"], COLUMNS + (FP8_COLUMNS if fp8 else [])))
     print("x uncompressed / x flashinfer: the other kernel's time / the compressed kernel's (above 1: compressed "
           "is faster)")
