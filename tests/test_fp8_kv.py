@@ -331,15 +331,16 @@ def test_engine_generates_with_fp8_and_pages_hold_one_byte_a_value():
     assert agree >= 0.5 * 12 * len(PROMPTS), (outs, ref)
 
 
-def test_lossless_fp8_pages_give_the_open_fp8_pages_bits():
+@pytest.mark.parametrize("backend", ["torch", "kernel"])
+def test_lossless_fp8_pages_give_the_open_fp8_pages_bits(backend):
     """kv_compression on top of fp8 (the FP8 block format): every token and logit of a batch equal
     to the run with open FP8 pages, while most full pages are sealed; prefix-cache hits on sealed
-    pages included."""
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    pages included. "kernel": the lossless FP8 decode kernel against the open one (interpreted)."""
+    sp = SamplingParams(temperature=0, max_tokens=40 if backend == "torch" else 24, ignore_eos=True)
     runs = {}
     for compressed in (False, True):
         with LLM("demo", device="cpu", kv_cache_dtype="fp8", kv_compression=compressed, kv_memory_gb=0.05,
-                 max_num_batched_tokens=64) as llm:
+                 max_num_batched_tokens=64, attention_backend=backend) as llm:
             eng = llm.engine
             outs = []
             for _ in range(2):                                    # the second pass hits the prefix cache
