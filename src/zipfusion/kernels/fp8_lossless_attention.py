@@ -51,8 +51,8 @@ token-major rows at the end, V blocks (token-grouped: ``512/D`` whole rows each)
 
 Corrupt records. The kernel clamps rather than validates them: the escape counts ``w`` are
 taken at most 64 (512 values), every block body is moved inside the arena (``0 <= body`` and
-``body + BODY_BYTES[mode] + 4·w <= arena bytes``) and a stream entry past ``4·w`` bytes is not
-read, so no metadata makes it read outside the arena: a corrupt page gives wrong values, never a
+``body + BODY_BYTES[mode] + 4·w <= arena bytes``) and no stream word at or past ``w`` is read,
+so no metadata makes it read outside the arena: a corrupt page gives wrong values, never a
 fault. Page *locations* are checked on the host as for the other kernels (``validate``: aligned,
 the smallest encoded page, ``fp8_blocks.min_page_bytes``, inside the arena, the last partial
 page open); the reference decoder (``decode_fp8_page``) refuses corrupt records outright.
