@@ -331,26 +331,35 @@ def test_engine_generates_with_fp8_and_pages_hold_one_byte_a_value():
     assert agree >= 0.5 * 12 * len(PROMPTS), (outs, ref)
 
 
-@pytest.mark.parametrize("backend", ["torch", "kernel"])
-def test_lossless_fp8_pages_give_the_open_fp8_pages_bits(backend):
+def lossless_vs_open_fp8(device: str, backend: str, max_tokens: int, passes: int = 2, sealed: int = 10) -> None:
     """kv_compression on top of fp8 (the FP8 block format): every token and logit of a batch equal
-    to the run with open FP8 pages, while most full pages are sealed; prefix-cache hits on sealed
-    pages included. "kernel": the lossless FP8 decode kernel against the open one (interpreted)."""
-    sp = SamplingParams(temperature=0, max_tokens=40 if backend == "torch" else 24, ignore_eos=True)
+    to the run with open FP8 pages, while most full pages are sealed; the second pass hits the
+    prefix cache on sealed pages."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runs = {}
     for compressed in (False, True):
-        with LLM("demo", device="cpu", kv_cache_dtype="fp8", kv_compression=compressed, kv_memory_gb=0.05,
+        with LLM("demo", device=device, kv_cache_dtype="fp8", kv_compression=compressed, kv_memory_gb=0.05,
                  max_num_batched_tokens=64, attention_backend=backend) as llm:
             eng = llm.engine
             outs = []
-            for _ in range(2):                                    # the second pass hits the prefix cache
+            for _ in range(passes):
                 reqs = [eng.add_request(llm.tokenizer.encode(p * 3), sp) for p in PROMPTS]
                 run_to_completion(eng, reqs, keep_logits=True)
                 outs += [(r.output_ids, torch.stack(r.logits)) for r in reqs]
             runs[compressed] = outs, eng.cache.manager.pages_compressed, eng.cache.stored_ratio()
-    assert runs[False][1] == 0 and runs[True][1] > 10 and runs[True][2] < 0.97
+    assert runs[False][1] == 0 and runs[True][1] >= sealed and runs[True][2] < 0.97, runs[True][1:]
     for (ids0, lg0), (ids1, lg1) in zip(runs[False][0], runs[True][0]):
         assert ids0 == ids1 and torch.equal(lg0, lg1)
+
+
+def test_lossless_fp8_pages_give_the_open_fp8_pages_bits():
+    """The torch route (pages decoded by the FP8 block codec)."""
+    lossless_vs_open_fp8("cpu", "torch", 40)
+
+
+def test_lossless_fp8_kernel_gives_the_open_fp8_kernels_bits():
+    """The lossless FP8 decode kernel against the open one (interpreted: one short pass)."""
+    lossless_vs_open_fp8("cpu", "kernel", 14, passes=1, sealed=3)
 
 
 @pytest.mark.parametrize("backend", ["torch", "kernel"])
@@ -454,6 +463,12 @@ def test_fp8_kernel_large_cases_gpu(G, D):
         assert torch.equal(got, twin)
         ref = torch_decode_attention(q, lambda ids: deq[ids], bt, lens, D ** -0.5, exact=True)
         assert float((got.double() - ref.double()).norm() / ref.double().norm()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_lossless_fp8_engine_on_cuda_gives_the_open_fp8_bits_gpu():
+    """On CUDA (graphs, the compiled lossless kernel, the FP8 codec behind the forward)."""
+    lossless_vs_open_fp8("cuda", "auto", 48)
 
 
 @pytest.mark.gpu

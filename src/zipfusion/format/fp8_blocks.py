@@ -261,12 +261,6 @@ def _page_plan(meta: torch.Tensor, layout: PageLayout):
     return sizes, starts, _round_up(header + sizes.sum(1))
 
 
-def min_page_bytes(layout: PageLayout) -> int:
-    """The smallest encoded page: its records and every block in the smallest mode (blk2) without
-    escapes. The attention kernel's location check: an encoded page must fit in the arena."""
-    return 2 * layout.num_kv_heads * record_bytes(layout) + layout.num_blocks * min(BODY_BYTES)
-
-
 def fp8_block_meta(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
     """Metadata words [P, H, 2, nb] (int64) of E4M3 pages [P, 2, 16, H, D] under ``design``."""
     _check_fp8_pages(pages)

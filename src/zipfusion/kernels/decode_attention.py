@@ -108,17 +108,14 @@ def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, s
     check_scale_and_out(sm_scale, out, q)
 
 
-def page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None,
-                stored_bytes: int | None = None):
+def page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None):
     """What a kernel would read wrongly, as (message, one-element bool tensor on the device)
     pairs (a message may be a function, called only once the fault is read: it may read values),
     computed without a host sync or a data-dependent shape (so also inside a CUDA graph):
     context lengths, page ids, locations (freed, misaligned, past the arena), a compressed partial
     last page. ``open_only``: the name of the uncompressed entry point being checked (every page must be
-    open), or None for a fused kernel. ``stored_bytes``: the fewest bytes of a compressed page
-    (default ``layout.min_page_bytes``; the FP8 block format's are fewer). A bad location is worse
-    than a wrong result on the GPU: the fused kernel's bulk copies from a misaligned address never
-    complete and it spins."""
+    open), or None for a fused kernel. A bad location is worse than a wrong result on the GPU: the
+    fused kernel's bulk copies from a misaligned address never complete and it spins."""
     if context_lens.numel() == 0:
         return []
     W, n = block_table.shape[1], page_loc_layer.numel()
@@ -130,8 +127,7 @@ def page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_o
     loc = page_loc_layer[ids.clamp(0, n - 1)]
     live = used & ~bad_id & (loc >= 0)
     is_open, start = loc_is_open(loc), loc_offset(loc)
-    least = layout.min_page_bytes if stored_bytes is None else stored_bytes
-    end = torch.where(is_open, start + layout.open_page_bytes, start + least)
+    end = torch.where(is_open, start + layout.open_page_bytes, start + layout.min_page_bytes)
     last = loc.gather(1, (n_pages - 1).clamp(min=0)[:, None])[:, 0]
     faults = [
         (lambda: f"context_lens must be in 1..{PAGE_TOKENS * W} (16 x the block_table width); got min "
@@ -151,11 +147,9 @@ def page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_o
     return faults
 
 
-def check_ids(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None,
-              stored_bytes: int | None = None):
+def check_ids(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None):
     """:func:`page_faults` read on the host (one device sync): ValueError naming the first."""
-    for message, fault in page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only,
-                                      stored_bytes):
+    for message, fault in page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only):
         if bool(fault):
             raise ValueError(message() if callable(message) else message)
 

@@ -54,7 +54,7 @@ taken at most 64 (512 values), every block body is moved inside the arena (``0 <
 ``body + BODY_BYTES[mode] + 4·w <= arena bytes``) and no stream word at or past ``w`` is read,
 so no metadata makes it read outside the arena: a corrupt page gives wrong values, never a
 fault. Page *locations* are checked on the host as for the other kernels (``validate``: aligned,
-the smallest encoded page, ``fp8_blocks.min_page_bytes``, inside the arena, the last partial
+the smallest encoded page, ``Fp8PageLayout.min_page_bytes``, inside the arena, the last partial
 page open); the reference decoder (``decode_fp8_page``) refuses corrupt records outright.
 
 Triton on any GPU it compiles for and, on CPU tensors, through the interpreter (module
@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from ..format.fp8 import Fp8PageLayout, check_scale
-from ..format.fp8_blocks import BLK2, BLK3, BODY_BYTES, COL2, RAW, min_page_bytes, record_bytes
+from ..format.fp8_blocks import BLK2, BLK3, BODY_BYTES, COL2, RAW, record_bytes
 from ..format.layout import BLOCK_VALUES, PAGE_TOKENS, loc_is_compressed, loc_offset
 from ..triton_interpreter import kernel_module, same_mode
 from . import fp8_kv, triton_attention
@@ -247,7 +247,7 @@ def decode_attention_fp8_lossless(q, arena, page_loc_layer, block_table, context
     k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     check_split_args(num_splits, split_pages)
     if validate:
-        check_ids(arena, page_loc_layer, block_table, context_lens, layout, None, min_page_bytes(layout))
+        check_ids(arena, page_loc_layer, block_table, context_lens, layout, None)
     q = q.contiguous()
     out = torch.empty_like(q) if out is None else out
     m = kernel_module(arena.device, __name__, __file__, _interpreting())
