@@ -8,7 +8,7 @@
 #             answers ~500 tokens) at 4 GiB of KV in every mode, each mode in its own process
 #             (~4 min): capacity (peak batch) and whole-run tokens/s; flashinfer_fp8: the FP8
 #             cache decoded by FlashInfer's FP8 kernel (RUN_MODES picks)
-# FP8-lossless stays an analyzer result (docs/fp8_format.md): no kernel reads it.
+# FP8 + lossless: scripts/gpu/fp8_lossless.sh.
 #   bash scripts/gpu/fp8_side_by_side.sh [kernel] [run]     # results under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
