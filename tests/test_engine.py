@@ -327,6 +327,21 @@ def test_warm_up_runs_a_whole_step_budget_and_leaves_the_engine_as_new():
         eng.warm_up()
 
 
+def test_step_stats_count_the_decode_rows_context():
+    """StepStats.context_tokens: the decode rows' context lengths summed (what decode attention
+    reads), as the requests' lengths say."""
+    eng = LLM("demo", device="cpu", kv_memory_gb=0.01, max_num_batched_tokens=64).engine
+    seen = []
+    eng.add_observer(lambda res, stats: seen.append((res.decode_rows, stats.context_tokens)))
+    a = eng.add_request([5] * 20, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    b = eng.add_request([6] * 7, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    decode = [c for n, c in seen if n == 2]
+    assert decode == [20 + 7 + 2 * k for k in (1, 2, 3)]      # the k-th decode step: rows of 20 + k and 7 + k
+    assert a.output_ids and b.output_ids
+
+
 def test_pages_left_open_under_pressure_are_retried(ckpts, monkeypatch):
     """The seal contract (issue 20): a seal that finds no room it may take leaves pages open,
     and the scheduler hands exactly those pages back at its next seal, where they compress. The

@@ -29,7 +29,7 @@ from ..config import child_environment
 from .stats import percentile
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
-               "forward_s", "seal_s", "ahead_s", "recomputed_tokens")      # a step log's columns
+               "forward_s", "seal_s", "ahead_s", "recomputed_tokens", "context_tokens")   # a step log's columns
 
 
 class Step(NamedTuple):
@@ -40,6 +40,7 @@ class Step(NamedTuple):
     preempted: int
     sealed_pages: int
     recomputed_tokens: int
+    context_tokens: int
     start: float
     seconds: float
     schedule_s: float

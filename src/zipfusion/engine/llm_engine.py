@@ -105,6 +105,7 @@ class StepStats(NamedTuple):
     benchmarks): seconds from the host clock (:class:`PhaseClock`)."""
     sealed_pages: int                # pages handed to the seal's placement (those it left open are handed again later)
     recomputed_tokens: int           # prefill tokens whose K/V had been computed before a preemption
+    context_tokens: int              # the decode rows' context lengths, summed (what decode attention reads)
     start: float                     # time.perf_counter() at the step's start
     seconds: float
     schedule_s: float
@@ -329,6 +330,7 @@ class LLMEngine:
         clock.mark("schedule")
         logits = self.runner.run(out)
         recomputed = self._count_computed(out)
+        context = sum(r.num_computed for r in out.decode)          # counters moved on: this token included
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
         tokens = self._launch_sample(sampled, logits) if sampled else None
         clock.mark("forward")
@@ -343,7 +345,7 @@ class LLMEngine:
         res = StepResult(finished, sampled, logits if sampled else None, len(out.decode),
                          sum(ch.length for ch in out.prefill), running, len(out.preempted))
         for fn in self._observers:
-            fn(res, StepStats(placed, recomputed, **clock.times()))
+            fn(res, StepStats(placed, recomputed, context, **clock.times()))
         if self._memory_watch is not None:
             self._memory_watch.check(res, placed)
         return res
