@@ -492,3 +492,20 @@ def test_engine_fp8_on_cuda_graphs_and_deterministic_gpu():
             run_to_completion(eng, [target], keep_logits=True)
             runs.append((target.output_ids, torch.stack(target.logits)))
     assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_lossless_fp8_pages_read_through_the_device_table():
+    """Fp8KVCache.read_pages with ids on the device (prefill over stored pages: no host sync)
+    reads open and sealed pages as the manager's host path does."""
+    cache = Fp8KVCache(2, 2, 64, 2 ** 21, "cpu", kv_compression=True)
+    ids = cache.alloc(6)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(2):
+        for p in ids:
+            cache.manager.open_page(layer, p).copy_(quantize_e4m3(torch.randn(2, 16, 2, 64, generator=g) * 4))
+    assert not cache.manager.compress_pages(ids[:4])                     # four sealed, two open
+    order = torch.tensor([ids[5], ids[0], ids[3], ids[4], ids[1]])
+    for layer in range(2):
+        host = cache.read_pages(layer, order.tolist())
+        assert torch.equal(cache.read_pages(layer, order), host)
+        assert torch.equal(host[1], dequantize_e4m3(cache.manager.read_pages(layer, [ids[0]])[0]))

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..format.fp8 import Fp8PageLayout, check_scale, dequantize_e4m3, quantize_e4m3
+from ..format.layout import loc_is_open, loc_offset
 from ..memory.copy import to_device
 from ..models.layers import apply_rope
 from .kv_cache import ArenaKVCache
@@ -66,8 +67,11 @@ class Fp8KVCache(ArenaKVCache):
 
     def read_pages(self, layer, ids):
         """Pages [n, 2, 16, H, D] bf16: K as bf16(E4M3 · k_scale), V as bf16(E4M3 · v_scale)
-        (compressed pages decoded to their E4M3 bytes first)."""
-        if self.kv_compression:
+        (compressed pages decoded to their E4M3 bytes first). Ids on the device (prefill over
+        stored pages) are read through the device table, with no host sync."""
+        if self.kv_compression and isinstance(ids, torch.Tensor) and ids.device == self.device:
+            raw = self._read_on_device(layer, ids.to(torch.int64))
+        elif self.kv_compression:
             raw = self.manager.read_pages(layer, ids.tolist() if isinstance(ids, torch.Tensor) else list(ids))
         else:
             ids = ids.to(self.device, torch.int64) if isinstance(ids, torch.Tensor) else \
@@ -76,3 +80,19 @@ class Fp8KVCache(ArenaKVCache):
             raw = self.arena[self.layout.page_byte_index(self.page_loc[layer, ids])].view(-1, 2, 16, H, D)
         return torch.stack([dequantize_e4m3(raw[:, 0], self.k_scale), dequantize_e4m3(raw[:, 1], self.v_scale)],
                            dim=1)
+
+    def _read_on_device(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """E4M3 bytes [n, 2, 16, H, D] of pages open or compressed, from the device table alone:
+        each slice of FP8_SLICE pages is both gathered open and decoded (trusted bytes: this
+        process's encoder), and each page keeps the form its location says."""
+        from ..format.fp8_blocks import decode_fp8_pages
+        from ..memory.codec import FP8_SLICE
+        H, D, n = self.num_kv_heads, self.head_dim, self.layout.open_page_bytes
+        out, last = [], self.arena.numel() - 1
+        for i in range(0, ids.numel(), FP8_SLICE):
+            loc = self.page_loc[layer, ids[i:i + FP8_SLICE]]
+            off = loc_offset(loc)
+            opened = self.arena[(off[:, None] + torch.arange(n, device=self.device)).clamp(max=last)]
+            decoded = decode_fp8_pages(self.arena, off, None, H, D).reshape(-1, n)
+            out.append(torch.where(loc_is_open(loc)[:, None], opened, decoded))
+        return torch.cat(out).view(-1, 2, 16, H, D) if out else self.arena[:0].view(0, 2, 16, H, D)
