@@ -4,8 +4,9 @@ Four KV modes of one engine, the same model weights (BF16) and the same fixed pr
 
   bf16           BF16 pages, uncompressed: the reference
   bf16_lossless  BF16 pages, losslessly compressed (kv_compression=True): 0 by construction, measured
-  fp8            E4M3 pages (kv_cache_dtype="fp8", per-tensor scale 1.0, kv_compression=False)
-  fp8_lossless   the same E4M3 pages, full ones losslessly compressed on top (fp8's tokens by construction)
+  fp8            E4M3 pages (kv_cache_dtype="fp8", per-tensor scale 1.0)
+  fp8_lossless   the same E4M3 pages, full ones losslessly compressed on top (kv_cache_dtype="fp8_lossless":
+                 fp8's tokens by construction)
 
 Per mode and model:
 
@@ -45,7 +46,7 @@ from zipfusion.engine import LLM, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fp8_accuracy_cpu"
 MODES = {"bf16": dict(kv_compression=False), "bf16_lossless": dict(kv_compression=True),
-         "fp8": dict(kv_cache_dtype="fp8", kv_compression=False), "fp8_lossless": dict(kv_cache_dtype="fp8")}
+         "fp8": dict(kv_cache_dtype="fp8"), "fp8_lossless": dict(kv_cache_dtype="fp8_lossless")}
 CHAT_PROMPTS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.",
     "Write a haiku about the sea.", "How do I reverse a list in Python?",

@@ -32,10 +32,10 @@ def test_config_accepts_flashinfer_and_rejects_unknown_backend():
 
 
 def test_config_accepts_flashinfer_over_fp8_pages():
-    c = EngineConfig(attention_backend="flashinfer", kv_cache_dtype="fp8", kv_compression=False, device="cuda")
-    assert c.kv_cache_dtype == "fp8" and c.kv_compression is False
-    with pytest.raises(ValueError, match="reads uncompressed pages only; pass kv_compression=False"):
-        EngineConfig(attention_backend="flashinfer", kv_cache_dtype="fp8", device="cuda")
+    c = EngineConfig(attention_backend="flashinfer", kv_cache_dtype="fp8", device="cuda")
+    assert c.kv_cache_dtype == "fp8" and c.kv_compression is False       # fp8 turns compression off
+    with pytest.raises(ValueError, match="reads uncompressed pages only"):
+        EngineConfig(attention_backend="flashinfer", kv_cache_dtype="fp8_lossless", device="cuda")
 
 
 def test_backend_rejects_flashinfer_on_cpu():
@@ -167,8 +167,7 @@ def test_flashinfer_matches_twin_on_the_arena(graph):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", [dict(kv_compression=False), dict(kv_cache_dtype="fp8", kv_compression=False)],
-                         ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kv", [dict(kv_compression=False), dict(kv_cache_dtype="fp8")], ids=["bf16", "fp8"])
 def test_engine_generates_with_flashinfer_like_our_kernel(tmp_path, kv):
     """Whole engine (CUDA graphs, mixed prefill + decode steps) over BF16 or FP8 pages: greedy
     tokens as our kernel's (FP8: FlashInfer folds the scales in, so only the first tokens must

@@ -207,7 +207,8 @@ def test_capacity_is_about_twice_the_bf16_pages_at_equal_memory():
     built = build_kv_cache(EngineConfig(kv_cache_dtype="fp8_e4m3", kv_compression=False), MC, torch.bfloat16,
                            torch.device("cpu"), 1 / 16)
     assert isinstance(built, Fp8KVCache) and built.capacity_new_pages() == fp8
-    lossless = build_kv_cache(EngineConfig(kv_cache_dtype="fp8"), MC, torch.bfloat16, torch.device("cpu"), 1 / 16)
+    lossless = build_kv_cache(EngineConfig(kv_cache_dtype="fp8_lossless"), MC, torch.bfloat16, torch.device("cpu"),
+                              1 / 16)
     assert lossless.kv_compression and lossless.capacity_new_pages() == \
         Fp8KVCache(L, H, D, budget, "cpu", kv_compression=True).capacity_new_pages()     # the seal's reserve kept
     assert type(build_kv_cache(EngineConfig(kv_cache_dtype="auto", kv_compression=False), MC, torch.bfloat16,
@@ -287,11 +288,10 @@ def test_fp8_kernel_arguments():
 # -- config, engine, CLI, server -----------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(kv_cache_dtype="fp16"), r"kv_cache_dtype must be one of \['auto', 'bf16', 'fp8', 'fp8_e4m3'\]"),
+    (dict(kv_cache_dtype="fp16"), r"kv_cache_dtype must be one of \['auto', 'bf16', 'fp8', 'fp8_e4m3', 'fp8_lossless'\]"),
     (dict(kv_cache_dtype="fp8", dtype="float32"), "runs with dtype='bfloat16' activations"),
-    (dict(kv_cache_dtype="fp8", attention_backend="flashinfer"), "reads uncompressed pages only"),
-    (dict(kv_cache_dtype="fp8", kv_compression=False, attention_backend="flashinfer", deterministic=True),
-     "batch-invariant"),
+    (dict(kv_cache_dtype="fp8_lossless", attention_backend="flashinfer"), "reads uncompressed pages only"),
+    (dict(kv_cache_dtype="fp8", attention_backend="flashinfer", deterministic=True), "batch-invariant"),
     (dict(kv_cache_dtype="fp8", packed_decode=True), "packed_decode does not read FP8 pages"),
 ])
 def test_config_errors(kw, match):
@@ -301,9 +301,10 @@ def test_config_errors(kw, match):
 
 def test_config_names_and_compression_with_fp8():
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
-    c = EngineConfig(kv_cache_dtype="fp8")                        # lossless compression on top, as for bf16
-    assert (c.kv_compression, c.kv_lossy) == (True, True)
-    assert EngineConfig(kv_cache_dtype="fp8", kv_compression=False).kv_compression is False
+    c = EngineConfig(kv_cache_dtype="fp8", kv_compression=True)    # fp8 pages stay open
+    assert (c.kv_compression, c.kv_lossy) == (False, True)
+    c = EngineConfig(kv_cache_dtype="fp8_lossless", kv_compression=False)   # lossless compression on top
+    assert (c.kv_cache_dtype, c.kv_compression, c.kv_lossy) == ("fp8", True, True)
     c = EngineConfig(kv_cache_dtype="auto")
     assert (c.kv_cache_dtype, c.kv_compression, c.kv_lossy) == ("bf16", True, False)
 
@@ -338,7 +339,7 @@ def lossless_vs_open_fp8(device: str, backend: str, max_tokens: int, passes: int
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runs = {}
     for compressed in (False, True):
-        with LLM("demo", device=device, kv_cache_dtype="fp8", kv_compression=compressed, kv_memory_gb=0.05,
+        with LLM("demo", device=device, kv_cache_dtype="fp8_lossless" if compressed else "fp8", kv_memory_gb=0.05,
                  max_num_batched_tokens=64, attention_backend=backend) as llm:
             eng = llm.engine
             outs = []
@@ -426,7 +427,7 @@ def test_cli_help_says_fp8_is_lossy(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         out = " ".join(capsys.readouterr().out.split())
-        assert "--kv-cache-dtype {auto,bf16,fp8,fp8_e4m3}" in out and "LOSSY" in out
+        assert "--kv-cache-dtype {auto,bf16,fp8,fp8_e4m3,fp8_lossless}" in out and "LOSSY" in out
 
 
 def test_models_metadata_says_fp8_is_lossy():
@@ -435,8 +436,8 @@ def test_models_metadata_says_fp8_is_lossy():
 
     from zipfusion.engine import LLMEngine
     from zipfusion.server.openai import create_app
-    for kw, want in ((dict(kv_cache_dtype="fp8"), ("fp8", True, True)),
-                     (dict(kv_cache_dtype="fp8", kv_compression=False), ("fp8", False, True)),
+    for kw, want in ((dict(kv_cache_dtype="fp8_lossless"), ("fp8", True, True)),
+                     (dict(kv_cache_dtype="fp8"), ("fp8", False, True)),
                      (dict(), ("bf16", True, False))):
         engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.02, max_model_len=128, **kw)
         with TestClient(create_app(engine)) as c:

@@ -58,8 +58,8 @@ TP_TIMEOUT_S = 600.0             # how long a tensor-parallel collective waits f
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
 # kv_cache_dtype: the names accepted (vLLM spells fp8 "fp8_e4m3"; "auto" is the model's, bf16) and
 # the canonical name each stands for (EngineConfig keeps the canonical one)
-KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "fp8_e4m3")
-KV_CACHE_DTYPE_CANONICAL = {"auto": "bf16", "bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
+KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_lossless")
+KV_CACHE_DTYPE_CANONICAL = {"auto": "bf16", "bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_lossless": "fp8"}
 
 
 def _opt(default, help: str, **kw):
@@ -75,16 +75,18 @@ class EngineConfig:
                               "llama-3.1-8b-random / qwen3-8b-random (random weights)")
     device: str = _opt("auto", "cuda, cuda:N, cpu, or auto (cuda when a GPU is visible)")
     dtype: str = _opt("bfloat16", "bfloat16, or float32 (needs --no-kv-compression)")
-    kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bf16 pages, or fp8 ones: "
-                                      "their E4M3 bytes kept bit for bit)",
+    kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 pages; fp8 ones with "
+                                      "--kv-cache-dtype fp8_lossless)",
                                 off_help="keep KV pages uncompressed (default: full pages are kept losslessly "
-                                         "compressed, bf16 or fp8; needed for --dtype float32)")
+                                         "compressed; needed for --dtype float32; always off with "
+                                         "--kv-cache-dtype fp8)")
     kv_cache_dtype: str = _opt(
         "bf16", "how K/V values are stored: bf16 (exact; losslessly compressed unless --no-kv-compression) or "
                 "fp8 (E4M3, one byte a value: about 2x the KV pages in the same memory. LOSSY: each K/V value "
                 "is rounded to 3 mantissa bits and |x| > 448 saturates (per-tensor scale 1.0, as vLLM's "
-                "default); outputs differ from bf16. Full FP8 pages are then compressed losslessly on top "
-                "unless --no-kv-compression). Also accepted: auto (= bf16), fp8_e4m3 (= fp8)", choices=KV_CACHE_DTYPE_NAMES)
+                "default); outputs differ from bf16. FP8 pages are not compressed), or fp8_lossless (the same E4M3 "
+                "values, full pages compressed losslessly on top: the same outputs as fp8; EXPERIMENTAL, "
+                "slower than fp8 today). Also accepted: auto (= bf16), fp8_e4m3 (= fp8)", choices=KV_CACHE_DTYPE_NAMES)
     kv_memory_gb: float | None = _opt(None, "GiB for the KV cache (default: what the GPU has free after "
                                             f"the weights x {GPU_MEMORY_UTILIZATION} - "
                                             f"{ACTIVATION_RESERVE_GB} GiB; {CPU_KV_MEMORY_GB} on CPU)")
@@ -203,19 +205,22 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
 
+        lossless_fp8 = self.kv_cache_dtype == "fp8_lossless"
         self.kv_cache_dtype = KV_CACHE_DTYPE_CANONICAL[self.kv_cache_dtype]
         if self.kv_cache_dtype == "fp8":
-            self._check_fp8()
+            self._check_fp8(lossless_fp8)
         if self.attention_backend == "flashinfer":
             if self.kv_compression:
                 raise ValueError("attention_backend='flashinfer' reads uncompressed pages only; pass kv_compression=False")
             if self.deterministic:
                 raise ValueError("attention_backend='flashinfer' is not batch-invariant; drop deterministic=True")
 
-    def _check_fp8(self) -> None:
-        """kv_cache_dtype='fp8': bf16 activations; full pages compressed losslessly in the FP8
-        block format with ``kv_compression``; read by our Triton decode kernels, FlashInfer's FP8
-        decode (``attention_backend='flashinfer'``, uncompressed) or torch; no packed decode."""
+    def _check_fp8(self, lossless: bool) -> None:
+        """kv_cache_dtype='fp8' (kept as 'fp8'): bf16 activations; pages not compressed, or, named
+        'fp8_lossless', full pages compressed losslessly in the FP8 block format (kv_compression
+        set accordingly); read by our Triton decode kernels, FlashInfer's FP8 decode
+        (``attention_backend='flashinfer'``, uncompressed) or torch; no packed decode."""
+        self.kv_compression = lossless
         if str(self.dtype).lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
             raise ValueError(f"kv_cache_dtype='fp8' runs with dtype='bfloat16' activations, got dtype={self.dtype!r}")
         if self.packed_decode:

@@ -23,12 +23,12 @@ MODES = {
     "uncompressed": ({"kv_compression": False}, ["--no-kv-compression"]),
     "flashinfer": ({"kv_compression": False, "attention_backend": "flashinfer"},
                    ["--no-kv-compression", "--attention-backend", "flashinfer"]),
-    "fp8": ({"kv_cache_dtype": "fp8", "kv_compression": False}, ["--kv-cache-dtype", "fp8", "--no-kv-compression"]),
+    "fp8": ({"kv_cache_dtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
     # FP8 pages, full ones compressed losslessly on top (the E4M3 bytes kept bit for bit)
-    "fp8_lossless": ({"kv_cache_dtype": "fp8", "kv_compression": True}, ["--kv-cache-dtype", "fp8"]),
+    "fp8_lossless": ({"kv_cache_dtype": "fp8_lossless"}, ["--kv-cache-dtype", "fp8_lossless"]),
     # the FP8 KV cache decoded by FlashInfer's FP8 kernel (CUDA; vLLM's FP8 decode)
-    "flashinfer_fp8": ({"kv_cache_dtype": "fp8", "kv_compression": False, "attention_backend": "flashinfer"},
-                       ["--kv-cache-dtype", "fp8", "--no-kv-compression", "--attention-backend", "flashinfer"]),
+    "flashinfer_fp8": ({"kv_cache_dtype": "fp8", "attention_backend": "flashinfer"},
+                       ["--kv-cache-dtype", "fp8", "--attention-backend", "flashinfer"]),
 }
 FLASHINFER_MODES = ("flashinfer", "flashinfer_fp8")                # need FlashInfer and CUDA
 # zipfusion bench kernel's: BF16 pages (compressed, open, FlashInfer's) and E4M3 pages (ours, FlashInfer's;
