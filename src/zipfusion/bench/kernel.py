@@ -242,7 +242,6 @@ class Case:
         return decode_attention_fp8(self.q, self.kv8[i % self.sets].view(-1), loc, self.bt, self.lens, layout,
                                     self.shape.d ** -0.5, self.out, validate=False, **kw)
 
-
     def run_fp8_lossless(self, i, **kw):
         from ..kernels.fp8_lossless_attention import decode_attention_fp8_lossless
         layout = Fp8PageLayout(self.shape.hkv, self.shape.d)
