@@ -86,16 +86,31 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
     ``validate``, ``tile_pages``, ``num_warps``: as for ``decode_attention``; ``num_stages``:
     Triton's software pipelining of the compiled kernel (default :data:`NUM_STAGES`).
     """
+    def launch(grid, q, out, plan, TP, G, k_scale, v_scale, interp):
+        m = kernel_module(arena.device, __name__, __file__, _interpreting())
+        m._fp8_decode_kernel[grid](
+            q, arena, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
+            float(sm_scale) * LOG2E, k_scale, v_scale, block_table.stride(0), plan.pages, plan.count,
+            H=layout.num_kv_heads, D=q.shape[2], G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP,
+            INTERPRET=interp, num_warps=num_warps or 4, num_stages=num_stages or NUM_STAGES)
+    return run_fp8_decode(launch, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
+                          k_scale, v_scale, num_splits, split_pages, validate, tile_pages, "decode_attention_fp8")
+
+
+def run_fp8_decode(launch, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
+                   k_scale, v_scale, num_splits, split_pages, validate, tile_pages, open_only):
+    """What the FP8 decode kernels' entry points share: the input checks (``validate``: the page
+    locations, ``open_only`` as for ``check_ids``), the split plan, then ``launch(grid, q, out,
+    plan, TP, G, k_scale, v_scale, interp)`` (the entry point's kernel) and the merge kernel."""
     if not isinstance(layout, Fp8PageLayout):
         raise TypeError(f"layout must be a zipfusion.format.fp8.Fp8PageLayout, got {type(layout).__name__}")
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
     k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     check_split_args(num_splits, split_pages)
     if validate:
-        check_ids(arena, page_loc_layer, block_table, context_lens, layout, "decode_attention_fp8")
+        check_ids(arena, page_loc_layer, block_table, context_lens, layout, open_only)
     q = q.contiguous()
     out = torch.empty_like(q) if out is None else out
-    m = kernel_module(arena.device, __name__, __file__, _interpreting())
     merge = triton_attention._kernels(arena.device)[1]
     interp = arena.device.type == "cpu"
     B, Hq, D = q.shape
@@ -103,12 +118,7 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
     TP, plan = tile_plan(out, B, H, block_table.shape[1], num_splits, split_pages, tile_pages, interp)
     if plan is None:
         return out
-    G = Hq // H
-    m._fp8_decode_kernel[(B, H, plan.count)](
-        q, arena, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
-        float(sm_scale) * LOG2E, k_scale, v_scale, block_table.stride(0), plan.pages, plan.count,
-        H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP, INTERPRET=interp,
-        num_warps=num_warps or 4, num_stages=num_stages or NUM_STAGES)
+    launch((B, H, plan.count), q, out, plan, TP, Hq // H, k_scale, v_scale, interp)
     if plan.count > 1:
         merge[(B * Hq,)](plan.part_o, plan.part_lse, out, context_lens, plan.pages, plan.count,
                          HQ=Hq, D=D, num_warps=4)

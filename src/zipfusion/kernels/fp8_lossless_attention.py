@@ -67,14 +67,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..format.fp8 import Fp8PageLayout, check_scale
 from ..format.fp8_blocks import BLK2, BLK3, BODY_BYTES, COL2, RAW, record_bytes
 from ..format.layout import BLOCK_VALUES, PAGE_TOKENS, loc_is_compressed, loc_offset
 from ..triton_interpreter import kernel_module, same_mode
 from . import fp8_kv, triton_attention
-from .decode_attention import LOG2E, _check_inputs, check_ids
-from .fp8_attention import NUM_STAGES
-from .splits import check_split_args, tile_plan
+from .decode_attention import LOG2E
+from .fp8_attention import NUM_STAGES, run_fp8_decode
 
 _TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode
 _begin_split, _attend_tile, _store_split = _TA.begin_split, _TA.attend_tile, _TA.store_split
@@ -241,32 +239,14 @@ def decode_attention_fp8_lossless(q, arena, page_loc_layer, block_table, context
     :func:`~zipfusion.format.fp8_blocks.encode_fp8_page`. ``validate`` checks the page
     locations on the host (one sync); records are clamped in the kernel, not validated.
     """
-    if not isinstance(layout, Fp8PageLayout):
-        raise TypeError(f"layout must be a zipfusion.format.fp8.Fp8PageLayout, got {type(layout).__name__}")
-    _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
-    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-    check_split_args(num_splits, split_pages)
-    if validate:
-        check_ids(arena, page_loc_layer, block_table, context_lens, layout, None)
-    q = q.contiguous()
-    out = torch.empty_like(q) if out is None else out
-    m = kernel_module(arena.device, __name__, __file__, _interpreting())
-    merge = triton_attention._kernels(arena.device)[1]
-    interp = arena.device.type == "cpu"
-    B, Hq, D = q.shape
-    H = layout.num_kv_heads
-    TP, plan = tile_plan(out, B, H, block_table.shape[1], num_splits, split_pages, tile_pages, interp)
-    if plan is None:
-        return out
-    G = Hq // H
-    arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
-    m._fp8_lossless_kernel[(B, H, plan.count)](
-        q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
-        float(sm_scale) * LOG2E, k_scale, v_scale, block_table.stride(0), plan.pages, plan.count,
-        arena32.numel(), H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP,
-        REC=record_bytes(layout), INTERPRET=interp, num_warps=num_warps or 4,
-        num_stages=num_stages or NUM_STAGES)
-    if plan.count > 1:
-        merge[(B * Hq,)](plan.part_o, plan.part_lse, out, context_lens, plan.pages, plan.count,
-                         HQ=Hq, D=D, num_warps=4)
-    return out
+    def launch(grid, q, out, plan, TP, G, k_scale, v_scale, interp):
+        m = kernel_module(arena.device, __name__, __file__, _interpreting())
+        arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
+        m._fp8_lossless_kernel[grid](
+            q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
+            float(sm_scale) * LOG2E, k_scale, v_scale, block_table.stride(0), plan.pages, plan.count,
+            arena32.numel(), H=layout.num_kv_heads, D=q.shape[2], G=G, G_PAD=max(16, triton.next_power_of_2(G)),
+            TP=TP, REC=record_bytes(layout), INTERPRET=interp, num_warps=num_warps or 4,
+            num_stages=num_stages or NUM_STAGES)
+    return run_fp8_decode(launch, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
+                          k_scale, v_scale, num_splits, split_pages, validate, tile_pages, None)
