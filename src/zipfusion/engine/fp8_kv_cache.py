@@ -1,7 +1,8 @@
 """The FP8 KV cache (``kv_cache_dtype="fp8"``): E4M3 pages in the memory manager's arena.
 
 :class:`Fp8KVCache` is an :class:`~.kv_cache.ArenaKVCache` whose pages hold one byte a value
-(``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3); with ``kv_compression`` its full pages
+(``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3); with ``kv_compression``
+(``kv_cache_dtype="fp8_lossless"``, experimental) its full pages
 are sealed into the lossless FP8 block format (``format.fp8_blocks``: the E4M3 bytes kept bit
 for bit, ~0.88 of their size on real KV) as BF16 pages are into theirs. The arena, the
 allocator and admission count pages by the layout's ``open_page_bytes``, so the same

@@ -330,7 +330,6 @@ class LLMEngine:
         clock.mark("schedule")
         logits = self.runner.run(out)
         recomputed = self._count_computed(out)
-        context = sum(r.num_computed for r in out.decode)          # counters moved on: this token included
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
         tokens = self._launch_sample(sampled, logits) if sampled else None
         clock.mark("forward")
@@ -344,8 +343,10 @@ class LLMEngine:
         clock.mark("forward")
         res = StepResult(finished, sampled, logits if sampled else None, len(out.decode),
                          sum(ch.length for ch in out.prefill), running, len(out.preempted))
-        for fn in self._observers:
-            fn(res, StepStats(placed, recomputed, context, **clock.times()))
+        if self._observers:                # (benchmarks; contexts: the counters moved on, this token included)
+            stats = StepStats(placed, recomputed, sum(r.num_computed for r in out.decode), **clock.times())
+            for fn in self._observers:
+                fn(res, stats)
         if self._memory_watch is not None:
             self._memory_watch.check(res, placed)
         return res

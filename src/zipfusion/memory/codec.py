@@ -16,7 +16,7 @@ compressed pages back (prefill over earlier chunks, the CPU attention path): the
 ``decompress_pages`` on CUDA, the reference elsewhere; both check the metadata first unless the
 bytes are trusted (the host tier's own).
 
-FP8 pages (``Fp8PageLayout``: ``kv_cache_dtype="fp8"`` with ``kv_compression``) go through the
+FP8 pages (``Fp8PageLayout``: ``kv_cache_dtype="fp8_lossless"``) go through the
 torch codec of :mod:`zipfusion.format.fp8_blocks` on every device, ``FP8_SLICE`` page-layers at a
 time: the analysis sizes the pages, ``encode`` reads the (unchanged, full) open pages again,
 encodes them and copies each page's bytes to its destination (sizes known on the host: no sync).
