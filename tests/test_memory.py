@@ -339,8 +339,14 @@ def test_admission_conservative_and_estimate():
     assert adm.can_admit(16 * 75 + 1, 15) and not adm.can_admit(16 * 76 + 1, 0)
     running = [RunningRequest(pages_held=10, num_tokens=160, max_total_tokens=16 * 60)]
     assert adm.reserved_pages(running) == 50                # it still takes 50 pages
-    assert not adm.can_admit(16 * 26 + 1, 0, running)       # 27 > 76 - 50
-    assert adm.can_admit(16 * 26, 0, running)               # 26 <= 26
+    # its 50 are output pages, which decode steps may take from the reserve (4 pages): 80 - 50 left
+    assert not adm.can_admit(16 * 30 + 1, 0, running)       # 31 > 80 - 50
+    assert adm.can_admit(16 * 30, 0, running)               # 30 <= 30
+    prompt = [RunningRequest(pages_held=10, num_tokens=16 * 60, max_total_tokens=16 * 60)]  # 50 prompt pages to come
+    assert adm.reserved_pages(prompt) == 50 and adm.reserved_pages(prompt, outputs_only=True) == 0
+    assert not adm.can_admit(16 * 26 + 1, 0, prompt)        # a prefill keeps the reserve: 27 > 76 - 50
+    assert adm.can_admit(16 * 26, 0, prompt)
+    assert adm.can_admit(16 * 26, 16 * 4, prompt) and not adm.can_admit(16 * 26, 16 * 4 + 1, prompt)  # its own outputs: 4
     with pytest.raises(ValueError):
         adm.can_admit(0, 16)
     ids = m.alloc_pages(40)
