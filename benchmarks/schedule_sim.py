@@ -12,9 +12,10 @@ put on admission and capacity -- and, for shared_prefix and multi_turn, prefix-c
 the host tier's swaps (its books, no bytes: ``zipfusion.testing.AccountingHostTier``, sized as
 the engine sizes it on the H200 unless ``--host-gb``). It cannot say anything about GPU time; it does
 report the host's seconds in the engine's own code between forwards (scheduling, the seal's host
-side, the rest; and, with ``--async-scheduling`` (the engine's opt-in), the scheduling done beside
+side, the rest; and, with ``--async-scheduling`` (the engine's default on CUDA), the scheduling done beside
 the forward), and a digest of every step's decisions and outputs: a change meant to leave the
-decisions alone must leave it as it was. The default is the engine's: the plain order.
+decisions alone must leave it as it was. The default is the plain order (the engine's on the CPU;
+with outputs of known length both orders make the same decisions: tests/test_schedule_sim.py).
 
     python3 benchmarks/schedule_sim.py                       # every scenario, both modes
     python3 benchmarks/schedule_sim.py --scenarios mix --modes compressed --admission conservative
@@ -255,7 +256,7 @@ def main() -> None:
                          "2, or config.LOOKAHEAD_RESERVE_CHUNKS with --admission lookahead)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="schedule each step while the last one runs, before its tokens are back (the engine's "
-                         "--async-scheduling; default: after them, the engine's default)")
+                         "default on CUDA; default here: after them, as --no-async-scheduling)")
     ap.add_argument("--host-gb", type=float, default=None,
                     help=f"host tier GiB (default: the scenario's, else min(2 x KV, {H200_HOST_GB:g}); 0: none)")
     ap.add_argument("--num-requests", type=int, default=None,

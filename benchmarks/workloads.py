@@ -26,9 +26,9 @@ Prefix caching: --prefix-cache on (default), off, or on,off (each record says ``
 Modes: compressed, uncompressed, flashinfer (uncompressed KV, attention_backend="flashinfer";
 skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode);
 compressed_packed and uncompressed_packed (packed_decode=True: decode rows behind one shared prefix
-travel in pairs through the decode kernel, engine/packing.py); compressed_async and uncompressed_async (async_scheduling=True: the
-next step scheduled while this one computes; off by default since it hung the long run on the H200);
-none of these pairs is in the default --modes.
+travel in pairs through the decode kernel, engine/packing.py); compressed_sync and uncompressed_sync
+(async_scheduling=False: each step scheduled after the previous one's tokens are back; the engine's
+default schedules the next step while this one computes); none of these pairs is in the default --modes.
 
     python3 benchmarks/workloads.py --out DIR                        # H200: everything (~35 min)
     python3 benchmarks/workloads.py --scale 0.25 --scenarios burst,mix --out DIR
@@ -62,7 +62,7 @@ from zipfusion.bench.offline import (STEP_FIELDS, log, run_requests, run_worker,
 from zipfusion.bench.report import fmt as _f, pyplot, versions, write_json  # noqa: E402
 
 DEFAULT_MODES = ("compressed", "uncompressed", "flashinfer")
-MODES = DEFAULT_MODES + ("compressed_packed", "uncompressed_packed", "compressed_async", "uncompressed_async")
+MODES = DEFAULT_MODES + ("compressed_packed", "uncompressed_packed", "compressed_sync", "uncompressed_sync")
 BF16_PEAK = 989.4e12          # H100/H200 SXM dense bf16 FLOP/s (datasheet): the prefill MFU denominator
 # issue 20's goals, total tok/s compressed / uncompressed (and / FlashInfer)
 GOALS = {"burst": 1.03, "mix": 1.12, "long": 1.10, "long_generation": 1.25}
@@ -153,8 +153,8 @@ def engine_kwargs(mode: str) -> dict:
         return dict(USER_MODES[mode][0])
     return {"compressed_packed": dict(kv_compression=True, packed_decode=True),
             "uncompressed_packed": dict(kv_compression=False, packed_decode=True),
-            "compressed_async": dict(kv_compression=True, async_scheduling=True),
-            "uncompressed_async": dict(kv_compression=False, async_scheduling=True)}[mode]
+            "compressed_sync": dict(kv_compression=True, async_scheduling=False),
+            "uncompressed_sync": dict(kv_compression=False, async_scheduling=False)}[mode]
 
 
 def llm_options(job: dict, kv_gb: float, max_len: int) -> dict:
@@ -268,8 +268,8 @@ def ratios(records: list[dict]) -> dict:
                 put(scen, f"compressed/{base}", c, by[(scen, base)])
         for a, b in (("compressed_packed", "uncompressed_packed"),
                      ("compressed_packed", "compressed"), ("uncompressed_packed", "uncompressed"),
-                     ("compressed_packed", "flashinfer"), ("compressed_async", "uncompressed_async"),
-                     ("compressed_async", "compressed"), ("uncompressed_async", "uncompressed")):
+                     ("compressed_packed", "flashinfer"), ("compressed_sync", "uncompressed_sync"),
+                     ("compressed", "compressed_sync"), ("uncompressed", "uncompressed_sync")):
             if by.get((scen, a)) and by.get((scen, b)):
                 put(scen, f"{a}/{b}", by[(scen, a)], by[(scen, b)])
         for mode in MODES:

@@ -339,14 +339,8 @@ def test_admission_conservative_and_estimate():
     assert adm.can_admit(16 * 75 + 1, 15) and not adm.can_admit(16 * 76 + 1, 0)
     running = [RunningRequest(pages_held=10, num_tokens=160, max_total_tokens=16 * 60)]
     assert adm.reserved_pages(running) == 50                # it still takes 50 pages
-    # its 50 are output pages, which decode steps may take from the reserve (4 pages): 80 - 50 left
-    assert not adm.can_admit(16 * 30 + 1, 0, running)       # 31 > 80 - 50
-    assert adm.can_admit(16 * 30, 0, running)               # 30 <= 30
-    prompt = [RunningRequest(pages_held=10, num_tokens=16 * 60, max_total_tokens=16 * 60)]  # 50 prompt pages to come
-    assert adm.reserved_pages(prompt) == 50 and adm.reserved_pages(prompt, outputs_only=True) == 0
-    assert not adm.can_admit(16 * 26 + 1, 0, prompt)        # a prefill keeps the reserve: 27 > 76 - 50
-    assert adm.can_admit(16 * 26, 0, prompt)
-    assert adm.can_admit(16 * 26, 16 * 4, prompt) and not adm.can_admit(16 * 26, 16 * 4 + 1, prompt)  # its own outputs: 4
+    assert not adm.can_admit(16 * 26 + 1, 0, running)       # 27 > 76 - 50
+    assert adm.can_admit(16 * 26, 0, running)               # 26 <= 26
     with pytest.raises(ValueError):
         adm.can_admit(0, 16)
     ids = m.alloc_pages(40)
@@ -358,6 +352,32 @@ def test_admission_conservative_and_estimate():
     assert est.reserved_pages(running) < adm.reserved_pages(running)
     with pytest.raises(ValueError):
         Admission(m, mode="sglang")
+
+
+def test_estimate_admission_promises_output_pages_out_of_the_compression_reserve():
+    """Output pages come in decode steps, which may take the compression reserve (the seal borrows
+    it until then): the estimate mode counts as much of the reserve as the output pages promised,
+    never more; prompt pages (a prefill keeps the reserve) and the conservative mode get none."""
+    chunk = 4 * OPEN
+    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    est, con = Admission(m, mode="estimate"), Admission(m, mode="conservative")
+    assert m.capacity_new_pages() == 76 and m.capacity_new_pages(keep_reserve=False) == 80
+    assert est.ratio() == 1.0                               # nothing stored yet: r' = 1, as conservative
+    outputs = [RunningRequest(pages_held=10, num_tokens=160, max_total_tokens=16 * 60, certain=True)]
+    assert est.reserved_pages(outputs) == 50 and est.reserved_pages(outputs, outputs_only=True) == 50
+    assert est.can_admit(16 * 30, 0, outputs) and not est.can_admit(16 * 30 + 1, 0, outputs)   # 30 <= 80 - 50
+    assert con.can_admit(16 * 26, 0, outputs) and not con.can_admit(16 * 26 + 1, 0, outputs)   # 26 <= 76 - 50
+    prompt = [RunningRequest(pages_held=10, num_tokens=16 * 60, max_total_tokens=16 * 60, certain=True)]
+    assert est.reserved_pages(prompt) == 50 and est.reserved_pages(prompt, outputs_only=True) == 0
+    assert est.can_admit(16 * 26, 0, prompt) and not est.can_admit(16 * 26 + 1, 0, prompt)     # no reserve
+    # the new request's own outputs count too: 4 of them, the whole reserve; a fifth is over
+    assert est.can_admit(16 * 26, 16 * 4, prompt, certain=True)
+    assert not est.can_admit(16 * 26, 16 * 4 + 1, prompt, certain=True)
+    # more output promised than the reserve: the reserve, no more
+    many = outputs + [RunningRequest(pages_held=1, num_tokens=16, max_total_tokens=16 * 11, certain=True)]
+    assert est.reserved_pages(many, outputs_only=True) == 60
+    assert est.reserved_pages(many) == 60
+    assert est.can_admit(16 * 20, 0, many) and not est.can_admit(16 * 20 + 1, 0, many)         # 20 <= 80 - 60
 
 
 def test_estimate_admission_sets_aside_what_open_pages_cost_until_their_seal():

@@ -68,8 +68,8 @@ def test_steps_within_the_timeout_and_close():
 
 def test_defaults_and_errors():
     cfg = EngineConfig()
-    assert cfg.async_scheduling is False and cfg.watchdog_timeout_s is None
-    with LLM("demo", device="cpu") as llm:                # the CPU: off by default, nothing overlaps
+    assert cfg.async_scheduling is True and cfg.watchdog_timeout_s is None
+    with LLM("demo", device="cpu") as llm:                # the CPU: off whatever the config, nothing overlaps
         assert llm.engine.watchdog is None and llm.engine.async_scheduling is False
     for bad in (-1, "5", True):
         with pytest.raises(ValueError, match="watchdog_timeout_s must be a number >= 0"):

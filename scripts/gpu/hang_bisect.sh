@@ -49,12 +49,12 @@ variant() {   # name limit_s mode [key=json ...]
 
 run_variant() {   # name: one of the variants below
   case $1 in
-  async) variant async ${LIMIT:-120} compressed_async ;;
-  async_checked) variant async_checked ${LIMIT:-120} compressed_async 'engine={"check_pages": true}' ;;  # a bad page location: an assert, not a spin
-  async_blocking) CUDA_LAUNCH_BLOCKING=1 variant async_blocking ${LIMIT:-120} compressed_async ;;
-  async_eager) variant async_eager ${LIMIT:-120} compressed_async 'engine={"enforce_eager": true}' ;;
-  async_no_host_tier) variant async_no_host_tier ${LIMIT:-120} compressed_async host_gb=0 ;;
-  plain) variant plain ${LIMIT:-120} compressed ;;
+  async) variant async ${LIMIT:-120} compressed ;;
+  async_checked) variant async_checked ${LIMIT:-120} compressed 'engine={"check_pages": true}' ;;  # a bad page location: an assert, not a spin
+  async_blocking) CUDA_LAUNCH_BLOCKING=1 variant async_blocking ${LIMIT:-120} compressed ;;
+  async_eager) variant async_eager ${LIMIT:-120} compressed 'engine={"enforce_eager": true}' ;;
+  async_no_host_tier) variant async_no_host_tier ${LIMIT:-120} compressed host_gb=0 ;;
+  plain) variant plain ${LIMIT:-120} compressed_sync ;;
   *) echo "unknown variant $1"; return 2 ;;
   esac
 }

@@ -127,11 +127,11 @@ class EngineConfig:
               "on a hit instead of recomputed; a preempted request's pages too); 0: off (default: on one GPU, "
               "min(2 x kv_memory_gb, a quarter of the host's free memory); 0 on the CPU and with tensor "
               "parallelism)")
-    async_scheduling: bool = _opt(False, "schedule the next step while the GPU computes this one (vLLM's async "
-                                         "scheduling, SGLang's overlap; CUDA, one GPU): the host's scheduling "
-                                         "leaves the gap between steps, tokens unchanged. Off by default: the "
-                                         "long workload (16 x 32K prompts) hung with it on the H200 twice "
-                                         "(2026-12-05) and on an H100 once in three runs (2026-12-06)")
+    async_scheduling: bool = _opt(True, "schedule the next step while the GPU computes this one (vLLM's async "
+                                        "scheduling, SGLang's overlap; CUDA, one GPU): the host's scheduling "
+                                        "leaves the gap between steps, tokens unchanged",
+                                  off_help="schedule each step after the previous one's tokens are back "
+                                           "(default: the next step is scheduled while the GPU computes)")
     watchdog_timeout_s: float | None = _opt(
         None, "seconds one engine step may run before the process is ended with every thread's stack "
               f"(a stalled GPU; SGLang's --watchdog-timeout); 0: off (default: {WATCHDOG_TIMEOUT_S:g} on "

@@ -12,7 +12,7 @@ admits a request only when
                                                                    a step's prefill pages sit open
                                                                    until they are sealed
 
-The capacity on the left counts as much of the compression reserve (memory/manager.py: chunks
+In the estimate mode the capacity on the left counts as much of the compression reserve (memory/manager.py: chunks
 each layer keeps free for the seal to pack into) as the output pages promised: those are free
 until the running requests grow into them, so the seal borrows them meanwhile, and decode steps
 may take the reserve when they come (scheduler.py), while a prefill's pages keep it. Promising
@@ -206,10 +206,12 @@ class Admission:
         return new + transient + self.reserved_pages(running, r=r) - self._room(running, prompt_tokens, whole, r)
 
     def _room(self, running: RunningBatch, prompt_tokens: int, whole: int, r: float) -> int:
-        """``capacity_new_pages()``, plus as much of the compression reserve as the output pages
-        promised (the running requests' and the new one's, at r'): decode steps allocate those, and
-        they may take the reserve (scheduler.py), while a prefill keeps it."""
+        """``capacity_new_pages()``, plus (in the estimate mode) as much of the compression reserve
+        as the output pages promised (the running requests' and the new one's, at r'): decode steps
+        allocate those, and they may take the reserve (scheduler.py), while a prefill keeps it."""
         room = self.cache.capacity_new_pages()
+        if self.mode != "estimate":
+            return room
         spare = self.cache.capacity_new_pages(keep_reserve=False) - room
         if spare <= 0:
             return room
