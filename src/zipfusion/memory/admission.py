@@ -12,12 +12,13 @@ admits a request only when
                                                                    a step's prefill pages sit open
                                                                    until they are sealed
 
-In the estimate mode the capacity on the left counts as much of the compression reserve (memory/manager.py: chunks
-each layer keeps free for the seal to pack into) as the output pages promised: those are free
-until the running requests grow into them, so the seal borrows them meanwhile, and decode steps
-may take the reserve when they come (scheduler.py), while a prefill's pages keep it. Promising
-around the reserve cost the compressed mode 3.7 % of its running requests in a simulated closed
-loop (4 GiB, decode-heavy: 29.3 -> 30.4 running, none preempted; benchmarks/results/closed_loop_sim_cpu).
+In the estimate mode the capacity on the left counts as much of the compression reserve
+(memory/manager.py: chunks each layer keeps free for the seal to pack into) as the output pages
+promised: those are free until the running requests grow into them, so the seal borrows them
+meanwhile, and decode steps may take the reserve when they come (scheduler.py), while a
+prefill's pages keep it. Promising around the reserve cost the compressed mode 3.7 % of its
+running requests in a simulated closed loop (4 GiB, decode-heavy: 29.3 -> 30.4 running, none
+preempted; benchmarks/results/closed_loop_sim_cpu).
 
 ``P_i`` counts the rest of request i's prompt and its expected output,
 ``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens (in the conservative mode all of
