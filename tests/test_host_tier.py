@@ -137,6 +137,31 @@ def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
         assert same_bits(read(m, p), page_data(100 + i)), i
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_copies_out_go_through_two_bounded_staging_buffers(device, monkeypatch):
+    """A copy out of many pages (an eviction burst) crosses through staging buffers of at most
+    STAGE_OUT_BYTES, two taking turns (on CUDA each waits for its last copy to the ring, behind a
+    busy compute stream here): every page still comes back bit for bit."""
+    import zipfusion.memory.host_tier as host_tier
+    monkeypatch.setattr(host_tier, "STAGE_OUT_BYTES", OPEN + 16)       # about a layer of a page a batch
+    m = manager(device=device)
+    ids = m.alloc_pages(10)
+    for i, p in enumerate(ids):
+        write(m, p, page_data(200 + i))
+    m.compress_pages(ids[:6])
+    host = HostTier(m, 1 << 20)
+    host.start(wait=True)
+    if device == "cuda":
+        torch.cuda._sleep(50_000_000)
+    recs = host.put(ids, ids)
+    m.free_pages(ids)
+    assert all(b is not None and b.numel() <= OPEN + 16 for b in host._stage)
+    back = m.alloc_pages(10)
+    host.take(recs, back)
+    for i, p in enumerate(back):
+        assert same_bits(read(m, p), page_data(200 + i)), i
+
+
 def test_round_trip_in_one_page_decode_batches(monkeypatch):
     """A swap-in decodes its compressed bytes in bounded batches: one page at a time, too."""
     import zipfusion.memory.host_tier as host_tier

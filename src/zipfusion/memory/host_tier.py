@@ -71,6 +71,10 @@ class HostTierStats:
 
 
 DECODE_BATCH_BYTES = 256 << 20     # a swap-in decodes at most this many open-page bytes per launch
+STAGE_OUT_BYTES = 64 << 20         # a copy out crosses PCIe through two device staging buffers of this
+                                   # size, taking turns (a staging buffer as large as an eviction of
+                                   # ~1,000 pages grew the 16 GiB server's reserved GPU memory by
+                                   # 1.5 GiB for good: benchmarks/results/async_default_h100/steady16)
 
 
 class HostTier:
@@ -86,6 +90,9 @@ class HostTier:
         self.used = 0                            # bytes of live records
         self.stats = HostTierStats()
         self._timings: list[tuple[str, object, object]] = []     # (direction, start, end) CUDA events not read yet
+        self._stage: list[torch.Tensor | None] = [None, None]     # copy out: the two staging buffers
+        self._stage_free: list = [None, None]    # CUDA: each one's event after the last copy out of it
+        self._turn = 0
 
     def start(self, wait: bool = False) -> None:
         """Begin pinning the buffer in the background (CUDA; the engine calls this once its CUDA
@@ -185,25 +192,50 @@ class HostTier:
         return [r if r is not None and r.live else None for r in out]
 
     def _copy_out(self, off: np.ndarray, nbytes: np.ndarray, records: list[Record]) -> None:
-        """The bytes of pages at arena offsets ``off`` [L, n] (``nbytes`` each) into their records."""
-        per_page = nbytes.T.reshape(-1)                              # page-major: a page's layers together
-        staged = torch.empty(int(per_page.sum()), dtype=torch.uint8, device=self.m.device)
-        dst = np.concatenate([[0], np.cumsum(per_page)[:-1]])
-        copy_ranges(self.m.arena, staged, off.T.reshape(-1), dst, per_page)
-        side = self.stream
+        """The bytes of pages at arena offsets ``off`` [L, n] (``nbytes`` each) into their records,
+        in batches of at most STAGE_OUT_BYTES: each gathered into a staging buffer (the two take
+        turns; the current stream first waits for the last copy out of the one it fills), then
+        copied to the ring on the tier's stream."""
+        sizes = nbytes.T.reshape(-1)                                 # page-major: a page's layers together
+        src = off.T.reshape(-1)
+        ring = np.repeat([r.start for r in records], nbytes.shape[0]) + np.concatenate(
+            [np.concatenate([[0], np.cumsum(r.nbytes)[:-1]]) for r in records])   # each range's ring offset
+        ends = np.cumsum(sizes)
+        i, done = 0, None
+        while i < sizes.size:
+            j = max(i + 1, int(np.searchsorted(ends, ends[i] - sizes[i] + STAGE_OUT_BYTES, side="right")))
+            done = self._stage_batch(src[i:j], ring[i:j], sizes[i:j])
+            i = j
+        for r in records:
+            r.copied = done                     # the tier's stream runs its copies in order
+
+    def _stage_batch(self, src: np.ndarray, ring: np.ndarray, sizes: np.ndarray):
+        """One batch of ranges (arena offsets ``src``, ring offsets ``ring``, ``sizes``) through the
+        next staging buffer; the event after its copy to the ring (None on the CPU)."""
+        k, self._turn = self._turn, 1 - self._turn
+        compute, side = torch.cuda.current_stream(self.m.device) if self.pin else None, self.stream
+        if self._stage_free[k] is not None:     # its last copy out has left it (before a larger one
+            compute.wait_event(self._stage_free[k])      # replaces it: nothing reuses it before that)
+        total = int(sizes.sum())
+        if self._stage[k] is None or self._stage[k].numel() < total:
+            self._stage[k] = torch.empty(max(total, min(STAGE_OUT_BYTES, 2 * total)), dtype=torch.uint8,
+                                         device=self.m.device)
+        staged = self._stage[k]
+        at = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        copy_ranges(self.m.arena, staged, src, at, sizes)
         if side is not None:                    # after the gather and any swap-in reading the ring
-            side.wait_stream(torch.cuda.current_stream(self.m.device))
+            side.wait_stream(compute)
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            at = 0
-            for a, n in _runs([(r.start, r.size) for r in records]):     # one copy per run
-                self.buf[a:a + n].copy_(staged[at:at + n], non_blocking=self.pin)
-                at += n
-        if side is not None:
-            staged.record_stream(side)          # not reused before the copy is done
-            done = torch.cuda.Event()
-            done.record(side)
-            for r in records:
-                r.copied = done
+            pos = 0
+            for a, n in _runs(list(zip(ring.tolist(), sizes.tolist()))):    # one copy per run
+                self.buf[a:a + n].copy_(staged[pos:pos + n], non_blocking=self.pin)
+                pos += n
+        if side is None:
+            return None
+        done = torch.cuda.Event()
+        done.record(side)
+        self._stage_free[k] = done
+        return done
 
     def take(self, records: list[Record], ids, stream: int = 0, min_capacity: int = 0, reclaim=None) -> list[int]:
         """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit; returns
