@@ -138,12 +138,14 @@ def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_copies_out_go_through_two_bounded_staging_buffers(device, monkeypatch):
+def test_copies_go_through_bounded_staging_buffers(device, monkeypatch):
     """A copy out of many pages (an eviction burst) crosses through staging buffers of at most
     STAGE_OUT_BYTES, two taking turns (on CUDA each waits for its last copy to the ring, behind a
-    busy compute stream here): every page still comes back bit for bit."""
+    busy compute stream here); a swap-in is staged and placed a page at a time (STAGE_IN_BYTES):
+    every page still comes back bit for bit."""
     import zipfusion.memory.host_tier as host_tier
     monkeypatch.setattr(host_tier, "STAGE_OUT_BYTES", OPEN + 16)       # about a layer of a page a batch
+    monkeypatch.setattr(host_tier, "STAGE_IN_BYTES", 1)                # a page a batch
     m = manager(device=device)
     ids = m.alloc_pages(10)
     for i, p in enumerate(ids):

@@ -12,11 +12,13 @@ full its least recently stored pages are dropped (then they are recomputed, as w
 Transfers (``put`` / ``take``) need no host sync. Out: the pages' bytes are gathered into a
 device staging buffer on the current stream (after the kernels that wrote them, before any that
 reuse their memory: the page ids are freed at once), and that buffer crosses PCIe on the tier's
-own stream, beside the compute that follows; the staging buffer is held until the copy is done
-(``record_stream``), and the copy first waits for everything queued on the current stream, so a
-swap-in still reading a ring slot is never overwritten. In: the current stream waits for the
-records' own copies out (their event), then copies them to the device and places (or decodes)
-them before the step that reads them. On the CPU the same code copies between tensors.
+own stream, beside the compute that follows; two staging buffers of STAGE_OUT_BYTES take turns
+(the current stream waits for a buffer's last copy out before it fills it again), and each copy
+first waits for everything queued on the current stream, so a swap-in still reading a ring slot
+is never overwritten. In: the current stream waits for the records' own copies out (their
+event), then copies them to the device and places (or decodes) them before the step that reads
+them, STAGE_IN_BYTES at a time. So an eviction or swap-in of thousands of pages never holds more
+than that on the device. On the CPU the same code copies between tensors.
 
 Layout: one pinned buffer of the tier's budget (no host allocation per transfer: allocating pinned
 memory can stall the device). On CUDA a background thread pins it once the engine has started
@@ -75,6 +77,7 @@ STAGE_OUT_BYTES = 64 << 20         # a copy out crosses PCIe through two device 
                                    # size, taking turns (a staging buffer as large as an eviction of
                                    # ~1,000 pages grew the 16 GiB server's reserved GPU memory by
                                    # 1.5 GiB for good: benchmarks/results/async_default_h100/steady16)
+STAGE_IN_BYTES = 256 << 20         # a swap-in is staged, placed and decoded this many bytes at a time
 
 
 class HostTier:
@@ -200,12 +203,9 @@ class HostTier:
         src = off.T.reshape(-1)
         ring = np.repeat([r.start for r in records], nbytes.shape[0]) + np.concatenate(
             [np.concatenate([[0], np.cumsum(r.nbytes)[:-1]]) for r in records])   # each range's ring offset
-        ends = np.cumsum(sizes)
-        i, done = 0, None
-        while i < sizes.size:
-            j = max(i + 1, int(np.searchsorted(ends, ends[i] - sizes[i] + STAGE_OUT_BYTES, side="right")))
+        done = None
+        for i, j in _batches(sizes, STAGE_OUT_BYTES):
             done = self._stage_batch(src[i:j], ring[i:j], sizes[i:j])
-            i = j
         for r in records:
             r.copied = done                     # the tier's stream runs its copies in order
 
@@ -249,15 +249,18 @@ class HostTier:
             return []
         if (m.table.state[ids] != OPEN).any():
             raise ValueError("HostTier.take: the destination pages must be open")
+        left = []
         with self._timed("in"):
-            staged = self._stage_in(records)
-            self.drop(records)         # a copy out into their space is queued after the staging copy
-            nbytes = np.stack([r.nbytes for r in records], axis=1)          # [L, n]
-            open_form = np.stack([r.open_form for r in records], axis=1)
-            start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(ids.size, -1).T   # [L, n]
-            left = self._restore(ids, staged, start, nbytes, open_form, stream, min_capacity, reclaim)
+            for i, j in _batches(np.array([r.size for r in records]), STAGE_IN_BYTES):   # bounded staging
+                batch, to = records[i:j], ids[i:j]
+                staged = self._stage_in(batch)
+                self.drop(batch)       # a copy out into their space is queued after the staging copy
+                nbytes = np.stack([r.nbytes for r in batch], axis=1)          # [L, n]
+                open_form = np.stack([r.open_form for r in batch], axis=1)
+                start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(to.size, -1).T   # [L, n]
+                left += self._restore(to, staged, start, nbytes, open_form, stream, min_capacity, reclaim)
+                self.stats.bytes_in += int(nbytes.sum())
         self.stats.pages_in += ids.size
-        self.stats.bytes_in += int(nbytes.sum())
         return left
 
     def _stage_in(self, records: list[Record]) -> torch.Tensor:
@@ -355,6 +358,16 @@ class HostTier:
             self.ring.popleft()
         if not self.ring:
             self.head = 0
+
+
+def _batches(sizes: np.ndarray, limit: int):
+    """(i, j) slices of consecutive items whose sizes sum to at most ``limit`` (one item at least)."""
+    ends = np.cumsum(sizes)
+    i = 0
+    while i < len(sizes):
+        j = max(i + 1, int(np.searchsorted(ends, ends[i] - sizes[i] + limit, side="right")))
+        yield i, j
+        i = j
 
 
 def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
