@@ -103,7 +103,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
              max_num_batched_tokens: int = 8192, chunk_pages: int | None = None, reserve_chunks: int | None = None,
              async_scheduling: bool = False,
              host_gb: float | None = None, num_requests: int | None = None,
-             max_in_flight: int | None = None) -> dict:
+             max_in_flight: int | None = None, kv_gb: float | None = None) -> dict:
     """One scenario through the real scheduler. Requests share no prefix, except in the scenarios
     made of shared system prompts or conversations (shared_prefix, multi_turn): their very token
     ids from workloads.py, turns sent as answers finish, the prefix cache on. ``host_gb``: the
@@ -111,12 +111,13 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     engine's default on the H200 runs, min(2 x the KV memory, H200_HOST_GB). ``num_requests``:
     that many drawn from the scenario's lengths; ``max_in_flight``: a closed loop (the next
     request sent as one finishes), whose steady state -- from the send of the first quarter's
-    last request to the last send -- is reported: mean running requests and KV bytes in use."""
+    last request to the last send -- is reported: mean running requests and KV bytes in use.
+    ``kv_gb``: KV memory instead of the scenario's."""
     import torch
     from zipfusion import LLMEngine
     from zipfusion.engine.scheduler import Scheduler
     sc, reqs = requests(name, seed, num_requests)
-    gb = sc.kv_gb
+    gb = sc.kv_gb if kv_gb is None else kv_gb
     eng = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, max_model_len=256)
     V = eng.model_config.vocab_size
     if sc.shared_prefix or sc.turns > 1:
@@ -264,6 +265,7 @@ def main() -> None:
     ap.add_argument("--max-in-flight", type=int, default=None,
                     help="a closed loop: at most this many requests unfinished, the next sent as one finishes; "
                          "reports its steady state (mean running, KV in use)")
+    ap.add_argument("--kv-gb", type=float, default=None, help="KV memory GiB (default: each scenario's)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds of the lengths and page sizes drawn")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
@@ -278,7 +280,7 @@ def main() -> None:
         r = simulate(name, mode, args.fraction, args.admission, seed=seed, chunk_pages=args.chunk_pages,
                      reserve_chunks=args.reserve_chunks,
                      async_scheduling=args.async_scheduling, host_gb=args.host_gb,
-                     num_requests=args.num_requests, max_in_flight=args.max_in_flight)
+                     num_requests=args.num_requests, max_in_flight=args.max_in_flight, kv_gb=args.kv_gb)
         recs.append(r)
         print(f"{name:16s} {mode:13s} seed {seed} preempt {r['preemptions']:4d}/{r['requests']:4d}  prefill "
               f"{r['prefill_tokens_computed'] / r['prompt_tokens']:.3f}x prompt  peak {r['peak_batch']:3d}  "

@@ -23,6 +23,13 @@ def test_full_size_scenarios_run_without_preemption(scenario, mode):
     assert r["peak_batch"] > open_peak if mode == "compressed" else r["peak_batch"] == open_peak
 
 
+def test_kv_memory_other_than_the_scenarios():
+    """``kv_gb`` replaces the scenario's KV memory: twice the deterministic scenario's 16 GiB runs
+    more of its 24 requests at once (at open size: 15 at 16 GiB)."""
+    r = schedule_sim.simulate("deterministic", "uncompressed", 0.96, "estimate", kv_gb=32)
+    assert r["kv_gb"] == 32 and r["peak_batch"] > 15 and r["preemptions"] == 0
+
+
 @pytest.mark.parametrize("host_gb", [None, 0])
 def test_multi_turn_reuses_each_conversation_through_the_prefix_cache(host_gb):
     """The conversation scenario at full size: every later turn's prompt starts with the one
