@@ -102,17 +102,24 @@ def copy_ranges(src: torch.Tensor, dst: torch.Tensor, src_off: np.ndarray, dst_o
     dst.view(-1, ROW)[d_rows] = src.view(-1, ROW)[s_rows]      # advanced indexing: a gather first
 
 
+def batches(sizes: np.ndarray, limit: int):
+    """(i, j) slices of consecutive items whose sizes sum to at most ``limit`` (one item at least)."""
+    ends = np.cumsum(sizes)
+    i = 0
+    while i < len(sizes):
+        j = max(i + 1, int(np.searchsorted(ends, ends[i] - sizes[i] + limit, side="right")))
+        yield i, j
+        i = j
+
+
 def move_ranges(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                 batch_bytes: int = 64 << 20) -> None:
     """Copy ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]``, in order, bit-exact."""
     if len(src) == 0 or arena.device.type == "meta":
         return
     src, dst, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src, dst, nbytes))
-    i, n = 0, len(src)
     csum = np.concatenate([[0], np.cumsum(nbytes)])
-    while i < n:
-        j = int(np.searchsorted(csum, csum[i] + batch_bytes, side="right")) - 1
-        j = min(max(j, i + 1), n)
+    for i, j in batches(nbytes, batch_bytes):
         if arena.is_cuda and triton is not None:    # through a temporary: sources first, then dests
             temp = torch.empty(int(csum[j] - csum[i]), dtype=torch.uint8, device=arena.device)
             packed = csum[i:j] - csum[i]
@@ -120,4 +127,3 @@ def move_ranges(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: n
             copy_ranges(temp, arena, packed, dst[i:j], nbytes[i:j])
         else:                                       # the CPU gathers into a temporary first itself
             copy_ranges(arena, arena, src[i:j], dst[i:j], nbytes[i:j])
-        i = j

@@ -41,7 +41,7 @@ import torch
 
 from ..format.layout import loc_is_open, loc_offset
 from . import codec
-from .copy import copy_ranges
+from .copy import batches, copy_ranges
 from .page_table import OPEN, STORED
 
 
@@ -204,7 +204,7 @@ class HostTier:
         ring = np.repeat([r.start for r in records], nbytes.shape[0]) + np.concatenate(
             [np.concatenate([[0], np.cumsum(r.nbytes)[:-1]]) for r in records])   # each range's ring offset
         done = None
-        for i, j in _batches(sizes, STAGE_OUT_BYTES):
+        for i, j in batches(sizes, STAGE_OUT_BYTES):
             done = self._stage_batch(src[i:j], ring[i:j], sizes[i:j])
         for r in records:
             r.copied = done                     # the tier's stream runs its copies in order
@@ -251,7 +251,7 @@ class HostTier:
             raise ValueError("HostTier.take: the destination pages must be open")
         left = []
         with self._timed("in"):
-            for i, j in _batches(np.array([r.size for r in records]), STAGE_IN_BYTES):   # bounded staging
+            for i, j in batches(np.array([r.size for r in records]), STAGE_IN_BYTES):   # bounded staging
                 batch, to = records[i:j], ids[i:j]
                 staged = self._stage_in(batch)
                 self.drop(batch)       # a copy out into their space is queued after the staging copy
@@ -358,16 +358,6 @@ class HostTier:
             self.ring.popleft()
         if not self.ring:
             self.head = 0
-
-
-def _batches(sizes: np.ndarray, limit: int):
-    """(i, j) slices of consecutive items whose sizes sum to at most ``limit`` (one item at least)."""
-    ends = np.cumsum(sizes)
-    i = 0
-    while i < len(sizes):
-        j = max(i + 1, int(np.searchsorted(ends, ends[i] - sizes[i] + limit, side="right")))
-        yield i, j
-        i = j
 
 
 def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
