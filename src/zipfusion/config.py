@@ -42,6 +42,16 @@ ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")   #
 LOOKAHEAD_RESERVE_CHUNKS = 3
 
 
+def weight_compression_default(device_type: str, dtype: str) -> bool:
+    """``weight_compression`` when not given: on where compressed weights serve faster (CUDA, BF16
+    weights), off elsewhere (the CPU restores each weight before its GEMM: slower, no gain)."""
+    return device_type == "cuda" and dtype_is_bf16(dtype)
+
+
+def dtype_is_bf16(dtype) -> bool:
+    return str(dtype).lower().removeprefix("torch.") in ("bfloat16", "bf16")
+
+
 def memory_options(admission: str) -> dict:
     """The memory manager's keyword arguments that ``admission`` asks for (memory/manager.py)."""
     return {"reserve_chunks": LOOKAHEAD_RESERVE_CHUNKS} if admission == "lookahead" else {}
@@ -80,6 +90,11 @@ class EngineConfig:
                                 off_help="keep KV pages uncompressed (default: full pages are kept losslessly "
                                          "compressed; needed for --dtype float32; always off with "
                                          "--kv-cache-dtype fp8)")
+    weight_compression: bool | None = _opt(
+        None, "keep the linear layers' and embeddings' BF16 weights losslessly compressed in memory (about 0.75 "
+              "of their size; the memory saved goes to the KV cache when --kv-memory-gb is not given), read by "
+              "fused kernels (default: on for CUDA with bfloat16 weights, off on the CPU; needs --dtype bfloat16)",
+        off_help="keep the weights uncompressed", both_flags=True)
     kv_cache_dtype: str = _opt(
         "bf16", "how K/V values are stored: bf16 (exact; losslessly compressed unless --no-kv-compression) or "
                 "fp8 (E4M3, one byte a value: about 2x the KV pages in the same memory. LOSSY: each K/V value "
@@ -198,6 +213,13 @@ class EngineConfig:
                 isinstance(self.kv_host_memory_gb, bool) or not isinstance(self.kv_host_memory_gb, (int, float))
                 or not self.kv_host_memory_gb >= 0):
             raise ValueError(f"kv_host_memory_gb must be a number >= 0, got {self.kv_host_memory_gb!r}")
+        if self.weight_compression not in (None, True, False) or isinstance(self.weight_compression, int) \
+                and not isinstance(self.weight_compression, bool):
+            raise ValueError(f"weight_compression must be True, False or None (the device's default), "
+                             f"got {self.weight_compression!r}")
+        if self.weight_compression and not dtype_is_bf16(self.dtype):
+            raise ValueError(f"weight_compression=True needs dtype='bfloat16' (the weight format is BF16), got "
+                             f"dtype={self.dtype!r}; pass weight_compression=False (--no-weight-compression)")
         for f in dataclasses.fields(self):
             if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
@@ -221,7 +243,7 @@ class EngineConfig:
         set accordingly); read by our Triton decode kernels, FlashInfer's FP8 decode
         (``attention_backend='flashinfer'``, uncompressed) or torch; no packed decode."""
         self.kv_compression = lossless
-        if str(self.dtype).lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
+        if not dtype_is_bf16(self.dtype):
             raise ValueError(f"kv_cache_dtype='fp8' runs with dtype='bfloat16' activations, got dtype={self.dtype!r}")
         if self.packed_decode:
             raise ValueError("packed_decode does not read FP8 pages; drop packed_decode or kv_cache_dtype='fp8'")
@@ -274,7 +296,11 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             continue
         flag = "--" + f.name.replace("_", "-")
         help = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"]
-        if f.default is True:
+        if f.metadata.get("both_flags"):               # None: the default decided at build time
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                default=None, help=f.metadata["off_help"])
+        elif f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                                 help=f.metadata["off_help"])
         elif f.default is False:

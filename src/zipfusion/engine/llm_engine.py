@@ -12,8 +12,9 @@ from typing import NamedTuple
 import torch
 
 from ..models import build_model, load_tokenizer, model_config, resolve_model
+from ..models.compressed_weights import weight_sizes
 from ..models.parallel import TensorParallel, use as use_parallel
-from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig
+from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig, weight_compression_default
 from ..format.layout import PAGE_TOKENS
 from ..memory.copy import HostArray
 from .attention import AttentionBackend
@@ -127,6 +128,8 @@ class LLMEngine:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
                              f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
         AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
+        if cfg.weight_compression is None:          # decided here, once: TP workers get the same value
+            cfg.weight_compression = weight_compression_default(self.device.type, cfg.dtype)
         self.source = resolve_model(cfg.model, cfg.load_format)
         self.model_config = mc = model_config(self.source)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
@@ -137,6 +140,7 @@ class LLMEngine:
             self.tp = start(cfg, self.device, mc, serve)
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
             self.model = self.build_model()
+        self.weights = weight_sizes(self.model)     # before the KV budget: what compression freed is free
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.cache = self._build_cache()
@@ -170,12 +174,14 @@ class LLMEngine:
         self._peak_pages = -1
         self.recomputed_tokens = 0            # prefill tokens computed again after a preemption
         self._observers: list = []            # called after each step: fn(StepResult, StepStats)
-        log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, KV cache %.2f GiB "
-                 "(%s), max_model_len %d, max_num_seqs %d", self.source.name, mc.num_hidden_layers,
-                 mc.num_key_value_heads, mc.head_dim, str(self.dtype).replace("torch.", ""), self.device,
-                 self.kv_memory_gb, ("fp8 (E4M3, lossy), " if cfg.kv_cache_dtype == "fp8" else "")
-                 + ("compressed" if cfg.kv_compression else "uncompressed"),
-                 self.max_model_len, cfg.max_num_seqs)
+        w = self.weights
+        log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, weights %.2f GiB -> %.2f GiB "
+                 "(%s, %.3f), KV memory %.2f GiB (%s), max_model_len %d, max_num_seqs %d", self.source.name,
+                 mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, str(self.dtype).replace("torch.", ""),
+                 self.device, w.original_bytes / 2**30, w.stored_bytes / 2**30,
+                 "compressed" if w.compressed else "uncompressed", w.ratio, self.kv_memory_gb,
+                 ("fp8 (E4M3, lossy), " if cfg.kv_cache_dtype == "fp8" else "")
+                 + ("compressed" if cfg.kv_compression else "uncompressed"), self.max_model_len, cfg.max_num_seqs)
 
     # -- building ---------------------------------------------------------------------------
     def build_model(self):
@@ -184,7 +190,7 @@ class LLMEngine:
         return a model on weights it already holds instead (benchmarks run several engines on
         one set of 8B weights), built with the same ``deterministic``."""
         return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed,
-                           deterministic=self.config.deterministic)
+                           deterministic=self.config.deterministic, weight_compression=self.config.weight_compression)
 
     @staticmethod
     def _max_model_len(asked: int | None, positions: int) -> int:

@@ -14,8 +14,10 @@ import bisect
 import numpy as np
 import torch
 
+from ..kernels import weight_linear
 from ..memory.copy import to_device
 from ..models import CausalLM
+from ..models.compressed_weights import compressed_weights
 from .attention import AttentionBackend
 from .request import PAGE_TOKENS, Request
 from .scheduler import SchedulerOutput
@@ -189,6 +191,7 @@ class ModelRunner:
         self.reserve_scratch_page()
         self.cache.flush_table()                            # the scratch page's table entry
         top = buckets[-1]
+        weight_linear.warmup(compressed_weights(self.model), top)    # kernels built before capture
         self._row_owner = [None] * top
         self._host = {k: v.pin_memory() for k, v in self._new_buffers(top).items()}
         self.decode_inputs([], top, self._host)                       # all rows padding

@@ -76,7 +76,8 @@ def serve(cfg, comm) -> None:
     source = resolve_model(cfg.model, cfg.load_format)
     mc = model_config(source)
     with use(TensorParallel(comm.world, comm.rank, comm.tp_group)):
-        model = build_model(source, dtype=dtype, device=device, seed=cfg.seed, deterministic=cfg.deterministic)
+        model = build_model(source, dtype=dtype, device=device, seed=cfg.seed, deterministic=cfg.deterministic,
+                            weight_compression=cfg.weight_compression)
     gb = comm.min_over_ranks(kv_memory_gb(cfg, device))      # rank 0's agree_budget: the same collective
     cache = build_kv_cache(cfg, mc, dtype, device, gb, comm.world)
     runner, reader, left_open = None, PlanReader(), set()

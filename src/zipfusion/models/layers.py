@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..format.weights import CompressedWeight
+from ..kernels import weight_linear as wl
 from .config import RopeConfig
 from .parallel import tp
 
@@ -24,9 +26,9 @@ from .parallel import tp
 DETERMINISTIC_ROWS = 128
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None,
            deterministic: bool = False) -> torch.Tensor:
-    """y = x Wᵀ + b.
+    """y = x Wᵀ + b; W a tensor or a :class:`CompressedWeight` (the fused kernels read it).
 
     ``deterministic``: each row's result must not depend on the other rows (how many, which).
     A GEMM library picks its algorithm -- tiling, split-K, instruction -- from the shape, so the
@@ -37,7 +39,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Elsewhere (CPU) the products and sums are done in fp64, where bf16 and fp32 products are
     exact and the order of the sum moves a result by ~1e-16 relative, far below the rounding to
     the output dtype that follows.
+
+    A compressed W in deterministic mode is restored (bit for bit) into one reused buffer and
+    takes the same path: the outputs are those of the uncompressed weights by construction.
     """
+    if isinstance(weight, CompressedWeight):
+        if not deterministic:
+            return wl.weight_linear(x, weight, bias)
+        weight = wl.restore_into(weight, restore_buffer(weight.shape, x.device))
     if not deterministic:
         return F.linear(x, weight, bias)
     if not x.is_cuda:
@@ -48,6 +57,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     xp = F.pad(x, (0, 0, 0, -M % R))
     return torch.cat([F.linear(xp[i:i + R], weight, bias) for i in range(0, xp.shape[0], R)])[:M]
+
+
+_RESTORE_BUFFERS: dict[torch.device, torch.Tensor] = {}
+
+
+def restore_buffer(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """A bf16 ``[N, K]`` view of the one scratch buffer per device (grown to the largest weight)."""
+    n = shape[0] * shape[1]
+    buf = _RESTORE_BUFFERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _RESTORE_BUFFERS[device] = torch.empty(n, dtype=torch.bfloat16, device=device)
+    return buf[:n].view(shape)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | CompressedWeight) -> torch.Tensor:
+    """Rows ``ids`` of the embedding table (a compressed one restores only those rows)."""
+    if isinstance(weight, CompressedWeight):
+        return wl.gather_rows(weight, ids)
+    return F.embedding(ids, weight)
 
 
 class RMSNorm(nn.Module):
@@ -182,10 +210,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.shard)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        y = embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
         return self._tp.all_reduce(y)
 
 

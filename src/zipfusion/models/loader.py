@@ -9,6 +9,7 @@ exactly one and no config.json; see :mod:`zipfusion.models.gguf`), by ``"demo"``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -20,9 +21,11 @@ import torch
 
 from ..config import LOAD_FORMATS
 from .config import ModelConfig, load_config
+from .compressed_weights import compress_model, is_compressed_checkpoint, load_compressed
 from .gguf import is_gguf_path
 from .layers import rope_inv_freq, weight_loaders
 from .llama import STACKED, CausalLM
+from .parallel import tp
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEMO_DIR = PACKAGE_DIR / "demo"
@@ -77,6 +80,7 @@ class ModelSource:
     config_path: Path               # config.json, a shipped config, or a .gguf file
     weights_dir: Path | None        # checkpoint folder or .gguf file; None: random weights
     tokenizer_dir: Path | None      # folder with tokenizer files, or a .gguf file
+    compressed: bool = False        # a compressed checkpoint (models/compressed_weights.py)
 
 
 def _resolve_gguf(name: str, path: Path, load_format: str) -> ModelSource:
@@ -129,7 +133,8 @@ def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
     if not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"model folder {path} has no *.safetensors weights "
                                 "(pass load_format='random' for random weights)")
-    return ModelSource(name, path / "config.json", path, path if has_tok else None)
+    return ModelSource(name, path / "config.json", path, path if has_tok else None,
+                       compressed=is_compressed_checkpoint(path))
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -236,28 +241,63 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
                 p.normal_(0.0, std, generator=gen)
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Parameters created inside are ``dtype`` (a model built in BF16 directly: no FP32 copy)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                seed: int = 0, deterministic: bool = False) -> CausalLM:
+                seed: int = 0, deterministic: bool = False, weight_compression: bool = False) -> CausalLM:
     """Construct the model on ``device`` in ``dtype`` (batch-invariant arithmetic if
-    ``deterministic``, see :class:`CausalLM`) and load or randomly initialise its weights."""
+    ``deterministic``, see :class:`CausalLM`) and load or randomly initialise its weights;
+    ``weight_compression``: then compress its weight matrices (a compressed checkpoint is
+    loaded as it is, compressed)."""
     if isinstance(source, str):
         source = resolve_model(source)
     cfg = load_config(source.config_path)
     dt = str(dtype).replace("torch.", "")
+    if source.compressed:
+        return _build_compressed(source, cfg, dtype, device, deterministic)
+    gguf = source.weights_dir is not None and is_gguf_path(source.weights_dir)
     what = (f"random weights, {dt}" if source.weights_dir is None else f"GGUF, dequantized to {dt}"
-            if is_gguf_path(source.weights_dir) else f"safetensors, {dt}")
+            if gguf else f"safetensors, {dt}")
     with BuildProgress(source.name if source.weights_dir is None else Path(source.name).name,
                        what=f"{what}, on {device}") as progress:
-        with torch.device(device):
+        with torch.device(device), default_dtype(dtype):
             model = CausalLM(cfg, deterministic=deterministic)
-        progress.step(f"converting to {str(dtype).replace('torch.', '')}", 0, 0)
-        model.to(dtype=dtype)
-        # rope frequencies stay fp32 (recomputed: .to(dtype) has rounded the buffer)
+        # rope frequencies stay fp32
         model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
         if source.weights_dir is None:
             random_init(model, seed=seed, progress=progress)
         else:
             load_weights(model, source.weights_dir, progress=progress)
+        if weight_compression:
+            progress.step("compressing the weights", 0, 0)
+            stored = cfg.torch_dtype or "bfloat16"
+            compress_model(model, note=" (GGUF: its tensors dequantized to bfloat16 first)" if gguf else
+                           f" (the checkpoint's {stored} cast to bfloat16 first)" if source.weights_dir is not None
+                           and stored not in ("bfloat16", "bf16") else "")
+    return model.eval().requires_grad_(False)
+
+
+def _build_compressed(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device, deterministic: bool):
+    """A compressed checkpoint, loaded as written (BF16, one rank)."""
+    if dtype != torch.bfloat16:
+        raise ValueError(f"model {source.name!r} is a compressed checkpoint (BF16 weights); pass dtype='bfloat16'")
+    if tp().size > 1:
+        raise ValueError(f"model {source.name!r} is a compressed checkpoint, which loads on one GPU; with "
+                         "tensor_parallel_size > 1 pass its source model (each rank compresses its shard)")
+    with BuildProgress(Path(source.name).name, what=f"compressed checkpoint, on {device}") as progress:
+        with torch.device("meta"), default_dtype(dtype):
+            model = CausalLM(cfg, deterministic=deterministic)
+        load_compressed(model, source.weights_dir, torch.device(device), progress=progress)
+        model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
     return model.eval().requires_grad_(False)
 
 

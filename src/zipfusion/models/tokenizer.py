@@ -34,6 +34,13 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {folder}")
 
+    def save(self, folder: str | Path) -> None:
+        """Write the tokenizer's files into ``folder`` (a GGUF file's as tokenizer.json and friends)."""
+        if self._hf is not None:
+            self._hf.save_pretrained(str(folder))
+        else:
+            self._tok.save(str(Path(folder) / "tokenizer.json"))
+
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}")
