@@ -124,8 +124,8 @@ def compress_model(model: nn.Module, note: str = "") -> WeightSizes:
     sizes.kept = kept
     if kept:
         log.info("weights left uncompressed (%d): %s", len(kept), "; ".join(kept))
-    log.info("weights compressed%s: %d tensors, %.3f GiB -> %.3f GiB (%.3f)", note, sizes.compressed,
-             sizes.original_bytes / 2**30, sizes.stored_bytes / 2**30, sizes.ratio)
+    log.info("weights compressed%s: %d of %d matrices, %.3f GiB -> %.3f GiB (%.3f)", note, sizes.compressed,
+             len(modules), sizes.original_bytes / 2**30, sizes.stored_bytes / 2**30, sizes.ratio)
     return sizes
 
 
