@@ -158,6 +158,23 @@ def test_compression_on_off_identical(models, name, tp, gb, max_tokens):
     assert pre_on > 0 and pre_off > 0                             # memory did bind
 
 
+def test_weight_compression_on_off_identical_each_rank_its_shard(models):
+    """bf16, TP=2: every rank compresses its own shard after loading (rank 0's here: its rows of
+    q|k|v, its columns of o_proj, its half of the vocabulary); the same tokens as uncompressed."""
+    from zipfusion.format.weights import CompressedWeight
+    prompts = _prompts(2048, 4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(kv_memory_gb=0.01, tensor_parallel_size=2)
+    off, _, _, _ = _run("demo", prompts, params, weight_compression=False, **kw)
+    on, _, _, eng = _run("demo", prompts, params, weight_compression=True, **kw)
+    assert on == off
+    attn, full = eng.model.model.layers[0].self_attn, eng.model_config
+    assert isinstance(attn.qkv_proj.weight, CompressedWeight) and isinstance(attn.o_proj.weight, CompressedWeight)
+    assert attn.qkv_proj.weight.shape == ((full.q_size + 2 * full.kv_size) // 2, full.hidden_size)
+    assert attn.o_proj.weight.shape == (full.hidden_size, full.q_size // 2)
+    assert eng.model.model.embed_tokens.weight.shape == (full.vocab_size // 2, full.hidden_size)
+
+
 # -- failures and shutdown --------------------------------------------------------------------
 def test_worker_death_is_a_clear_error_and_nothing_is_left():
     from zipfusion.distributed import TPWorkerError
