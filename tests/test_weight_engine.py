@@ -173,6 +173,38 @@ def test_compressed_checkpoint_refuses_float32(demo_checkpoint):
         LLMEngine(str(demo_checkpoint), device="cpu", dtype="float32", kv_compression=False, kv_memory_gb=0.01)
 
 
+# -- the analyzer and the command line -------------------------------------------------------------------
+def test_analyzer_sizes_are_the_engines(tmp_path):
+    from zipfusion.analysis.weights import analyze_weights
+    report = analyze_weights("demo")
+    model = build_model("demo", weight_compression=True)
+    sizes = weight_sizes(model)
+    assert report.estimated_total() == (sizes.original_bytes, sizes.stored_bytes)
+    assert set(report.by_kind()) == {"qkv", "o", "gate_up", "down", "embed"}       # tied: no lm_head
+    escapes = sum(m.weight.num_escapes for _, m in weight_modules(model))
+    assert sum(t.escapes for t in report.tensors) == escapes
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({**TINY, "num_hidden_layers": 5, "tie_word_embeddings": False}))
+    sampled = analyze_weights(str(cfg), layers=2)
+    assert sampled.layers == [0, 4] and {t.layer for t in sampled.tensors} == {0, 4, None}
+    assert set(sampled.by_kind()) == {"qkv", "o", "gate_up", "down", "embed", "lm_head"}
+    assert "fewer than a block" in sampled.render()
+
+
+def test_cli_compress_weights_and_analyze(tmp_path, capsys):
+    from zipfusion.cli import main
+    out = tmp_path / "demo-z"
+    assert main(["compress-weights", "--model", "demo", "--out", str(out), "--device", "cpu"]) == 0
+    assert "serve it with --model" in capsys.readouterr().out and (out / MANIFEST).is_file()
+    assert main(["compress-weights", "--model", str(out), "--out", str(tmp_path / "again")]) == 2
+    assert "compressed checkpoint already" in capsys.readouterr().err
+    png = tmp_path / "w.png"
+    assert main(["analyze", "--weights", "demo", "--device", "cpu", "--plot", str(png)]) == 0
+    assert "gate_up" in capsys.readouterr().out and png.stat().st_size > 0
+    assert main(["analyze", "--layers", "2"]) == 2
+    assert "pass --weights too" in capsys.readouterr().err
+
+
 # -- SmolLM2 (a real checkpoint) ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2():

@@ -1,10 +1,12 @@
-"""Command line: ``zipfusion generate``, ``demo``, ``serve`` and ``analyze``.
+"""Command line: ``zipfusion generate``, ``demo``, ``serve``, ``analyze`` and ``compress-weights``.
 
     zipfusion generate --model demo --prompt "In the beginning" --max-tokens 40 --device cpu
     zipfusion generate --model llama-3.1-8b-random --prompt-token-ids 1,2,3 --device cpu
     zipfusion demo
     zipfusion serve --model PATH --port 8000
     zipfusion analyze --model PATH --text corpus.txt --plot kv.png
+    zipfusion analyze --weights PATH --plot weights.png
+    zipfusion compress-weights --model PATH --out PATH-compressed
 
 Nothing heavy is imported before the arguments are parsed (``--help`` answers in a few tens
 of milliseconds): torch, the engine and the server load inside the commands. A user error
@@ -211,6 +213,10 @@ def cmd_analyze(args) -> int:
 
     if args.plot:
         _require(("matplotlib",), "bench", "analyze --plot")
+    if args.weights:
+        return _analyze_weights(args)
+    if args.layers is not None:
+        raise CLIError("--layers samples the layers of --weights MODEL; pass --weights too")
     from .analysis.model_kv import analyze_model
     texts = None
     if args.text:
@@ -232,6 +238,41 @@ def cmd_analyze(args) -> int:
             fp8_plot = str(path.with_name(f"{path.stem}_fp8{path.suffix or '.png'}"))
             report.fp8.plot(fp8_plot, title=f"{report.model}: FP8 E4M3 + lossless blocks, stored / FP8 bytes")
             print(f"FP8 plot written to {fp8_plot}")
+    return 0
+
+
+def _analyze_weights(args) -> int:
+    import json
+
+    from .analysis.weights import analyze_weights
+    _show_build_progress()
+    report = analyze_weights(args.weights, device=args.device or _default_device(), load_format=args.load_format,
+                             layers=args.layers)
+    print(report.render())
+    if args.plot:
+        report.plot(args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+        print(f"numbers written to {args.json}")
+    return 0
+
+
+def cmd_compress_weights(args) -> int:
+    from .engine.build import parse_device
+    from .models import build_model, load_tokenizer, resolve_model
+    from .models.compressed_weights import save_compressed
+    source = resolve_model(args.model, args.load_format)
+    if source.compressed:
+        raise CLIError(f"--model {args.model} is a compressed checkpoint already")
+    _show_build_progress()
+    t0 = time.perf_counter()
+    model = build_model(source, device=parse_device(args.device), seed=args.seed, weight_compression=True)
+    m = save_compressed(model, source, args.out, load_tokenizer(source.tokenizer_dir))
+    print(f"wrote {args.out}: {len(m['compressed'])} compressed tensors, weights {m['original_bytes'] / 2**30:.3f} GiB "
+          f"-> {m['stored_bytes'] / 2**30:.3f} GiB ({m['stored_bytes'] / m['original_bytes']:.3f}) in "
+          f"{time.perf_counter() - t0:.1f} s; serve it with --model {args.out}")
     return 0
 
 
@@ -313,7 +354,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16: the BF16 page format (v2, v1 beside); fp8: also quantize the KV to FP8 E4M3 as vLLM's "
                         "fp8 KV cache does (scale 1.0, and amax/448 per KV head) and size it in the lossless FP8 "
                         "block format, per design (default: bf16)")
+    a.add_argument("--weights", default=None, metavar="MODEL",
+                   help="instead of the KV: how well MODEL's weights compress in the weight format, per tensor "
+                        "kind and layer (a checkpoint folder, .gguf file, 'demo' or a random model)")
+    a.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="--weights: N layers spread evenly (the model's total estimated from them; default: all)")
+    a.add_argument("--json", default=None, help="--weights: write the numbers here as JSON")
     a.set_defaults(func=cmd_analyze)
+    c = sub.add_parser("compress-weights", help="write a model's weights compressed once; load it with --model DIR",
+                       description="Compress a model's weight matrices (the format the engine serves them in) and "
+                                   "write them, its config and tokenizer to a new folder with a manifest of "
+                                   "checksums; --model DIR then loads it without compressing again.")
+    c.add_argument("--model", required=True, help="checkpoint folder, .gguf file, 'demo' or a random model")
+    c.add_argument("--out", required=True, help="a new folder to write")
+    c.add_argument("--device", default="auto", help="where to compress: cuda, cpu or auto (default: auto)")
+    c.add_argument("--load-format", default="auto", choices=LOAD_FORMATS, help="(default: auto)")
+    c.add_argument("--seed", type=int, default=0, help="random models: the seed of their weights (default: 0)")
+    c.set_defaults(func=cmd_compress_weights)
     from .bench.cli import add_bench_parser        # zipfusion bench serve|throughput|latency|kernel
     add_bench_parser(sub)
     return parser

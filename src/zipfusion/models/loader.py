@@ -155,7 +155,8 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int]:
+def stacked_name(name: str) -> tuple[str, int]:
+    """A checkpoint tensor's name -> our parameter's name and its part there (q|k|v, gate|up)."""
     for frag, (stacked, part) in STACKED.items():
         if f".{frag}." in name:
             return name.replace(frag, stacked), part
@@ -180,10 +181,16 @@ def _gguf_tensors(file: Path, cfg: ModelConfig):
         yield file.name, name, tensor
 
 
+def checkpoint_tensors(folder: Path, cfg: ModelConfig):
+    """(file name, tensor name, tensor) of every tensor of the safetensors in ``folder`` (or of a
+    .gguf file, dequantized)."""
+    return _gguf_tensors(folder, cfg) if is_gguf_path(folder) else _safetensors_tensors(folder)
+
+
 def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None = None) -> None:
     """Fill ``model`` from the safetensors in ``folder`` (or from a .gguf file, dequantized);
     every parameter must be found."""
-    tensors = _gguf_tensors(folder, model.config) if is_gguf_path(folder) else _safetensors_tensors(folder)
+    tensors = checkpoint_tensors(folder, model.config)
     params = dict(model.named_parameters())
     loaders = weight_loaders(model)
     done: set[tuple[str, int]] = set()
@@ -194,7 +201,7 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
             progress.step(f"loading weights from {file}", min(loaded_numel, total), total)
         if name == "lm_head.weight" and model.lm_head is None:
             continue                                   # tied: embed_tokens is the head
-        target, part = _target(name)
+        target, part = stacked_name(name)
         if target not in params:
             raise ValueError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
         param = params[target]
