@@ -100,6 +100,9 @@ def test_shipped_configs():
     qwen = load_config(resolve_model("qwen3-8b-random").config_path)
     assert abs(num_parameters(llama) - 8.03e9) < 0.01e9 and llama.rope.rope_type == "llama3"
     assert abs(num_parameters(qwen) - 8.19e9) < 0.01e9 and qwen.qk_norm and not llama.qk_norm
+    qwen32 = load_config(resolve_model("qwen3-32b-random").config_path)      # Qwen3-32B: 32.8B parameters
+    assert abs(num_parameters(qwen32) - 32.76e9) < 0.01e9 and qwen32.qk_norm and not qwen32.tie_word_embeddings
+    assert (qwen32.num_attention_heads, qwen32.num_key_value_heads, qwen32.head_dim) == (64, 8, 128)
 
 
 def test_random_init_stays_finite_over_many_layers():

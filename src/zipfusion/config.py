@@ -82,7 +82,7 @@ class EngineConfig:
     """How to build an engine. Every field is also a command line option (``--kv-memory-gb``)."""
 
     model: str = _opt("demo", "checkpoint folder, .gguf file, 'demo' (embedded tiny model), or "
-                              "llama-3.1-8b-random / qwen3-8b-random (random weights)")
+                              "llama-3.1-8b-random / qwen3-8b-random / qwen3-32b-random (random weights)")
     device: str = _opt("auto", "cuda, cuda:N, cpu, or auto (cuda when a GPU is visible)")
     dtype: str = _opt("bfloat16", "bfloat16, or float32 (needs --no-kv-compression)")
     kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 pages; fp8 ones with "

@@ -4,7 +4,7 @@ A model is named by a checkpoint folder (config.json + *.safetensors, sharded wi
 ``model.safetensors.index.json`` or not), by a llama.cpp ``.gguf`` file (or a folder holding
 exactly one and no config.json; see :mod:`zipfusion.models.gguf`), by ``"demo"`` (the tiny model shipped in
 ``zipfusion/models/demo``) or by a shipped config with random weights
-(``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``; see :data:`RANDOM_MODELS`).
+(``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``, ``"qwen3-32b-random"``; see :data:`RANDOM_MODELS`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ CONFIG_DIR = PACKAGE_DIR / "configs"
 RANDOM_MODELS = {
     "llama-3.1-8b-random": CONFIG_DIR / "llama-3.1-8b.json",
     "qwen3-8b-random": CONFIG_DIR / "qwen3-8b.json",
+    "qwen3-32b-random": CONFIG_DIR / "qwen3-32b.json",
 }
 INIT_STD = 0.02
 PROGRESS_EVERY_S = 10.0          # a long build logs where it is this often
