@@ -167,6 +167,10 @@ class EngineConfig:
                                          "forkserver (forked from a server process that has imported torch and "
                                          "zipfusion once: faster to start; the tests use it)",
                                 choices=TP_START_METHODS, expert=True)
+    kv_gets_weight_savings: bool = _opt(False, "with --kv-memory-gb given: the KV cache also gets the bytes weight "
+                                               "compression saved (benchmarks compare modes at the same weights + "
+                                               "KV memory; without --kv-memory-gb the default budget has them anyway)",
+                                        expert=True)
     check_pages: bool = _opt(False, "debugging aid: every decode attention call first asserts its block table, "
                                     "context lengths and page locations on the device (a bad location stops "
                                     "the process with a device-side assert instead of a kernel reading garbage "

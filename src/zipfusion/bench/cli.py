@@ -214,7 +214,7 @@ def _engine_args(text: str) -> dict:
     if not isinstance(extra, dict):
         raise ValueError(f"--engine-args must be a JSON object of LLM options, got {text}")
     ours = {"kv_compression", "attention_backend", "device", "kv_memory_gb", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "deterministic", "model"}
+            "max_model_len", "deterministic", "model", "weight_compression", "kv_gets_weight_savings"}
     taken = sorted(set(extra) & ours)
     if taken:
         raise ValueError(f"--engine-args sets {taken}, which the benchmark sets itself (--compare/--mode or "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from . import datasets, report
-from .offline import greedy, kv_numbers, log, note, run_modes, warm_up
+from .offline import greedy, kv_numbers, log, note, run_modes, warm_up, weight_numbers
 from .stats import summary
 from .throughput import build_engine
 
@@ -55,7 +55,8 @@ def worker(job: dict) -> dict:
             runs.append(r)
     rec = {"mode": job["mode"], "batch_size": B, "input_len": L, "output_len": O, "iterations": runs,
            "preemptions": eng.scheduler.num_preemptions, **kv_numbers(eng),
-           "kv_memory_gb": eng.kv_memory_gb, "max_model_len": eng.max_model_len, "build_s": build_s}
+           "kv_memory_gb": eng.kv_memory_gb, **weight_numbers(eng), "max_model_len": eng.max_model_len,
+           "build_s": build_s}
     for key in ("prefill_s", "decode_s_per_token", "e2e_s"):
         rec[key] = summary(r[key] for r in runs)
         rec[f"{key}_p50"], rec[f"{key}_p99"] = rec[key]["p50"], rec[key]["p99"]

@@ -195,6 +195,13 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
     }
 
 
+def weight_numbers(eng) -> dict:
+    """The engine's weights as BF16 and as held (GiB; compressed or not) and the ratio."""
+    w = eng.weights
+    return {"weights_gb": w.original_bytes / 2**30, "weights_stored_gb": w.stored_bytes / 2**30,
+            "weights_ratio": w.ratio, "weights_compressed_tensors": w.compressed}
+
+
 def outputs_sha256(reqs) -> str:
     """One hash of every request's output ids, in order: runs with the same tokens have the same."""
     return hashlib.sha256(json.dumps([list(r.output_ids) for r in reqs]).encode()).hexdigest()

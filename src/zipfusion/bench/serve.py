@@ -80,7 +80,7 @@ class Run:
     def __init__(self, args, mode: str, dist: datasets.LengthDist, slo: dict, server: Server):
         self.args, self.mode, self.dist, self.slo, self.server = args, mode, dist, slo, server
         self.rows: list[dict] = []
-        self.max_len, self.model = None, None
+        self.max_len, self.model, self.sizes = None, None, {}
         self.after_rate = lambda: None
 
     def connect(self) -> None:
@@ -89,6 +89,7 @@ class Run:
         r.raise_for_status()
         first = r.json()["data"][0]
         self.model, self.max_len = first["id"], first.get("max_model_len")
+        self.sizes = {k: first.get(k) for k in ("kv_memory_gb", "weights_bytes", "weights_stored_bytes")}
 
     def dataset(self, n: int, id_seed: int) -> datasets.Dataset:
         a = self.args
@@ -183,7 +184,8 @@ def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float], c
         log(f"[{mode}] WARNING: the server's memory grew over the run: {mem['growth_mib']} MiB")
         for line in mem["server_log"][-5:]:
             log(f"[{mode}]   server: {line}")
-    return {"server": {**server.info(), "model": run.model, "max_model_len": run.max_len},
+    return {"server": {**server.info(), "model": run.model, "max_model_len": run.max_len, **run.sizes,
+                       "kv_memory_gb_asked": args.kv_memory_gb},
             "saturation_req_s": saturation, "rates": run.rows, "memory": mem,
             "summary": mode_summary(run.rows, slo, args.slo_attainment)}
 

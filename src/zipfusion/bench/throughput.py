@@ -16,13 +16,14 @@ import time
 
 from . import datasets, report
 from .offline import (STEP_FIELDS, device_name, log, note, run_modes, run_requests, step_rows, summarize,
-                      warm_up)
+                      warm_up, weight_numbers)
 
 RATIO_KEYS = {"total_tok_s": "total tok/s", "output_tok_s": "output tok/s", "requests_s": "req/s",
               "decode_tok_s_at_peak_batch": "decode tok/s at peak", "peak_batch": "peak batch"}
 COLUMNS = [("mode", "mode", "{}"), ("requests", "requests", "{}"), ("wall_s", "wall s", "{:.2f}"),
            ("total_tok_s", "total tok/s", "{:,.1f}"), ("output_tok_s", "output tok/s", "{:,.1f}"),
            ("requests_s", "req/s", "{:.2f}"), ("peak_batch", "peak batch", "{}"), ("preemptions", "preempt", "{}"),
+           ("weights_stored_gb", "weights GiB", "{:.3g}"), ("kv_memory_gb", "KV GiB", "{:.3g}"),
            ("stored_ratio", "stored ratio", "{:.3f}"), ("compressible_fraction", "compressible", "{:.1%}")]
 
 
@@ -80,7 +81,8 @@ def worker(job: dict) -> dict:
             "step_fields": list(STEP_FIELDS), "step_log": step_rows(steps),
             "finished": sum(r.finish_reason is not None for r in reqs),
             "expected_output_tokens": sum(ds.output_lens), "dataset": ds.summary(),
-            "kv_memory_gb": eng.kv_memory_gb, "max_model_len": eng.max_model_len,
+            "kv_memory_gb": eng.kv_memory_gb, "kv_memory_gb_asked": job.get("kv_memory_gb"),
+            **weight_numbers(eng), "max_model_len": eng.max_model_len,
             "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
             "device_name": device_name(eng), "build_s": build_s, "warm_up_s": warm_s}
 

@@ -50,18 +50,21 @@ def free_memory_gb(device: torch.device) -> float:
         return float("inf")
 
 
-def kv_memory_gb(config: EngineConfig, device: torch.device) -> float:
+def kv_memory_gb(config: EngineConfig, device: torch.device, weights_saved_bytes: int = 0) -> float:
     """The GiB this process can give the KV cache: ``config.kv_memory_gb`` (checked against what
-    is free), by default what the GPU has free x GPU_MEMORY_UTILIZATION less
+    is free; plus ``weights_saved_bytes``, what weight compression saved, with
+    ``kv_gets_weight_savings``), by default what the device has free once the weights are in
+    place (compressed: the saving is free memory) x GPU_MEMORY_UTILIZATION less
     ACTIVATION_RESERVE_GB, or CPU_KV_MEMORY_GB on the CPU."""
     free = free_memory_gb(device)
     if config.kv_memory_gb is None:
         return (max(0.5, GPU_MEMORY_UTILIZATION * free - ACTIVATION_RESERVE_GB) if device.type == "cuda"
                 else min(CPU_KV_MEMORY_GB, 0.5 * free))
-    if config.kv_memory_gb > free:
-        raise ValueError(f"kv_memory_gb={config.kv_memory_gb:g} is more than the {free:.1f} GiB free on {device}; "
+    gb = config.kv_memory_gb + (weights_saved_bytes / 2**30 if config.kv_gets_weight_savings else 0.0)
+    if gb > free:
+        raise ValueError(f"kv_memory_gb={gb:g} is more than the {free:.1f} GiB free on {device}; "
                          f"pass a smaller kv_memory_gb, or leave it out to size it from what is free")
-    return config.kv_memory_gb
+    return gb
 
 
 def build_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, gb: float,

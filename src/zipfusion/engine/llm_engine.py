@@ -203,7 +203,7 @@ class LLMEngine:
 
     def _build_cache(self):
         """The KV cache (engine/build.py; a tensor-parallel worker builds its own there too)."""
-        gb = kv_memory_gb(self.config, self.device)
+        gb = kv_memory_gb(self.config, self.device, self.weights.saved_bytes)
         if self.tp:                         # every rank the same budget: page ids agree (distributed/lockstep.py)
             gb = self.tp.agree_budget(gb)
         self.kv_memory_gb = gb

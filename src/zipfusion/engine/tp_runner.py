@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ..distributed.lockstep import apply_ops, report_of
 from ..models import build_model, model_config, resolve_model
+from ..models.compressed_weights import weight_sizes
 from ..models.parallel import TensorParallel, use
 from .attention import AttentionBackend
 from .build import build_kv_cache, kv_memory_gb, parse_dtype
@@ -78,7 +79,8 @@ def serve(cfg, comm) -> None:
     with use(TensorParallel(comm.world, comm.rank, comm.tp_group)):
         model = build_model(source, dtype=dtype, device=device, seed=cfg.seed, deterministic=cfg.deterministic,
                             weight_compression=cfg.weight_compression)
-    gb = comm.min_over_ranks(kv_memory_gb(cfg, device))      # rank 0's agree_budget: the same collective
+    saved = weight_sizes(model).saved_bytes
+    gb = comm.min_over_ranks(kv_memory_gb(cfg, device, saved))      # rank 0's agree_budget: the same collective
     cache = build_kv_cache(cfg, mc, dtype, device, gb, comm.world)
     runner, reader, left_open = None, PlanReader(), set()
     while True:

@@ -107,7 +107,10 @@ class OpenAIServer:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "zipfusion",
                                             "root": self.name,
                                             "max_model_len": self.engine.max_model_len,
-                                            **kv_cache_metadata(self.engine.config)}
+                                            **kv_cache_metadata(self.engine.config),
+                                            "kv_memory_gb": self.engine.kv_memory_gb,
+                                            "weights_bytes": self.engine.weights.original_bytes,
+                                            "weights_stored_bytes": self.engine.weights.stored_bytes}
                                            for n in self.names]}
 
     async def prometheus(self):
