@@ -397,7 +397,9 @@ def test_the_comparison_of_modes_and_their_server_flags():
     args = argparse.Namespace(kv_memory_gb=16.0, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=4096,
                               server_args="--max-num-seqs 128 --no-enable-prefix-caching")
     assert server_process.server_flags(args, "compressed") == ["--kv-memory-gb", "16.0", "--max-model-len", "4096",
-                                                               "--max-num-seqs", "128", "--no-enable-prefix-caching"]
+                                                               "--no-weight-compression", "--max-num-seqs", "128",
+                                                               "--no-enable-prefix-caching"]
+    assert server_process.server_flags(args, "weights")[4:6] == ["--weight-compression", "--kv-gets-weight-savings"]
     assert server_process.server_flags(args, "flashinfer")[4:7] == ["--no-kv-compression", "--attention-backend",
                                                                     "flashinfer"]
     result = {"config": {"goodput": {}},
