@@ -3,24 +3,12 @@
 import pytest
 import torch
 
+from helpers import adversarial_weight as _adversarial
 from zipfusion.format.weights import (ESC_ROWS, WEIGHT_BLOCK, compress_weight, restore_rows,
                                       restore_weight)
 
-SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-39, 3e38, 1e-20, -7.0]
-
-
 def _bits(t):
     return t.view(torch.int16)
-
-
-def _adversarial(n, k, seed, scale=0.02, share=0.02):
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * scale).bfloat16()
-    flat = w.view(-1)
-    idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * share)),), generator=g)
-    sp = torch.tensor(SPECIALS).bfloat16()
-    flat[idx] = sp[torch.randint(0, len(sp), idx.shape, generator=g)]
-    return w
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (33, 576), (64, 4096), (17, WEIGHT_BLOCK + 8)])
