@@ -134,10 +134,10 @@ def _to_out(acc, INTERPRET: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
                   bias_ptr, out_ptr, ws_ptr, M, N, K, Kp, stride_xm, tiles_per_split,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, NATURAL: tl.constexpr,
                   SWAP: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr):
-    """out[M, N] (SPLIT == 1) or ws[SPLIT, M, N] fp32 partials: x [M, K] times the restored
+    """out[M, N], or (PARTIAL) ws[split, M, N] fp32 partials: x [M, K] times the restored
     W [N, Kp]ᵀ over this program's K tiles; escapes added by K split 0. SWAP: the accumulator is
     [BN, BM] (W the dot's first operand)."""
     pid_m = tl.program_id(0)
@@ -152,9 +152,9 @@ def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_pt
     if not NATURAL:                                    # the words' value order: swap bits 0 and 1
         kk = (kk & ~3) | ((kk >> 1) & 1) | ((kk & 1) << 1)
     if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc = tl.full((BN, BM), 0.0, tl.float32)
     else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
     t0 = pid_k * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, Kp // BK)
     for t in range(t0, t1):
@@ -188,7 +188,7 @@ def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_pt
         acc = tl.trans(acc)
     om = mmask[:, None] & rmask[None, :]
     off = ms[:, None].to(tl.int64) * N + rows[None, :]
-    if SPLIT == 1:
+    if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + off, _to_out(acc, INTERPRET), mask=om)
@@ -234,7 +234,10 @@ def _restore_kernel(lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, ev
         tl.store(dst + cols[None, :], w.to(tl.int16, bitcast=True),
                  mask=imask[:, None] & (cols < K)[None, :])
     tl.debug_barrier()                  # escapes overwrite what this program's threads stored
-    grp = tl.min(tl.where(imask, src, N), 0) // 16      # one group: BN = 1, or 16 aligned rows
+    if GATHER:                                          # one escape group: BN = 1, or 16 aligned rows
+        grp = tl.load(ids_ptr + tl.program_id(0)).to(tl.int32) // 16
+    else:
+        grp = tl.program_id(0)
     e0 = tl.load(eptr_ptr + grp)
     e1 = tl.load(eptr_ptr + grp + 1)
     for e in range(e0, e1, 16):
@@ -264,7 +267,7 @@ def _bucket(M: int) -> int:
 CONFIGS = {
     16: dict(BN=64, BK=256, warps=4, stages=4, natural=True, swap=True),
     32: dict(BN=64, BK=256, warps=4, stages=4, natural=True, swap=True),
-    64: dict(BN=64, BK=128, warps=4, stages=4, natural=True, swap=True),
+    64: dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True),
     128: dict(BN=128, BK=128, warps=8, stages=3, natural=True, swap=True),
 }
 
@@ -272,7 +275,7 @@ CONFIGS = {
 def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
     """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the bucket's config (CONFIGS,
     ``override`` wins) and a K split that gives about two programs per SM."""
-    cfg = dict(CONFIGS[_bucket(M)], BM=_bucket(M))
+    cfg = dict(CONFIGS[_bucket(override.get("BM", M))], BM=_bucket(M))
     cfg.update(override)
     if Kp % cfg["BK"]:
         cfg["BK"] = WEIGHT_BLOCK
@@ -332,7 +335,7 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
     m._fused_kernel[grid](x2, lo, cw.codes.view(torch.int32), cw.base, cw.esc_ptr, cw.esc_row,
                           cw.esc_col, cw.esc_val, b, out, ws, M, N, K, Kp, x2.stride(0),
-                          cfg["tiles_per_split"], HAS_BIAS=bias is not None, SPLIT=split, BM=cfg["BM"],
+                          cfg["tiles_per_split"], HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=cfg["BM"],
                           BN=cfg["BN"], BK=cfg["BK"], NATURAL=cfg["natural"], SWAP=cfg["swap"],
                           MODE=mode, INTERPRET=interp, num_warps=cfg["warps"],
                           num_stages=cfg["stages"])
