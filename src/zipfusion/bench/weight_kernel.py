@@ -28,7 +28,7 @@ SHAPES = {
     "qwen3-32b": {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (51200, 5120),
                   "down": (5120, 25600), "lm_head": (151936, 5120)},
 }
-SMOKE_SHAPES = {"tiny": {"a": (40, 300), "b": (16, 256)}}
+SMOKE_SHAPES = {"tiny": {"a": (40, 300)}}
 M_LIST = [1, 8, 32, 64, 128, 256, 2048, 8192]
 SMOKE_M = [1, 20]
 ROTATE_BYTES = 512 << 20
@@ -131,14 +131,14 @@ def run(args, device: str) -> int:
         raise ValueError("zipfusion bench kernel --linear needs a CUDA GPU (no GPU is visible); --device cpu runs "
                          "a tiny smoke test through the Triton interpreter, whose timings mean nothing")
     from .kernel import parse_list
-    models = [m for m in args.models.split(",") if m] if not smoke else ["tiny"]
-    table = SMOKE_SHAPES if smoke else SHAPES
-    unknown = [m for m in models if m not in table]
-    if unknown:
+    models = [m for m in args.models.split(",") if m]
+    if not models or any(m not in SHAPES for m in models):
         raise ValueError(f"--models takes comma-separated of {', '.join(SHAPES)}, got {args.models!r}")
-    ms = SMOKE_M if smoke else parse_list(args.ms, int, "--ms", 1)
+    ms = parse_list(args.ms, int, "--ms", 1)
+    table = SHAPES
     if smoke:
-        print("smoke run on the CPU (Triton interpreter, tiny shapes): the timings mean nothing", file=sys.stderr)
+        models, table, ms = ["tiny"], SMOKE_SHAPES, SMOKE_M
+        print("smoke run on the CPU (Triton interpreter, one tiny shape): the timings mean nothing", file=sys.stderr)
     meta = report.run_meta("kernel", args.argv, device)
     ceiling = copy_bandwidth(device)
     records, cases = [], []

@@ -357,7 +357,8 @@ def _restore_launch(cw: CompressedWeight, out: torch.Tensor, ids: torch.Tensor |
     m._restore_kernel[(triton.cdiv(T, bn),)](
         cw.lo.view(torch.int32), cw.codes.view(torch.int32), cw.base, cw.esc_ptr, cw.esc_row,
         cw.esc_col, cw.esc_val, ids if gather else out, out.view(torch.int16), T, N, K, cw.padded_k,
-        GATHER=gather, BN=bn, BK=WEIGHT_BLOCK, INTERPRET=out.device.type == "cpu",
+        GATHER=gather, BN=bn, BK=next(b for b in (512, 256, 128) if cw.padded_k % b == 0),
+        INTERPRET=out.device.type == "cpu",
         num_warps=4 if gather else 8)
     return out
 
