@@ -2,6 +2,8 @@
 bit, the fused decompress-GEMM exact where the arithmetic is exact, close to fp64 elsewhere,
 deterministic; the Triton interpreter on the CPU at tiny sizes, the GPU at real sizes."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -50,13 +52,18 @@ def test_fused_exact_on_exact_arithmetic(n, k, m, seed):
     assert torch.equal(_bits(fused_linear(x, cw, bias)), _bits(_exact(x, w, bias)))
 
 
-@pytest.mark.parametrize("split", [2, 3])
-def test_fused_split_k_exact_and_deterministic(split, seed):
+@pytest.mark.parametrize("split,reduce", [(2, 1), (3, 2), (2, 2)])
+def test_fused_split_k_exact_and_deterministic(split, reduce, seed):
+    """Split-K partials summed by the reduce kernel (1) or the tile's last program (2), in a fixed
+    order; the tile counters are left zero for the next launch."""
+    from zipfusion.kernels.weight_linear import _counters
     w = _integer_weight(33, 400, seed)
     cw, x = compress_weight(w), _int_x(7, 400, seed + 1)
-    a = fused_linear(x, cw, split=split)
-    assert torch.equal(_bits(a), _bits(_exact(x, w)))
-    assert torch.equal(_bits(a), _bits(fused_linear(x, cw, split=split)))
+    bias = torch.randint(-8, 9, (33,)).bfloat16()
+    a = fused_linear(x, cw, bias, split=split, reduce=reduce)
+    assert torch.equal(_bits(a), _bits(_exact(x, w, bias)))
+    assert torch.equal(_bits(a), _bits(fused_linear(x, cw, bias, split=split, reduce=reduce)))
+    assert not _counters(x.device).any()
 
 
 @pytest.mark.parametrize("natural,swap", [(True, True), (False, False)])
@@ -143,19 +150,25 @@ def test_gpu_restore_and_gather(n, k):
     assert torch.equal(_bits(gather_rows(cw, ids)), _bits(w[ids]))
 
 
+@functools.lru_cache(maxsize=3)
+def _gpu_weights(n, k):
+    """(integer weight, its compressed form, Gaussian weight with outliers, its compressed form)."""
+    wi = _integer_weight(n, k, seed=n).cuda()
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+    w.view(-1)[torch.randint(0, n * k, (50,), device="cuda")] = 3.0
+    return wi, compress_weight(wi), w, compress_weight(w)
+
+
 @GPU
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 256, 600])
 def test_gpu_fused_exact_and_close(n, k, m):
-    wi = _integer_weight(n, k, seed=m).cuda()
-    cw = compress_weight(wi)
+    wi, cwi, w, cw = _gpu_weights(n, k)
     x = _int_x(m, k, seed=m + 1, device="cuda")
-    a = fused_linear(x, cw)
+    a = fused_linear(x, cwi)
     assert torch.equal(_bits(a), _bits(_exact(x, wi)))
-    assert torch.equal(_bits(a), _bits(fused_linear(x, cw)))
-    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
-    w.view(-1)[torch.randint(0, n * k, (50,), device="cuda")] = 3.0
-    cw, xg = compress_weight(w), torch.randn(m, k, device="cuda").bfloat16()
+    assert torch.equal(_bits(a), _bits(fused_linear(x, cwi)))
+    xg = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
     ref = xg.double() @ w.double().T + bias.double()
     for y in (fused_linear(xg, cw, bias), weight_linear(xg, cw, bias)):

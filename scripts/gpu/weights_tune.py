@@ -48,9 +48,9 @@ def _compile(jobs):
     n = 0
     for M, kw in jobs:
         x = torch.randn(M, 1024, device="cuda").bfloat16()
-        for split in (1, 2):
+        for split, reduce in ((1, 2), (2, 1), (2, 2)):
             try:
-                wl.fused_linear(x, cw, split=split, plain=w if kw.get("mode") == 2 else None, **kw)
+                wl.fused_linear(x, cw, split=split, reduce=reduce, plain=w if kw.get("mode") == 2 else None, **kw)
                 n += 1
             except Exception as e:  # noqa: BLE001 - reported again when timed
                 print(f"    precompile failed {kw}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
@@ -108,12 +108,10 @@ def main():
             recs.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas", ms=t_cub))
             best = None
             for cfg in itertools.islice(configs(M), None if DEV == "cuda" else 2):
-                for split_mul in (1, 2):
-                    sms = wl._sm_count(0) if DEV == "cuda" else 4
-                    p = wl.plan(M, N, case.cw[0].padded_k, sms, **cfg)
-                    kw = dict(cfg, split=max(1, p["split"] * split_mul)) if split_mul != 1 else dict(cfg)
-                    if split_mul != 1 and kw["split"] == p["split"]:
-                        continue
+                sms = wl._sm_count(0) if DEV == "cuda" else 4
+                auto = wl.plan(M, N, case.cw[0].padded_k, sms, **cfg)["split"]
+                for split, reduce in sorted({(1, 2), (auto, 2), (2 * auto, 2), (max(2, auto), 1)}):
+                    kw = dict(cfg, split=split, reduce=reduce)
                     t = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], **kw), case.sets)
                     err = None
                     if t is not None:
@@ -178,7 +176,7 @@ def main():
             c = b["cfg"]
             print(f"{name:8s} {M:4d} {cub:9.4f} {b['ms']:8.4f} {cub / b['ms']:8.3f} {m0:8.4f} {m1:8.4f} {m2:8.4f}   "
                   f"BN{c['BN']} BK{c['BK']} w{c['warps']} s{c['stages']} nat{int(c['natural'])} "
-                  f"swap{int(c['swap'])} split{b['split']}")
+                  f"swap{int(c['swap'])} split{b['split']} reduce{c.get('reduce')}")
 
 
 if __name__ == "__main__":

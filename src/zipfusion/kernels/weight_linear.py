@@ -133,13 +133,14 @@ def _to_out(acc, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
-                  bias_ptr, out_ptr, ws_ptr, M, N, K, Kp, stride_xm, tiles_per_split,
-                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr,
+                  bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, Kp, stride_xm, tiles_per_split,
+                  HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, NATURAL: tl.constexpr,
                   SWAP: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr):
-    """out[M, N], or (PARTIAL) ws[split, M, N] fp32 partials: x [M, K] times the restored
-    W [N, Kp]ᵀ over this program's K tiles; escapes added by K split 0. SWAP: the accumulator is
-    [BN, BM] (W the dot's first operand)."""
+    """x [M, K] times the restored W [N, Kp]ᵀ over this program's K tiles (escapes added by K
+    split 0) -> out[M, N] (REDUCE 0: no split), or fp32 partials ws[split, M, N] summed by
+    _reduce_kernel (REDUCE 1) or here by the tile's last program to finish (REDUCE 2: a counter
+    per (M, N) tile, reset to 0 by that program). SWAP: the accumulator is [BN, BM]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -188,12 +189,23 @@ def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_pt
         acc = tl.trans(acc)
     om = mmask[:, None] & rmask[None, :]
     off = ms[:, None].to(tl.int64) * N + rows[None, :]
-    if not PARTIAL:
+    if REDUCE == 0:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + off, _to_out(acc, INTERPRET), mask=om)
     else:
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + off, acc, mask=om)
+        if REDUCE == 2:
+            tl.debug_barrier()                         # every thread's partial stored first
+            tile = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+                acc = tl.load(ws_ptr + off, mask=om, other=0.0, cache_modifier=".cg")
+                for s in range(1, tl.num_programs(2)):        # the same order whoever is last
+                    acc += tl.load(ws_ptr + s * M * N + off, mask=om, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + off, _to_out(acc, INTERPRET), mask=om)
+                tl.atomic_xchg(tile, 0)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -275,7 +287,7 @@ CONFIGS = {
 def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
     """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the bucket's config (CONFIGS,
     ``override`` wins) and a K split that gives about two programs per SM."""
-    cfg = dict(CONFIGS[_bucket(override.get("BM", M))], BM=_bucket(M))
+    cfg = dict(CONFIGS[_bucket(override.get("BM", M))], BM=_bucket(M), reduce=2)
     cfg.update(override)
     if Kp % cfg["BK"]:
         cfg["BK"] = WEIGHT_BLOCK
@@ -330,16 +342,17 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     m = _module(x.device)
     lo = (plain.view(torch.int32) if mode == 2 else cw.lo.view(torch.int32))
     split = cfg["split"]
+    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
+    reduce = 0 if split == 1 else cfg["reduce"] if grid[0] * grid[1] <= COUNTERS else 1
     ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else out
-    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
     m._fused_kernel[grid](x2, lo, cw.codes.view(torch.int32), cw.base, cw.esc_ptr, cw.esc_row,
-                          cw.esc_col, cw.esc_val, b, out, ws, M, N, K, Kp, x2.stride(0),
-                          cfg["tiles_per_split"], HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=cfg["BM"],
-                          BN=cfg["BN"], BK=cfg["BK"], NATURAL=cfg["natural"], SWAP=cfg["swap"],
-                          MODE=mode, INTERPRET=interp, num_warps=cfg["warps"],
-                          num_stages=cfg["stages"])
-    if split > 1:
+                          cw.esc_col, cw.esc_val, b, out, ws, _counters(x.device), M, N, K, Kp,
+                          x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
+                          REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+                          NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode, INTERPRET=interp,
+                          num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if reduce == 1:
         total, block = M * N, 1024
         m._reduce_kernel[(triton.cdiv(total, block),)](ws, b, out, total, N, HAS_BIAS=bias is not None,
                                                       SPLIT=split, BLOCK=block, INTERPRET=interp)
@@ -383,6 +396,20 @@ def gather_rows(cw: CompressedWeight, ids: torch.Tensor) -> torch.Tensor:
 
 
 _BUFFERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTERS = 1 << 16       # split-K tiles one launch can count (more: the separate reduce kernel)
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split-K tile counters of ``device`` (zeros; each launch leaves them zero). Launches on
+    one device must not overlap in time (one stream, as the engine runs)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("weight_linear's split-K counters are made during CUDA graph capture; call "
+                               "zipfusion.kernels.weight_linear.warmup first")
+        c = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return c
 
 
 def restore_buffer(cw: CompressedWeight) -> torch.Tensor:
