@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch
     if isinstance(weight, CompressedWeight):
         if not deterministic:
             return wl.weight_linear(x, weight, bias)
-        weight = wl.restore_into(weight, restore_buffer(weight.shape, x.device))
+        weight = wl.restore_buffer(weight)
     if not deterministic:
         return F.linear(x, weight, bias)
     if not x.is_cuda:
@@ -57,18 +57,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch
         return F.linear(x, weight, bias)
     xp = F.pad(x, (0, 0, 0, -M % R))
     return torch.cat([F.linear(xp[i:i + R], weight, bias) for i in range(0, xp.shape[0], R)])[:M]
-
-
-_RESTORE_BUFFERS: dict[torch.device, torch.Tensor] = {}
-
-
-def restore_buffer(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """A bf16 ``[N, K]`` view of the one scratch buffer per device (grown to the largest weight)."""
-    n = shape[0] * shape[1]
-    buf = _RESTORE_BUFFERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _RESTORE_BUFFERS[device] = torch.empty(n, dtype=torch.bfloat16, device=device)
-    return buf[:n].view(shape)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | CompressedWeight) -> torch.Tensor:

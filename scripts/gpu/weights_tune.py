@@ -1,0 +1,183 @@
+"""Tuning sweep of the fused weight-format linear kernel (kernels/weight_linear.py) on the GPU:
+operand variants (natural / permuted word order, swapped dot) x tile configs per M bucket, the
+no-restore and plain-BF16 modes (what the restore costs; what the same kernel does on BF16),
+cuBLAS alongside, restore + cuBLAS and the restore kernel's bandwidth at large M.
+Writes $OUT/weights_tune.json; prints the best config per (shape, M) last.
+
+    PYTHONPATH=src python3 scripts/gpu/weights_tune.py [--quick]
+"""
+
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+from zipfusion.bench.kernel import copy_bandwidth, time_calls
+from zipfusion.bench.weight_kernel import LinearCase
+from zipfusion.kernels import weight_linear as wl
+
+OUT = os.environ.get("OUT", ".")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"      # cpu: a dry run of this script (interpreter)
+SHAPES = {"o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)} if DEV == "cuda" else \
+    {"o": (32, 256), "gate_up": (48, 256), "down": (16, 384)}
+TILES = [(64, 128, 4, 3), (64, 256, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (32, 256, 4, 4)]
+BIG_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 4), (128, 128, 4, 4)]
+
+
+def configs(M):
+    bm = wl._bucket(M)
+    if bm in (16, 64):
+        for (bn, bk, w, s), nat, swap in itertools.product(TILES, (True, False), (True, False)):
+            yield dict(BN=bn, BK=bk, warps=w, stages=s, natural=nat, swap=swap)
+    elif bm == 32:
+        for (bn, bk, w, s) in TILES:
+            yield dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=True)
+    else:
+        for (bn, bk, w, s), swap in itertools.product(BIG_TILES, (True, False)):
+            yield dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=swap)
+
+
+def _compile(jobs):
+    """Worker: run each (M, kwargs) once on a small weight so the kernel lands in Triton's disk cache."""
+    from zipfusion.format.weights import compress_weight
+    w = (torch.randn(256, 1024, device="cuda") * 0.02).bfloat16()
+    cw = compress_weight(w)
+    n = 0
+    for M, kw in jobs:
+        x = torch.randn(M, 1024, device="cuda").bfloat16()
+        for split, reduce in ((1, 2), (2, 1), (2, 2)):
+            try:
+                wl.fused_linear(x, cw, split=split, reduce=reduce, plain=w if kw.get("mode") == 2 else None, **kw)
+                n += 1
+            except Exception as e:  # noqa: BLE001 - reported again when timed
+                print(f"    precompile failed {kw}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+    torch.cuda.synchronize()
+    return n
+
+
+def precompile(workers=14):
+    """Every variant the sweep times, compiled by ``workers`` processes at once (the sweep then
+    loads them from the cache instead of compiling one by one)."""
+    import multiprocessing as mp
+    jobs = [(M, cfg) for M in (1, 32, 64, 128) for cfg in configs(M)]
+    jobs += [(M, dict(wl.CONFIGS[wl._bucket(M)], mode=mode)) for M in (1, 32, 64, 128) for mode in (1, 2)]
+    jobs += [(128, dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=False, BM=128))
+             for bn, bk, w, s in BIG_TILES[1:3]]
+    chunks = [jobs[i::workers] for i in range(workers)]
+    t = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        n = sum(pool.map(_compile, chunks))
+    print(f"precompiled {n} variants in {time.time() - t:.0f} s", flush=True)
+
+
+def timed(fn, sets):
+    try:
+        fn(0)
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        t, spread, how = time_calls(fn, sets, device=DEV)
+        return t * 1e3
+    except Exception as e:  # noqa: BLE001 - a config that does not compile or fit: recorded
+        print(f"    failed: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        return None
+
+
+def main():
+    quick = "--quick" in sys.argv
+    recs = []
+    ceiling = copy_bandwidth(DEV)
+    print(f"copy ceiling {ceiling / 1e9:.0f} GB/s", flush=True)
+    t_start = time.time()
+    if DEV == "cuda":
+        precompile()
+    for name, (N, K) in SHAPES.items():
+        case = LinearCase(N, K, DEV, seed=N + K)
+        print(f"{name} [{N}x{K}] escapes {case.escape_share:.2e} stored {case.comp_bytes / case.bf16_bytes:.4f} "
+              f"sets {case.sets}", flush=True)
+        for M in (1, 16, 32, 64, 128, 256):
+            if quick and M not in (1, 64, 256):
+                continue
+            x = case.x(M)
+            ref = torch.nn.functional.linear(x, case.w[0]).float()
+            t_cub = timed(lambda i: torch.nn.functional.linear(x, case.w[i % case.sets]), case.sets)
+            recs.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas", ms=t_cub))
+            best = None
+            for cfg in itertools.islice(configs(M), None if DEV == "cuda" else 2):
+                sms = wl._sm_count(0) if DEV == "cuda" else 4
+                auto = wl.plan(M, N, case.cw[0].padded_k, sms, **cfg)["split"]
+                for split, reduce in sorted({(1, 2), (auto, 2), (2 * auto, 2), (max(2, auto), 1)}):
+                    kw = dict(cfg, split=split, reduce=reduce)
+                    t = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], **kw), case.sets)
+                    err = None
+                    if t is not None:
+                        y = wl.fused_linear(x, case.cw[0], **kw).float()
+                        err = ((y - ref).norm() / ref.norm()).item()
+                    r = dict(shape=name, N=N, K=K, M=M, kernel="fused", ms=t, cfg=kw, split=wl.plan(M, N, case.cw[0].padded_k, sms, **kw)["split"],
+                             rel_err=err, x_cublas=(t_cub / t if t and t_cub else None),
+                             GBps=(case.comp_bytes / (t / 1e3) / 1e9 if t else None))
+                    recs.append(r)
+                    if t and (best is None or t < best["ms"]):
+                        best = r
+            if best:
+                default = wl.CONFIGS[wl._bucket(M)]
+                for mode in (0, 1, 2):
+                    t = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], mode=mode,
+                                                        plain=case.w[i % case.sets] if mode == 2 else None,
+                                                        **default), case.sets)
+                    recs.append(dict(shape=name, N=N, K=K, M=M, kernel=f"default_mode{mode}", ms=t, cfg=default,
+                                     x_cublas=(t_cub / t if t and t_cub else None)))
+                print(f"  M={M:4d} cublas {t_cub:.4f} ms  best fused {best['ms']:.4f} ms x{best['x_cublas']:.3f} "
+                      f"{best['GBps']:.0f} GB/s err {best['rel_err']:.1e} {best['cfg']} split {best['split']} | "
+                      + " ".join(f"{r['kernel']} {r['ms']:.4f}" for r in recs[-3:] if r["ms"]), flush=True)
+            json.dump(recs, open(f"{OUT}/weights_tune.json", "w"), indent=1)
+        # large M: cuBLAS vs restore + cuBLAS vs the fused kernel, and the restore's bandwidth
+        if name in ("o", "gate_up"):
+            t = timed(lambda i: wl.restore_into(case.cw[i % case.sets], case.buf), case.sets)
+            recs.append(dict(shape=name, N=N, K=K, M=0, kernel="restore", ms=t,
+                             GBps=(case.comp_bytes + case.bf16_bytes) / (t / 1e3) / 1e9))
+            print(f"  restore {t:.4f} ms {(case.comp_bytes + case.bf16_bytes) / (t / 1e3) / 1e9:.0f} GB/s", flush=True)
+            for M in (() if quick else (512, 2048, 8192)):
+                x = case.x(M)
+                t_cub = timed(lambda i: torch.nn.functional.linear(x, case.w[i % case.sets]), case.sets)
+                t_rc = timed(lambda i: torch.nn.functional.linear(x, wl.restore_into(case.cw[i % case.sets], case.buf)),
+                             case.sets)
+                line = f"  M={M:5d} cublas {t_cub:.4f} restore+cublas {t_rc:.4f} (x{t_cub / t_rc:.3f})"
+                recs.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas", ms=t_cub))
+                recs.append(dict(shape=name, N=N, K=K, M=M, kernel="restore_cublas", ms=t_rc, x_cublas=t_cub / t_rc))
+                for bn, bk, w, s in BIG_TILES[1:3]:
+                    kw = dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=False, BM=128)
+                    t = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], **kw), case.sets)
+                    recs.append(dict(shape=name, N=N, K=K, M=M, kernel="fused", ms=t, cfg=kw,
+                                     x_cublas=(t_cub / t if t else None)))
+                    line += f" fused{bn}/{w}w {t if t else float('nan'):.4f}"
+                print(line, flush=True)
+        json.dump(recs, open(f"{OUT}/weights_tune.json", "w"), indent=1)
+        del case
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        print(f"  ({time.time() - t_start:.0f} s)", flush=True)
+    json.dump(recs, open(f"{OUT}/weights_tune.json", "w"), indent=1)
+    print("\nshape     M  cublas_ms fused_ms  x_cublas  default: fused no-restore plain-bf16  best cfg")
+    for name in SHAPES:
+        for M in (1, 16, 32, 64, 128, 256):
+            rs = [r for r in recs if r["shape"] == name and r["M"] == M]
+            fused = [r for r in rs if r["kernel"] == "fused" and r["ms"]]
+            if not fused:
+                continue
+            b = min(fused, key=lambda r: r["ms"])
+            cub = next(r["ms"] for r in rs if r["kernel"] == "cublas")
+            m0, m1, m2 = (next((r["ms"] for r in rs if r["kernel"] == f"default_mode{i}" and r["ms"]), float("nan"))
+                          for i in range(3))
+            c = b["cfg"]
+            print(f"{name:8s} {M:4d} {cub:9.4f} {b['ms']:8.4f} {cub / b['ms']:8.3f} {m0:8.4f} {m1:8.4f} {m2:8.4f}   "
+                  f"BN{c['BN']} BK{c['BK']} w{c['warps']} s{c['stages']} nat{int(c['natural'])} "
+                  f"swap{int(c['swap'])} split{b['split']} reduce{c.get('reduce')}")
+
+
+if __name__ == "__main__":
+    main()
