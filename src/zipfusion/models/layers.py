@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..format.weights import CompressedWeight
+from ..format.weights import CompressedWeight, restore_weight
 from ..kernels import weight_linear as wl
 from .config import RopeConfig
 from .parallel import tp
@@ -46,7 +46,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch
     if isinstance(weight, CompressedWeight):
         if not deterministic:
             return wl.weight_linear(x, weight, bias)
-        weight = wl.restore_buffer(weight)
+        # bit for bit: into the kernels' reused buffer on CUDA (graph-safe), the torch reference elsewhere
+        weight = wl.restore_buffer(weight) if weight.device.type == "cuda" else restore_weight(weight)
     if not deterministic:
         return F.linear(x, weight, bias)
     if not x.is_cuda:
