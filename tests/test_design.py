@@ -28,7 +28,7 @@ def layer_block_files():
 
 
 def file_paths():
-    """Every path with a slash that design.md names (``engine/attention.py``, ``benchmarks/seal.py``)."""
+    """Every path with a slash that design.md names (``attention/backend.py``, ``benchmarks/seal.py``)."""
     return sorted(set(re.findall(r"\b[\w.]+/[\w./]*\w\.(?:py|cu|md|sh)\b", TEXT)))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zipfusion.config import EngineConfig
-from zipfusion.engine.attention import AttentionBackend
+from zipfusion.attention.backend import AttentionBackend
 from zipfusion.engine.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
 from zipfusion.format.layout import loc_offset

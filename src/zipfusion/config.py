@@ -47,7 +47,7 @@ def memory_options(admission: str) -> dict:
     return {"reserve_chunks": LOOKAHEAD_RESERVE_CHUNKS} if admission == "lookahead" else {}
 
 
-# Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
+# Prefill over stored pages on CUDA (attention/prefill_stored.py): a step whose restored
 # chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
 # (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a
 # multiple of PREFILL_SPLIT_GRAIN keys so that cuDNN builds few graphs.

@@ -14,13 +14,13 @@ as vLLM's).
 * ``store``: rope (models.layers.apply_rope), then K/V quantized into the open pages: torch ops
   on the CPU, on CUDA the merged Triton rope+store kernel (kernels/rope_store.py, its FP8
   variant: the same bits; ``merged_store`` as for BF16). When the step's fresh K/V are wanted
-  (prefill chunks attend to them, attention_prefill_open.py) it returns them *as the pages hold
+  (prefill chunks attend to them, attention/prefill_open.py) it returns them *as the pages hold
   them* (quantized and read back),
   so a prompt's own tokens see exactly what later tokens, a prefix-cache hit or a recompute see.
 * ``read_pages``: pages read back dequantized to BF16 (the torch decode route, prefill over
   stored pages).
 * decode: the Triton FP8 kernel (kernels/fp8_attention.py) reads the bytes in place
-  (engine/attention_decode.py: ``Fp8KernelDecode``).
+  (attention/decode.py: ``Fp8KernelDecode``).
 """
 
 from __future__ import annotations

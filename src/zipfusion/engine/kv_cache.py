@@ -6,8 +6,8 @@
   never compressed.
 
 Both address K/V by page id and slot (token % 16) and offer the same methods, so the
-scheduler, the runner and the attention backend (attention.py) do not care which. Attention
-itself (which kernel reads the pages) lives in attention.py. Compressing full pages is the page
+scheduler, the runner and the attention backend (attention/backend.py) do not care which. Attention
+itself (which kernel reads the pages) lives in attention/. Compressing full pages is the page
 store's (memory/page_store.py), on the arena cache's ``manager``; a dense cache has nothing to
 compress.
 """
