@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "zipfusion"
 TEXT = (ROOT / "docs" / "design.md").read_text()
-LAYERS = ("format", "kernels", "memory", "models", "engine", "distributed", "server", "analysis")
+LAYERS = ("format", "kernels", "memory", "models", "attention", "engine", "distributed", "server", "analysis")
 
 
 def layer_block_files():

@@ -1,7 +1,7 @@
 """The engine's attention: one backend object, made once from the EngineConfig, planned once per
 step and run per layer (FlashInfer's plan/run shape). It is the only reader of
 ``attention_backend``, ``kv_compression`` (which kernel reads the pages) and ``deterministic``
-for attention; the KV cache (engine/kv_cache.py) only holds memory.
+for attention; the KV cache (memory/kv_cache.py) only holds memory.
 
 When it is built the backend picks one object for each of three routes, by the config and the
 device, and keeps them:

@@ -37,7 +37,7 @@ from ..memory import Admission, RunningBatch
 from ..memory.page_store import PageStore
 from ..memory.prefix_cache import ROOT
 from ..attention.backend import ChunkView
-from .kv_cache import KVCache
+from ..memory.kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
 
 

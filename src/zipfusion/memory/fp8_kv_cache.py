@@ -30,8 +30,8 @@ import torch
 
 from ..format.fp8 import Fp8PageLayout, check_scale, dequantize_e4m3, quantize_e4m3
 from ..format.layout import loc_is_open, loc_offset
-from ..memory.copy import to_device
 from ..models.layers import apply_rope
+from .copy import to_device
 from .kv_cache import ArenaKVCache
 
 
@@ -87,7 +87,7 @@ class Fp8KVCache(ArenaKVCache):
         each slice of FP8_SLICE pages is both gathered open and decoded (trusted bytes: this
         process's encoder), and each page keeps the form its location says."""
         from ..format.fp8_blocks import decode_fp8_pages
-        from ..memory.codec import FP8_SLICE
+        from .codec import FP8_SLICE
         H, D, n = self.num_kv_heads, self.head_dim, self.layout.open_page_bytes
         out, last = [], self.arena.numel() - 1
         for i in range(0, ids.numel(), FP8_SLICE):
