@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..format.layout import PAGE_TOKENS, loc_offset
-from ..triton_interpreter import kernel_module, same_mode
+from .triton_interpreter import kernel_module, same_mode
 from . import fp8_kv, triton_attention
 from .decode_attention import LOG2E, _check_inputs, check_ids
 from ..format.fp8 import Fp8PageLayout, check_scale
