@@ -22,7 +22,7 @@ from ..distributed.lockstep import apply_ops, report_of
 from ..models import build_model, model_config, resolve_model
 from ..models.compressed_weights import weight_sizes
 from ..models.parallel import TensorParallel, use
-from .attention import AttentionBackend
+from ..attention.backend import AttentionBackend
 from .build import build_kv_cache, kv_memory_gb, parse_dtype
 from .request import Request
 from .runner import ModelRunner

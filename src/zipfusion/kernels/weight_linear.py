@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..format import triton_restore
 from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_weight
-from ..triton_interpreter import kernel_module, same_mode
+from .triton_interpreter import kernel_module, same_mode
 
 GROUPS_PER_BLOCK = WEIGHT_BLOCK // 8
 FUSED_MAX_M = 512          # above this M, weight_linear restores and calls cuBLAS
