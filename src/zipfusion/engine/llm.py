@@ -22,9 +22,11 @@ class LLM:
     """An LLM with a compressed KV cache.
 
     ``model``: a Hugging Face checkpoint folder, a ``.gguf`` file, ``"demo"`` (the embedded tiny
-    model) or a shipped config with random weights (``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``, ``"qwen3-32b-random"``).
+    model), a compressed checkpoint (``zipfusion compress-weights``) or a shipped config with random
+    weights (``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``, ``"qwen3-32b-random"``).
     Every other option is a field of :class:`~zipfusion.config.EngineConfig`, e.g.
     ``kv_compression`` (keep full KV pages losslessly compressed; needs dtype bfloat16),
+    ``weight_compression`` (the same for the weights; default: on for CUDA with bfloat16),
     ``kv_cache_dtype`` ("bf16", or "fp8": E4M3 pages, about 2x the pages, *lossy*),
     ``kv_memory_gb``, ``device`` ("auto" by default), ``deterministic``.
     """
