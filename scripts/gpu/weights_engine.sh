@@ -2,7 +2,7 @@
 # Compressed weights in the engine (issue 61), one call, ~7 min on an H100: the GPU tests of
 # tests/test_weight_engine.py; bench throughput weights / compressed / uncompressed on
 # llama-3.1-8b-random at 16 GiB of KV (the weights mode's KV gets what its weights saved on
-# top); qwen3-32b-random started at default memory with weights compressed and not (both sizes,
+# top); the weight analyzer on both random models; qwen3-32b-random started at default memory with weights compressed and not (both sizes,
 # the KV budget and the tokens it holds); bench serve weights vs uncompressed when the server
 # extra is there (.carry/, scripts/gpu/carry_wheels.sh) and time is left. A short table last.
 #   bash scripts/gpu/weights_engine.sh
@@ -17,6 +17,11 @@ timeout -k 5 ${TEST_LIMIT:-120} python3 -m pytest -q -rs -p no:cacheprovider -m 
 timeout -k 10 ${TP_LIMIT:-200} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
     --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --num-prompts 128 \
     --output-len 600 --timeout 150 --out "$OUT/throughput_8b" 2>&1 | tail -12 | cut -c1-220
+
+for m in llama-3.1-8b-random qwen3-32b-random; do      # the analyzer on the GPU, 4 layers sampled
+  timeout -k 5 ${ANALYZE_LIMIT:-60} python3 -m zipfusion analyze --weights $m --layers 4 --device cuda \
+      --plot "$OUT/analyze_$m.png" --json "$OUT/analyze_$m.json" 2>&1 | grep -A7 "^kind" | tail -8
+done
 
 # qwen3-32b-random at default memory: each setting in its own process (a clean GPU)
 for wc in 0 1; do
