@@ -8,6 +8,7 @@ Normal(0, 0.02) tensors of the config's shapes (the statistics of the engine's r
 from __future__ import annotations
 
 import re
+from pathlib import Path
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -187,7 +188,7 @@ def analyze_weights(model: str, device: str = "cpu", load_format: str = "auto", 
     cfg = model_config(source)
     chosen = sample_layers(cfg.num_hidden_layers, layers)
     t0 = time.perf_counter()
-    report = WeightReport(source.name, cfg.num_hidden_layers, chosen, str(device), 0.0)
+    report = WeightReport(Path(source.name).name, cfg.num_hidden_layers, chosen, str(device), 0.0)
     for name, w in _matrices(source, cfg, set(chosen), torch.device(device), seed):
         module = name.removesuffix(".weight")
         why = why_not_compressible(w)
