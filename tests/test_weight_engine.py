@@ -74,6 +74,32 @@ def test_default_is_off_on_the_cpu_and_the_option_needs_bf16():
     assert eng.weights.compressed == 0             # the default never asks for what cannot run
 
 
+def test_a_float32_checkpoint_is_cast_then_compressed_and_says_so(tmp_path, caplog):
+    """The demo's weights written as float32 under Hugging Face names: cast at load (exact:
+    they were BF16), compressed, and the log line says so."""
+    from safetensors.torch import save_file
+    model = build_model("demo")
+    folder = tmp_path / "fp32"
+    shutil.copytree(resolve_model("demo").weights_dir, folder)
+    (folder / "model.safetensors").unlink()
+    c, parts = model.config, {}
+    for n, t in model.state_dict().items():
+        if "qkv_proj" in n:
+            for frag, size in zip(("q_proj", "k_proj", "v_proj"), (c.q_size, c.kv_size, c.kv_size)):
+                parts[n.replace("qkv_proj", frag)], t = t[:size].float(), t[size:]
+        elif "gate_up_proj" in n:
+            g, u = t.chunk(2)
+            parts[n.replace("gate_up_proj", "gate_proj")], parts[n.replace("gate_up_proj", "up_proj")] = g.float(), u.float()
+        elif "rotary" not in n:
+            parts[n] = t.float()
+    save_file(parts, str(folder / "model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="zipfusion.models"):
+        cast = build_model(resolve_model(str(folder)), weight_compression=True)
+    assert any("the checkpoint's float32 tensors cast to bfloat16 first" in r.getMessage() for r in caplog.records)
+    for (name, a), (_, b) in zip(weight_modules(cast), weight_modules(model)):
+        assert _same_bits(restore_weight(a.weight), b.weight), name
+
+
 def test_untileable_tensors_stay_as_they_are_and_are_named(tmp_path, caplog):
     """hidden 64 < a block: every matrix that reduces over it stays BF16 (named in one line);
     o_proj (K = 128) and down_proj (K = 256) are compressed; the engine runs either way."""
@@ -217,8 +243,15 @@ def smollm2():
 
 
 @pytest.mark.slow
-def test_every_smollm2_weight_restores_bit_for_bit(smollm2):
-    _check_every_weight_restores(build_model(smollm2))
+def test_every_smollm2_weight_restores_bit_for_bit(smollm2, caplog):
+    """Every matrix of a GGUF checkpoint, dequantized at load, then compressed (said in the log)."""
+    plain = {n: m.weight for n, m in weight_modules(build_model(smollm2))}
+    with caplog.at_level(logging.INFO, logger="zipfusion.models"):
+        model = build_model(smollm2, weight_compression=True)
+    assert any("GGUF: its tensors dequantized to bfloat16 first" in r.getMessage() for r in caplog.records)
+    assert weight_sizes(model).compressed == len(plain)
+    for name, module in weight_modules(model):
+        assert _same_bits(restore_weight(module.weight), plain[name]), name
 
 
 @pytest.mark.slow

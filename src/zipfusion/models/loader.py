@@ -188,13 +188,14 @@ def checkpoint_tensors(folder: Path, cfg: ModelConfig):
     return _gguf_tensors(folder, cfg) if is_gguf_path(folder) else _safetensors_tensors(folder)
 
 
-def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None = None) -> None:
+def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None = None) -> set[torch.dtype]:
     """Fill ``model`` from the safetensors in ``folder`` (or from a .gguf file, dequantized);
-    every parameter must be found."""
+    every parameter must be found. Returns the dtypes the checkpoint's tensors came in."""
     tensors = checkpoint_tensors(folder, model.config)
     params = dict(model.named_parameters())
     loaders = weight_loaders(model)
     done: set[tuple[str, int]] = set()
+    dtypes: set[torch.dtype] = set()
     total, loaded_numel = sum(p.numel() for p in params.values()), 0
     for file, name, tensor in tensors:
         if progress is not None:
@@ -206,6 +207,7 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
         if target not in params:
             raise ValueError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
         param = params[target]
+        dtypes.add(tensor.dtype)
         loaded = tensor.to(param.dtype)
         loader = loaders.get(target)
         if loader is not None:
@@ -223,6 +225,7 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
     if missing:
         raise ValueError(f"checkpoint {folder} lacks weights for: {missing[:8]}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    return dtypes
 
 
 def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress: BuildProgress | None = None) -> None:
@@ -281,16 +284,16 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
             model = CausalLM(cfg, deterministic=deterministic)
         # rope frequencies stay fp32
         model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
+        dtypes = set()
         if source.weights_dir is None:
             random_init(model, seed=seed, progress=progress)
         else:
-            load_weights(model, source.weights_dir, progress=progress)
+            dtypes = load_weights(model, source.weights_dir, progress=progress) - {torch.bfloat16}
         if weight_compression:
             progress.step("compressing the weights", 0, 0)
-            stored = cfg.torch_dtype or "bfloat16"
+            cast = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
             compress_model(model, note=" (GGUF: its tensors dequantized to bfloat16 first)" if gguf else
-                           f" (the checkpoint's {stored} cast to bfloat16 first)" if source.weights_dir is not None
-                           and stored not in ("bfloat16", "bf16") else "")
+                           f" (the checkpoint's {cast} tensors cast to bfloat16 first)" if cast else "")
     return model.eval().requires_grad_(False)
 
 
