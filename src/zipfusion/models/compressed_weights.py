@@ -1,13 +1,8 @@
 """Compressed weights in a model: the linear layers' and embeddings' BF16 matrices replaced by
 :class:`~zipfusion.format.weights.CompressedWeight` (``models.layers.linear`` / ``embedding``
-dispatch on the type), and the compressed checkpoint that stores them once for reuse.
-
-A compressed checkpoint is a folder: ``config.json`` (+ ``generation_config.json``), the
-tokenizer, safetensors files with each compressed tensor's planes (``NAME.lo``, ``NAME.codes``,
-...) and every other parameter under its own name, and :data:`MANIFEST`: the format and its
-version, the source model's identity (name, config hash, a hash of every tensor's name, shape
-and dtype), each file's size and each stored tensor's SHA-256. Loading refuses, in one line, a
-folder that disagrees with its manifest.
+dispatch on the type), and the compressed checkpoint: config, tokenizer, safetensors of the
+planes (``NAME.lo``, ...) and of every other parameter, and :data:`MANIFEST` (versions, the
+source's identity, file sizes, each tensor's SHA-256), refused in one line where they disagree.
 """
 
 from __future__ import annotations
@@ -237,9 +232,8 @@ def read_manifest(folder: Path) -> dict:
 
 
 def load_compressed(model: nn.Module, folder: Path, device: torch.device, progress=None) -> WeightSizes:
-    """Fill ``model`` (built on the meta device) from the compressed checkpoint in ``folder``:
-    compressed weights as written, every other parameter materialised on ``device`` and copied;
-    every stored tensor's SHA-256 checked first (ValueError, one line, naming what is wrong)."""
+    """Fill ``model`` (built on the meta device) from the compressed checkpoint in ``folder``,
+    every tensor's SHA-256 checked (ValueError, one line, naming what is wrong)."""
     from safetensors import SafetensorError, safe_open
 
     m = read_manifest(folder)
