@@ -177,15 +177,19 @@ def _damage(folder, what):
         cfg = json.loads((folder / "config.json").read_text())
         cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-5) * 2
         (folder / "config.json").write_text(json.dumps(cfg))
-    elif what == "version":
+    elif what in ("version", "manifest"):
         m = json.loads((folder / MANIFEST).read_text())
-        m["version"] = 99
+        if what == "version":
+            m["version"] = 99
+        else:
+            del m["files"]
         (folder / MANIFEST).write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize("what,message", [("truncated", "truncated or damaged"), ("checksum", "checksum mismatch"),
                                           ("other model", "config.json is not the one"),
-                                          ("version", "unknown format version 99")])
+                                          ("version", "unknown format version 99"),
+                                          ("manifest", "lacks entries it must have")])
 def test_a_damaged_compressed_checkpoint_is_refused(demo_checkpoint, tmp_path, what, message):
     folder = _copy(demo_checkpoint, tmp_path)
     _damage(folder, what)

@@ -215,6 +215,11 @@ def read_manifest(folder: Path) -> dict:
         raise ValueError(f"{where}: unknown format version {m.get('version')}/{m.get('weight_format_version')} "
                          f"(this zipfusion reads {CHECKPOINT_VERSION}/{FORMAT_VERSION}); write it again with "
                          "zipfusion compress-weights from the source model")
+    shape = {"source": dict, "files": dict, "tensors": dict, "compressed": list}
+    if any(not isinstance(m.get(k), t) for k, t in shape.items()) or not all(
+            isinstance(m["source"].get(k), str) for k in ("name", "config_sha256", "tensors_sha256")):
+        raise ValueError(f"{where}: {MANIFEST} lacks entries it must have (source, files, tensors, compressed); "
+                         "write it again with zipfusion compress-weights")
     try:
         config_sha = _sha((folder / "config.json").read_bytes())
     except OSError:
