@@ -137,6 +137,14 @@ def test_kv_budget_grows_by_what_the_weights_freed(monkeypatch):
     assert on.kv_memory_gb - off.kv_memory_gb == pytest.approx(0.5 * on.weights.saved_bytes / 2**30, rel=1e-9)
 
 
+def test_a_given_kv_memory_gets_the_savings_only_when_asked():
+    """bench's weights mode: kv_memory_gb + what the weights saved (the same weights + KV memory)."""
+    plain = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, weight_compression=True)
+    more = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, weight_compression=True, kv_gets_weight_savings=True)
+    assert plain.kv_memory_gb == 0.01
+    assert more.kv_memory_gb == pytest.approx(0.01 + more.weights.saved_bytes / 2**30) and more.weights.saved_bytes > 0
+
+
 # -- the compressed checkpoint ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory):
