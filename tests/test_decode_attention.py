@@ -21,11 +21,11 @@ from zipfusion.testing import reference_decode_attention
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from unfused import decode_attention_unfused  # noqa: E402  (benchmarks/unfused.py: the baseline)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 
 
-def make_case(contexts, H, G, D, kind, seed, device=DEV):
+def make_case(contexts, H, G, D, kind, seed, device=DEVICE):
     """Pages for requests of the given context lengths, their arenas and tables.
 
     kind: 'compressible' (every block compressible without escapes), 'raw' (none), 'mixed'
@@ -411,13 +411,13 @@ def test_escape_patterns_gpu(backend):
     pages = pages_from_block_bits(blocks, 8, 128).nan_to_num(0.0, 1.0, -1.0)
     P = pages.shape[0]
     gen = torch.Generator().manual_seed(6)
-    arena_c, loc_c = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=4, device=DEV)
-    arena_o, loc_o = build_arena(pages, torch.zeros(P, dtype=torch.bool), seed=5, device=DEV)
+    arena_c, loc_c = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=4, device=DEVICE)
+    arena_o, loc_o = build_arena(pages, torch.zeros(P, dtype=torch.bool), seed=5, device=DEVICE)
     order = torch.randperm(P, generator=gen).to(torch.int32)
     B = 8                                                    # requests of P / 8 pages each
-    bt = order[:P // B * B].view(B, -1).to(DEV)
-    lens = torch.full((B,), 16 * bt.shape[1], dtype=torch.int32, device=DEV)
-    q = (torch.randn(B, 32, 128, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
+    bt = order[:P // B * B].view(B, -1).to(DEVICE)
+    lens = torch.full((B,), 16 * bt.shape[1], dtype=torch.int32, device=DEVICE)
+    q = (torch.randn(B, 32, 128, generator=gen) * 0.05).to(torch.bfloat16).to(DEVICE)
     args = (bt, lens, PageLayout(8, 128), 128 ** -0.5)
     out_c = decode_attention(q, arena_c, loc_c, *args, backend=backend)
     out_t = decode_attention_uncompressed(q, arena_o, loc_o, *args, backend=backend)
