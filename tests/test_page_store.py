@@ -9,9 +9,9 @@ import torch
 from zipfusion.memory.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
 from zipfusion.memory.page_store import PageStore
-from test_memory import LAYOUT, assert_contents, fill
+from helpers import SMALL_LAYOUT, assert_contents, fill
 
-OPEN = LAYOUT.open_page_bytes
+OPEN = SMALL_LAYOUT.open_page_bytes
 
 
 class Req:
@@ -27,7 +27,7 @@ class Req:
 
 
 def store(prefix_caching: bool = False):
-    cache = ArenaKVCache(2, LAYOUT.num_kv_heads, LAYOUT.head_dim, 64 * OPEN, "cpu", chunk_bytes=4 * OPEN)
+    cache = ArenaKVCache(2, SMALL_LAYOUT.num_kv_heads, SMALL_LAYOUT.head_dim, 64 * OPEN, "cpu", chunk_bytes=4 * OPEN)
     return cache, PageStore(cache, prefix_caching=prefix_caching)
 
 
