@@ -695,17 +695,17 @@ PACKED = [
 ]
 
 
-def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
+def check_packed(groups, lone, G, kind, pack_heads, seed, **kw):
     """Packed requests vs the plain kernel row by row (close) and the float64 reference;
     compressed pages, open pages and the uncompressed kernel give the same bits."""
     from zipfusion.attention import packing
-    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
+    from zipfusion.config import Tuning
     c = packed_case(groups, lone, G, kind, seed)
     spared = sum((len(lens) - 1) * shared for shared, lens in groups)
-    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", spared + 1)         # too little to pack
-    assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, pack_heads=pack_heads) is None
-    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
-    plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, pack_heads=pack_heads)
+    too_few = Tuning(min_shared_pages=2, min_spared_pages=spared + 1)     # too little to pack
+    assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, too_few, pack_heads) is None
+    plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2,
+                               Tuning(min_shared_pages=2, min_spared_pages=0), pack_heads)
     assert plan is not None and plan.rows.shape[1] == pack_heads // G
     plan = plan.to(c["q"].device)
     tag = f"(seed {seed}, {groups}, {lone}, G {G}, {kw})"
@@ -748,8 +748,8 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
 
 
 @pytest.mark.parametrize("groups,lone,G,kind,pack_heads", PACKED[:2])
-def test_packed_requests(groups, lone, G, kind, pack_heads, seed, monkeypatch):
-    plan = check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch)
+def test_packed_requests(groups, lone, G, kind, pack_heads, seed):
+    plan = check_packed(groups, lone, G, kind, pack_heads, seed)
     if G == 4:               # rows 0, 1 paired behind 2 pages; rows 2 and 3 alone
         assert plan.rows.tolist() == [[0, 1], [2, 0], [3, 0]]
         assert plan.spans.tolist() == [[[32, 40], [48, 69]], [[0, 69], [0, 0]], [[0, 5], [0, 0]]]
@@ -790,8 +790,8 @@ def test_packed_request_arguments(small):
 @pytest.mark.parametrize("kw", [dict(), dict(num_splits=1), dict(num_splits=5), dict(stages=3, tma=False),
                                 dict(stages=4, tma=True, num_splits=3), dict(producer=True),
                                 dict(producer=True, num_splits=3)])
-def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed, monkeypatch):
-    check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, backend="cuda", **kw)
+def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed):
+    check_packed(groups, lone, G, kind, pack_heads, seed, backend="cuda", **kw)
 
 
 def test_packed_launches_in_cuda_graphs_only_where_the_cuda_kernel_serves_them(monkeypatch, environ):

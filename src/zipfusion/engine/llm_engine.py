@@ -146,7 +146,7 @@ class LLMEngine:
         self.host_tier = self._build_host_tier()
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
-                                   host_tier=self.host_tier)
+                                   host_tier=self.host_tier, tuning=cfg.tuning)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
@@ -220,7 +220,7 @@ class LLMEngine:
         if gb > free_memory_gb(torch.device("cpu")):
             raise ValueError(f"kv_host_memory_gb={gb:g} is more than the host's free memory; pass a smaller one")
         from ..memory.host_tier import HostTier
-        return HostTier(self.cache.manager, int(gb * 2**30))
+        return HostTier(self.cache.manager, int(gb * 2**30), cfg.tuning)
 
     def _check_one_request_fits(self, asked: bool) -> None:
         """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
