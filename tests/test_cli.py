@@ -340,3 +340,12 @@ def test_tuning_knobs_are_one_dataclass_checked_and_off_the_command_line():
     p = argparse.ArgumentParser()
     add_cli_args(p)
     assert not [a for a in p._actions if "tuning" in a.dest]
+
+
+def test_generate_runs_the_kv_cache_dtype_it_was_given(capsys):
+    """``--kv-cache-dtype fp8_lossless`` reaches the engine as given: FP8 pages, full ones
+    compressed (a built config re-made from its fields would read as lossy fp8, uncompressed);
+    the summary line reports the engine's own config."""
+    assert main(["generate", "--model", "demo", "--device", "cpu", "--kv-cache-dtype", "fp8_lossless",
+                 "--prompt-token-ids", "5,6,7", "--max-tokens", "2", "--kv-memory-gb", "0.01"]) == 0
+    assert "kv_compression=True, kv_cache_dtype=fp8 (lossy)" in capsys.readouterr().err

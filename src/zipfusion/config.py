@@ -314,11 +314,17 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
                                 choices=f.metadata.get("choices"), help=help + shown)
 
 
-def config_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:
-    """The EngineConfig that :func:`add_cli_args`' options describe (``skip``: the same names
-    as there, left at their defaults)."""
+def options_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
+    """The options :func:`add_cli_args`' flags give, as typed (``skip``: the same names as there,
+    left at their defaults): what ``LLM(**options)`` takes. (A built config's fields are not:
+    kv_cache_dtype='fp8_lossless' is kept as 'fp8' with kv_compression on.)"""
     names = {f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli") is not False} - set(skip)
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def config_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:
+    """The EngineConfig that :func:`add_cli_args`' options describe."""
+    return EngineConfig(**options_from_args(args, skip))
 
 
 # -- the environment -----------------------------------------------------------------------------
