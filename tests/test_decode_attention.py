@@ -801,9 +801,9 @@ def test_packed_launches_in_cuda_graphs_only_where_the_cuda_kernel_serves_them(m
     from zipfusion.kernels import cuda_attention
     from zipfusion.kernels.decode_attention import uses_cuda_kernel
     layout = PageLayout(2, 128)
-    environ(ZIPFUSION_ATTENTION_BACKEND=None)
+    environ(ZIPFUSION_DECODE_KERNEL=None)
     assert not uses_cuda_kernel(None, "cpu", layout, 4)           # the CPU: no CUDA kernel
     monkeypatch.setattr(cuda_attention, "unsupported_reason", lambda device, head_dim, G: None)
     assert uses_cuda_kernel(None, "cpu", layout, 4)               # as where the kernel applies
-    environ(ZIPFUSION_ATTENTION_BACKEND="triton")
+    environ(ZIPFUSION_DECODE_KERNEL="triton")
     assert not uses_cuda_kernel(None, "cpu", layout, 4)           # the Triton route forced

@@ -329,10 +329,16 @@ def test_warm_up_runs_a_whole_step_budget_and_leaves_the_engine_as_new():
 
 def test_step_stats_count_the_decode_rows_context():
     """StepStats.context_tokens: the decode rows' context lengths summed (what decode attention
-    reads), as the requests' lengths say."""
+    reads), as the requests' lengths say; each phase counted once: their seconds add up to the
+    step's."""
     eng = LLM("demo", device="cpu", kv_memory_gb=0.01, max_num_batched_tokens=64).engine
     seen = []
-    eng.add_observer(lambda res, stats: seen.append((res.decode_rows, stats.context_tokens)))
+
+    def observe(res, stats):
+        seen.append((res.decode_rows, stats.context_tokens))
+        phases = stats.schedule_s + stats.forward_s + stats.seal_s + stats.ahead_s + stats.finish_s
+        assert phases == pytest.approx(stats.seconds) and stats.forward_s > 0 and stats.finish_s > 0
+    eng.add_observer(observe)
     a = eng.add_request([5] * 20, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     b = eng.add_request([6] * 7, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while eng.has_work():

@@ -335,7 +335,7 @@ class Environment:
     setting is an :class:`EngineConfig` field instead."""
     kernel_cache: Path                # ZIPFUSION_KERNEL_CACHE: the built CUDA kernel libraries
     checkpoint_cache: Path            # ZIPFUSION_CHECKPOINT_CACHE: downloaded checkpoint wheels (analysis/)
-    decode_kernel: str                # ZIPFUSION_ATTENTION_BACKEND: which decode kernel serves a call,
+    decode_kernel: str                # ZIPFUSION_DECODE_KERNEL: which decode kernel serves a call,
                                       # "auto", "cuda" or "triton" (a kernel override for benchmarks)
     cuda_producer: bool | None        # ZIPFUSION_CUDA_PRODUCER=0/1: the producer-warp CUDA kernel or not
                                       # (a kernel override for benchmarks; None: the measured default)
@@ -356,7 +356,7 @@ def environment() -> Environment:
     return Environment(
         kernel_cache=Path(env.get("ZIPFUSION_KERNEL_CACHE") or cache / "kernels").expanduser(),
         checkpoint_cache=Path(env.get("ZIPFUSION_CHECKPOINT_CACHE") or cache / "wheels").expanduser(),
-        decode_kernel=env.get("ZIPFUSION_ATTENTION_BACKEND", "auto"),
+        decode_kernel=env.get("ZIPFUSION_DECODE_KERNEL", "auto"),
         cuda_producer={"0": False, "1": True}.get(env.get("ZIPFUSION_CUDA_PRODUCER", "")),
         nvcc=env.get("NVCC"), cuda_home=env.get("CUDA_HOME", "/usr/local/cuda"),
         pip_index_url=env.get("PIP_INDEX_URL"), torchrun=torchrun)

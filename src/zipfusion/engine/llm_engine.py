@@ -32,7 +32,7 @@ class PhaseClock:
     """Host seconds of a step's phases: ``mark(phase)`` adds the time since the last mark to the
     phase's total (a phase may come back)."""
 
-    PHASES = ("schedule", "forward", "seal", "ahead")
+    PHASES = ("schedule", "forward", "seal", "ahead", "finish")
 
     def __init__(self):
         self.start = self._last = time.perf_counter()
@@ -109,9 +109,10 @@ class StepStats(NamedTuple):
     start: float                     # time.perf_counter() at the step's start
     seconds: float
     schedule_s: float
-    forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
+    forward_s: float                 # the forward and the sampling launched (on CUDA: queued, not waited for)
     seal_s: float                    # the page store's call behind the forward: placement and encode launch, full pages collected, analysis launch
     ahead_s: float                   # scheduling the next step while this one ran on the GPU (async_scheduling)
+    finish_s: float                  # the sampled tokens back and appended, stop checks, finished requests let go
 
 
 class LLMEngine:
@@ -340,7 +341,7 @@ class LLMEngine:
             self._ahead = self._schedule_ahead(sampled)
             clock.mark("ahead")
         finished = self._postprocess(sampled, logits, tokens, placed)
-        clock.mark("forward")
+        clock.mark("finish")
         res = StepResult(finished, sampled, logits if sampled else None, len(out.decode),
                          sum(ch.length for ch in out.prefill), running, len(out.preempted))
         if self._observers:                # (benchmarks; contexts: the counters moved on, this token included)
@@ -419,13 +420,13 @@ class LLMEngine:
         params = [r.params for r in reqs]
         history = ([(r.prompt_ids, r.output_ids) if p.penalized else None for r, p in zip(reqs, params)]
                    if any(p.penalized for p in params) else None)
-        sampled = self.sampler(logits, params, [r.generator for r in reqs], history)
-        return HostArray(sampled), sampled
+        new_tokens = self.sampler(logits, params, [r.generator for r in reqs], history)
+        return HostArray(new_tokens), new_tokens
 
     def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[tuple[Request, str]]:
         """Append each request's token; returns (request, reason) of those done."""
-        host, sampled = tokens
-        self._note_logprobs(reqs, logits, sampled)
+        host, new_tokens = tokens
+        self._note_logprobs(reqs, logits, new_tokens)
         tokens = host.get().tolist()
         now = time.perf_counter()
         finished = []
@@ -437,14 +438,14 @@ class LLMEngine:
                 finished.append((r, reason))
         return finished
 
-    def _note_logprobs(self, reqs: list[Request], logits: torch.Tensor, sampled: torch.Tensor) -> None:
+    def _note_logprobs(self, reqs: list[Request], logits: torch.Tensor, new_tokens: torch.Tensor) -> None:
         """Append to ``request.logprobs`` the raw log-probabilities of the token just sampled
         (and of its ``params.logprobs`` most likely alternatives), for the requests that asked."""
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
             return
         idx = torch.tensor(rows, device=logits.device)
-        entries = compute_logprobs(logits[idx], sampled[idx], [reqs[i].params.logprobs for i in rows])
+        entries = compute_logprobs(logits[idx], new_tokens[idx], [reqs[i].params.logprobs for i in rows])
         for i, entry in zip(rows, entries):
             reqs[i].logprobs.append(entry)
 

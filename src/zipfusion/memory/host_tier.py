@@ -78,7 +78,7 @@ class HostTierStats:
 
 class HostTier:
     def __init__(self, manager, budget_bytes: int, tuning: Tuning = Tuning()):
-        self.m, self.budget, self.tuning = manager, int(budget_bytes) // 16 * 16, tuning
+        self.manager, self.budget, self.tuning = manager, int(budget_bytes) // 16 * 16, tuning
         self.pin = manager.device.type == "cuda"
         self.stream = torch.cuda.Stream(manager.device) if self.pin else None    # copies out, beside compute
         self._dropped: list = []                # owners of the records dropped for room, not taken yet
@@ -106,10 +106,10 @@ class HostTier:
     def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
         ids = np.asarray(ids, dtype=np.int64)
-        t = self.m.table
+        t = self.manager.table
         loc = t.loc[:, ids]
         stored = (t.state[ids] == STORED)[None, :]
-        nbytes = np.where(stored, t.size[:, ids], self.m.layout.open_page_bytes)
+        nbytes = np.where(stored, t.size[:, ids], self.manager.layout.open_page_bytes)
         return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
 
     def _allocate(self) -> None:
@@ -209,16 +209,16 @@ class HostTier:
         """One batch of ranges (arena offsets ``src``, ring offsets ``ring``, ``sizes``) through the
         next staging buffer; the event after its copy to the ring (None on the CPU)."""
         k, self._turn = self._turn, 1 - self._turn
-        compute, side = torch.cuda.current_stream(self.m.device) if self.pin else None, self.stream
+        compute, side = torch.cuda.current_stream(self.manager.device) if self.pin else None, self.stream
         if self._stage_free[k] is not None:     # its last copy out has left it (before a larger one
             compute.wait_event(self._stage_free[k])      # replaces it: nothing reuses it before that)
         total = int(sizes.sum())
         if self._stage[k] is None or self._stage[k].numel() < total:
             self._stage[k] = torch.empty(max(total, min(self.tuning.stage_out_bytes, 2 * total)), dtype=torch.uint8,
-                                         device=self.m.device)
+                                         device=self.manager.device)
         staged = self._stage[k]
         at = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        copy_ranges(self.m.arena, staged, src, at, sizes)
+        copy_ranges(self.manager.arena, staged, src, at, sizes)
         if side is not None:                    # after the gather and any swap-in reading the ring
             side.wait_stream(compute)
         with torch.cuda.stream(side) if side is not None else nullcontext():
@@ -240,7 +240,7 @@ class HostTier:
         ``stream``, keeping ``min_capacity`` new pages as a seal does); one that finds no room, or
         was open when it left, is an open page again (decoded), to be sealed later like any full
         page."""
-        m, ids = self.m, np.asarray(ids, dtype=np.int64)
+        m, ids = self.manager, np.asarray(ids, dtype=np.int64)
         if not ids.size:
             return []
         if (m.table.state[ids] != OPEN).any():
@@ -261,7 +261,7 @@ class HostTier:
 
     def _stage_in(self, records: list[Record]) -> torch.Tensor:
         """The records' bytes on the device, one after another (after their copies out)."""
-        m = self.m
+        m = self.manager
         if self.stream is not None:             # their copies out are done first
             compute = torch.cuda.current_stream(m.device)
             for done in {id(r.copied): r.copied for r in records if r.copied is not None}.values():
@@ -278,7 +278,7 @@ class HostTier:
         """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
         open forms copied into their slots, pages that were stored placed from their bytes
         (``encoded_pages``), the compressed layers of those left open decoded into their slots."""
-        m = self.m
+        m = self.manager
         page = m.layout.open_page_bytes
         dst = loc_offset(m.table.loc[:, ids])
         copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
@@ -314,7 +314,7 @@ class HostTier:
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.stream is not None else None
         if events:
-            events[0].record(torch.cuda.current_stream(self.m.device))
+            events[0].record(torch.cuda.current_stream(self.manager.device))
         try:
             yield
         finally:
@@ -323,7 +323,7 @@ class HostTier:
             if not events:                     # the CPU copies in the host's own thread
                 self._add(f"device_s_{direction}", host)
             else:
-                events[1].record(torch.cuda.current_stream(self.m.device))
+                events[1].record(torch.cuda.current_stream(self.manager.device))
                 self._timings.append((direction, *events))
                 if len(self._timings) > 64:          # those done so far (no wait)
                     self.collect_timings()

@@ -221,6 +221,6 @@ class PageStore:
             r.num_sealed_pages = full
         self._wait += 1
 
-    def waiting(self) -> list[int]:
+    def to_seal(self) -> list[int]:
         """The pages waiting for a seal (in flight included), in seal order."""
         return sorted(self._queue, key=self._queue.__getitem__)
