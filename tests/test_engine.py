@@ -289,7 +289,7 @@ def test_a_bad_prompt_in_a_batch_queues_nothing_and_the_engine_goes_on():
 def test_memory_watch_names_the_step_that_grew_reserved_memory(caplog):
     """The engine's MemoryWatch (on CUDA) warns once per 64 MiB of growth past the high-water mark,
     naming the step and what the memory system did in it; CPU: the allocator's counters injected."""
-    from zipfusion.engine.llm_engine import MemoryWatch
+    from zipfusion.engine.observe import MemoryWatch
     llm = LLM("demo", device="cpu", max_model_len=64, kv_memory_gb=0.01)
     import itertools
     reserved = itertools.chain([100 << 20, 120 << 20, 400 << 20, 420 << 20], itertools.repeat(300 << 20))
