@@ -254,16 +254,22 @@ TINY = ["--model", "demo", "--device", "cpu", "--dataset", "random", "--input-le
 
 def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
     out = tmp_path / "tp"
-    assert main(["bench", "throughput", *TINY, "--compare", "--num-prompts", "6", "--kv-memory-gb", "0.002",
-                 "--out", str(out)]) == 0
+    assert main(["bench", "throughput", *TINY, "--compare", "compressed,uncompressed,weights", "--num-prompts", "6",
+                 "--kv-memory-gb", "0.002", "--out", str(out)]) == 0
     result = json.loads((tmp_path / "tp.json").read_text())
     assert (tmp_path / "tp.png").stat().st_size > 0
     meta = result["meta"]
     assert meta["benchmark"] == "zipfusion bench throughput" and meta["command"].startswith("zipfusion bench")
     assert all(k in meta for k in ("device_name", "torch", "triton", "git_commit", "date"))
     recs = {r["mode"]: r for r in result["records"]}
-    assert set(recs) == {"compressed", "uncompressed"}
+    assert set(recs) == {"compressed", "uncompressed", "weights"}
+    w = recs.pop("weights")                 # weights compressed too: its KV gets what they saved
+    assert "error" not in w and w["output_tokens"] == 36 and w["kv_memory_gb_asked"] == 0.002
+    assert w["kv_memory_gb"] == pytest.approx(0.002 + w["weights_gb"] - w["weights_stored_gb"])
+    assert w["weights_stored_gb"] < w["weights_gb"] == recs["compressed"]["weights_stored_gb"]
+    assert w["outputs_sha256"] == recs["compressed"]["outputs_sha256"]
     steps = json.loads((tmp_path / "tp_steps.json").read_text())       # every step, by mode, apart
+    del steps["weights"]
     assert set(steps) == set(recs) and "step_log" not in recs["compressed"]
     for mode, r in recs.items():
         assert len(steps[mode]["rows"]) == r["steps"] and "decode_rows" in steps[mode]["fields"]
@@ -279,7 +285,8 @@ def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
     assert ratio["total_tok_s"] == pytest.approx(recs["compressed"]["total_tok_s"] / recs["uncompressed"]["total_tok_s"])
     assert result["identical_outputs"] is True                  # greedy, one schedule: the same tokens
     printed = capsys.readouterr().out.strip().splitlines()
-    assert printed[-1] == "identical tokens across modes: True" and "compressed/uncompressed" in printed[-2]
+    assert printed[-1] == "identical tokens across modes: True" and "compressed/uncompressed" in printed[-3]
+    assert "compressed/weights" in printed[-2]
 
 
 @pytest.mark.parametrize("steps", ["1:3", "0:2"])
