@@ -102,6 +102,7 @@ def compress_model(model: nn.Module, note: str = "") -> WeightSizes:
 
     kept = []
     modules = [(n, m) for n, m in weight_modules(model) if not isinstance(m.weight, CompressedWeight)]
+    on_cuda = any(m.weight.is_cuda for _, m in modules)
     for name, module in tqdm(modules, desc="compressing weights", unit="tensor", mininterval=2.0, leave=False):
         w = module.weight
         why = why_not_compressible(w)
@@ -113,7 +114,7 @@ def compress_model(model: nn.Module, note: str = "") -> WeightSizes:
             continue
         set_weight(module, cw)
         del w
-    if next(model.parameters()).is_cuda:
+    if on_cuda:
         torch.cuda.empty_cache()                  # the freed BF16 copies: free for the KV budget
     sizes = weight_sizes(model)
     sizes.kept = kept

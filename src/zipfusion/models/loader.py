@@ -288,13 +288,19 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
         if source.weights_dir is None:
             random_init(model, seed=seed, progress=progress)
         else:
-            dtypes = load_weights(model, source.weights_dir, progress=progress) - {torch.bfloat16}
+            dtypes = load_weights(model, source.weights_dir, progress=progress)
         if weight_compression:
             progress.step("compressing the weights", 0, 0)
-            cast = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-            compress_model(model, note=" (GGUF: its tensors dequantized to bfloat16 first)" if gguf else
-                           f" (the checkpoint's {cast} tensors cast to bfloat16 first)" if cast else "")
+            compress_model(model, note=compression_note(gguf, dtypes))
     return model.eval().requires_grad_(False)
+
+
+def compression_note(gguf: bool, dtypes: set[torch.dtype]) -> str:
+    """What the compress log line says of a checkpoint not stored as BF16."""
+    if gguf:
+        return " (GGUF: its tensors dequantized to bfloat16 first)"
+    cast = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes - {torch.bfloat16}))
+    return f" (the checkpoint's {cast} tensors cast to bfloat16 first)" if cast else ""
 
 
 def _build_compressed(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device, deterministic: bool):
