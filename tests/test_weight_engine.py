@@ -89,7 +89,8 @@ def test_a_float32_checkpoint_is_cast_then_compressed_and_says_so(tmp_path, capl
                 parts[n.replace("qkv_proj", frag)], t = t[:size].float(), t[size:]
         elif "gate_up_proj" in n:
             g, u = t.chunk(2)
-            parts[n.replace("gate_up_proj", "gate_proj")], parts[n.replace("gate_up_proj", "up_proj")] = g.float(), u.float()
+            parts[n.replace("gate_up_proj", "gate_proj")] = g.float()
+            parts[n.replace("gate_up_proj", "up_proj")] = u.float()
         elif "rotary" not in n:
             parts[n] = t.float()
     save_file(parts, str(folder / "model.safetensors"))

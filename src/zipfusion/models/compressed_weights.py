@@ -252,7 +252,8 @@ def load_compressed(model: nn.Module, folder: Path, device: torch.device, progre
     expected |= {n for n, _ in model.named_parameters() if n.removesuffix(".weight") not in compressed}
     if expected != set(m["tensors"]):
         raise ValueError(f"{where}: its manifest lists other tensors than this model's "
-                         f"({len(set(m['tensors']) ^ expected)} differ); write it again with zipfusion compress-weights")
+                         f"({len(set(m['tensors']) ^ expected)} differ); write it again with "
+                         "zipfusion compress-weights")
     handles, tensors = {}, {}
     try:
         for i, (name, entry) in enumerate(m["tensors"].items()):
