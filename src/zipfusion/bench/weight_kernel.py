@@ -96,26 +96,13 @@ def measure(case: LinearCase, M: int, kernels, device) -> list[dict]:
 
 
 def plot(result: dict, path: str) -> bool:
-    plt = report.pyplot()
     rows = [r for r in result["cases"] if r.get("cublas/fused")]
-    if plt is None or not rows:
-        return False
-    fig, ax = plt.subplots(figsize=(max(7, 0.35 * len(rows) + 2), 4))
-    for j, (key, label) in enumerate((("cublas/fused", "cuBLAS / fused"),
-                                      ("cublas/weight_linear", "cuBLAS / weight_linear"))):
-        xs = [i + (j - 0.5) * 0.4 for i in range(len(rows))]
-        ax.bar(xs, [r.get(key) or 0 for r in rows], width=0.4, label=label)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1.25, color="g", lw=0.6, ls="--")
-    ax.set_xticks(range(len(rows)), [f"{r['model'][:5]} {r['layer']}\nM{r['M']}" for r in rows],
-                  fontsize=5, rotation=90)
-    ax.set_ylabel("speed vs cuBLAS BF16 (x)")
-    ax.set_title(f"compressed-weight linear layers, {result['meta']['device_name']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return report.speed_bars(
+        path, [f"{r['model'][:5]} {r['layer']}\nM{r['M']}" for r in rows],
+        {label: [r.get(key) for r in rows] for key, label in (("cublas/fused", "cuBLAS / fused"),
+                                                              ("cublas/weight_linear", "cuBLAS / weight_linear"))},
+        f"compressed-weight linear layers, {result['meta']['device_name']}", "speed vs cuBLAS BF16 (x)",
+        tick_fontsize=5, goal=1.25, annotate=False)
 
 
 COLUMNS = [("model", "model", "{}"), ("layer", "layer", "{}"), ("N", "N", "{}"), ("K", "K", "{}"),

@@ -29,10 +29,12 @@ import triton.language as tl
 from ..format import triton_restore
 from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_weight
 from ..triton_interpreter import kernel_module, same_mode
+from . import triton_attention
 
 GROUPS_PER_BLOCK = WEIGHT_BLOCK // 8
 FUSED_MAX_M = 512          # above this M, weight_linear restores and calls cuBLAS
 _interleave = same_mode(triton_restore)._interleave      # prmt on the GPU, shifts under the interpreter
+_dot = same_mode(triton_attention)._dot                  # fp32 operands under the interpreter
 
 
 def _interpreting() -> bool:
@@ -104,15 +106,6 @@ def _to_bf16(words, BK: tl.constexpr):
     even = words.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     odd = (words >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return tl.reshape(tl.join(even, odd), (BN, BK))
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRET: tl.constexpr):
-    """acc + a·b, fp32 accumulation (fp32 operands under the interpreter)."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
