@@ -432,14 +432,20 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
 
 
 def warmup(cw_list, max_m: int) -> None:
-    """Compile the kernels for every M bucket up to ``max_m`` and each weight's shape, and size the
-    restore buffer, so that CUDA graph capture finds everything built."""
+    """Compile the fused kernel's variants (every M bucket up to ``max_m``, split or not, with and
+    without bias) for each weight shape, and size the restore buffer and the split-K counters, so
+    that CUDA graph capture finds everything built."""
     seen = set()
     for cw in cw_list:
         if cw.device.type != "cuda" or (cw.shape, cw.device) in seen:
             continue
         seen.add((cw.shape, cw.device))
-        for m in sorted({b for b in (1, 16, 32, 64, 128, FUSED_MAX_M) if b <= max(1, max_m)}):
-            weight_linear(torch.zeros(m, cw.shape[1], dtype=torch.bfloat16, device=cw.device), cw)
+        N, K = cw.shape
+        bias = torch.zeros(N, dtype=torch.bfloat16, device=cw.device)
+        for m in sorted({_bucket(m) for m in (1, 32, 64, 128, FUSED_MAX_M) if m <= max(1, min(max_m, FUSED_MAX_M))}):
+            x = torch.zeros(m, K, dtype=torch.bfloat16, device=cw.device)
+            for split in (1, 2):
+                for b in (None, bias):
+                    fused_linear(x, cw, b, split=min(split, cw.padded_k // WEIGHT_BLOCK))
         if max_m > FUSED_MAX_M:
             restore_buffer(cw)
