@@ -23,21 +23,21 @@ OUT = os.environ.get("OUT", ".")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"      # cpu: a dry run of this script (interpreter)
 SHAPES = {"o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)} if DEV == "cuda" else \
     {"o": (32, 256), "gate_up": (48, 256), "down": (16, 384)}
-TILES = [(64, 128, 4, 3), (64, 256, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (32, 256, 4, 4)]
-BIG_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 4), (128, 128, 4, 4)]
+# (BN, BK, warps, stages) per M bucket; the ones whose shared memory fits (checked by compiling for sm_90)
+TILES = {16: [(64, 128, 4, 3), (64, 256, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (32, 256, 4, 4)],
+         32: [(64, 128, 4, 3), (64, 256, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (32, 256, 4, 4)],
+         64: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (32, 256, 4, 4)],
+         128: [(64, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 4)]}
+BIG_TILES = [(128, 128, 8, 3), (64, 128, 8, 4)]
 
 
 def configs(M):
+    """16: both word orders x both dot orientations; 64 and 128: both orientations; 32: swapped."""
     bm = wl._bucket(M)
-    if bm in (16, 64):
-        for (bn, bk, w, s), nat, swap in itertools.product(TILES, (True, False), (True, False)):
+    for (bn, bk, w, s) in TILES[bm]:
+        for nat, swap in itertools.product((True, False) if bm == 16 else (True,),
+                                           (True,) if bm == 32 else (True, False)):
             yield dict(BN=bn, BK=bk, warps=w, stages=s, natural=nat, swap=swap)
-    elif bm == 32:
-        for (bn, bk, w, s) in TILES:
-            yield dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=True)
-    else:
-        for (bn, bk, w, s), swap in itertools.product(BIG_TILES, (True, False)):
-            yield dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=swap)
 
 
 def _compile(jobs):
@@ -65,7 +65,7 @@ def precompile(workers=14):
     jobs = [(M, cfg) for M in (1, 32, 64, 128) for cfg in configs(M)]
     jobs += [(M, dict(wl.CONFIGS[wl._bucket(M)], mode=mode)) for M in (1, 32, 64, 128) for mode in (1, 2)]
     jobs += [(128, dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=False, BM=128))
-             for bn, bk, w, s in BIG_TILES[1:3]]
+             for bn, bk, w, s in BIG_TILES]
     chunks = [jobs[i::workers] for i in range(workers)]
     t = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -149,7 +149,7 @@ def main():
                 line = f"  M={M:5d} cublas {t_cub:.4f} restore+cublas {t_rc:.4f} (x{t_cub / t_rc:.3f})"
                 recs.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas", ms=t_cub))
                 recs.append(dict(shape=name, N=N, K=K, M=M, kernel="restore_cublas", ms=t_rc, x_cublas=t_cub / t_rc))
-                for bn, bk, w, s in BIG_TILES[1:3]:
+                for bn, bk, w, s in BIG_TILES:
                     kw = dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=False, BM=128)
                     t = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], **kw), case.sets)
                     recs.append(dict(shape=name, N=N, K=K, M=M, kernel="fused", ms=t, cfg=kw,
