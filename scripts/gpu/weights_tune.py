@@ -4,7 +4,7 @@ no-restore and plain-BF16 modes (what the restore costs; what the same kernel do
 cuBLAS alongside, restore + cuBLAS and the restore kernel's bandwidth at large M.
 Writes $OUT/weights_tune.json; prints the best config per (shape, M) last.
 
-    PYTHONPATH=src python3 scripts/gpu/weights_tune.py [--quick]
+    PYTHONPATH=src python3 scripts/gpu/weights_tune.py [--quick] [--precompile-only | --no-precompile]
 """
 
 import itertools
@@ -90,11 +90,13 @@ def timed(fn, sets):
 def main():
     quick = "--quick" in sys.argv
     recs = []
+    t_start = time.time()
+    if DEV == "cuda" and "--no-precompile" not in sys.argv:
+        precompile()
+    if "--precompile-only" in sys.argv:
+        return
     ceiling = copy_bandwidth(DEV)
     print(f"copy ceiling {ceiling / 1e9:.0f} GB/s", flush=True)
-    t_start = time.time()
-    if DEV == "cuda":
-        precompile()
     for name, (N, K) in SHAPES.items():
         case = LinearCase(N, K, DEV, seed=N + K)
         print(f"{name} [{N}x{K}] escapes {case.escape_share:.2e} stored {case.comp_bytes / case.bf16_bytes:.4f} "
