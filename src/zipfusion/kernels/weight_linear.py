@@ -1,21 +1,14 @@
-"""Linear layers over weights in the lossless BF16 weight format (format/weights.py).
+"""Linear layers over weights in the lossless BF16 weight format (docs/format.md, "Weights").
 
-* :func:`fused_linear` ``y = x Wᵀ (+ bias)``: one Triton kernel reads the compressed planes
-  (12 bits a value), restores BF16 in registers and feeds the tensor cores; no restored copy of W
-  exists in memory. Programs tile (M, N) and split K; split-K partials go to an fp32 workspace
-  summed in a fixed order by a second kernel (deterministic: the same bits every call for the same
-  inputs and M). Escapes are restored as +0 by the planes and added by the programs of the first
-  K split as one more small dot over the escape list of their rows (exact products, another
-  summation order). The sums run in another order than cuBLAS's, so the result is not bit-equal to
-  ``F.linear``; every restored weight is.
-* :func:`restore_into` / :func:`gather_rows`: the whole matrix, or the rows ``ids`` (the
-  embedding), restored bit for bit by a Triton kernel.
-* :func:`weight_linear`: the entry point: the fused kernel for small M, a restore into one reused
-  buffer plus ``F.linear`` (cuBLAS) for large M; on the CPU the torch restore plus ``F.linear``
-  (bit for bit the uncompressed layer's result).
+* :func:`fused_linear`: ``x Wᵀ (+ bias)`` in one Triton kernel that restores W in registers
+  before the tensor-core dot (tiles of (M, N), K split; split partials summed in a fixed order:
+  deterministic). Escapes come out of the planes as +0 and are added by K split 0 as one more
+  small dot. The sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
+* :func:`restore_into` / :func:`gather_rows`: W, or its rows ``ids``, restored bit for bit.
+* :func:`weight_linear`: the fused kernel for small M, restore + cuBLAS for large M; on the CPU
+  the torch restore + ``F.linear`` (bit for bit the uncompressed result).
 
-On CPU tensors the Triton kernels run through the interpreter (tests), the dots on fp32-upcast
-operands (the interpreter's bf16 dot is wrong; bf16 products are exact in fp32).
+CPU tensors run the kernels through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -31,7 +24,6 @@ from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_w
 from ..triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 
-GROUPS_PER_BLOCK = WEIGHT_BLOCK // 8
 FUSED_MAX_M = 512          # above this M, weight_linear restores and calls cuBLAS
 _interleave = same_mode(triton_restore)._interleave      # prmt on the GPU, shifts under the interpreter
 _dot = same_mode(triton_attention)._dot                  # fp32 operands under the interpreter
@@ -52,8 +44,8 @@ def _module(device: torch.device):
 
 @triton.jit
 def _hi_bytes(code, bh):
-    """High bytes of values 0..3 and 4..7 of groups (uint32 words; bh = b/2): sign and b + 2d +
-    ... where d > 0, the sign alone (±0 with a zero low byte) where d = 0."""
+    """High bytes of values 0..3 and 4..7 of groups (uint32; bh = b/2): s << 7 | (bh + d), or
+    s << 7 alone where d = 0 (±0)."""
     t = code & 0x07070707
     h0 = (((t + 0x7F7F7F7F) >> 7) & 0x01010101) * bh + (code & 0x87878787)
     u = (code >> 3) & 0x07070707
