@@ -63,7 +63,7 @@ def precompile(workers=14):
     loads them from the cache instead of compiling one by one)."""
     import multiprocessing as mp
     jobs = [(M, cfg) for M in (1, 32, 64, 128) for cfg in configs(M)]
-    jobs += [(M, dict(wl.CONFIGS[wl._bucket(M)], mode=mode)) for M in (1, 32, 64, 128) for mode in (1, 2)]
+    jobs += [(M, dict(mode=mode)) for M in (1, 32, 64, 128) for mode in (1, 2)]
     jobs += [(128, dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=False, BM=128))
              for bn, bk, w, s in BIG_TILES]
     chunks = [jobs[i::workers] for i in range(workers)]
@@ -87,7 +87,32 @@ def timed(fn, sets):
         return None
 
 
+def restore_variants():
+    """The tuned kernel (plan's config) with its restore whole (mode 0), without the d = 0 test
+    (mode 3, the KV format's restore), skipped (mode 1), and on plain BF16 (mode 2), vs cuBLAS."""
+    recs = []
+    print("\nshape     M  cublas_ms  fused  no-d0-test  no-restore  plain-bf16   (ms; x cuBLAS of fused)")
+    for name in ("o", "gate_up"):
+        N, K = SHAPES[name]
+        case = LinearCase(N, K, DEV, seed=N + K)
+        for M in (1, 16, 64, 128):
+            x = case.x(M)
+            t_cub = timed(lambda i: torch.nn.functional.linear(x, case.w[i % case.sets]), case.sets)
+            ts = {}
+            for mode in (0, 3, 1, 2):
+                ts[mode] = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], mode=mode,
+                                                           plain=case.w[i % case.sets] if mode == 2 else None),
+                                 case.sets)
+                recs.append(dict(shape=name, N=N, K=K, M=M, kernel=f"plan_mode{mode}", ms=ts[mode], cublas_ms=t_cub))
+            print(f"{name:8s} {M:4d} {t_cub:9.4f} {ts[0]:8.4f} {ts[3]:8.4f} {ts[1]:8.4f} {ts[2]:8.4f}   "
+                  f"x{t_cub / ts[0]:.3f}", flush=True)
+        del case
+    json.dump(recs, open(f"{OUT}/weights_restore_variants.json", "w"), indent=1)
+
+
 def main():
+    if "--restore-variants" in sys.argv:
+        return restore_variants()
     quick = "--quick" in sys.argv
     recs = []
     t_start = time.time()
@@ -126,7 +151,7 @@ def main():
                     if t and (best is None or t < best["ms"]):
                         best = r
             if best:
-                default = wl.CONFIGS[wl._bucket(M)]
+                default = {}                             # the plan's choice
                 for mode in (0, 1, 2):
                     t = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], mode=mode,
                                                         plain=case.w[i % case.sets] if mode == 2 else None,

@@ -24,7 +24,7 @@ from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_w
 from ..triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 
-FUSED_MAX_M = 512          # above this M, weight_linear restores and calls cuBLAS
+FUSED_MAX_M = 128          # above this M, weight_linear restores and calls cuBLAS (measured faster)
 _interleave = same_mode(triton_restore)._interleave      # prmt on the GPU, shifts under the interpreter
 _dot = same_mode(triton_attention)._dot                  # fp32 operands under the interpreter
 
@@ -58,8 +58,8 @@ def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexp
                 NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr):
     """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0 (a multiple of BK).
     NATURAL: word k of a group = values (2k, 2k+1); else values (0, 2), (1, 3), (4, 6), (5, 7)
-    (cheaper without ``prmt``; the caller permutes x's columns to match). MODE 1 skips the restore
-    (same loads, wrong values: a measurement of the restore's cost), MODE 2 reads plain BF16."""
+    (cheaper without ``prmt``; the caller permutes x's columns to match). Measurements only (wrong
+    values): MODE 1 skips the restore, MODE 3 skips its d = 0 test; MODE 2 reads plain BF16."""
     BN: tl.constexpr = rows.shape[0]
     NB: tl.constexpr = BK // 128
     r = rows[:, None, None].to(tl.int64)
@@ -78,6 +78,10 @@ def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexp
     if MODE == 1:
         h0 = code
         h1 = code ^ lo0
+    elif MODE == 3:                                    # no d = 0 test (the KV format's restore)
+        bh = tl.load(base_ptr + r * (Kp // 128) + k0 // 128 + blk, mask=m, other=0).to(tl.uint32) * 0x01010101
+        h0 = (code & 0x87878787) + bh
+        h1 = (((code << 1) & 0x80808080) | ((code >> 3) & 0x07070707)) + bh
     else:
         bh = tl.load(base_ptr + r * (Kp // 128) + k0 // 128 + blk, mask=m, other=0).to(tl.uint32)
         h0, h1 = _hi_bytes(code, bh)
@@ -261,25 +265,30 @@ def _bucket(M: int) -> int:
 
 
 # (BM bucket) -> dict(BN, BK, warps, stages, natural, swap); tuned on the GPU (docs/benchmarks.md)
+# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and the K split's target
+# of programs per SM; the best of a sweep on the GPU (docs/benchmarks.md, scripts/gpu/weights_tune.py)
+_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
+_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
 CONFIGS = {
-    16: dict(BN=64, BK=256, warps=4, stages=4, natural=True, swap=True),
-    32: dict(BN=64, BK=256, warps=4, stages=4, natural=True, swap=True),
-    64: dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True),
-    128: dict(BN=128, BK=128, warps=8, stages=3, natural=True, swap=True),
+    (16, False): _NARROW16, (16, True): dict(_SWAPPED, per_sm=2),
+    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, per_sm=8),
+    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, per_sm=2),
+    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, BN=128, warps=8, per_sm=1),
 }
 
 
 def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
-    """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the bucket's config (CONFIGS,
-    ``override`` wins) and a K split that gives about two programs per SM."""
-    cfg = dict(CONFIGS[_bucket(override.get("BM", M))], BM=_bucket(M), reduce=2)
+    """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the config of M's bucket and
+    N's width (CONFIGS; ``override`` wins) and a K split giving about ``per_sm`` programs per SM."""
+    bm = _bucket(override.get("BM", M))
+    cfg = dict(CONFIGS[bm, triton.cdiv(N, 64) >= 2 * sms], BM=bm, reduce=2)
     cfg.update(override)
     if Kp % cfg["BK"]:
         cfg["BK"] = WEIGHT_BLOCK
     k_tiles = Kp // cfg["BK"]
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     if "split" not in cfg:
-        cfg["split"] = max(1, min(k_tiles // 2, 16, (2 * sms) // tiles))
+        cfg["split"] = max(1, min(k_tiles // 2, 16, round(cfg["per_sm"] * sms / tiles)))
     per = triton.cdiv(k_tiles, cfg["split"])
     cfg["split"] = triton.cdiv(k_tiles, per)              # no empty splits
     cfg["tiles_per_split"] = per
@@ -308,8 +317,8 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     """``x [..., K] @ Wᵀ (+ bias)`` -> bf16 [..., N], W restored in registers (module docstring).
 
     Not bit-equal to ``F.linear`` (another summation order); deterministic for a given M.
-    ``mode`` 1 (no restore: wrong values) and 2 (``plain`` BF16 W read by the same kernel) are
-    measurements only; ``override`` sets launch parameters (:func:`plan`)."""
+    ``mode`` 1 and 3 (restore skipped or cut: wrong values) and 2 (``plain`` BF16 W read by the
+    same kernel) are measurements only; ``override`` sets launch parameters (:func:`plan`)."""
     _check(x, cw, bias)
     lead, (N, K), Kp = x.shape[:-1], cw.shape, cw.padded_k
     x2 = x.reshape(-1, K)
