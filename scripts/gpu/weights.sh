@@ -15,7 +15,7 @@ if [ "${BENCH:-0}" = 1 ]; then
   wait $tests
   timeout "${BENCH_S:-300}" python3 -m zipfusion bench kernel --linear --out "$OUT/weights_kernel" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench.log" | tail -48
-  timeout "${VARIANTS_S:-60}" python3 scripts/gpu/weights_tune.py --restore-variants 2>&1 | tee "$OUT/variants.log" | tail -12
+  timeout "${VARIANTS_S:-60}" python3 scripts/gpu/weights_tune.py --restore-variants 2>&1 | tee "$OUT/variants.log" | tail -14
 else
   timeout 120 python3 scripts/gpu/weights_tune.py --precompile-only 2>&1 | tee "$OUT/tune.log" | tail -5
   wait $tests                                   # no timing while the tests run

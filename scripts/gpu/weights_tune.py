@@ -106,6 +106,13 @@ def restore_variants():
                 recs.append(dict(shape=name, N=N, K=K, M=M, kernel=f"plan_mode{mode}", ms=ts[mode], cublas_ms=t_cub))
             print(f"{name:8s} {M:4d} {t_cub:9.4f} {ts[0]:8.4f} {ts[3]:8.4f} {ts[1]:8.4f} {ts[2]:8.4f}   "
                   f"x{t_cub / ts[0]:.3f}", flush=True)
+        x = case.x(1)                                     # M = 1: does the split (the last wave) matter?
+        line = f"{name} M=1 by split:"
+        for split in (1, 2, 4, 8, 16):
+            t = timed(lambda i: wl.fused_linear(x, case.cw[i % case.sets], split=split), case.sets)
+            recs.append(dict(shape=name, N=N, K=K, M=1, kernel="plan_split", split=split, ms=t))
+            line += f" {split}: {t if t else float('nan'):.4f}"
+        print(line, flush=True)
         del case
     json.dump(recs, open(f"{OUT}/weights_restore_variants.json", "w"), indent=1)
 
