@@ -41,12 +41,16 @@ def configs(M):
 
 
 def _compile(jobs):
-    """Worker: run each (M, kwargs) once on a small weight so the kernel lands in Triton's disk cache."""
+    """Worker: run each (N, M, kwargs) once on a small weight of N rows, so the kernel lands in
+    Triton's disk cache (N decides the config's width class)."""
     from zipfusion.format.weights import compress_weight
-    w = (torch.randn(256, 1024, device="cuda") * 0.02).bfloat16()
-    cw = compress_weight(w)
+    weights = {}
     n = 0
-    for M, kw in jobs:
+    for N, M, kw in jobs:
+        if N not in weights:
+            w = (torch.randn(N, 1024, device="cuda") * 0.02).bfloat16()
+            weights[N] = w, compress_weight(w)
+        w, cw = weights[N]
         x = torch.randn(M, 1024, device="cuda").bfloat16()
         for split, reduce in ((1, 2), (2, 1), (2, 2)):
             try:
@@ -58,14 +62,16 @@ def _compile(jobs):
     return n
 
 
-def precompile(workers=14):
-    """Every variant the sweep times, compiled by ``workers`` processes at once (the sweep then
-    loads them from the cache instead of compiling one by one)."""
+def precompile(variants=False, workers=14):
+    """Every variant the sweep (or ``variants``: restore_variants) times, compiled by ``workers``
+    processes at once (the timing run then loads them from the cache)."""
     import multiprocessing as mp
-    jobs = [(M, cfg) for M in (1, 32, 64, 128) for cfg in configs(M)]
-    jobs += [(M, dict(mode=mode)) for M in (1, 32, 64, 128) for mode in (1, 2)]
-    jobs += [(128, dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=False, BM=128))
-             for bn, bk, w, s in BIG_TILES]
+    if variants:
+        jobs = [(N, M, dict(mode=mode)) for N in (256, 20000) for M in (1, 32, 64, 128) for mode in (0, 1, 2, 3)]
+    else:
+        jobs = [(256, M, cfg) for M in (1, 32, 64, 128) for cfg in configs(M)]
+        jobs += [(256, 128, dict(BN=bn, BK=bk, warps=w, stages=s, natural=True, swap=False, BM=128))
+                 for bn, bk, w, s in BIG_TILES]
     chunks = [jobs[i::workers] for i in range(workers)]
     t = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -119,7 +125,9 @@ def restore_variants():
 
 def main():
     if "--restore-variants" in sys.argv:
-        return restore_variants()
+        if DEV == "cuda" and "--no-precompile" not in sys.argv:
+            precompile(variants=True)
+        return None if "--precompile-only" in sys.argv else restore_variants()
     quick = "--quick" in sys.argv
     recs = []
     t_start = time.time()
