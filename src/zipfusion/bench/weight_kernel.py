@@ -39,8 +39,8 @@ class LinearCase:
     """``sets`` copies of one Gaussian BF16 weight [N, K], plain and compressed, and a restore buffer."""
 
     def __init__(self, N, K, device, seed=0):
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        w = (torch.randn(N, K, generator=g) * STD).bfloat16().to(device)
+        g = torch.Generator(device=device).manual_seed(seed)
+        w = (torch.randn(N, K, generator=g, device=device) * STD).bfloat16()
         cw = compress_weight(w)
         self.N, self.K, self.device = N, K, torch.device(device)
         self.bf16_bytes, self.comp_bytes = cw.original_nbytes, cw.nbytes
@@ -52,8 +52,8 @@ class LinearCase:
         self.buf = torch.empty(N, K, dtype=torch.bfloat16, device=device)
 
     def x(self, M, seed=1):
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        return torch.randn(M, self.K, generator=g).bfloat16().to(self.device)
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        return torch.randn(M, self.K, generator=g, device=self.device).bfloat16()
 
     def fns(self, x):
         return {"cublas": lambda i: torch.nn.functional.linear(x, self.w[i % self.sets]),
@@ -83,7 +83,8 @@ def measure(case: LinearCase, M: int, kernels, device) -> list[dict]:
         out = fn(0)
         if name == "cublas":
             ref = out.float()
-        t, spread, how = time_calls(fn, case.sets, device=device)
+        big = M >= 2048                   # compute-bound: stable; fewer replays keep the run short
+        t, spread, how = time_calls(fn, case.sets, reps=5 if big else 11, min_inner=3 if big else 10, device=device)
         r = dict(kernel=name, M=M, median_ms=t * 1e3, spread_ms=spread * 1e3, timing=how,
                  bytes=case.traffic(name, M))
         r["achieved_GBps"] = r["bytes"] / t / 1e9
@@ -96,26 +97,13 @@ def measure(case: LinearCase, M: int, kernels, device) -> list[dict]:
 
 
 def plot(result: dict, path: str) -> bool:
-    plt = report.pyplot()
     rows = [r for r in result["cases"] if r.get("cublas/fused")]
-    if plt is None or not rows:
-        return False
-    fig, ax = plt.subplots(figsize=(max(7, 0.35 * len(rows) + 2), 4))
-    for j, (key, label) in enumerate((("cublas/fused", "cuBLAS / fused"),
-                                      ("cublas/weight_linear", "cuBLAS / weight_linear"))):
-        xs = [i + (j - 0.5) * 0.4 for i in range(len(rows))]
-        ax.bar(xs, [r.get(key) or 0 for r in rows], width=0.4, label=label)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1.25, color="g", lw=0.6, ls="--")
-    ax.set_xticks(range(len(rows)), [f"{r['model'][:5]} {r['layer']}\nM{r['M']}" for r in rows],
-                  fontsize=5, rotation=90)
-    ax.set_ylabel("speed vs cuBLAS BF16 (x)")
-    ax.set_title(f"compressed-weight linear layers, {result['meta']['device_name']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return report.speed_bars(
+        path, [f"{r['model'][:5]} {r['layer']}\nM{r['M']}" for r in rows],
+        {label: [r.get(key) for r in rows] for key, label in (("cublas/fused", "cuBLAS / fused"),
+                                                              ("cublas/weight_linear", "cuBLAS / weight_linear"))},
+        f"compressed-weight linear layers, {result['meta']['device_name']}", "speed vs cuBLAS BF16 (x)",
+        tick_fontsize=5, goal=1.25, annotate=False)
 
 
 COLUMNS = [("model", "model", "{}"), ("layer", "layer", "{}"), ("N", "N", "{}"), ("K", "K", "{}"),

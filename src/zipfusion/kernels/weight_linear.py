@@ -1,21 +1,14 @@
-"""Linear layers over weights in the lossless BF16 weight format (format/weights.py).
+"""Linear layers over weights in the lossless BF16 weight format (docs/format.md, "Weights").
 
-* :func:`fused_linear` ``y = x Wᵀ (+ bias)``: one Triton kernel reads the compressed planes
-  (12 bits a value), restores BF16 in registers and feeds the tensor cores; no restored copy of W
-  exists in memory. Programs tile (M, N) and split K; split-K partials go to an fp32 workspace
-  summed in a fixed order by a second kernel (deterministic: the same bits every call for the same
-  inputs and M). Escapes are restored as +0 by the planes and added by the programs of the first
-  K split as one more small dot over the escape list of their rows (exact products, another
-  summation order). The sums run in another order than cuBLAS's, so the result is not bit-equal to
-  ``F.linear``; every restored weight is.
-* :func:`restore_into` / :func:`gather_rows`: the whole matrix, or the rows ``ids`` (the
-  embedding), restored bit for bit by a Triton kernel.
-* :func:`weight_linear`: the entry point: the fused kernel for small M, a restore into one reused
-  buffer plus ``F.linear`` (cuBLAS) for large M; on the CPU the torch restore plus ``F.linear``
-  (bit for bit the uncompressed layer's result).
+* :func:`fused_linear`: ``x Wᵀ (+ bias)`` in one Triton kernel that restores W in registers
+  before the tensor-core dot (tiles of (M, N), K split; split partials summed in a fixed order:
+  deterministic). Escapes come out of the planes as +0 and are added by K split 0 as one more
+  small dot. The sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
+* :func:`restore_into` / :func:`gather_rows`: W, or its rows ``ids``, restored bit for bit.
+* :func:`weight_linear`: the fused kernel for small M, restore + cuBLAS for large M; on the CPU
+  the torch restore + ``F.linear`` (bit for bit the uncompressed result).
 
-On CPU tensors the Triton kernels run through the interpreter (tests), the dots on fp32-upcast
-operands (the interpreter's bf16 dot is wrong; bf16 products are exact in fp32).
+CPU tensors run the kernels through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -29,10 +22,11 @@ import triton.language as tl
 from ..format import triton_restore
 from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_weight
 from .triton_interpreter import kernel_module, same_mode
+from . import triton_attention
 
-GROUPS_PER_BLOCK = WEIGHT_BLOCK // 8
-FUSED_MAX_M = 512          # above this M, weight_linear restores and calls cuBLAS
+FUSED_MAX_M = 128          # above this M, weight_linear restores and calls cuBLAS (measured faster)
 _interleave = same_mode(triton_restore)._interleave      # prmt on the GPU, shifts under the interpreter
+_dot = same_mode(triton_attention)._dot                  # fp32 operands under the interpreter
 
 
 def _interpreting() -> bool:
@@ -50,8 +44,8 @@ def _module(device: torch.device):
 
 @triton.jit
 def _hi_bytes(code, bh):
-    """High bytes of values 0..3 and 4..7 of groups (uint32 words; bh = b/2): sign and b + 2d +
-    ... where d > 0, the sign alone (±0 with a zero low byte) where d = 0."""
+    """High bytes of values 0..3 and 4..7 of groups (uint32; bh = b/2): s << 7 | (bh + d), or
+    s << 7 alone where d = 0 (±0)."""
     t = code & 0x07070707
     h0 = (((t + 0x7F7F7F7F) >> 7) & 0x01010101) * bh + (code & 0x87878787)
     u = (code >> 3) & 0x07070707
@@ -64,8 +58,8 @@ def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexp
                 NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr):
     """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0 (a multiple of BK).
     NATURAL: word k of a group = values (2k, 2k+1); else values (0, 2), (1, 3), (4, 6), (5, 7)
-    (cheaper without ``prmt``; the caller permutes x's columns to match). MODE 1 skips the restore
-    (same loads, wrong values: a measurement of the restore's cost), MODE 2 reads plain BF16."""
+    (cheaper without ``prmt``; the caller permutes x's columns to match). Measurements only (wrong
+    values): MODE 1 skips the restore, MODE 3 skips its d = 0 test; MODE 2 reads plain BF16."""
     BN: tl.constexpr = rows.shape[0]
     NB: tl.constexpr = BK // 128
     r = rows[:, None, None].to(tl.int64)
@@ -84,6 +78,10 @@ def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexp
     if MODE == 1:
         h0 = code
         h1 = code ^ lo0
+    elif MODE == 3:                                    # no d = 0 test (the KV format's restore)
+        bh = tl.load(base_ptr + r * (Kp // 128) + k0 // 128 + blk, mask=m, other=0).to(tl.uint32) * 0x01010101
+        h0 = (code & 0x87878787) + bh
+        h1 = (((code << 1) & 0x80808080) | ((code >> 3) & 0x07070707)) + bh
     else:
         bh = tl.load(base_ptr + r * (Kp // 128) + k0 // 128 + blk, mask=m, other=0).to(tl.uint32)
         h0, h1 = _hi_bytes(code, bh)
@@ -104,15 +102,6 @@ def _to_bf16(words, BK: tl.constexpr):
     even = words.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     odd = (words >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return tl.reshape(tl.join(even, odd), (BN, BK))
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRET: tl.constexpr):
-    """acc + a·b, fp32 accumulation (fp32 operands under the interpreter)."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -276,25 +265,30 @@ def _bucket(M: int) -> int:
 
 
 # (BM bucket) -> dict(BN, BK, warps, stages, natural, swap); tuned on the GPU (docs/benchmarks.md)
+# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and the K split's target
+# of programs per SM; the best of a sweep on the GPU (docs/benchmarks.md, scripts/gpu/weights_tune.py)
+_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
+_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
 CONFIGS = {
-    16: dict(BN=64, BK=256, warps=4, stages=4, natural=True, swap=True),
-    32: dict(BN=64, BK=256, warps=4, stages=4, natural=True, swap=True),
-    64: dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True),
-    128: dict(BN=128, BK=128, warps=8, stages=3, natural=True, swap=True),
+    (16, False): _NARROW16, (16, True): dict(_SWAPPED, per_sm=2),
+    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, per_sm=8),
+    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, per_sm=2),
+    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, BN=128, warps=8, per_sm=1),
 }
 
 
 def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
-    """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the bucket's config (CONFIGS,
-    ``override`` wins) and a K split that gives about two programs per SM."""
-    cfg = dict(CONFIGS[_bucket(override.get("BM", M))], BM=_bucket(M), reduce=2)
+    """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the config of M's bucket and
+    N's width (CONFIGS; ``override`` wins) and a K split giving about ``per_sm`` programs per SM."""
+    bm = _bucket(override.get("BM", M))
+    cfg = dict(CONFIGS[bm, triton.cdiv(N, 64) >= 2 * sms], BM=bm, reduce=2)
     cfg.update(override)
     if Kp % cfg["BK"]:
         cfg["BK"] = WEIGHT_BLOCK
     k_tiles = Kp // cfg["BK"]
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     if "split" not in cfg:
-        cfg["split"] = max(1, min(k_tiles // 2, 16, (2 * sms) // tiles))
+        cfg["split"] = max(1, min(k_tiles // 2, 16, round(cfg["per_sm"] * sms / tiles)))
     per = triton.cdiv(k_tiles, cfg["split"])
     cfg["split"] = triton.cdiv(k_tiles, per)              # no empty splits
     cfg["tiles_per_split"] = per
@@ -323,8 +317,8 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     """``x [..., K] @ Wᵀ (+ bias)`` -> bf16 [..., N], W restored in registers (module docstring).
 
     Not bit-equal to ``F.linear`` (another summation order); deterministic for a given M.
-    ``mode`` 1 (no restore: wrong values) and 2 (``plain`` BF16 W read by the same kernel) are
-    measurements only; ``override`` sets launch parameters (:func:`plan`)."""
+    ``mode`` 1 and 3 (restore skipped or cut: wrong values) and 2 (``plain`` BF16 W read by the
+    same kernel) are measurements only; ``override`` sets launch parameters (:func:`plan`)."""
     _check(x, cw, bias)
     lead, (N, K), Kp = x.shape[:-1], cw.shape, cw.padded_k
     x2 = x.reshape(-1, K)
@@ -439,14 +433,20 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
 
 
 def warmup(cw_list, max_m: int) -> None:
-    """Compile the kernels for every M bucket up to ``max_m`` and each weight's shape, and size the
-    restore buffer, so that CUDA graph capture finds everything built."""
+    """Compile the fused kernel's variants (every M bucket up to ``max_m``, split or not, with and
+    without bias) for each weight shape, and size the restore buffer and the split-K counters, so
+    that CUDA graph capture finds everything built."""
     seen = set()
     for cw in cw_list:
         if cw.device.type != "cuda" or (cw.shape, cw.device) in seen:
             continue
         seen.add((cw.shape, cw.device))
-        for m in sorted({b for b in (1, 16, 32, 64, 128, FUSED_MAX_M) if b <= max(1, max_m)}):
-            weight_linear(torch.zeros(m, cw.shape[1], dtype=torch.bfloat16, device=cw.device), cw)
+        N, K = cw.shape
+        bias = torch.zeros(N, dtype=torch.bfloat16, device=cw.device)
+        for m in sorted({_bucket(m) for m in (1, 32, 64, 128, FUSED_MAX_M) if m <= max(1, min(max_m, FUSED_MAX_M))}):
+            x = torch.zeros(m, K, dtype=torch.bfloat16, device=cw.device)
+            for split in (1, 2):
+                for b in (None, bias):
+                    fused_linear(x, cw, b, split=min(split, cw.padded_k // WEIGHT_BLOCK))
         if max_m > FUSED_MAX_M:
             restore_buffer(cw)
