@@ -131,7 +131,7 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
         ({"prompt": "x", "max_tokens": 300}, "max_model_len"),
         ({"prompt": [10**9], "max_tokens": 4}, "token ids"),
         ({"prompt": [], "max_tokens": 4}, "empty"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
         ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
         ({"prompt": "x", "logprobs": 21}, "max_logprobs"),
         ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
@@ -154,7 +154,7 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
     assert r.status_code == 400 and "error" in r.json()
     chat = [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),

@@ -65,6 +65,19 @@ class Tokenizer:
             texts = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
         return max((len(t.encode("utf-8", "replace")) for t in texts), default=1) + 4
 
+    def vocab_size(self) -> int:
+        """Tokens this tokenizer knows, added and special ones included."""
+        return len(self._hf) if self._hf is not None else self._tok.get_vocab_size(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The Rust tokenizer as tokenizer.json text (padding and truncation off): what llguidance
+        builds its token table from."""
+        from copy import copy
+        tok = copy(self._hf.backend_tokenizer) if self._hf is not None else copy(self._tok)
+        tok.no_padding()
+        tok.no_truncation()
+        return tok.to_str()
+
     @property
     def eos_token_ids(self) -> tuple:
         if self._hf is not None and self._hf.eos_token_id is not None:

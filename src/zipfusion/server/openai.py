@@ -192,8 +192,14 @@ class OpenAIServer:
 
     async def submit(self, loop: EngineLoop, body: _Body, prompts: list[list[int]], rid: str) -> Group:
         items = body.engine_requests(prompts, self.default_max_tokens, self.engine.max_model_len)
+        matchers = None
+        if items[0][1].guided:             # the grammar compiled on the tokenizer thread, not the engine's
+            try:
+                matchers = await self.off_loop(lambda: [self.engine.grammars.matcher(p) for _, p in items])
+            except ValueError as exc:
+                raise BadRequest(str(exc), param=body.guided_param()) from None
         try:
-            return await loop.submit(items, rid)
+            return await loop.submit(items, rid, matchers)
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from None
 

@@ -3,12 +3,14 @@
 Every value is checked here, at the edge, before any work: types are strict (a string is not a
 number or a boolean: ``"max_tokens": "5"`` and ``"stream": "yes"`` are 400s), numbers are finite
 (no NaN or Infinity) and within their ranges, text is valid Unicode (a lone surrogate such as
-``"\ud800"`` is a 400). A field OpenAI defines that this server does not implement (tools,
-JSON mode, ``suffix``) is refused with a 400 that names it. A field nobody here knows is
+``"\ud800"`` is a 400). A field OpenAI defines that this server does not implement (``suffix``,
+``audio``) is refused with a 400 that names it. A field nobody here knows is
 accepted and ignored with a warning in the log, as vLLM does (clients send fields newer than
 any server); ``store``, ``metadata``, ``user``, ``service_tier`` and ``reasoning_effort`` are
 accepted and have no effect. vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids`` and ``ignore_eos`` are implemented.
+``stop_token_ids`` and ``ignore_eos`` are implemented, and its structured output: ``response_format``
+``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``,
+or one of ``guided_json``, ``guided_regex``, ``guided_choice`` (:mod:`zipfusion.engine.structured`).
 
 ``seed`` (sample i uses seed + i) gives the same tokens again only on a server started with
 ``--deterministic``: otherwise the logits can differ slightly with the batch a request runs in and
@@ -137,6 +139,11 @@ class _Body(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0)
     stop_token_ids: list[Annotated_token] | None = None
     ignore_eos: bool = False
+    # structured output (OpenAI's response_format, vLLM's guided_*): at most one
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -153,11 +160,8 @@ class _Body(_Strict):
         for name in sorted(extra):
             if name in REFUSED_EXTRAS:
                 raise BadRequest(REFUSED_EXTRAS[name], param=name)
+        self.guided()
         # the chat route's refusals, when a client sends them to /v1/completions
-        fmt = extra.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise BadRequest(f"response_format {fmt!r} is not supported (only {{'type': 'text'}}: no JSON mode or "
-                             "structured output)", param="response_format")
         if extra.get("tools") or extra.get("tool_choice") not in (None, "none"):
             raise BadRequest("tools are not supported by this server (no function calling)", param="tools")
         if self.stream_options is not None and not self.stream:
@@ -187,6 +191,40 @@ class _Body(_Strict):
             raise BadRequest(f"{len(self.stop_token_ids)} stop_token_ids; at most {limits.max_stop_token_ids} "
                              "are allowed", param="stop_token_ids")
 
+    def guided(self) -> dict:
+        """The SamplingParams guided_* fields this body asks for (from response_format or a
+        guided_* field; 400 for a malformed one or for more than one)."""
+        given = {k: v for k in ("guided_json", "guided_regex", "guided_choice")
+                 if (v := getattr(self, k)) is not None}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given["response_format"] = {"type": "object"}
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) \
+                        or not isinstance(spec.get("schema", {}), dict):
+                    raise BadRequest("response_format json_schema must be {'type': 'json_schema', 'json_schema': "
+                                     "{'name': str, 'schema': {...}, 'strict': bool}}", param="response_format")
+                given["response_format"] = spec.get("schema", {"type": "object"})
+            elif kind != "text" or set(fmt) != {"type"}:
+                raise BadRequest(f"response_format type {kind!r} is not supported: give 'text', 'json_object' or "
+                                 "'json_schema'", param="response_format")
+        if len(given) > 1:
+            raise BadRequest(f"give one of response_format, guided_json, guided_regex, guided_choice (got "
+                             f"{', '.join(given)})", param=sorted(given)[1])
+        if not given:
+            return {}
+        (name, value), = given.items()
+        key = "guided_json" if name == "response_format" else name
+        return {key: value}
+
+    def guided_param(self) -> str | None:
+        """The field that asked for structured output (an error's ``param``)."""
+        return next((k for k in ("response_format", "guided_json", "guided_regex", "guided_choice")
+                     if getattr(self, k) is not None), None)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -202,7 +240,7 @@ class _Body(_Strict):
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens, logprobs=self.num_logprobs(), presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                logit_bias=self.logit_bias)
+                logit_bias=self.logit_bias, **self.guided())
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from None
 
@@ -299,16 +337,12 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         self.check_common()
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise BadRequest(f"response_format {self.response_format!r} is not supported (only {{'type': 'text'}}: "
-                             "no JSON mode or structured output)", param="response_format")
         if self.tools:
             raise BadRequest("tools are not supported by this server (no function calling)", param="tools")
         if self.tool_choice not in (None, "none"):
