@@ -153,10 +153,10 @@ def test_bad_requests_are_refused_and_running_work_survives(client, engine):
     r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     chat = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"nom": "f"}}]}, "tools[0]"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "needs tools"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "tool_calls"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: expected a string, a list of content"),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .structured import check_guided
+from .structured import check_guided, guide_of
 
 MAX_PENALTY = 2.0          # OpenAI's range for presence and frequency penalties: [-2, 2]
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range for a logit bias: [-100, 100]
@@ -55,7 +55,8 @@ class SamplingParams:
     (0: only the generated token's; None: none), from the raw model distribution.
     Structured output (vLLM's guided decoding, at most one; :mod:`.structured`): ``guided_json``
     a JSON schema (``{"type": "object"}``: any JSON object), ``guided_regex`` a regular
-    expression, ``guided_choice`` a list of strings the output is one of.
+    expression, ``guided_choice`` a list of strings the output is one of, ``guided_grammar`` a
+    Lark or GBNF grammar (llguidance's syntax).
     """
 
     temperature: float = 1.0
@@ -75,6 +76,7 @@ class SamplingParams:
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def fixed_length(self) -> bool:
@@ -129,7 +131,7 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        return self.guided_json is not None or self.guided_regex is not None or self.guided_choice is not None
+        return guide_of(self) is not None
 
     @property
     def penalized(self) -> bool:

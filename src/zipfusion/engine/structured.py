@@ -1,5 +1,5 @@
-"""Structured output: a request's output kept inside a grammar (a JSON schema, any JSON value of
-a type, a regular expression or a choice of strings), as vLLM's guided decoding.
+"""Structured output: a request's output kept inside a grammar (a JSON schema, a regular
+expression, a choice of strings, or a Lark / GBNF grammar), as vLLM's guided decoding.
 
 llguidance compiles the grammar into a matcher per request. Before each sampled token the
 matchers of the batch's guided rows fill a bitmask of the tokens that keep the output inside
@@ -20,6 +20,7 @@ import torch
 # the JSON grammar's defaults: no whitespace between tokens (a small model given free whitespace
 # can emit it forever); a schema's "x-guidance" key overrides them
 JSON_DEFAULTS = {"whitespace_flexible": False}
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 INSTALL_HINT = "structured output needs llguidance: pip install llguidance (or the zipfusion 'server' extra)"
 
 
@@ -33,14 +34,16 @@ def guide_of(params) -> tuple[str, str] | None:
         return "regex", params.guided_regex
     if params.guided_choice is not None:
         return "choice", json.dumps(list(params.guided_choice))
+    if params.guided_grammar is not None:
+        return "grammar", params.guided_grammar
     return None
 
 
 def check_guided(params) -> None:
     """SamplingParams' guided fields: at most one, each of its type (ValueError otherwise)."""
-    given = [n for n in ("guided_json", "guided_regex", "guided_choice") if getattr(params, n) is not None]
+    given = [n for n in GUIDED_FIELDS if getattr(params, n) is not None]
     if len(given) > 1:
-        raise ValueError(f"give at most one of guided_json, guided_regex, guided_choice (got {', '.join(given)})")
+        raise ValueError(f"give at most one of {', '.join(GUIDED_FIELDS)} (got {', '.join(given)})")
     g = params.guided_json
     if g is not None:
         if isinstance(g, str):
@@ -50,8 +53,10 @@ def check_guided(params) -> None:
                 raise ValueError(f"guided_json is not valid JSON ({exc}); give a JSON schema") from None
         if not isinstance(g, (dict, bool)):
             raise ValueError(f"guided_json must be a JSON schema (an object), got {type(g).__name__}")
-    if params.guided_regex is not None and (not isinstance(params.guided_regex, str) or not params.guided_regex):
-        raise ValueError("guided_regex must be a non-empty string (a regular expression)")
+    for name in ("guided_regex", "guided_grammar"):
+        v = getattr(params, name)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"{name} must be a non-empty string")
     c = params.guided_choice
     if c is not None and (isinstance(c, str) or not isinstance(c, (list, tuple)) or not c
                           or not all(isinstance(s, str) and s for s in c)):

@@ -84,10 +84,16 @@ class Tokenizer:
             return (int(self._hf.eos_token_id),)
         return ()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self._hf is None or not getattr(self._hf, "chat_template", None):
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._hf, "chat_template", None) if self._hf is not None else None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            **({"tools": tools} if tools else {}))
 
 
 def _gguf_tokenizer(file: Path):

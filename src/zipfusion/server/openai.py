@@ -19,6 +19,8 @@ Every error, 404 and 405 included, comes back as ``{"error": {"message", "type",
   at the next step boundary.
 - Tokenization, chat templates and the final detokenization run on a tokenizer thread, never
   on the event loop; streamed text is detokenized incrementally (a window of a few tokens).
+- Structured output (``response_format``, ``guided_*``) and tool calling (``tools``,
+  ``tool_choice``; :mod:`.tools`): grammars compiled on the tokenizer thread.
 - ``api_key``: every /v1 route needs ``Authorization: Bearer KEY`` (401 otherwise); /health
   and /metrics stay open, as in vLLM (:mod:`.auth`).
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -65,6 +68,7 @@ def default_model_name(source) -> str:
     return (path.stem if path.suffix.lower() == ".gguf" else path.name) or name
 from .responses import ChatReply, CompletionReply, Reply
 from .streaming import abort_on_disconnect, collect, event_stream
+from .tools import guided_fields as tool_guided, renders_tools, tool_format, with_tools_prompt
 
 
 class OpenAIServer:
@@ -136,13 +140,20 @@ class OpenAIServer:
         body.check_limits(self.limits)
         if self.engine.tokenizer is None:
             raise BadRequest("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token ids")
-        conversation = body.conversation()
-        self.check_text_fits([m["content"] for m in conversation], "messages")
+        conversation, tools = body.conversation(), body.tool_list()
+        template = self.engine.tokenizer.chat_template
+        fmt = tool_format(template) if tools else None
+        if tools and not renders_tools(template):      # the tools described in a system message
+            conversation = with_tools_prompt(conversation, tools)
+        if tools and body.tool_choice not in (None, "auto"):
+            body.force_tool_calls(tool_guided(tools, body.tool_choice, fmt, body.parallel_tool_calls is not False))
+        self.check_text_fits([m["content"] for m in conversation] + [json.dumps(tools)], "messages")
         try:
-            prompt_ids = await self.off_loop(self.render_chat, conversation)
+            prompt_ids = await self.off_loop(self.render_chat, conversation,
+                                             tools if renders_tools(template) else None)
         except ValueError as exc:
             raise BadRequest(f"{exc}; use /v1/completions instead") from None
-        reply = ChatReply(self.engine, self.name, self.off_loop, body, [prompt_ids])
+        reply = ChatReply(self.engine, self.name, self.off_loop, body, [prompt_ids], fmt)
         return await self.generate(http, body, [prompt_ids], reply)
 
     # -- a generation request, from the body to the reply ------------------------------------------
@@ -187,8 +198,8 @@ class OpenAIServer:
             self.check_text_fits([text], f"prompt[{i}]" if len(texts) > 1 else "prompt")
         return await self.off_loop(self.engine.tokenizer.encode_many, texts)
 
-    def render_chat(self, conversation: list[dict]) -> list[int]:
-        return self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(conversation))
+    def render_chat(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(conversation, tools=tools))
 
     async def submit(self, loop: EngineLoop, body: _Body, prompts: list[list[int]], rid: str) -> Group:
         items = body.engine_requests(prompts, self.default_max_tokens, self.engine.max_model_len)

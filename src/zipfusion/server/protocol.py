@@ -10,7 +10,8 @@ any server); ``store``, ``metadata``, ``user``, ``service_tier`` and ``reasoning
 accepted and have no effect. vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
 ``stop_token_ids`` and ``ignore_eos`` are implemented, and its structured output: ``response_format``
 ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``,
-or one of ``guided_json``, ``guided_regex``, ``guided_choice`` (:mod:`zipfusion.engine.structured`).
+or one of ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``
+(:mod:`zipfusion.engine.structured`).
 
 ``seed`` (sample i uses seed + i) gives the same tokens again only on a server started with
 ``--deterministic``: otherwise the logits can differ slightly with the batch a request runs in and
@@ -23,11 +24,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
 from ..engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
+from ..engine.structured import GUIDED_FIELDS
 
 MAX_N = 128                   # most samples one request may ask for
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1      # a 64-bit signed seed (vLLM's range)
@@ -108,8 +110,9 @@ class StreamOptions(_Strict):
 # accepted, no effect on the output (OpenAI bookkeeping and reasoning-model knobs)
 ACCEPTED_NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort")
 # not declared, yet refused rather than ignored: ignoring them would change what the client gets
-REFUSED_EXTRAS = {"functions": "functions (function calling) are not supported by this server",
-                  "function_call": "function_call (function calling) is not supported by this server",
+REFUSED_EXTRAS = {"functions": "functions (the deprecated function calling) is not supported: send tools",
+                  "function_call": "function_call (the deprecated function calling) is not supported: send "
+                                   "tool_choice",
                   "audio": "audio output is not supported by this server (text only)"}
 
 
@@ -144,6 +147,7 @@ class _Body(_Strict):
     guided_json: Union[dict[str, Any], str, None] = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -163,7 +167,7 @@ class _Body(_Strict):
         self.guided()
         # the chat route's refusals, when a client sends them to /v1/completions
         if extra.get("tools") or extra.get("tool_choice") not in (None, "none"):
-            raise BadRequest("tools are not supported by this server (no function calling)", param="tools")
+            raise BadRequest("tools are taken on /v1/chat/completions only", param="tools")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
         asked = self.requested_max_tokens()
@@ -194,8 +198,7 @@ class _Body(_Strict):
     def guided(self) -> dict:
         """The SamplingParams guided_* fields this body asks for (from response_format or a
         guided_* field; 400 for a malformed one or for more than one)."""
-        given = {k: v for k in ("guided_json", "guided_regex", "guided_choice")
-                 if (v := getattr(self, k)) is not None}
+        given = {k: v for k in GUIDED_FIELDS if (v := getattr(self, k)) is not None}
         fmt = self.response_format
         if fmt is not None:
             kind = fmt.get("type")
@@ -212,7 +215,7 @@ class _Body(_Strict):
                 raise BadRequest(f"response_format type {kind!r} is not supported: give 'text', 'json_object' or "
                                  "'json_schema'", param="response_format")
         if len(given) > 1:
-            raise BadRequest(f"give one of response_format, guided_json, guided_regex, guided_choice (got "
+            raise BadRequest(f"give one of response_format, {', '.join(GUIDED_FIELDS)} (got "
                              f"{', '.join(given)})", param=sorted(given)[1])
         if not given:
             return {}
@@ -222,8 +225,7 @@ class _Body(_Strict):
 
     def guided_param(self) -> str | None:
         """The field that asked for structured output (an error's ``param``)."""
-        return next((k for k in ("response_format", "guided_json", "guided_regex", "guided_choice")
-                     if getattr(self, k) is not None), None)
+        return next((k for k in ("response_format",) + GUIDED_FIELDS if getattr(self, k) is not None), None)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -304,6 +306,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None       # an assistant's earlier calls
+    tool_call_id: str | None = None                      # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -340,23 +344,62 @@ class ChatCompletionRequest(_Body):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    _tool_guided: dict = PrivateAttr(default_factory=dict)
 
     def check(self) -> None:
         self.check_common()
-        if self.tools:
-            raise BadRequest("tools are not supported by this server (no function calling)", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise BadRequest("tool_choice is not supported by this server (no function calling)",
-                             param="tool_choice")
+        self.tool_list()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def tool_list(self) -> list[dict]:
+        """The tools in play (none under tool_choice "none"), checked (400 naming the field)."""
+        from .tools import check_tools
+        tools = check_tools(self.tools, self.tool_choice)
+        return [] if self.tool_choice == "none" else tools
+
+    def force_tool_calls(self, fields: dict) -> None:
+        """tool_choice required / a named function: the output is held to the calls' grammar."""
+        if super().guided():
+            raise BadRequest("tool_choice 'required' or a named function cannot be combined with response_format "
+                             "or guided_*", param="tool_choice")
+        self._tool_guided = fields
+
+    def guided(self) -> dict:
+        return self._tool_guided or super().guided()
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text(f"messages[{i}]"), **({"name": m.name} if m.name else {})}
-                for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            msg = {"role": m.role, "content": m.text(f"messages[{i}]"), **({"name": m.name} if m.name else {})}
+            if m.tool_calls is not None:
+                if m.role != "assistant":
+                    raise BadRequest(f"messages[{i}]: only assistant messages carry tool_calls",
+                                     param=f"messages[{i}].tool_calls")
+                msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
+
+
+def _template_call(call: dict, where: str) -> dict:
+    """An earlier tool call as chat templates read it: arguments as an object, not JSON text."""
+    f = call.get("function")
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise BadRequest(f"{where} must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': "
+                         "str}}}}", param=where)
+    args = f.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise BadRequest(f"{where}.function.arguments is not JSON text", param=where) from None
+    return {**call, "function": {"name": f["name"], "arguments": args}}
