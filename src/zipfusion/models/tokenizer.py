@@ -41,6 +41,12 @@ class Tokenizer:
             return list(self._hf.encode(text))
         return list(self._tok.encode(text).ids)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """``encode`` without the special tokens the tokenizer adds (a BOS)."""
+        if self._hf is not None:
+            return list(self._hf.encode(text, add_special_tokens=False))
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
     def decode(self, ids: list[int]) -> str:
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=True)

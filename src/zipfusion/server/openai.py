@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+and vLLM's /tokenize, /detokenize and /version.
 
 Same request and response shapes as vLLM (non-OpenAI options such as ``top_k`` and
 ``ignore_eos`` arrive as extra body fields; see :mod:`.protocol` for what is accepted).
@@ -35,6 +36,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -46,7 +48,7 @@ from .engine_loop import EngineLoop, Group
 from .errors import error_response, install_error_handlers
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import Metrics
-from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, _Body
+from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Body
 
 log = logging.getLogger("zipfusion.server")
 
@@ -76,12 +78,14 @@ class OpenAIServer:
     tokenizer thread of one app. The route methods carry no return annotation: FastAPI would
     take it for a response model."""
 
-    def __init__(self, engine: LLMEngine, names: list[str], default_max_tokens: int, limits: ServerLimits):
+    def __init__(self, engine: LLMEngine, names: list[str], default_max_tokens: int, limits: ServerLimits,
+                 metrics_prefix: str = "zipfusion"):
         self.engine, self.names, self.name = engine, names, names[0]
         self.default_max_tokens = default_max_tokens
         self.limits = limits.resolved(engine.config.max_num_seqs)
         self.max_token_bytes: int | None = None      # the tokenizer's longest token in bytes (at start-up)
-        self.metrics = Metrics(self.name)
+        self.metrics = Metrics(self.name, metrics_prefix)
+        self.created = int(time.time())             # /v1/models' "created": when this server started
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zipfusion-tokenizer")
         self._loop: EngineLoop | None = None
 
@@ -108,11 +112,50 @@ class OpenAIServer:
         return {"status": "ok"}
 
     async def models(self):
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "zipfusion",
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": self.created, "owned_by": "zipfusion",
                                             "root": self.name,
                                             "max_model_len": self.engine.max_model_len,
                                             **kv_cache_metadata(self.engine.config)}
                                            for n in self.names]}
+
+    async def version(self):
+        from .. import __version__
+        return {"version": __version__}
+
+    def require_tokenizer(self, param: str):
+        if self.engine.tokenizer is None:
+            raise BadRequest("this model has no tokenizer", param=param)
+        return self.engine.tokenizer
+
+    async def tokenize_route(self, body: TokenizeRequest):
+        """vLLM's /tokenize: a prompt's (or a chat's, template applied) token ids."""
+        self.check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give either prompt (text) or messages (a chat)", param="prompt")
+        tok = self.require_tokenizer("prompt" if body.prompt is not None else "messages")
+        if body.prompt is not None:
+            self.check_text_fits([body.prompt], "prompt")
+            ids = await self.off_loop(lambda: tok.encode(body.prompt) if body.add_special_tokens
+                                      else tok.encode_plain(body.prompt))
+        else:
+            conversation = body.conversation()
+            self.check_text_fits([m["content"] for m in conversation], "messages")
+            try:
+                ids = await self.off_loop(self.render_chat, conversation, None, body.add_generation_prompt)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="messages") from None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize_route(self, body: DetokenizeRequest):
+        """vLLM's /detokenize: token ids back to text."""
+        self.check_model(body)
+        tok = self.require_tokenizer("tokens")
+        vocab = self.engine.model_config.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
+        if bad is not None:
+            raise BadRequest(f"tokens[{bad}] = {body.tokens[bad]} is not a token id of this model (0..{vocab - 1})",
+                             param="tokens")
+        return {"prompt": await self.off_loop(tok.decode, list(body.tokens))}
 
     async def prometheus(self):
         try:
@@ -198,11 +241,16 @@ class OpenAIServer:
             self.check_text_fits([text], f"prompt[{i}]" if len(texts) > 1 else "prompt")
         return await self.off_loop(self.engine.tokenizer.encode_many, texts)
 
-    def render_chat(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(conversation, tools=tools))
+    def render_chat(self, conversation: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        return tok.encode(tok.apply_chat_template(conversation, add_generation_prompt, tools=tools))
 
     async def submit(self, loop: EngineLoop, body: _Body, prompts: list[list[int]], rid: str) -> Group:
-        items = body.engine_requests(prompts, self.default_max_tokens, self.engine.max_model_len)
+        e = self.engine
+        body.check_engine(prompts, e.model_config.vocab_size, e.config.max_logprobs, e.max_model_len,
+                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        items = body.engine_requests(prompts, self.default_max_tokens, e.max_model_len)
         matchers = None
         if items[0][1].guided:             # the grammar compiled on the tokenizer thread, not the engine's
             try:
@@ -326,12 +374,14 @@ def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
 
 
 def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, default_max_tokens: int = 256,
-               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+               api_key: str | None = None, limits: ServerLimits | None = None,
+               metrics_prefix: str = "zipfusion") -> FastAPI:
     """The app serving ``engine``. ``model_name``: the name(s) it answers to (default: the
-    checkpoint folder's name or the .gguf file's stem); ``limits``: see :mod:`.limits`."""
+    checkpoint folder's name or the .gguf file's stem); ``limits``: see :mod:`.limits`;
+    ``metrics_prefix``: of the /metrics names (:mod:`.metrics`)."""
     names = ([model_name] if isinstance(model_name, str) else list(model_name or [])) or [
         default_model_name(engine.source)]
-    server = OpenAIServer(engine, names, default_max_tokens, limits or ServerLimits())
+    server = OpenAIServer(engine, names, default_max_tokens, limits or ServerLimits(), metrics_prefix)
     app = FastAPI(title="zipfusion", description="OpenAI-compatible server with a losslessly compressed KV cache",
                   lifespan=server.lifespan)
     app.add_middleware(BodyLimitMiddleware, limit=server.limits.max_request_bytes,
@@ -355,5 +405,8 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
                                        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], responses=generation)
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], responses=generation)
+    app.add_api_route("/tokenize", server.tokenize_route, methods=["POST"], responses=_responses(key, 400, 404, 413))
+    app.add_api_route("/detokenize", server.detokenize_route, methods=["POST"], responses=_responses(key, 400, 404, 413))
+    app.add_api_route("/version", server.version, methods=["GET"])
     app.openapi = _openapi(app, server, key)
     return app

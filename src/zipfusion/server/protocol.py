@@ -156,6 +156,10 @@ class _Body(_Strict):
             return stop
         raise _invalid("expected a string, a list of strings, or null")
 
+    def stop_strings(self) -> list[str]:
+        """The stop strings; an empty one stops nothing and is dropped."""
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
+
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
 
@@ -239,7 +243,7 @@ class _Body(_Strict):
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p,
                 top_k=self.top_k, seed=None if self.seed is None else self.seed + sample, max_tokens=max_tokens,
-                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                stop=self.stop_strings(), stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens, logprobs=self.num_logprobs(), presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                 logit_bias=self.logit_bias, **self.guided())
@@ -249,8 +253,46 @@ class _Body(_Strict):
     def engine_requests(self, prompts: list[list[int]], default_max_tokens: int,
                         max_model_len: int) -> list[tuple[list[int], SamplingParams]]:
         """One (prompt ids, params) per sample, prompt-major: choice ``i * n + j`` is prompt i, sample j."""
-        return [(ids, self.sampling_params(j, self.max_tokens_for(ids, default_max_tokens, max_model_len)))
-                for ids in prompts for j in range(self.n)]
+        out = []
+        for ids in prompts:
+            mt = self.max_tokens_for(ids, default_max_tokens, max_model_len)
+            if self.min_tokens > mt:
+                raise BadRequest(f"min_tokens={self.min_tokens} is more than the {mt} tokens this request may "
+                                 "generate (max_tokens, or what max_model_len leaves after the prompt, at most the "
+                                 "server's default); lower min_tokens or give max_tokens", param="min_tokens")
+            out += [(ids, self.sampling_params(j, mt)) for j in range(self.n)]
+        return out
+
+    def check_engine(self, prompts: list[list[int]], vocab: int, max_logprobs: int, max_model_len: int,
+                     prompt_param: str = "prompt") -> None:
+        """What the engine would refuse, refused first with the field named (``param``)."""
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise BadRequest("the prompt is empty (no tokens); give some text or token ids", param=prompt_param)
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise BadRequest(f"prompt token id {bad} is not a token of this model (ids are 0..{vocab - 1})",
+                                 param=prompt_param)
+            asked = self.requested_max_tokens()
+            if len(ids) >= max_model_len or asked is not None and len(ids) + asked > max_model_len:
+                too_long = len(ids) >= max_model_len
+                raise BadRequest(f"this model's maximum context length (max_model_len) is {max_model_len} tokens, "
+                                 f"but {len(ids) + (asked or 0)} were requested ({len(ids)} in the prompt, {asked} "
+                                 "in the completion); shorten the prompt or lower max_tokens",
+                                 param=prompt_param if too_long else self.max_tokens_param())
+        bad = [k for k in (self.logit_bias or {}) if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab]
+        if bad:
+            raise BadRequest(f"logit_bias keys must be token ids in 0..{vocab - 1}, got {bad[:5]}", param="logit_bias")
+        k = self.num_logprobs()
+        if k is not None and k > max_logprobs:
+            raise BadRequest(f"{self.logprobs_param()}={k} is more than this server's max_logprobs={max_logprobs}",
+                             param=self.logprobs_param())
+
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def logprobs_param(self) -> str:
+        return "logprobs"
 
     def max_tokens_for(self, prompt_ids: list[int], default_max_tokens: int, max_model_len: int) -> int:
         """What was asked; else what max_model_len leaves after the prompt, at most the server's default."""
@@ -340,7 +382,7 @@ class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, description="> 0 needs logprobs: true")
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -349,11 +391,17 @@ class ChatCompletionRequest(_Body):
     def check(self) -> None:
         self.check_common()
         self.tool_list()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs > 0 needs logprobs=true", param="top_logprobs")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def logprobs_param(self) -> str:
+        return "top_logprobs"
 
     def tool_list(self) -> list[dict]:
         """The tools in play (none under tool_choice "none"), checked (400 naming the field)."""
@@ -403,3 +451,20 @@ def _template_call(call: dict, where: str) -> dict:
         except ValueError:
             raise BadRequest(f"{where}.function.arguments is not JSON text", param=where) from None
     return {**call, "function": {"name": f["name"], "arguments": args}}
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize body: ``prompt`` text, or ``messages`` rendered by the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return ChatCompletionRequest.model_construct(messages=self.messages).conversation()
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated_token]
