@@ -7,6 +7,7 @@ import json
 import math
 import random
 import statistics
+import time
 
 import pytest
 
@@ -469,3 +470,55 @@ def test_run_requests_keeps_at_most_max_in_flight_unfinished():
     assert len(reqs) == 7 and all(r.finish_reason == "length" for r in reqs)
     assert [len(r.output_ids) for r in reqs] == [3, 5, 2, 4, 3, 2, 6]
     assert max(seen) == 3 and len(steps) > 6
+
+
+def test_serve_url_with_an_api_key_chat_endpoint_and_a_sharegpt_file(tmp_path, capsys, monkeypatch):
+    """--url of a running server that wants a key ($OPENAI_API_KEY), /v1/chat/completions, a
+    ShareGPT-style file; the result labeled with what the server reports, the key not recorded."""
+    for module in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
+        pytest.importorskip(module, reason=f"this test needs {module} (pip install -e '.[test]')")
+    import threading
+
+    import uvicorn
+
+    from zipfusion.engine import LLMEngine
+    from zipfusion.server import bind_socket
+    from zipfusion.server.openai import create_app
+    engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.02, max_model_len=256, kv_compression=False,
+                       dtype="float32")
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "zf", api_key="sekret"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    conversations = [{"conversations": [{"from": "human", "value": f"Tell me of the land of {w} and its rivers"},
+                                        {"from": "gpt", "value": "And the river went out of the garden " * (1 + i)}]}
+                     for i, w in enumerate(["Egypt", "Canaan", "Moab", "Edom", "Ur"])]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        argv = ["bench", "serve", "--url", url, "--endpoint", "chat", "--dataset-path", str(path), "--num-prompts",
+                "4", "--request-rates", "inf", "--warmup", "1", "--metrics-interval", "0.2", "--timeout", "120",
+                "--out", str(tmp_path / "s")]
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        assert main(argv) == 2 and "--api-key" in capsys.readouterr().err       # 401: says what to pass
+        monkeypatch.setenv("OPENAI_API_KEY", "sekret")
+        rc = main(argv)
+        printed = capsys.readouterr()
+        assert rc == 0, printed.err[-3000:]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert list(result["modes"]) == ["uncompressed"]                   # the server's mode, not the default
+    assert result["config"]["model"] == "zf" and result["config"]["kv_memory_gb"] == pytest.approx(0.02)
+    assert result["config"]["dataset"] == "sharegpt" and result["config"]["endpoint"] == "chat"
+    (row,) = result["modes"]["uncompressed"]["rates"]
+    assert row["completed"] == 4 and row["failed"] == row["lost"] == 0 and row["output_tokens"] >= 4 * 4
+    assert "sekret" not in (tmp_path / "s.json").read_text()
+    for words in ("uncompressed, rate inf", "Mean TTFT (ms):", "Median TPOT (ms):",
+                  "P99 ITL (ms):", "Total generated tokens:"):
+        assert words in printed.out, words

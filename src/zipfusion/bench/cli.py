@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from . import DEFAULT_COMPARE, KERNEL_MODES, MODES
 
@@ -120,7 +121,18 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                     "request rates or a closed loop; per rate TTFT / TPOT / ITL p50 / p99, output tok/s, requests/s "
                     "and goodput; with --compare, the highest rate each mode sustains within the SLO and their "
                     "ratio.", device_help="the server's device: cuda, cpu or auto (default: %(default)s)")
-    s.add_argument("--url", default=None, help="a running zipfusion serve to use instead of starting one (one mode)")
+    s.add_argument("--url", default=None, help="a running zipfusion serve to use instead of starting one (one mode; "
+                   "the results are labeled with the model, KV memory and mode it reports)")
+    s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="the server's API key, sent as a bearer token (default: $OPENAI_API_KEY; given to the "
+                        "servers this benchmark starts too)")
+    s.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
+                   help="/v1/completions, or /v1/chat/completions (vLLM's openai-chat: text prompts as one user "
+                        "message) (default: %(default)s)")
+    s.add_argument("--dataset-path", default=None, metavar="JSON",
+                   help="a ShareGPT-style file (a list of {'conversations': [{'from': 'human', 'value': ...}, "
+                        "{'from': 'gpt', 'value': ...}]}): the first turn is the prompt, the reply's length (counted "
+                        "by the server's /tokenize) the output length; replaces --dataset")
     _dataset(s, 100)
     s.add_argument("--request-rates", default="inf",
                    help="requests/s, comma-separated; inf: every request at once (default: %(default)s)")

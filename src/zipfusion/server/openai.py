@@ -53,11 +53,13 @@ from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, Deto
 log = logging.getLogger("zipfusion.server")
 
 
-def kv_cache_metadata(config) -> dict:
+def kv_cache_metadata(engine) -> dict:
     """What /v1/models says of the KV cache: how values are stored and whether that is lossy
-    (fp8: E4M3, outputs differ from bf16) or not (bf16, compressed or not: every bit kept)."""
-    return {"kv_cache_dtype": config.kv_cache_dtype, "kv_compression": config.kv_compression,
-            "lossy": config.kv_lossy}
+    (fp8: E4M3, outputs differ from bf16) or not (bf16, compressed or not: every bit kept), and
+    its memory (a benchmark client labels its results with these)."""
+    c = engine.config
+    return {"kv_cache_dtype": c.kv_cache_dtype, "kv_compression": c.kv_compression, "lossy": c.kv_lossy,
+            "kv_memory_gb": round(engine.kv_memory_gb, 4), "max_num_seqs": c.max_num_seqs}
 
 
 def default_model_name(source) -> str:
@@ -115,7 +117,7 @@ class OpenAIServer:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": self.created, "owned_by": "zipfusion",
                                             "root": self.name,
                                             "max_model_len": self.engine.max_model_len,
-                                            **kv_cache_metadata(self.engine.config)}
+                                            **kv_cache_metadata(self.engine)}
                                            for n in self.names]}
 
     async def version(self):
