@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from zipfusion.bench import KERNEL_MODES, client, datasets, parse_modes, serve, serve_results, server_process
+from zipfusion.bench import KERNEL_MODES, client, datasets, parse_modes, report, serve, serve_results, server_process
 from zipfusion.bench.stats import goodput, meets_slo, parse_goodput, percentile, summary
 from zipfusion.cli import main
 
@@ -522,3 +522,36 @@ def test_serve_url_with_an_api_key_chat_endpoint_and_a_sharegpt_file(tmp_path, c
     for words in ("uncompressed, rate inf", "Mean TTFT (ms):", "Median TPOT (ms):",
                   "P99 ITL (ms):", "Total generated tokens:"):
         assert words in printed.out, words
+
+
+def test_help_examples_continue_their_lines_and_name_their_subcommand():
+    from zipfusion.bench.cli import EXAMPLES
+    for name, text in EXAMPLES.items():
+        assert text.startswith(f"zipfusion bench {name}, examples:")
+        lines = text.splitlines()
+        for line, nxt in zip(lines, lines[1:]):
+            if nxt.startswith("      --"):               # a continued command: its line ends with a backslash
+                assert line.endswith(" \\"), (name, line)
+
+
+def test_the_plot_draws_only_what_it_has_and_keeps_noise_small(tmp_path, monkeypatch):
+    """p50 and p99 in different styles, no legend entry for a line with no points (no steady
+    rate), latency axes spanning at least a decade, throughputs from zero."""
+    pytest.importorskip("matplotlib")
+    figs = []
+    plt = report.pyplot()
+    monkeypatch.setattr(plt, "close", figs.append)
+    lat = lambda v: {"p50": v, "p99": v * 1.02, "mean": v, "p90": v, "max": v, "n": 4}  # noqa: E731
+    rows = [{"request_rate": r, "requests_s": r, "output_tok_s": 100.0 + r, "steady_output_tok_s": None,
+             "ttft_ms": lat(50.0 + r), "tpot_ms": lat(20.0), "server": {}} for r in (1.0, 2.0)]
+    result = {"config": {"goodput": {}, "max_concurrency": None, "model": "m", "dataset": "chat", "num_prompts": 4,
+                         "kv_memory_gb": 1}, "meta": {"device_name": "cpu"}, "modes": {"compressed": {"rates": rows}}}
+    assert serve_results.plot(result, str(tmp_path / "p.png"))
+    (fig,) = figs
+    ttft, tpot, tok, req = fig.axes
+    styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in tpot.get_lines()}
+    assert styles["compressed p50"] != styles["compressed p99"]
+    labels = [t.get_text() for t in tok.get_legend().get_texts()]
+    assert labels == ["compressed"]                         # no "while arrivals last": nothing to draw
+    lo, hi = tpot.get_ylim()
+    assert hi / lo >= 9.99 and tok.get_ylim()[0] == 0 and req.get_ylim()[0] == 0

@@ -17,16 +17,19 @@ DATASET_HELP = ("chat (prompt ~300 / output ~250 tokens), reasoning (decode-heav
                 "groups of 8) or random (fixed --input-len / --output-len); lognormal lengths (default: %(default)s)")
 
 EXAMPLES = {
-    "serve": """examples:
+    "serve": """zipfusion bench serve, examples:
   # compressed vs uncompressed serving at the same KV memory, swept from saturation to 2x, with an SLO
   zipfusion bench serve --model llama-3.1-8b-random --device cuda --kv-memory-gb 16 --compare \\
       --dataset reasoning --num-prompts 200 --sweep --goodput ttft:2000 tpot:50 --out serve_8b
   # fixed rates, or a closed loop of 32 clients, against a server that is already running
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates 1,2,4,inf --dataset chat
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates inf --max-concurrency 32
+  # a server with an API key, its chat route, a ShareGPT-style file of conversations
+  zipfusion bench serve --url http://127.0.0.1:8000 --api-key KEY --endpoint chat \\
+      --dataset-path sharegpt.json --num-prompts 200 --request-rates 2,4
   # the output rate at saturation in steady state ("steady out tok/s": while requests keep being
   # sent, ramp and tail left out): a closed loop with more in flight than the KV holds, both modes
-  zipfusion bench serve --model llama-3.1-8b-random --device cuda --kv-memory-gb 4 --compare \
+  zipfusion bench serve --model llama-3.1-8b-random --device cuda --kv-memory-gb 4 --compare \\
       --dataset reasoning --num-prompts 300 --request-rates inf --max-concurrency 64
   # one mode per call (a time limit per call), then one comparison of the two
   zipfusion bench serve ... --mode compressed --out c; zipfusion bench serve ... --mode uncompressed --out u
@@ -34,17 +37,17 @@ EXAMPLES = {
   # the CPU demo model, tiny
   zipfusion bench serve --model demo --device cpu --compare --dataset random --input-len 32 \\
       --output-len 8 --num-prompts 8 --request-rates 4""",
-    "throughput": """examples:
+    "throughput": """zipfusion bench throughput, examples:
   zipfusion bench throughput --model llama-3.1-8b-random --device cuda --kv-memory-gb 12 \\
       --compare compressed,uncompressed,flashinfer --dataset chat --num-prompts 600
   # the CPU demo model, tiny (what CI runs)
   zipfusion bench throughput --model demo --device cpu --compare --dataset random --input-len 32 \\
       --output-len 8 --num-prompts 8 --kv-memory-gb 0.002""",
-    "latency": """examples:
+    "latency": """zipfusion bench latency, examples:
   zipfusion bench latency --model llama-3.1-8b-random --device cuda --compare --batch-size 32 \\
       --input-len 8192 --output-len 128
   zipfusion bench latency --model demo --device cpu --compare --batch-size 4 --input-len 64 --output-len 8""",
-    "kernel": """examples:
+    "kernel": """zipfusion bench kernel, examples:
   zipfusion bench kernel                                          # batch 32 x 8K, fractions 1/0.92/0.5/0
   zipfusion bench kernel --batches 1,32,64 --contexts 2048,8192,32768 --fractions 1,0.92 --out kernel_h100
   zipfusion bench kernel --device cpu                             # a smoke run (Triton interpreter)""",
