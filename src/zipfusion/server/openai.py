@@ -40,15 +40,17 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
 from .auth import APIKeyMiddleware
 from .engine_loop import EngineLoop, Group
 from .errors import error_response, install_error_handlers
-from .limits import BodyLimitMiddleware, ServerLimits
+from .limits import BodyLimitMiddleware, ServerLimits, max_body_items
 from .metrics import Metrics
-from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Body
+from .protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Body,
+                       parse_body)
 
 log = logging.getLogger("zipfusion.server")
 
@@ -129,8 +131,9 @@ class OpenAIServer:
             raise BadRequest("this model has no tokenizer", param=param)
         return self.engine.tokenizer
 
-    async def tokenize_route(self, body: TokenizeRequest):
+    async def tokenize_route(self, http: Request):
         """vLLM's /tokenize: a prompt's (or a chat's, template applied) token ids."""
+        body = await self.parse(http, TokenizeRequest)
         self.check_model(body)
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give either prompt (text) or messages (a chat)", param="prompt")
@@ -148,8 +151,9 @@ class OpenAIServer:
                 raise BadRequest(str(exc), param="messages") from None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
-    async def detokenize_route(self, body: DetokenizeRequest):
+    async def detokenize_route(self, http: Request):
         """vLLM's /detokenize: token ids back to text."""
+        body = await self.parse(http, DetokenizeRequest)
         self.check_model(body)
         tok = self.require_tokenizer("tokens")
         vocab = self.engine.model_config.vocab_size
@@ -167,7 +171,12 @@ class OpenAIServer:
             pass                           # a busy or stopped engine: the other numbers still come
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def completions(self, body: CompletionRequest, http: Request):
+    async def parse(self, http: Request, model):
+        """The body as ``model``, parsed and validated on a worker thread (:func:`.protocol.parse_body`)."""
+        return await run_in_threadpool(parse_body, model, await http.body())
+
+    async def completions(self, http: Request):
+        body = await self.parse(http, CompletionRequest)
         self.check_model(body)
         body.check()
         self.warn_unknown(body, "/v1/completions")
@@ -178,7 +187,8 @@ class OpenAIServer:
         reply = CompletionReply(self.engine, self.name, self.off_loop, body, prompts, texts)
         return await self.generate(http, body, prompts, reply)
 
-    async def chat(self, body: ChatCompletionRequest, http: Request):
+    async def chat(self, http: Request):
+        body = await self.parse(http, ChatCompletionRequest)
         self.check_model(body)
         body.check()
         self.warn_unknown(body, "/v1/chat/completions")
@@ -287,6 +297,11 @@ ERROR_SCHEMA = {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
+# one server-sent event (``data: {json chunk}`` or ``data: [DONE]``), as schemathesis reads a stream
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"},
+                                                                     "event": {"type": "string"}}}
+
+
 def _error(description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
 
@@ -349,6 +364,23 @@ def _document_limits(schemas: dict, server: "OpenAIServer") -> None:
                     alt["maxItems"] = mml - 1
 
 
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def _document_bodies(doc: dict) -> None:
+    """The request bodies, which the routes parse themselves (off the event loop), described as
+    FastAPI would describe a body parameter: a required JSON body, its schema in the components."""
+    from pydantic.json_schema import models_json_schema
+    _, top = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                ref_template="#/components/schemas/{model}")
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
+    for path, model in BODIES.items():
+        op = doc["paths"][path]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+
+
 def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
     """FastAPI's document, made to say what the server does: no 422 (a bad body is a 400),
     no validation-error schemas, /metrics as Prometheus text, the served limits as maxima."""
@@ -357,6 +389,7 @@ def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
             return app.openapi_schema
         from fastapi.openapi.utils import get_openapi
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _document_bodies(doc)
         for item in doc.get("paths", {}).values():
             for op in item.values():
                 op.get("responses", {}).pop("422", None)
@@ -387,7 +420,8 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
     app = FastAPI(title="zipfusion", description="OpenAI-compatible server with a losslessly compressed KV cache",
                   lifespan=server.lifespan)
     app.add_middleware(BodyLimitMiddleware, limit=server.limits.max_request_bytes,
-                       on_reject=server.metrics.rejected.inc)
+                       on_reject=server.metrics.rejected.inc,
+                       max_items=max_body_items(server.limits, engine.max_model_len, engine.model_config.vocab_size))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)     # outermost: no body is read without the key
     install_error_handlers(app, server.metrics)
@@ -398,7 +432,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
     key = bool(api_key)
     generation = {200: {"description": "The completion (JSON), or server-sent events with stream=true",
                         "content": {"application/json": {"schema": {"type": "object"}},
-                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                                    "text/event-stream": {"schema": SSE_EVENT}}},
                   **_responses(key, 400, 401, 404, 413, 500)}
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"], responses=_responses(key, 401))

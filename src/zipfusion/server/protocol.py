@@ -280,6 +280,10 @@ class _Body(_Strict):
                                  f"but {len(ids) + (asked or 0)} were requested ({len(ids)} in the prompt, {asked} "
                                  "in the completion); shorten the prompt or lower max_tokens",
                                  param=prompt_param if too_long else self.max_tokens_param())
+        bad = [t for t in self.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids must be token ids in 0..{vocab - 1}, got {bad[:5]}",
+                             param="stop_token_ids")
         bad = [k for k in (self.logit_bias or {}) if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab]
         if bad:
             raise BadRequest(f"logit_bias keys must be token ids in 0..{vocab - 1}, got {bad[:5]}", param="logit_bias")
@@ -468,3 +472,22 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[Annotated_token]
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """A request body (bytes) parsed and validated as ``model``; what goes wrong is raised as
+    FastAPI's RequestValidationError (the error handler's one message). Called on a worker
+    thread: a large body does not hold up the event loop, so running streams keep flowing."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise BadRequest("the body could not be read as JSON text (it must be UTF-8 encoded JSON)") from None
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": exc.msg}}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
