@@ -95,9 +95,9 @@ def _offline(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode's process (default: %(default)s)")
 
 
-def _dataset(p: argparse.ArgumentParser, num_prompts: int) -> None:
+def _dataset(p: argparse.ArgumentParser, num_prompts: int | None, default_help: str = "%(default)s") -> None:
     p.add_argument("--dataset", default="chat", help=DATASET_HELP)
-    p.add_argument("--num-prompts", type=int, default=num_prompts, help="requests (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests (default: {default_help})")
     p.add_argument("--input-len", type=int, default=None,
                    help="median prompt tokens (random: every prompt's); the dataset's caps scale along")
     p.add_argument("--output-len", type=int, default=None, help="median output tokens (random: every request's)")
@@ -171,7 +171,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                     "Offline: every request of a dataset at once (LLM.generate's loop, after a warm-up), each mode "
                     "in its own process; total and output tok/s, requests/s, peak batch, preemptions, the KV's "
                     "stored ratio.")
-    _dataset(t, 200)
+    _dataset(t, None, "200; on the CPU 16, with --input-len 64 --output-len 32 unless given: about a minute")
     _offline(t)
     t.add_argument("--profile-steps", default=None, metavar="START:END",
                    help="trace steps START..END-1 of each mode's run with torch.profiler: a Chrome trace "
