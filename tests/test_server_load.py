@@ -111,16 +111,24 @@ def pages_settle(engine, timeout: float = 10.0) -> dict:
     return engine.kv_stats()
 
 
+GUIDED = r"[a-z]{3,6}( [a-z]{3,6}){3}\."
+
+
 def test_64_streams_past_saturation_with_preemption_all_complete_exactly():
     """64 concurrent streams in a KV memory of 76 pages with optimistic admission: requests are
-    preempted and recomputed, and every one ends with exactly its max_tokens tokens."""
+    preempted and recomputed, and every one ends with exactly its max_tokens tokens; 8 more under
+    a grammar (a regex) keep it through their preemptions."""
     engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.002, max_model_len=256, admission="optimistic",
                        max_num_seqs=128)
     with live_server(create_app(engine)) as url:
-        out = many(url, [{"prompt": prompt(i), "max_tokens": 10, "ignore_eos": True, "temperature": 0}
-                         for i in range(64)])
+        free = [{"prompt": prompt(i), "max_tokens": 10, "ignore_eos": True, "temperature": 0} for i in range(64)]
+        guided = [{"prompt": prompt(500 + i), "max_tokens": 40, "seed": i, "guided_regex": GUIDED} for i in range(8)]
+        out = many(url, free + guided)
         stats = pages_settle(engine)
-    assert all(len(ids) == 10 and reason == "length" for ids, reason in out)
+    assert all(len(ids) == 10 and reason == "length" for ids, reason in out[:64])
+    import re
+    texts = [engine.tokenizer.decode(ids) for ids, _ in out[64:]]
+    assert all(re.fullmatch(GUIDED, t) for t in texts), texts
     assert engine.scheduler.num_preemptions > 0
     assert stats["pages_in_use"] == stats["prefix_cache_evictable_pages"]     # nothing held by a request
 
