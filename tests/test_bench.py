@@ -156,15 +156,20 @@ def test_rate_row_counts_failed_and_lost_and_takes_latencies_in_ms():
     assert row["tpot_ms"]["mean"] == pytest.approx(15.0) and row["itl_ms"]["n"] == 8
     assert row["output_tok_s"] == pytest.approx(5.0) and row["requests_s"] == pytest.approx(1.0)
     assert row["good_requests"] == 1 and row["slo_attainment"] == 0.25
-    row["server"] = {"peak_running": 3, "preemptions": 0}
+    row["server"] = {"peak_running": 3, "preemptions": 0, "metric_samples": 2}
     assert not serve_results.within_slo(row, 0.2)                   # a failed request: not sustained
     ok = serve_results.rate_row(recs[:2], 2.0, 2.0, {"ttft": 500.0})
-    ok["server"] = {"peak_running": 2, "preemptions": 1}
+    ok["server"] = {"peak_running": 2, "preemptions": 1, "metric_samples": 2}
     burst = serve_results.rate_row(recs[:2], 0.5, math.inf, {"ttft": 500.0})
-    burst["server"] = {"peak_running": 4, "preemptions": 0}
+    burst["server"] = {"peak_running": 4, "preemptions": 0, "metric_samples": 1}
     s = serve_results.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)
     assert s["max_rate_within_slo"] == 2.0 and s["max_requests_s"] == pytest.approx(4.0) and s["peak_running"] == 4
     assert s["failed"] == 1 and s["lost"] == 1 and s["preemptions"] == 1 and burst["request_rate"] == "inf"
+    for r in (ok, row, burst):                      # /metrics never sampled: no peak batch, not a 0
+        r["server"]["metric_samples"] = 0
+    assert serve_results.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)["peak_running"] is None
+    result = {"modes": {"compressed": {"rates": [dict(burst, memory_after={})]}}}
+    assert serve_results.table_rows(result)[0]["peak_running"] == "not sampled"
 
 
 def test_steady_output_counts_tokens_streamed_while_arrivals_last():

@@ -189,6 +189,7 @@ def noise_note(records: list[dict]) -> str | None:
 
 def run(args, modes: list[str], device: str, engine: dict) -> int:
     """The driver: one worker process per mode, then the table, JSON and PNG."""
+    datasets.resolve(args.dataset)              # an unknown name: its error first
     size_defaults(args, device)
     dist = datasets.resolve(args.dataset, args.input_len, args.output_len, args.shared_prefix, args.prefix_group)
     datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)      # bad sizes: now
