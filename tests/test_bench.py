@@ -223,6 +223,7 @@ def test_metrics_text_and_memory_flatness():
     (["serve", "--request-rates", "0,1"], "--request-rates"),
     (["serve", "--compare", "compressed,bogus"], "unknown mode"),
     (["serve", "--url", "http://127.0.0.1:1", "--compare"], "one mode"),
+    (["serve", "--url", "http://127.0.0.1:1", "--endpoint", "chat"], "--prompt-format text"),
     (["throughput", "--dataset", "nope", "--device", "cpu"], "unknown dataset"),
     (["throughput", "--num-prompts", "0", "--device", "cpu"], "--num-prompts"),
     (["throughput", "--engine-args", '{"kv_compression": false}', "--device", "cpu"], "--engine-args sets"),

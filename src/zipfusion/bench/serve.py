@@ -246,6 +246,8 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
                          "(leave out --url)")
     if args.endpoint not in ("completions", "chat"):
         raise ValueError(f"--endpoint is completions or chat, got {args.endpoint!r}")
+    if args.endpoint == "chat" and args.prompt_format != "text" and not args.dataset_path:
+        raise ValueError("--endpoint chat sends text: add --prompt-format text, or give --dataset-path")
     if args.url:                 # label the run with what the server reports, not this client's defaults
         served = served_model(args.url.rstrip("/"), args.api_key)
         modes = [server_mode(served)]
