@@ -16,7 +16,8 @@ from ..format.layout import PAGE_TOKENS
 from ..memory.copy import HostArray
 from ..memory.kv_cache import ArenaKVCache
 from ..models import build_model, load_tokenizer, model_config, resolve_model
-from ..models.compressed_weights import weight_sizes
+from ..kernels import weight_linear
+from ..models.compressed_weights import compressed_weights, weight_sizes
 from ..models.parallel import TensorParallel, use as use_parallel
 from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
 from .observe import MemoryWatch, PhaseClock, StepResult, StepStats, reuse_stats
@@ -56,6 +57,9 @@ class LLMEngine:
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
             self.model = self.build_model()
         self.weights = weight_sizes(self.model)     # before the KV budget: what compression freed is free
+        if self.weights.compressed and self.device.type == "cuda":   # kernels built, restore buffer in place:
+            weight_linear.warmup(compressed_weights(self.model),     # the budget sees what they hold
+                                 max(cfg.max_num_seqs, cfg.max_num_batched_tokens))
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.cache = self._build_cache()
