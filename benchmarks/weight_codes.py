@@ -76,22 +76,27 @@ def main():
     args = ap.parse_args()
     rows, totals = [], {}
     for name, group, w in tensors(args.minilm):
-        r = {"tensor": name, "group": group, "values": w.numel(), **ours(w), **three_bit(w)}
+        zeros = (w == 0).sum().item()
+        r = {"tensor": name, "group": group, "values": w.numel(), "zeros": zeros, **ours(w), **three_bit(w)}
         rows.append(r)
-        t = totals.setdefault(group, {"values": 0})
+        t = totals.setdefault(group, {"values": 0, "zeros": 0})
         t["values"] += w.numel()
+        t["zeros"] += zeros
         for code in ("ours", "3bit_top7", "3bit_window"):
             c = t.setdefault(code, {"bits": 0.0, "escapes": 0.0})
             c["bits"] += r[code]["bits_per_value"] * w.numel()
             c["escapes"] += r[code]["escape_rate"] * w.numel()
-    print(f"{'set':10s} {'values':>10s}  " + "  ".join(f"{c:>26s}" for c in ("ours", "3bit_top7", "3bit_window")))
+    print(f"{'set':10s} {'values':>10s}  " + "  ".join(f"{c:>26s}" for c in ("ours", "3bit_top7", "3bit_window"))
+          + "  exact zeros")
     summary = {}
     for group, t in totals.items():
         summary[group] = {code: {"ratio": t[code]["bits"] / t["values"] / 16,
                                  "escape_rate": t[code]["escapes"] / t["values"]}
                           for code in ("ours", "3bit_top7", "3bit_window")}
+        summary[group]["zero_share"] = t["zeros"] / t["values"]
         print(f"{group:10s} {t['values']:10d}  " + "  ".join(
-            f"ratio {s['ratio']:.4f} esc {100 * s['escape_rate']:7.3f} %" for s in summary[group].values()))
+            f"ratio {s['ratio']:.4f} esc {100 * s['escape_rate']:7.3f} %" for c, s in summary[group].items()
+            if c != "zero_share") + f"  zeros {100 * summary[group]['zero_share']:.5f} %")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "weight_codes.json").write_text(json.dumps({"summary": summary, "tensors": rows}, indent=1))

@@ -124,7 +124,7 @@ def speed_bars(path: str, labels: list[str], series: dict[str, list], title: str
     plt = pyplot()
     if plt is None or not labels:
         return False
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) + 2), 4))
+    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.9 * len(labels) + 2)), 4))
     width = 0.76 / max(1, len(series))
     for j, (name, values) in enumerate(series.items()):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(labels))]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..format import triton_restore
-from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_weight
+from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_rows, restore_weight
 from .triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 
@@ -380,11 +380,15 @@ def restore_into(cw: CompressedWeight, out: torch.Tensor) -> torch.Tensor:
     return _restore_launch(cw, out, None)
 
 
-def gather_rows(cw: CompressedWeight, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` (int tensor [T], values in [0, N)) of W, restored bit for bit: bf16 [T, K]."""
+def gather_rows(cw: CompressedWeight, ids: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
+    """Rows ``ids`` (int tensor [T], values in [0, N)) of W, restored bit for bit: bf16 [T, K]. The
+    Triton kernel on CUDA, the torch reference elsewhere (``kernel=True``: the kernel anyway,
+    through the interpreter on the CPU)."""
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {list(ids.shape)}")
     ids = ids.to(cw.device)
+    if not (kernel if kernel is not None else cw.device.type == "cuda"):
+        return restore_rows(cw, ids)
     out = torch.empty(ids.numel(), cw.shape[1], dtype=torch.bfloat16, device=cw.device)
     return _restore_launch(cw, out, ids.contiguous())
 

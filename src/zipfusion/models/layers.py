@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..format.weights import CompressedWeight, restore_rows, restore_weight
+from ..format.weights import CompressedWeight, restore_weight
 from ..kernels import weight_linear as wl
 from .config import RopeConfig
 from .parallel import tp
@@ -62,8 +62,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | CompressedWeight) -> torch.Tensor:
     """Rows ``ids`` of the embedding table (a compressed one restores only those rows)."""
-    if isinstance(weight, CompressedWeight):     # the Triton gather on CUDA, the torch reference elsewhere
-        return wl.gather_rows(weight, ids) if weight.device.type == "cuda" else restore_rows(weight, ids)
+    if isinstance(weight, CompressedWeight):
+        return wl.gather_rows(weight, ids)
     return F.embedding(ids, weight)
 
 
