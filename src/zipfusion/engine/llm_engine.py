@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..models import build_model, load_tokenizer, model_config, resolve_model
+from ..models.loader import resolve_tokenizer
 from ..models.parallel import TensorParallel, use as use_parallel
 from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig
 from ..format.layout import PAGE_TOKENS
@@ -127,7 +128,7 @@ class LLMEngine:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
                              f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
         AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
-        self.source = resolve_model(cfg.model, cfg.load_format)
+        self.source = resolve_model(cfg.model, cfg.load_format, cfg.revision)
         self.model_config = mc = model_config(self.source)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
         self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
@@ -137,7 +138,8 @@ class LLMEngine:
             self.tp = start(cfg, self.device, mc, serve)
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
             self.model = self.build_model()
-        self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
+        self.tokenizer = load_tokenizer(resolve_tokenizer(cfg.tokenizer) or self.source.tokenizer_dir,
+                                        chat_template=cfg.chat_template)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.cache = self._build_cache()
         self._len_note = ""

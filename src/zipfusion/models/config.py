@@ -110,6 +110,10 @@ def config_from_dict(raw: dict) -> ModelConfig:
         by_type = {t: a for a, (t, _) in SUPPORTED_ARCHITECTURES.items()}
         if not archs and model_type in by_type:
             arch = by_type[model_type]
+        elif raw.get("auto_map"):
+            raise ValueError(f"config.json: architecture {archs or model_type!r} needs remote code (trust_remote_code: "
+                             f"its auto_map names {sorted(set(map(str, raw['auto_map'].values())))[:3]}), which "
+                             f"zipfusion does not run; it runs {sorted(SUPPORTED_ARCHITECTURES)}")
         else:
             raise ValueError(f"config.json: architecture {archs or model_type!r} is not supported; "
                              f"zipfusion runs {sorted(SUPPORTED_ARCHITECTURES)}")

@@ -1,6 +1,6 @@
 """Finding, loading and randomly initialising models.
 
-A model is named by a checkpoint folder (config.json + *.safetensors, sharded with
+A model is named by a Hugging Face Hub id (``ORG/NAME``: :func:`hub_snapshot`), a checkpoint folder (config.json + *.safetensors, sharded with
 ``model.safetensors.index.json`` or not), by a llama.cpp ``.gguf`` file (or a folder holding
 exactly one and no config.json; see :mod:`zipfusion.models.gguf`), by ``"demo"`` (the tiny model shipped in
 ``zipfusion/models/demo``) or by a shipped config with random weights
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -88,9 +89,55 @@ def _resolve_gguf(name: str, path: Path, load_format: str) -> ModelSource:
     return ModelSource(name, path, None if load_format == "random" else path, tok)
 
 
-def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# what a checkpoint's Hub snapshot needs: config, weights, tokenizer, templates
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+TOKENIZER_PATTERNS = ["*.json", "tokenizer.model", "*.jinja", "*.txt"]
+
+
+def is_hub_id(name: str) -> bool:
+    """``ORG/NAME`` that names no local file or folder."""
+    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, patterns: list[str] = HUB_PATTERNS) -> Path:
+    """The local folder of a Hub repository's snapshot at ``revision``, downloaded into the Hub
+    cache (huggingface_hub's: the token from HF_TOKEN or ``hf auth login``) unless it is there;
+    with HF_HUB_OFFLINE=1 only the cache is read."""
+    from ..config import environment
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(f"model {repo_id!r} is a Hugging Face Hub id: loading it needs huggingface_hub "
+                         "(pip install huggingface_hub)") from None
+    env = environment()
+    try:
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=env.hf_cache,
+                                   local_files_only=env.hf_offline, allow_patterns=patterns)
+    except Exception as e:        # noqa: BLE001 - network, auth, missing repo or revision: one line
+        where = "in the Hub cache " + str(env.hf_cache) + " (HF_HUB_OFFLINE=1)" if env.hf_offline else "on the Hub"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise FileNotFoundError(f"model {repo_id!r}{f' revision {revision!r}' if revision else ''}: not found "
+                                f"{where} ({type(e).__name__}: {first}); pass a Hub id, a checkpoint folder or "
+                                "a .gguf file") from None
+    return Path(folder)
+
+
+def resolve_tokenizer(name: str | None) -> Path | None:
+    """``--tokenizer``: a Hub id (its tokenizer files only, from its main branch) or a folder / .gguf file."""
+    if name is None:
+        return None
+    if is_hub_id(name):
+        return hub_snapshot(name, None, TOKENIZER_PATTERNS)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer {name!r}: no such folder or Hub id")
+    return path
+
+
+def resolve_model(model: str | Path, load_format: str = "auto", revision: str | None = None) -> ModelSource:
     """Name or path -> where config, weights and tokenizer are. ``load_format="random"``
-    ignores any weights and initialises randomly from the config."""
+    ignores any weights and initialises randomly from the config; ``revision``: of a Hub id."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     name = str(model)
@@ -101,12 +148,14 @@ def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
         path = DEMO_DIR
     elif name.lower() in RANDOM_MODELS:
         return ModelSource(name.lower(), RANDOM_MODELS[name.lower()], None, None)
+    elif is_hub_id(name):
+        path = hub_snapshot(name, revision, TOKENIZER_PATTERNS if load_format == "random" else HUB_PATTERNS)
     else:
         path = Path(name).expanduser()
         if not path.exists():
             what = "no such GGUF file" if is_gguf_path(name) else "no such folder"
             raise FileNotFoundError(
-                f"model {name!r}: {what}; pass a checkpoint folder (config.json + *.safetensors), "
+                f"model {name!r}: {what}; pass a Hub id (ORG/NAME), a checkpoint folder (config.json + *.safetensors), "
                 f"a .gguf file, 'demo', or one of {sorted(RANDOM_MODELS)}")
     if path.is_file():
         if is_gguf_path(path):
