@@ -199,7 +199,22 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# checkpoint spellings of the same tensors: Mixtral's expert names -> Qwen3-MoE's (ours)
+RENAMES = [(re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+           (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."), (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj.")]
+EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def _target(name: str) -> tuple[str, int]:
+    """Checkpoint tensor name -> (our parameter, the part of it the tensor fills)."""
+    for pattern, repl in RENAMES:
+        name = pattern.sub(repl, name)
+    m = EXPERT.match(name)
+    if m:
+        e, which = int(m.group(2)), m.group(3)
+        if which == "down_proj":
+            return f"{m.group(1)}.down_proj", e
+        return f"{m.group(1)}.gate_up_proj", 2 * e + (which == "up_proj")
     for frag, (stacked, part) in STACKED.items():
         if f".{frag}." in name:
             return name.replace(frag, stacked), part
@@ -244,7 +259,13 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
         param = params[target]
         loaded = tensor.to(param.dtype)
         loader = loaders.get(target)
-        if loader is not None:
+        sizes = getattr(param, "part_sizes", None)
+        if loader is not None and sizes and target == name and loaded.shape[0] == sum(sizes):
+            for i, piece in enumerate(loaded.to(param.device).split(sizes)):   # fused in the checkpoint (Phi-3)
+                loader(param, piece, i)
+                done.add((target, i))
+            continue
+        elif loader is not None:
             loader(param, loaded.to(param.device), part)
         else:
             if tuple(loaded.shape) != tuple(param.shape):
@@ -272,7 +293,7 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
                 progress.step("random weights", done, total)
                 done += p.numel()
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(1.0 - model.config.norm_offset)           # a norm's scale of 1
             elif name.endswith("bias"):
                 p.zero_()
             elif getattr(p, "full_shape", None) is not None and tuple(p.full_shape) != tuple(p.shape):
@@ -303,6 +324,8 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
         model.to(dtype=dtype)
         # rope frequencies stay fp32 (recomputed: .to(dtype) has rounded the buffer)
         model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
+        if model.local_rotary is not None:
+            model.local_rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.local_rope).to(model.rotary.inv_freq.device)
         if source.weights_dir is None:
             random_init(model, seed=seed, progress=progress)
         else:

@@ -1,0 +1,116 @@
+"""Every family from a tiny random checkpoint written by transformers' ``save_pretrained``:
+fp32 logits and greedy tokens through the engine (chunked prefill, sliding windows reaching
+past the chunk) equal transformers'; in bf16, the tokens and logits with KV compression on equal
+those with it off."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from zipfusion import LLM, SamplingParams  # noqa: E402
+from zipfusion.engine.attention_prefill_open import prefill_attention  # noqa: E402
+from zipfusion.models import build_model, load_config  # noqa: E402
+from zipfusion.models.layers import apply_rope  # noqa: E402
+from zipfusion.models.llama import KVCacheStep  # noqa: E402
+from helpers import save_tiny_checkpoint  # noqa: E402
+
+W = 8          # sliding windows this short: a 40-token sequence reaches well past them
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
+FAMILIES = {
+    "qwen2": dict(arch="qwen2"),
+    "mistral": dict(arch="mistral", sliding_window=W),
+    "phi3": dict(arch="phi3"),
+    "gemma2": dict(arch="gemma2", sliding_window=W, layer_types=["sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=32, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gemma3": dict(arch="gemma3", sliding_window=W, layer_types=["sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=32, rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                       "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "qwen3_moe": dict(arch="qwen3_moe", num_experts=4, norm_topk_prob=True, mlp_only_layers=[1], **MOE),
+    "qwen3_moe-unnormalised": dict(arch="qwen3_moe", num_experts=4, norm_topk_prob=False, **MOE),
+    "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
+
+
+class ReferenceStep(KVCacheStep):
+    """One sequence, no cache: torch rope, the family's masked dense attention."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def store(self, layer, q, k, v, cos, sin):
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, layer, q, k, v):
+        c = self.cfg
+        return prefill_attention(q, k, v, 0, c.softmax_scale, c.window(layer), c.attn_softcap)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    spec = dict(FAMILIES[request.param])
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_checkpoint(folder, **spec)
+    return request.param, folder, hf
+
+
+def test_logits_and_greedy_tokens_match_transformers(family):
+    name, folder, hf = family
+    cfg = load_config(folder)
+    if "window" in name or FAMILIES[name].get("sliding_window"):
+        assert any(cfg.sliding_windows)
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(1))
+    ours = build_model(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    got = ours.compute_logits(ours(ids, torch.arange(len(ids)), ReferenceStep(cfg)))
+    torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)
+    # the engine: a 24-token prompt prefilled in chunks of 8 (continuations over stored pages), 16 tokens decoded
+    llm = LLM(str(folder), dtype="float32", kv_compression=False, device="cpu", kv_memory_gb=0.01,
+              max_num_batched_tokens=8)
+    res = llm.generate([ids[:24].tolist()], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)[0]
+    out = res.token_ids
+    seq = torch.tensor(ids[:24].tolist() + list(out))
+    with torch.no_grad():
+        logits = hf(seq[None]).logits[0, 23:-1].float()
+    assert list(out) == logits.argmax(-1).tolist()
+    ref_lp = logits.log_softmax(-1)[torch.arange(16), torch.tensor(out)]
+    got_lp = torch.tensor([lp[t].logprob for lp, t in zip(res.outputs[0].logprobs, out)])
+    torch.testing.assert_close(got_lp, ref_lp, rtol=0, atol=1e-4)
+
+
+def test_bf16_compression_on_equals_off(family):
+    name, folder, _ = family
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 21)]
+    runs = []
+    for compressed in (True, False):
+        llm = LLM(str(folder), kv_compression=compressed, device="cpu", kv_memory_gb=0.01, max_num_batched_tokens=16)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+                            use_tqdm=False)
+        runs.append([(o.token_ids, o.outputs[0].logprobs) for o in outs])
+        if compressed:
+            assert llm.engine.cache.stored_ratio() < 1.0      # pages really were compressed
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("window, softcap", [(5, None), (None, 2.0), (21, 1.5), (64, None)])
+def test_decode_row_equals_last_prefill_row_with_window_and_softcap(window, softcap):
+    """A decode row over pages (torch_decode_attention) attends as the last row of a masked
+    prefill over the same keys: the window and soft-capping agree on both paths."""
+    from zipfusion.engine.attention_decode import torch_decode_attention
+    from zipfusion.engine.attention_prefill_open import masked_attention
+    g = torch.Generator().manual_seed(0)
+    L, Hq, H, D = 45, 4, 2, 16
+    q, k, v = (torch.randn(n, h, D, generator=g, dtype=torch.float64) for n, h in ((L, Hq), (L, H), (L, H)))
+    kp, vp = (torch.cat([t, torch.full((48 - L, H, D), float("nan"), dtype=t.dtype)]) for t in (k, v))
+    pages = torch.stack([kp.view(3, 16, H, D), vp.view(3, 16, H, D)], dim=1)       # [3, 2, 16, H, D]
+    dense = masked_attention(q, k, v, 0, 0.3, window, softcap, exact=True)
+    for n in (1, 7, 16, 30, 45):                    # context lengths inside, at and past the window
+        row = torch_decode_attention(q[n - 1:n], lambda ids: pages[ids], torch.arange(3)[None], torch.tensor([n]),
+                                     0.3, exact=True, window=window, softcap=softcap)
+        torch.testing.assert_close(row[0], dense[n - 1], rtol=1e-6, atol=1e-6)      # (decode rounds to fp32)
+    plain = masked_attention(q, k, v, 0, 0.3, exact=True)
+    assert torch.equal(dense, plain) == (softcap is None and window >= L)     # a window past L changes nothing
