@@ -122,7 +122,9 @@ def _raw(**kw):
 
 
 @pytest.mark.parametrize("raw, match", [
-    (_raw(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+    (_raw(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
+    (_raw(sliding_window=None, layer_types=["sliding_attention"]), "sliding_window"),
+    (_raw(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
     (_raw(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
     (_raw(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
     (_raw(hidden_act="gelu"), "hidden_act"),
