@@ -114,3 +114,22 @@ def test_decode_row_equals_last_prefill_row_with_window_and_softcap(window, soft
         torch.testing.assert_close(row[0], dense[n - 1], rtol=1e-6, atol=1e-6)      # (decode rounds to fp32)
     plain = masked_attention(q, k, v, 0, 0.3, exact=True)
     assert torch.equal(dense, plain) == (softcap is None and window >= L)     # a window past L changes nothing
+
+
+# published parameter counts (text models; Gemma 3 12B without its vision tower)
+SHIPPED = {"qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9, "phi-3-mini": 3.82e9, "gemma-3-12b": 11.77e9,
+           "qwen3-30b-a3b": 30.53e9, "mixtral-8x7b": 46.70e9, "mixtral-8x7b-16l": 23.48e9}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_random_configs(name):
+    from zipfusion.models import RANDOM_MODELS, resolve_model
+    from zipfusion.models.llama import CausalLM
+    cfg = load_config(resolve_model(f"{name}-random").config_path)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in CausalLM(cfg).parameters())
+    assert abs(n - SHIPPED[name]) < 0.01e9
+    assert f"{name}-random" in RANDOM_MODELS
+    if name == "gemma-3-12b":                 # every 6th layer global, the others local with their own rope
+        assert [w is None for w in cfg.sliding_windows[:6]] == [False] * 5 + [True]
+        assert cfg.local_rope.theta == 1e4 and cfg.rope.factor == 8.0 and cfg.head_dim == 256

@@ -74,7 +74,9 @@ class EngineConfig:
     model: str = _opt("demo", "Hugging Face model id (ORG/NAME: downloaded with huggingface_hub into its cache; "
                               "HF_TOKEN, HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE=1 honoured), checkpoint folder, "
                               ".gguf file, 'demo' (embedded tiny model), or a shipped config with random weights "
-                              "(zipfusion.models.RANDOM_MODELS, e.g. llama-3.1-8b-random)")
+                              "(NAME-random, NAME one of llama-3.1-8b, qwen3-8b, qwen2.5-7b, mistral-7b, phi-3-mini, gemma-3-12b, "
+                              "qwen3-30b-a3b, mixtral-8x7b (93 GB in bf16: 2 GPUs with --tensor-parallel-size 2), "
+                              "mixtral-8x7b-16l (its first 16 layers: one 80 GB GPU))")
     revision: str | None = _opt(None, "Hub branch, tag or commit of --model (default: main)")
     tokenizer: str | None = _opt(None, "tokenizer from another Hub id (its main branch) or folder (default: the model's)")
     chat_template: str | None = _opt(None, "file holding a Jinja chat template to use instead of the tokenizer's (default: the tokenizer's)")

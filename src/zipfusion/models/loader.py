@@ -28,10 +28,12 @@ from .llama import STACKED, CausalLM
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEMO_DIR = PACKAGE_DIR / "demo"
 CONFIG_DIR = PACKAGE_DIR / "configs"
-RANDOM_MODELS = {
-    "llama-3.1-8b-random": CONFIG_DIR / "llama-3.1-8b.json",
-    "qwen3-8b-random": CONFIG_DIR / "qwen3-8b.json",
-}
+# shipped configs of real models, run with random weights (benchmarks, capacity). Sizes in bf16:
+# qwen3-30b-a3b 61 GB fits one 80 GB GPU; mixtral-8x7b (46.7B parameters, 93 GB) needs
+# tensor_parallel_size >= 2, or its first 16 layers (mixtral-8x7b-16l: 24B, 48 GB) fit one GPU.
+RANDOM_MODELS = {f"{name}-random": CONFIG_DIR / f"{name}.json" for name in (
+    "llama-3.1-8b", "qwen3-8b", "qwen2.5-7b", "mistral-7b", "phi-3-mini", "gemma-3-12b", "qwen3-30b-a3b",
+    "mixtral-8x7b", "mixtral-8x7b-16l")}
 INIT_STD = 0.02
 PROGRESS_EVERY_S = 10.0          # a long build logs where it is this often
 
