@@ -133,3 +133,62 @@ def test_shipped_random_configs(name):
     if name == "gemma-3-12b":                 # every 6th layer global, the others local with their own rope
         assert [w is None for w in cfg.sliding_windows[:6]] == [False] * 5 + [True]
         assert cfg.local_rope.theta == 1e4 and cfg.rope.factor == 8.0 and cfg.head_dim == 256
+
+
+def test_kv_analyzer_runs_on_each_family(family):
+    """``zipfusion analyze``'s measurement over a family's KV: every layer's full pages sized, the
+    captured K/V those of the model's own forward (sliding windows and soft-capping applied)."""
+    from zipfusion.analysis.model_kv import analyze_ids, capture_kv
+    name, folder, hf = family
+    net = build_model(str(folder))                                     # bf16, as analyze runs it
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(2))
+    report = analyze_ids(net, [ids.tolist()], model=name)
+    assert len(report.layers) == net.config.num_hidden_layers and report.pages == 3
+    assert 0.5 < report.size_ratio <= 1.0 and name in report.headline()
+    # in fp32, the last layer's V is transformers' (its input went through every earlier layer), rounded to bf16
+    v_last = capture_kv(build_model(str(folder), dtype=torch.float32), ids)[-1][1]
+    with torch.no_grad():
+        ref = hf(ids[None], use_cache=True).past_key_values.layers[-1].values[0].transpose(0, 1)   # [T, H, D]
+    assert len(ref) >= W - 1                                          # (a sliding layer's cache keeps its window only)
+    torch.testing.assert_close(v_last[-len(ref):].float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-3)
+
+
+def _grouped_case(device, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    E, N, K, M = 6, 48, 64, 40
+    w = torch.randn(E, N, K, generator=g).to(device, dtype)
+    counts = torch.tensor([7, 0, 13, 1, 0, 19])                         # empty experts included
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    return x, w, counts.cumsum(0).to(device)
+
+
+def test_grouped_mm_equals_its_loop_twin():
+    """The grouped GEMM (torch._grouped_mm where present) and the per-expert loop agree, and
+    each group really is multiplied by its own expert."""
+    from zipfusion.models.moe import grouped_mm, grouped_mm_loop
+    x, w, ends = _grouped_case("cpu", torch.float32)
+    ref = torch.cat([x[s:e] @ w[i].T for i, (s, e) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist()))])
+    torch.testing.assert_close(grouped_mm_loop(x, w, ends), ref)
+    torch.testing.assert_close(grouped_mm(x, w, ends), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped_mm(x, w, ends, deterministic=True), ref, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_mm_bf16_equals_the_loop():
+    """CUDA, bf16: torch's grouped GEMM (the serving path) against the loop of cuBLAS GEMMs."""
+    from zipfusion.models.moe import grouped_mm, grouped_mm_loop
+    x, w, ends = _grouped_case("cuda", torch.bfloat16)
+    torch.testing.assert_close(grouped_mm(x, w, ends).float(), grouped_mm_loop(x, w, ends).float(),
+                               rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma2", "mistral"])
+def test_gpu_family_compression_on_equals_off(tmp_path, name):
+    """CUDA, bf16, our kernels and CUDA graphs where the model allows them: tokens with KV
+    compression on equal those with it off (MoE through the grouped GEMM; windowed layers)."""
+    save_tiny_checkpoint(tmp_path, **FAMILIES[name])
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 90)]
+    runs = [[o.token_ids for o in LLM(str(tmp_path), kv_compression=c, device="cuda", kv_memory_gb=0.05).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)] for c in (True, False)]
+    assert runs[0] == runs[1]
