@@ -192,3 +192,22 @@ def test_gpu_family_compression_on_equals_off(tmp_path, name):
     runs = [[o.token_ids for o in LLM(str(tmp_path), kv_compression=c, device="cuda", kv_memory_gb=0.05).generate(
         prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)] for c in (True, False)]
     assert runs[0] == runs[1]
+
+
+def test_kernel_route_takes_the_windowed_layers(tmp_path):
+    """Gemma 2 (a sliding-window layer, soft-capped scores) through our kernels (the Triton
+    interpreter here; the kernel's window and cap are tested bit for bit in
+    test_decode_attention.py): the windowed layer's decode rows go through the kernel, and the
+    tokens and log-probabilities are those of the torch route."""
+    save_tiny_checkpoint(tmp_path, **FAMILIES["gemma2"])
+    prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    runs = {}
+    for backend in ("kernel", "torch"):
+        llm = LLM(str(tmp_path), kv_compression=False, device="cpu", kv_memory_gb=0.01, attention_backend=backend)
+        att = llm.engine.attention
+        assert att.masked.route is att.decode and att.masked.layers == {0, 1}     # (soft-capping: both layers)
+        o = llm.generate([prompt], sp, use_tqdm=False)[0]
+        runs[backend] = o.token_ids, torch.tensor([lp.logprob for d in o.outputs[0].logprobs for lp in d.values()])
+    assert runs["kernel"][0] == runs["torch"][0]
+    torch.testing.assert_close(runs["kernel"][1], runs["torch"][1], rtol=0, atol=0.01)      # (bf16 kernel, fp32 torch)

@@ -97,7 +97,9 @@ class AttentionBackend:
         else:
             self.decode = TorchDecode(cache, sm_scale, exact=deterministic)
         read = page_reader(cache, kind != "torch", kv_compression)
-        self.masked = MaskedAttention(cache, sm_scale, windows, softcap, read, deterministic)
+        route = self.decode if type(self.decode) in (KernelDecode, TorchDecode) else TorchDecode(
+            cache, sm_scale, exact=deterministic)              # (FP8 and FlashInfer decode: no windows)
+        self.masked = MaskedAttention(route, sm_scale, windows, softcap, read, cache.num_layers, deterministic)
         if not self.masked.layers:
             self.masked = None
         if deterministic:
@@ -136,7 +138,7 @@ class AttentionBackend:
     @property
     def graph_safe(self) -> bool:
         """Whether a decode step can be captured as a CUDA graph."""
-        return self.decode.graph_safe and self.masked is None
+        return self.decode.graph_safe and (self.masked is None or self.masked.graph_safe)
 
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): the prefill

@@ -48,7 +48,8 @@ class KernelDecode:
 
     def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                  **packed) -> torch.Tensor:
-        """``packed``: the kernel's ``spans`` and ``slot_heads`` (packing.py)."""
+        """``packed``: the kernel's ``spans`` and ``slot_heads`` (packing.py), or its ``window``
+        and ``softcap`` (MaskedAttention)."""
         from ..kernels import decode_attention, decode_attention_uncompressed
         c = self.cache
         if self.check_pages:
@@ -121,28 +122,28 @@ class TorchDecode:
         """Nothing to plan on the host."""
 
     def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
+                 context_lens: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         return torch_decode_attention(q, lambda ids: self.cache.read_pages(layer, ids), block_table,
-                                      context_lens, self.sm_scale, exact=self.exact)
+                                      context_lens, self.sm_scale, self.exact, window, softcap)
 
 
 class MaskedAttention:
     """Every row of the layers with a sliding window or soft-capped scores (Mistral, Gemma,
-    Phi-3 with its window), in torch over the pages the cache reads back: decode rows through
-    :func:`torch_decode_attention`, prefill chunks through ``masked_attention`` over their own
-    K/V (a chunk that starts its request) or their request's pages restored by ``read``
-    (``page_reader``); in deterministic (``exact``) mode every prefill token as an fp64 decode
-    row. Compressed and uncompressed pages restore to the same bits, so both give the same
-    output. Not graph-safe (host-side lengths)."""
+    Phi-3 with its window): decode rows through ``route`` (a :class:`KernelDecode`: the Triton
+    kernel's window and soft-capping, graph-safe; or a :class:`TorchDecode`), prefill chunks
+    through ``masked_attention`` over their own K/V (a chunk that starts its request) or their
+    request's pages restored by ``read`` (``page_reader``); in deterministic (``exact``) mode
+    every prefill token as a decode row. Compressed and uncompressed pages give the same bits."""
 
-    def __init__(self, cache, sm_scale: float, windows, softcap: float | None, read, exact: bool = False):
-        self.cache, self.sm_scale, self.softcap, self.read, self.exact = cache, sm_scale, softcap, read, exact
-        self.windows = list(windows) or [None] * cache.num_layers
+    def __init__(self, route, sm_scale: float, windows, softcap: float | None, read, num_layers: int,
+                 exact: bool = False):
+        self.route, self.sm_scale, self.softcap, self.read, self.exact = route, sm_scale, softcap, read, exact
+        self.windows = list(windows) or [None] * num_layers
         self.layers = {i for i, w in enumerate(self.windows) if w is not None or softcap is not None}
+        self.graph_safe = route.graph_safe
 
     def decode(self, layer: int, q, block_table, context_lens):
-        return torch_decode_attention(q, lambda ids: self.cache.read_pages(layer, ids), block_table, context_lens,
-                                      self.sm_scale, self.exact, self.windows[layer], self.softcap)
+        return self.route(layer, q, block_table, context_lens, window=self.windows[layer], softcap=self.softcap)
 
     def attend(self, layer: int, q, k, v, step) -> torch.Tensor:
         """The rows of a step (``PagedKVCacheStep``): its decode rows, then each prefill chunk."""
