@@ -147,7 +147,7 @@ class AttentionBackend:
         kind (benchmarks/results/prefill_h200/cudnn_graph_builds.txt), which the first
         requests would otherwise wait for."""
         c = self.cache
-        if not cudnn_takes(torch.empty(0, dtype=c.dtype, device=c.device)):
+        if not cudnn_takes(torch.empty(0, c.head_dim, dtype=c.dtype, device=c.device)):
             return
         q = torch.zeros(-(-max_tokens // CUDNN_BUCKET) * CUDNN_BUCKET, self.num_qo_heads, c.head_dim,
                         dtype=c.dtype, device=c.device)

@@ -155,17 +155,17 @@ def cudnn_takes(q: torch.Tensor) -> dict | None:
     """What cuDNN's SDPA with its log-sum-exp offers for q ({"gqa": bool}: K/V heads fewer than
     query heads without repeating them), or None where it does not serve q (not CUDA, bf16 or
     fp16, or not in this torch and GPU)."""
-    return _cudnn_probe() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    return _cudnn_probe(q.shape[-1]) if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
 
 
 @functools.cache
-def _cudnn_probe() -> dict | None:
-    """Whether this torch and GPU run cuDNN's SDPA with its log-sum-exp, and with GQA (asked
-    once, on a tiny problem)."""
+def _cudnn_probe(head_dim: int = 128) -> dict | None:
+    """Whether this torch and GPU run cuDNN's SDPA with its log-sum-exp at ``head_dim``, and
+    with GQA (asked once per head size, on a tiny problem)."""
     if not torch.cuda.is_available():
         return None
     op = torch.ops.aten._scaled_dot_product_cudnn_attention
-    x = torch.randn(1, 4, 64, 128, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, 4, 64, head_dim, dtype=torch.bfloat16, device="cuda")
     try:
         op(x, x, x, None, True, 0.0, False, False)
     except Exception:                               # noqa: BLE001 - no cuDNN SDPA here: varlen route

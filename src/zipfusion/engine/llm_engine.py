@@ -151,7 +151,8 @@ class LLMEngine:
                                    host_tier=self.host_tier)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
-                                  use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
+                                  use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe
+                                  and not self._moe_loops(mc))
         if self.tp:
             from .tp_runner import TPRunner
             self.runner = TPRunner(self.runner, self.tp, self.max_model_len)
@@ -187,6 +188,11 @@ class LLMEngine:
         one set of 8B weights), built with the same ``deterministic``."""
         return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed,
                            deterministic=self.config.deterministic)
+
+    def _moe_loops(self, mc) -> bool:
+        """Whether the experts run as a loop over groups (models/moe.grouped_mm: deterministic
+        mode, or not bf16), whose host reads a CUDA graph cannot capture."""
+        return mc.num_experts > 0 and (self.config.deterministic or self.dtype != torch.bfloat16)
 
     @staticmethod
     def _max_model_len(asked: int | None, positions: int) -> int:
