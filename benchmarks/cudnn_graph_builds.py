@@ -3,7 +3,7 @@
 torch builds a cuDNN execution graph for every new (query length, key length, causal) problem and
 caches it; this times a call of each listed shape twice: first (with the build) and again. Llama-8B
 heads (32 query, 8 KV, 128 dims), bf16, with the log-sum-exp. Why the engine buckets cuDNN shapes
-(engine/attention_prefill_open.py, CUDNN_BUCKET). Prints one line per shape:
+(attention/prefill_open.py, CUDNN_BUCKET). Prints one line per shape:
 
     PYTHONPATH=src python3 benchmarks/cudnn_graph_builds.py > benchmarks/results/prefill_h200/cudnn_graph_builds.txt
 """

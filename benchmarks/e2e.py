@@ -118,7 +118,7 @@ def synthetic(model, method: str, args, fraction: float, batches, max_batch=None
     import torch
     from engine import decode_bench
     from e2e_methods import UnfusedBackend, unfused_kv_gb
-    from zipfusion.engine.attention import AttentionBackend
+    from zipfusion.attention.backend import AttentionBackend
     from zipfusion.analysis.synthetic import compressible_fraction, pages_with_fraction
     cfg = model.config
     H, D, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers

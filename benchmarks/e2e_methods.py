@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from zipfusion.engine.attention import AttentionBackend
+from zipfusion.attention.backend import AttentionBackend
 
 # (label, Codec options): the data-type options tried for each nvCOMP algorithm; the best ratio counts
 NVCOMP_VARIANTS = {
@@ -39,7 +39,7 @@ def unfused_kv_gb(kv_gb: float, num_layers: int, compressible_fraction: float) -
 
 
 class UnfusedDecode:
-    """A decode route (engine/attention_decode.py) that decompresses, then runs the uncompressed
+    """A decode route (attention/decode.py) that decompresses, then runs the uncompressed
     kernel: one plan per layer over the pages in the cache at the first call (the requests are
     filled and the CUDA graphs' scratch page taken by then), all sharing one workspace (the
     batch's pages of one layer)."""

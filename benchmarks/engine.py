@@ -37,8 +37,8 @@ from common import copy_bandwidth, engine_on, on_weights_of, pyplot, replay_seco
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
 from zipfusion.engine import SamplingParams  # noqa: E402
-from zipfusion.engine.attention import AttentionBackend  # noqa: E402
-from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.attention.backend import AttentionBackend  # noqa: E402
+from zipfusion.memory.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.format.layout import open_bf16_index  # noqa: E402
 from zipfusion.engine.request import PAGE_TOKENS, Request  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402

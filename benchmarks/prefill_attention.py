@@ -126,7 +126,7 @@ class Case:
         """The engine's continuation routes over the contiguous prefix (K/V heads not repeated):
         one varlen FlashAttention call (bottom-right causal), or ``split_prefill`` (cuDNN over
         the prefix and over the chunk itself, merged by log-sum-exp)."""
-        from zipfusion.engine.attention_prefill_stored import _varlen_options, split_prefill
+        from zipfusion.attention.prefill_stored import _varlen_options, split_prefill
         L = self.start + self.n
         k, v = self.p.k[:L], self.p.v[:L]
         if split:

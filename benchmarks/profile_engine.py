@@ -26,8 +26,8 @@ from common import copy_bandwidth, replay_seconds  # noqa: E402
 from engine import fill_requests, weight_bytes  # noqa: E402  (benchmarks/engine.py)
 
 from zipfusion.analysis.synthetic import compressible_fraction, realistic_pages  # noqa: E402
-from zipfusion.engine.attention import AttentionBackend  # noqa: E402
-from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.attention.backend import AttentionBackend  # noqa: E402
+from zipfusion.memory.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.engine.runner import ModelRunner  # noqa: E402
 from zipfusion.engine.sampling import Sampler  # noqa: E402
 from zipfusion.models import build_model, resolve_model  # noqa: E402

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
 from zipfusion.bench.serve_results import steady_start  # noqa: E402
 from zipfusion.config import memory_options  # noqa: E402
-from zipfusion.engine.kv_cache import ArenaKVCache  # noqa: E402
+from zipfusion.memory.kv_cache import ArenaKVCache  # noqa: E402
 from zipfusion.memory.admission import MODES  # noqa: E402
 from zipfusion.testing import AccountingHostTier, place_with_sizes  # noqa: E402
 from zipfusion.format import PageLayout  # noqa: E402

@@ -26,7 +26,7 @@ Prefix caching: --prefix-cache on (default), off, or on,off (each record says ``
 Modes: compressed, uncompressed, flashinfer (uncompressed KV, attention_backend="flashinfer";
 skipped with the reason recorded off CUDA, without FlashInfer, and in deterministic mode);
 compressed_packed and uncompressed_packed (packed_decode=True: decode rows behind one shared prefix
-travel in pairs through the decode kernel, engine/packing.py); compressed_sync and uncompressed_sync
+travel in pairs through the decode kernel, attention/packing.py); compressed_sync and uncompressed_sync
 (async_scheduling=False: each step scheduled after the previous one's tokens are back; the engine's
 default schedules the next step while this one computes); none of these pairs is in the default --modes.
 

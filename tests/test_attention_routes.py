@@ -1,5 +1,5 @@
-"""Each attention route object (engine/attention_decode.py, attention_prefill_open.py,
-attention_prefill_stored.py) run directly over an engine's pages -- full pages compressed or
+"""Each attention route object (attention/decode.py, prefill_open.py,
+prefill_stored.py) run directly over an engine's pages -- full pages compressed or
 left open, each request's last page open -- against the float64 torch reference
 (zipfusion.testing). The CPU runs the kernels through the Triton interpreter; which route the
 backend picks for which config is checked at the end."""
@@ -10,10 +10,10 @@ import torch
 pytest.importorskip("transformers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
-from zipfusion.engine.attention import AttentionBackend, ChunkView  # noqa: E402
-from zipfusion.engine.attention_decode import FlashInferPagedDecode, KernelDecode, TorchDecode  # noqa: E402
-from zipfusion.engine.attention_prefill_open import OpenPrefill  # noqa: E402
-from zipfusion.engine.attention_prefill_stored import GatherPrefill, RowsPrefill, page_reader  # noqa: E402
+from zipfusion.attention.backend import AttentionBackend, ChunkView  # noqa: E402
+from zipfusion.attention.decode import FlashInferPagedDecode, KernelDecode, TorchDecode  # noqa: E402
+from zipfusion.attention.prefill_open import OpenPrefill  # noqa: E402
+from zipfusion.attention.prefill_stored import GatherPrefill, RowsPrefill, page_reader  # noqa: E402
 from zipfusion.testing import reference_decode_attention, reference_prefill_attention  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 

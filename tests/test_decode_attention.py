@@ -657,7 +657,7 @@ def test_cuda_split_heuristic_packs_whole_waves(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
-# Packed requests: rows behind shared pages in one request's columns (engine/packing.py)
+# Packed requests: rows behind shared pages in one request's columns (attention/packing.py)
 # ------------------------------------------------------------------------------------------
 
 class _Decode:
@@ -708,7 +708,7 @@ PACKED = [
 def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
     """Packed requests vs the plain kernel row by row (close) and the float64 reference;
     compressed pages, open pages and the uncompressed kernel give the same bits."""
-    from zipfusion.engine import packing
+    from zipfusion.attention import packing
     monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     c = packed_case(groups, lone, G, kind, seed)
     spared = sum((len(lens) - 1) * shared for shared, lens in groups)

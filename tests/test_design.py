@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "zipfusion"
 TEXT = (ROOT / "docs" / "design.md").read_text()
-LAYERS = ("format", "kernels", "memory", "models", "engine", "distributed", "server", "analysis")
+LAYERS = ("format", "kernels", "memory", "models", "attention", "engine", "distributed", "server", "analysis")
 
 
 def layer_block_files():
@@ -28,7 +28,7 @@ def layer_block_files():
 
 
 def file_paths():
-    """Every path with a slash that design.md names (``engine/attention.py``, ``benchmarks/seal.py``)."""
+    """Every path with a slash that design.md names (``attention/backend.py``, ``benchmarks/seal.py``)."""
     return sorted(set(re.findall(r"\b[\w.]+/[\w./]*\w\.(?:py|cu|md|sh)\b", TEXT)))
 
 
@@ -66,3 +66,31 @@ def test_named_entry_points_exist(name):
             obj = getattr(obj, attr)
         return
     pytest.fail(f"design.md names zipfusion.{name}, which does not import")
+
+
+def package_imports():
+    """(package, imported package, module) for every relative import of one package from another."""
+    import ast
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(PKG).parts
+        if len(rel) == 1:
+            continue                                    # top-level modules (config.py, cli.py ...)
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 1 and node.module:
+                base = list(rel[:-1])[:len(rel) - node.level]
+                target = (base + node.module.split("."))
+                if target[0] != rel[0] and (PKG / target[0]).is_dir():
+                    yield rel[0], target[0], ".".join(target)
+
+
+def test_each_layer_imports_only_the_layers_above_it():
+    """The layer list's order is the import order: a package imports only packages listed above
+    it (the one exception: format's Triton codec runs through kernels/triton_interpreter.py,
+    which imports nothing of zipfusion)."""
+    block = TEXT.split("## Layers", 1)[1].split("```", 2)[1]
+    order = [m.group(1) for m in re.finditer(r"^(\w+)/\s", block, re.M)]
+    assert {"format", "kernels", "memory", "attention", "engine"} <= set(order)
+    wrong = sorted({(a, m) for a, b, m in package_imports()
+                    if a in order and b in order and order.index(b) > order.index(a)
+                    and m != "kernels.triton_interpreter"})
+    assert not wrong, f"imports of a layer listed below: {wrong}"

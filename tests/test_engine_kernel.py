@@ -215,9 +215,9 @@ def test_gather_chunks_match_per_chunk_sdpa(monkeypatch, spans, first, split):
     GQA), or, all of them long, each as split_prefill (cuDNN over prefix and chunk, merged by
     log-sum-exp) -- give what SDPA gives chunk by chunk (bf16 kernels: a few bf16 ulps apart)."""
     from zipfusion.config import PREFILL_SPLIT_MIN_TOKENS
-    from zipfusion.engine import attention_prefill_stored as stored
-    from zipfusion.engine.attention import ChunkView
-    from zipfusion.engine.attention_prefill_open import cudnn_takes, prefill_attention
+    from zipfusion.attention import prefill_stored as stored
+    from zipfusion.attention.backend import ChunkView
+    from zipfusion.attention.prefill_open import cudnn_takes, prefill_attention
     if split and not cudnn_takes(torch.empty(0, dtype=torch.bfloat16, device="cuda")):
         pytest.skip("this torch/GPU has no cuDNN SDPA with log-sum-exp: the varlen route is used")
     assert split == (min(n for _, n in spans) >= PREFILL_SPLIT_MIN_TOKENS)
@@ -246,8 +246,8 @@ def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq
     """A continuation chunk as attention over its prefix rounded down to ``grain`` keys (no mask)
     plus over the rest and its own keys (top-left causal behind zero rows), merged by log-sum-exp,
     is causal attention over all its keys (CPU: the fp32 twin; grain 512: one causal call)."""
-    from zipfusion.engine.attention_prefill_open import prefill_attention
-    from zipfusion.engine.attention_prefill_stored import split_prefill
+    from zipfusion.attention.prefill_open import prefill_attention
+    from zipfusion.attention.prefill_stored import split_prefill
     g = torch.Generator().manual_seed(n * L)
     q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((n, Hq), (L, H), (L, H)))
     v[L - n:] *= 1e3                       # one part's values dwarf the other's: weights must be right
@@ -259,7 +259,7 @@ def test_split_prefill_merges_prefix_and_own_keys_into_causal_attention(n, L, Hq
 def test_cudnn_buckets_pad_rows_without_changing_real_rows(n, L, causal):
     """Queries padded to a bucket (causal: keys too, zeros at the end) give the real rows exactly
     the output and log-sum-exp of the unpadded call (CPU: the fp32 twin; on CUDA, cuDNN)."""
-    from zipfusion.engine.attention_prefill_open import attend_lse
+    from zipfusion.attention.prefill_open import attend_lse
     g = torch.Generator().manual_seed(n + L)
     q, k, v = (torch.randn(m, h, 32, generator=g) for m, h in ((n, 4), (L, 2), (L, 2)))
     o1, lse1 = attend_lse(q, k, v, causal, 0.3, bucket=1)
@@ -277,18 +277,18 @@ def test_prefill_warm_up_builds_every_causal_bucket_and_a_prefix_call(monkeypatc
     chunk can take and for a split chunk's prefix call (CPU: cuDNN faked, the calls recorded);
     without cuDNN (the CPU), or in deterministic mode (every chunk attends as decode rows),
     nothing runs."""
-    from zipfusion.engine import attention, attention_prefill_open, attention_prefill_stored
+    from zipfusion.attention import backend, prefill_open, prefill_stored
     eng = LLM("demo", device="cpu", kv_memory_gb=0.002, max_num_seqs=2, max_num_batched_tokens=64,
               deterministic=deterministic, prefill_split_grain=1024).engine
     calls = []
-    for module in (attention_prefill_open, attention_prefill_stored):
+    for module in (prefill_open, prefill_stored):
         monkeypatch.setattr(module, "attend_lse", lambda q, k, v, causal, scale: calls.append(
             (q.shape[0], k.shape[0], causal)))
     eng.attention.warm_up_prefill(1100)
     assert calls == []                                                  # no cuDNN here
-    monkeypatch.setattr(attention, "cudnn_takes", lambda q: {"gqa": True})
+    monkeypatch.setattr(backend, "cudnn_takes", lambda q: {"gqa": True})
     eng.attention.warm_up_prefill(1100)
-    B = attention_prefill_open.CUDNN_BUCKET
+    B = prefill_open.CUDNN_BUCKET
     assert calls == ([] if deterministic else [(n, n, True) for n in range(B, 1100 + B, B)] + [(B, 1024, False)])
 
 
@@ -298,9 +298,9 @@ def test_fp32_prefill_on_cuda_leaves_cudnn_to_bf16():
     """cuDNN's SDPA and FlashAttention take bf16/fp16 only: an fp32 prompt, a long fp32 chunk
     split in two, or a step's fp32 "gather" chunks on CUDA attend through SDPA / the fp32 twin,
     as on the CPU."""
-    from zipfusion.engine.attention import ChunkView
-    from zipfusion.engine.attention_prefill_open import prefill_attention
-    from zipfusion.engine.attention_prefill_stored import VarlenBatch, split_prefill, varlen_prefill
+    from zipfusion.attention.backend import ChunkView
+    from zipfusion.attention.prefill_open import prefill_attention
+    from zipfusion.attention.prefill_stored import VarlenBatch, split_prefill, varlen_prefill
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((1100, 8), (1600, 2), (1600, 2)))
     want = prefill_attention(q, k, v, 500, 0.125)
@@ -315,8 +315,8 @@ def test_fp32_prefill_on_cuda_leaves_cudnn_to_bf16():
 def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
     """Chunks behind one cached prefix share its pages: the batch restores each page once, and its
     token index gives every chunk exactly its own keys (prefix, then its chunk), in order."""
-    from zipfusion.engine.attention import ChunkView
-    from zipfusion.engine.attention_prefill_stored import VarlenBatch
+    from zipfusion.attention.backend import ChunkView
+    from zipfusion.attention.prefill_stored import VarlenBatch
     prefix = [7, 3, 9]
     chunks = [ChunkView(48, 20, prefix + [11, 12]), ChunkView(40, 10, prefix + [20])]
     vb = VarlenBatch.of([(4, chunks[0]), (24, chunks[1])], torch.device("cpu"))
@@ -333,12 +333,12 @@ def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
 
 
 # ------------------------------------------------------------------------------------------
-# Packed decode: rows behind one shared prefix share the kernel's restores (engine/packing.py)
+# Packed decode: rows behind one shared prefix share the kernel's restores (attention/packing.py)
 # ------------------------------------------------------------------------------------------
 
 def test_find_groups_takes_the_longest_common_prefix_before_each_newest_token():
     import numpy as np
-    from zipfusion.engine.packing import find_groups
+    from zipfusion.attention.packing import find_groups
     t = np.array([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 3, 4, 0], [9, 9, 9, 9, 9], [9, 9, 9, 9, 9],
                   [9, 9, 9, 9, 9], [4, 4, 4, 4, 4]], dtype=np.int32)
     lens = np.array([80, 80, 80, 80, 40, 33, 80])        # full pages before the newest token: 4, 2, 2
@@ -362,9 +362,9 @@ def _shared_prefix_rows(eng, reqs):
 
 
 def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, monkeypatch):
-    """Packed requests (engine/packing.py; G = 2 here, so four rows a request) over the engine's
+    """Packed requests (attention/packing.py; G = 2 here, so four rows a request) over the engine's
     pages: the plain kernel's attention up to rounding, fused on compressed pages == twin bits."""
-    from zipfusion.engine import packing
+    from zipfusion.attention import packing
     from zipfusion.testing import reference_decode_attention
     monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
@@ -401,12 +401,12 @@ def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical
     """Prefix-cache hits decode as packed requests (eagerly): compressed and uncompressed runs
     give the same tokens and logits, and the same tokens as without packing (greedy, a small
     model: rounding rarely flips one); never packed by default or in deterministic mode."""
-    from zipfusion.engine import attention, packing
+    from zipfusion.attention import backend, packing
     monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     planned = []
-    real = attention.plan_packed
-    monkeypatch.setattr(attention, "plan_packed", lambda *a: planned.append(p := real(*a)) or p)
+    real = backend.plan_packed
+    monkeypatch.setattr(backend, "plan_packed", lambda *a: planned.append(p := real(*a)) or p)
     g = torch.Generator().manual_seed(4)
     prefix = torch.randint(3, 256, (50,), generator=g).tolist()
     ps = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 20)]
@@ -441,14 +441,14 @@ def test_packed_decode_replays_packed_cuda_graphs(tmp_path, monkeypatch):
     behind a cached prefix replay the bucket's packed graph: compressed and uncompressed give the
     same tokens and logits, and the logits of the same steps run eagerly up to rounding (an
     eager packed step splits its requests' pages otherwise)."""
-    from zipfusion.engine import attention, packing
+    from zipfusion.attention import backend, packing
     save_tiny_checkpoint(tmp_path, num_hidden_layers=2, hidden_size=1024, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
     monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     hows = []
-    real = attention.AttentionBackend.prepare_decode
-    monkeypatch.setattr(attention.AttentionBackend, "prepare_decode",
+    real = backend.AttentionBackend.prepare_decode
+    monkeypatch.setattr(backend.AttentionBackend, "prepare_decode",
                         lambda self, *a, **k: hows.append(h := real(self, *a, **k)) or h)
     g = torch.Generator().manual_seed(4)
     prefix = torch.randint(3, 256, (70,), generator=g).tolist()

@@ -5,7 +5,7 @@ growth, preemption of the newest request, sealing of full pages."""
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from zipfusion.engine.kv_cache import KVCache
+from zipfusion.memory.kv_cache import KVCache
 from zipfusion.format import PAGE_TOKENS
 from zipfusion.engine.request import Request, Status
 from zipfusion.engine.sampling import SamplingParams

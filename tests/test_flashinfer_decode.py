@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from zipfusion.config import EngineConfig
-from zipfusion.engine.attention import AttentionBackend
-from zipfusion.engine.kv_cache import ArenaKVCache
+from zipfusion.attention.backend import AttentionBackend
+from zipfusion.memory.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
 from zipfusion.format.layout import loc_offset
 from zipfusion.kernels import flashinfer_decode as fid
@@ -99,7 +99,7 @@ def test_arena_view_indices_address_the_open_pages(fp8):
     """The arena as FlashInfer's NHD [N, 2, 16, H, D] pages (bf16, or float8_e4m3fn over FP8
     pages), indexed by page_indices, holds each open page's bytes as they lie in the arena -- for
     BF16 what read_pages returns -- in every layer (each layer's pages live in its own chunks)."""
-    from zipfusion.engine.fp8_kv_cache import Fp8KVCache
+    from zipfusion.memory.fp8_kv_cache import Fp8KVCache
     cache = (Fp8KVCache(3, 2, 64, 1 << 20, "cpu") if fp8 else
              ArenaKVCache(3, 2, 64, 1 << 20, "cpu", kv_compression=False))
     ids = cache.alloc(5)
@@ -198,7 +198,7 @@ def test_flashinfer_fp8_matches_our_fp8_kernel(scales):
     the output) against our FP8 kernel (dequantize, then BF16 arithmetic): the same attention
     to bf16 rounding, not the same bits."""
     pytest.importorskip("flashinfer")
-    from zipfusion.engine.fp8_kv_cache import Fp8KVCache
+    from zipfusion.memory.fp8_kv_cache import Fp8KVCache
     from zipfusion.kernels.fp8_attention import decode_attention_fp8
     lens = (8192, 100, 17, 1)
     cache = Fp8KVCache(2, 8, 128, 256 << 20, "cuda", k_scale=scales[0], v_scale=scales[1])

@@ -10,10 +10,10 @@ import triton.language as tl
 
 from zipfusion.config import EngineConfig
 from zipfusion.engine import LLM, SamplingParams
-from zipfusion.engine.attention_decode import torch_decode_attention
+from zipfusion.attention.decode import torch_decode_attention
 from zipfusion.engine.build import build_kv_cache
-from zipfusion.engine.fp8_kv_cache import Fp8KVCache
-from zipfusion.engine.kv_cache import ArenaKVCache
+from zipfusion.memory.fp8_kv_cache import Fp8KVCache
+from zipfusion.memory.kv_cache import ArenaKVCache
 from zipfusion.format import PageLayout
 from zipfusion.format.layout import open_loc
 from zipfusion.kernels import decode_attention_uncompressed

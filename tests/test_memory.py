@@ -716,7 +716,7 @@ def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
 def test_stats_as_dict_is_dataclasses_asdict():
     """MemoryStats.as_dict (a shallow build, cheap enough for every step) gives asdict's result."""
     import dataclasses
-    from zipfusion.engine.kv_cache import ArenaKVCache
+    from zipfusion.memory.kv_cache import ArenaKVCache
     cache = ArenaKVCache(2, 2, 64, 1 << 22, device="cpu")
     cache.alloc(3)
     s = cache.manager.stats()

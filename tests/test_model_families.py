@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from zipfusion import LLM, SamplingParams  # noqa: E402
-from zipfusion.engine.attention_prefill_open import prefill_attention  # noqa: E402
+from zipfusion.attention.prefill_open import prefill_attention  # noqa: E402
 from zipfusion.models import build_model, load_config  # noqa: E402
 from zipfusion.models.layers import apply_rope  # noqa: E402
 from zipfusion.models.llama import KVCacheStep  # noqa: E402
@@ -100,8 +100,8 @@ def test_bf16_compression_on_equals_off(family):
 def test_decode_row_equals_last_prefill_row_with_window_and_softcap(window, softcap):
     """A decode row over pages (torch_decode_attention) attends as the last row of a masked
     prefill over the same keys: the window and soft-capping agree on both paths."""
-    from zipfusion.engine.attention_decode import torch_decode_attention
-    from zipfusion.engine.attention_prefill_open import masked_attention
+    from zipfusion.attention.decode import torch_decode_attention
+    from zipfusion.attention.prefill_open import masked_attention
     g = torch.Generator().manual_seed(0)
     L, Hq, H, D = 45, 4, 2, 16
     q, k, v = (torch.randn(n, h, D, generator=g, dtype=torch.float64) for n, h in ((L, Hq), (L, H), (L, H)))

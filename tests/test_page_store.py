@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from zipfusion.engine.kv_cache import ArenaKVCache
+from zipfusion.memory.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
 from zipfusion.memory.page_store import PageStore
 from test_memory import LAYOUT, assert_contents, fill

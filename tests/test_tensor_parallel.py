@@ -244,7 +244,7 @@ def test_lockstep_ids_agree_and_capacity_is_the_tightest_ranks():
     the worker's ids follow rank 0's, it seals what rank 0 seals into the same fill streams, and
     the capacity rank 0 reports never exceeds what the worker really has, so its allocations
     never fail."""
-    from zipfusion.engine.kv_cache import ArenaKVCache
+    from zipfusion.memory.kv_cache import ArenaKVCache
     from zipfusion.distributed.lockstep import LockstepCache
     L, H, D = 2, 1, 64
     binding = 0

@@ -8,7 +8,7 @@
 #             <= 0.05 of what recompute costs)
 # esc:        the decode kernel's COMPRESSED_ESC page kind (built with -DZF_ESC_KIND): its CUDA
 #             tests, then benchmarks/attention.py --quick without and with it (issue 23)
-# packed:     packed decode (engine/packing.py): its CUDA kernel tests, then shared_prefix with and
+# packed:     packed decode (attention/packing.py): its CUDA kernel tests, then shared_prefix with and
 #             without it, compressed and uncompressed, side by side (~7 min)
 # server:     the shared-prefix workload through `zipfusion serve`, compressed and uncompressed
 #             (issue 22: "through LLM.generate and through the server")

@@ -21,26 +21,11 @@ import time
 
 from . import __version__
 from .config import LOAD_FORMATS, add_cli_args
+from .extras import require
 
 
 class CLIError(Exception):
     """A user error the CLI reports in one line (exit status 2)."""
-
-
-def install_hint(extra: str) -> str:
-    """How to install an extra, as the README installs zipfusion: editable, from the checkout
-    (``zipfusion`` is not a package on the public index: a name anyone could register there)."""
-    return f"from the zipfusion checkout: pip install -e '.[{extra}]'"
-
-
-def _require(modules: tuple[str, ...], extra: str, what: str) -> None:
-    """Import ``modules`` now, or fail in one line saying what to pip install."""
-    import importlib
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            raise CLIError(f"{what} needs {name}, which is not installed; {install_hint(extra)}") from None
 
 
 def _token_ids(text: str) -> list[int]:
@@ -188,7 +173,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    _require(("fastapi", "uvicorn", "prometheus_client"), "server", "zipfusion serve")
+    require(("fastapi", "uvicorn", "prometheus_client"), "server", "zipfusion serve")
     from .config import config_from_args, serving_max_num_batched_tokens
     from .server import bind_socket, serve
     from .server.limits import limits_from_args
@@ -210,7 +195,7 @@ def cmd_analyze(args) -> int:
     from pathlib import Path
 
     if args.plot:
-        _require(("matplotlib",), "bench", "analyze --plot")
+        require(("matplotlib",), "bench", "analyze --plot")
     from .analysis.model_kv import analyze_model
     texts = None
     if args.text:

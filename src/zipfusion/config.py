@@ -47,7 +47,7 @@ def memory_options(admission: str) -> dict:
     return {"reserve_chunks": LOOKAHEAD_RESERVE_CHUNKS} if admission == "lookahead" else {}
 
 
-# Prefill over stored pages on CUDA (engine/attention_prefill_stored.py): a step whose restored
+# Prefill over stored pages on CUDA (attention/prefill_stored.py): a step whose restored
 # chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
 # (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a
 # multiple of PREFILL_SPLIT_GRAIN keys so that cuDNN builds few graphs.
@@ -341,21 +341,3 @@ def environment() -> Environment:
                       / "hub").expanduser(),
         hf_offline=env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"))
 
-
-def child_environment(**extra: str) -> dict[str, str]:
-    """The environment of a process zipfusion starts (a server or a benchmark's worker): this
-    one's, unbuffered, with this tree's src/ first on PYTHONPATH (the child imports the same code),
-    and ``extra``."""
-    src = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **extra}
-
-
-def zipfusion_variables() -> list[str]:
-    """``NAME=value`` of every ZIPFUSION_* variable set: a result records what it ran under."""
-    return [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ZIPFUSION_")]
-
-
-def visible_gpus() -> list[str]:
-    """CUDA_VISIBLE_DEVICES as a list (empty: every GPU is visible)."""
-    return [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]

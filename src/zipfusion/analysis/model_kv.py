@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.attention_prefill_open import prefill_attention
+from ..attention.prefill_open import prefill_attention
 from ..format.layout import PAGE_TOKENS
 from ..models import build_model, load_tokenizer, resolve_model
 from ..models.layers import apply_rope

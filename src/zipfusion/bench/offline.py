@@ -25,7 +25,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from ..config import child_environment
+from .process import child_environment
 from .stats import percentile
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from ..config import zipfusion_variables
+from .process import zipfusion_variables
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

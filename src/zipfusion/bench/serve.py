@@ -33,6 +33,7 @@ import math
 import time
 import zlib
 
+from ..extras import require
 from . import FLASHINFER_MODES, datasets, flashinfer_skip_reason, report
 from .client import run_rate
 from .offline import log
@@ -188,23 +189,15 @@ def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float], c
             "summary": mode_summary(run.rows, slo, args.slo_attainment)}
 
 
-def check_client() -> None:
-    import importlib.util
-    if importlib.util.find_spec("httpx") is None:
-        raise ImportError("zipfusion bench serve needs httpx, which is not installed; from the zipfusion checkout: "
-                          "pip install -e '.[bench]'")
-
-
 def run(args, modes: list[str], device: str, slo: dict) -> int:
     if args.merge:
         return merge(args.merge, args.out)
-    check_client()
+    require(("httpx",), "bench", "zipfusion bench serve")
     if args.url and len(modes) > 1:
         raise ValueError("--url is one running server, so one mode: --compare starts a server per mode "
                          "(leave out --url), or name the server's mode with --mode")
     if not args.url:
-        from .. import cli
-        cli._require(("fastapi", "uvicorn", "prometheus_client"), "server", "zipfusion bench serve (its server)")
+        require(("fastapi", "uvicorn", "prometheus_client"), "server", "zipfusion bench serve (its server)")
     if not 0 < args.slo_attainment <= 1:
         raise ValueError(f"--slo-attainment is a share in (0, 1], got {args.slo_attainment}")
     if args.max_concurrency is not None and args.max_concurrency < 1:

@@ -20,9 +20,9 @@ import sys
 import tempfile
 import time
 
-from ..config import child_environment, visible_gpus
 from . import MODES
 from .offline import die_with_parent
+from .process import child_environment, visible_gpus
 
 # sizes a server takes from the bench's own options (the rest: --server-args)
 SIZE_FLAGS = ("kv_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len")

@@ -10,8 +10,8 @@ import torch
 
 from ..config import ACTIVATION_RESERVE_GB, CPU_KV_MEMORY_GB, GPU_MEMORY_UTILIZATION, EngineConfig, memory_options
 from ..memory import BudgetTooSmall
-from .fp8_kv_cache import Fp8KVCache
-from .kv_cache import ArenaKVCache, DenseKVCache
+from ..memory.fp8_kv_cache import Fp8KVCache
+from ..memory.kv_cache import ArenaKVCache, DenseKVCache
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,

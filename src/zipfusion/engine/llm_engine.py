@@ -17,9 +17,9 @@ from ..models.parallel import TensorParallel, use as use_parallel
 from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig
 from ..format.layout import PAGE_TOKENS
 from ..memory.copy import HostArray
-from .attention import AttentionBackend
+from ..attention.backend import AttentionBackend
 from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
-from .kv_cache import ArenaKVCache
+from ..memory.kv_cache import ArenaKVCache
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs

@@ -1,10 +1,10 @@
 """The model runner: turns a scheduled step into one forward pass and returns logits.
 
-A step's tokens are ``[decode rows | prefill chunks]`` (engine/attention.py). A pure decode step
+A step's tokens are ``[decode rows | prefill chunks]`` (attention/backend.py). A pure decode step
 on CUDA replays a captured CUDA graph per batch-size bucket (padding rows write into and read
-from one scratch page), or, where its rows travel as packed requests (engine/packing.py), the
+from one scratch page), or, where its rows travel as packed requests (attention/packing.py), the
 bucket's packed graph; a step with prefill chunks runs eagerly. Either way the layers reach
-the KV cache through a :class:`~zipfusion.engine.attention.PagedKVCacheStep`.
+the KV cache through a :class:`~zipfusion.attention.backend.PagedKVCacheStep`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from ..memory.copy import to_device
 from ..models import CausalLM
-from .attention import AttentionBackend
+from ..attention.backend import AttentionBackend
 from .request import PAGE_TOKENS, Request
 from .scheduler import SchedulerOutput
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from ..memory import Admission, RunningBatch
 from ..memory.page_store import PageStore
 from ..memory.prefix_cache import ROOT
-from .attention import ChunkView
-from .kv_cache import KVCache
+from ..attention.backend import ChunkView
+from ..memory.kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
 
 

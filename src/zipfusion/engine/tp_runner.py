@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..distributed.lockstep import apply_ops, report_of
 from ..models import build_model, model_config, resolve_model
 from ..models.parallel import TensorParallel, use
-from .attention import AttentionBackend
+from ..attention.backend import AttentionBackend
 from .build import build_kv_cache, kv_memory_gb, parse_dtype
 from .request import Request
 from .runner import ModelRunner

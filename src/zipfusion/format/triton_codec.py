@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_interpreter import kernel_module, same_mode
+from ..kernels.triton_interpreter import kernel_module, same_mode
 from .layout import COMPRESSED_BLOCK_BYTES, PAGE_TOKENS, PageLayout, block_bytes
 from . import reference, triton_encode, triton_restore
 from .triton_encode import COMPRESSED_C, ESCAPED_C, FLAG_C, RAW_C, RAW_MARK_C

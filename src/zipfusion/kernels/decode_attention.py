@@ -13,7 +13,7 @@ Both split a request's pages into slices that run in parallel and are merged aft
 (``splits.py``); ``split_pages`` fixes the slice size, which makes each request's result
 independent of the rest of the batch (batch-invariant, for a deterministic mode).
 
-Packed requests (``spans``, ``slot_heads``; engine/packing.py makes them). Rows whose block
+Packed requests (``spans``, ``slot_heads``; attention/packing.py makes them). Rows whose block
 tables begin with the same pages can travel as one request whose ``G = R·slot_heads`` query
 heads per KV head are R *slots*, one row's heads each. Its block table holds the shared pages,
 then each slot's own pages, and ``spans`` (int32 [B, R, 2]) gives slot r's own tokens

@@ -14,7 +14,7 @@ values, with the same tile and splits; ``split_pages`` makes it batch-invariant 
 
 Triton on any GPU it compiles for and, on CPU tensors, through the interpreter (the dots on
 fp32-upcast operands there, as in the BF16 kernels). The CUDA C++ kernel does not read FP8:
-the engine's decode route for FP8 pages is this kernel (engine/attention_decode.py).
+the engine's decode route for FP8 pages is this kernel (attention/decode.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..format.layout import PAGE_TOKENS, loc_offset
-from ..triton_interpreter import kernel_module, same_mode
+from .triton_interpreter import kernel_module, same_mode
 from . import fp8_kv, triton_attention
 from .decode_attention import LOG2E, _check_inputs, check_ids
 from ..format.fp8 import Fp8PageLayout, check_scale

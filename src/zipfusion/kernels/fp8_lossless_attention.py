@@ -69,7 +69,7 @@ import triton.language as tl
 
 from ..format.fp8_blocks import BLK2, BLK3, BODY_BYTES, COL2, RAW, record_bytes
 from ..format.layout import BLOCK_VALUES, PAGE_TOKENS, loc_is_compressed, loc_offset
-from ..triton_interpreter import kernel_module, same_mode
+from .triton_interpreter import kernel_module, same_mode
 from . import fp8_kv, triton_attention
 from .decode_attention import LOG2E
 from .fp8_attention import NUM_STAGES, run_fp8_decode

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..format.layout import PAGE_TOKENS
-from ..triton_interpreter import kernel_module, same_mode
+from .triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 from .decode_attention import (LOG2E, check_block_table, check_ids, check_q_and_arena,
                                check_scale_and_out, check_tensors)

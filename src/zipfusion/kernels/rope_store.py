@@ -2,7 +2,7 @@
 the attention kernels that read it.
 
 Written as torch ops, rope is ~8 kernels per tensor and the K/V store ~5; this kernel does them in
-one. The torch version (models/layers.py, engine/kv_cache.py) stays the reference and the tests
+one. The torch version (models/layers.py, memory/kv_cache.py) stays the reference and the tests
 compare both under the Triton interpreter.
 """
 

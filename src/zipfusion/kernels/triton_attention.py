@@ -57,7 +57,7 @@ import triton.language as tl
 
 from ..format import triton_restore
 from ..format.layout import PAGE_TOKENS, loc_is_compressed, loc_is_open, loc_offset
-from ..triton_interpreter import kernel_module, same_mode
+from .triton_interpreter import kernel_module, same_mode
 from .splits import tile_plan
 
 

@@ -71,7 +71,7 @@ class PageStore:
     def __init__(self, cache, *, prefix_caching: bool = True, host_tier=None,
                  fill_stream_of: Callable[[list[int]], list[int]] | None = None,
                  promised: Callable[[], int] | None = None):
-        """``cache``: the engine's KV cache (engine/kv_cache.py; under tensor parallelism rank 0's
+        """``cache``: the engine's KV cache (memory/kv_cache.py; under tensor parallelism rank 0's
         lock-step view). ``fill_stream_of(owners)``: each owner's fill stream (default 0);
         ``promised()``: new pages the seal must leave room for (default 0)."""
         self.cache = cache

@@ -33,7 +33,7 @@ STACKED = {
 
 class KVCacheStep(Protocol):
     """What a model needs from the KV cache during one forward step (the engine's
-    ``engine.attention.PagedKVCacheStep`` on its pages; the analyzer's capture; tests' references;
+    ``attention.backend.PagedKVCacheStep`` on its pages; the analyzer's capture; tests' references;
     each subclasses this protocol)."""
 
     def store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

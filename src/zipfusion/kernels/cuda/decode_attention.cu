@@ -457,7 +457,7 @@ constexpr int ctas_per_sm(int stages) { return stages <= 3 ? 4 : stages <= 4 ? 3
 // ---------------------------------------------------------------------------------------------
 // One warp's flash-decoding state over its pages, and the steps both kernels run per page
 // ---------------------------------------------------------------------------------------------
-// PACKED: rows that share their leading pages, packed into one request (engine/packing.py).
+// PACKED: rows that share their leading pages, packed into one request (attention/packing.py).
 // Its G query heads per KV head are R = G / slot_heads slots of slot_heads heads, one row each;
 // its pages are the shared ones, then each slot's own ones (each slot's first at a page
 // boundary). spans[b] = R (begin, end) token ranges: slot r attends tokens [0, begin_0) (the

@@ -147,7 +147,7 @@ class MaskedAttention:
 
     def attend(self, layer: int, q, k, v, step) -> torch.Tensor:
         """The rows of a step (``PagedKVCacheStep``): its decode rows, then each prefill chunk."""
-        from .attention_prefill_open import masked_attention
+        from .prefill_open import masked_attention
         out, n = torch.empty_like(q), step.num_decode
         if n:
             out[:n] = self.decode(layer, q[:n], step.block_table, step.context_lens)

@@ -7,11 +7,11 @@ Two route objects; :class:`~.attention.AttentionBackend` picks one when it is bu
 
 * :class:`RowsPrefill` (deterministic mode): each token as a decode row of the decode route,
   with its own context length, so that it attends exactly as it would in a decode step
-  (the kernel's fixed split, attention_decode.py): its sums run in the same order whether it
+  (the kernel's fixed split, decode.py): its sums run in the same order whether it
   was computed in a prompt chunk of any size, a recompute after preemption, or a decode step.
   With compressed pages and the kernel, a chunk of more than ``ROWS_MAX_TOKENS`` tokens runs
   its rows over an open copy of the request's pages, restored once a layer
-  (:meth:`~.attention_decode.KernelDecode.over_open_copy`: the same bits), so that thousands of
+  (:meth:`~.decode.KernelDecode.over_open_copy`: the same bits), so that thousands of
   rows re-reading one prefix do not restore it thousands of times.
 * :class:`GatherPrefill` (otherwise): restore the request's pages into one contiguous K/V
   (:func:`page_reader`: the kernels' restore routine, one launch, linear in the prefix), then
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..config import PREFILL_SPLIT_GRAIN, PREFILL_SPLIT_MIN_TOKENS
 from ..format import PAGE_TOKENS
 from ..memory.copy import to_device
-from .attention_prefill_open import CUDNN_BUCKET, attend_lse, cudnn_takes, prefill_attention
+from .prefill_open import CUDNN_BUCKET, attend_lse, cudnn_takes, prefill_attention
 
 # chunks of at most this many tokens attend as decode rows (see the module docstring)
 ROWS_MAX_TOKENS = 16

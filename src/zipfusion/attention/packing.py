@@ -80,7 +80,7 @@ class PackedPlan:
 
     def run(self, decode, layer: int, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
         """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16 through the
-        ``decode`` route (attention_decode.KernelDecode)."""
+        ``decode`` route (decode.KernelDecode)."""
         V, R = self.rows.shape
         B, Hq, D = q.shape
         H = num_kv_heads

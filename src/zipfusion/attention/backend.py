@@ -1,17 +1,17 @@
 """The engine's attention: one backend object, made once from the EngineConfig, planned once per
 step and run per layer (FlashInfer's plan/run shape). It is the only reader of
 ``attention_backend``, ``kv_compression`` (which kernel reads the pages) and ``deterministic``
-for attention; the KV cache (kv_cache.py) only holds memory.
+for attention; the KV cache (memory/kv_cache.py) only holds memory.
 
 When it is built the backend picks one object for each of three routes, by the config and the
 device, and keeps them:
 
-* ``decode`` (attention_decode.py): a decode row over its request's pages -- our kernel (fused
+* ``decode`` (decode.py): a decode row over its request's pages -- our kernel (fused
   over compressed pages, or uncompressed; the Triton FP8 kernel over FP8 pages), torch, or
   FlashInfer's;
-* ``prefill_open`` (attention_prefill_open.py): a chunk that starts its request, over its own
+* ``prefill_open`` (prefill_open.py): a chunk that starts its request, over its own
   fresh K/V (cuDNN on the GPU, SDPA elsewhere);
-* ``prefill_stored`` (attention_prefill_stored.py): a chunk that continues its request, over the
+* ``prefill_stored`` (prefill_stored.py): a chunk that continues its request, over the
   request's pages (restored and attended densely, or as decode rows).
 
 Deterministic mode has one prefill route for both: every prefill token attends as a decode row
@@ -41,9 +41,9 @@ import torch
 from ..config import PREFILL_SPLIT_GRAIN, PREFILL_SPLIT_MIN_TOKENS
 from ..format import PAGE_TOKENS
 from ..models.llama import KVCacheStep
-from .attention_decode import FlashInferPagedDecode, Fp8KernelDecode, KernelDecode, MaskedAttention, TorchDecode
-from .attention_prefill_open import CUDNN_BUCKET, OpenPrefill, cudnn_takes
-from .attention_prefill_stored import GatherPrefill, RowsPrefill, page_reader
+from .decode import FlashInferPagedDecode, Fp8KernelDecode, KernelDecode, MaskedAttention, TorchDecode
+from .prefill_open import CUDNN_BUCKET, OpenPrefill, cudnn_takes
+from .prefill_stored import GatherPrefill, RowsPrefill, page_reader
 from .packing import PackedPlan, plan_packed, rows_per_request
 
 
@@ -71,9 +71,9 @@ class AttentionBackend:
     the uncompressed kernel, bit-identical on open pages). ``packed``: decode rows behind one
     shared prefix travel as packed requests (packing.py; the kernel, not deterministic).
     ``check_pages``: the kernel asserts every call's pages on the device first.
-    ``split_min_tokens``, ``split_grain``: see attention_prefill_stored.GatherPrefill.
+    ``split_min_tokens``, ``split_grain``: see prefill_stored.GatherPrefill.
     ``windows`` (per layer, None: no window) and ``softcap``: layers with a sliding window or
-    soft-capped scores attend through :class:`~.attention_decode.MaskedAttention` instead.
+    soft-capped scores attend through :class:`~.decode.MaskedAttention` instead.
     """
 
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,

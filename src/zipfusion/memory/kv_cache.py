@@ -6,8 +6,8 @@
   never compressed.
 
 Both address K/V by page id and slot (token % 16) and offer the same methods, so the
-scheduler, the runner and the attention backend (attention.py) do not care which. Attention
-itself (which kernel reads the pages) lives in attention.py. Compressing full pages is the page
+scheduler, the runner and the attention backend (attention/backend.py) do not care which. Attention
+itself (which kernel reads the pages) lives in attention/. Compressing full pages is the page
 store's (memory/page_store.py), on the arena cache's ``manager``; a dense cache has nothing to
 compress.
 """
@@ -18,6 +18,7 @@ import torch
 
 from ..format import PAGE_TOKENS, PageLayout
 from ..models.layers import apply_rope
+from .manager import KVCacheManager
 
 
 class KVCache:
@@ -59,7 +60,6 @@ class ArenaKVCache(KVCache):
         ``defer_table_sync``: page-table changes reach the device table in one copy at
         :meth:`flush_table` (the engine's runner calls it before each forward) instead of one
         copy per change (~10,000 per run in the mix)."""
-        from ..memory import KVCacheManager
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = self.layout_class(num_kv_heads, head_dim)
         self.dtype, self.device = torch.bfloat16, torch.device(device)

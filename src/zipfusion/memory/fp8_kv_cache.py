@@ -14,13 +14,13 @@ as vLLM's).
 * ``store``: rope (models.layers.apply_rope), then K/V quantized into the open pages: torch ops
   on the CPU, on CUDA the merged Triton rope+store kernel (kernels/rope_store.py, its FP8
   variant: the same bits; ``merged_store`` as for BF16). When the step's fresh K/V are wanted
-  (prefill chunks attend to them, attention_prefill_open.py) it returns them *as the pages hold
+  (prefill chunks attend to them, attention/prefill_open.py) it returns them *as the pages hold
   them* (quantized and read back),
   so a prompt's own tokens see exactly what later tokens, a prefix-cache hit or a recompute see.
 * ``read_pages``: pages read back dequantized to BF16 (the torch decode route, prefill over
   stored pages).
 * decode: the Triton FP8 kernel (kernels/fp8_attention.py) reads the bytes in place
-  (engine/attention_decode.py: ``Fp8KernelDecode``).
+  (attention/decode.py: ``Fp8KernelDecode``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 
 from ..format.fp8 import Fp8PageLayout, check_scale, dequantize_e4m3, quantize_e4m3
 from ..format.layout import loc_is_open, loc_offset
-from ..memory.copy import to_device
 from ..models.layers import apply_rope
+from .copy import to_device
 from .kv_cache import ArenaKVCache
 
 
@@ -87,7 +87,7 @@ class Fp8KVCache(ArenaKVCache):
         each slice of FP8_SLICE pages is both gathered open and decoded (trusted bytes: this
         process's encoder), and each page keeps the form its location says."""
         from ..format.fp8_blocks import decode_fp8_pages
-        from ..memory.codec import FP8_SLICE
+        from .codec import FP8_SLICE
         H, D, n = self.num_kv_heads, self.head_dim, self.layout.open_page_bytes
         out, last = [], self.arena.numel() - 1
         for i in range(0, ids.numel(), FP8_SLICE):
