@@ -182,7 +182,9 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+
 CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
           "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
 
@@ -216,6 +218,12 @@ def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, r
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for k, v in (meta or {}).items():
         w.add_uint32(k, v) if isinstance(v, int) else w.add_string(k, v)
     if tokenizer:
@@ -233,6 +241,13 @@ def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, r
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype(np.float32))
+    for name in [n for n in sd if ".experts." in n]:     # transformers 5 holds experts stacked: [E, 2I, h], [E, h, I]
+        t, blk = sd.pop(name), f"blk.{name.split('.')[2]}"
+        if name.endswith("gate_up_proj"):
+            w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :t.shape[1] // 2]))
+            w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(t[:, t.shape[1] // 2:]))
+        else:
+            w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(t))
     for name, t in sd.items():
         if name == "lm_head.weight":
             if cfg.tie_word_embeddings:
@@ -278,6 +293,11 @@ def llama3_rope_freqs(theta, head_dim, scaling):
 
 
 GGUF_CASES = {
+    "qwen2": dict(arch="qwen2"),
+    "phi3-fused": dict(arch="phi3"),
+    "qwen3moe": dict(arch="qwen3moe", hf_arch="qwen3_moe", hf=dict(num_experts=4, num_experts_per_tok=2,
+                                                                   moe_intermediate_size=64, norm_topk_prob=True)),
+    "mixtral-as-llama": dict(arch="llama", hf_arch="mixtral", hf=dict(num_local_experts=4, num_experts_per_tok=2)),
     "llama-f32": dict(arch="llama"),
     "llama-f16": dict(arch="llama", weight_type="F16"),
     "qwen3-tied": dict(arch="qwen3", hf=dict(tie_word_embeddings=True)),
@@ -291,7 +311,7 @@ GGUF_CASES = {
 def test_gguf_logits_match_transformers(tmp_path, case):
     pytest.importorskip("gguf")
     spec = GGUF_CASES[case]
-    hf = save_tiny_checkpoint(tmp_path / "hf", arch=spec["arch"], **spec.get("hf", {}))
+    hf = save_tiny_checkpoint(tmp_path / "hf", arch=spec.get("hf_arch", spec["arch"]), **spec.get("hf", {}))
     rope_freqs = None
     if "rope_scaling" in spec.get("hf", {}):
         rope_freqs = llama3_rope_freqs(500000.0, 64, spec["hf"]["rope_scaling"])
@@ -305,7 +325,8 @@ def test_gguf_logits_match_transformers(tmp_path, case):
                     p.copy_(p.half().float())
     cfg, ref_cfg = load_config(path), load_config(tmp_path / "hf")
     for key in ("architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "tie_word_embeddings", "qk_norm", "rope"):
+                "vocab_size", "tie_word_embeddings", "qk_norm", "rope", "qkv_bias", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "norm_topk_prob"):
         assert getattr(cfg, key) == getattr(ref_cfg, key), key
     assert_logits_match(hf, build_model(str(path), dtype=torch.float32))
 
@@ -346,7 +367,7 @@ def test_gguf_errors_are_one_line(tmp_path, monkeypatch):
     save_tiny_gguf(tmp_path / "gpt2.gguf", hf, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         build_model(str(tmp_path / "gpt2.gguf"), dtype=torch.float32)
-    save_tiny_gguf(tmp_path / "moe.gguf", hf, meta={"llama.expert_count": 8})
+    save_tiny_gguf(tmp_path / "moe.gguf", hf, arch="qwen3", meta={"qwen3.expert_count": 8})
     with pytest.raises(ValueError, match="mixture-of-experts"):
         build_model(str(tmp_path / "moe.gguf"), dtype=torch.float32)
     save_tiny_gguf(tmp_path / "q81.gguf", hf, weight_type="Q8_1")
