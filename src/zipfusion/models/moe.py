@@ -83,8 +83,11 @@ class Experts(nn.Module):
         """x [T, h], weights / ids [T, k] -> Σ_k weights · expert_ids(x) [T, h] (this rank's partial sum)."""
         from .llama import act_and_mul
         T, k = ids.shape
-        order = ids.flatten().argsort(stable=True)                  # (token, slot) pairs by expert
-        ends = torch.bincount(ids.flatten(), minlength=self.E).cumsum(0)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)                           # (token, slot) pairs by expert
+        # tokens per expert by scatter_add (bincount reads its input's max on the host: no CUDA graph)
+        ends = torch.zeros(self.E, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat)).cumsum(0)
         xs = x[order // k]
         y = grouped_mm(act_and_mul(grouped_mm(xs, self.gate_up_proj, ends, self.deterministic), self.act),
                        self.down_proj, ends, self.deterministic)
