@@ -211,3 +211,28 @@ def test_kernel_route_takes_the_windowed_layers(tmp_path):
         runs[backend] = o.token_ids, torch.tensor([lp.logprob for d in o.outputs[0].logprobs for lp in d.values()])
     assert runs["kernel"][0] == runs["torch"][0]
     torch.testing.assert_close(runs["kernel"][1], runs["torch"][1], rtol=0, atol=0.01)      # (bf16 kernel, fp32 torch)
+
+
+def test_gemma3_text_model_of_an_image_text_checkpoint(tmp_path):
+    """google/gemma-3-{4,12,27}b-it are Gemma3ForConditionalGeneration checkpoints: their text
+    model runs alone (text_config over transformers' defaults, the image tower left unloaded);
+    logits equal transformers' text-only forward of the whole model."""
+    import transformers
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=W, initializer_range=0.2,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(str(tmp_path))
+    mc = load_config(tmp_path)
+    assert mc.architecture == "Gemma3ForCausalLM" and mc.vocab_size == 300 and mc.sliding_windows == (W, None)
+    ids = torch.randint(3, 290, (30,), generator=torch.Generator().manual_seed(3))
+    ours = build_model(str(tmp_path), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    got = ours.compute_logits(ours(ids, torch.arange(len(ids)), ReferenceStep(mc)))
+    torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)

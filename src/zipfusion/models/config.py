@@ -26,6 +26,12 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral", {}),
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# image-text checkpoints whose text model runs alone: (its architecture, the text_config defaults
+# transformers fills in, which Hub configs leave out)
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", dict(
+    vocab_size=262208, head_dim=256, query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1e6,
+    rope_local_base_freq=1e4, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    sliding_window=4096, sliding_window_pattern=6, num_key_value_heads=4, tie_word_embeddings=True))}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -163,6 +169,12 @@ def config_from_dict(raw: dict) -> ModelConfig:
     """A parsed config.json -> ModelConfig, or ValueError naming what cannot run."""
     if not isinstance(raw, dict):
         raise TypeError(f"config must be a dict, got {type(raw).__name__}")
+    archs = raw.get("architectures") or []
+    multimodal = next((a for a in archs if a in TEXT_OF_MULTIMODAL), None)
+    if multimodal is not None:                  # its text model: text_config over the defaults
+        text_arch, defaults = TEXT_OF_MULTIMODAL[multimodal]
+        raw = {**defaults, **{k: raw[k] for k in ("eos_token_id", "bos_token_id") if k in raw},
+               **(raw.get("text_config") or {}), "architectures": [text_arch]}
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -201,8 +201,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-# checkpoint spellings of the same tensors: Mixtral's expert names -> Qwen3-MoE's (ours)
-RENAMES = [(re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+# checkpoint spellings of the same tensors: an image-text checkpoint's text model (Gemma 3's two
+# spellings), Mixtral's expert names -> Qwen3-MoE's (ours); and the image parts, not loaded
+IMAGE_PARTS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+RENAMES = [(re.compile(r"^(language_model\.model|model\.language_model)\."), "model."),
+           (re.compile(r"^language_model\.lm_head\."), "lm_head."),(re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
            (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."), (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj.")]
 EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -230,7 +233,7 @@ def _safetensors_tensors(folder: Path):
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if "rotary_emb" in name:
+                if "rotary_emb" in name or IMAGE_PARTS.match(name):
                     continue
                 yield file.name, name, f.get_tensor(name)
 
@@ -253,9 +256,9 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
         if progress is not None:
             loaded_numel += tensor.numel()
             progress.step(f"loading weights from {file}", min(loaded_numel, total), total)
-        if name == "lm_head.weight" and model.lm_head is None:
-            continue                                   # tied: embed_tokens is the head
         target, part = _target(name)
+        if target == "lm_head.weight" and model.lm_head is None:
+            continue                                   # tied: embed_tokens is the head
         if target not in params:
             raise ValueError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
         param = params[target]
