@@ -184,6 +184,11 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    "model's statistics (default: %(default)s)")
     k.add_argument("--batches", default="32", help="batch sizes, comma-separated (default: %(default)s)")
     k.add_argument("--contexts", default="8192", help="context lengths, comma-separated (default: %(default)s)")
+    k.add_argument("--head-dim", type=int, default=None, choices=(64, 128, 256),
+                   help="head size: 64 (Llama-3.2-1B's), 128 (Llama-3.1-8B's), 256 (Gemma 3's) (default: 128; "
+                        "the CPU smoke run: 64)")
+    k.add_argument("--heads", default="32,8", help="query heads,KV heads (default: %(default)s, Llama-3.1-8B's; "
+                   "Gemma 3 12B's: 16,8)")
     return b
 
 
