@@ -92,10 +92,11 @@ MASKED_BLOCK = 256          # query rows a block of masked_attention (bounds its
 
 def masked_attention(q, k, v, start: int, scale: float, window: int | None = None, softcap: float | None = None,
                      exact: bool = False) -> torch.Tensor:
-    """:func:`prefill_attention` with a sliding window and soft-capped scores, in fp32 torch
-    (fp64 when ``exact``) on any device: query at position p sees keys p - window < j <= p
-    (transformers' sliding window), scores s -> softcap · tanh(s / softcap) before the mask
-    (Gemma 2). Rows go in blocks of MASKED_BLOCK, each over the keys its window can reach."""
+    """:func:`prefill_attention` with a sliding window and soft-capped scores, on any device:
+    query at position p sees keys p - window < j <= p (transformers' sliding window), scores
+    s -> softcap · tanh(s / softcap) before the mask (Gemma 2). Rows go in blocks of
+    MASKED_BLOCK, each over the keys its window can reach: SDPA with the block's mask, or, with
+    soft-capping (or ``exact``), fp32 torch (fp64)."""
     n, Hq, D = q.shape
     H = k.shape[1]
     ftype = torch.float64 if exact else torch.float32
@@ -104,13 +105,18 @@ def masked_attention(q, k, v, start: int, scale: float, window: int | None = Non
         b = min(MASKED_BLOCK, n - i)
         lo = 0 if window is None else max(0, start + i - window + 1)
         hi = start + i + b
+        pos = start + i + torch.arange(b, device=q.device)[:, None]
+        keys = torch.arange(lo, hi, device=q.device)[None, :]
+        seen = (keys <= pos) if window is None else (keys <= pos) & (keys > pos - window)
+        if softcap is None and not exact:
+            qh, kh, vh = (t.transpose(0, 1)[None] for t in (q[i:i + b], k[lo:hi], v[lo:hi]))
+            out[i:i + b] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale,
+                                                          enable_gqa=Hq != H)[0].transpose(0, 1)
+            continue
         qb = q[i:i + b].to(ftype).view(b, H, Hq // H, D)
         s = torch.einsum("qhgd,khd->hgqk", qb, k[lo:hi].to(ftype)) * scale
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        pos = start + i + torch.arange(b, device=q.device)[:, None]
-        keys = torch.arange(lo, hi, device=q.device)[None, :]
-        seen = (keys <= pos) if window is None else (keys <= pos) & (keys > pos - window)
         p = s.masked_fill(~seen, float("-inf")).softmax(-1)
         out[i:i + b] = torch.einsum("hgqk,khd->qhgd", p, v[lo:hi].to(ftype)).reshape(b, Hq, D).to(q.dtype)
     return out
