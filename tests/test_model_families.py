@@ -183,14 +183,20 @@ def test_gpu_grouped_mm_bf16_equals_the_loop():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "gemma2", "mistral"])
-def test_gpu_family_compression_on_equals_off(tmp_path, name):
-    """CUDA, bf16, our kernels and CUDA graphs where the model allows them: tokens with KV
-    compression on equal those with it off (MoE through the grouped GEMM; windowed layers)."""
-    save_tiny_checkpoint(tmp_path, **FAMILIES[name])
+@pytest.mark.parametrize("name,extra", [("qwen3_moe", {}), ("mixtral", {}), ("gemma2", {}), ("mistral", {}),
+                                        ("gemma3", dict(head_dim=256))])
+def test_gpu_family_compression_on_equals_off(tmp_path, name, extra):
+    """CUDA, bf16, our kernels and CUDA graphs: tokens with KV compression on equal those with
+    it off (MoE through the grouped GEMM; windowed and soft-capped layers through the Triton
+    decode kernel; head_dim 256)."""
+    save_tiny_checkpoint(tmp_path, **FAMILIES[name], **extra)
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 90)]
-    runs = [[o.token_ids for o in LLM(str(tmp_path), kv_compression=c, device="cuda", kv_memory_gb=0.05).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)] for c in (True, False)]
+    runs = []
+    for c in (True, False):
+        llm = LLM(str(tmp_path), kv_compression=c, device="cuda", kv_memory_gb=0.05)
+        assert llm.engine.graph_buckets                                  # CUDA graphs were captured
+        runs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40,
+                                                                               ignore_eos=True), use_tqdm=False)])
     assert runs[0] == runs[1]
 
 
