@@ -172,7 +172,7 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
             "stored_ratio_at_peak": stats.get("stored_ratio"), "schedule_sha256": digest,
             # host seconds of the engine's own code (the runner here is a stand-in): what a GPU run pays between steps
             "host_schedule_s": sum(res.schedule_s for res in results), "host_seal_s": sum(res.seal_s for res in results),
-            "host_other_s": sum(res.forward_s for res in results),
+            "host_other_s": sum(res.forward_s + res.finish_s for res in results),
             "host_ahead_s": sum(res.ahead_s for res in results),       # scheduled while a forward would run
             "sim_seconds": time.perf_counter() - t0, "max_in_flight": max_in_flight, **steady(loop, len(prompts), max_in_flight)}
 

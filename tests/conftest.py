@@ -6,9 +6,11 @@ once for the whole run, before any test module is collected: the interpreter whe
 is present. Triton is imported right away so that no test module can change it later.
 
 Tests that need a CUDA GPU are marked ``@pytest.mark.gpu`` (or ``pytest.param(...,
-marks=pytest.mark.gpu)``): without a GPU the hook below skips them with the reason, and on the
-GPU machine ``python -m pytest -m gpu`` runs all of them (building the CUDA kernel with nvcc
-included: five builds took 223 s of a 2-core CPU machine's run).
+marks=pytest.mark.gpu)``): without a GPU the hook below skips them with the reason. Kernel test
+modules that run on the GPU where there is one and through the interpreter elsewhere say so
+with a module-level ``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"``; on a GPU the
+hook marks their tests ``gpu`` too, so on the GPU machine ``python -m pytest -m gpu`` runs every
+test that touches the GPU.
 
 The README's test command runs the files in parallel (pytest-xdist: ``-n auto --dist loadfile``,
 each file in one worker so its module fixtures are built once): every test runs on one torch
@@ -45,9 +47,14 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, cores))
 
 
+@pytest.hookimpl(tryfirst=True)             # before ``-m`` selects by marker
 def pytest_collection_modifyitems(config, items):
-    """Skip the tests marked ``gpu`` where no CUDA GPU is present."""
+    """On a GPU, mark ``gpu`` the tests of modules whose ``DEVICE`` is CUDA; without one, skip
+    the tests marked ``gpu``."""
     if CUDA:
+        for item in items:
+            if getattr(item.module, "DEVICE", None) == "cuda":
+                item.add_marker(pytest.mark.gpu)
         return
     for item in items:
         if item.get_closest_marker("gpu") is not None:

@@ -1,17 +1,71 @@
-"""Test helpers, outside the package: arenas laid out for the attention tests, and tiny random
-Hugging Face checkpoints written with ``save_pretrained`` exactly as a Hub model would be (needs
-transformers), so that tests exercise the real loader."""
+"""Test helpers, outside the package, shared by test modules (which never import each other):
+arenas laid out for the attention tests, pages written into and read back from a memory
+manager, a live server on loopback, and tiny random Hugging Face checkpoints written with
+``save_pretrained`` exactly as a Hub model would be (needs transformers), so that tests
+exercise the real loader."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from zipfusion.analysis.synthetic import pages_with_fraction
 from zipfusion.format import PageLayout, encode_pages_into, from_blocks, page_sizes
 from zipfusion.memory.page_table import STORED
+
+SMALL_LAYOUT = PageLayout(1, 64)           # open page 4096 bytes, smallest compressed 3088
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16)
+
+
+def fill(m, ids, fractions, seed=0):
+    """Write pages of :data:`SMALL_LAYOUT` with a given compressible fraction per layer into a
+    memory manager; returns {(layer, id): page}."""
+    written = {}
+    for layer, frac in enumerate(fractions):
+        pages = pages_with_fraction(len(ids), SMALL_LAYOUT.num_kv_heads, SMALL_LAYOUT.head_dim, frac,
+                                    seed=seed * 100 + layer)
+        for i, pid in enumerate(ids):
+            m.open_page(layer, pid).copy_(pages[i])
+            written[layer, pid] = pages[i].clone()
+    return written
+
+
+def assert_contents(m, written):
+    """Every page :func:`fill` wrote reads back with the same bits."""
+    for (layer, pid), page in written.items():
+        got = m.read_pages(layer, [pid])[0]
+        assert torch.equal(bits(got), bits(page)), (layer, pid, m.page_state(pid))
+
+
+@contextlib.contextmanager
+def live_server(app):
+    """uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL (needs the server extra)."""
+    import uvicorn
+
+    from zipfusion.server import bind_socket
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
 
 
 def assert_packed_books(m) -> None:

@@ -1,5 +1,7 @@
 """CLI: ``zipfusion generate`` on a tiny checkpoint, ``demo`` model half, errors."""
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -312,3 +314,38 @@ def test_settings_are_config_fields_checked_once_with_expert_ones_out_of_help(ca
     cfg = config_from_args(p.parse_args(["--check-pages", "--prefill-split-grain", "1", "--tp-start-method",
                                          "forkserver"]))
     assert cfg.check_pages and cfg.prefill_split_grain == 1 and cfg.tp_start_method == "forkserver"
+
+
+@pytest.mark.parametrize("name,bad,says", [
+    ("max_num_seqs", True, "an int >= 1"), ("max_num_batched_tokens", 0, "an int >= 1"),
+    ("max_logprobs", -1, "an int >= 0"), ("max_model_len", 1, "an int >= 2"), ("kv_memory_gb", 0, "a number > 0"),
+    ("kv_memory_gb", "1", "a number > 0"), ("watchdog_timeout_s", -1, "a number >= 0 (0: off)"),
+    ("tp_timeout_s", 0, "a number > 0")])
+def test_numeric_options_are_checked_by_one_rule(name, bad, says):
+    from zipfusion.config import EngineConfig
+    with pytest.raises(ValueError, match=rf"^{name} must be {re.escape(says)}, got {re.escape(repr(bad))}$"):
+        EngineConfig(**{name: bad})
+
+
+def test_tuning_knobs_are_one_dataclass_checked_and_off_the_command_line():
+    import argparse
+    from zipfusion.config import EngineConfig, Tuning, add_cli_args
+    assert EngineConfig().tuning == Tuning() and EngineConfig(tuning=Tuning(fill_streams=1)).tuning.fill_streams == 1
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"tuning.fill_streams must be an int >= 1, got {bad!r}"):
+            Tuning(fill_streams=bad)
+    assert Tuning(min_spared_pages=0).min_spared_pages == 0            # 0: pack however few reads it spares
+    with pytest.raises(ValueError, match="tuning must be a zipfusion.config.Tuning, got dict"):
+        EngineConfig(tuning={"fill_streams": 1})
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    assert not [a for a in p._actions if "tuning" in a.dest]
+
+
+def test_generate_runs_the_kv_cache_dtype_it_was_given(capsys):
+    """``--kv-cache-dtype fp8_lossless`` reaches the engine as given: FP8 pages, full ones
+    compressed (a built config re-made from its fields would read as lossy fp8, uncompressed);
+    the summary line reports the engine's own config."""
+    assert main(["generate", "--model", "demo", "--device", "cpu", "--kv-cache-dtype", "fp8_lossless",
+                 "--prompt-token-ids", "5,6,7", "--max-tokens", "2", "--kv-memory-gb", "0.01"]) == 0
+    assert "kv_compression=True, kv_cache_dtype=fp8 (lossy)" in capsys.readouterr().err

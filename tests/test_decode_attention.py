@@ -21,11 +21,11 @@ from zipfusion.testing import reference_decode_attention
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from unfused import decode_attention_unfused  # noqa: E402  (benchmarks/unfused.py: the baseline)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 
 
-def make_case(contexts, H, G, D, kind, seed, device=DEV):
+def make_case(contexts, H, G, D, kind, seed, device=DEVICE):
     """Pages for requests of the given context lengths, their arenas and tables.
 
     kind: 'compressible' (every block compressible without escapes), 'raw' (none), 'mixed'
@@ -421,13 +421,13 @@ def test_escape_patterns_gpu(backend):
     pages = pages_from_block_bits(blocks, 8, 128).nan_to_num(0.0, 1.0, -1.0)
     P = pages.shape[0]
     gen = torch.Generator().manual_seed(6)
-    arena_c, loc_c = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=4, device=DEV)
-    arena_o, loc_o = build_arena(pages, torch.zeros(P, dtype=torch.bool), seed=5, device=DEV)
+    arena_c, loc_c = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=4, device=DEVICE)
+    arena_o, loc_o = build_arena(pages, torch.zeros(P, dtype=torch.bool), seed=5, device=DEVICE)
     order = torch.randperm(P, generator=gen).to(torch.int32)
     B = 8                                                    # requests of P / 8 pages each
-    bt = order[:P // B * B].view(B, -1).to(DEV)
-    lens = torch.full((B,), 16 * bt.shape[1], dtype=torch.int32, device=DEV)
-    q = (torch.randn(B, 32, 128, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
+    bt = order[:P // B * B].view(B, -1).to(DEVICE)
+    lens = torch.full((B,), 16 * bt.shape[1], dtype=torch.int32, device=DEVICE)
+    q = (torch.randn(B, 32, 128, generator=gen) * 0.05).to(torch.bfloat16).to(DEVICE)
     args = (bt, lens, PageLayout(8, 128), 128 ** -0.5)
     out_c = decode_attention(q, arena_c, loc_c, *args, backend=backend)
     out_t = decode_attention_uncompressed(q, arena_o, loc_o, *args, backend=backend)
@@ -705,17 +705,17 @@ PACKED = [
 ]
 
 
-def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
+def check_packed(groups, lone, G, kind, pack_heads, seed, **kw):
     """Packed requests vs the plain kernel row by row (close) and the float64 reference;
     compressed pages, open pages and the uncompressed kernel give the same bits."""
     from zipfusion.attention import packing
-    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
+    from zipfusion.config import Tuning
     c = packed_case(groups, lone, G, kind, seed)
     spared = sum((len(lens) - 1) * shared for shared, lens in groups)
-    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", spared + 1)         # too little to pack
-    assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, pack_heads=pack_heads) is None
-    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
-    plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, pack_heads=pack_heads)
+    too_few = Tuning(min_shared_pages=2, min_spared_pages=spared + 1)     # too little to pack
+    assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, too_few, pack_heads) is None
+    plan = packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2,
+                               Tuning(min_shared_pages=2, min_spared_pages=0), pack_heads)
     assert plan is not None and plan.rows.shape[1] == pack_heads // G
     plan = plan.to(c["q"].device)
     tag = f"(seed {seed}, {groups}, {lone}, G {G}, {kw})"
@@ -758,8 +758,8 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, **kw):
 
 
 @pytest.mark.parametrize("groups,lone,G,kind,pack_heads", PACKED[:2])
-def test_packed_requests(groups, lone, G, kind, pack_heads, seed, monkeypatch):
-    plan = check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch)
+def test_packed_requests(groups, lone, G, kind, pack_heads, seed):
+    plan = check_packed(groups, lone, G, kind, pack_heads, seed)
     if G == 4:               # rows 0, 1 paired behind 2 pages; rows 2 and 3 alone
         assert plan.rows.tolist() == [[0, 1], [2, 0], [3, 0]]
         assert plan.spans.tolist() == [[[32, 40], [48, 69]], [[0, 69], [0, 0]], [[0, 5], [0, 0]]]
@@ -800,8 +800,8 @@ def test_packed_request_arguments(small):
 @pytest.mark.parametrize("kw", [dict(), dict(num_splits=1), dict(num_splits=5), dict(stages=3, tma=False),
                                 dict(stages=4, tma=True, num_splits=3), dict(producer=True),
                                 dict(producer=True, num_splits=3)])
-def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed, monkeypatch):
-    check_packed(groups, lone, G, kind, pack_heads, seed, monkeypatch, backend="cuda", **kw)
+def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed):
+    check_packed(groups, lone, G, kind, pack_heads, seed, backend="cuda", **kw)
 
 
 def test_packed_launches_in_cuda_graphs_only_where_the_cuda_kernel_serves_them(monkeypatch, environ):
@@ -811,9 +811,9 @@ def test_packed_launches_in_cuda_graphs_only_where_the_cuda_kernel_serves_them(m
     from zipfusion.kernels import cuda_attention
     from zipfusion.kernels.decode_attention import uses_cuda_kernel
     layout = PageLayout(2, 128)
-    environ(ZIPFUSION_ATTENTION_BACKEND=None)
+    environ(ZIPFUSION_DECODE_KERNEL=None)
     assert not uses_cuda_kernel(None, "cpu", layout, 4)           # the CPU: no CUDA kernel
     monkeypatch.setattr(cuda_attention, "unsupported_reason", lambda device, head_dim, G: None)
     assert uses_cuda_kernel(None, "cpu", layout, 4)               # as where the kernel applies
-    environ(ZIPFUSION_ATTENTION_BACKEND="triton")
+    environ(ZIPFUSION_DECODE_KERNEL="triton")
     assert not uses_cuda_kernel(None, "cpu", layout, 4)           # the Triton route forced

@@ -289,7 +289,7 @@ def test_a_bad_prompt_in_a_batch_queues_nothing_and_the_engine_goes_on():
 def test_memory_watch_names_the_step_that_grew_reserved_memory(caplog):
     """The engine's MemoryWatch (on CUDA) warns once per 64 MiB of growth past the high-water mark,
     naming the step and what the memory system did in it; CPU: the allocator's counters injected."""
-    from zipfusion.engine.llm_engine import MemoryWatch
+    from zipfusion.engine.observe import MemoryWatch
     llm = LLM("demo", device="cpu", max_model_len=64, kv_memory_gb=0.01)
     import itertools
     reserved = itertools.chain([100 << 20, 120 << 20, 400 << 20, 420 << 20], itertools.repeat(300 << 20))
@@ -329,10 +329,16 @@ def test_warm_up_runs_a_whole_step_budget_and_leaves_the_engine_as_new():
 
 def test_step_stats_count_the_decode_rows_context():
     """StepStats.context_tokens: the decode rows' context lengths summed (what decode attention
-    reads), as the requests' lengths say."""
+    reads), as the requests' lengths say; each phase counted once: their seconds add up to the
+    step's."""
     eng = LLM("demo", device="cpu", kv_memory_gb=0.01, max_num_batched_tokens=64).engine
     seen = []
-    eng.add_observer(lambda res, stats: seen.append((res.decode_rows, stats.context_tokens)))
+
+    def observe(res, stats):
+        seen.append((res.decode_rows, stats.context_tokens))
+        phases = stats.schedule_s + stats.forward_s + stats.seal_s + stats.ahead_s + stats.finish_s
+        assert phases == pytest.approx(stats.seconds) and stats.forward_s > 0 and stats.finish_s > 0
+    eng.add_observer(observe)
     a = eng.add_request([5] * 20, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     b = eng.add_request([6] * 7, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while eng.has_work():

@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from zipfusion.config import Tuning  # noqa: E402
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
 from zipfusion.testing import run_to_completion  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
@@ -73,16 +74,14 @@ def test_fused_compressed_equals_twin_uncompressed_through_the_engine(ckpt, budg
 
 
 @pytest.mark.parametrize("streams", [1, None])
-def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ckpt, monkeypatch, streams):
+def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ckpt, streams):
     """Each step seals the pages earlier steps filled behind its own forward (the earlier
     analysis placed, compacted and encoded while it runs, the pages it filled analysed, the
     tokens read after): under memory pressure, with many seals during decode, compressed and
     uncompressed runs give the same tokens and the same logits bits (deterministic mode, whose
     rows do not depend on the batch). One fill stream: requests finishing apart leave holes that
     compaction fills; the default streams (by expected finish) mostly avoid them."""
-    from zipfusion.engine import scheduler
-    if streams is not None:
-        monkeypatch.setattr(scheduler, "FILL_STREAMS", streams)
+    tuning = Tuning(fill_streams=streams) if streams is not None else Tuning()
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
     outs = [48, 4, 40, 8, 32, 12, 44, 16, 36, 20, 28, 24]        # finishing apart: holes, compaction
@@ -91,7 +90,7 @@ def test_seals_around_each_forward_keep_compressed_and_uncompressed_identical(ck
     for comp in (True, False):
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_compression=comp, deterministic=True,
                   kv_memory_gb=28 * page / 2**30, chunk_bytes=4 * page, max_num_batched_tokens=64,
-                  max_model_len=160)
+                  max_model_len=160, tuning=tuning)
         eng = llm.engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
                 for p, o in zip(ps, outs)]
@@ -110,9 +109,7 @@ def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
     CPU that copy is forced (a tensor of its own): under pressure, with seals, compaction and
     frees between forwards, both ways give the tokens and logits bits of a run that reads the
     host table itself (one fill stream: requests finishing apart, compaction)."""
-    from zipfusion.engine import scheduler
     from zipfusion.memory import page_table
-    monkeypatch.setattr(scheduler, "FILL_STREAMS", 1)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 20, 65, 48, 77, 33, 50, 70, 25, 60, 41, 85)]
     outs = [48, 4, 40, 8, 32, 12, 44, 16, 36, 20, 28, 24]
@@ -124,7 +121,7 @@ def test_a_device_page_table_kept_apart_gives_the_same_run(ckpt, monkeypatch):
             monkeypatch.setattr(page_table.PageTable, "__init__",
                                 lambda self, L, P, device, mirrored=None: init(self, L, P, device, True))
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, deterministic=True, kv_memory_gb=28 * page / 2**30,
-                  chunk_bytes=4 * page, max_num_batched_tokens=64, max_model_len=160)
+                  chunk_bytes=4 * page, max_num_batched_tokens=64, max_model_len=160, tuning=Tuning(fill_streams=1))
         eng = llm.engine
         table = eng.cache.manager.table
         # the engine defers; on CUDA every table is a device copy (there "host" is "deferred")
@@ -334,6 +331,7 @@ def test_varlen_batch_restores_shared_pages_once_and_keeps_each_chunks_keys():
 
 # ------------------------------------------------------------------------------------------
 # Packed decode: rows behind one shared prefix share the kernel's restores (attention/packing.py)
+PACK = Tuning(min_shared_pages=2, min_spared_pages=0)       # pack behind 2 shared pages, however few rows
 # ------------------------------------------------------------------------------------------
 
 def test_find_groups_takes_the_longest_common_prefix_before_each_newest_token():
@@ -361,20 +359,17 @@ def _shared_prefix_rows(eng, reqs):
     return torch.tensor(lens, dtype=torch.int32), table
 
 
-def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt, monkeypatch):
+def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt):
     """Packed requests (attention/packing.py; G = 2 here, so four rows a request) over the engine's
     pages: the plain kernel's attention up to rounding, fused on compressed pages == twin bits."""
-    from zipfusion.attention import packing
     from zipfusion.testing import reference_decode_attention
-    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
-    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 21, 37, 5)]
     q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     outs = {}
     for compressed in (True, False):
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
-                  kv_compression=compressed, enable_prefix_caching=False, packed_decode=True)
+                  kv_compression=compressed, enable_prefix_caching=False, packed_decode=True, tuning=PACK)
         eng = llm.engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in ps]
         eng.step()
@@ -401,9 +396,7 @@ def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical
     """Prefix-cache hits decode as packed requests (eagerly): compressed and uncompressed runs
     give the same tokens and logits, and the same tokens as without packing (greedy, a small
     model: rounding rarely flips one); never packed by default or in deterministic mode."""
-    from zipfusion.attention import backend, packing
-    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
-    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
+    from zipfusion.attention import backend
     planned = []
     real = backend.plan_packed
     monkeypatch.setattr(backend, "plan_packed", lambda *a: planned.append(p := real(*a)) or p)
@@ -418,7 +411,7 @@ def test_packed_decode_in_the_engine_keeps_compressed_and_uncompressed_identical
                      ("twin", dict(kv_compression=False, packed_decode=True)), ("plain", dict())):
         planned.clear()
         llm = LLM(str(ckpt), dtype="bfloat16", device=DEVICE, kv_memory_gb=0.03, attention_backend="kernel",
-                  max_model_len=256, **kw)
+                  max_model_len=256, tuning=PACK, **kw)
         eng = llm.engine
         # the prefix's pages cached by a prefill alone; then a prefill over them and one packed
         # decode step (each decode step costs ~10 s of the Triton interpreter here)
@@ -441,11 +434,9 @@ def test_packed_decode_replays_packed_cuda_graphs(tmp_path, monkeypatch):
     behind a cached prefix replay the bucket's packed graph: compressed and uncompressed give the
     same tokens and logits, and the logits of the same steps run eagerly up to rounding (an
     eager packed step splits its requests' pages otherwise)."""
-    from zipfusion.attention import backend, packing
+    from zipfusion.attention import backend
     save_tiny_checkpoint(tmp_path, num_hidden_layers=2, hidden_size=1024, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
-    monkeypatch.setattr(packing, "MIN_SHARED_PAGES", 2)
-    monkeypatch.setattr(packing, "MIN_SPARED_PAGES", 0)
     hows = []
     real = backend.AttentionBackend.prepare_decode
     monkeypatch.setattr(backend.AttentionBackend, "prepare_decode",
@@ -458,7 +449,7 @@ def test_packed_decode_replays_packed_cuda_graphs(tmp_path, monkeypatch):
                      ("fused eager", dict(kv_compression=True, enforce_eager=True))):
         hows.clear()
         llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", kv_memory_gb=0.05, attention_backend="kernel",
-                  max_model_len=512, packed_decode=True, **kw)
+                  max_model_len=512, packed_decode=True, tuning=PACK, **kw)
         eng = llm.engine
         assert bool(eng.runner.packed_graphs) != kw.get("enforce_eager", False)
         sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -5,11 +5,12 @@ growth, preemption of the newest request, sealing of full pages."""
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from zipfusion.memory.kv_cache import KVCache
-from zipfusion.format import PAGE_TOKENS
+from zipfusion.config import Tuning
 from zipfusion.engine.request import Request, Status
 from zipfusion.engine.sampling import SamplingParams
 from zipfusion.engine.scheduler import KVCacheTooSmall, Scheduler
+from zipfusion.format import PAGE_TOKENS
+from zipfusion.memory.kv_cache import KVCache
 
 
 class FakeCache(KVCache):
@@ -299,12 +300,11 @@ def test_pages_left_open_wait_before_the_next_seal_try():
     assert len(cache.calls) == tries + 1
 
 
-def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monkeypatch):
+def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish():
     """A page's fill stream is the window of steps in which its request should finish: requests
     of fixed length finishing 1,000 steps apart get different streams, two finishing together
     the same one; a request behind a cached prefix (its pages likely outlive it) the extra one."""
-    from zipfusion.engine import scheduler as sched_mod
-    monkeypatch.setattr(sched_mod, "FILL_WINDOW", 64)
+    tuning = Tuning(fill_window=64)
     streams = {}
 
     class StreamCache(FakeCache):
@@ -314,7 +314,7 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
             streams.update(zip(ids, ss))
 
     cache = StreamCache(400)
-    s = Scheduler(cache, max_num_batched_tokens=512)
+    s = Scheduler(cache, max_num_batched_tokens=512, tuning=tuning)
     fixed = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     a = Request(0, list(range(3, 35)), fixed(10))
     b = Request(1, list(range(1003, 1035)), fixed(1000))
@@ -325,9 +325,9 @@ def test_seals_put_pages_into_the_stream_of_their_requests_expected_finish(monke
     advance(s, out)                                                     # the full pages analysed
     sa, sb, sc = ({streams[p] for p in r.pages[:2]} for r in (a, b, c))
     assert len(sa) == len(sb) == len(sc) == 1 and sa == sc != sb
-    assert sa == {(1 + 10 - 1) // 64 % sched_mod.FILL_STREAMS}        # step 1, 9 tokens still to come
+    assert sa == {(1 + 10 - 1) // 64 % tuning.fill_streams}        # step 1, 9 tokens still to come
     c.num_cached_tokens = 16                                            # as if its prompt hit the cache
-    assert s._fill_streams([c.request_id]) == [sched_mod.FILL_STREAMS]
+    assert s._fill_streams([c.request_id]) == [tuning.fill_streams]
 
 
 class TightCache(FakeCache):

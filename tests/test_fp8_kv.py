@@ -293,6 +293,7 @@ def test_fp8_kernel_arguments():
     (dict(kv_cache_dtype="fp8_lossless", attention_backend="flashinfer"), "reads uncompressed pages only"),
     (dict(kv_cache_dtype="fp8", attention_backend="flashinfer", deterministic=True), "batch-invariant"),
     (dict(kv_cache_dtype="fp8", packed_decode=True), "packed_decode does not read FP8 pages"),
+    (dict(kv_cache_dtype="fp8_lossless", kv_compression=False), "fp8_lossless' compresses full FP8 pages; drop"),
 ])
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -303,7 +304,7 @@ def test_config_names_and_compression_with_fp8():
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
     c = EngineConfig(kv_cache_dtype="fp8", kv_compression=True)    # fp8 pages stay open
     assert (c.kv_compression, c.kv_lossy) == (False, True)
-    c = EngineConfig(kv_cache_dtype="fp8_lossless", kv_compression=False)   # lossless compression on top
+    c = EngineConfig(kv_cache_dtype="fp8_lossless")                         # lossless compression on top
     assert (c.kv_cache_dtype, c.kv_compression, c.kv_lossy) == ("fp8", True, True)
     c = EngineConfig(kv_cache_dtype="auto")
     assert (c.kv_cache_dtype, c.kv_compression, c.kv_lossy) == ("bf16", True, False)

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from helpers import assert_packed_books
 from zipfusion import LLM, SamplingParams
+from zipfusion.config import Tuning
 from zipfusion.format import PageLayout
 from zipfusion.format.layout import loc_is_open, loc_offset
 from zipfusion.memory import KVCacheManager
@@ -76,6 +77,10 @@ def test_round_trip_is_bit_exact_in_every_form(device, room):
     bytes placed again (no decode, nothing to seal: not among the ids left open); with no room
     for them (``room=False``: every placement refused) they are decoded into open pages instead;
     open pages come back open. Every page reads back bit for bit."""
+    check_round_trip(device, room)
+
+
+def check_round_trip(device, room, tuning=Tuning()):
     m = manager(device=device)
     ids = m.alloc_pages(10)
     for i, p in enumerate(ids):
@@ -84,7 +89,7 @@ def test_round_trip_is_bit_exact_in_every_form(device, room):
     compressed = [i for i, p in enumerate(ids[:8]) if not loc_is_open(m.table.loc[:, p]).all()]
     assert compressed, "page_data should give compressible pages"
     before = {i: stored_bytes(m, ids[i]) for i in compressed}
-    host = HostTier(m, 1 << 20)
+    host = HostTier(m, 1 << 20, tuning)
     host.start(wait=True)                        # CUDA: pinned by its thread
     recs = host.put(ids, ids)
     m.free_pages(ids)
@@ -138,20 +143,18 @@ def test_copies_out_run_on_their_stream_and_never_overwrite_a_swap_in():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_copies_go_through_bounded_staging_buffers(device, monkeypatch):
+def test_copies_go_through_bounded_staging_buffers(device):
     """A copy out of many pages (an eviction burst) crosses through staging buffers of at most
-    STAGE_OUT_BYTES, two taking turns (on CUDA each waits for its last copy to the ring, behind a
-    busy compute stream here); a swap-in is staged and placed a page at a time (STAGE_IN_BYTES):
-    every page still comes back bit for bit."""
-    import zipfusion.memory.host_tier as host_tier
-    monkeypatch.setattr(host_tier, "STAGE_OUT_BYTES", OPEN + 16)       # about a layer of a page a batch
-    monkeypatch.setattr(host_tier, "STAGE_IN_BYTES", 1)                # a page a batch
+    ``stage_out_bytes``, two taking turns (on CUDA each waits for its last copy to the ring, behind
+    a busy compute stream here); a swap-in is staged and placed a page at a time
+    (``stage_in_bytes``): every page still comes back bit for bit."""
+    tuning = Tuning(stage_out_bytes=OPEN + 16, stage_in_bytes=1)   # about a layer of a page, a page a batch
     m = manager(device=device)
     ids = m.alloc_pages(10)
     for i, p in enumerate(ids):
         write(m, p, page_data(200 + i))
     m.compress_pages(ids[:6])
-    host = HostTier(m, 1 << 20)
+    host = HostTier(m, 1 << 20, tuning)
     host.start(wait=True)
     if device == "cuda":
         torch.cuda._sleep(50_000_000)
@@ -164,11 +167,9 @@ def test_copies_go_through_bounded_staging_buffers(device, monkeypatch):
         assert same_bits(read(m, p), page_data(200 + i)), i
 
 
-def test_round_trip_in_one_page_decode_batches(monkeypatch):
+def test_round_trip_in_one_page_decode_batches():
     """A swap-in decodes its compressed bytes in bounded batches: one page at a time, too."""
-    import zipfusion.memory.host_tier as host_tier
-    monkeypatch.setattr(host_tier, "DECODE_BATCH_BYTES", 1)
-    test_round_trip_is_bit_exact_in_every_form("cpu", room=False)
+    check_round_trip("cpu", room=False, tuning=Tuning(decode_batch_bytes=1))
 
 
 def test_ring_drops_the_oldest_reuses_holes_and_wraps():

@@ -14,31 +14,9 @@ from zipfusion.memory import Admission, KVCacheManager, MemoryExhausted, Running
 from zipfusion.memory.admission import RunningBatch
 from zipfusion.memory.chunks import groups_available
 from zipfusion.testing import place_with_sizes
+from helpers import SMALL_LAYOUT, assert_contents, bits, fill
 
-LAYOUT = PageLayout(1, 64)                 # open page 4096 bytes, smallest compressed 3088
-OPEN = LAYOUT.open_page_bytes
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int16)
-
-
-def fill(m: KVCacheManager, ids, fractions, seed=0):
-    """Write pages with a given compressible fraction per layer; returns {(layer, id): page}."""
-    written = {}
-    for layer, frac in enumerate(fractions):
-        pages = pages_with_fraction(len(ids), LAYOUT.num_kv_heads, LAYOUT.head_dim, frac,
-                                    seed=seed * 100 + layer)
-        for i, pid in enumerate(ids):
-            m.open_page(layer, pid).copy_(pages[i])
-            written[layer, pid] = pages[i].clone()
-    return written
-
-
-def assert_contents(m: KVCacheManager, written):
-    for (layer, pid), page in written.items():
-        got = m.read_pages(layer, [pid])[0]
-        assert torch.equal(bits(got), bits(page)), (layer, pid, m.page_state(pid))
+OPEN = SMALL_LAYOUT.open_page_bytes
 
 
 def snapshot(m: KVCacheManager):
@@ -65,7 +43,7 @@ def test_writeup_example_in_units():
 def _two_layer(shared: bool) -> tuple[KVCacheManager, dict, list[int]]:
     """Layer 0 compresses every block, layer 1 none: 40 stored pages take 8 vs 10 chunks."""
     chunk = 4 * OPEN                                     # 4 open pages or 5 compressed ones
-    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk,
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk,
                        shared_pool=shared, reserve_chunks=0)
     ids = m.alloc_pages(40)
     written = fill(m, ids, [1.0, 0.0])
@@ -89,7 +67,7 @@ def test_two_layer_example_real_bytes(shared, expect):
 def test_compressed_size_sizing_over_admits():
     m, _, _ = _two_layer(shared=True)
     free_bytes = m.pool.available(0) * m.chunk_bytes
-    naive = free_bytes // (LAYOUT.min_page_bytes + OPEN)      # new pages at compressed size
+    naive = free_bytes // (SMALL_LAYOUT.min_page_bytes + OPEN)      # new pages at compressed size
     assert naive > m.capacity_new_pages()
     before = snapshot(m)
     with pytest.raises(MemoryExhausted) as e:
@@ -100,7 +78,7 @@ def test_compressed_size_sizing_over_admits():
 
 # ------------------------------------------------------------------------------ page table
 def test_page_loc_encoding_and_round_trip():
-    m = KVCacheManager(3, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    m = KVCacheManager(3, SMALL_LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
     assert m.page_loc.dtype == torch.int64 and m.page_loc.shape == (3, m.max_pages)
     assert m.arena.dtype == torch.uint8 and m.arena.dim() == 1
     ids = m.alloc_pages(6)
@@ -126,10 +104,10 @@ def test_stats_report_layers():
     s = m.stats()
     assert s.stored_pages == 40 and s.open_pages == 0
     assert s.layers[0].compressible_fraction == 1.0 and s.layers[1].compressible_fraction == 0.0
-    assert s.layers[0].compressed_bytes == 40 * LAYOUT.min_page_bytes
+    assert s.layers[0].compressed_bytes == 40 * SMALL_LAYOUT.min_page_bytes
     assert s.layers[1].compressed_bytes == 40 * OPEN
     assert 0 <= s.layers[0].fragmentation < 1
-    assert s.stored_ratio == pytest.approx((LAYOUT.min_page_bytes + OPEN) / (2 * OPEN))
+    assert s.stored_ratio == pytest.approx((SMALL_LAYOUT.min_page_bytes + OPEN) / (2 * OPEN))
 
 
 # ------------------------------------------------------------------------------ pool
@@ -146,7 +124,7 @@ def test_freed_chunk_returns_to_pool_and_serves_other_layer():
 
 def test_all_memory_reusable_after_everything_is_freed():
     m, _, ids = _two_layer(shared=True)
-    empty = KVCacheManager(2, LAYOUT, budget_bytes=24 * 4 * OPEN, chunk_bytes=4 * OPEN,
+    empty = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=24 * 4 * OPEN, chunk_bytes=4 * OPEN,
                            reserve_chunks=0).capacity_new_pages()
     m.free_pages(ids)
     assert m.capacity_new_pages() == empty == 48
@@ -156,7 +134,7 @@ def test_all_memory_reusable_after_everything_is_freed():
 # ------------------------------------------------------------------------------ compaction
 def test_compaction_moves_bytes_exactly_and_frees_chunks():
     chunk = 4 * OPEN
-    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     ids = m.alloc_pages(40)
     written = fill(m, ids, [1.0, 0.6])
     m.compress_pages(ids)
@@ -184,7 +162,7 @@ def test_compaction_moves_bytes_exactly_and_frees_chunks():
 
 def test_alloc_compacts_when_the_pool_is_short():
     chunk = 4 * OPEN
-    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     ids = m.alloc_pages(m.capacity_new_pages())
     written = fill(m, ids, [1.0, 1.0])
     m.compress_pages(ids)
@@ -206,7 +184,7 @@ def test_compaction_drops_what_the_reclaim_hook_frees_instead_of_moving_it(dropp
     come free either way."""
     def run(hook_on: bool):
         chunk = 4 * OPEN
-        m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+        m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1)
         ids = m.alloc_pages(m.capacity_new_pages())
         written = fill(m, ids, [1.0, 1.0])
         m.compress_pages(ids)
@@ -239,19 +217,19 @@ def test_compaction_drops_what_the_reclaim_hook_frees_instead_of_moving_it(dropp
 # ------------------------------------------------------------------------------ bad input
 def test_budget_too_small():
     with pytest.raises(ValueError, match="too small"):
-        KVCacheManager(4, LAYOUT, budget_bytes=4 * OPEN * 11, chunk_bytes=4 * OPEN)  # needs 12
+        KVCacheManager(4, SMALL_LAYOUT, budget_bytes=4 * OPEN * 11, chunk_bytes=4 * OPEN)  # needs 12
     with pytest.raises(ValueError, match="hold at least one open page"):
-        KVCacheManager(2, LAYOUT, budget_bytes=1 << 20, chunk_bytes=OPEN // 2)
+        KVCacheManager(2, SMALL_LAYOUT, budget_bytes=1 << 20, chunk_bytes=OPEN // 2)
     with pytest.raises(TypeError):
         KVCacheManager(2, (1, 64), budget_bytes=1 << 20, chunk_bytes=OPEN)
-    KVCacheManager(4, LAYOUT, budget_bytes=4 * OPEN * 12, chunk_bytes=4 * OPEN)
+    KVCacheManager(4, SMALL_LAYOUT, budget_bytes=4 * OPEN * 12, chunk_bytes=4 * OPEN)
 
 
 def test_analysis_then_placement_equals_compress_pages():
     """analyze_pages then place_pages (the page store's split around a forward) places and
     encodes exactly as compress_pages does; a page freed between the halves is refused, nothing changed."""
     def run(split: bool):
-        m = KVCacheManager(2, LAYOUT, budget_bytes=24 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=0)
+        m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=24 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=0)
         ids = m.alloc_pages(12)
         written = fill(m, ids, [0.9, 0.5], seed=3)
         left = m.place_pages(m.analyze_pages(ids[:9])) if split else m.compress_pages(ids[:9])
@@ -273,7 +251,7 @@ def test_analysis_then_placement_equals_compress_pages():
 
 
 def test_bad_ids_and_double_free_leave_state_unchanged():
-    m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
     ids = m.alloc_pages(3)
     fill(m, ids, [1.0, 1.0])
     m.compress_pages(ids[:1])
@@ -303,7 +281,7 @@ def test_bad_ids_and_double_free_leave_state_unchanged():
 
 
 def test_memory_exhausted_leaves_state_unchanged():
-    m = KVCacheManager(2, LAYOUT, budget_bytes=8 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=8 * 4 * OPEN, chunk_bytes=4 * OPEN)
     cap = m.capacity_new_pages()
     assert cap == 4 * (8 // 2 - 2)
     m.alloc_pages(cap - 1)
@@ -331,7 +309,7 @@ def test_meta_device_accounting():
 
 def test_admission_conservative_and_estimate():
     chunk = 4 * OPEN
-    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     adm = Admission(m, mode="conservative")
     cap = m.capacity_new_pages()                    # 4 * (40 // 2 - 1) = 76
     assert cap == 76
@@ -347,7 +325,7 @@ def test_admission_conservative_and_estimate():
     fill(m, ids, [1.0, 1.0])
     m.compress_pages(ids)
     est = Admission(m, mode="estimate")
-    r = LAYOUT.min_page_bytes / OPEN
+    r = SMALL_LAYOUT.min_page_bytes / OPEN
     assert est.ratio() == pytest.approx(r * 1.02)           # the observed ratio + the base margin
     assert est.reserved_pages(running) < adm.reserved_pages(running)
     with pytest.raises(ValueError):
@@ -359,7 +337,7 @@ def test_estimate_admission_promises_output_pages_out_of_the_compression_reserve
     it until then): the estimate mode counts as much of the reserve as the output pages promised,
     never more; prompt pages (a prefill keeps the reserve) and the conservative mode get none."""
     chunk = 4 * OPEN
-    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=40 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     est, con = Admission(m, mode="estimate"), Admission(m, mode="conservative")
     assert m.capacity_new_pages() == 76 and m.capacity_new_pages(keep_reserve=False) == 80
     assert est.ratio() == 1.0                               # nothing stored yet: r' = 1, as conservative
@@ -384,7 +362,7 @@ def test_estimate_admission_sets_aside_what_open_pages_cost_until_their_seal():
     """A page sits open (a whole unit) from its allocation to its seal, though counted at r':
     admission sets aside (1 - r') of the prompt pages still to be allocated (at most a step's
     budget), not (1 - r') of a whole step's budget whatever the prompts."""
-    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 1.0])
     m.compress_pages(ids)
@@ -403,7 +381,7 @@ def test_estimate_admission_sets_aside_what_open_pages_cost_until_their_seal():
 
 def test_estimate_admission_adapts():
     """The margin grows at a preemption and decays back; the output share follows finished requests."""
-    m = KVCacheManager(2, LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=40 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 1.0])
     m.compress_pages(ids)
@@ -427,7 +405,7 @@ def test_reserved_pages_over_a_batch_is_the_sum_of_each_requests_pages():
     below 0, times the ratio -- on drawn batches, every mode, out_frac and margin."""
     from zipfusion.memory import RunningBatch
     from zipfusion.memory.admission import pages_for_tokens
-    m = KVCacheManager(2, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 0.5])
     m.compress_pages(ids)
@@ -477,7 +455,7 @@ def test_certain_requests_are_reserved_at_their_busiest_future_step():
     """Requests of known length end at known steps: lookahead admission reserves what the batch
     needs at its busiest future step, not the sum of every request's final size -- no more than
     the sum, and at least what they all need now; the other modes still sum."""
-    m = KVCacheManager(2, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
     ids = m.alloc_pages(8)
     fill(m, ids, [1.0, 0.5])
     m.compress_pages(ids)
@@ -502,7 +480,7 @@ def test_a_certain_output_is_reserved_whole_not_clipped():
     past the estimate's clip and its learned output share; others are clipped."""
     from zipfusion.engine.sampling import SamplingParams
     from zipfusion.memory.admission import CLIP_TOKENS
-    m = KVCacheManager(2, LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=64 * 4 * OPEN, chunk_bytes=4 * OPEN)
     est = Admission(m, mode="estimate")
     est.out_frac = 0.5
     long = 4 * CLIP_TOKENS
@@ -544,7 +522,7 @@ def test_cuda_range_moves_equal_the_cpu_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_round_trip_and_pending_chunks():
     chunk = 4 * OPEN
-    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, device="cuda", chunk_bytes=chunk)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=24 * chunk, device="cuda", chunk_bytes=chunk)
     ids = m.alloc_pages(8)
     written = {k: v.cuda() for k, v in fill(m, ids, [1.0, 0.5]).items()}
     m.compress_pages(ids)
@@ -561,7 +539,7 @@ def test_estimate_admission_can_over_admit_and_preemption_recovers():
     """Estimate mode trusts the observed ratio; incompressible data then exhausts memory: the
     scheduler gets MemoryExhausted (nothing changed, nothing corrupted) and preempts."""
     chunk = 4 * OPEN
-    m = KVCacheManager(2, LAYOUT, budget_bytes=16 * chunk, chunk_bytes=chunk, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=16 * chunk, chunk_bytes=chunk, reserve_chunks=1)
     old = m.alloc_pages(5)
     written = fill(m, old, [1.0, 1.0])
     m.compress_pages(old)                                  # observed ratio ~0.75
@@ -674,7 +652,7 @@ def test_waves_seal_like_batch_by_batch(monkeypatch, shared, budget, spare):
         if batch_by_batch:
             monkeypatch.setattr(KVCacheManager, "_wave", lambda self, stored: (
                 min(self.slots_per_chunk, stored.shape[1]), None))
-        m = KVCacheManager(2, LAYOUT, budget_bytes=budget * chunk, chunk_bytes=chunk,
+        m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=budget * chunk, chunk_bytes=chunk,
                            shared_pool=shared, reserve_chunks=1)
         old = m.alloc_pages(6)
         written = fill(m, old, [0.9, 0.4], seed=3)
@@ -701,7 +679,7 @@ def test_triton_dispatch_writes_the_reference_bytes(monkeypatch):
     results = []
     for use_triton in (False, True):
         monkeypatch.setattr(codec, "uses_triton", lambda arena, use=use_triton: use)
-        m = KVCacheManager(2, LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
+        m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=16 * 4 * OPEN, chunk_bytes=4 * OPEN)
         ids = m.alloc_pages(6)
         written = fill(m, ids, [0.7, 0.0])
         m.compress_pages(ids)
@@ -730,8 +708,8 @@ def _interleaved_history(seed: int):
     import random
     rng = random.Random(seed)
     L, chunks, S, reserve = rng.choice([1, 2, 3]), rng.randint(6, 24), rng.choice([2, 4, 8]), rng.choice([0, 0, 1])
-    m = KVCacheManager(L, LAYOUT, chunks * S * OPEN, chunk_bytes=S * OPEN, reserve_chunks=reserve, device="meta")
-    sizes = lambda n: np.array([[LAYOUT.page_bytes(0) - rng.randint(0, LAYOUT.num_blocks) * 256  # noqa: E731
+    m = KVCacheManager(L, SMALL_LAYOUT, chunks * S * OPEN, chunk_bytes=S * OPEN, reserve_chunks=reserve, device="meta")
+    sizes = lambda n: np.array([[SMALL_LAYOUT.page_bytes(0) - rng.randint(0, SMALL_LAYOUT.num_blocks) * 256  # noqa: E731
                                  for _ in range(n)] for _ in range(L)])
     reqs, nid = {}, 0
     for _ in range(rng.randint(1, 6)):
@@ -787,7 +765,7 @@ def test_memory_full_of_open_pages_still_compresses(monkeypatch, use_triton):
     if use_triton and codec.analyze_open_pages is None:
         pytest.skip("zipfusion.format.triton_codec is not importable")
     monkeypatch.setattr(codec, "uses_triton", lambda arena: use_triton)
-    m = KVCacheManager(2, LAYOUT, budget_bytes=6 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=6 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
     ids = np.asarray(m.alloc_pages(m.capacity_new_pages(keep_reserve=False), keep_reserve=False))
     assert m.pool.available(0) == 0 and len(ids) == 3 * m.slots_per_chunk
     written = fill(m, ids, [0.9, 0.0], seed=7)          # layer 1: raw pages, kept in open form
@@ -800,10 +778,10 @@ def test_memory_full_of_open_pages_still_compresses(monkeypatch, use_triton):
 
 def test_accounting_memory_full_of_open_pages_still_compresses():
     """The same in accounting mode (no bytes): the simulator's runs see what the engine does."""
-    m = KVCacheManager(2, LAYOUT, 20 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1, device="meta")
+    m = KVCacheManager(2, SMALL_LAYOUT, 20 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1, device="meta")
     ids = list(m.alloc_pages(m.capacity_new_pages(keep_reserve=False), keep_reserve=False))
     assert m.pool.available(0) == 0 and len(ids) == 10 * m.slots_per_chunk
-    sizes = np.full((2, len(ids)), LAYOUT.page_bytes(0) - LAYOUT.num_blocks * 256)   # 5 a chunk
+    sizes = np.full((2, len(ids)), SMALL_LAYOUT.page_bytes(0) - SMALL_LAYOUT.num_blocks * 256)   # 5 a chunk
     assert place_with_sizes(m, ids, sizes) == []
     assert m.capacity_new_pages(keep_reserve=False) == 2 * m.slots_per_chunk          # 8 chunks of 10 a layer
 
@@ -814,7 +792,7 @@ def test_a_device_page_table_copy_follows_every_change(deferred):
     after every change -- alloc, seal, free, compaction (whole rows), a full-memory seal -- at
     once, or, deferred (the engine's way), after one flush, and not before it."""
     chunk = 4 * OPEN
-    m = KVCacheManager(2, LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1, mirror_table=True)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=24 * chunk, chunk_bytes=chunk, reserve_chunks=1, mirror_table=True)
     m.table.deferred = deferred
     host = torch.from_numpy(m.table.loc)
     assert m.page_loc.data_ptr() != host.data_ptr()
@@ -848,7 +826,7 @@ def test_fill_streams_keep_pages_that_leave_together_in_their_own_chunks(repack)
     """Pages sealed into two fill streams, alternately, never share a packed chunk: when one
     stream's requests finish, its chunks go back to the pool whole, with no compaction. A stream
     whose fill chunk was repacked meanwhile starts a fresh chunk, and contents stay exact."""
-    m = KVCacheManager(2, LAYOUT, budget_bytes=32 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
+    m = KVCacheManager(2, SMALL_LAYOUT, budget_bytes=32 * 4 * OPEN, chunk_bytes=4 * OPEN, reserve_chunks=1)
     written, pages = {}, {0: [], 1: []}
     for i in range(6):                                   # seals alternate between the streams
         s = i % 2

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("fastapi", reason="server tests need fastapi (pip install -e '.[server]')")
 pytest.importorskip("schemathesis", reason="needs schemathesis (in the test extra: pip install -e '.[test]')")
 
-from test_server import live_server  # noqa: E402
+from helpers import live_server  # noqa: E402
 
 from zipfusion.engine import LLMEngine  # noqa: E402
 from zipfusion.server.openai import create_app  # noqa: E402

@@ -9,9 +9,9 @@ import torch
 from zipfusion.memory.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
 from zipfusion.memory.page_store import PageStore
-from test_memory import LAYOUT, assert_contents, fill
+from helpers import SMALL_LAYOUT, assert_contents, fill
 
-OPEN = LAYOUT.open_page_bytes
+OPEN = SMALL_LAYOUT.open_page_bytes
 
 
 class Req:
@@ -27,7 +27,7 @@ class Req:
 
 
 def store(prefix_caching: bool = False):
-    cache = ArenaKVCache(2, LAYOUT.num_kv_heads, LAYOUT.head_dim, 64 * OPEN, "cpu", chunk_bytes=4 * OPEN)
+    cache = ArenaKVCache(2, SMALL_LAYOUT.num_kv_heads, SMALL_LAYOUT.head_dim, 64 * OPEN, "cpu", chunk_bytes=4 * OPEN)
     return cache, PageStore(cache, prefix_caching=prefix_caching)
 
 
@@ -40,10 +40,10 @@ def test_a_seal_is_placed_a_step_after_its_analysis():
     written = fill(m, a.pages, [1.0, 0.9], seed=1)
     before = ps.capacity()
     assert ps.after_forward([a]) == 0                       # step 0: filled, analysed (a compress batch waits)
-    assert ps.waiting() == a.pages and {m.page_state(p) for p in a.pages} == {"open"}
+    assert ps.to_seal() == a.pages and {m.page_state(p) for p in a.pages} == {"open"}
     assert ps.capacity() == before
     assert ps.after_forward([]) == 4                        # step 1: placed
-    assert {m.page_state(p) for p in a.pages} == {"stored"} and not ps.waiting()
+    assert {m.page_state(p) for p in a.pages} == {"stored"} and not ps.to_seal()
     assert m.stored_ratio() < 0.8
     assert_contents(m, written)
 
@@ -128,7 +128,7 @@ def test_pages_freed_between_analysis_and_placement_are_left_alone():
     assert ps.after_forward([]) == 4                        # step 1: only b's pages handed to the seal
     assert {m.page_state(p) for p in b.pages} == {"stored"}
     assert {m.page_state(p) for p in again} == {"open"}
-    assert not ps.waiting()
+    assert not ps.to_seal()
     assert_contents(m, written)
 
 
@@ -142,16 +142,16 @@ def test_seal_now_places_the_analysed_pages_and_the_rest():
     written = fill(m, a.pages, [1.0, 1.0], seed=4)
     a.num_computed = 8 * PAGE_TOKENS
     ps.after_forward([a])                                   # the first eight analysed: in flight
-    assert len(ps.waiting()) == 8
+    assert len(ps.to_seal()) == 8
     before = ps.capacity(keep_reserve=False)
     grew = ps.seal_now()
-    assert grew == (ps.capacity(keep_reserve=False) > before) and not ps.waiting()
+    assert grew == (ps.capacity(keep_reserve=False) > before) and not ps.to_seal()
     assert {m.page_state(p) for p in a.pages[:8]} == {"stored"}
     a.num_computed = 11 * PAGE_TOKENS
     assert ps.after_forward([a]) == 0                       # three more: too few to be due
-    assert ps.waiting() == a.pages[8:11]
+    assert ps.to_seal() == a.pages[8:11]
     ps.seal_now()
-    assert not ps.waiting() and {m.page_state(p) for p in a.pages[:11]} == {"stored"}
+    assert not ps.to_seal() and {m.page_state(p) for p in a.pages[:11]} == {"stored"}
     assert_contents(m, written)
 
 
@@ -161,9 +161,9 @@ def test_full_pages_join_the_prefix_cache_and_eviction_leaves_the_seal_queue():
     cache, ps = store(prefix_caching=True)
     a = Req(0, ps.alloc(2), 2 * PAGE_TOKENS)
     ps.after_forward([a])
-    assert ps.prefix.num_cached_pages == 2 and len(ps.waiting()) == 2
+    assert ps.prefix.num_cached_pages == 2 and len(ps.to_seal()) == 2
     ps.release(a.pages)
-    assert ps.prefix.num_evictable_pages == 2 and len(ps.waiting()) == 2     # cached, still to seal
+    assert ps.prefix.num_evictable_pages == 2 and len(ps.to_seal()) == 2     # cached, still to seal
     ps.make_room(ps.capacity() + 2)                         # more than is free: evicts both
-    assert ps.prefix.num_cached_pages == 0 and not ps.waiting()
+    assert ps.prefix.num_cached_pages == 0 and not ps.to_seal()
     assert torch.all(cache.page_loc[:, a.pages] == -1)

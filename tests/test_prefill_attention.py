@@ -17,7 +17,7 @@ from zipfusion.kernels import paged_prefill_attention, plan_prefill
 from zipfusion.kernels.prefill_attention import gather_kv
 from zipfusion.testing import reference_prefill_attention
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 
 
@@ -37,7 +37,7 @@ def adversarial(pages, gen):
     return pages
 
 
-def make_case(chunks, H, G, D, seed, kind="mixed", device=DEV):
+def make_case(chunks, H, G, D, seed, kind="mixed", device=DEVICE):
     """Chunks (start, length) of requests whose pages hold K/V up to each chunk's end.
 
     ``arena_c``: full pages compressed (~1/4 left open), the last partial page open (with NaN
@@ -131,13 +131,13 @@ def test_gather_restores_escape_patterns():
     65,536 on the GPU, a seeded sixteenth under the interpreter), NaN and inf included, and
     the 4/5-outlier blocks, bit for bit, from compressed pages."""
     blocks = escape_pattern_blocks()
-    if DEV == "cpu":
+    if DEVICE == "cpu":
         blocks = blocks[torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(9))[:1024]]
     pages = pages_from_block_bits(torch.cat([blocks, adversarial_escape_blocks()]), 2, 128)
     P = pages.shape[0]
-    arena, loc = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=3, device=DEV)
+    arena, loc = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=3, device=DEVICE)
     order = torch.randperm(P, generator=torch.Generator().manual_seed(4))
-    k, v = gather_kv(arena, loc, order.to(torch.int32).to(DEV), 16 * P, PageLayout(2, 128),
+    k, v = gather_kv(arena, loc, order.to(torch.int32).to(DEVICE), 16 * P, PageLayout(2, 128),
                      compressed=True)
     assert same_bits(k.cpu(), pages[order, 0].reshape(-1, 2, 128))
     assert same_bits(v.cpu(), pages[order, 1].reshape(-1, 2, 128))
@@ -164,10 +164,10 @@ def test_rows_do_not_depend_on_the_other_chunks(seed):
         sub["bt"] = c["bt"][order].contiguous()
         lens = [rows[i][1] - rows[i][0] for i in order]
         sub["indptr"] = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(),
-                                     dtype=torch.int32, device=DEV)
+                                     dtype=torch.int32, device=DEVICE)
         starts = [int(c["start"][i]) for i in order]
-        sub["start"] = torch.tensor(starts, dtype=torch.int32, device=DEV)
-        plan = plan_prefill(sub["indptr"].tolist(), starts, 8, 2, block_m=16, device=DEV)
+        sub["start"] = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+        plan = plan_prefill(sub["indptr"].tolist(), starts, 8, 2, block_m=16, device=DEVICE)
         out = run(sub, plan=plan)
         at = 0
         for i, n in zip(order, lens):
@@ -200,13 +200,13 @@ def test_ended_chunks_and_lse(seed):
     and fused (compressed pages) and twin give the same bits for both."""
     c = make_case([(47, 5), (20, 12), (0, 3)], 2, 4, 64, seed)
     kv_end = [48, 26, 3]                     # all rows at 47; rows 6.. clamped at 25; causal
-    plan = plan_prefill(c["indptr"].tolist(), c["start"].tolist(), 8, 2, block_m=16, device=DEV,
+    plan = plan_prefill(c["indptr"].tolist(), c["start"].tolist(), 8, 2, block_m=16, device=DEVICE,
                         kv_end=kv_end)
     res = []
     for compressed in (True, False):
         arena, loc = (c["arena_c"], c["loc_c"]) if compressed else (c["arena_o"], c["loc_o"])
-        out = torch.full(c["q"].shape, float("nan"), device=DEV)
-        lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+        out = torch.full(c["q"].shape, float("nan"), device=DEVICE)
+        lse = torch.full(c["q"].shape[:2], float("nan"), device=DEVICE)
         paged_prefill_attention(c["q"], arena, loc, c["bt"], c["indptr"], c["start"], c["layout"],
                                 c["scale"], out, compressed=compressed, plan=plan, lse=lse)
         res.append((out, lse))

@@ -25,6 +25,16 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in ci
 
 
+def test_the_test_commands_plugins_are_in_the_test_extra():
+    """The README's test command lists the slowest tests and times each out; the plugins its
+    flags need are installed by its ``.[test]``."""
+    command = quick_start_commands()[1]
+    extra = re.search(r"^test = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert "--durations=25" in command and "--timeout=" in command
+    for flag, plugin in (("-n auto", "pytest-xdist"), ("--timeout=", "pytest-timeout")):
+        assert flag not in command or f'"{plugin}"' in extra, f"the test command's {flag} needs {plugin} in .[test]"
+
+
 def test_the_python_snippet_runs_as_written(capsys):
     """Issue 48: the README's Python snippet runs wherever the quick start runs (a CPU, a few GiB
     free): no GPU-sized kv_memory_gb, no model path to fill in."""

@@ -5,7 +5,6 @@ while a request runs, /health during a long tokenization) run uvicorn on 127.0.0
 Every HTTP call has a timeout (httpx), and every test a watchdog (TestClient has none).
 """
 
-import contextlib
 import faulthandler
 import json
 import threading
@@ -15,12 +14,11 @@ import pytest
 
 pytest.importorskip("fastapi", reason="server tests need fastapi (pip install -e '.[server]')")
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from zipfusion.engine import LLM, LLMEngine, SamplingParams  # noqa: E402
-from zipfusion.server import bind_socket  # noqa: E402
 from zipfusion.server.openai import create_app  # noqa: E402
+from helpers import live_server  # noqa: E402
 
 T = 60      # seconds: the bound on any one HTTP call
 
@@ -53,25 +51,6 @@ def offline():
 def offline_run(llm, prompt, n, **kw):
     kw = {"temperature": 0, "ignore_eos": True, **kw}
     return llm.generate([prompt], SamplingParams(max_tokens=n, **kw), use_tqdm=False)[0]
-
-
-@contextlib.contextmanager
-def live_server(app):
-    """uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
 
 
 def wait_until(cond, timeout=10.0, what="condition"):

@@ -88,9 +88,8 @@ def cmd_generate(args) -> int:
     set_cpu_threads(args.cpu_threads)
     _show_build_progress()
     import zipfusion
-    from .config import config_from_args
-    config = config_from_args(args, skip=("seed",))
-    llm = zipfusion.LLM(**vars(config))
+    from .config import options_from_args
+    llm = zipfusion.LLM(**options_from_args(args, skip=("seed",)))
     prompts = list(texts)
     if args.chat:
         if llm.tokenizer is None:
@@ -109,6 +108,7 @@ def cmd_generate(args) -> int:
             print(f"--- {prompt!r}")
         print(o.text if llm.tokenizer is not None else " ".join(map(str, o.token_ids)))
     n = sum(len(o.token_ids) for o in outs)
+    config = llm.engine.config
     kv = f"kv_cache_dtype={config.kv_cache_dtype}{' (lossy)' if config.kv_lossy else ''}"
     print(f"[{n} tokens in {dt:.2f} s, kv_compression={config.kv_compression}, {kv}]", file=sys.stderr)
     return 0

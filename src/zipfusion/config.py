@@ -62,9 +62,58 @@ KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_lossless")
 KV_CACHE_DTYPE_CANONICAL = {"auto": "bf16", "bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_lossless": "fp8"}
 
 
+def _check_number(owner: str, name: str, value, kind: type, low: float, *, above: bool = False,
+                  none_ok: bool = False, hint: str = "") -> None:
+    """One option's check: ``value`` is a ``kind`` (an int for float too; never a bool) >= ``low``
+    (> ``low`` with ``above``), or None where ``none_ok``; else a one-line ValueError."""
+    if value is None and none_ok:
+        return
+    kinds = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not (value > low if above else value >= low):
+        what = "a number" if kind is float else "an int"
+        bound = f"> {low:g}" if above else f">= {low:g}"
+        raise ValueError(f"{owner}{name} must be {what} {bound}{hint}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Performance knobs: how work is batched and laid out, never a token. Each is read by one
+    object, which is handed this (``EngineConfig.tuning``; tests pass small values)."""
+
+    # the scheduler seals a page into fill stream (its request's expected finish step //
+    # fill_window) % fill_streams: pages that leave together share chunks, which then empty by
+    # themselves instead of being compacted (memory/packed.py)
+    fill_streams: int = 16
+    fill_window: int = 128
+    # packed decode: rows pack behind a shared prefix of at least this many pages ...
+    min_shared_pages: int = 16
+    # ... when packing spares at least this many page reads a layer (rows x shared pages)
+    min_spared_pages: int = 4096
+    # host tier: a copy out crosses PCIe through two device staging buffers of this size, taking
+    # turns; a swap-in is staged, placed and decoded stage_in_bytes at a time, and decodes at most
+    # decode_batch_bytes of open pages a launch (bounded device memory however many pages move)
+    stage_out_bytes: int = 64 << 20
+    stage_in_bytes: int = 256 << 20
+    decode_batch_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_number("tuning.", f.name, getattr(self, f.name), int, 0 if f.name == "min_spared_pages" else 1)
+
+
 def _opt(default, help: str, **kw):
     """A field with its help; ``expert=True``: a tuning or debugging knob, not listed by --help."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+# (name, type, lower bound, options of _check_number) of the numeric EngineConfig fields
+_NUMBER_OPTIONS = (
+    ("max_num_seqs", int, 1, {}), ("max_num_batched_tokens", int, 1, {}), ("tensor_parallel_size", int, 1, {}),
+    ("max_logprobs", int, 0, {}), ("prefill_split_min_tokens", int, 1, {}), ("prefill_split_grain", int, 1, {}),
+    ("tp_timeout_s", float, 0, {"above": True}), ("max_model_len", int, 2, {"none_ok": True}),
+    ("kv_memory_gb", float, 0, {"above": True, "none_ok": True}),
+    ("watchdog_timeout_s", float, 0, {"none_ok": True, "hint": " (0: off)"}), ("kv_host_memory_gb", float, 0, {"none_ok": True}),
+)
 
 
 @dataclass
@@ -172,39 +221,15 @@ class EngineConfig:
         PREFILL_SPLIT_GRAIN, "split_prefill's prefix part covers the prefix rounded down to a multiple of this "
                              "many keys, so that cuDNN builds graphs for few prefix lengths (1: the whole "
                              "prefix, a graph per prefix length)", expert=True)
+    tuning: Tuning = field(default=Tuning(), metadata={"cli": False})     # performance knobs (API only)
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = OFFLINE_MAX_NUM_BATCHED_TOKENS
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
-        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
-        for name in ("prefill_split_min_tokens", "prefill_split_grain"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
-                or not self.tp_timeout_s > 0:
-            raise ValueError(f"tp_timeout_s must be a positive number, got {self.tp_timeout_s!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
-        if self.kv_memory_gb is not None and (isinstance(self.kv_memory_gb, bool) or not isinstance(
-                self.kv_memory_gb, (int, float)) or not self.kv_memory_gb > 0):
-            raise ValueError(f"kv_memory_gb must be a positive number, got {self.kv_memory_gb!r}")
-        if self.watchdog_timeout_s is not None and (
-                isinstance(self.watchdog_timeout_s, bool) or not isinstance(self.watchdog_timeout_s, (int, float))
-                or not self.watchdog_timeout_s >= 0):
-            raise ValueError(f"watchdog_timeout_s must be a number >= 0 (0: off), got {self.watchdog_timeout_s!r}")
-        if self.kv_host_memory_gb is not None and (
-                isinstance(self.kv_host_memory_gb, bool) or not isinstance(self.kv_host_memory_gb, (int, float))
-                or not self.kv_host_memory_gb >= 0):
-            raise ValueError(f"kv_host_memory_gb must be a number >= 0, got {self.kv_host_memory_gb!r}")
+        for name, kind, low, kw in _NUMBER_OPTIONS:
+            _check_number("", name, getattr(self, name), kind, low, **kw)
+        if not isinstance(self.tuning, Tuning):
+            raise ValueError(f"tuning must be a zipfusion.config.Tuning, got {type(self.tuning).__name__}")
         for f in dataclasses.fields(self):
             if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
@@ -213,6 +238,9 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
 
         lossless_fp8 = self.kv_cache_dtype == "fp8_lossless"
+        if lossless_fp8 and not self.kv_compression:
+            raise ValueError("kv_cache_dtype='fp8_lossless' compresses full FP8 pages; drop kv_compression=False "
+                             "(--no-kv-compression), or take kv_cache_dtype='fp8' for uncompressed FP8 pages")
         self.kv_cache_dtype = KV_CACHE_DTYPE_CANONICAL[self.kv_cache_dtype]
         if self.kv_cache_dtype == "fp8":
             self._check_fp8(lossless_fp8)
@@ -227,7 +255,7 @@ class EngineConfig:
     def _check_fp8(self, lossless: bool) -> None:
         """kv_cache_dtype='fp8' (kept as 'fp8'): bf16 activations; pages not compressed, or, named
         'fp8_lossless', full pages compressed losslessly in the FP8 block format (kv_compression
-        set accordingly); read by our Triton decode kernels, FlashInfer's FP8 decode
+        says which: lossy fp8 turns the default True off); read by our Triton decode kernels, FlashInfer's FP8 decode
         (``attention_backend='flashinfer'``, uncompressed) or torch; no packed decode."""
         self.kv_compression = lossless
         if str(self.dtype).lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
@@ -279,7 +307,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
     """One ``--option`` per field (``--no-kv-compression`` for a bool that defaults to True, with
     its ``off_help``: what the flag does, not what it turns off)."""
     for f in dataclasses.fields(EngineConfig):
-        if f.name in skip:
+        if f.name in skip or f.metadata.get("cli") is False:
             continue
         flag = "--" + f.name.replace("_", "-")
         help = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"]
@@ -295,11 +323,17 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
                                 choices=f.metadata.get("choices"), help=help + shown)
 
 
+def options_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
+    """The options :func:`add_cli_args`' flags give, as typed (``skip``: the same names as there,
+    left at their defaults): what ``LLM(**options)`` takes. (A built config's fields are not:
+    kv_cache_dtype='fp8_lossless' is kept as 'fp8' with kv_compression on.)"""
+    names = {f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli") is not False} - set(skip)
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
 def config_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:
-    """The EngineConfig that :func:`add_cli_args`' options describe (``skip``: the same names
-    as there, left at their defaults)."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - set(skip)
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    """The EngineConfig that :func:`add_cli_args`' options describe."""
+    return EngineConfig(**options_from_args(args, skip))
 
 
 # -- the environment -----------------------------------------------------------------------------
@@ -310,7 +344,7 @@ class Environment:
     setting is an :class:`EngineConfig` field instead."""
     kernel_cache: Path                # ZIPFUSION_KERNEL_CACHE: the built CUDA kernel libraries
     checkpoint_cache: Path            # ZIPFUSION_CHECKPOINT_CACHE: downloaded checkpoint wheels (analysis/)
-    decode_kernel: str                # ZIPFUSION_ATTENTION_BACKEND: which decode kernel serves a call,
+    decode_kernel: str                # ZIPFUSION_DECODE_KERNEL: which decode kernel serves a call,
                                       # "auto", "cuda" or "triton" (a kernel override for benchmarks)
     cuda_producer: bool | None        # ZIPFUSION_CUDA_PRODUCER=0/1: the producer-warp CUDA kernel or not
                                       # (a kernel override for benchmarks; None: the measured default)
@@ -333,7 +367,7 @@ def environment() -> Environment:
     return Environment(
         kernel_cache=Path(env.get("ZIPFUSION_KERNEL_CACHE") or cache / "kernels").expanduser(),
         checkpoint_cache=Path(env.get("ZIPFUSION_CHECKPOINT_CACHE") or cache / "wheels").expanduser(),
-        decode_kernel=env.get("ZIPFUSION_ATTENTION_BACKEND", "auto"),
+        decode_kernel=env.get("ZIPFUSION_DECODE_KERNEL", "auto"),
         cuda_producer={"0": False, "1": True}.get(env.get("ZIPFUSION_CUDA_PRODUCER", "")),
         nvcc=env.get("NVCC"), cuda_home=env.get("CUDA_HOME", "/usr/local/cuda"),
         pip_index_url=env.get("PIP_INDEX_URL"), torchrun=torchrun,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import PREFILL_SPLIT_GRAIN, PREFILL_SPLIT_MIN_TOKENS
+from ..config import PREFILL_SPLIT_GRAIN, PREFILL_SPLIT_MIN_TOKENS, Tuning
 from ..format import PAGE_TOKENS
 from ..models.llama import KVCacheStep
 from .decode import FlashInferPagedDecode, Fp8KernelDecode, KernelDecode, MaskedAttention, TorchDecode
@@ -79,13 +79,13 @@ class AttentionBackend:
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
                  num_qo_heads: int, sm_scale: float, packed: bool = False, check_pages: bool = False,
                  split_min_tokens: int = PREFILL_SPLIT_MIN_TOKENS, split_grain: int = PREFILL_SPLIT_GRAIN,
-                 windows: tuple = (), softcap: float | None = None):
+                 tuning: Tuning = Tuning(), windows: tuple = (), softcap: float | None = None):
         arena = getattr(cache, "arena", None)
         self.check_kind(kind, cache.device, cache.dtype)
         if kind == "auto":
             kind = "kernel" if cache.device.type == "cuda" and arena is not None else "torch"
         self.kind, self.cache, self.sm_scale, self.num_qo_heads = kind, cache, sm_scale, num_qo_heads
-        self.split_grain = split_grain
+        self.split_grain, self.tuning = split_grain, tuning
         fp8 = cache.kv_dtype == "fp8"    # E4M3 pages (fp8_kv_cache.py): the FP8 kernel, FlashInfer's or torch
         if kind == "kernel" and fp8:
             self.decode = Fp8KernelDecode(cache, sm_scale, deterministic=deterministic, check_pages=check_pages)
@@ -132,8 +132,8 @@ class AttentionBackend:
                    deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
                    sm_scale=model_config.softmax_scale, packed=config.packed_decode,
                    check_pages=config.check_pages, split_min_tokens=config.prefill_split_min_tokens,
-                   split_grain=config.prefill_split_grain, windows=model_config.sliding_windows,
-                   softcap=model_config.attn_softcap)
+                   split_grain=config.prefill_split_grain, tuning=config.tuning,
+                   windows=model_config.sliding_windows, softcap=model_config.attn_softcap)
 
     @property
     def graph_safe(self) -> bool:
@@ -167,7 +167,7 @@ class AttentionBackend:
         buffers) or "eager"."""
         self._packed = None
         if self.packed:
-            plan = plan_packed(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads)
+            plan = plan_packed(context_lens, block_table, self.num_qo_heads, self.cache.num_kv_heads, self.tuning)
             if plan is not None:
                 bufs = self._packed_buffers
                 if graph and bufs is not None and plan.block_table.shape[1] <= bufs.block_table.shape[1]:

@@ -12,7 +12,7 @@ and multiplied once for R rows, at the cost of one row; a row's own pages are re
 before. Rows in no group travel alone (one slot used, the rest empty): the plain kernel's work.
 
 :func:`plan_packed` (host, once per step) pairs the rows that :func:`find_groups` finds (block
-tables beginning with the same ``>= MIN_SHARED_PAGES`` page ids, all before each row's newest
+tables beginning with the same ``>= Tuning.min_shared_pages`` page ids, all before each row's newest
 token); :meth:`PackedPlan.run` (per layer) gathers q into the packed layout, runs the kernel
 once, and puts each slot's output back in its row.
 
@@ -31,24 +31,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import Tuning
 from ..format import PAGE_TOKENS
 from ..memory.copy import to_device
 
-MIN_SHARED_PAGES = 16      # rows pack behind a shared prefix of 256 tokens or more
 # query-head columns of a packed request: one tensor-core n-tile (R = 8 // G rows a request);
 # 16 (two n-tiles, R = 16 // G) halves the restores again for twice the MMAs
 PACK_HEADS = 8
-# pack only when it spares at least this many page reads a layer (rows x shared pages): ~1.7 ms
-# of fused attention a step on the H200 (at 0.211 ms a layer for 32 x 512 pages), against the four
-# small kernels a layer that packing adds (~0.4 ms a step) -- a first guess, to be tuned there
-MIN_SPARED_PAGES = 4096
 
 
-def find_groups(context_lens: np.ndarray, table: np.ndarray, min_pages: int | None = None) -> list[tuple[np.ndarray, int]]:
+def find_groups(context_lens: np.ndarray, table: np.ndarray, min_pages: int) -> list[tuple[np.ndarray, int]]:
     """(rows, shared pages) of every group of >= 2 decode rows whose block tables begin with the
-    same ``shared >= min_pages`` (default MIN_SHARED_PAGES) page ids, all before each row's
-    newest token."""
-    min_pages = min_pages or MIN_SHARED_PAGES
+    same ``shared >= min_pages`` page ids, all before each row's newest token."""
     lens = np.asarray(context_lens, dtype=np.int64)
     full = (lens - 1) // PAGE_TOKENS                  # pages wholly before a row's newest token
     cand = np.flatnonzero(full >= min_pages)
@@ -128,15 +122,16 @@ def rows_per_request(num_q_heads: int, num_kv_heads: int, pack_heads: int | None
 
 
 def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                pack_heads: int | None = None) -> PackedPlan | None:
+                tuning: Tuning = Tuning(), pack_heads: int | None = None) -> PackedPlan | None:
     """The step's packed requests (host tensors) from its host ``context_lens`` [B] and
     ``block_table`` [B, W], or None when the GQA group leaves no room for two rows or packing
-    would spare fewer than MIN_SPARED_PAGES page reads."""
+    would spare fewer than ``tuning.min_spared_pages`` page reads (rows share at least
+    ``tuning.min_shared_pages``)."""
     R = rows_per_request(num_q_heads, num_kv_heads, pack_heads)
     if not R:
         return None
     lens, table = context_lens.numpy().astype(np.int64), block_table.numpy()
-    groups = find_groups(lens, table)
+    groups = find_groups(lens, table, tuning.min_shared_pages)
     if not groups:
         return None
     members, grouped = [], np.zeros(lens.size, dtype=bool)
@@ -145,7 +140,7 @@ def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_hea
             chunk = rows[i:i + R]
             members.append((chunk, shared))
             grouped[chunk] = True
-    if sum((len(chunk) - 1) * shared for chunk, shared in members) < MIN_SPARED_PAGES:
+    if sum((len(chunk) - 1) * shared for chunk, shared in members) < tuning.min_spared_pages:
         return None
     members += [([b], 0) for b in np.flatnonzero(~grouped)]
     V = len(members)

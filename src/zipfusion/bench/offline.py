@@ -29,7 +29,7 @@ from .process import child_environment
 from .stats import percentile
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
-               "forward_s", "seal_s", "ahead_s", "recomputed_tokens", "context_tokens")   # a step log's columns
+               "forward_s", "seal_s", "ahead_s", "recomputed_tokens", "context_tokens", "finish_s")   # a step log's columns
 
 
 class Step(NamedTuple):
@@ -47,6 +47,7 @@ class Step(NamedTuple):
     forward_s: float
     seal_s: float
     ahead_s: float
+    finish_s: float
 
 
 def log(*a) -> None:
@@ -175,6 +176,7 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "prefill_step_s_p50": statistics.median(x.seconds for x in pre) if pre else nan,
         "seal_s": sum(x.seal_s for x in steps), "schedule_s": sum(x.schedule_s for x in steps),
         "forward_s": sum(x.forward_s for x in steps), "ahead_s": sum(x.ahead_s for x in steps),
+        "finish_s": sum(x.finish_s for x in steps),
         "sealed_pages": sum(x.sealed_pages for x in steps),     # handed to the seal: retries count again
         "pages_compressed": now.get("pages_compressed", 0) - base.get("pages_compressed", 0),
         "compactions": now.get("compactions", 0) - base.get("compactions", 0),

@@ -7,19 +7,19 @@ import itertools
 import logging
 import time
 import weakref
-from typing import NamedTuple
 
 import torch
 
-from ..models import build_model, load_tokenizer, model_config, resolve_model
-from ..models.loader import resolve_tokenizer
-from ..models.parallel import TensorParallel, use as use_parallel
+from ..attention.backend import AttentionBackend
 from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig
 from ..format.layout import PAGE_TOKENS
 from ..memory.copy import HostArray
-from ..attention.backend import AttentionBackend
-from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
 from ..memory.kv_cache import ArenaKVCache
+from ..models import build_model, load_tokenizer, model_config, resolve_model
+from ..models.loader import resolve_tokenizer
+from ..models.parallel import TensorParallel, use as use_parallel
+from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
+from .observe import MemoryWatch, PhaseClock, StepResult, StepStats, reuse_stats
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs
@@ -27,92 +27,6 @@ from .scheduler import KVCacheTooSmall, Scheduler, SchedulerOutput
 from .watchdog import Watchdog
 
 log = logging.getLogger("zipfusion")
-
-
-class PhaseClock:
-    """Host seconds of a step's phases: ``mark(phase)`` adds the time since the last mark to the
-    phase's total (a phase may come back)."""
-
-    PHASES = ("schedule", "forward", "seal", "ahead")
-
-    def __init__(self):
-        self.start = self._last = time.perf_counter()
-        self._s = dict.fromkeys(self.PHASES, 0.0)
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self._s[phase] += now - self._last
-        self._last = now
-
-    def times(self) -> dict:
-        """StepStats' timing fields."""
-        return {"start": self.start, "seconds": self._last - self.start,
-                **{f"{p}_s": self._s[p] for p in self.PHASES}}
-
-
-class MemoryWatch:
-    """On CUDA: a warning each time the caching allocator's reserved GPU memory passes its
-    high-water mark by more than ``STEP_MIB`` (memory that a server should hold flat after its
-    warm-up), naming what the step did and what the memory system did in it (host-tier swaps,
-    compaction, pages compressed), so that the growth can be traced to its cause. A host call to
-    the allocator's counters a step."""
-
-    STEP_MIB = 64
-
-    def __init__(self, engine: "LLMEngine", reserved=torch.cuda.memory_reserved,
-                 peak=torch.cuda.max_memory_allocated):
-        self.engine, self.steps, self.reserved, self.peak = engine, 0, reserved, peak
-        self.high = reserved(engine.device)
-        self.last = self._counters()
-
-    def _counters(self) -> dict:
-        e, out = self.engine, {}
-        if e.host_tier is not None:
-            out.update(host_out=e.host_tier.stats.pages_out, host_in=e.host_tier.stats.pages_in)
-        manager = getattr(e.cache, "manager", None)
-        if manager is not None:
-            out.update(compactions=manager.compactions, moved_mib=manager.bytes_moved >> 20,
-                       compressed=manager.pages_compressed)
-        return out
-
-    def check(self, res: "StepResult", placed: int) -> None:
-        self.steps += 1
-        now, counters = self.reserved(self.engine.device), self._counters()
-        if now > self.high + (self.STEP_MIB << 20):
-            during = ", ".join(f"{k} +{v - self.last.get(k, 0)}" for k, v in counters.items())
-            log.warning("GPU memory reserved by torch grew %d -> %d MiB (allocated peak %d MiB) at step %d: %d "
-                        "decode rows, %d prefill tokens, %d pages sealed; the memory system in this step: %s",
-                        self.high >> 20, now >> 20, self.peak(self.engine.device) >> 20,
-                        self.steps, res.decode_rows, res.prefill_tokens, placed, during)
-            self.high = now
-        self.last = counters
-
-
-class StepResult(NamedTuple):
-    """What one :meth:`LLMEngine.step` did: the requests that finished, the rows it sampled
-    (``logits[i]`` is the row that gave ``sampled[i]`` its newest token: valid until the next
-    step, clone to keep), and its size."""
-    finished: list
-    sampled: list
-    logits: object                   # torch.Tensor [len(sampled), V] fp32, or None
-    decode_rows: int
-    prefill_tokens: int
-    running: int                     # requests running after scheduling
-    preempted: int
-
-
-class StepStats(NamedTuple):
-    """A step's numbers beyond its result, for the engine's observers (:meth:`LLMEngine.add_observer`:
-    benchmarks): seconds from the host clock (:class:`PhaseClock`)."""
-    sealed_pages: int                # pages handed to the seal's placement (those it left open are handed again later)
-    recomputed_tokens: int           # prefill tokens whose K/V had been computed before a preemption
-    context_tokens: int              # the decode rows' context lengths, summed (what decode attention reads)
-    start: float                     # time.perf_counter() at the step's start
-    seconds: float
-    schedule_s: float
-    forward_s: float                 # the rest after scheduling: forward, sampling, bookkeeping
-    seal_s: float                    # the page store's call behind the forward: placement and encode launch, full pages collected, analysis launch
-    ahead_s: float                   # scheduling the next step while this one ran on the GPU (async_scheduling)
 
 
 class LLMEngine:
@@ -148,7 +62,7 @@ class LLMEngine:
         self.host_tier = self._build_host_tier()
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
-                                   host_tier=self.host_tier)
+                                   host_tier=self.host_tier, tuning=cfg.tuning)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe
@@ -228,7 +142,7 @@ class LLMEngine:
         if gb > free_memory_gb(torch.device("cpu")):
             raise ValueError(f"kv_host_memory_gb={gb:g} is more than the host's free memory; pass a smaller one")
         from ..memory.host_tier import HostTier
-        return HostTier(self.cache.manager, int(gb * 2**30))
+        return HostTier(self.cache.manager, int(gb * 2**30), cfg.tuning)
 
     def _check_one_request_fits(self, asked: bool) -> None:
         """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
@@ -348,7 +262,7 @@ class LLMEngine:
             self._ahead = self._schedule_ahead(sampled)
             clock.mark("ahead")
         finished = self._postprocess(sampled, logits, tokens, placed)
-        clock.mark("forward")
+        clock.mark("finish")
         res = StepResult(finished, sampled, logits if sampled else None, len(out.decode),
                          sum(ch.length for ch in out.prefill), running, len(out.preempted))
         if self._observers:                # (benchmarks; contexts: the counters moved on, this token included)
@@ -427,13 +341,13 @@ class LLMEngine:
         params = [r.params for r in reqs]
         history = ([(r.prompt_ids, r.output_ids) if p.penalized else None for r, p in zip(reqs, params)]
                    if any(p.penalized for p in params) else None)
-        sampled = self.sampler(logits, params, [r.generator for r in reqs], history)
-        return HostArray(sampled), sampled
+        new_tokens = self.sampler(logits, params, [r.generator for r in reqs], history)
+        return HostArray(new_tokens), new_tokens
 
     def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[tuple[Request, str]]:
         """Append each request's token; returns (request, reason) of those done."""
-        host, sampled = tokens
-        self._note_logprobs(reqs, logits, sampled)
+        host, new_tokens = tokens
+        self._note_logprobs(reqs, logits, new_tokens)
         tokens = host.get().tolist()
         now = time.perf_counter()
         finished = []
@@ -445,14 +359,14 @@ class LLMEngine:
                 finished.append((r, reason))
         return finished
 
-    def _note_logprobs(self, reqs: list[Request], logits: torch.Tensor, sampled: torch.Tensor) -> None:
+    def _note_logprobs(self, reqs: list[Request], logits: torch.Tensor, new_tokens: torch.Tensor) -> None:
         """Append to ``request.logprobs`` the raw log-probabilities of the token just sampled
         (and of its ``params.logprobs`` most likely alternatives), for the requests that asked."""
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
             return
         idx = torch.tensor(rows, device=logits.device)
-        entries = compute_logprobs(logits[idx], sampled[idx], [reqs[i].params.logprobs for i in rows])
+        entries = compute_logprobs(logits[idx], new_tokens[idx], [reqs[i].params.logprobs for i in rows])
         for i, entry in zip(rows, entries):
             reqs[i].logprobs.append(entry)
 
@@ -525,24 +439,8 @@ class LLMEngine:
         return {**((at_peak and self.peak_kv_stats) or self.cache.stats()), **self.reuse_stats()}
 
     def reuse_stats(self) -> dict:
-        """What K/V was reused, moved or thrown away, now: the prefix cache's hits over lookups (in
-        prompt tokens), pages cached / evictable; its host tier's bytes, pages swapped and the
-        seconds the swaps took; preemptions and the prefill tokens computed again after them."""
-        p = self.scheduler.prefix
-        out = {"prefix_cache_enabled": p.enabled, "prefix_cache_queried_tokens": p.stats.queried_tokens,
-               "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,
-               "prefix_cache_pages": p.num_cached_pages, "prefix_cache_evictable_pages": p.num_evictable_pages,
-               "prefix_cache_evicted_pages": p.stats.evicted_pages, "host_tier_bytes": 0,
-               "host_tier_budget_bytes": 0, "host_tier_pages": p.num_host_pages,
-               "preemptions": self.scheduler.num_preemptions, "recomputed_tokens": self.recomputed_tokens}
-        if p.host is not None:
-            h = p.host.stats
-            p.host.collect_timings()
-            out.update(host_tier_bytes=p.host.used, host_tier_budget_bytes=p.host.budget, swapped_out_pages=h.pages_out,
-                       swapped_in_pages=h.pages_in, swapped_out_bytes=h.bytes_out, swapped_in_bytes=h.bytes_in,
-                       host_tier_dropped_pages=h.dropped, swap_out_host_s=h.host_s_out, swap_in_host_s=h.host_s_in,
-                       swap_out_device_s=h.device_s_out, swap_in_device_s=h.device_s_in)
-        return out
+        """What K/V was reused, moved or thrown away, now (:func:`~.observe.reuse_stats`)."""
+        return reuse_stats(self.scheduler, self.recomputed_tokens)
 
     def output_of(self, r: Request, prompt: str | None) -> RequestOutput:
         text = r.text

@@ -166,9 +166,9 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
+        drawn = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor(greedy_rows).to(dev, non_blocking=True)
-        return torch.where(greedy, out, sampled)
+        return torch.where(greedy, out, drawn)
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -227,16 +227,16 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[i
     model produced it, before logit bias, penalties, temperature and top-k/top-p (vLLM's default
     ``raw_logprobs``). One transfer to the host for the whole batch."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    sampled = lp.gather(-1, tokens.view(-1, 1).to(lp.device))                   # [B, 1]
-    rank = (lp > sampled).sum(-1) + 1
+    chosen = lp.gather(-1, tokens.view(-1, 1).to(lp.device))                    # [B, 1]
+    rank = (lp > chosen).sum(-1) + 1
     k = max(num_top)
     if k > 0:
         top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
         top_lp, top_ids = top_lp.cpu().tolist(), top_ids.cpu().tolist()
-    sampled, rank, tok = sampled[:, 0].cpu().tolist(), rank.cpu().tolist(), tokens.cpu().tolist()
+    chosen, rank, tok = chosen[:, 0].cpu().tolist(), rank.cpu().tolist(), tokens.cpu().tolist()
     out = []
     for i, n in enumerate(num_top):
-        d = {int(tok[i]): Logprob(sampled[i], int(rank[i]))}
+        d = {int(tok[i]): Logprob(chosen[i], int(rank[i]))}
         for j in range(n):
             d.setdefault(top_ids[i][j], Logprob(top_lp[i][j], j + 1))
         out.append(d)

@@ -33,18 +33,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..attention.backend import ChunkView
+from ..config import Tuning
 from ..memory import Admission, RunningBatch
+from ..memory.kv_cache import KVCache
 from ..memory.page_store import PageStore
 from ..memory.prefix_cache import ROOT
-from ..attention.backend import ChunkView
-from ..memory.kv_cache import KVCache
 from .request import PAGE_TOKENS, Request, Status
 
 
-FILL_STREAMS, FILL_WINDOW = 16, 128   # a page is sealed into fill stream (expected finish step of its
-                        # request // FILL_WINDOW) % FILL_STREAMS: pages that leave together share
-                        # chunks, which then empty by themselves (memory/packed.py). Simulated mix
-                        # (benchmarks/schedule_sim.py): compaction 9.76 -> 0.0007 GiB, batch unchanged
 SHARED_AHEAD_PAGES = 2  # a waiting request whose next uncached pages (this many) another request
                         # is computing now waits a step and finds them cached (SGLang's in-batch
                         # prefix check): a group arriving at once computes its shared prompt once
@@ -87,11 +84,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
-                 host_tier=None):
+                 host_tier=None, tuning: Tuning = Tuning()):
         # the options were checked once, by EngineConfig
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.tuning = tuning
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
         self.pages = PageStore(cache, prefix_caching=prefix_caching, host_tier=host_tier,
                                fill_stream_of=self._fill_streams,
@@ -279,7 +277,7 @@ class Scheduler:
             # compressed pages go back compressed where there is room (as a seal of pages no running
             # request holds: the current window's stream, the room promised to running requests kept)
             if still:
-                self.pages.swap_in(still, pages[:len(still)], self._steps // FILL_WINDOW % FILL_STREAMS)
+                self.pages.swap_in(still, pages[:len(still)], self._fill_stream_now())
         return chain
 
     def _cut_at_lost(self, chain: list, keep: int) -> tuple[list, list]:
@@ -324,14 +322,19 @@ class Scheduler:
         """Each owner's fill stream: the window of steps in which its request is expected to
         finish (admission's estimate of its output; exact for a fixed-length one). A request
         behind a cached prefix, whose pages are likely to outlive it (a conversation's next
-        turn), takes stream FILL_STREAMS of its own; pages no running request holds (swapped back
-        in, cached) the current window's."""
+        turn), takes stream ``fill_streams`` of its own; pages no running request holds (swapped
+        back in, cached) the current window's (Tuning: fill_streams, fill_window)."""
+        t = self.tuning
         wanted = set(owners)          # a seal's few owners, not every running request
         finish = {r.request_id: (self._steps + self.admission.expected_tokens(
                       r.num_tokens, self._max_total_tokens(r), r.params.fixed_length) - r.num_tokens)
-                  // FILL_WINDOW % FILL_STREAMS if not r.num_cached_tokens else FILL_STREAMS
+                  // t.fill_window % t.fill_streams if not r.num_cached_tokens else t.fill_streams
                   for r in self.running if r.request_id in wanted}
-        return [finish.get(o, self._steps // FILL_WINDOW % FILL_STREAMS) for o in owners]
+        return [finish.get(o, self._fill_stream_now()) for o in owners]
+
+    def _fill_stream_now(self) -> int:
+        """The fill stream of the current window of steps."""
+        return self._steps // self.tuning.fill_window % self.tuning.fill_streams
 
     def retire(self, req: Request) -> None:
         """The request will finish with the step now on the GPU, whose token is not back yet (the

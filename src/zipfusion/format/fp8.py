@@ -13,6 +13,8 @@ round-to-nearest-even conversion):
     q = E4M3_rne(clamp(x / scale, -448, 448))      (NaN stays NaN)
     x' = E4M3_value(q) · scale                     (dequantization)
 
+±inf saturate to ±448, -0 stays -0 (``0x80``), values below 2^-10 round to a zero of their sign.
+
 ``scale`` is one FP32 number per tensor (vLLM's default is 1.0) or one per KV head
 (:func:`head_scales`: ``amax / 448`` over the head's values, so that the largest one lands on
 448). Codes are returned as ``uint8`` bytes: the lossless FP8 block format

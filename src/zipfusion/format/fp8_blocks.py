@@ -1,4 +1,4 @@
-"""Lossless block format for FP8 E4M3 KV pages (issue 47 item 3): the torch reference codec.
+"""Lossless block format for FP8 E4M3 KV pages: the torch reference codec.
 
 A page of E4M3 codes ``[2, 16, H, D]`` (uint8, :func:`zipfusion.format.fp8.quantize_e4m3`) is cut
 into the BF16 format's 512-value blocks (:func:`zipfusion.format.layout.to_blocks`: K channel-

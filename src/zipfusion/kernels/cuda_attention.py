@@ -11,8 +11,7 @@ CPU-checkable reference.
 Build variants (benchmarks/attention.py, the tests' ``--cuda-define``): :func:`set_build_defines`
 adds preprocessor defines to every later build of this process, e.g. ``ZF_ESC_KIND`` (the
 COMPRESSED_ESC page kind: format v2 pages with escapes and no raw block; see the source; off by
-default: 3 % faster on an H200 with the per-warp kernel in one run, no faster on an H100 with the
-producer warp). The package itself never sets one.
+default). The package itself never sets one.
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ MAX_GROUP = 16
 
 
 def default_stages(compressed: bool, group: int) -> int:
-    """Half pages in flight per warp, measured best at batch 32 / 8K, G = 4
-    (benchmarks/attention.py --tune): the fused kernel 4 (3 CTAs per SM), the uncompressed kernel 3 (4 CTAs per
-    SM at 128 registers). Groups over 8 need twice the accumulators and spill at 3: 4."""
+    """Half pages in flight per warp (tuned by benchmarks/attention.py --tune): the fused kernel 4
+    (3 CTAs per SM), the uncompressed kernel 3 (4 CTAs per SM at 128 registers). Groups over 8
+    need twice the accumulators and spill at 3: 4."""
     return 3 if not compressed and group <= 8 else 4
 
 
@@ -49,10 +48,9 @@ PRODUCER_STAGES = 4     # the producer kernel's depth: 2 pages (4 half pages) a 
 
 
 def default_producer(compressed: bool, hopper: bool) -> bool:
-    """Whether the producer-warp kernel runs by default: for compressed pages on Hopper, where
-    it was measured faster (benchmarks/attention.py --tune, H100, batch 32 x 8K: 1-2 % at every
-    fraction); the uncompressed kernel keeps its per-warp copies (its open pages cost the producer 32 row
-    copies each: 0.81x its per-warp form). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides
+    """Whether the producer-warp kernel runs by default: for compressed pages on Hopper, where it
+    is the faster form; the uncompressed kernel keeps its per-warp copies (its open pages cost the
+    producer 32 row copies each). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides
     (config.environment)."""
     override = environment().cuda_producer
     return hopper and (compressed if override is None else override)
@@ -65,7 +63,7 @@ class CudaKernelUnavailable(RuntimeError):
 def choose_copy(compressed: bool, hopper: bool, group: int, stages: int | None,
                 tma: bool | None, producer: bool | None) -> tuple[int, int]:
     """(stages, copy) for the kernel library: copy 0 = each warp with cp.async, 1 = each warp
-    with bulk copies, 2 = a producer warp with bulk copies. Unset knobs take the measured
+    with bulk copies, 2 = a producer warp with bulk copies. Unset knobs take the tuned
     defaults; asking for a per-warp depth (stages != 4) or for cp.async (tma=False) asks for the
     per-warp kernel, and contradicting the producer kernel's fixed depth is an error."""
     if producer is None:
@@ -77,7 +75,7 @@ def choose_copy(compressed: bool, hopper: bool, group: int, stages: int | None,
     if producer and tma is False:
         raise ValueError("producer=True with tma=False: the producer warp stages pages with bulk "
                          "copies (TMA); leave tma unset")
-    if tma is None:      # measured best: bulk copies for compressed pages, cp.async for open ones
+    if tma is None:      # bulk copies for compressed pages, cp.async for open ones
         tma = compressed and hopper
     if (tma or producer) and not hopper:
         raise CudaKernelUnavailable("tma=True / producer=True need an sm_90+ GPU (Hopper)")
@@ -198,11 +196,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: to
 
     The slots are the fused kernel's at its default depth (4 stages, 3 CTAs per SM) for the
     uncompressed kernel too: the split count fixes the order of the final sums, so both must agree on it
-    to give the same bits. Measured on the H200 (benchmarks/profile_engine.py, batch 32 x 8K,
-    8 KV heads, 396 slots): S = 3 / 6 / 12 / 8 / 4 / 5 took 7.13 / 7.23 / 7.43 / 7.52 / 7.53 /
-    7.85 ms for the 32 layers (fused), the model's order; c = 2.5 pages fits those times. The
-    uncompressed kernel (3 stages) at S = 4 / 3 / 5: 8.38 / 8.54 / 8.53 ms. Uniform contexts are the case
-    where the waves show most.
+    to give the same bits. ``c`` (PAGES_PER_CTA_OVERHEAD) was fitted to measured kernel times
+    (docs/tuning.md, "The CUDA decode kernel's defaults").
     """
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     slots = ctas_per_sm(default_stages(True, 1)) * sms

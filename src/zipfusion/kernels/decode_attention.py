@@ -167,7 +167,7 @@ def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, op
 def uses_cuda_kernel(backend, device, layout, group: int) -> bool:
     """Which kernel serves a call on ``device`` (GQA ``group``): the CUDA C++ kernel
     (``cuda_attention``) where it can (CUDA tensors, head_dim 128, group <= 16, nvcc present),
-    else the Triton kernel. ``backend`` (or $ZIPFUSION_ATTENTION_BACKEND: config.environment)
+    else the Triton kernel. ``backend`` (or $ZIPFUSION_DECODE_KERNEL: config.environment)
     forces one. (A packed launch on the Triton route plans its rows on the host,
     :func:`packed_rows`, so the engine captures packed CUDA graphs only where this is True.)"""
     backend = backend or environment().decode_kernel

@@ -1,36 +1,10 @@
 """FP8 (E4M3) KV pages in Triton: the quantizer and dequantizer the store and decode kernels inline.
 
-``kv_cache_dtype="fp8"`` (EngineConfig) stores K and V as OCP E4M3 (``torch.float8_e4m3fn``:
-1 sign bit, 4 exponent bits with bias 7, 3 mantissa bits; no infinities; 0x7F / 0xFF are NaN;
-largest finite magnitude 448, smallest subnormal 2^-9). It is *lossy*: a BF16 value (8
-significant bits) keeps 4. Activations and weights stay BF16.
-
-Scales, as vLLM's fp8 KV cache: one ``k_scale`` and one ``v_scale`` (per tensor; default 1.0,
-vLLM's default when a checkpoint carries none). The arithmetic takes a scale so that per-(layer,
-head) scales can come later. With s the scale::
-
-    store:   byte = E4M3_RNE( clamp(fp32(x) / s, -448, 448) )          (round to nearest, ties
-                                                                  to even; saturating: |x/s| > 448 -> +-448)
-    read:    x'   = bf16( fp32(E4M3(byte)) * s )                  (exact for s = 1: an E4M3 value
-                                                                  is a BF16 value)
-
-Special inputs: +-inf saturate to +-448; NaN stays NaN (byte 0x7F or 0xFF, read back as NaN:
-attention over a NaN key or value gives NaN, as it does in BF16); -0 stays -0 (0x80); values
-below half the smallest subnormal (2^-10) round to a zero of their sign; BF16 subnormals
-(|x| < 2^-126) are far below that and become zeros too.
-
-Open FP8 pages have the BF16 open page's shape, ``[2, 16, H, D]``, at one byte a value
-(``format.fp8.Fp8PageLayout``), in the same arena; the page location tag (format/layout.py) is
-unchanged. The Triton kernels quantize (:func:`e4m3_quant`, the CUDA store in rope_store.py) and
-dequantize (:func:`e4m3_dequant`, the decode kernel in fp8_attention.py and the store's returned
-K/V) equal to format/fp8.py's ``quantize_e4m3`` / ``dequantize_e4m3`` bit for bit (NaNs' sign and
-payload aside): the quantizer in integer and fp32 arithmetic; the dequantizer too under the
-interpreter (:func:`e4m3_dequant_bits`), and with the GPU's conversions compiled
-(:func:`e4m3_dequant_native`, the same bits).
-
-The torch quantizer and dequantizer are format/fp8.py's (the one definition, also the lossless
-FP8 block codec's and ``zipfusion analyze --kv-dtype fp8``'s), as is the one-byte page layout
-(``Fp8PageLayout``); this module holds their Triton twins.
+The Triton twins of format/fp8.py's ``quantize_e4m3`` / ``dequantize_e4m3`` (the one definition
+of the store and read arithmetic, its special inputs and the one-byte page layout), equal to
+them bit for bit but for NaNs' sign and payload: the quantizer in integer and fp32 arithmetic;
+the dequantizer too under the interpreter (:func:`e4m3_dequant_bits`), and with the GPU's
+conversions compiled (:func:`e4m3_dequant_native`, the same bits).
 """
 
 from __future__ import annotations

@@ -345,9 +345,7 @@ def gather_kv(arena, page_loc_layer, pages, num_tokens: int, layout, *, compress
     """K, V [num_tokens, H, D] bf16 of the first ``num_tokens`` tokens held in ``pages`` (int32
     [>= ceil(num_tokens/16)] page ids on the arena's device), open or compressed, restored with
     the attention kernels' routine in one launch. The engine's tables are trusted (no checks).
-    ``tile_pages`` 1: on an H100 a compressed restore of 8-24K tokens takes 0.052-0.100 ms at 1
-    page a program, 0.057-0.110 at 2, 0.090-0.179 at 8, against 0.054-0.102 ms open
-    (benchmarks/results/steady_h100/gather)."""
+    ``tile_pages``: pages a program restores (1 is the fastest: docs/tuning.md, "Gather")."""
     H, D = layout.num_kv_heads, layout.head_dim
     k = torch.empty(num_tokens, H, D, dtype=torch.bfloat16, device=arena.device)
     v = torch.empty_like(k)

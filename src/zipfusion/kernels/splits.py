@@ -11,11 +11,9 @@ pages and context length: its splits, and the order in which they are summed, ar
 any batch. Without it the split count comes from the caller's heuristic (``default``) or
 ``num_splits``, and depends on the batch; each request's own pages are then spread over the S
 splits (*balanced*: ``split_size``, in whole tiles), so that the longest request of a batch of
-mixed lengths is cut as finely as the others. (Cutting the block table's width instead left
-every realistic request in one split: the engine's tables are as wide as ``max_model_len``
-allows, 2,047 pages at 32K, so a 700-token request ran as one CTA, and a 2,000-token one set
-the kernel's time; measured in an H100 trace of a decode-heavy run, 2026-12-06.)
-The kernels receive a balanced plan as ``pages = -tile``.
+mixed lengths is cut as finely as the others (the block table's width, as wide as
+``max_model_len`` allows, would leave a realistic request in one split). The kernels receive a
+balanced plan as ``pages = -tile``.
 """
 
 from __future__ import annotations

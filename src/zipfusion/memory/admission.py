@@ -16,9 +16,8 @@ In the estimate mode the capacity on the left counts as much of the compression 
 (memory/manager.py: chunks each layer keeps free for the seal to pack into) as the output pages
 promised: those are free until the running requests grow into them, so the seal borrows them
 meanwhile, and decode steps may take the reserve when they come (scheduler.py), while a
-prefill's pages keep it. Promising around the reserve cost the compressed mode 3.7 % of its
-running requests in a simulated closed loop (4 GiB, decode-heavy: 29.3 -> 30.4 running, none
-preempted; benchmarks/results/closed_loop_sim_cpu).
+prefill's pages keep it (promising around the reserve cost running requests:
+docs/tuning.md, "Admission").
 
 ``P_i`` counts the rest of request i's prompt and its expected output,
 ``min(max_tokens left, CLIP_TOKENS) · out_frac`` tokens (in the conservative mode all of
@@ -40,13 +39,9 @@ each certain request growing a token a step until its last token (FINISH_SLACK_S
 later, for prefill chunks and jitter), then giving back the full pages it holds past its
 prompt's (at the ratio observed; the prompt's may be shared through the prefix cache, its open
 page is not counted); requests of uncertain length keep their whole expected need to the end,
-as above. In a closed loop of decode-heavy requests (`benchmarks/schedule_sim.py
---max-in-flight 64`, 4 GiB) the sum leaves ~40 % of the KV promised and unused at every step;
-lookahead runs 1.51x / 1.57x the requests (compressed / uncompressed) with none preempted, but
-the compressed arena then runs near full (the engine keeps it config.LOOKAHEAD_RESERVE_CHUNKS
-chunks a layer for the seal), so it is not the default yet: on an H100 (4 GiB, 64 in flight:
-benchmarks/results/steady_h100, section 5) it raised the steady output 1.24x compressed and 1.41x
-uncompressed against the default, but that loop capped the compressed server.
+as above. It admits more at once than the sum, but runs the compressed arena near full (the
+engine keeps it config.LOOKAHEAD_RESERVE_CHUNKS chunks a layer for the seal), so it is not the
+default (docs/tuning.md, "Admission").
 
 Modes: ``"estimate"`` (the above, without lookahead), ``"lookahead"``, ``"conservative"`` (r' = 1
 and out_frac = 1: a running request is never preempted), ``"optimistic"`` (vLLM's: admit whatever

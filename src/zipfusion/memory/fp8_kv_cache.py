@@ -4,7 +4,7 @@
 (``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` E4M3); with ``kv_compression``
 (``kv_cache_dtype="fp8_lossless"``, experimental) its full pages
 are sealed into the lossless FP8 block format (``format.fp8_blocks``: the E4M3 bytes kept bit
-for bit, ~0.88 of their size on real KV) as BF16 pages are into theirs. The arena, the
+for bit) as BF16 pages are into theirs. The arena, the
 allocator and admission count pages by the layout's ``open_page_bytes``, so the same
 ``kv_memory_gb`` holds about twice the pages of BF16 (uncompressed). It is lossy
 (kernels/fp8_kv.py has the rounding): every value is stored as ``E4M3_RNE(clamp(x / s, ±448))``

@@ -12,13 +12,14 @@ full its least recently stored pages are dropped (then they are recomputed, as w
 Transfers (``put`` / ``take``) need no host sync. Out: the pages' bytes are gathered into a
 device staging buffer on the current stream (after the kernels that wrote them, before any that
 reuse their memory: the page ids are freed at once), and that buffer crosses PCIe on the tier's
-own stream, beside the compute that follows; two staging buffers of STAGE_OUT_BYTES take turns
+own stream, beside the compute that follows; two staging buffers of ``stage_out_bytes`` take turns
 (the current stream waits for a buffer's last copy out before it fills it again), and each copy
 first waits for everything queued on the current stream, so a swap-in still reading a ring slot
 is never overwritten. In: the current stream waits for the records' own copies out (their
 event), then copies them to the device and places (or decodes) them before the step that reads
-them, STAGE_IN_BYTES at a time. So an eviction or swap-in of thousands of pages never holds more
-than that on the device. On the CPU the same code copies between tensors.
+them, ``stage_in_bytes`` at a time (:class:`~zipfusion.config.Tuning`). So an eviction or
+swap-in of thousands of pages never holds more than that on the device. On the CPU the same code
+copies between tensors.
 
 Layout: one pinned buffer of the tier's budget (no host allocation per transfer: allocating pinned
 memory can stall the device). On CUDA a background thread pins it once the engine has started
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import Tuning
 from ..format.layout import loc_is_open, loc_offset
 from . import codec
 from .copy import batches, copy_ranges
@@ -72,17 +74,11 @@ class HostTierStats:
     device_s_in: float = 0.0      # decode and scatter in), from CUDA events (the CPU: host seconds again)
 
 
-DECODE_BATCH_BYTES = 256 << 20     # a swap-in decodes at most this many open-page bytes per launch
-STAGE_OUT_BYTES = 64 << 20         # a copy out crosses PCIe through two device staging buffers of this
-                                   # size, taking turns (a staging buffer as large as an eviction of
-                                   # ~1,000 pages grew the 16 GiB server's reserved GPU memory by
-                                   # 1.5 GiB for good: benchmarks/results/async_default_h100/steady16)
-STAGE_IN_BYTES = 256 << 20         # a swap-in is staged, placed and decoded this many bytes at a time
 
 
 class HostTier:
-    def __init__(self, manager, budget_bytes: int):
-        self.m, self.budget = manager, int(budget_bytes) // 16 * 16
+    def __init__(self, manager, budget_bytes: int, tuning: Tuning = Tuning()):
+        self.manager, self.budget, self.tuning = manager, int(budget_bytes) // 16 * 16, tuning
         self.pin = manager.device.type == "cuda"
         self.stream = torch.cuda.Stream(manager.device) if self.pin else None    # copies out, beside compute
         self._dropped: list = []                # owners of the records dropped for room, not taken yet
@@ -110,10 +106,10 @@ class HostTier:
     def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
         ids = np.asarray(ids, dtype=np.int64)
-        t = self.m.table
+        t = self.manager.table
         loc = t.loc[:, ids]
         stored = (t.state[ids] == STORED)[None, :]
-        nbytes = np.where(stored, t.size[:, ids], self.m.layout.open_page_bytes)
+        nbytes = np.where(stored, t.size[:, ids], self.manager.layout.open_page_bytes)
         return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
 
     def _allocate(self) -> None:
@@ -196,7 +192,7 @@ class HostTier:
 
     def _copy_out(self, off: np.ndarray, nbytes: np.ndarray, records: list[Record]) -> None:
         """The bytes of pages at arena offsets ``off`` [L, n] (``nbytes`` each) into their records,
-        in batches of at most STAGE_OUT_BYTES: each gathered into a staging buffer (the two take
+        in batches of at most ``tuning.stage_out_bytes``: each gathered into a staging buffer (the two take
         turns; the current stream first waits for the last copy out of the one it fills), then
         copied to the ring on the tier's stream."""
         sizes = nbytes.T.reshape(-1)                                 # page-major: a page's layers together
@@ -204,7 +200,7 @@ class HostTier:
         ring = np.repeat([r.start for r in records], nbytes.shape[0]) + np.concatenate(
             [np.concatenate([[0], np.cumsum(r.nbytes)[:-1]]) for r in records])   # each range's ring offset
         done = None
-        for i, j in batches(sizes, STAGE_OUT_BYTES):
+        for i, j in batches(sizes, self.tuning.stage_out_bytes):
             done = self._stage_batch(src[i:j], ring[i:j], sizes[i:j])
         for r in records:
             r.copied = done                     # the tier's stream runs its copies in order
@@ -213,16 +209,16 @@ class HostTier:
         """One batch of ranges (arena offsets ``src``, ring offsets ``ring``, ``sizes``) through the
         next staging buffer; the event after its copy to the ring (None on the CPU)."""
         k, self._turn = self._turn, 1 - self._turn
-        compute, side = torch.cuda.current_stream(self.m.device) if self.pin else None, self.stream
+        compute, side = torch.cuda.current_stream(self.manager.device) if self.pin else None, self.stream
         if self._stage_free[k] is not None:     # its last copy out has left it (before a larger one
             compute.wait_event(self._stage_free[k])      # replaces it: nothing reuses it before that)
         total = int(sizes.sum())
         if self._stage[k] is None or self._stage[k].numel() < total:
-            self._stage[k] = torch.empty(max(total, min(STAGE_OUT_BYTES, 2 * total)), dtype=torch.uint8,
-                                         device=self.m.device)
+            self._stage[k] = torch.empty(max(total, min(self.tuning.stage_out_bytes, 2 * total)), dtype=torch.uint8,
+                                         device=self.manager.device)
         staged = self._stage[k]
         at = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        copy_ranges(self.m.arena, staged, src, at, sizes)
+        copy_ranges(self.manager.arena, staged, src, at, sizes)
         if side is not None:                    # after the gather and any swap-in reading the ring
             side.wait_stream(compute)
         with torch.cuda.stream(side) if side is not None else nullcontext():
@@ -244,14 +240,14 @@ class HostTier:
         ``stream``, keeping ``min_capacity`` new pages as a seal does); one that finds no room, or
         was open when it left, is an open page again (decoded), to be sealed later like any full
         page."""
-        m, ids = self.m, np.asarray(ids, dtype=np.int64)
+        m, ids = self.manager, np.asarray(ids, dtype=np.int64)
         if not ids.size:
             return []
         if (m.table.state[ids] != OPEN).any():
             raise ValueError("HostTier.take: the destination pages must be open")
         left = []
         with self._timed("in"):
-            for i, j in batches(np.array([r.size for r in records]), STAGE_IN_BYTES):   # bounded staging
+            for i, j in batches(np.array([r.size for r in records]), self.tuning.stage_in_bytes):   # bounded staging
                 batch, to = records[i:j], ids[i:j]
                 staged = self._stage_in(batch)
                 self.drop(batch)       # a copy out into their space is queued after the staging copy
@@ -265,7 +261,7 @@ class HostTier:
 
     def _stage_in(self, records: list[Record]) -> torch.Tensor:
         """The records' bytes on the device, one after another (after their copies out)."""
-        m = self.m
+        m = self.manager
         if self.stream is not None:             # their copies out are done first
             compute = torch.cuda.current_stream(m.device)
             for done in {id(r.copied): r.copied for r in records if r.copied is not None}.values():
@@ -282,7 +278,7 @@ class HostTier:
         """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
         open forms copied into their slots, pages that were stored placed from their bytes
         (``encoded_pages``), the compressed layers of those left open decoded into their slots."""
-        m = self.m
+        m = self.manager
         page = m.layout.open_page_bytes
         dst = loc_offset(m.table.loc[:, ids])
         copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
@@ -300,7 +296,7 @@ class HostTier:
         # their slots, all layers together (few launches, no host sync)
         comp = ~open_form & ~sealable[None, :]
         src, size, to = start[comp], nbytes[comp], dst[comp]
-        step = max(1, DECODE_BATCH_BYTES // page)              # bounded scratch for the decoded pages
+        step = max(1, self.tuning.decode_batch_bytes // page)              # bounded scratch for the decoded pages
         for i in range(0, src.size, step):
             pages = codec.decode(staged, src[i:i + step], size[i:i + step], m.layout, trusted=True)
             k = pages.shape[0]
@@ -318,7 +314,7 @@ class HostTier:
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.stream is not None else None
         if events:
-            events[0].record(torch.cuda.current_stream(self.m.device))
+            events[0].record(torch.cuda.current_stream(self.manager.device))
         try:
             yield
         finally:
@@ -327,7 +323,7 @@ class HostTier:
             if not events:                     # the CPU copies in the host's own thread
                 self._add(f"device_s_{direction}", host)
             else:
-                events[1].record(torch.cuda.current_stream(self.m.device))
+                events[1].record(torch.cuda.current_stream(self.manager.device))
                 self._timings.append((direction, *events))
                 if len(self._timings) > 64:          # those done so far (no wait)
                     self.collect_timings()

@@ -59,7 +59,7 @@ class ArenaKVCache(KVCache):
         ``merged_store``: rope + K/V store merged into one Triton kernel (default: on CUDA).
         ``defer_table_sync``: page-table changes reach the device table in one copy at
         :meth:`flush_table` (the engine's runner calls it before each forward) instead of one
-        copy per change (~10,000 per run in the mix)."""
+        copy per change."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = self.layout_class(num_kv_heads, head_dim)
         self.dtype, self.device = torch.bfloat16, torch.device(device)

@@ -292,9 +292,8 @@ class KVCacheManager:
         from its own fill pointers in one vectorised pass (``PackedSpace.placement`` over rows of
         (stream, layer)), then one check that the pool holds them
         all and that the seal is ``_affordable`` as a whole, one encode launch and one release of
-        the open slots. A seal's pages span several streams (~8 in a decode-heavy mix), and
-        stream by stream each paid the checks, an encode launch and the bookkeeping (0.4 ms of
-        host a stream on a 2-core CPU). False (nothing changed): the pool or the promised room
+        the open slots (a seal's pages span several streams; each paying the checks, a launch
+        and the bookkeeping would cost host time). False (nothing changed): the pool or the promised room
         is tight; then stream by stream, wave by wave (``_place_in_order``). The pool gives fresh
         chunks in the order stream by stream would take them, so both place alike."""
         L, streams = self.num_layers, [stream for stream, _ in groups]

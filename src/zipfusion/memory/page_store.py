@@ -14,11 +14,10 @@ encoded sizes of the pages waiting are analysed on the device (launched behind t
 sampling, not waited for).
 
 So compression costs the decode path no device-to-host sync and no host time between two
-forwards: all of it runs while the forward runs on the device (the analysis used to be launched
-before the forward, which an H100 trace of a decode-heavy run showed on the critical path), and
-capacity lags the seal by one step (pages count as open until placed), never promising room that
-is not there. :meth:`seal_now` is the scheduler's last resort
-before a preemption: everything waiting sealed at once (this one may wait for the device).
+forwards: all of it runs while the forward runs on the device, and capacity lags the seal by
+one step (pages count as open until placed), never promising room that is not there.
+:meth:`seal_now` is the scheduler's last resort before a preemption: everything waiting sealed at
+once (this one may wait for the device).
 
 The scheduler asks it for capacity (``capacity``, ``make_room``: evicting cached pages nobody
 holds until n new pages fit), allocation and release. Policies from above are given at
@@ -41,30 +40,15 @@ from ..format.layout import PAGE_TOKENS
 from .prefix_cache import PrefixCache
 
 UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
-SEAL_MAX_WAIT = 8       # while admission waits for room, full pages are sealed (compressed) once a
-                        # compress batch of them waits (``seal_min_pages``) or this many steps after
-                        # the last seal: one call's fixed cost (analysis, placement) serves many pages
-SEAL_BUSY_ROWS = 16     # a step of at least this many requests waits SEAL_BUSY_WAIT steps instead:
-SEAL_BUSY_WAIT = 16     # each request still fills at most one page in between (a page every 16 decode
-                        # steps), and the seal's fixed host cost serves twice the pages (simulated
-                        # decode-heavy run: seal host 0.13-0.16 -> 0.08 ms a step, peaks unchanged:
-                        # benchmarks/results/seal_host_cpu); small batches keep SEAL_MAX_WAIT, so that
-                        # short runs still seal
-SEAL_IDLE_WAIT = 64     # when nothing waits for room (a server below saturation, a run's tail), pages
-SEAL_IDLE_BATCHES = 2   # a decode step filled wait longer: this many steps in a small step, and twice the
-                        # batch and the wait in a busy one. Each placement costs ~1 ms of an H100's host
-                        # whatever its size (benchmarks/results/seal_host_cpu), and a tail of a few
-                        # requests, filling a page every few steps, sealed 1-2 pages at a time; those
-                        # pages stay open a little longer, which nothing waits for
-SEAL_FIRST_PAGES = 4    # a request's prompt pages and its first this many keep the short wait: a short
-                        # run still compresses what it holds (the demo's 4 requests of ~60 tokens held
-                        # 12 full pages at their peak, 4 of them sealed with 64 steps for every page)
-SEAL_BACKOFF = 4        # a seal that left pages open (no room) is tried again once a page is freed,
-                        # else SEAL_MAX_WAIT steps later, doubling with each such seal in a row up to
-                        # 2**SEAL_BACKOFF times (re-analysing the same pages every step cost the
-                        # H200's long_swap run 9.6 s of sealing against the long run's 4.5 s;
-                        # simulated long_recompute, 4 seeds: host seal time 9-14 -> 1.3-1.5 s,
-                        # 27-40 -> 8-16 preemptions, prefill 1.06-1.12 -> 1.04-1.13x the prompts)
+# When a seal is due: one call's fixed cost (analysis, placement) should serve many pages, yet
+# pages should not stay open while admission waits for room (docs/tuning.md, "Seal timing").
+SEAL_MAX_WAIT = 8       # steps after the last seal, while admission waits for room
+SEAL_BUSY_ROWS = 16     # a step of at least this many requests waits SEAL_BUSY_WAIT steps instead
+SEAL_BUSY_WAIT = 16     # (each request still fills at most one page in between)
+SEAL_IDLE_WAIT = 64     # steps when nothing waits for room ...
+SEAL_IDLE_BATCHES = 2   # ... or this many compress batches (busy steps: twice the batch and the wait)
+SEAL_FIRST_PAGES = 4    # a request's prompt pages and its first this many keep the short wait
+SEAL_BACKOFF = 4        # a seal that left pages open waits up to 2**SEAL_BACKOFF times longer
 
 
 class PageStore:
@@ -221,6 +205,6 @@ class PageStore:
             r.num_sealed_pages = full
         self._wait += 1
 
-    def waiting(self) -> list[int]:
+    def to_seal(self) -> list[int]:
         """The pages waiting for a seal (in flight included), in seal order."""
         return sorted(self._queue, key=self._queue.__getitem__)
