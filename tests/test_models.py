@@ -13,6 +13,7 @@ from zipfusion.models import build_model, config_from_dict, load_config, resolve
 from zipfusion.models.layers import apply_rope, rope_inv_freq  # noqa: E402
 from zipfusion.models.gguf import is_gguf_path  # noqa: E402
 from zipfusion.models.llama import KVCacheStep  # noqa: E402
+from zipfusion.attention.prefill_open import prefill_attention  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -20,20 +21,28 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 class DenseKVCacheStep(KVCacheStep):
-    """Reference KV for one sequence, no cache: torch rope, dense causal attention."""
+    """Reference KV for one sequence, no cache: torch rope, dense causal attention (the model's
+    scale, sliding windows and soft-capping)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
 
     def store(self, layer, q, k, v, cos, sin):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, layer, q, k, v):
+        c = self.cfg
+        if c.window(layer) is not None or c.attn_softcap is not None:
+            return prefill_attention(q, k, v, 0, c.softmax_scale, c.window(layer), c.attn_softcap)
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                           scale=c.softmax_scale)
         return o.transpose(0, 1)
 
 
 def our_logits(model, ids):
-    hidden = model(ids, torch.arange(len(ids)), DenseKVCacheStep())
+    hidden = model(ids, torch.arange(len(ids)), DenseKVCacheStep(model.config))
     return model.compute_logits(hidden)
 
 
@@ -185,6 +194,8 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 
+GEMMA_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
 CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
           "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
 
@@ -216,7 +227,19 @@ def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, r
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)       # (Gemma 3: per layer type)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if arch in ("gemma2", "gemma3"):                  # what llama.cpp's converter writes for Gemma
+        if getattr(cfg, "attn_logit_softcapping", None):
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma3":
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts:
@@ -260,11 +283,14 @@ def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, r
         else:
             parts = name.split(".")
             mod, kind = ".".join(parts[3:-1]), parts[-1]
-            gname = f"blk.{parts[2]}.{GGUF_NAMES[mod]}.{kind}"
+            names = {**GGUF_NAMES, **GEMMA_GGUF_NAMES} if arch in ("gemma2", "gemma3") else GGUF_NAMES
+            gname = f"blk.{parts[2]}.{names[mod]}.{kind}"
             if arch == "llama" and mod == "self_attn.q_proj":
                 t = llama_cpp_permute(t, cfg.num_attention_heads)
             elif arch == "llama" and mod == "self_attn.k_proj":
                 t = llama_cpp_permute(t, cfg.num_key_value_heads)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            t = t + 1.0                               # llama.cpp stores Gemma's norms as 1 + w
         if t.ndim == 2 and weight_type == "F16":
             w.add_tensor(gname, t.astype(np.float16))
         elif t.ndim == 2 and weight_type == "Q8_1":        # a type gguf cannot dequantize
@@ -298,6 +324,13 @@ GGUF_CASES = {
     "qwen3moe": dict(arch="qwen3moe", hf_arch="qwen3_moe", hf=dict(num_experts=4, num_experts_per_tok=2,
                                                                    moe_intermediate_size=64, norm_topk_prob=True)),
     "mixtral-as-llama": dict(arch="llama", hf_arch="mixtral", hf=dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": dict(arch="gemma2", hf=dict(sliding_window=8, query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
+                                          final_logit_softcapping=3.0)),
+    "gemma3": dict(arch="gemma3", hf=dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                          query_pre_attn_scalar=64, rope_parameters={
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                 "factor": 4.0}})),
     "llama-f32": dict(arch="llama"),
     "llama-f16": dict(arch="llama", weight_type="F16"),
     "qwen3-tied": dict(arch="qwen3", hf=dict(tie_word_embeddings=True)),
@@ -326,7 +359,8 @@ def test_gguf_logits_match_transformers(tmp_path, case):
     cfg, ref_cfg = load_config(path), load_config(tmp_path / "hf")
     for key in ("architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "tie_word_embeddings", "qk_norm", "rope", "qkv_bias", "num_experts", "num_experts_per_tok",
-                "moe_intermediate_size", "norm_topk_prob"):
+                "moe_intermediate_size", "norm_topk_prob", "sliding_windows", "local_rope", "attn_scale", "attn_softcap",
+                "final_softcap", "norm_offset"):
         assert getattr(cfg, key) == getattr(ref_cfg, key), key
     assert_logits_match(hf, build_model(str(path), dtype=torch.float32))
 

@@ -13,6 +13,8 @@ tensors) and turned into what a Hugging Face checkpoint would give:
   the same half-split rope for them). Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate|up) fill our
   stacked parameters whole; stacked experts (``ffn_*_exps`` [E, ...]: Qwen3-MoE, and Mixtral,
   which llama.cpp writes as ``llama`` with ``expert_count``) are handed to the loader per expert.
+  Gemma 2/3: norms stored as 1 + w (loaded back as w), ``ffn_norm`` is the pre-MLP norm, and
+  the settings llama.cpp keeps in its code are restored by :func:`_gemma_config`.
 * tokenizer: transformers builds a fast tokenizer from the file's ``tokenizer.ggml.*`` metadata,
   chat template included (see :mod:`zipfusion.models.tokenizer`).
 
@@ -32,7 +34,9 @@ import torch
 GGUF_MAGIC = b"GGUF"
 # general.architecture -> architecture name in config.json
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3")          # llama.cpp stores their (1 + w) norms as 1 + w: loaded back as w
 MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}   # with expert_count > 0
 PIP_HINT = "pip install gguf  (or, from the zipfusion checkout: pip install -e '.[models]')"
 
@@ -50,7 +54,9 @@ _PER_LAYER = {
     "attn_qkv": "self_attn.qkv_proj", "ffn_gate_inp": "mlp.gate",
 }
 # per architecture, names that mean another tensor there (Phi-3's ffn_up holds gate|up)
-_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+_GEMMA_LAYER = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER}
 # stacked experts [E, rows, cols] -> expert e's Hugging Face tensor
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -240,6 +246,7 @@ def raw_config(f: GGUFFile) -> dict:
         rope_scaling = {"rope_type": scaling_type}           # config_from_dict names it as unsupported
     elif f.has(f"{arch}.rope.scale_linear"):
         rope_scaling = {"rope_type": "linear", "factor": float(f.get(f"{arch}.rope.scale_linear"))}
+    gemma = _gemma_config(f, arch, hidden, heads, head_dim) if arch in GEMMA else {}
     eos = [f.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
     return {
@@ -257,7 +264,27 @@ def raw_config(f: GGUFFile) -> dict:
         "sliding_window": _int(f, f"{arch}.attention.sliding_window", None, required=False),
         "gguf": {"file": str(f.path), "name": f.get("general.name"),
                  "file_type": f.get("general.file_type")},
-    } | moe
+    } | moe | gemma
+
+
+def _gemma_config(f: GGUFFile, arch: str, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma 2/3 settings llama.cpp keeps in metadata or in its code: soft-capping, the local
+    layers (Gemma 2 every other one, Gemma 3 five of six or the file's per-layer pattern; local
+    rope base 10000), and the query scale (head_dim ** -0.5; hidden / heads for the 27B models,
+    46 or 62 layers, as llama.cpp decides it)."""
+    layers = _int(f, f"{arch}.block_count")
+    out = {"model_type": "gemma3_text" if arch == "gemma3" else arch, "hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": hidden // heads if layers in (46, 62) else head_dim,
+           "attn_logit_softcapping": f.get(f"{arch}.attn_logit_softcapping"),
+           "final_logit_softcapping": f.get(f"{arch}.final_logit_softcapping")}
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        out["sliding_window_pattern"] = int(pattern)
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
 
 
 def gguf_config(path: str | Path):
@@ -320,6 +347,8 @@ def iter_weights(path: str | Path, cfg):
         except ValueError:
             raise ValueError(f"{f.path}: unexpected tensor {name!r} for {cfg.architecture}") from None
         w = f.dequantize(name)
+        if f.architecture in GEMMA and name.endswith("norm.weight"):
+            w = w - 1.0
         if "{e}" in target:                           # stacked experts: one tensor per expert
             for e in range(w.shape[0]):
                 yield target.format(e=e), w[e]
