@@ -191,6 +191,23 @@ TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_l
             initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+class ReferenceKVCacheStep:
+    """The model's KVCacheStep for one sequence, no cache (a reference for tests): torch rope,
+    dense causal attention with the model's scale, sliding windows and soft-capping."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def store(self, layer, q, k, v, cos, sin):
+        from zipfusion.models.layers import apply_rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, layer, q, k, v):
+        from zipfusion.attention.prefill_open import prefill_attention
+        c = self.cfg
+        return prefill_attention(q, k, v, 0, c.softmax_scale, c.window(layer), c.attn_softcap)
+
+
 # arch -> (transformers config class, model class) names
 TINY_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),

@@ -10,11 +10,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from zipfusion import LLM, SamplingParams  # noqa: E402
-from zipfusion.attention.prefill_open import prefill_attention  # noqa: E402
 from zipfusion.models import build_model, load_config  # noqa: E402
-from zipfusion.models.layers import apply_rope  # noqa: E402
-from zipfusion.models.llama import KVCacheStep  # noqa: E402
-from helpers import save_tiny_checkpoint  # noqa: E402
+from helpers import ReferenceKVCacheStep, save_tiny_checkpoint  # noqa: E402
 
 W = 8          # sliding windows this short: a 40-token sequence reaches well past them
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
@@ -34,20 +31,6 @@ FAMILIES = {
 }
 
 
-class ReferenceStep(KVCacheStep):
-    """One sequence, no cache: torch rope, the family's masked dense attention."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def store(self, layer, q, k, v, cos, sin):
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def attend(self, layer, q, k, v):
-        c = self.cfg
-        return prefill_attention(q, k, v, 0, c.softmax_scale, c.window(layer), c.attn_softcap)
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     spec = dict(FAMILIES[request.param])
@@ -65,7 +48,7 @@ def test_logits_and_greedy_tokens_match_transformers(family):
     ours = build_model(str(folder), dtype=torch.float32)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
-    got = ours.compute_logits(ours(ids, torch.arange(len(ids)), ReferenceStep(cfg)))
+    got = ours.compute_logits(ours(ids, torch.arange(len(ids)), ReferenceKVCacheStep(cfg)))
     torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)
     # the engine: a 24-token prompt prefilled in chunks of 8 (continuations over stored pages), 16 tokens decoded
     llm = LLM(str(folder), dtype="float32", kv_compression=False, device="cpu", kv_memory_gb=0.01,
@@ -240,7 +223,7 @@ def test_gemma3_text_model_of_an_image_text_checkpoint(tmp_path):
     ours = build_model(str(tmp_path), dtype=torch.float32)
     with torch.no_grad():
         ref = hf(input_ids=ids[None]).logits[0].float()
-    got = ours.compute_logits(ours(ids, torch.arange(len(ids)), ReferenceStep(mc)))
+    got = ours.compute_logits(ours(ids, torch.arange(len(ids)), ReferenceKVCacheStep(mc)))
     torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)
 
 

@@ -4,45 +4,21 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from zipfusion.models import build_model, config_from_dict, load_config, resolve_model  # noqa: E402
-from zipfusion.models.layers import apply_rope, rope_inv_freq  # noqa: E402
+from zipfusion.models.layers import rope_inv_freq  # noqa: E402
 from zipfusion.models.gguf import is_gguf_path  # noqa: E402
-from zipfusion.models.llama import KVCacheStep  # noqa: E402
-from zipfusion.attention.prefill_open import prefill_attention  # noqa: E402
-from helpers import save_tiny_checkpoint  # noqa: E402
+from helpers import ReferenceKVCacheStep, save_tiny_checkpoint  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 
 
-class DenseKVCacheStep(KVCacheStep):
-    """Reference KV for one sequence, no cache: torch rope, dense causal attention (the model's
-    scale, sliding windows and soft-capping)."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def store(self, layer, q, k, v, cos, sin):
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def attend(self, layer, q, k, v):
-        c = self.cfg
-        if c.window(layer) is not None or c.attn_softcap is not None:
-            return prefill_attention(q, k, v, 0, c.softmax_scale, c.window(layer), c.attn_softcap)
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                           scale=c.softmax_scale)
-        return o.transpose(0, 1)
-
-
 def our_logits(model, ids):
-    hidden = model(ids, torch.arange(len(ids)), DenseKVCacheStep(model.config))
+    hidden = model(ids, torch.arange(len(ids)), ReferenceKVCacheStep(model.config))
     return model.compute_logits(hidden)
 
 
