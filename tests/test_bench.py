@@ -7,10 +7,11 @@ import json
 import math
 import random
 import statistics
+import time
 
 import pytest
 
-from zipfusion.bench import KERNEL_MODES, client, datasets, parse_modes, serve, serve_results, server_process
+from zipfusion.bench import KERNEL_MODES, client, datasets, parse_modes, report, serve, serve_results, server_process
 from zipfusion.bench.stats import goodput, meets_slo, parse_goodput, percentile, summary
 from zipfusion.cli import main
 
@@ -155,15 +156,20 @@ def test_rate_row_counts_failed_and_lost_and_takes_latencies_in_ms():
     assert row["tpot_ms"]["mean"] == pytest.approx(15.0) and row["itl_ms"]["n"] == 8
     assert row["output_tok_s"] == pytest.approx(5.0) and row["requests_s"] == pytest.approx(1.0)
     assert row["good_requests"] == 1 and row["slo_attainment"] == 0.25
-    row["server"] = {"peak_running": 3, "preemptions": 0}
+    row["server"] = {"peak_running": 3, "preemptions": 0, "metric_samples": 2}
     assert not serve_results.within_slo(row, 0.2)                   # a failed request: not sustained
     ok = serve_results.rate_row(recs[:2], 2.0, 2.0, {"ttft": 500.0})
-    ok["server"] = {"peak_running": 2, "preemptions": 1}
+    ok["server"] = {"peak_running": 2, "preemptions": 1, "metric_samples": 2}
     burst = serve_results.rate_row(recs[:2], 0.5, math.inf, {"ttft": 500.0})
-    burst["server"] = {"peak_running": 4, "preemptions": 0}
+    burst["server"] = {"peak_running": 4, "preemptions": 0, "metric_samples": 1}
     s = serve_results.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)
     assert s["max_rate_within_slo"] == 2.0 and s["max_requests_s"] == pytest.approx(4.0) and s["peak_running"] == 4
     assert s["failed"] == 1 and s["lost"] == 1 and s["preemptions"] == 1 and burst["request_rate"] == "inf"
+    for r in (ok, row, burst):                      # /metrics never sampled: no peak batch, not a 0
+        r["server"]["metric_samples"] = 0
+    assert serve_results.mode_summary([ok, row, burst], {"ttft": 500.0}, 0.9)["peak_running"] is None
+    result = {"modes": {"compressed": {"rates": [dict(burst, memory_after={})]}}}
+    assert serve_results.table_rows(result)[0]["peak_running"] == "not sampled"
 
 
 def test_steady_output_counts_tokens_streamed_while_arrivals_last():
@@ -217,6 +223,7 @@ def test_metrics_text_and_memory_flatness():
     (["serve", "--request-rates", "0,1"], "--request-rates"),
     (["serve", "--compare", "compressed,bogus"], "unknown mode"),
     (["serve", "--url", "http://127.0.0.1:1", "--compare"], "one mode"),
+    (["serve", "--url", "http://127.0.0.1:1", "--endpoint", "chat"], "--prompt-format text"),
     (["throughput", "--dataset", "nope", "--device", "cpu"], "unknown dataset"),
     (["throughput", "--num-prompts", "0", "--device", "cpu"], "--num-prompts"),
     (["throughput", "--engine-args", '{"kv_compression": false}', "--device", "cpu"], "--engine-args sets"),
@@ -277,7 +284,10 @@ def test_throughput_compare_on_the_demo_model(tmp_path, capsys):
     assert ratio["total_tok_s"] == pytest.approx(recs["compressed"]["total_tok_s"] / recs["uncompressed"]["total_tok_s"])
     assert result["identical_outputs"] is True                  # greedy, one schedule: the same tokens
     printed = capsys.readouterr().out.strip().splitlines()
-    assert printed[-1] == "identical tokens across modes: True" and "compressed/uncompressed" in printed[-2]
+    at = printed.index("identical tokens across modes: True")
+    assert "compressed/uncompressed" in printed[at - 1]
+    short = any(r["wall_s"] < 1 for r in recs.values())          # a run under a second: its ratios are noise
+    assert (result["ratio_note"] is not None) == short == any(line.startswith("NOTE: ") for line in printed)
 
 
 @pytest.mark.parametrize("steps", ["1:3", "0:2"])
@@ -477,3 +487,113 @@ def test_run_requests_keeps_at_most_max_in_flight_unfinished():
     assert len(reqs) == 7 and all(r.finish_reason == "length" for r in reqs)
     assert [len(r.output_ids) for r in reqs] == [3, 5, 2, 4, 3, 2, 6]
     assert max(seen) == 3 and len(steps) > 6
+
+
+def test_serve_url_with_an_api_key_chat_endpoint_and_a_sharegpt_file(tmp_path, capsys, monkeypatch):
+    """--url of a running server that wants a key ($OPENAI_API_KEY), /v1/chat/completions, a
+    ShareGPT-style file; the result labeled with what the server reports, the key not recorded."""
+    for module in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
+        pytest.importorskip(module, reason=f"this test needs {module} (pip install -e '.[test]')")
+    import threading
+
+    import uvicorn
+
+    from zipfusion.engine import LLMEngine
+    from zipfusion.server import bind_socket
+    from zipfusion.server.openai import create_app
+    engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.02, max_model_len=256, kv_compression=False,
+                       dtype="float32")
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "zf", api_key="sekret"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    conversations = [{"conversations": [{"from": "human", "value": f"Tell me of the land of {w} and its rivers"},
+                                        {"from": "gpt", "value": "And the river went out of the garden " * (1 + i)}]}
+                     for i, w in enumerate(["Egypt", "Canaan", "Moab", "Edom", "Ur"])]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        argv = ["bench", "serve", "--url", url, "--endpoint", "chat", "--dataset-path", str(path), "--num-prompts",
+                "4", "--request-rates", "inf", "--warmup", "1", "--metrics-interval", "0.2", "--timeout", "120",
+                "--out", str(tmp_path / "s")]
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        assert main(argv) == 2 and "--api-key" in capsys.readouterr().err       # 401: says what to pass
+        monkeypatch.setenv("OPENAI_API_KEY", "sekret")
+        rc = main(argv)
+        printed = capsys.readouterr()
+        assert rc == 0, printed.err[-3000:]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert list(result["modes"]) == ["uncompressed"]                   # the server's mode, not the default
+    assert result["config"]["model"] == "zf" and result["config"]["kv_memory_gb"] == pytest.approx(0.02)
+    assert result["config"]["dataset"] == "sharegpt" and result["config"]["endpoint"] == "chat"
+    (row,) = result["modes"]["uncompressed"]["rates"]
+    assert row["completed"] == 4 and row["failed"] == row["lost"] == 0 and row["output_tokens"] >= 4 * 4
+    assert "sekret" not in (tmp_path / "s.json").read_text()
+    for words in ("uncompressed, rate inf", "Mean TTFT (ms):", "Median TPOT (ms):",
+                  "P99 ITL (ms):", "Total generated tokens:"):
+        assert words in printed.out, words
+
+
+def test_help_examples_continue_their_lines_and_name_their_subcommand():
+    from zipfusion.bench.cli import EXAMPLES
+    for name, text in EXAMPLES.items():
+        assert text.startswith(f"zipfusion bench {name}, examples:")
+        lines = text.splitlines()
+        for line, nxt in zip(lines, lines[1:]):
+            if nxt.startswith("      --"):               # a continued command: its line ends with a backslash
+                assert line.endswith(" \\"), (name, line)
+
+
+def test_the_plot_draws_only_what_it_has_and_keeps_noise_small(tmp_path, monkeypatch):
+    """p50 and p99 in different styles, no legend entry for a line with no points (no steady
+    rate), latency axes spanning at least a decade, throughputs from zero."""
+    pytest.importorskip("matplotlib")
+    figs = []
+    plt = report.pyplot()
+    monkeypatch.setattr(plt, "close", figs.append)
+    lat = lambda v: {"p50": v, "p99": v * 1.02, "mean": v, "p90": v, "max": v, "n": 4}  # noqa: E731
+    rows = [{"request_rate": r, "requests_s": r, "output_tok_s": 100.0 + r, "steady_output_tok_s": None,
+             "ttft_ms": lat(50.0 + r), "tpot_ms": lat(20.0), "server": {}} for r in (1.0, 2.0)]
+    result = {"config": {"goodput": {}, "max_concurrency": None, "model": "m", "dataset": "chat", "num_prompts": 4,
+                         "kv_memory_gb": 1}, "meta": {"device_name": "cpu"}, "modes": {"compressed": {"rates": rows}}}
+    assert serve_results.plot(result, str(tmp_path / "p.png"))
+    (fig,) = figs
+    ttft, tpot, tok, req = fig.axes
+    styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in tpot.get_lines()}
+    assert styles["compressed p50"] != styles["compressed p99"]
+    labels = [t.get_text() for t in tok.get_legend().get_texts()]
+    assert labels == ["compressed"]                         # no "while arrivals last": nothing to draw
+    lo, hi = tpot.get_ylim()
+    assert hi / lo >= 9.99 and tok.get_ylim()[0] == 0 and req.get_ylim()[0] == 0
+
+
+def test_cpu_throughput_defaults_and_the_noise_note():
+    from types import SimpleNamespace
+
+    from zipfusion.bench import throughput
+    args = SimpleNamespace(num_prompts=None, input_len=None, output_len=8)
+    throughput.size_defaults(args, "cpu")
+    assert (args.num_prompts, args.input_len, args.output_len) == (16, 64, 8)       # what was given is kept
+    args = SimpleNamespace(num_prompts=None, input_len=None, output_len=None)
+    throughput.size_defaults(args, "cuda")
+    assert args.num_prompts == 200 and args.input_len is None
+    assert throughput.noise_note([{"mode": "compressed", "wall_s": 0.4}, {"mode": "uncompressed", "wall_s": 3.0}])
+    assert throughput.noise_note([{"mode": "compressed", "wall_s": 2.0}, {"mode": "x", "error": "boom"}]) is None
+
+
+def test_the_bench_extra_runs_the_readme_bench_lines():
+    """`pip install -e ".[bench]"` alone: the server the benchmark starts and the models it loads."""
+    import tomllib
+    from pathlib import Path
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {d.split(">")[0].split("=")[0].split("[")[0] for d in extras["bench"]}
+    needed = {d.split(">")[0] for d in extras["server"] + extras["models"]} | {"httpx", "matplotlib"}
+    assert needed <= names, needed - names

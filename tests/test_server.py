@@ -80,6 +80,28 @@ def test_models_and_health(client):
     assert client.get("/health").json() == {"status": "ok"}
     data = client.get("/v1/models").json()["data"]
     assert data[0]["id"] == "demo" and data[0]["max_model_len"] == 256
+    assert abs(data[0]["created"] - time.time()) < 3600                 # when the server started, not 0
+
+
+def test_tokenize_detokenize_version(client, engine):
+    import zipfusion
+    assert client.get("/version").json() == {"version": zipfusion.__version__}
+    r = client.post("/tokenize", json={"prompt": "In the beginning"}).json()
+    assert r["tokens"] == engine.tokenizer.encode("In the beginning") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    plain = client.post("/tokenize", json={"prompt": "In the beginning", "add_special_tokens": False}).json()
+    assert plain["tokens"] == engine.tokenizer.encode_plain("In the beginning") != r["tokens"]
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}]))
+    assert client.post("/detokenize", json={"tokens": plain["tokens"]}).json() == {"prompt": "In the beginning"}
+    for route, body, param in [("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [5, 99999]}, "tokens"),
+                               ("/tokenize", {"prompt": "x", "model": "nope"}, "model")]:
+        err = client.post(route, json=body).json()["error"]
+        assert err["param"] == param, (route, body, err)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                                  "logprobs": False, "top_logprobs": 0})
+    assert r.status_code == 200, r.text          # schema-valid, so accepted: 0 top logprobs asks for nothing
 
 
 def test_completion_matches_offline_greedy(client, offline):
@@ -102,40 +124,46 @@ def test_streaming_concatenates_to_the_same_text(client, offline):
 
 
 def test_bad_requests_are_refused_and_running_work_survives(client, engine):
-    cases = [
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "x", "temperature": -1}, "temperature"),
-        ({"max_tokens": 4}, "prompt"),
-        ({"prompt": "word " * 400, "max_tokens": 4}, "max_model_len"),
-        ({"prompt": "x", "max_tokens": 300}, "max_model_len"),
-        ({"prompt": [10**9], "max_tokens": 4}, "token ids"),
-        ({"prompt": [], "max_tokens": 4}, "empty"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-        ({"prompt": "x", "logprobs": 21}, "max_logprobs"),
-        ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats"),
-        ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    cases = [     # (body, words in the message, the error's param)
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature"),
+        ({"max_tokens": 4}, "prompt", "prompt"),
+        ({"prompt": "word " * 400, "max_tokens": 4}, "max_model_len", "prompt"),
+        ({"prompt": "x", "max_tokens": 300}, "max_model_len", "max_tokens"),
+        ({"prompt": [10**9], "max_tokens": 4}, "token id", "prompt"),
+        ({"prompt": [], "max_tokens": 4}, "empty", "prompt"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "presence_penalty"),
+        ({"prompt": "x", "logprobs": 21}, "max_logprobs", "logprobs"),
+        ({"prompt": "x", "logprobs": 1, "echo": True}, "echo", "echo"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream_options"),
+        ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats",
+         "stream_options.continuous_usage_stats"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "best_of"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "suffix"),
+        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "logit_bias"),
+        ({"prompt": "x", "min_tokens": 300}, "min_tokens", "min_tokens"),         # above the default max_tokens
     ]
-    for body, words in cases:
+    for body, words, param in cases:
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
-        assert words in err["message"], (words, r.text)
+        assert words in err["message"] and err["param"] == param, (words, param, r.text)
         assert err["type"] == "invalid_request_error" and err["code"] is None       # OpenAI's: a string or null
+    for body in ({"prompt": "x", "stop": "", "max_tokens": 2}, {"prompt": "x", "stop": ["", "zz"], "max_tokens": 2}):
+        assert client.post("/v1/completions", json=body).status_code == 200       # "" stops nothing: dropped
     r = client.post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
     assert r.status_code == 404 and "not served here" in r.json()["error"]["message"]
-    assert r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["type"] == "invalid_request_error"
     r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     chat = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"nom": "f"}}]}, "tools[0]"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"logprobs": True, "top_logprobs": 50}, "max_logprobs"),
+        ({"max_completion_tokens": 300}, "max_model_len"),
+        ({"tool_choice": "required"}, "needs tools"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "tool_calls"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: expected a string, a list of content"),
@@ -394,6 +422,26 @@ def test_metrics_names_as_vllm(client):
     assert metric(text, "zipfusion:inter_token_latency_seconds_count") >= 19
     assert metric(text, "zipfusion:kv_arena_bytes") > 0
     assert "TYPE zipfusion:num_preemptions_total counter" in text
+    for counter in ("kv_pages_compressed", "kv_recomputed_tokens", "kv_compactions"):    # only grow: _total
+        assert f"TYPE zipfusion:{counter}_total counter" in text and f"zipfusion:{counter}_total{{" in text
+    assert "HELP zipfusion:kv_stored_pages KV pages stored compressed" in text
+    used, cached = metric(text, "zipfusion:kv_cache_usage_perc"), metric(text, "zipfusion:kv_cache_cached_perc")
+    assert used == 0 and 0 < cached < 1           # idle: the finished request's pages are cached, not used
+
+
+def test_metrics_with_vllm_names():
+    from zipfusion.server.metrics import Metrics
+    m = Metrics("m", "vllm")
+    m.set_kv({"bytes_in_use": 100, "arena_bytes": 1000, "pages_in_use": 4, "prefix_cache_evictable_pages": 1,
+              "pages_compressed": 3})
+    text = m.render().decode()
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:kv_pages_compressed_total"):
+        assert name in text, name
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0.075 and metric(text, "vllm:kv_cache_cached_perc") == 0.025
+    assert "zipfusion:" not in text
+    with pytest.raises(ValueError, match="prefix"):
+        Metrics("m", "sglang")
 
 
 # -- concurrency: uvicorn on 127.0.0.1 ------------------------------------------------------------------

@@ -187,7 +187,7 @@ def cmd_serve(args) -> int:
     sock = bind_socket(args.host, args.port)      # a busy port fails here, before the model loads
     api_key = args.api_key or os.environ.get("ZIPFUSION_API_KEY") or None
     serve(cfg, sock=sock, api_key=api_key, served_model_name=args.served_model_name, log_level=args.log_level,
-          default_max_tokens=args.default_max_tokens, limits=limits)
+          default_max_tokens=args.default_max_tokens, limits=limits, metrics_prefix=args.metrics_prefix)
     return 0
 
 
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra: "
                                      "pip install -e '.[server]')",
                        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
-                                   "/health, /metrics (prometheus).")
+                                   "/tokenize, /detokenize, /version, /health, /metrics (prometheus).")
     add_cli_args(s)
     _add_cpu_threads(s)
     add_limit_args(s)
@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 256)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level of the server and the engine (default: info)")
+    s.add_argument("--metrics-prefix", default="zipfusion", choices=["zipfusion", "vllm"],
+                   help="prefix of the /metrics names: vllm gives vLLM's own names, for its dashboards "
+                        "(default: zipfusion)")
     s.set_defaults(func=cmd_serve)
     a = sub.add_parser("analyze", help="how well a model's KV compresses, per layer")
     a.add_argument("--model", default="demo", help="checkpoint folder (with tokenizer files), .gguf file (with "

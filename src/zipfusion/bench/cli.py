@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from . import DEFAULT_COMPARE, KERNEL_MODES, MODES
 
@@ -16,16 +17,19 @@ DATASET_HELP = ("chat (prompt ~300 / output ~250 tokens), reasoning (decode-heav
                 "groups of 8) or random (fixed --input-len / --output-len); lognormal lengths (default: %(default)s)")
 
 EXAMPLES = {
-    "serve": """examples:
+    "serve": """zipfusion bench serve, examples:
   # compressed vs uncompressed serving at the same KV memory, swept from saturation to 2x, with an SLO
   zipfusion bench serve --model llama-3.1-8b-random --device cuda --kv-memory-gb 16 --compare \\
       --dataset reasoning --num-prompts 200 --sweep --goodput ttft:2000 tpot:50 --out serve_8b
   # fixed rates, or a closed loop of 32 clients, against a server that is already running
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates 1,2,4,inf --dataset chat
   zipfusion bench serve --url http://127.0.0.1:8000 --request-rates inf --max-concurrency 32
+  # a server with an API key, its chat route, a ShareGPT-style file of conversations
+  zipfusion bench serve --url http://127.0.0.1:8000 --api-key KEY --endpoint chat \\
+      --dataset-path sharegpt.json --num-prompts 200 --request-rates 2,4
   # the output rate at saturation in steady state ("steady out tok/s": while requests keep being
   # sent, ramp and tail left out): a closed loop with more in flight than the KV holds, both modes
-  zipfusion bench serve --model llama-3.1-8b-random --device cuda --kv-memory-gb 4 --compare \
+  zipfusion bench serve --model llama-3.1-8b-random --device cuda --kv-memory-gb 4 --compare \\
       --dataset reasoning --num-prompts 300 --request-rates inf --max-concurrency 64
   # one mode per call (a time limit per call), then one comparison of the two
   zipfusion bench serve ... --mode compressed --out c; zipfusion bench serve ... --mode uncompressed --out u
@@ -33,17 +37,17 @@ EXAMPLES = {
   # the CPU demo model, tiny
   zipfusion bench serve --model demo --device cpu --compare --dataset random --input-len 32 \\
       --output-len 8 --num-prompts 8 --request-rates 4""",
-    "throughput": """examples:
+    "throughput": """zipfusion bench throughput, examples:
   zipfusion bench throughput --model llama-3.1-8b-random --device cuda --kv-memory-gb 12 \\
       --compare compressed,uncompressed,flashinfer --dataset chat --num-prompts 600
   # the CPU demo model, tiny (what CI runs)
   zipfusion bench throughput --model demo --device cpu --compare --dataset random --input-len 32 \\
       --output-len 8 --num-prompts 8 --kv-memory-gb 0.002""",
-    "latency": """examples:
+    "latency": """zipfusion bench latency, examples:
   zipfusion bench latency --model llama-3.1-8b-random --device cuda --compare --batch-size 32 \\
       --input-len 8192 --output-len 128
   zipfusion bench latency --model demo --device cpu --compare --batch-size 4 --input-len 64 --output-len 8""",
-    "kernel": """examples:
+    "kernel": """zipfusion bench kernel, examples:
   zipfusion bench kernel                                          # batch 32 x 8K, fractions 1/0.92/0.5/0
   zipfusion bench kernel --batches 1,32,64 --contexts 2048,8192,32768 --fractions 1,0.92 --out kernel_h100
   zipfusion bench kernel --device cpu                             # a smoke run (Triton interpreter)""",
@@ -91,9 +95,9 @@ def _offline(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode's process (default: %(default)s)")
 
 
-def _dataset(p: argparse.ArgumentParser, num_prompts: int) -> None:
+def _dataset(p: argparse.ArgumentParser, num_prompts: int | None, default_help: str = "%(default)s") -> None:
     p.add_argument("--dataset", default="chat", help=DATASET_HELP)
-    p.add_argument("--num-prompts", type=int, default=num_prompts, help="requests (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests (default: {default_help})")
     p.add_argument("--input-len", type=int, default=None,
                    help="median prompt tokens (random: every prompt's); the dataset's caps scale along")
     p.add_argument("--output-len", type=int, default=None, help="median output tokens (random: every request's)")
@@ -120,7 +124,18 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                     "request rates or a closed loop; per rate TTFT / TPOT / ITL p50 / p99, output tok/s, requests/s "
                     "and goodput; with --compare, the highest rate each mode sustains within the SLO and their "
                     "ratio.", device_help="the server's device: cuda, cpu or auto (default: %(default)s)")
-    s.add_argument("--url", default=None, help="a running zipfusion serve to use instead of starting one (one mode)")
+    s.add_argument("--url", default=None, help="a running zipfusion serve to use instead of starting one (one mode; "
+                   "the results are labeled with the model, KV memory and mode it reports)")
+    s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="the server's API key, sent as a bearer token (default: $OPENAI_API_KEY; given to the "
+                        "servers this benchmark starts too)")
+    s.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
+                   help="/v1/completions, or /v1/chat/completions (vLLM's openai-chat: text prompts as one user "
+                        "message) (default: %(default)s)")
+    s.add_argument("--dataset-path", default=None, metavar="JSON",
+                   help="a ShareGPT-style file (a list of {'conversations': [{'from': 'human', 'value': ...}, "
+                        "{'from': 'gpt', 'value': ...}]}): the first turn is the prompt, the reply's length (counted "
+                        "by the server's /tokenize) the output length; replaces --dataset")
     _dataset(s, 100)
     s.add_argument("--request-rates", default="inf",
                    help="requests/s, comma-separated; inf: every request at once (default: %(default)s)")
@@ -156,7 +171,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                     "Offline: every request of a dataset at once (LLM.generate's loop, after a warm-up), each mode "
                     "in its own process; total and output tok/s, requests/s, peak batch, preemptions, the KV's "
                     "stored ratio.")
-    _dataset(t, 200)
+    _dataset(t, None, "200; on the CPU 16, with --input-len 64 --output-len 32 unless given: about a minute")
     _offline(t)
     t.add_argument("--profile-steps", default=None, metavar="START:END",
                    help="trace steps START..END-1 of each mode's run with torch.profiler: a Chrome trace "

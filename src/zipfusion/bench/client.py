@@ -1,6 +1,7 @@
 """The client of ``zipfusion bench serve`` (:mod:`.serve`): one rate's requests against a server.
 
-Every request of a dataset is a streaming /v1/completions request (httpx async; greedy,
+Every request of a dataset is a streaming /v1/completions request (``--endpoint chat``:
+/v1/chat/completions, the prompt as a user message; ``--api-key``: a bearer token) (httpx async; greedy,
 ``ignore_eos``, token ids returned, the usage in the last chunk), each bounded by ``--timeout``
 seconds in all. Arrivals are a Poisson process at the rate (``inf``: all at once), with at most
 ``--max-concurrency`` in flight (a closed loop at rate inf). Per request its record: the send
@@ -23,11 +24,36 @@ from .offline import log
 from .server_process import Sampler, scrape
 
 
-async def send(client, url: str, prompt, max_tokens: int, model: str | None, timeout: float) -> dict:
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def request_body(prompt, max_tokens: int, endpoint: str) -> dict:
+    """The streamed request of one prompt: /v1/completions (text or token ids), or
+    /v1/chat/completions (openai-chat: the text as one user message)."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        if not isinstance(prompt, str):
+            raise ValueError("--endpoint chat sends text: use --prompt-format text or --dataset-path (ShareGPT)")
+        return {**body, "messages": [{"role": "user", "content": prompt}]}
+    return {**body, "prompt": prompt, "return_token_ids": True}
+
+
+def chunk_tokens(event: dict) -> int:
+    """Tokens a streamed event carries: its token ids (completions), else one per choice with
+    text (chat deltas: a step's token each, as vLLM's openai-chat backend counts them)."""
+    n = 0
+    for c in event.get("choices", []):
+        text = c.get("text") or (c.get("delta") or {}).get("content")
+        n += len(c.get("token_ids") or ()) or bool(text)
+    return n
+
+
+async def send(client, url: str, prompt, max_tokens: int, model: str | None, timeout: float,
+               endpoint: str = "completions") -> dict:
     """One streaming completion; the record of its times (perf_counter seconds) and tokens."""
     import httpx
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    body = request_body(prompt, max_tokens, endpoint)
     if model:
         body["model"] = model
     rec = {"ok": False, "error": None, "expected_output_tokens": max_tokens, "chunks": [], "chunk_tokens": [],
@@ -35,7 +61,7 @@ async def send(client, url: str, prompt, max_tokens: int, model: str | None, tim
     rec["sent"] = time.perf_counter()
     done = False
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        async with client.stream("POST", url + ENDPOINTS[endpoint], json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
                 return rec
@@ -54,7 +80,7 @@ async def send(client, url: str, prompt, max_tokens: int, model: str | None, tim
                     rec["output_tokens"] = event["usage"]["completion_tokens"]
                     rec["prompt_tokens"] = event["usage"]["prompt_tokens"]
                     rec["cached_tokens"] = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                n = sum(len(c.get("token_ids") or ()) or bool(c.get("text")) for c in event.get("choices", []))
+                n = chunk_tokens(event)
                 if n:
                     rec["chunks"].append(now)
                     rec["chunk_tokens"].append(n)
@@ -82,10 +108,12 @@ def finish_record(rec: dict) -> dict:
 
 async def run_rate(url: str, ds: datasets.Dataset, rate: float, *, model: str | None, timeout: float,
                    max_concurrency: int | None = None, seed: int = 0, metrics_interval: float = 2.0,
-                   progress_s: float = 10.0, label: str = "") -> tuple[list[dict], float, Sampler]:
+                   progress_s: float = 10.0, label: str = "", endpoint: str = "completions",
+                   api_key: str | None = None) -> tuple[list[dict], float, Sampler]:
     """Every request of ``ds``: arrivals a Poisson process at ``rate`` (inf: all at once), at most
-    ``max_concurrency`` in flight. Returns (records in order, seconds from the first send to the
-    last answer, the /metrics sampler)."""
+    ``max_concurrency`` in flight, to ``endpoint`` (completions or chat), with ``api_key`` as a
+    bearer token. Returns (records in order, seconds from the first send to the last answer, the
+    /metrics sampler)."""
     import httpx
     rng = random.Random(seed)
     n = len(ds)
@@ -94,14 +122,15 @@ async def run_rate(url: str, ds: datasets.Dataset, rate: float, *, model: str | 
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     sampler = Sampler()
     recs: list[dict | None] = [None] * n
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30)) as client, \
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30), headers=headers) as client, \
             httpx.AsyncClient(timeout=30) as side:
         async def one(i: int) -> dict:
             """A request bounded by ``timeout`` seconds in all; whatever goes wrong is its error."""
             t0 = time.perf_counter()
             try:
-                return await asyncio.wait_for(send(client, url, ds.prompts[i], ds.output_lens[i], model, timeout),
-                                              timeout)
+                return await asyncio.wait_for(send(client, url, ds.prompts[i], ds.output_lens[i], model, timeout,
+                                                   endpoint), timeout)
             except asyncio.TimeoutError:
                 why = f"no answer within --timeout {timeout:g} s"
             except Exception as exc:                     # noqa: BLE001 - counted as failed, never lost

@@ -187,3 +187,40 @@ def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | 
             system = random_prompts([prefix] * groups, vocab, id_seed + 1)
             prompts = [system[i // dist.group] + p for i, p in enumerate(prompts)]
     return Dataset(name, prompts, [p + prefix for p in plens], olens, clipped)
+
+
+def sharegpt(path: str, n: int, *, seed: int = 0, count=None, max_len: int | None = None) -> Dataset:
+    """``n`` conversations of a ShareGPT-style JSON file (a list of ``{"conversations": [{"from":
+    "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}``, as vLLM's ``--dataset-name
+    sharegpt``), drawn in a seeded order: the first human turn is the prompt (text), the reply's
+    tokens (``count(text)``; without it, words x 1.3) its output length. As vLLM, pairs with fewer
+    than 4 prompt or output tokens, or not within ``max_len``, are skipped."""
+    import json
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--dataset-path {path}: {exc}") from None
+    pairs = []
+    for item in data if isinstance(data, list) else []:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2]):
+            pairs.append((str(turns[0].get("value", "")), str(turns[1].get("value", ""))))
+    if not pairs:
+        raise ValueError(f"--dataset-path {path}: no conversations of two turns (ShareGPT's shape: a list of "
+                         "{'conversations': [{'from': 'human', 'value': ...}, {'from': 'gpt', 'value': ...}]})")
+    random.Random(seed).shuffle(pairs)
+    count = count or (lambda text: max(1, round(len(text.split()) * 1.3)))
+    prompts, plens, olens = [], [], []
+    for prompt, reply in pairs:
+        p, o = count(prompt), count(reply)
+        if p < 4 or o < 4 or max_len is not None and p + o >= max_len:
+            continue
+        prompts.append(prompt)
+        plens.append(p)
+        olens.append(o)
+        if len(prompts) == n:
+            break
+    if len(prompts) < n:
+        raise ValueError(f"--dataset-path {path}: {len(prompts)} usable conversations, fewer than --num-prompts {n}")
+    return Dataset("sharegpt", prompts, plens, olens, 0)

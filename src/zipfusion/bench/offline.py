@@ -122,8 +122,11 @@ def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=
             if time.perf_counter() - last > progress_s:
                 last = time.perf_counter()
                 done = sum(r.finish_reason is not None for r in reqs)
+                made = sum(len(r.output_ids) for r in reqs)
+                eta = (last - t0) * (sum(outs) - made) / made if made else None     # at the rate so far
                 log(f"  {label} {last - t0:.0f} s: {done}/{len(prompts)} requests done, {len(steps)} steps, "
-                    f"{res.running} running, {eng.scheduler.num_preemptions} preemptions")
+                    f"{res.running} running, {eng.scheduler.num_preemptions} preemptions"
+                    + (f"; about {eta:.0f} s left at this rate" if eta is not None else ""))
     finally:
         eng.remove_observer(observe)
     return reqs, steps, time.perf_counter() - t0

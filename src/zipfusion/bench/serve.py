@@ -85,16 +85,28 @@ class Run:
         self.after_rate = lambda: None
 
     def connect(self) -> None:
-        import httpx
-        r = httpx.get(self.server.url + "/v1/models", timeout=30)
-        r.raise_for_status()
-        first = r.json()["data"][0]
+        first = served_model(self.server.url, self.args.api_key)
         self.model, self.max_len = first["id"], first.get("max_model_len")
+
+    def count_tokens(self, text: str) -> int:
+        """The server's token count of ``text`` (its /tokenize)."""
+        import httpx
+        r = httpx.post(self.server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30,
+                       headers=auth_headers(self.args.api_key))
+        r.raise_for_status()
+        return r.json()["count"]
 
     def dataset(self, n: int, id_seed: int) -> datasets.Dataset:
         a = self.args
+        if a.dataset_path:
+            return datasets.sharegpt(a.dataset_path, n, seed=a.seed, count=self.count_tokens, max_len=self.max_len)
         return datasets.build(self.dist, a.dataset, n, seed=a.seed, id_seed=id_seed, vocab=a.vocab_size,
                               max_len=self.max_len, range_ratio=a.range_ratio, text=a.prompt_format == "text")
+
+    def send_options(self) -> dict:
+        return {"model": self.model, "timeout": self.args.timeout, "endpoint": self.args.endpoint,
+                "api_key": self.args.api_key, "metrics_interval": self.args.metrics_interval,
+                "progress_s": self.args.progress_s}
 
     def warm_up(self) -> None:
         """A few requests outside the numbers (kernel builds on first use): all must succeed."""
@@ -103,9 +115,8 @@ class Run:
             return
         ds = self.dataset(a.warmup, a.seed + 999_983)
         ds.output_lens = [min(o, 16) for o in ds.output_lens]
-        recs, _, _ = asyncio.run(run_rate(self.server.url, ds, math.inf, model=self.model, timeout=a.timeout,
-                                          metrics_interval=a.metrics_interval, progress_s=a.progress_s,
-                                          label=f"[{self.mode} warm-up]"))
+        recs, _, _ = asyncio.run(run_rate(self.server.url, ds, math.inf, label=f"[{self.mode} warm-up]",
+                                          **self.send_options()))
         bad = [r for r in recs if not r["ok"]]
         if bad:
             raise RuntimeError(f"{len(bad)} of {len(recs)} warm-up requests failed, e.g. "
@@ -121,8 +132,8 @@ class Run:
                                                         if a.max_concurrency else ""))
         before = asyncio.run(one_scrape(self.server.url))
         recs, duration, sampler = asyncio.run(run_rate(
-            self.server.url, ds, rate, model=self.model, timeout=a.timeout, max_concurrency=a.max_concurrency,
-            seed=rate_seed(a.seed, rate), metrics_interval=a.metrics_interval, progress_s=a.progress_s, label=label))
+            self.server.url, ds, rate, max_concurrency=a.max_concurrency, seed=rate_seed(a.seed, rate), label=label,
+            **self.send_options()))
         after = asyncio.run(one_scrape(self.server.url))
         row = rate_row(recs, duration, rate, self.slo, a.max_concurrency)
         row["server"] = {**counter_deltas(before, after), **sampler.numbers()}
@@ -134,7 +145,8 @@ class Run:
             f"{report.fmt(row['ttft_ms']['p50'], '{:.0f}')} ms p99 {report.fmt(row['ttft_ms']['p99'], '{:.0f}')} ms, "
             f"TPOT p50 {report.fmt(row['tpot_ms']['p50'], '{:.1f}')} ms"
             + (f", goodput {row['goodput_req_s']:.2f} req/s ({row['slo_attainment']:.0%} in SLO)" if self.slo else "")
-            + f", peak batch {row['server']['peak_running']:.0f}, {row['server']['preemptions']:.0f} preemptions")
+            + (f", peak batch {row['server']['peak_running']:.0f}" if row["server"].get("metric_samples")
+               else ", peak batch not sampled") + f", {row['server']['preemptions']:.0f} preemptions")
         self.after_rate()
         return row
 
@@ -146,6 +158,42 @@ def sweep_rates(saturation: float, fractions: list[float], grid: list[float]) ->
     if not grid:
         return sorted(float(f"{r:.3g}") for r in own)
     return sorted(set(grid) | {float(f"{r:.3g}") for r in own if r > max(grid) * 1.05})
+
+
+def redact_key(argv: list[str] | None) -> list[str] | None:
+    """The command line as recorded in the results: an --api-key's value left out."""
+    if argv is None:
+        return None
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif a.startswith("--api-key="):
+            out[i] = "--api-key=***"
+    return out
+
+
+def auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_model(url: str, api_key: str | None) -> dict:
+    """The first model a server lists on /v1/models (a clear error for a missing or wrong key)."""
+    import httpx
+    r = httpx.get(url + "/v1/models", timeout=30, headers=auth_headers(api_key))
+    if r.status_code == 401:
+        raise ValueError(f"{url} wants an API key: pass --api-key KEY (or set $OPENAI_API_KEY)"
+                         + (" (the one given was refused)" if api_key else ""))
+    r.raise_for_status()
+    return r.json()["data"][0]
+
+
+def server_mode(model: dict) -> str:
+    """The bench mode a running server is in, from what its /v1/models says of its KV cache."""
+    dtype = model.get("kv_cache_dtype", "auto")
+    if dtype.startswith("fp8"):
+        return "fp8_lossless" if "lossless" in dtype else "fp8"
+    return "compressed" if model.get("kv_compression", True) else "uncompressed"
 
 
 def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float], checkpoint=None) -> dict:
@@ -195,7 +243,16 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
     require(("httpx",), "bench", "zipfusion bench serve")
     if args.url and len(modes) > 1:
         raise ValueError("--url is one running server, so one mode: --compare starts a server per mode "
-                         "(leave out --url), or name the server's mode with --mode")
+                         "(leave out --url)")
+    if args.endpoint not in ("completions", "chat"):
+        raise ValueError(f"--endpoint is completions or chat, got {args.endpoint!r}")
+    if args.endpoint == "chat" and args.prompt_format != "text" and not args.dataset_path:
+        raise ValueError("--endpoint chat sends text: add --prompt-format text, or give --dataset-path")
+    if args.url:                 # label the run with what the server reports, not this client's defaults
+        served = served_model(args.url.rstrip("/"), args.api_key)
+        modes = [server_mode(served)]
+        args.model = served["id"]
+        args.kv_memory_gb = served.get("kv_memory_gb", args.kv_memory_gb)
     if not args.url:
         require(("fastapi", "uvicorn", "prometheus_client"), "server", "zipfusion bench serve (its server)")
     if not 0 < args.slo_attainment <= 1:
@@ -208,16 +265,19 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
             raise ValueError(f"{flag} must be > 0, got {v}")
     args.rates = parse_rates(args.request_rates) if not args.sweep else None
     args.sweep_points = parse_fractions(args.sweep_points)
-    dist = datasets.resolve(args.dataset, args.input_len, args.output_len, args.shared_prefix, args.prefix_group)
+    if args.dataset_path:
+        args.dataset = "sharegpt"
+    dist = datasets.resolve("chat" if args.dataset_path else args.dataset, args.input_len, args.output_len,
+                            args.shared_prefix, args.prefix_group)
     datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)      # bad sizes: now
-    meta = report.run_meta("serve", args.argv, device)
+    meta = report.run_meta("serve", redact_key(args.argv), device)
     config = {"model": args.model, "device": device, "url": args.url, "modes": modes, "dataset": args.dataset,
               "length_dist": dataclasses.asdict(dist), "num_prompts": args.num_prompts, "prompt_format": args.prompt_format,
               "request_rates": None if args.sweep else [rate_label(r) for r in args.rates],
               "sweep": args.sweep, "sweep_points": args.sweep_points, "max_concurrency": args.max_concurrency,
               "goodput": slo, "slo_attainment": args.slo_attainment, "kv_memory_gb": args.kv_memory_gb,
               **{k: getattr(args, k) for k in SIZE_FLAGS[1:]}, "server_args": args.server_args, "seed": args.seed,
-              "timeout_s": args.timeout}
+              "timeout_s": args.timeout, "endpoint": args.endpoint, "dataset_path": args.dataset_path}
     result = {"meta": meta, "config": config, "modes": {},
               "notes": "TTFT: send -> first streamed token; ITL: gaps between streamed chunks; TPOT: (last - first "
                        "token) / (tokens - 1); e2el: send -> last byte; ms. goodput: requests/s meeting every "

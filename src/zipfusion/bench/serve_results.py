@@ -20,7 +20,7 @@ from .server_process import FLAT_MIB
 from .stats import goodput, summary
 
 RATIO_KEYS = {"max_rate_within_slo": "max rate in SLO", "max_goodput_req_s": "max goodput",
-              "max_steady_output_tok_s": "output tok/s at saturation (steady)",
+              "max_steady_output_tok_s": "steady output tok/s (while requests arrive)",
               "max_output_tok_s": "output tok/s (whole rate)", "max_requests_s": "req/s (whole rate)",
               "peak_running": "peak batch"}
 
@@ -98,7 +98,8 @@ def mode_summary(rows: list[dict], slo: dict, attainment: float) -> dict:
                                             if r.get("steady_output_tok_s") is not None), default=None),
             "max_output_tok_s": max(r["output_tok_s"] for r in rows),
             "max_requests_s": max(r["requests_s"] for r in rows),
-            "peak_running": max(r["server"].get("peak_running") or 0 for r in rows),
+            "peak_running": max((r["server"]["peak_running"] for r in rows if r["server"].get("metric_samples")),
+                                default=None),
             "preemptions": sum(r["server"].get("preemptions", 0) for r in rows),
             "failed": sum(r["failed"] for r in rows), "lost": sum(r["lost"] for r in rows)}
 
@@ -136,9 +137,32 @@ def table_rows(result: dict) -> list[dict]:
         for r in m["rates"]:
             rows.append({"mode": mode, "rate": rate_label(float(r["request_rate"])), **r,
                          **{f"{k}_{p}": r[f"{k}_ms"][p] for k in ("ttft", "tpot", "itl") for p in ("p50", "p99")},
-                         "goodput": r.get("goodput_req_s"), "peak_running": r["server"].get("peak_running"),
+                         "goodput": r.get("goodput_req_s"),
+                         "peak_running": r["server"].get("peak_running") if r["server"].get("metric_samples")
+                         else "not sampled",
                          "preemptions": r["server"].get("preemptions"), "rss_mib": r["memory_after"].get("rss_mib")})
     return rows
+
+
+def vllm_table(row: dict, title: str) -> str:
+    """One rate's numbers as ``vllm bench serve`` prints them (ms; Mean / Median / P99)."""
+    line = lambda k, v, spec="{:.2f}": f"{k + ':':<40}{report.fmt(v, spec):>10}"  # noqa: E731
+    out = [f"{' ' + title + ' ':=^50}", line("Successful requests", row["completed"], "{}"),
+           line("Failed or cut short", row["failed"] + row["lost"], "{}"),
+           line("Benchmark duration (s)", row["duration_s"]), line("Total input tokens", row["input_tokens"], "{}"),
+           line("Total generated tokens", row["output_tokens"], "{}"),
+           line("Request throughput (req/s)", row["requests_s"]),
+           line("Output token throughput (tok/s)", row["output_tok_s"]),
+           line("Total Token throughput (tok/s)", row["total_tok_s"])]
+    if row.get("goodput_req_s") is not None:
+        out.append(line("Request goodput (req/s)", row["goodput_req_s"]))
+    for key, name, head in (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token "
+                            "(excl. 1st token)"), ("itl", "ITL", "Inter-token Latency"),
+                            ("e2el", "E2EL", "End-to-end Latency")):
+        d = row[f"{key}_ms"]
+        out += [f"{head:-^50}", line(f"Mean {name} (ms)", d["mean"]), line(f"Median {name} (ms)", d["p50"]),
+                line(f"P99 {name} (ms)", d["p99"])]
+    return "\n".join(out + ["=" * 50])
 
 
 def plot(result: dict, path: str) -> bool:
@@ -162,20 +186,24 @@ def plot(result: dict, path: str) -> bool:
         finite = [r for r in rows if r["request_rate"] != "inf"]
         burst = [r for r in rows if r["request_rate"] == "inf"]
         xs = [r["request_rate"] for r in finite]
+        def draw(ax, x, y, style, label=None, **kw):
+            """A line only where it has points, and a legend entry only for a drawn line."""
+            if any(v is not None and v == v for v in y):
+                ax.plot(x, [math.nan if v is None else v for v in y], style, color=color, label=label, **kw)
+
         for ax, key, _ in panels:
-            for p, style in (("p50", "-o"), ("p99", "--o")):
-                ax.plot(xs, [r[key][p] if r[key][p] is not None else math.nan for r in finite], style, color=color,
-                        label=f"{mode} {p}", ms=4)
-                ax.plot([r["requests_s"] for r in burst], [r[key][p] or math.nan for r in burst], "*", color=color,
-                        ms=9)
-        axes[1][0].plot(xs, [r["output_tok_s"] for r in finite], "-o", color=color, label=mode, ms=4)
-        axes[1][0].plot(xs, steady(finite), "--", color=color, label=f"{mode}, while arrivals last", lw=1)
-        axes[1][0].plot([r["requests_s"] for r in burst], [r["output_tok_s"] for r in burst], "*", color=color, ms=9)
-        axes[1][0].plot([r["requests_s"] for r in burst], steady(burst), "*", color=color, ms=11, mfc="none",
-                        label=f"{mode}, while requests are sent" if burst else None)
+            for p, style, kw in (("p50", "-o", {"lw": 1.8}), ("p99", ":s", {"lw": 1.2, "mfc": "none"})):
+                draw(ax, xs, [r[key][p] for r in finite], style, f"{mode} {p}", ms=4, **kw)
+                draw(ax, [r["requests_s"] for r in burst], [r[key][p] for r in burst], "*", ms=9,
+                     mfc=color if p == "p50" else "none")
+        draw(axes[1][0], xs, [r["output_tok_s"] for r in finite], "-o", mode, ms=4)
+        draw(axes[1][0], xs, steady(finite), "--", f"{mode}, while arrivals last", lw=1)
+        draw(axes[1][0], [r["requests_s"] for r in burst], [r["output_tok_s"] for r in burst], "*", ms=9)
+        draw(axes[1][0], [r["requests_s"] for r in burst], steady(burst), "*", f"{mode}, while requests are sent",
+             ms=11, mfc="none")
         key, name = ("goodput_req_s", "goodput (req/s in SLO)") if slo else ("requests_s", "requests/s completed")
-        axes[1][1].plot(xs, [r[key] for r in finite], "-o", color=color, label=mode, ms=4)
-        axes[1][1].plot([r["requests_s"] for r in burst], [r[key] for r in burst], "*", color=color, ms=9)
+        draw(axes[1][1], xs, [r[key] for r in finite], "-o", mode, ms=4)
+        draw(axes[1][1], [r["requests_s"] for r in burst], [r[key] for r in burst], "*", ms=9)
         axes[1][1].set_ylabel(name)
     for ax, key, name in panels:
         ax.set_ylabel(name)
@@ -184,13 +212,20 @@ def plot(result: dict, path: str) -> bool:
             ax.set_yscale("log")
         if key[:4] in slo:
             ax.axhline(slo[key[:4]], color="gray", ls=":", lw=1, label="SLO")
+        lo, hi = ax.get_ylim()
+        if 0 < lo and hi / lo < 10:               # at least a decade: noise of a few % is not magnified
+            mid = math.sqrt(lo * hi)
+            ax.set_ylim(mid / math.sqrt(10), mid * math.sqrt(10))
+    for ax in (axes[1][0], axes[1][1]):
+        ax.set_ylim(bottom=0)                     # throughputs from zero: their differences at their scale
     axes[1][0].set_ylabel("output tokens/s")
     loop = result["config"].get("max_concurrency")
     star = f"closed loop of {loop}" if loop else "all at once"
     for ax in (a for row in axes for a in row):
         ax.set_xlabel(f"request rate (req/s, Poisson; *: {star}, as achieved)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     c, m = result["config"], result["meta"]
     fig.suptitle(f"zipfusion bench serve: {c['model']} on {m['device_name']}, {c['dataset']} x {c['num_prompts']} "
                  f"per rate, KV {c['kv_memory_gb'] or 'default'} GiB"
@@ -209,6 +244,9 @@ def finish(result: dict, out: str) -> int:
     result["comparison"] = comparison(result, result["config"]["modes"])
     failed = sum(m["summary"]["failed"] + m["summary"]["lost"] for m in result["modes"].values() if "summary" in m)
     print(report.save(result, out, plot))
+    for mode, m in result["modes"].items():
+        for r in m.get("rates", []):
+            print(vllm_table(r, f"{mode}, rate {rate_label(float(r['request_rate']))}"))
     print(report.text_table(table_rows(result), COLUMNS))
     for mode, m in result["modes"].items():
         if "memory" in m:

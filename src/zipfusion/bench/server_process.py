@@ -34,7 +34,8 @@ def server_flags(args, mode: str) -> list[str]:
         v = getattr(args, name)
         if v is not None:
             flags += ["--" + name.replace("_", "-"), str(v)]
-    return flags + MODES[mode][1] + shlex.split(args.server_args or "")
+    key = ["--api-key", args.api_key] if getattr(args, "api_key", None) else []
+    return flags + MODES[mode][1] + key + shlex.split(args.server_args or "")
 
 
 def free_port() -> int:
@@ -188,6 +189,8 @@ def parse_metrics(text: str) -> dict:
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith("vllm:"):                  # a server run with --metrics-prefix vllm
+            name = "zipfusion:" + name[5:]
         try:
             value = float(line.rsplit(" ", 1)[1])
         except (ValueError, IndexError):

@@ -161,8 +161,36 @@ def plot(result: dict, path: str) -> bool:
                             f"{c['dataset']} x {c['num_prompts']}, KV {c['kv_memory_gb'] or 'default'} GiB", path)
 
 
+# on the CPU a run of the GPU's default size takes hours: these sizes finish in about a minute
+CPU_DEFAULTS = {"num_prompts": 16, "input_len": 64, "output_len": 32}
+GPU_NUM_PROMPTS = 200
+NOISE_S = 1.0           # a mode's run shorter than this: its ratios are noise
+
+
+def size_defaults(args, device: str) -> None:
+    """Fill the sizes not given: the GPU's default count, or on the CPU :data:`CPU_DEFAULTS` (said in the log)."""
+    if device != "cpu":
+        args.num_prompts = args.num_prompts or GPU_NUM_PROMPTS
+        return
+    filled = {k: v for k, v in CPU_DEFAULTS.items() if getattr(args, k) is None}
+    for k, v in filled.items():
+        setattr(args, k, v)
+    if filled:
+        log("on the CPU, sized to finish in about a minute: " + ", ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in filled.items()) + " (give them to change)")
+
+
+def noise_note(records: list[dict]) -> str | None:
+    """A warning when a mode's run was too short for its ratio to mean anything."""
+    short = [r["mode"] for r in records if r.get("wall_s") is not None and r["wall_s"] < NOISE_S]
+    return (f"{', '.join(short)} ran under {NOISE_S:g} s: the ratios are noise at this size (give more "
+            "--num-prompts or --output-len)") if short else None
+
+
 def run(args, modes: list[str], device: str, engine: dict) -> int:
     """The driver: one worker process per mode, then the table, JSON and PNG."""
+    datasets.resolve(args.dataset)              # an unknown name: its error first
+    size_defaults(args, device)
     dist = datasets.resolve(args.dataset, args.input_len, args.output_len, args.shared_prefix, args.prefix_group)
     datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)      # bad sizes: now
     job = {"model": args.model, "device": device, "kv_memory_gb": args.kv_memory_gb,
@@ -186,7 +214,7 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
     ran = {r["mode"]: r for r in records if "output_tok_s" in r}
     result = {"meta": meta, "config": {k: v for k, v in job.items() if k != "dist"} | {"length_dist": job["dist"]},
               "records": records, "ratios": report.ratios(ran, tuple(RATIO_KEYS), modes[0]),
-              "identical_outputs": identical_outputs(records)}
+              "identical_outputs": identical_outputs(records), "ratio_note": noise_note(records)}
     written = report.save(result, args.out, plot)
     if steps:
         steps_path = report.out_paths(args.out)[0][:-len(".json")] + "_steps.json"
@@ -198,4 +226,6 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
     if result["ratios"]:
         print(report.ratio_table(result["ratios"], RATIO_KEYS))
         print(f"identical tokens across modes: {result['identical_outputs']}")
+        if result["ratio_note"]:
+            print(f"NOTE: {result['ratio_note']}")
     return 1 if any("error" in r for r in records) else 0

@@ -24,6 +24,7 @@ from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs
 from .scheduler import KVCacheTooSmall, Scheduler, SchedulerOutput
+from .structured import GrammarCompiler, apply_bitmask
 from .watchdog import Watchdog
 
 log = logging.getLogger("zipfusion")
@@ -71,6 +72,7 @@ class LLMEngine:
             from .tp_runner import TPRunner
             self.runner = TPRunner(self.runner, self.tp, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.graph_buckets = self.runner.capture_cuda_graphs()
         self.attention.warm_up_prefill(cfg.max_num_batched_tokens)       # cuDNN's graphs, on CUDA
         if self.host_tier is not None:
@@ -185,7 +187,9 @@ class LLMEngine:
         return self.scheduler.pages
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, matcher=None) -> Request:
+        """Queue a request. ``matcher``: its grammar's matcher built already (``self.grammars.matcher``,
+        off this thread: a server's); by default built here from ``params``."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be zipfusion.SamplingParams, got {type(params).__name__}")
         V = self.model_config.vocab_size
@@ -204,6 +208,7 @@ class LLMEngine:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit max_model_len="
                              f"{self.max_model_len}{self._len_note}; shorten the prompt or raise max_model_len")
         req = Request(next(self._ids), list(prompt_ids), params)
+        req.matcher = matcher if matcher is not None or not params.guided else self.grammars.matcher(params)
         if params.seed is not None:
             req.generator = self.sampler.make_generator(params.seed)
         elif self.config.deterministic and not params.greedy:
@@ -337,10 +342,16 @@ class LLMEngine:
 
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor):
         """One token per request from its logits row, launched: (tokens on their way to the
-        host, the device tensor)."""
+        host, the device tensor). Guided rows are masked first: their bitmask is filled on the
+        host here, while the device runs the forward (their previous tokens were accepted at
+        the end of the previous step, so async scheduling keeps its overlap)."""
         params = [r.params for r in reqs]
         history = ([(r.prompt_ids, r.output_ids) if p.penalized else None for r, p in zip(reqs, params)]
                    if any(p.penalized for p in params) else None)
+        guided = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if guided:
+            mask = self.grammars.bitmask([reqs[i].matcher for i in guided], pin=logits.is_cuda)
+            logits = apply_bitmask(logits, guided, mask)
         new_tokens = self.sampler(logits, params, [r.generator for r in reqs], history)
         return HostArray(new_tokens), new_tokens
 
@@ -354,6 +365,11 @@ class LLMEngine:
         for r, t in zip(reqs, tokens):
             r.output_ids.append(int(t))
             r.token_times.append(now)
+            if r.matcher is not None and not self.grammars.accept(r.matcher, int(t)):
+                log.warning("request %d: the grammar refused token %d (%s); request stopped", r.request_id, int(t),
+                            r.matcher.get_error())
+                finished.append((r, "abort"))
+                continue
             reason = self._check_stop(r)
             if reason:
                 finished.append((r, reason))
@@ -373,6 +389,8 @@ class LLMEngine:
     def _check_stop(self, r: Request) -> str | None:
         p, t = r.params, r.output_ids[-1]
         n = len(r.output_ids)
+        if r.matcher is not None and r.matcher.is_stopped():
+            return "stop"                  # the grammar is complete (its end-of-sequence token taken)
         if n >= p.min_tokens:
             if not p.ignore_eos and t in self.eos_token_ids:
                 return "stop"

@@ -42,6 +42,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list, repr=False)   # when each output token came
     logprobs: list = field(default_factory=list, repr=False)   # per output token {id: Logprob}, when asked
+    matcher: object = field(default=None, repr=False)   # structured output: its llguidance matcher
 
     @property
     def max_total_tokens(self) -> int | None:

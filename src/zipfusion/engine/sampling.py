@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .structured import check_guided, guide_of
+
 MAX_PENALTY = 2.0          # OpenAI's range for presence and frequency penalties: [-2, 2]
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range for a logit bias: [-100, 100]
 
@@ -51,6 +53,10 @@ class SamplingParams:
     ``logit_bias`` maps token id -> a bias in [-100, 100] added to its logit. ``logprobs``: the
     number of most likely tokens whose log-probabilities come back with each generated token
     (0: only the generated token's; None: none), from the raw model distribution.
+    Structured output (vLLM's guided decoding, at most one; :mod:`.structured`): ``guided_json``
+    a JSON schema (``{"type": "object"}``: any JSON object), ``guided_regex`` a regular
+    expression, ``guided_choice`` a list of strings the output is one of, ``guided_grammar`` a
+    Lark or GBNF grammar (llguidance's syntax).
     """
 
     temperature: float = 1.0
@@ -67,6 +73,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def fixed_length(self) -> bool:
@@ -98,6 +108,7 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be an int >= 0 (number of top tokens) or None, got {self.logprobs!r}")
+        check_guided(self)
         _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         _number("repetition_penalty", self.repetition_penalty, 0, float("inf"), lo_open=True)
@@ -117,6 +128,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def guided(self) -> bool:
+        return guide_of(self) is not None
 
     @property
     def penalized(self) -> bool:

@@ -47,6 +47,12 @@ class Tokenizer:
             return list(self._hf.encode(text))
         return list(self._tok.encode(text).ids)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """``encode`` without the special tokens the tokenizer adds (a BOS)."""
+        if self._hf is not None:
+            return list(self._hf.encode(text, add_special_tokens=False))
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
     def decode(self, ids: list[int]) -> str:
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=True)
@@ -71,16 +77,35 @@ class Tokenizer:
             texts = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
         return max((len(t.encode("utf-8", "replace")) for t in texts), default=1) + 4
 
+    def vocab_size(self) -> int:
+        """Tokens this tokenizer knows, added and special ones included."""
+        return len(self._hf) if self._hf is not None else self._tok.get_vocab_size(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The Rust tokenizer as tokenizer.json text (padding and truncation off): what llguidance
+        builds its token table from."""
+        from copy import copy
+        tok = copy(self._hf.backend_tokenizer) if self._hf is not None else copy(self._tok)
+        tok.no_padding()
+        tok.no_truncation()
+        return tok.to_str()
+
     @property
     def eos_token_ids(self) -> tuple:
         if self._hf is not None and self._hf.eos_token_id is not None:
             return (int(self._hf.eos_token_id),)
         return ()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self._hf is None or not getattr(self._hf, "chat_template", None):
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._hf, "chat_template", None) if self._hf is not None else None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            **({"tools": tools} if tools else {}))
 
 
 def _gguf_tokenizer(file: Path):

@@ -62,7 +62,7 @@ SERVER_EXTRA_HINT = "from the zipfusion checkout: pip install -e '.[server]'"
 
 def serve(model="demo", host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None,
           api_key: str | None = None, served_model_name: str | list[str] | None = None, log_level: str = "info",
-          default_max_tokens: int = 256, limits=None, **engine_kwargs) -> None:
+          default_max_tokens: int = 256, limits=None, metrics_prefix: str = "zipfusion", **engine_kwargs) -> None:
     """Load ``model`` (a name or an :class:`~zipfusion.config.EngineConfig`) into an engine and
     serve it over HTTP until interrupted. ``sock``: an already bound socket (see :func:`bind_socket`);
     ``limits``: a :class:`~.limits.ServerLimits`. Given a name, ``max_num_batched_tokens`` defaults
@@ -87,7 +87,7 @@ def serve(model="demo", host: str = "127.0.0.1", port: int = 8000, *, sock: sock
         if engine.device.type == "cuda":
             engine.warm_up()           # the largest step's memory taken now, not under load
         app = create_app(engine, served_model_name, default_max_tokens=default_max_tokens, api_key=api_key,
-                         limits=limits)
+                         limits=limits, metrics_prefix=metrics_prefix)
         bound = sock.getsockname()
         lim = app.state.limits
         log.info("serving %s on http://%s:%d (KV: %d free pages of 16 tokens, max_model_len %d, prefill chunks "

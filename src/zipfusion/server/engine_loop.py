@@ -122,11 +122,13 @@ class EngineLoop:
         self.wake.set()
         return fut
 
-    async def submit(self, items: list[tuple[list[int], SamplingParams]], name: str = "") -> Group:
+    async def submit(self, items: list[tuple[list[int], SamplingParams]], name: str = "",
+                     matchers: list | None = None) -> Group:
         """Queue one group of requests, all or none; raises ValueError/TypeError (nothing queued)
-        when one is invalid or could never fit."""
+        when one is invalid or could never fit. ``matchers``: the requests' grammar matchers, built
+        off the engine thread (structured output)."""
         group = Group(asyncio.get_running_loop(), len(items), name)
-        await asyncio.wrap_future(self.call(lambda: self._add(group, items)))
+        await asyncio.wrap_future(self.call(lambda: self._add(group, items, matchers or [None] * len(items))))
         return group
 
     def abort(self, group: Group, why: str = "client disconnected") -> None:
@@ -153,12 +155,12 @@ class EngineLoop:
                              f"{need} were requested ({len(prompt_ids)} in the prompt, {params.max_tokens} in the "
                              "completion); shorten the prompt or lower max_tokens")
 
-    def _add(self, group: Group, items) -> None:
+    def _add(self, group: Group, items, matchers: list) -> None:
         reqs = []
         try:
-            for prompt_ids, params in items:
+            for (prompt_ids, params), matcher in zip(items, matchers):
                 self.check_fits(prompt_ids, params)
-                reqs.append(self.engine.add_request(prompt_ids, params))
+                reqs.append(self.engine.add_request(prompt_ids, params, matcher))
         except BaseException:
             for r in reqs:
                 self.engine.abort(r)

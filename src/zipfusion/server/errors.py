@@ -21,7 +21,7 @@ from .protocol import BadRequest
 
 log = logging.getLogger("zipfusion.server")
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
 
 

@@ -12,6 +12,7 @@ field here, and every refusal is a 4xx in OpenAI's error shape sent before any w
   size in bytes (then it cannot be shorter than ``max_model_len`` tokens); what is tokenized is
   tokenized on the tokenizer thread, not on the event loop.
 - ``max_stop`` stop strings of at most ``max_stop_chars`` characters; ``max_stop_token_ids``.
+- JSON values in a body: what the server can use (:func:`max_body_items`), counted before parsing.
 
 This module imports neither fastapi nor torch (the CLI reads its defaults for ``--help``).
 """
@@ -55,6 +56,15 @@ class ServerLimits:
                                "max_sequences": max(1, max_num_seqs // 4)})
 
 
+ITEM_SLACK = 65536     # JSON values beyond the token ids and biases: fields, messages, tools' schemas
+
+
+def max_body_items(limits: ServerLimits, max_model_len: int, vocab: int) -> int:
+    """The most JSON values a useful request body holds: every prompt of max_model_len token ids,
+    a bias for every vocabulary token, the stop token ids, and ITEM_SLACK for the rest."""
+    return limits.max_sequences * max_model_len + vocab + limits.max_stop_token_ids + ITEM_SLACK
+
+
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerLimits):
         parser.add_argument(f.metadata["flag"], dest=f.name, type=int, default=f.default,
@@ -69,11 +79,13 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 class BodyLimitMiddleware:
     """Pure ASGI: a request body beyond ``limit`` bytes gets a 413 in OpenAI's error shape, at
     once when its Content-Length says so, else as soon as that many bytes have come; the rest is
-    not read. A body within the limit is handed to the app unchanged (streaming and disconnects
-    pass through)."""
+    not read. A body of more than ``max_items`` JSON values (counted by its commas, one pass in C,
+    before any parsing) gets a 413 too: more token ids or logit_bias entries than the server can
+    use, which would otherwise take long to parse. A body within the limits is handed to the app
+    unchanged (streaming and disconnects pass through)."""
 
-    def __init__(self, app, limit: int, on_reject=None):
-        self.app, self.limit, self.on_reject = app, limit, on_reject
+    def __init__(self, app, limit: int, on_reject=None, max_items: int | None = None):
+        self.app, self.limit, self.on_reject, self.max_items = app, limit, on_reject, max_items
 
     async def _refuse(self, scope, receive, send, message: str, status: int = 413) -> None:
         from .errors import error_response
@@ -110,6 +122,12 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
+        if self.max_items is not None and body.count(b",") >= self.max_items:
+            await self._refuse(scope, receive, send, f"the request body holds more than {self.max_items} JSON values "
+                               "(token ids, logit_bias entries, ...): more than this server can use in one request "
+                               "(prompts x max_model_len tokens, one bias per vocabulary token); send a smaller "
+                               "request")
+            return
 
         async def replay():
             nonlocal replayed

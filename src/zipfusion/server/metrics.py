@@ -1,9 +1,12 @@
-"""Prometheus metrics of a serving engine, named as vLLM's with a ``zipfusion:`` prefix.
+"""Prometheus metrics of a serving engine, named as vLLM's with a ``zipfusion:`` prefix
+(``prefix="vllm"``, ``zipfusion serve --metrics-prefix vllm``: vLLM's own names, for its dashboards).
 
 Request and token metrics are fed by the engine thread after every step (so
 ``zipfusion:generation_tokens_total`` moves while requests run); the KV memory numbers
-(``zipfusion:kv_<field>``) are read from the cache when /metrics is scraped. Every series has
-vLLM's ``model_name`` label.
+(``zipfusion:kv_<field>``: gauges, and counters ending in ``_total`` for what only grows) are read
+from the cache when /metrics is scraped. ``kv_cache_usage_perc`` is the share of the KV memory
+held by requests (vLLM's meaning); ``kv_cache_cached_perc`` the share held by evictable
+prefix-cache pages, free to reuse. Every series has vLLM's ``model_name`` label.
 """
 
 from __future__ import annotations
@@ -11,13 +14,30 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-# numeric fields of the memory manager's stats, exported as zipfusion:kv_<name>
-KV_FIELDS = ("arena_bytes", "pool_chunks", "pending_chunks", "open_pages", "stored_pages",
-             "capacity_new_pages", "pages_compressed", "pages_moved", "compactions", "stored_ratio",
-             "pages_in_use", "bytes_in_use", "open_bytes_equivalent", "prefix_cache_pages",
-             "prefix_cache_evictable_pages", "host_tier_bytes", "host_tier_pages", "swapped_out_pages",
-             "swapped_in_pages", "recomputed_tokens")
+# the memory manager's numbers, exported as zipfusion:kv_<name>: what each is
+KV_GAUGES = {"arena_bytes": "Bytes of GPU memory the KV cache holds (its arena)",
+             "pool_chunks": "Arena chunks free for new pages",
+             "pending_chunks": "Arena chunks waiting to be freed once the GPU is done with them",
+             "open_pages": "KV pages stored open (uncompressed, being filled or not compressible)",
+             "stored_pages": "KV pages stored compressed",
+             "capacity_new_pages": "Open pages that still fit in the free KV memory",
+             "stored_ratio": "Compressed pages' bytes over their open size (1.0: no saving)",
+             "pages_in_use": "KV pages allocated, prefix-cache pages included",
+             "bytes_in_use": "Bytes of the arena the allocated pages take",
+             "open_bytes_equivalent": "Bytes the allocated pages would take uncompressed",
+             "prefix_cache_pages": "KV pages the prefix cache names",
+             "prefix_cache_evictable_pages": "Prefix-cache pages no request holds (freed first when memory is needed)",
+             "host_tier_bytes": "Bytes of host memory holding pages evicted from the GPU",
+             "host_tier_pages": "Pages held in host memory"}
+KV_COUNTERS = {"pages_compressed": "KV pages compressed since start",
+               "pages_moved": "KV pages moved by compaction since start",
+               "compactions": "Compactions of the KV arena since start",
+               "swapped_out_pages": "KV pages copied to host memory since start",
+               "swapped_in_pages": "KV pages brought back from host memory since start",
+               "recomputed_tokens": "Prefill tokens computed again after a preemption, since start"}
+PREFIXES = ("zipfusion", "vllm")
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -30,10 +50,30 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+class _KVCollector:
+    """The KV numbers of the last scrape, as gauges and counters with their HELP text."""
+
+    def __init__(self, prefix: str, label: dict):
+        self.prefix, self.label, self.stats = prefix, label, {}
+
+    def collect(self):
+        names, values = list(self.label), list(self.label.values())
+        for table, kind in ((KV_GAUGES, GaugeMetricFamily), (KV_COUNTERS, CounterMetricFamily)):
+            for f, doc in table.items():
+                value = self.stats.get(f)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    family = kind(f"{self.prefix}:kv_{f}", doc, labels=names)
+                    family.add_metric(values, value)
+                    yield family
+
+
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefix: str = "zipfusion"):
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(PREFIXES)}, got {prefix!r}")
         disable_created_metrics()            # as vLLM: no *_created series
         self.registry = r = CollectorRegistry()
+        p = prefix
         label = {"model_name": model_name}
         names = ["model_name"]
 
@@ -48,29 +88,33 @@ class Metrics:
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**label)
 
         self.label = label
-        self.prompt_tokens = counter("zipfusion:prompt_tokens", "Prompt tokens of requests that got their first token")
-        self.generation_tokens = counter("zipfusion:generation_tokens", "Tokens generated (counted every step)")
-        self.success = counter("zipfusion:request_success", "Finished requests by finish reason (abort included)",
+        self.prompt_tokens = counter(f"{p}:prompt_tokens", "Prompt tokens of the requests that got their first token")
+        self.generation_tokens = counter(f"{p}:generation_tokens", "Tokens generated (counted every step)")
+        self.success = counter(f"{p}:request_success", "Finished requests by finish reason (abort included)",
                                ["finished_reason"])
         for reason in FINISH_REASONS:
             self.success.labels(finished_reason=reason, **label)
-        self.rejected = counter("zipfusion:requests_rejected", "Requests refused before reaching the engine (4xx)")
-        self.preemptions = counter("zipfusion:num_preemptions", "Preemptions (a running request sent back to wait)")
-        self.running = gauge("zipfusion:num_requests_running", "Requests in the running batch")
-        self.waiting = gauge("zipfusion:num_requests_waiting", "Requests waiting for admission")
-        self.ttft = histogram("zipfusion:time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
-        self.itl = histogram("zipfusion:inter_token_latency_seconds", "Time between two output tokens", ITL_BUCKETS)
-        self.e2e = histogram("zipfusion:e2e_request_latency_seconds", "Arrival to finish (or abort)", E2E_BUCKETS)
-        self.request_prompt = histogram("zipfusion:request_prompt_tokens", "Prompt tokens per finished request",
+        self.rejected = counter(f"{p}:requests_rejected", "Requests refused before reaching the engine (4xx)")
+        self.preemptions = counter(f"{p}:num_preemptions", "Preemptions (a running request sent back to wait)")
+        self.running = gauge(f"{p}:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge(f"{p}:num_requests_waiting", "Requests waiting for admission")
+        self.ttft = histogram(f"{p}:time_to_first_token_seconds", "Seconds from a request's arrival to its first token", TTFT_BUCKETS)
+        self.itl = histogram(f"{p}:inter_token_latency_seconds", "Seconds between two output tokens of a request", ITL_BUCKETS)
+        self.e2e = histogram(f"{p}:e2e_request_latency_seconds", "Seconds from a request's arrival to its end (finish or abort)", E2E_BUCKETS)
+        self.request_prompt = histogram(f"{p}:request_prompt_tokens", "Prompt tokens per finished request",
                                         TOKEN_BUCKETS)
-        self.request_generation = histogram("zipfusion:request_generation_tokens",
+        self.request_generation = histogram(f"{p}:request_generation_tokens",
                                             "Generated tokens per finished request", TOKEN_BUCKETS)
-        self.kv = {f: gauge(f"zipfusion:kv_{f}", f"KV memory: {f.replace('_', ' ')}") for f in KV_FIELDS}
-        self.kv_usage = gauge("zipfusion:kv_cache_usage_perc", "Share of the KV arena in use (0..1)")
-        self.layer_fraction = Gauge("zipfusion:kv_compressible_fraction", "Compressible blocks among stored pages",
+        self.kv = _KVCollector(p, label)
+        r.register(self.kv)
+        self.kv_usage = gauge(f"{p}:kv_cache_usage_perc", "Share of the KV memory held by requests (0..1; "
+                                                           "evictable prefix-cache pages not counted)")
+        self.kv_cached = gauge(f"{p}:kv_cache_cached_perc", "Share of the KV memory held by evictable "
+                                                             "prefix-cache pages (0..1; reused on a hit, freed first)")
+        self.layer_fraction = Gauge(f"{p}:kv_compressible_fraction", "Share of the stored pages' blocks that compress, per layer",
                                     names + ["layer"], registry=r)
-        self.prefix_queries = counter("zipfusion:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("zipfusion:prefix_cache_hits", "Of them, tokens found cached (not computed)")
+        self.prefix_queries = counter(f"{p}:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter(f"{p}:prefix_cache_hits", "Of them, tokens found cached (not computed)")
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)
 
@@ -111,13 +155,13 @@ class Metrics:
 
     # -- scrape -----------------------------------------------------------------------------
     def set_kv(self, stats: dict) -> None:
-        for f, gauge in self.kv.items():
-            value = stats.get(f)
-            if isinstance(value, (int, float)):
-                gauge.set(value)
+        self.kv.stats = stats
         used, arena = stats.get("bytes_in_use"), stats.get("arena_bytes")
+        pages, idle = stats.get("pages_in_use") or 0, stats.get("prefix_cache_evictable_pages") or 0
         if isinstance(used, (int, float)) and isinstance(arena, (int, float)) and arena:
-            self.kv_usage.set(used / arena)
+            cached = used * min(idle, pages) / pages if pages else 0.0     # at the average page's size
+            self.kv_usage.set((used - cached) / arena)
+            self.kv_cached.set(cached / arena)
         for i, layer in enumerate(stats.get("layers") or []):
             frac = layer.get("compressible_fraction") if isinstance(layer, dict) else None
             if isinstance(frac, float) and frac == frac:

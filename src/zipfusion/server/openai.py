@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+and vLLM's /tokenize, /detokenize and /version.
 
 Same request and response shapes as vLLM (non-OpenAI options such as ``top_k`` and
 ``ignore_eos`` arrive as extra body fields; see :mod:`.protocol` for what is accepted).
@@ -19,6 +20,8 @@ Every error, 404 and 405 included, comes back as ``{"error": {"message", "type",
   at the next step boundary.
 - Tokenization, chat templates and the final detokenization run on a tokenizer thread, never
   on the event loop; streamed text is detokenized incrementally (a window of a few tokens).
+- Structured output (``response_format``, ``guided_*``) and tool calling (``tools``,
+  ``tool_choice``; :mod:`.tools`): grammars compiled on the tokenizer thread.
 - ``api_key``: every /v1 route needs ``Authorization: Bearer KEY`` (401 otherwise); /health
   and /metrics stay open, as in vLLM (:mod:`.auth`).
 
@@ -31,28 +34,34 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
 from .auth import APIKeyMiddleware
 from .engine_loop import EngineLoop, Group
 from .errors import error_response, install_error_handlers
-from .limits import BodyLimitMiddleware, ServerLimits
+from .limits import BodyLimitMiddleware, ServerLimits, max_body_items
 from .metrics import Metrics
-from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, _Body
+from .protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Body,
+                       parse_body)
 
 log = logging.getLogger("zipfusion.server")
 
 
-def kv_cache_metadata(config) -> dict:
+def kv_cache_metadata(engine) -> dict:
     """What /v1/models says of the KV cache: how values are stored and whether that is lossy
-    (fp8: E4M3, outputs differ from bf16) or not (bf16, compressed or not: every bit kept)."""
-    return {"kv_cache_dtype": config.kv_cache_dtype, "kv_compression": config.kv_compression,
-            "lossy": config.kv_lossy}
+    (fp8: E4M3, outputs differ from bf16) or not (bf16, compressed or not: every bit kept), and
+    its memory (a benchmark client labels its results with these)."""
+    c = engine.config
+    return {"kv_cache_dtype": c.kv_cache_dtype, "kv_compression": c.kv_compression, "lossy": c.kv_lossy,
+            "kv_memory_gb": round(engine.kv_memory_gb, 4), "max_num_seqs": c.max_num_seqs}
 
 
 def default_model_name(source) -> str:
@@ -65,6 +74,7 @@ def default_model_name(source) -> str:
     return (path.stem if path.suffix.lower() == ".gguf" else path.name) or name
 from .responses import ChatReply, CompletionReply, Reply
 from .streaming import abort_on_disconnect, collect, event_stream
+from .tools import guided_fields as tool_guided, renders_tools, tool_format, with_tools_prompt
 
 
 class OpenAIServer:
@@ -72,12 +82,14 @@ class OpenAIServer:
     tokenizer thread of one app. The route methods carry no return annotation: FastAPI would
     take it for a response model."""
 
-    def __init__(self, engine: LLMEngine, names: list[str], default_max_tokens: int, limits: ServerLimits):
+    def __init__(self, engine: LLMEngine, names: list[str], default_max_tokens: int, limits: ServerLimits,
+                 metrics_prefix: str = "zipfusion"):
         self.engine, self.names, self.name = engine, names, names[0]
         self.default_max_tokens = default_max_tokens
         self.limits = limits.resolved(engine.config.max_num_seqs)
         self.max_token_bytes: int | None = None      # the tokenizer's longest token in bytes (at start-up)
-        self.metrics = Metrics(self.name)
+        self.metrics = Metrics(self.name, metrics_prefix)
+        self.created = int(time.time())             # /v1/models' "created": when this server started
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zipfusion-tokenizer")
         self._loop: EngineLoop | None = None
 
@@ -104,11 +116,52 @@ class OpenAIServer:
         return {"status": "ok"}
 
     async def models(self):
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "zipfusion",
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": self.created, "owned_by": "zipfusion",
                                             "root": self.name,
                                             "max_model_len": self.engine.max_model_len,
-                                            **kv_cache_metadata(self.engine.config)}
+                                            **kv_cache_metadata(self.engine)}
                                            for n in self.names]}
+
+    async def version(self):
+        from .. import __version__
+        return {"version": __version__}
+
+    def require_tokenizer(self, param: str):
+        if self.engine.tokenizer is None:
+            raise BadRequest("this model has no tokenizer", param=param)
+        return self.engine.tokenizer
+
+    async def tokenize_route(self, http: Request):
+        """vLLM's /tokenize: a prompt's (or a chat's, template applied) token ids."""
+        body = await self.parse(http, TokenizeRequest)
+        self.check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give either prompt (text) or messages (a chat)", param="prompt")
+        tok = self.require_tokenizer("prompt" if body.prompt is not None else "messages")
+        if body.prompt is not None:
+            self.check_text_fits([body.prompt], "prompt")
+            ids = await self.off_loop(lambda: tok.encode(body.prompt) if body.add_special_tokens
+                                      else tok.encode_plain(body.prompt))
+        else:
+            conversation = body.conversation()
+            self.check_text_fits([m["content"] for m in conversation], "messages")
+            try:
+                ids = await self.off_loop(self.render_chat, conversation, None, body.add_generation_prompt)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="messages") from None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize_route(self, http: Request):
+        """vLLM's /detokenize: token ids back to text."""
+        body = await self.parse(http, DetokenizeRequest)
+        self.check_model(body)
+        tok = self.require_tokenizer("tokens")
+        vocab = self.engine.model_config.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
+        if bad is not None:
+            raise BadRequest(f"tokens[{bad}] = {body.tokens[bad]} is not a token id of this model (0..{vocab - 1})",
+                             param="tokens")
+        return {"prompt": await self.off_loop(tok.decode, list(body.tokens))}
 
     async def prometheus(self):
         try:
@@ -118,7 +171,12 @@ class OpenAIServer:
             pass                           # a busy or stopped engine: the other numbers still come
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def completions(self, body: CompletionRequest, http: Request):
+    async def parse(self, http: Request, model):
+        """The body as ``model``, parsed and validated on a worker thread (:func:`.protocol.parse_body`)."""
+        return await run_in_threadpool(parse_body, model, await http.body())
+
+    async def completions(self, http: Request):
+        body = await self.parse(http, CompletionRequest)
         self.check_model(body)
         body.check()
         self.warn_unknown(body, "/v1/completions")
@@ -129,20 +187,28 @@ class OpenAIServer:
         reply = CompletionReply(self.engine, self.name, self.off_loop, body, prompts, texts)
         return await self.generate(http, body, prompts, reply)
 
-    async def chat(self, body: ChatCompletionRequest, http: Request):
+    async def chat(self, http: Request):
+        body = await self.parse(http, ChatCompletionRequest)
         self.check_model(body)
         body.check()
         self.warn_unknown(body, "/v1/chat/completions")
         body.check_limits(self.limits)
         if self.engine.tokenizer is None:
             raise BadRequest("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token ids")
-        conversation = body.conversation()
-        self.check_text_fits([m["content"] for m in conversation], "messages")
+        conversation, tools = body.conversation(), body.tool_list()
+        template = self.engine.tokenizer.chat_template
+        fmt = tool_format(template) if tools else None
+        if tools and not renders_tools(template):      # the tools described in a system message
+            conversation = with_tools_prompt(conversation, tools)
+        if tools and body.tool_choice not in (None, "auto"):
+            body.force_tool_calls(tool_guided(tools, body.tool_choice, fmt, body.parallel_tool_calls is not False))
+        self.check_text_fits([m["content"] for m in conversation] + [json.dumps(tools)], "messages")
         try:
-            prompt_ids = await self.off_loop(self.render_chat, conversation)
+            prompt_ids = await self.off_loop(self.render_chat, conversation,
+                                             tools if renders_tools(template) else None)
         except ValueError as exc:
             raise BadRequest(f"{exc}; use /v1/completions instead") from None
-        reply = ChatReply(self.engine, self.name, self.off_loop, body, [prompt_ids])
+        reply = ChatReply(self.engine, self.name, self.off_loop, body, [prompt_ids], fmt)
         return await self.generate(http, body, [prompt_ids], reply)
 
     # -- a generation request, from the body to the reply ------------------------------------------
@@ -187,13 +253,24 @@ class OpenAIServer:
             self.check_text_fits([text], f"prompt[{i}]" if len(texts) > 1 else "prompt")
         return await self.off_loop(self.engine.tokenizer.encode_many, texts)
 
-    def render_chat(self, conversation: list[dict]) -> list[int]:
-        return self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(conversation))
+    def render_chat(self, conversation: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        return tok.encode(tok.apply_chat_template(conversation, add_generation_prompt, tools=tools))
 
     async def submit(self, loop: EngineLoop, body: _Body, prompts: list[list[int]], rid: str) -> Group:
-        items = body.engine_requests(prompts, self.default_max_tokens, self.engine.max_model_len)
+        e = self.engine
+        body.check_engine(prompts, e.model_config.vocab_size, e.config.max_logprobs, e.max_model_len,
+                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        items = body.engine_requests(prompts, self.default_max_tokens, e.max_model_len)
+        matchers = None
+        if items[0][1].guided:             # the grammar compiled on the tokenizer thread, not the engine's
+            try:
+                matchers = await self.off_loop(lambda: [self.engine.grammars.matcher(p) for _, p in items])
+            except ValueError as exc:
+                raise BadRequest(str(exc), param=body.guided_param()) from None
         try:
-            return await loop.submit(items, rid)
+            return await loop.submit(items, rid, matchers)
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from None
 
@@ -218,6 +295,11 @@ ERROR_SCHEMA = {
     "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+# one server-sent event (``data: {json chunk}`` or ``data: [DONE]``), as schemathesis reads a stream
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"},
+                                                                     "event": {"type": "string"}}}
 
 
 def _error(description: str) -> dict:
@@ -282,6 +364,23 @@ def _document_limits(schemas: dict, server: "OpenAIServer") -> None:
                     alt["maxItems"] = mml - 1
 
 
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def _document_bodies(doc: dict) -> None:
+    """The request bodies, which the routes parse themselves (off the event loop), described as
+    FastAPI would describe a body parameter: a required JSON body, its schema in the components."""
+    from pydantic.json_schema import models_json_schema
+    _, top = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                ref_template="#/components/schemas/{model}")
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
+    for path, model in BODIES.items():
+        op = doc["paths"][path]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+
+
 def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
     """FastAPI's document, made to say what the server does: no 422 (a bad body is a 400),
     no validation-error schemas, /metrics as Prometheus text, the served limits as maxima."""
@@ -290,6 +389,7 @@ def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
             return app.openapi_schema
         from fastapi.openapi.utils import get_openapi
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _document_bodies(doc)
         for item in doc.get("paths", {}).values():
             for op in item.values():
                 op.get("responses", {}).pop("422", None)
@@ -309,16 +409,19 @@ def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
 
 
 def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, default_max_tokens: int = 256,
-               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+               api_key: str | None = None, limits: ServerLimits | None = None,
+               metrics_prefix: str = "zipfusion") -> FastAPI:
     """The app serving ``engine``. ``model_name``: the name(s) it answers to (default: the
-    checkpoint folder's name or the .gguf file's stem); ``limits``: see :mod:`.limits`."""
+    checkpoint folder's name or the .gguf file's stem); ``limits``: see :mod:`.limits`;
+    ``metrics_prefix``: of the /metrics names (:mod:`.metrics`)."""
     names = ([model_name] if isinstance(model_name, str) else list(model_name or [])) or [
         default_model_name(engine.source)]
-    server = OpenAIServer(engine, names, default_max_tokens, limits or ServerLimits())
+    server = OpenAIServer(engine, names, default_max_tokens, limits or ServerLimits(), metrics_prefix)
     app = FastAPI(title="zipfusion", description="OpenAI-compatible server with a losslessly compressed KV cache",
                   lifespan=server.lifespan)
     app.add_middleware(BodyLimitMiddleware, limit=server.limits.max_request_bytes,
-                       on_reject=server.metrics.rejected.inc)
+                       on_reject=server.metrics.rejected.inc,
+                       max_items=max_body_items(server.limits, engine.max_model_len, engine.model_config.vocab_size))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)     # outermost: no body is read without the key
     install_error_handlers(app, server.metrics)
@@ -329,7 +432,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
     key = bool(api_key)
     generation = {200: {"description": "The completion (JSON), or server-sent events with stream=true",
                         "content": {"application/json": {"schema": {"type": "object"}},
-                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                                    "text/event-stream": {"schema": SSE_EVENT}}},
                   **_responses(key, 400, 401, 404, 413, 500)}
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"], responses=_responses(key, 401))
@@ -338,5 +441,8 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
                                        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], responses=generation)
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], responses=generation)
+    app.add_api_route("/tokenize", server.tokenize_route, methods=["POST"], responses=_responses(key, 400, 404, 413))
+    app.add_api_route("/detokenize", server.detokenize_route, methods=["POST"], responses=_responses(key, 400, 404, 413))
+    app.add_api_route("/version", server.version, methods=["GET"])
     app.openapi = _openapi(app, server, key)
     return app

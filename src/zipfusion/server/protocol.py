@@ -3,12 +3,15 @@
 Every value is checked here, at the edge, before any work: types are strict (a string is not a
 number or a boolean: ``"max_tokens": "5"`` and ``"stream": "yes"`` are 400s), numbers are finite
 (no NaN or Infinity) and within their ranges, text is valid Unicode (a lone surrogate such as
-``"\ud800"`` is a 400). A field OpenAI defines that this server does not implement (tools,
-JSON mode, ``suffix``) is refused with a 400 that names it. A field nobody here knows is
+``"\ud800"`` is a 400). A field OpenAI defines that this server does not implement (``suffix``,
+``audio``) is refused with a 400 that names it. A field nobody here knows is
 accepted and ignored with a warning in the log, as vLLM does (clients send fields newer than
 any server); ``store``, ``metadata``, ``user``, ``service_tier`` and ``reasoning_effort`` are
 accepted and have no effect. vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids`` and ``ignore_eos`` are implemented.
+``stop_token_ids`` and ``ignore_eos`` are implemented, and its structured output: ``response_format``
+``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``,
+or one of ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``
+(:mod:`zipfusion.engine.structured`).
 
 ``seed`` (sample i uses seed + i) gives the same tokens again only on a server started with
 ``--deterministic``: otherwise the logits can differ slightly with the batch a request runs in and
@@ -21,11 +24,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
 from ..engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
+from ..engine.structured import GUIDED_FIELDS
 
 MAX_N = 128                   # most samples one request may ask for
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1      # a 64-bit signed seed (vLLM's range)
@@ -106,8 +110,9 @@ class StreamOptions(_Strict):
 # accepted, no effect on the output (OpenAI bookkeeping and reasoning-model knobs)
 ACCEPTED_NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort")
 # not declared, yet refused rather than ignored: ignoring them would change what the client gets
-REFUSED_EXTRAS = {"functions": "functions (function calling) are not supported by this server",
-                  "function_call": "function_call (function calling) is not supported by this server",
+REFUSED_EXTRAS = {"functions": "functions (the deprecated function calling) is not supported: send tools",
+                  "function_call": "function_call (the deprecated function calling) is not supported: send "
+                                   "tool_choice",
                   "audio": "audio output is not supported by this server (text only)"}
 
 
@@ -137,6 +142,12 @@ class _Body(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0)
     stop_token_ids: list[Annotated_token] | None = None
     ignore_eos: bool = False
+    # structured output (OpenAI's response_format, vLLM's guided_*): at most one
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -144,6 +155,10 @@ class _Body(_Strict):
         if stop is None or isinstance(stop, str) or isinstance(stop, list) and all(isinstance(x, str) for x in stop):
             return stop
         raise _invalid("expected a string, a list of strings, or null")
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings; an empty one stops nothing and is dropped."""
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -153,13 +168,10 @@ class _Body(_Strict):
         for name in sorted(extra):
             if name in REFUSED_EXTRAS:
                 raise BadRequest(REFUSED_EXTRAS[name], param=name)
+        self.guided()
         # the chat route's refusals, when a client sends them to /v1/completions
-        fmt = extra.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise BadRequest(f"response_format {fmt!r} is not supported (only {{'type': 'text'}}: no JSON mode or "
-                             "structured output)", param="response_format")
         if extra.get("tools") or extra.get("tool_choice") not in (None, "none"):
-            raise BadRequest("tools are not supported by this server (no function calling)", param="tools")
+            raise BadRequest("tools are taken on /v1/chat/completions only", param="tools")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
         asked = self.requested_max_tokens()
@@ -187,6 +199,38 @@ class _Body(_Strict):
             raise BadRequest(f"{len(self.stop_token_ids)} stop_token_ids; at most {limits.max_stop_token_ids} "
                              "are allowed", param="stop_token_ids")
 
+    def guided(self) -> dict:
+        """The SamplingParams guided_* fields this body asks for (from response_format or a
+        guided_* field; 400 for a malformed one or for more than one)."""
+        given = {k: v for k in GUIDED_FIELDS if (v := getattr(self, k)) is not None}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given["response_format"] = {"type": "object"}
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) \
+                        or not isinstance(spec.get("schema", {}), dict):
+                    raise BadRequest("response_format json_schema must be {'type': 'json_schema', 'json_schema': "
+                                     "{'name': str, 'schema': {...}, 'strict': bool}}", param="response_format")
+                given["response_format"] = spec.get("schema", {"type": "object"})
+            elif kind != "text" or set(fmt) != {"type"}:
+                raise BadRequest(f"response_format type {kind!r} is not supported: give 'text', 'json_object' or "
+                                 "'json_schema'", param="response_format")
+        if len(given) > 1:
+            raise BadRequest(f"give one of response_format, {', '.join(GUIDED_FIELDS)} (got "
+                             f"{', '.join(given)})", param=sorted(given)[1])
+        if not given:
+            return {}
+        (name, value), = given.items()
+        key = "guided_json" if name == "response_format" else name
+        return {key: value}
+
+    def guided_param(self) -> str | None:
+        """The field that asked for structured output (an error's ``param``)."""
+        return next((k for k in ("response_format",) + GUIDED_FIELDS if getattr(self, k) is not None), None)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -199,18 +243,60 @@ class _Body(_Strict):
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p,
                 top_k=self.top_k, seed=None if self.seed is None else self.seed + sample, max_tokens=max_tokens,
-                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                stop=self.stop_strings(), stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens, logprobs=self.num_logprobs(), presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                logit_bias=self.logit_bias)
+                logit_bias=self.logit_bias, **self.guided())
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from None
 
     def engine_requests(self, prompts: list[list[int]], default_max_tokens: int,
                         max_model_len: int) -> list[tuple[list[int], SamplingParams]]:
         """One (prompt ids, params) per sample, prompt-major: choice ``i * n + j`` is prompt i, sample j."""
-        return [(ids, self.sampling_params(j, self.max_tokens_for(ids, default_max_tokens, max_model_len)))
-                for ids in prompts for j in range(self.n)]
+        out = []
+        for ids in prompts:
+            mt = self.max_tokens_for(ids, default_max_tokens, max_model_len)
+            if self.min_tokens > mt:
+                raise BadRequest(f"min_tokens={self.min_tokens} is more than the {mt} tokens this request may "
+                                 "generate (max_tokens, or what max_model_len leaves after the prompt, at most the "
+                                 "server's default); lower min_tokens or give max_tokens", param="min_tokens")
+            out += [(ids, self.sampling_params(j, mt)) for j in range(self.n)]
+        return out
+
+    def check_engine(self, prompts: list[list[int]], vocab: int, max_logprobs: int, max_model_len: int,
+                     prompt_param: str = "prompt") -> None:
+        """What the engine would refuse, refused first with the field named (``param``)."""
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise BadRequest("the prompt is empty (no tokens); give some text or token ids", param=prompt_param)
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise BadRequest(f"prompt token id {bad} is not a token of this model (ids are 0..{vocab - 1})",
+                                 param=prompt_param)
+            asked = self.requested_max_tokens()
+            if len(ids) >= max_model_len or asked is not None and len(ids) + asked > max_model_len:
+                too_long = len(ids) >= max_model_len
+                raise BadRequest(f"this model's maximum context length (max_model_len) is {max_model_len} tokens, "
+                                 f"but {len(ids) + (asked or 0)} were requested ({len(ids)} in the prompt, {asked} "
+                                 "in the completion); shorten the prompt or lower max_tokens",
+                                 param=prompt_param if too_long else self.max_tokens_param())
+        bad = [t for t in self.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids must be token ids in 0..{vocab - 1}, got {bad[:5]}",
+                             param="stop_token_ids")
+        bad = [k for k in (self.logit_bias or {}) if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab]
+        if bad:
+            raise BadRequest(f"logit_bias keys must be token ids in 0..{vocab - 1}, got {bad[:5]}", param="logit_bias")
+        k = self.num_logprobs()
+        if k is not None and k > max_logprobs:
+            raise BadRequest(f"{self.logprobs_param()}={k} is more than this server's max_logprobs={max_logprobs}",
+                             param=self.logprobs_param())
+
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def logprobs_param(self) -> str:
+        return "logprobs"
 
     def max_tokens_for(self, prompt_ids: list[int], default_max_tokens: int, max_model_len: int) -> int:
         """What was asked; else what max_model_len leaves after the prompt, at most the server's default."""
@@ -266,6 +352,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None       # an assistant's earlier calls
+    tool_call_id: str | None = None                      # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -298,31 +386,108 @@ class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, description="> 0 needs logprobs: true")
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    _tool_guided: dict = PrivateAttr(default_factory=dict)
 
     def check(self) -> None:
         self.check_common()
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise BadRequest(f"response_format {self.response_format!r} is not supported (only {{'type': 'text'}}: "
-                             "no JSON mode or structured output)", param="response_format")
-        if self.tools:
-            raise BadRequest("tools are not supported by this server (no function calling)", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise BadRequest("tool_choice is not supported by this server (no function calling)",
-                             param="tool_choice")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        self.tool_list()
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs > 0 needs logprobs=true", param="top_logprobs")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def logprobs_param(self) -> str:
+        return "top_logprobs"
+
+    def tool_list(self) -> list[dict]:
+        """The tools in play (none under tool_choice "none"), checked (400 naming the field)."""
+        from .tools import check_tools
+        tools = check_tools(self.tools, self.tool_choice)
+        return [] if self.tool_choice == "none" else tools
+
+    def force_tool_calls(self, fields: dict) -> None:
+        """tool_choice required / a named function: the output is held to the calls' grammar."""
+        if super().guided():
+            raise BadRequest("tool_choice 'required' or a named function cannot be combined with response_format "
+                             "or guided_*", param="tool_choice")
+        self._tool_guided = fields
+
+    def guided(self) -> dict:
+        return self._tool_guided or super().guided()
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text(f"messages[{i}]"), **({"name": m.name} if m.name else {})}
-                for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            msg = {"role": m.role, "content": m.text(f"messages[{i}]"), **({"name": m.name} if m.name else {})}
+            if m.tool_calls is not None:
+                if m.role != "assistant":
+                    raise BadRequest(f"messages[{i}]: only assistant messages carry tool_calls",
+                                     param=f"messages[{i}].tool_calls")
+                msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
+
+
+def _template_call(call: dict, where: str) -> dict:
+    """An earlier tool call as chat templates read it: arguments as an object, not JSON text."""
+    f = call.get("function")
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise BadRequest(f"{where} must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': "
+                         "str}}}}", param=where)
+    args = f.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise BadRequest(f"{where}.function.arguments is not JSON text", param=where) from None
+    return {**call, "function": {"name": f["name"], "arguments": args}}
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize body: ``prompt`` text, or ``messages`` rendered by the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return ChatCompletionRequest.model_construct(messages=self.messages).conversation()
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated_token]
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """A request body (bytes) parsed and validated as ``model``; what goes wrong is raised as
+    FastAPI's RequestValidationError (the error handler's one message). Called on a worker
+    thread: a large body does not hold up the event loop, so running streams keep flowing."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise BadRequest("the body could not be read as JSON text (it must be UTF-8 encoded JSON)") from None
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": exc.msg}}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None

@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from .engine_loop import Update
 from .protocol import CompletionRequest, _Body
+from .tools import ToolStream, parse
 
 
 def usage(prompts: list[list[int]], requests: list) -> dict:
@@ -136,7 +137,17 @@ class CompletionReply(Reply):
 
 
 class ChatReply(Reply):
+    """``fmt``: the tool-call format to parse the output in (:mod:`.tools`), None without tools."""
     id_prefix, body_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, engine, model: str, run, body, prompts: list[list[int]], fmt: str | None = None):
+        super().__init__(engine, model, run, body, prompts)
+        self.fmt, self.named = fmt, isinstance(body.tool_choice, dict)
+        self.streams = [ToolStream(fmt) for _ in range(self.size)] if fmt else None
+
+    def finish_reason(self, reason: str | None, calls: bool) -> str | None:
+        """OpenAI's: "tool_calls" when the model called tools (not for a named function)."""
+        return "tool_calls" if calls and reason == "stop" and not self.named else reason
 
     def logprobs(self, ids: list[int], entries: list[dict]) -> dict | None:
         if self.k is None:
@@ -156,18 +167,36 @@ class ChatReply(Reply):
                 for i in range(self.size)]
 
     def chunk(self, u: Update, text: str) -> dict | None:
+        calls = []
+        if self.streams is not None:
+            s = self.streams[u.index]
+            text, calls = s.feed(text)
+            if u.finished:
+                rest, more = s.finish()
+                text, calls = text + rest, calls + more
         lp = self.logprobs(u.new_ids, u.logprobs) if u.new_ids else None
-        if not (text or u.finished or lp):
+        if not (text or calls or u.finished or lp):
             return None
-        c = {"index": u.index, "delta": {"content": text} if text else {}, "logprobs": lp,
-             "finish_reason": u.finish_reason if u.finished else None}
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
+        c = {"index": u.index, "delta": delta, "logprobs": lp, "finish_reason": None}
         if u.finished:
+            c["finish_reason"] = self.finish_reason(u.finish_reason, bool(self.streams and self.streams[u.index].count))
             c["stop_reason"] = u.stop_reason
         return self.envelope(self.chunk_object, [c])
 
+    async def message(self, r) -> tuple[dict, bool]:
+        text = await self.final_text(r)
+        if self.fmt is None:
+            return {"role": "assistant", "content": text}, False
+        content, calls = parse(text, self.fmt)
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}, bool(calls)
+
     async def body(self, requests: list) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": await self.final_text(r)},
-                    "logprobs": self.logprobs(r.output_ids, r.logprobs), "finish_reason": r.finish_reason,
-                    "stop_reason": r.stop_reason}
-                   for i, r in enumerate(requests)]
+        choices = []
+        for i, r in enumerate(requests):
+            message, calls = await self.message(r)
+            choices.append({"index": i, "message": message, "logprobs": self.logprobs(r.output_ids, r.logprobs),
+                            "finish_reason": self.finish_reason(r.finish_reason, calls), "stop_reason": r.stop_reason})
         return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))

@@ -1,0 +1,204 @@
+"""The server under load, over real HTTP (uvicorn on 127.0.0.1, the demo model on the CPU), each
+test bounded to a few seconds: huge bodies beside a running stream, concurrency past saturation
+with preemption, mass disconnects, a short soak, compression on vs off and deterministic mode
+under concurrent load."""
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="server tests need fastapi (pip install -e '.[server]')")
+import httpx  # noqa: E402
+from test_server import live_server  # noqa: E402
+
+from zipfusion.engine import LLMEngine  # noqa: E402
+from zipfusion.server import openai as server_openai  # noqa: E402
+from zipfusion.server.openai import create_app  # noqa: E402
+
+T = 60
+
+
+def stream_gaps(url: str, body: dict, out: list, started: threading.Event) -> None:
+    """Stream a completion; append each chunk's arrival time to ``out``."""
+    with httpx.Client(timeout=T) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append(time.perf_counter())
+                started.set()
+
+
+def test_huge_bodies_are_refused_before_parsing_and_do_not_stall_a_stream(monkeypatch):
+    """A million prompt token ids (3 MB) or 400k logit_bias entries: a 413 counted from the raw
+    bytes, never parsed; four of them at once while a stream runs leave its gaps as they were
+    (before: 1.2 s of stall each, 7.1 s for four). A body within the bound is parsed on a worker
+    thread, not on the event loop."""
+    parsed_on = []
+    real = server_openai.parse_body
+
+    def spy(model, raw):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:                     # no event loop in this thread: a worker
+            on_loop = False
+        parsed_on.append((on_loop, len(raw)))
+        return real(model, raw)
+    monkeypatch.setattr(server_openai, "parse_body", spy)
+    engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.05, max_model_len=256)
+    ids = json.dumps({"prompt": list(range(1, 1_000_001)), "max_tokens": 1}).encode()
+    bias = json.dumps({"prompt": "x", "logit_bias": {str(i): 1 for i in range(400_000)}}).encode()
+    with live_server(create_app(engine)) as url:
+        times, started = [], threading.Event()
+        streamer = threading.Thread(target=stream_gaps, args=(url, {"prompt": "In the beginning", "max_tokens": 60,
+                                                                    "ignore_eos": True, "stream": True},
+                                                              times, started))
+        streamer.start()
+        assert started.wait(T)
+        time.sleep(0.3)                          # the stream's own gaps first
+        during_from = time.perf_counter()
+
+        async def hammer():
+            async with httpx.AsyncClient(timeout=T) as c:
+                return await asyncio.gather(*[c.post(url + "/v1/completions", content=b, headers={
+                    "content-type": "application/json"}) for b in (ids, bias, ids, bias)])
+        replies = asyncio.run(hammer())
+        during_to = time.perf_counter()
+        streamer.join(T)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=T)
+    assert all(x.status_code == 413 and "JSON values" in x.json()["error"]["message"] for x in replies)
+    assert r.status_code == 200 and len(times) == 60
+    gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+    before = max(g for g, t in gaps if t < during_from)
+    during = max((g for g, t in gaps if during_from <= t <= during_to + 0.5), default=0.0)
+    assert during <= before + 0.5, (before, during)      # a generous margin on a loaded 2-core CPU
+    assert all(size < 100_000 for _, size in parsed_on)  # the huge bodies never reached the parser
+    assert parsed_on and not any(on_loop for on_loop, _ in parsed_on)
+
+
+def prompt(i: int, n: int = 30) -> list[int]:
+    return [5 + (i * 7 + j) % 1500 for j in range(n)]
+
+
+async def stream_ids(c: httpx.AsyncClient, url: str, body: dict) -> tuple[list[int], str | None]:
+    """A streamed completion's token ids and finish reason."""
+    ids, reason = [], None
+    async with c.stream("POST", url + "/v1/completions", json={**body, "stream": True, "return_token_ids": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    ids += ch.get("token_ids") or []
+                    reason = ch.get("finish_reason") or reason
+    return ids, reason
+
+
+def many(url: str, bodies: list[dict]) -> list:
+    async def go():
+        async with httpx.AsyncClient(timeout=T, limits=httpx.Limits(max_connections=len(bodies))) as c:
+            return await asyncio.gather(*[stream_ids(c, url, b) for b in bodies])
+    return asyncio.run(go())
+
+
+def pages_settle(engine, timeout: float = 10.0) -> dict:
+    """The KV numbers once the engine is idle: every page free or an evictable prefix-cache page."""
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.has_work():
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.02)
+    return engine.kv_stats()
+
+
+GUIDED = r"[a-z]{3,6}( [a-z]{3,6}){3}\."
+
+
+def test_64_streams_past_saturation_with_preemption_all_complete_exactly():
+    """64 concurrent streams in a KV memory of 76 pages with optimistic admission: requests are
+    preempted and recomputed, and every one ends with exactly its max_tokens tokens; 8 more under
+    a grammar (a regex) keep it through their preemptions."""
+    engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.002, max_model_len=256, admission="optimistic",
+                       max_num_seqs=128)
+    with live_server(create_app(engine)) as url:
+        free = [{"prompt": prompt(i), "max_tokens": 10, "ignore_eos": True, "temperature": 0} for i in range(64)]
+        guided = [{"prompt": prompt(500 + i), "max_tokens": 40, "seed": i, "guided_regex": GUIDED} for i in range(8)]
+        out = many(url, free + guided)
+        stats = pages_settle(engine)
+    assert all(len(ids) == 10 and reason == "length" for ids, reason in out[:64])
+    import re
+    texts = [engine.tokenizer.decode(ids) for ids, _ in out[64:]]
+    assert all(re.fullmatch(GUIDED, t) for t in texts), texts
+    assert engine.scheduler.num_preemptions > 0
+    assert stats["pages_in_use"] == stats["prefix_cache_evictable_pages"]     # nothing held by a request
+
+
+def test_mass_disconnect_returns_every_page_and_the_next_request_works():
+    engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.02, max_model_len=256)
+    with live_server(create_app(engine)) as url:
+        async def leave():
+            clients = [httpx.AsyncClient(timeout=T) for _ in range(32)]
+            streams = []
+            for i, c in enumerate(clients):
+                cm = c.stream("POST", url + "/v1/completions", json={"prompt": prompt(i), "max_tokens": 200,
+                                                                     "ignore_eos": True, "stream": True})
+                streams.append((cm, await cm.__aenter__()))
+            for _, r in streams:                    # each has started streaming
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+            for (cm, _), c in zip(streams, clients):    # then all leave at once
+                await cm.__aexit__(None, None, None)
+                await c.aclose()
+        asyncio.run(leave())
+        stats = pages_settle(engine)
+        assert stats["pages_in_use"] == stats["prefix_cache_evictable_pages"]
+        text = httpx.get(url + "/metrics", timeout=T).text
+        aborted = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("zipfusion:request_success_total") and 'finished_reason="abort"' in line)
+        assert aborted == 32                        # stopped where they were, not run to their 200 tokens
+        assert len(engine.scheduler.running) == len(engine.scheduler.waiting) == 0
+        (ids, reason), = many(url, [{"prompt": prompt(99), "max_tokens": 5, "ignore_eos": True}])
+        assert len(ids) == 5 and reason == "length"
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads RSS from Linux /proc")
+def test_a_short_soak_keeps_memory_flat():
+    """Rounds of 16 concurrent requests (fresh prompts, so the prefix cache fills and evicts) for a
+    few seconds: this process's RSS (server and engine in it) after the warm-up rounds stays flat."""
+    engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, max_model_len=256)
+    with live_server(create_app(engine)) as url:
+        def round_(k):
+            return many(url, [{"prompt": prompt(1000 * k + i, 40), "max_tokens": 6, "ignore_eos": True}
+                              for i in range(16)])
+        for k in range(2):
+            round_(k)
+        start, k, deadline = rss_mib(), 2, time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            assert all(len(ids) == 6 for ids, _ in round_(k))
+            k += 1
+        growth = rss_mib() - start
+    assert k >= 4 and growth < 32, (k, growth)
+
+
+def test_deterministic_under_concurrent_load_and_compression_on_vs_off():
+    """--deterministic: a seeded sampled request gives the same tokens alone and among 15 others,
+    and the same again with the KV cache uncompressed (bf16: every bit kept)."""
+    target = {"prompt": prompt(7, 40), "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    others = [{"prompt": prompt(100 + i, 20 + i), "max_tokens": 8 + i % 5, "temperature": 0.8, "ignore_eos": True}
+              for i in range(15)]
+    runs = {}
+    for compression in (True, False):
+        engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.02, max_model_len=256, deterministic=True,
+                           dtype="bfloat16", kv_compression=compression)
+        with live_server(create_app(engine)) as url:
+            alone = many(url, [target])[0]
+            crowd = many(url, others[:7] + [target] + others[7:])[7]
+        runs[compression] = (alone, crowd)
+    (alone, crowd), (alone_open, crowd_open) = runs[True], runs[False]
+    assert len(alone[0]) == 12 and alone == crowd == alone_open == crowd_open
