@@ -242,3 +242,18 @@ def test_windowed_family_deterministic_and_fp8(tmp_path):
     assert on == run(prompts, deterministic=True, kv_compression=False) and on[:1] == run(prompts[:1], deterministic=True)
     fp8 = run(prompts, kv_cache_dtype="fp8")
     assert len(fp8[0]) == 10 and sum(a == b for a, b in zip(fp8[0], on[0])) >= 5        # lossy, yet close
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start,n,G,D", [(0, 300, 4, 256), (700, 129, 2, 64)])
+def test_gpu_window_prefill_equals_masked_attention(start, n, G, D):
+    """CUDA, bf16: FlashAttention's sliding window (a whole prompt, and a chunk after a prefix)
+    against masked_attention's fp32 torch."""
+    from zipfusion.attention.prefill_open import masked_attention
+    from zipfusion.attention.prefill_stored import window_prefill
+    g = torch.Generator().manual_seed(start)
+    H, L, window = 2, start + n, 100
+    q, k, v = (torch.randn(m, h, D, generator=g).to("cuda", torch.bfloat16) for m, h in ((n, H * G), (L, H), (L, H)))
+    got = window_prefill(q, k, v, start, D ** -0.5, window)
+    ref = masked_attention(q.float(), k.float(), v.float(), start, D ** -0.5, window, exact=True)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -133,7 +133,9 @@ class MaskedAttention:
     kernel's window and soft-capping, graph-safe; or a :class:`TorchDecode`), prefill chunks
     through ``masked_attention`` over their own K/V (a chunk that starts its request) or their
     request's pages restored by ``read`` (``page_reader``); in deterministic (``exact``) mode
-    every prefill token as a decode row. Compressed and uncompressed pages give the same bits."""
+    every prefill token as a decode row. Windowed prefill without soft-capping runs
+    FlashAttention's window on CUDA (``window_prefill``). Compressed and uncompressed pages give
+    the same bits."""
 
     def __init__(self, route, sm_scale: float, windows, softcap: float | None, read, num_layers: int,
                  exact: bool = False):
@@ -148,6 +150,7 @@ class MaskedAttention:
     def attend(self, layer: int, q, k, v, step) -> torch.Tensor:
         """The rows of a step (``PagedKVCacheStep``): its decode rows, then each prefill chunk."""
         from .prefill_open import masked_attention
+        from .prefill_stored import window_prefill
         out, n = torch.empty_like(q), step.num_decode
         if n:
             out[:n] = self.decode(layer, q[:n], step.block_table, step.context_lens)
@@ -161,8 +164,9 @@ class MaskedAttention:
                 out[rows] = self.decode(layer, q[rows], pages.expand(ch.length, len(pages)), lens)
                 continue
             kc, vc = (k[rows], v[rows]) if ch.start == 0 else self.read(layer, pages, ch.start + ch.length)
-            out[rows] = masked_attention(q[rows], kc.to(q.dtype), vc.to(q.dtype), ch.start, self.sm_scale,
-                                         self.windows[layer], self.softcap)
+            kc, vc, window = kc.to(q.dtype), vc.to(q.dtype), self.windows[layer]
+            out[rows] = (window_prefill(q[rows], kc, vc, ch.start, self.sm_scale, window) if self.softcap is None
+                         else masked_attention(q[rows], kc, vc, ch.start, self.sm_scale, window, self.softcap))
         return out
 
 
