@@ -113,6 +113,17 @@ def test_shipped_random_configs(name):
         n = sum(p.numel() for p in CausalLM(cfg).parameters())
     assert abs(n - SHIPPED[name]) < 0.01e9
     assert f"{name}-random" in RANDOM_MODELS
+    # random weights at small widths: finite, spread logits (Gemma's (1 + w) norms start at w = 0)
+    import dataclasses
+    from zipfusion.models.loader import random_init
+    small = dataclasses.replace(cfg, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, vocab_size=128,
+                                num_hidden_layers=6, sliding_windows=cfg.sliding_windows[:6], head_dim=16,
+                                num_attention_heads=4, num_key_value_heads=2, num_experts=min(cfg.num_experts, 8),
+                                num_experts_per_tok=min(cfg.num_experts_per_tok, 2))
+    model = CausalLM(small)
+    random_init(model)
+    logits = model.compute_logits(model(torch.arange(40), torch.arange(40), ReferenceKVCacheStep(small)))
+    assert torch.isfinite(logits).all() and logits.std() > 0.01
     if name == "gemma-3-12b":                 # every 6th layer global, the others local with their own rope
         assert [w is None for w in cfg.sliding_windows[:6]] == [False] * 5 + [True]
         assert cfg.local_rope.theta == 1e4 and cfg.rope.factor == 8.0 and cfg.head_dim == 256
