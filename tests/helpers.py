@@ -191,26 +191,51 @@ TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_l
             initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+class ReferenceKVCacheStep:
+    """The model's KVCacheStep for one sequence, no cache (a reference for tests): torch rope,
+    dense causal attention with the model's scale, sliding windows and soft-capping."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def store(self, layer, q, k, v, cos, sin):
+        from zipfusion.models.layers import apply_rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, layer, q, k, v):
+        from zipfusion.attention.prefill_open import prefill_attention
+        c = self.cfg
+        return prefill_attention(q, k, v, 0, c.softmax_scale, c.window(layer), c.attn_softcap)
+
+
+# arch -> (transformers config class, model class) names
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+
+
 def save_tiny_checkpoint(folder: str | Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None,
                          legacy_rope: bool = False, dtype=None, **overrides):
-    """Save a random tiny ``arch`` ("llama" or "qwen3") to ``folder``; return the HF model.
+    """Save a random tiny ``arch`` (a key of :data:`TINY_ARCHS`) to ``folder``; return the HF model.
 
     ``legacy_rope=True`` rewrites config.json into the older ``rope_theta`` + ``rope_scaling``
     spelling (what Hub checkpoints carry); otherwise transformers' own ``rope_parameters``.
     The large ``initializer_range`` spreads the logits so greedy choices are not near-ties.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
     kwargs = {**TINY, **overrides}
-    if arch == "llama":
-        cfg, cls = LlamaConfig(**kwargs), LlamaForCausalLM
-    elif arch == "qwen3":
-        cfg, cls = Qwen3Config(**kwargs), Qwen3ForCausalLM
-    else:
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
-    model = cls(cfg).eval()
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch must be one of {sorted(TINY_ARCHS)}, got {arch!r}")
+    cfg_name, cls_name = TINY_ARCHS[arch]
+    cfg = getattr(transformers, cfg_name)(**kwargs)
+    model = getattr(transformers, cls_name)(cfg).eval()
     if dtype is not None:
         model = model.to(dtype)
     folder = Path(folder)

@@ -362,6 +362,14 @@ def test_kernel_linear_smoke_on_the_cpu(tmp_path):
         assert case["cublas/fused"] == pytest.approx(case["cublas"] / case["fused"])
 
 
+def test_kernel_smoke_head_dim_256(tmp_path):
+    assert main(["bench", "kernel", "--device", "cpu", "--fractions", "1", "--head-dim", "256", "--compare",
+                 "compressed,uncompressed", "--out", str(tmp_path / "k")]) == 0
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["config"]["shape"]["d"] == 256
+    assert all(r["bit_identical_to_uncompressed"] for r in result["records"] if r["kernel"] == "fused")
+
+
 def test_kernel_smoke_fp8_modes_on_the_cpu(tmp_path):
     """The lossy FP8 kernel beside the uncompressed one: timed, its quantization error reported
     (small, not zero on random values); FlashInfer's FP8 mode is skipped off CUDA, with a note."""

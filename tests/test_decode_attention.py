@@ -89,8 +89,8 @@ def check_case(c, unfused=True, **kw):
     tag = f"(seed {c['seed']}, {kw})"
     out_c = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, out=poisoned(c["q"]), **kw)
     assert not torch.isnan(out_c).any(), f"some outputs were not written {tag}"
-    ref = reference_decode_attention(c["q"], c["arena_c"], c["loc_c"], *args,
-                                     out_dtype=torch.float64)
+    ref = reference_decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, out_dtype=torch.float64,
+                                     window=kw.get("window"), softcap=kw.get("softcap"))
     rel = ((out_c.double() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, f"relative error {rel:.3g} vs float64 reference {tag}"
     worst = ((out_c.double() - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-6)).max()
@@ -131,6 +131,16 @@ def test_small_cases(contexts, H, G, kind, tp, splits, unfused, seed):
 @pytest.mark.parametrize("D", [64, 256])
 def test_other_head_dims(D, seed):
     check_case(make_case([20], 1, 4, D, "mixed", seed), tile_pages=1, unfused=False)
+
+
+@pytest.mark.parametrize("contexts,D,G,window,softcap,splits", [([40, 7], 64, 16, 5, None, 3),
+                                                                 ([35], 256, 2, 18, 2.0, 2)])
+def test_sliding_window_and_softcap(contexts, D, G, window, softcap, splits, seed):
+    """Sliding-window layers (keys before the window masked, pages wholly before it skipped --
+    splits left empty included) and soft-capped scores: against float64, and compressed = open
+    pages = the uncompressed kernel, bit for bit."""
+    check_case(make_case(contexts, 1, G, D, "escapes", seed), unfused=False, window=window, softcap=softcap,
+               num_splits=splits, tile_pages=1)
 
 
 @settings(max_examples=2, deadline=None)

@@ -4,36 +4,21 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from zipfusion.models import build_model, config_from_dict, load_config, resolve_model  # noqa: E402
-from zipfusion.models.layers import apply_rope, rope_inv_freq  # noqa: E402
+from zipfusion.models.layers import rope_inv_freq  # noqa: E402
 from zipfusion.models.gguf import is_gguf_path  # noqa: E402
-from zipfusion.models.llama import KVCacheStep  # noqa: E402
-from helpers import save_tiny_checkpoint  # noqa: E402
+from helpers import ReferenceKVCacheStep, save_tiny_checkpoint  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 
 
-class DenseKVCacheStep(KVCacheStep):
-    """Reference KV for one sequence, no cache: torch rope, dense causal attention."""
-
-    def store(self, layer, q, k, v, cos, sin):
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def attend(self, layer, q, k, v):
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        return o.transpose(0, 1)
-
-
 def our_logits(model, ids):
-    hidden = model(ids, torch.arange(len(ids)), DenseKVCacheStep())
+    hidden = model(ids, torch.arange(len(ids)), ReferenceKVCacheStep(model.config))
     return model.compute_logits(hidden)
 
 
@@ -125,7 +110,9 @@ def _raw(**kw):
 
 
 @pytest.mark.parametrize("raw, match", [
-    (_raw(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+    (_raw(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
+    (_raw(sliding_window=None, layer_types=["sliding_attention"]), "sliding_window"),
+    (_raw(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
     (_raw(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
     (_raw(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
     (_raw(hidden_act="gelu"), "hidden_act"),
@@ -183,7 +170,11 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+
+GEMMA_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
 CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
           "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
 
@@ -215,8 +206,26 @@ def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, r
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)       # (Gemma 3: per layer type)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if arch in ("gemma2", "gemma3"):                  # what llama.cpp's converter writes for Gemma
+        if getattr(cfg, "attn_logit_softcapping", None):
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma3":
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for k, v in (meta or {}).items():
         w.add_uint32(k, v) if isinstance(v, int) else w.add_string(k, v)
     if tokenizer:
@@ -234,6 +243,13 @@ def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, r
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype(np.float32))
+    for name in [n for n in sd if ".experts." in n]:     # transformers 5 holds experts stacked: [E, 2I, h], [E, h, I]
+        t, blk = sd.pop(name), f"blk.{name.split('.')[2]}"
+        if name.endswith("gate_up_proj"):
+            w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :t.shape[1] // 2]))
+            w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(t[:, t.shape[1] // 2:]))
+        else:
+            w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(t))
     for name, t in sd.items():
         if name == "lm_head.weight":
             if cfg.tie_word_embeddings:
@@ -246,11 +262,14 @@ def save_tiny_gguf(path, hf, arch="llama", weight_type="F32", tokenizer=False, r
         else:
             parts = name.split(".")
             mod, kind = ".".join(parts[3:-1]), parts[-1]
-            gname = f"blk.{parts[2]}.{GGUF_NAMES[mod]}.{kind}"
+            names = {**GGUF_NAMES, **GEMMA_GGUF_NAMES} if arch in ("gemma2", "gemma3") else GGUF_NAMES
+            gname = f"blk.{parts[2]}.{names[mod]}.{kind}"
             if arch == "llama" and mod == "self_attn.q_proj":
                 t = llama_cpp_permute(t, cfg.num_attention_heads)
             elif arch == "llama" and mod == "self_attn.k_proj":
                 t = llama_cpp_permute(t, cfg.num_key_value_heads)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            t = t + 1.0                               # llama.cpp stores Gemma's norms as 1 + w
         if t.ndim == 2 and weight_type == "F16":
             w.add_tensor(gname, t.astype(np.float16))
         elif t.ndim == 2 and weight_type == "Q8_1":        # a type gguf cannot dequantize
@@ -279,6 +298,18 @@ def llama3_rope_freqs(theta, head_dim, scaling):
 
 
 GGUF_CASES = {
+    "qwen2": dict(arch="qwen2"),
+    "phi3-fused": dict(arch="phi3"),
+    "qwen3moe": dict(arch="qwen3moe", hf_arch="qwen3_moe", hf=dict(num_experts=4, num_experts_per_tok=2,
+                                                                   moe_intermediate_size=64, norm_topk_prob=True)),
+    "mixtral-as-llama": dict(arch="llama", hf_arch="mixtral", hf=dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": dict(arch="gemma2", hf=dict(sliding_window=8, query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
+                                          final_logit_softcapping=3.0)),
+    "gemma3": dict(arch="gemma3", hf=dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                          query_pre_attn_scalar=64, rope_parameters={
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                 "factor": 4.0}})),
     "llama-f32": dict(arch="llama"),
     "llama-f16": dict(arch="llama", weight_type="F16"),
     "qwen3-tied": dict(arch="qwen3", hf=dict(tie_word_embeddings=True)),
@@ -292,7 +323,7 @@ GGUF_CASES = {
 def test_gguf_logits_match_transformers(tmp_path, case):
     pytest.importorskip("gguf")
     spec = GGUF_CASES[case]
-    hf = save_tiny_checkpoint(tmp_path / "hf", arch=spec["arch"], **spec.get("hf", {}))
+    hf = save_tiny_checkpoint(tmp_path / "hf", arch=spec.get("hf_arch", spec["arch"]), **spec.get("hf", {}))
     rope_freqs = None
     if "rope_scaling" in spec.get("hf", {}):
         rope_freqs = llama3_rope_freqs(500000.0, 64, spec["hf"]["rope_scaling"])
@@ -306,7 +337,9 @@ def test_gguf_logits_match_transformers(tmp_path, case):
                     p.copy_(p.half().float())
     cfg, ref_cfg = load_config(path), load_config(tmp_path / "hf")
     for key in ("architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "tie_word_embeddings", "qk_norm", "rope"):
+                "vocab_size", "tie_word_embeddings", "qk_norm", "rope", "qkv_bias", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "norm_topk_prob", "sliding_windows", "local_rope", "attn_scale", "attn_softcap",
+                "final_softcap", "norm_offset"):
         assert getattr(cfg, key) == getattr(ref_cfg, key), key
     assert_logits_match(hf, build_model(str(path), dtype=torch.float32))
 
@@ -347,7 +380,7 @@ def test_gguf_errors_are_one_line(tmp_path, monkeypatch):
     save_tiny_gguf(tmp_path / "gpt2.gguf", hf, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         build_model(str(tmp_path / "gpt2.gguf"), dtype=torch.float32)
-    save_tiny_gguf(tmp_path / "moe.gguf", hf, meta={"llama.expert_count": 8})
+    save_tiny_gguf(tmp_path / "moe.gguf", hf, arch="qwen3", meta={"qwen3.expert_count": 8})
     with pytest.raises(ValueError, match="mixture-of-experts"):
         build_model(str(tmp_path / "moe.gguf"), dtype=torch.float32)
     save_tiny_gguf(tmp_path / "q81.gguf", hf, weight_type="Q8_1")

@@ -328,3 +328,18 @@ def test_gpu_tp2_compression_on_off_identical_with_cuda_graphs(models):
     off, _, _, _ = _run(models["tiny4"], _prompts(TINY4["vocab_size"]), params, kv_compression=False, **kw)
     assert on == off and stats["stored_pages"] > 0
     assert eng.runner.graphs                                     # decode ran in CUDA graphs
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma2"])
+def test_fp32_families_match_tp1(tmp_path, family):
+    """TP=2 against TP=1 (fp32): experts split along their intermediate dimension (router
+    replicated), and a Gemma 2 with a sliding window and soft-capped scores."""
+    from helpers import save_tiny_checkpoint
+    spec = {"mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+            "gemma2": dict(arch="gemma2", sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                           attn_logit_softcapping=5.0, final_logit_softcapping=3.0)}[family]
+    save_tiny_checkpoint(tmp_path, **spec)
+    prompts = _prompts(256, 3)
+    ref, _, _, _ = _run(str(tmp_path), prompts, dtype="float32", kv_compression=False)
+    got, _, _, _ = _run(str(tmp_path), prompts, dtype="float32", kv_compression=False, tensor_parallel_size=2)
+    assert got == ref

@@ -82,8 +82,8 @@ def cmd_generate(args) -> int:
     if args.chat and id_prompts:
         raise CLIError("--chat wraps text prompts in the chat template; it does not take --prompt-token-ids")
     from .models import resolve_model
-    source = resolve_model(args.model, args.load_format)        # cheap: before any weight is built
-    if source.tokenizer_dir is None and (texts or args.chat):
+    source = resolve_model(args.model, args.load_format, args.revision)    # before any weight is built
+    if source.tokenizer_dir is None and args.tokenizer is None and (texts or args.chat):
         raise CLIError(f"model {args.model!r} has no tokenizer, so it cannot take text: pass "
                        "--prompt-token-ids 1,2,3 instead of --prompt (output is printed as token ids), or a "
                        "checkpoint with tokenizer files")

@@ -130,8 +130,15 @@ _NUMBER_OPTIONS = (
 class EngineConfig:
     """How to build an engine. Every field is also a command line option (``--kv-memory-gb``)."""
 
-    model: str = _opt("demo", "checkpoint folder, .gguf file, 'demo' (embedded tiny model), or "
-                              "llama-3.1-8b-random / qwen3-8b-random / qwen3-32b-random (random weights)")
+    model: str = _opt("demo", "Hugging Face model id (ORG/NAME: downloaded with huggingface_hub into its cache; "
+                              "HF_TOKEN, HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE=1 honoured), checkpoint folder, "
+                              ".gguf file, 'demo' (embedded tiny model), or a shipped config with random weights "
+                              "(NAME-random, NAME one of llama-3.1-8b, qwen3-8b, qwen3-32b, qwen2.5-7b, mistral-7b, phi-3-mini, gemma-3-12b, "
+                              "qwen3-30b-a3b, mixtral-8x7b (93 GB in bf16: 2 GPUs with --tensor-parallel-size 2), "
+                              "mixtral-8x7b-16l (its first 16 layers: one 80 GB GPU))")
+    revision: str | None = _opt(None, "Hub branch, tag or commit of --model (default: main)")
+    tokenizer: str | None = _opt(None, "tokenizer from another Hub id (its main branch) or folder (default: the model's)")
+    chat_template: str | None = _opt(None, "file holding a Jinja chat template to use instead of the tokenizer's (default: the tokenizer's)")
     device: str = _opt("auto", "cuda, cuda:N, cpu, or auto (cuda when a GPU is visible)")
     dtype: str = _opt("bfloat16", "bfloat16, or float32 (needs --no-kv-compression)")
     kv_compression: bool = _opt(True, "keep full KV pages losslessly compressed (bfloat16 pages; fp8 ones with "
@@ -263,6 +270,8 @@ class EngineConfig:
         self.kv_cache_dtype = KV_CACHE_DTYPE_CANONICAL[self.kv_cache_dtype]
         if self.kv_cache_dtype == "fp8":
             self._check_fp8(lossless_fp8)
+        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
+            raise ValueError(f"chat_template: no such file {self.chat_template!r}; pass a file holding a Jinja template")
         if self.attention_backend == "flashinfer":
             if self.kv_compression:
                 raise ValueError("attention_backend='flashinfer' reads uncompressed pages only; pass kv_compression=False")
@@ -372,6 +381,8 @@ class Environment:
     nvcc: str | None                  # NVCC, CUDA_HOME: where nvcc is
     cuda_home: str
     pip_index_url: str | None         # PIP_INDEX_URL: where checkpoints are downloaded from
+    hf_cache: Path                    # HF_HUB_CACHE, else HF_HOME/hub: the Hugging Face Hub cache
+    hf_offline: bool                  # HF_HUB_OFFLINE=1: only what the Hub cache holds
     torchrun: tuple[int, int, int] | None   # RANK, WORLD_SIZE, LOCAL_RANK: started by torchrun
 
 
@@ -389,5 +400,8 @@ def environment() -> Environment:
         decode_kernel=env.get("ZIPFUSION_DECODE_KERNEL", "auto"),
         cuda_producer={"0": False, "1": True}.get(env.get("ZIPFUSION_CUDA_PRODUCER", "")),
         nvcc=env.get("NVCC"), cuda_home=env.get("CUDA_HOME", "/usr/local/cuda"),
-        pip_index_url=env.get("PIP_INDEX_URL"), torchrun=torchrun)
+        pip_index_url=env.get("PIP_INDEX_URL"), torchrun=torchrun,
+        hf_cache=Path(env.get("HF_HUB_CACHE") or Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+                      / "hub").expanduser(),
+        hf_offline=env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"))
 

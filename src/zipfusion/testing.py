@@ -83,8 +83,9 @@ def gather_request_kv(arena: torch.Tensor, page_loc_layer: torch.Tensor, page_id
 
 
 def reference_decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout,
-                               sm_scale, out=None, *, out_dtype=torch.bfloat16):
-    """softmax(sm_scale · q Kᵀ) V per request and query head, in float64.
+                               sm_scale, out=None, *, out_dtype=torch.bfloat16, window=None, softcap=None):
+    """softmax(sm_scale · q Kᵀ) V per request and query head, in float64 (over the last
+    ``window`` keys; scores soft-capped by ``softcap``).
 
     Same inputs as :func:`zipfusion.kernels.decode_attention`. Returns ``out_dtype``
     (bf16 by default; pass torch.float64 to compare kernels against the exact result).
@@ -99,9 +100,12 @@ def reference_decode_attention(q, arena, page_loc_layer, block_table, context_le
         n = -(-L // PAGE_TOKENS)
         kv = gather_request_kv(arena, page_loc_layer, block_table[b, :n], layout)
         kv = kv.to(torch.float64).transpose(0, 1).reshape(2, n * PAGE_TOKENS, H, D)[:, :L]
-        k, v = kv[0], kv[1]                                           # [L, H, D]
+        first = 0 if window is None else max(0, L - window)
+        k, v = kv[0, first:], kv[1, first:]                           # [L, H, D]
         qb = q[b].to(torch.float64).view(H, G, D)
         s = torch.einsum("hgd,lhd->hgl", qb, k) * sm_scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         res[b] = torch.einsum("hgl,lhd->hgd", torch.softmax(s, -1), v).reshape(Hq, D)
     if out is not None:
         out.copy_(res)

@@ -48,8 +48,8 @@ class _CaptureKVCacheStep(KVCacheStep):
     """A :class:`~zipfusion.models.llama.KVCacheStep` for one causal pass with no cache: keeps
     each layer's rotated K and V."""
 
-    def __init__(self, scale: float, on_layer=None):
-        self.scale, self.kv, self.on_layer = scale, {}, on_layer
+    def __init__(self, cfg, on_layer=None):
+        self.cfg, self.kv, self.on_layer = cfg, {}, on_layer
 
     def store(self, layer, q, k, v, cos, sin):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -59,14 +59,15 @@ class _CaptureKVCacheStep(KVCacheStep):
         return q, k, v
 
     def attend(self, layer, q, k, v):
-        return prefill_attention(q, k, v, 0, self.scale)
+        c = self.cfg
+        return prefill_attention(q, k, v, 0, c.softmax_scale, c.window(layer), c.attn_softcap)
 
 
 @torch.inference_mode()
 def capture_kv(model, input_ids: torch.Tensor, on_layer=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One forward pass over ``input_ids`` [T]; returns each layer's (K, V), [T, H, D] bf16.
     ``on_layer()`` is called as each layer's KV is captured (progress)."""
-    capture = _CaptureKVCacheStep(model.config.head_dim ** -0.5, on_layer)
+    capture = _CaptureKVCacheStep(model.config, on_layer)
     model(input_ids, torch.arange(input_ids.numel(), device=input_ids.device), capture)
     return [capture.kv[i] for i in range(len(capture.kv))]
 

@@ -34,7 +34,6 @@ compressed and uncompressed runs of one schedule take the same routes and give t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ import torch
 from ..config import PREFILL_SPLIT_GRAIN, PREFILL_SPLIT_MIN_TOKENS, Tuning
 from ..format import PAGE_TOKENS
 from ..models.llama import KVCacheStep
-from .decode import FlashInferPagedDecode, Fp8KernelDecode, KernelDecode, TorchDecode
+from .decode import FlashInferPagedDecode, Fp8KernelDecode, KernelDecode, MaskedAttention, TorchDecode
 from .prefill_open import CUDNN_BUCKET, OpenPrefill, cudnn_takes
 from .prefill_stored import GatherPrefill, RowsPrefill, page_reader
 from .packing import PackedPlan, plan_packed, rows_per_request
@@ -73,12 +72,14 @@ class AttentionBackend:
     shared prefix travel as packed requests (packing.py; the kernel, not deterministic).
     ``check_pages``: the kernel asserts every call's pages on the device first.
     ``split_min_tokens``, ``split_grain``: see prefill_stored.GatherPrefill.
+    ``windows`` (per layer, None: no window) and ``softcap``: layers with a sliding window or
+    soft-capped scores attend through :class:`~.decode.MaskedAttention` instead.
     """
 
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
                  num_qo_heads: int, sm_scale: float, packed: bool = False, check_pages: bool = False,
                  split_min_tokens: int = PREFILL_SPLIT_MIN_TOKENS, split_grain: int = PREFILL_SPLIT_GRAIN,
-                 tuning: Tuning = Tuning()):
+                 tuning: Tuning = Tuning(), windows: tuple = (), softcap: float | None = None):
         arena = getattr(cache, "arena", None)
         self.check_kind(kind, cache.device, cache.dtype)
         if kind == "auto":
@@ -96,6 +97,11 @@ class AttentionBackend:
         else:
             self.decode = TorchDecode(cache, sm_scale, exact=deterministic)
         read = page_reader(cache, kind != "torch", kv_compression)
+        route = self.decode if type(self.decode) in (KernelDecode, TorchDecode) else TorchDecode(
+            cache, sm_scale, exact=deterministic)              # (FP8 and FlashInfer decode: no windows)
+        self.masked = MaskedAttention(route, sm_scale, windows, softcap, read, cache.num_layers, deterministic)
+        if not self.masked.layers:
+            self.masked = None
         if deterministic:
             self.prefill_open = self.prefill_stored = RowsPrefill(      # (FP8: no open copy, rows over pages)
                 self.decode, read if kind == "kernel" and kv_compression and not fp8 else None)
@@ -105,7 +111,7 @@ class AttentionBackend:
                                                 split_min_tokens, split_grain)
         # decode rows behind one shared prefix share the decode kernel's restores of its pages
         # (packing.py); not batch-invariant
-        self.packed = packed and kind == "kernel" and not deterministic and not fp8
+        self.packed = packed and kind == "kernel" and not deterministic and not fp8 and self.masked is None
         self._packed: PackedPlan | None = None             # this step's, from prepare_decode
         self._packed_buffers: PackedPlan | None = None    # packed CUDA graphs' inputs (packed_graph_buffers)
 
@@ -124,14 +130,15 @@ class AttentionBackend:
         """The engine's backend (``tp_size``: this rank holds 1/tp_size of the heads)."""
         return cls(cache, config.attention_backend, kv_compression=cache.kv_compression,
                    deterministic=config.deterministic, num_qo_heads=model_config.num_attention_heads // tp_size,
-                   sm_scale=1.0 / math.sqrt(model_config.head_dim), packed=config.packed_decode,
+                   sm_scale=model_config.softmax_scale, packed=config.packed_decode,
                    check_pages=config.check_pages, split_min_tokens=config.prefill_split_min_tokens,
-                   split_grain=config.prefill_split_grain, tuning=config.tuning)
+                   split_grain=config.prefill_split_grain, tuning=config.tuning,
+                   windows=model_config.sliding_windows, softcap=model_config.attn_softcap)
 
     @property
     def graph_safe(self) -> bool:
         """Whether a decode step can be captured as a CUDA graph."""
-        return self.decode.graph_safe
+        return self.decode.graph_safe and (self.masked is None or self.masked.graph_safe)
 
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): the prefill
@@ -140,7 +147,7 @@ class AttentionBackend:
         kind (benchmarks/results/prefill_h200/cudnn_graph_builds.txt), which the first
         requests would otherwise wait for."""
         c = self.cache
-        if not cudnn_takes(torch.empty(0, dtype=c.dtype, device=c.device)):
+        if not cudnn_takes(torch.empty(0, c.head_dim, dtype=c.dtype, device=c.device)):
             return
         q = torch.zeros(-(-max_tokens // CUDNN_BUCKET) * CUDNN_BUCKET, self.num_qo_heads, c.head_dim,
                         dtype=c.dtype, device=c.device)
@@ -230,6 +237,8 @@ class PagedKVCacheStep(KVCacheStep):
 
     def attend(self, layer, q, k, v):
         n = self.num_decode
+        if self.backend.masked is not None and layer in self.backend.masked.layers:
+            return self.backend.masked.attend(layer, q, k, v, self)
         if not self.chunks:
             return self.decode(layer, q)
         out = torch.empty_like(q)

@@ -48,7 +48,8 @@ class KernelDecode:
 
     def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                  **packed) -> torch.Tensor:
-        """``packed``: the kernel's ``spans`` and ``slot_heads`` (packing.py)."""
+        """``packed``: the kernel's ``spans`` and ``slot_heads`` (packing.py), or its ``window``
+        and ``softcap`` (MaskedAttention)."""
         from ..kernels import decode_attention, decode_attention_uncompressed
         c = self.cache
         if self.check_pages:
@@ -121,9 +122,52 @@ class TorchDecode:
         """Nothing to plan on the host."""
 
     def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
+                 context_lens: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         return torch_decode_attention(q, lambda ids: self.cache.read_pages(layer, ids), block_table,
-                                      context_lens, self.sm_scale, exact=self.exact)
+                                      context_lens, self.sm_scale, self.exact, window, softcap)
+
+
+class MaskedAttention:
+    """Every row of the layers with a sliding window or soft-capped scores (Mistral, Gemma,
+    Phi-3 with its window): decode rows through ``route`` (a :class:`KernelDecode`: the Triton
+    kernel's window and soft-capping, graph-safe; or a :class:`TorchDecode`), prefill chunks
+    through ``masked_attention`` over their own K/V (a chunk that starts its request) or their
+    request's pages restored by ``read`` (``page_reader``); in deterministic (``exact``) mode
+    every prefill token as a decode row. Windowed prefill without soft-capping runs
+    FlashAttention's window on CUDA (``window_prefill``). Compressed and uncompressed pages give
+    the same bits."""
+
+    def __init__(self, route, sm_scale: float, windows, softcap: float | None, read, num_layers: int,
+                 exact: bool = False):
+        self.route, self.sm_scale, self.softcap, self.read, self.exact = route, sm_scale, softcap, read, exact
+        self.windows = list(windows) or [None] * num_layers
+        self.layers = {i for i, w in enumerate(self.windows) if w is not None or softcap is not None}
+        self.graph_safe = route.graph_safe
+
+    def decode(self, layer: int, q, block_table, context_lens):
+        return self.route(layer, q, block_table, context_lens, window=self.windows[layer], softcap=self.softcap)
+
+    def attend(self, layer: int, q, k, v, step) -> torch.Tensor:
+        """The rows of a step (``PagedKVCacheStep``): its decode rows, then each prefill chunk."""
+        from .prefill_open import masked_attention
+        from .prefill_stored import window_prefill
+        out, n = torch.empty_like(q), step.num_decode
+        if n:
+            out[:n] = self.decode(layer, q[:n], step.block_table, step.context_lens)
+        off = n
+        for ch in step.chunks:
+            rows = slice(off, off + ch.length)
+            off += ch.length
+            pages = torch.tensor(ch.used_pages, dtype=torch.int32, device=q.device)
+            if self.exact:
+                lens = torch.arange(ch.start + 1, ch.start + ch.length + 1, dtype=torch.int32, device=q.device)
+                out[rows] = self.decode(layer, q[rows], pages.expand(ch.length, len(pages)), lens)
+                continue
+            kc, vc = (k[rows], v[rows]) if ch.start == 0 else self.read(layer, pages, ch.start + ch.length)
+            kc, vc, window = kc.to(q.dtype), vc.to(q.dtype), self.windows[layer]
+            out[rows] = (window_prefill(q[rows], kc, vc, ch.start, self.sm_scale, window) if self.softcap is None
+                         else masked_attention(q[rows], kc, vc, ch.start, self.sm_scale, window, self.softcap))
+        return out
 
 
 class FlashInferPagedDecode:
@@ -146,13 +190,15 @@ class FlashInferPagedDecode:
         return self.kernel.run(q, self.cache.page_loc[layer])
 
 
-def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, exact: bool = False):
+def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, exact: bool = False,
+                           window: int | None = None, softcap: float | None = None):
     """Decode attention in fp32 torch (fp64 when ``exact``: then a row's result does not depend
     on the batch's padding, up to ~1e-16 relative before the final rounding):
     q [B, Hq, D]; ``read_pages(ids) -> [n, 2, 16, H, D]``.
 
-    o_b = softmax(sm_scale · q_b K_bᵀ) V_b over the first context_lens[b] tokens of request b,
-    query head i reading KV head i // (Hq / H).
+    o_b = softmax(sm_scale · q_b K_bᵀ) V_b over the first context_lens[b] tokens of request b
+    (the last ``window`` of them; scores soft-capped by ``softcap``), query head i reading KV
+    head i // (Hq / H).
     """
     ftype = torch.float64 if exact else torch.float32
     B, Hq, D = q.shape
@@ -171,7 +217,12 @@ def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, e
     v = kv[:, :, 1].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
     qg = q.to(ftype).reshape(B, H, Hq // H, D)
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * sm_scale
-    valid = torch.arange(max_pages * PAGE_TOKENS, device=q.device)[None, :] < lens[:, None]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    t = torch.arange(max_pages * PAGE_TOKENS, device=q.device)[None, :]
+    valid = t < lens[:, None]
+    if window is not None:
+        valid &= t >= lens[:, None] - window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     v = v.masked_fill(~valid[:, :, None, None], 0.0)           # unwritten slots may hold NaN bits
     out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v)

@@ -55,15 +55,19 @@ class OpenPrefill:
             attend_lse(q[:n], kv[:n], kv[:n], True, self.sm_scale)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of q [n, Hq, D] (positions start..start+n-1) over k, v [start+n, H, D]:
-    query i sees keys j <= start + i. Memory linear in n (no score matrix) on CUDA.
+    query i sees keys j <= start + i (and j > start + i - ``window``; scores soft-capped by
+    ``softcap``: :func:`masked_attention`). Memory linear in n (no score matrix) on CUDA.
 
     CUDA: torch's fused kernels in bf16 -- cuDNN for a whole prompt (top-left causal, GQA native,
     its shapes bucketed: :func:`attend_lse`), SDPA's FlashAttention where cuDNN is missing; with a
     prefix, SDPA's bottom-right causal variant (``causal_lower_right``, FlashAttention/memory-
     efficient kernels), K/V heads repeated for GQA. CPU (and fp32): SDPA.
     """
+    if window is not None or softcap is not None:
+        return masked_attention(q, k, v, start, scale, window, softcap)
     if start == 0 and cudnn_takes(q):
         return attend_lse(q, k, v, True, scale)[0]                           # cuDNN, its shapes bucketed
     n, Hq, _ = q.shape
@@ -81,6 +85,41 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
         mask = pos[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != H)
     return o[0].transpose(0, 1)
+
+
+MASKED_BLOCK = 256          # query rows a block of masked_attention (bounds its score matrix)
+
+
+def masked_attention(q, k, v, start: int, scale: float, window: int | None = None, softcap: float | None = None,
+                     exact: bool = False) -> torch.Tensor:
+    """:func:`prefill_attention` with a sliding window and soft-capped scores, on any device:
+    query at position p sees keys p - window < j <= p (transformers' sliding window), scores
+    s -> softcap · tanh(s / softcap) before the mask (Gemma 2). Rows go in blocks of
+    MASKED_BLOCK, each over the keys its window can reach: SDPA with the block's mask, or, with
+    soft-capping (or ``exact``), fp32 torch (fp64)."""
+    n, Hq, D = q.shape
+    H = k.shape[1]
+    ftype = torch.float64 if exact else torch.float32
+    out = torch.empty_like(q)
+    for i in range(0, n, MASKED_BLOCK):
+        b = min(MASKED_BLOCK, n - i)
+        lo = 0 if window is None else max(0, start + i - window + 1)
+        hi = start + i + b
+        pos = start + i + torch.arange(b, device=q.device)[:, None]
+        keys = torch.arange(lo, hi, device=q.device)[None, :]
+        seen = (keys <= pos) if window is None else (keys <= pos) & (keys > pos - window)
+        if softcap is None and not exact:
+            qh, kh, vh = (t.transpose(0, 1)[None] for t in (q[i:i + b], k[lo:hi], v[lo:hi]))
+            out[i:i + b] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale,
+                                                          enable_gqa=Hq != H)[0].transpose(0, 1)
+            continue
+        qb = q[i:i + b].to(ftype).view(b, H, Hq // H, D)
+        s = torch.einsum("qhgd,khd->hgqk", qb, k[lo:hi].to(ftype)) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        p = s.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[i:i + b] = torch.einsum("hgqk,khd->qhgd", p, v[lo:hi].to(ftype)).reshape(b, Hq, D).to(q.dtype)
+    return out
 
 
 def attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
@@ -122,17 +161,17 @@ def cudnn_takes(q: torch.Tensor) -> dict | None:
     """What cuDNN's SDPA with its log-sum-exp offers for q ({"gqa": bool}: K/V heads fewer than
     query heads without repeating them), or None where it does not serve q (not CUDA, bf16 or
     fp16, or not in this torch and GPU)."""
-    return _cudnn_probe() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    return _cudnn_probe(q.shape[-1]) if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
 
 
 @functools.cache
-def _cudnn_probe() -> dict | None:
-    """Whether this torch and GPU run cuDNN's SDPA with its log-sum-exp, and with GQA (asked
-    once, on a tiny problem)."""
+def _cudnn_probe(head_dim: int = 128) -> dict | None:
+    """Whether this torch and GPU run cuDNN's SDPA with its log-sum-exp at ``head_dim``, and
+    with GQA (asked once per head size, on a tiny problem)."""
     if not torch.cuda.is_available():
         return None
     op = torch.ops.aten._scaled_dot_product_cudnn_attention
-    x = torch.randn(1, 4, 64, 128, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, 4, 64, head_dim, dtype=torch.bfloat16, device="cuda")
     try:
         op(x, x, x, None, True, 0.0, False, False)
     except Exception:                               # noqa: BLE001 - no cuDNN SDPA here: varlen route

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..config import PREFILL_SPLIT_GRAIN, PREFILL_SPLIT_MIN_TOKENS
 from ..format import PAGE_TOKENS
 from ..memory.copy import to_device
-from .prefill_open import CUDNN_BUCKET, attend_lse, cudnn_takes, prefill_attention
+from .prefill_open import CUDNN_BUCKET, attend_lse, cudnn_takes, masked_attention, prefill_attention
 
 # chunks of at most this many tokens attend as decode rows (see the module docstring)
 ROWS_MAX_TOKENS = 16
@@ -212,6 +212,26 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vb: Varlen
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     return attn(q, k, v, vb.cu_q, vb.cu_k, vb.max_q, vb.max_k, **kw)
+
+
+def window_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                   window: int) -> torch.Tensor:
+    """:func:`~.prefill_open.masked_attention` with a sliding window, no soft-capping: on CUDA
+    (bf16, fp16) torch's variable-length FlashAttention with its (window - 1, 0) window, which
+    aligns a chunk after a prefix bottom-right (query i at position start + i sees keys
+    start + i - window < j <= start + i); elsewhere (and without it) masked_attention."""
+    opts = _varlen_options()
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or opts is None \
+            or "window_size" not in opts[1]:
+        return masked_attention(q, k, v, start, scale, window)
+    attn, _, takes_gqa = opts
+    n, L = q.shape[0], k.shape[0]
+    if not takes_gqa and q.shape[1] != k.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    cu = torch.tensor([[0, n], [0, L]], dtype=torch.int32).to(q.device, non_blocking=True)
+    kw = {"enable_gqa": q.shape[1] != k.shape[1]} if takes_gqa else {}
+    return attn(q, k, v, cu[0], cu[1], n, L, scale=scale, window_size=(window - 1, 0), **kw)
 
 
 def split_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

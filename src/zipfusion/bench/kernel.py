@@ -424,7 +424,11 @@ def run(args, modes: list[str], device: str) -> int:
     fractions = parse_list(args.fractions, float, "--fractions", 0.0, 1.0)
     batches = parse_list(args.batches, int, "--batches", 1)
     contexts = parse_list(args.contexts, int, "--contexts", 1)
-    shape = SMOKE if smoke else LLAMA
+    heads = parse_list(args.heads, int, "--heads", 1)
+    if len(heads) != 2 or heads[0] % heads[1]:
+        raise ValueError(f"--heads must be QUERY,KV with KV dividing QUERY, got {args.heads!r}")
+    shape = dataclasses.replace(SMOKE if smoke else LLAMA, **({"d": args.head_dim} if args.head_dim else {}),
+                                **({} if smoke else dict(hq=heads[0], hkv=heads[1])))
     if smoke:
         batches, contexts = [1], [32]
         print("smoke run on the CPU (Triton interpreter, 2 query heads, 1 KV head, one tiny case): the "

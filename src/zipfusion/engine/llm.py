@@ -21,9 +21,10 @@ from .sampling import SamplingParams
 class LLM:
     """An LLM with a compressed KV cache.
 
-    ``model``: a Hugging Face checkpoint folder, a ``.gguf`` file, ``"demo"`` (the embedded tiny
-    model), a compressed checkpoint (``zipfusion compress-weights``) or a shipped config with random
-    weights (``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``, ``"qwen3-32b-random"``).
+    ``model``: a Hugging Face model id (``"ORG/NAME"``, with ``revision=``), a checkpoint folder,
+    a ``.gguf`` file, ``"demo"`` (the embedded tiny model), a compressed checkpoint (``zipfusion
+    compress-weights``) or a shipped config with random weights
+    (``"llama-3.1-8b-random"``, ... :data:`zipfusion.models.RANDOM_MODELS`).
     Every other option is a field of :class:`~zipfusion.config.EngineConfig`, e.g.
     ``kv_compression`` (keep full KV pages losslessly compressed; needs dtype bfloat16),
     ``weight_compression`` (the same for the weights; default: on for CUDA with bfloat16),

@@ -18,6 +18,7 @@ from ..memory.kv_cache import ArenaKVCache
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..kernels import weight_linear
 from ..models.compressed_weights import compressed_weights, weight_sizes
+from ..models.loader import resolve_tokenizer
 from ..models.parallel import TensorParallel, use as use_parallel
 from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
 from .observe import MemoryWatch, PhaseClock, StepResult, StepStats, reuse_stats
@@ -46,7 +47,7 @@ class LLMEngine:
         AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
         if cfg.weight_compression is None:          # decided here, once: TP workers get the same value
             cfg.weight_compression = weight_compression_default(self.device.type, cfg.dtype)
-        self.source = resolve_model(cfg.model, cfg.load_format)
+        self.source = resolve_model(cfg.model, cfg.load_format, cfg.revision)
         self.model_config = mc = model_config(self.source)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
         self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
@@ -60,7 +61,8 @@ class LLMEngine:
         if self.weights.compressed and self.device.type == "cuda":   # kernels built, restore buffer in place:
             weight_linear.warmup(compressed_weights(self.model),     # the budget sees what they hold
                                  max(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-        self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
+        self.tokenizer = load_tokenizer(resolve_tokenizer(cfg.tokenizer) or self.source.tokenizer_dir,
+                                        chat_template=cfg.chat_template)
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.cache = self._build_cache()
         self._len_note = ""
@@ -72,7 +74,8 @@ class LLMEngine:
                                    host_tier=self.host_tier, tuning=cfg.tuning)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
-                                  use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe)
+                                  use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe
+                                  and not self._moe_loops(mc))
         if self.tp:
             from .tp_runner import TPRunner
             self.runner = TPRunner(self.runner, self.tp, self.max_model_len)
@@ -111,6 +114,11 @@ class LLMEngine:
         one set of 8B weights), built with the same ``deterministic``."""
         return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed,
                            deterministic=self.config.deterministic, weight_compression=self.config.weight_compression)
+
+    def _moe_loops(self, mc) -> bool:
+        """Whether the experts run as a loop over groups (models/moe.grouped_mm: deterministic
+        mode, or not bf16), whose host reads a CUDA graph cannot capture."""
+        return mc.num_experts > 0 and (self.config.deterministic or self.dtype != torch.bfloat16)
 
     @staticmethod
     def _max_model_len(asked: int | None, positions: int) -> int:

@@ -74,7 +74,7 @@ def serve(cfg, comm) -> None:
     0's capture: their all-reduces are recorded in the graphs) or ``step`` (one forward over the
     plan's shadow requests; the logits are rank 0's business), then report this rank's capacity."""
     dtype, device = parse_dtype(cfg.dtype), comm.device
-    source = resolve_model(cfg.model, cfg.load_format)
+    source = resolve_model(cfg.model, cfg.load_format, cfg.revision)
     mc = model_config(source)
     with use(TensorParallel(comm.world, comm.rank, comm.tp_group)):
         model = build_model(source, dtype=dtype, device=device, seed=cfg.seed, deterministic=cfg.deterministic,

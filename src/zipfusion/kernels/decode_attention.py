@@ -236,8 +236,18 @@ def packed_rows(q, block_table, context_lens, spans, slot_heads: int, num_kv_hea
 
 def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
             out, validate, backend, num_splits, split_pages, tile_pages, num_warps, stages, tma,
-            producer=None, spans=None, slot_heads=None):
+            producer=None, spans=None, slot_heads=None, window=None, softcap=None):
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)
+    if window is not None or softcap is not None:
+        if spans is not None:
+            raise ValueError("packed requests (spans) take no sliding window or soft-capping")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int (keys seen), got {window!r}")
+        if softcap is not None and not float(softcap) > 0:
+            raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+        if backend == "cuda":
+            raise ValueError("the CUDA C++ kernel takes no sliding window or soft-capping; use backend='triton' or 'auto'")
+        backend = "triton"            # (the CUDA C++ kernel has neither)
     check_split_args(num_splits, split_pages)
     if spans is not None:
         check_spans(spans, slot_heads, q, layout, context_lens, validate)
@@ -255,7 +265,7 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
             *args, compressed=compressed, num_splits=num_splits, split_pages=split_pages,
             stages=stages, tma=tma, producer=producer, spans=spans, slot_heads=slot_heads or 0)
     triton_args = dict(compressed=compressed, num_splits=num_splits, split_pages=split_pages,
-                       tile_pages=tile_pages, num_warps=num_warps)
+                       tile_pages=tile_pages, num_warps=num_warps, window=window, softcap=softcap)
     if spans is None:
         return decode_attention_triton(*args, **triton_args)
     # packed: each slot as a plain row, put back in the packed layout (empty slots: zeros)
@@ -277,7 +287,7 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
                      tile_pages: int | None = None, num_warps: int | None = None,
                      stages: int | None = None, tma: bool | None = None,
                      producer: bool | None = None, spans: torch.Tensor | None = None,
-                     slot_heads: int | None = None):
+                     slot_heads: int | None = None, window: int | None = None, softcap: float | None = None):
     """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
 
     q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
@@ -297,11 +307,13 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
 
     ``stages`` (copy depth), ``tma`` (bulk copies) and ``producer`` (a warp that only copies)
     tune the CUDA kernel; ``tile_pages`` and ``num_warps`` the Triton kernel. ``spans`` and
-    ``slot_heads``: packed requests (module docstring).
+    ``slot_heads``: packed requests (module docstring). ``window``: a row of context length n
+    sees its last ``window`` keys only (sliding-window layers; pages wholly before them are not
+    read); ``softcap`` c: scores s -> c·tanh(s / c) (Gemma 2). Both run the Triton kernel.
     """
     return _launch(True, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
-                   stages, tma, producer, spans, slot_heads)
+                   stages, tma, producer, spans, slot_heads, window, softcap)
 
 
 def decode_attention_uncompressed(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
@@ -310,9 +322,10 @@ def decode_attention_uncompressed(q, arena, page_loc_layer, block_table, context
                           backend: str | None = None, tile_pages: int | None = None,
                           num_warps: int | None = None, stages: int | None = None,
                           tma: bool | None = None, producer: bool | None = None,
-                          spans: torch.Tensor | None = None, slot_heads: int | None = None):
+                          spans: torch.Tensor | None = None, slot_heads: int | None = None,
+                          window: int | None = None, softcap: float | None = None):
     """The uncompressed kernel: same tiling and arithmetic, every page must be open; same
     arguments as :func:`decode_attention`, and the same bits for the same values."""
     return _launch(False, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
-                   stages, tma, producer, spans, slot_heads)
+                   stages, tma, producer, spans, slot_heads, window, softcap)

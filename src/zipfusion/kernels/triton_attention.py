@@ -332,24 +332,26 @@ def _tile_load(p0, ctx, p_end, t, slot, h, arena32, loc, kf, kh0, kh1, vf, vh0, 
 @triton.jit
 def _tile_compute(mask, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta,
                   v_esc, v_packed, any_esc, q, m_i, l_i, acc, qk_scale, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr,
-                  MASKED: tl.constexpr):
+                  MASKED: tl.constexpr, cap2=0.0):
     """Restore K and V of a loaded tile, S = q·Kᵀ, one online-softmax update (base 2) of the
     running max m_i, sum l_i and accumulator acc [M, D] (M query rows). ``mask`` (broadcast to
     [M, R]) keeps the scores it is true for, where ``MASKED`` (else every score is kept)."""
     k = _restore_tile(k_p4, k_lo, k_code, k_meta, k_esc, k_packed, any_esc, COMPRESSED, INTERPRET)
     v = _restore_tile(v_p4, v_lo, v_code, v_meta, v_esc, v_packed, any_esc, COMPRESSED, INTERPRET)
-    return attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET, MASKED)
+    return attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET, MASKED, cap2)
 
 
 @triton.jit
-def attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, MASKED: tl.constexpr):
+def attend_tile(mask, k, v, q, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, MASKED: tl.constexpr, cap2=0.0):
     """The arithmetic after the restore, shared by every kernel that reads pages (the FP8 kernel
-    of fp8_attention.py too): k, v [R, D] bf16; S = q·Kᵀ, one online-softmax update."""
+    of fp8_attention.py too): k, v [R, D] bf16; S = q·Kᵀ, one online-softmax update. ``cap2`` > 0
+    (soft-capping c, times log2 e): S -> cap2·tanh(S / cap2), i.e. c·tanh(s / c) in base 2."""
     qk = _dot(q, tl.trans(k), tl.full([q.shape[0], k.shape[0]], 0.0, tl.float32), INTERPRET)
+    qk = qk * qk_scale
+    if cap2 > 0:
+        qk = cap2 * (1.0 - 2.0 / (tl.exp(2.0 * qk / cap2) + 1.0))
     if MASKED:
-        qk = tl.where(mask, qk * qk_scale, float("-inf"))
-    else:
-        qk = qk * qk_scale
+        qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, _max(qk, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -391,19 +393,23 @@ def begin_split(q_ptr, ctx_ptr, b, h, s, pages_per_split, num_splits, H: tl.cons
     return ctx, p_begin, p_end, q, q_rows, r % PT, r // PT, m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_bt", "pages_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "pages_per_split", "num_splits", "window", "cap2"])
 def _decode_attention_kernel(
         q_ptr, arena32, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qk_scale, stride_bt, pages_per_split, num_splits,
+        qk_scale, stride_bt, pages_per_split, num_splits, window, cap2,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         TP: tl.constexpr, COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
     # The table width, split size and split count are not specialized on: one binary serves
     # every batch, so a request's pages go through the same instructions in any batch.
+    # ``window`` > 0: keys older than the last ``window`` are masked and pages wholly before
+    # them skipped; ``cap2``: soft-capping (attend_tile).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     ctx, p_begin, p_end, q, q_rows, t, slot, m_i, l_i, acc = begin_split(
         q_ptr, ctx_ptr, b, h, s, pages_per_split, num_splits, H, D, G, G_PAD, TP)
+    lo = tl.where(window > 0, ctx - window, 0)
+    p_begin = tl.maximum(p_begin, tl.maximum(lo, 0) // PT)
 
     # Software pipeline: the K/V loads of tile i+1 and the page locations and records of tile
     # i+2 are issued before tile i is computed, so memory latency overlaps the restore and the
@@ -421,9 +427,10 @@ def _decode_attention_kernel(
         loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, b,
                                                      stride_bt, p0 + 2 * TP, slot, p_end, h, D,
                                                      COMPRESSED)
-        m_i, l_i, acc = _tile_compute(valid[None, :], k_p4, k_lo, k_code, k_meta, k_esc, k_packed,
+        keep = valid & ((p0 + slot) * PT + t >= lo)
+        m_i, l_i, acc = _tile_compute(keep[None, :], k_p4, k_lo, k_code, k_meta, k_esc, k_packed,
                                       v_p4, v_lo, v_code, v_meta, v_esc, v_packed, any_esc, q,
-                                      m_i, l_i, acc, qk_scale, COMPRESSED, INTERPRET, True)
+                                      m_i, l_i, acc, qk_scale, COMPRESSED, INTERPRET, True, cap2)
         (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta, v_esc,
          v_packed, any_esc) = nxt
 
@@ -487,10 +494,10 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, pages_per_split, n
 
 def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens, num_kv_heads,
                             qk_scale, out, *, compressed, num_splits=None, split_pages=None,
-                            tile_pages=None, num_warps=None):
+                            tile_pages=None, num_warps=None, window=None, softcap=None):
     """Launch the Triton kernel (and the merge when there are several splits). Inputs are
     checked by the caller; ``qk_scale`` is sm_scale·log2(e). ``tile_pages`` (splits.tile_plan)
-    and ``num_warps`` tune the kernel."""
+    and ``num_warps`` tune the kernel; ``window``, ``softcap``: see decode_attention."""
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     B, Hq, D = q.shape
     H = num_kv_heads
@@ -501,7 +508,8 @@ def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens,
     arena32 = arena[:arena.numel() // 4 * 4].view(torch.int32)
     attn_kernel[(B, H, plan.count)](
         q, arena32, page_loc_layer, block_table, context_lens, out, plan.part_o, plan.part_lse,
-        qk_scale, block_table.stride(0), plan.pages, plan.count,
+        qk_scale, block_table.stride(0), plan.pages, plan.count, int(window or 0),
+        float(softcap or 0.0) * 1.4426950408889634,
         H=H, D=D, G=G, G_PAD=max(16, triton.next_power_of_2(G)), TP=TP,
         COMPRESSED=compressed, INTERPRET=interp, num_warps=num_warps or 4, num_stages=1)
     if plan.count > 1:

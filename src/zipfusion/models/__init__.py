@@ -1,4 +1,4 @@
-"""Llama-3.x / Qwen3 models: config reading, modules, safetensors loading, tokenizers."""
+"""Models of every supported family (one decoder): config reading, modules, loading (folder, GGUF, Hub), tokenizers."""
 
 from .config import ModelConfig, RopeConfig, config_from_dict, load_config
 from .llama import CausalLM

@@ -9,8 +9,12 @@ tensors) and turned into what a Hugging Face checkpoint would give:
 * weights: GGUF tensor names -> Hugging Face names; every tensor is dequantized to fp32 and cast
   to the model's dtype. llama.cpp's converter reorders the rows of the Llama q and k projections
   within each head (it rotates interleaved pairs, Hugging Face rotates the two halves):
-  :func:`unpermute_qk` undoes that. Qwen3 files are not reordered (llama.cpp uses the same
-  half-split rope for them).
+  :func:`unpermute_qk` undoes that. Qwen2/3 and Phi-3 files are not reordered (llama.cpp uses
+  the same half-split rope for them). Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate|up) fill our
+  stacked parameters whole; stacked experts (``ffn_*_exps`` [E, ...]: Qwen3-MoE, and Mixtral,
+  which llama.cpp writes as ``llama`` with ``expert_count``) are handed to the loader per expert.
+  Gemma 2/3: norms stored as 1 + w (loaded back as w), ``ffn_norm`` is the pre-MLP norm, and
+  the settings llama.cpp keeps in its code are restored by :func:`_gemma_config`.
 * tokenizer: transformers builds a fast tokenizer from the file's ``tokenizer.ggml.*`` metadata,
   chat template included (see :mod:`zipfusion.models.tokenizer`).
 
@@ -29,7 +33,11 @@ import torch
 
 GGUF_MAGIC = b"GGUF"
 # general.architecture -> architecture name in config.json
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3")          # llama.cpp stores their (1 + w) norms as 1 + w: loaded back as w
+MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}   # with expert_count > 0
 PIP_HINT = "pip install gguf  (or, from the zipfusion checkout: pip install -e '.[models]')"
 
 # GGUF tensor name (with N for the layer) -> Hugging Face name
@@ -43,7 +51,14 @@ _PER_LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj", "ffn_gate_inp": "mlp.gate",
 }
+# per architecture, names that mean another tensor there (Phi-3's ffn_up holds gate|up)
+_GEMMA_LAYER = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER}
+# stacked experts [E, rows, cols] -> expert e's Hugging Face tensor
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -195,8 +210,17 @@ def raw_config(f: GGUFFile) -> dict:
     if arch not in ARCHITECTURES:
         raise ValueError(f"{f.path}: GGUF architecture {arch!r} is not supported; zipfusion runs "
                          f"{sorted(ARCHITECTURES)}")
-    if (_int(f, f"{arch}.expert_count", 0, required=False) or 0) > 0:
-        raise ValueError(f"{f.path}: mixture-of-experts GGUF ({arch}.expert_count > 0) is not supported")
+    experts = _int(f, f"{arch}.expert_count", 0, required=False) or 0
+    if experts and arch not in MOE_ARCHITECTURES:
+        raise ValueError(f"{f.path}: mixture-of-experts GGUF of architecture {arch!r} is not supported; "
+                         f"zipfusion runs {sorted(MOE_ARCHITECTURES)} ones")
+    moe = {}
+    if experts:
+        ffn = _int(f, f"{arch}.feed_forward_length", 0, required=False) or 0
+        moe = {"architectures": [MOE_ARCHITECTURES[arch]], "num_local_experts": experts,
+               "num_experts_per_tok": _int(f, f"{arch}.expert_used_count"),
+               "moe_intermediate_size": _int(f, f"{arch}.expert_feed_forward_length", ffn, required=False),
+               "norm_topk_prob": bool(f.get(f"{arch}.expert_weights_norm", True))}
     hidden = _int(f, f"{arch}.embedding_length")
     heads = _int(f, f"{arch}.attention.head_count")
     kv_heads = _int(f, f"{arch}.attention.head_count_kv", heads)
@@ -222,6 +246,7 @@ def raw_config(f: GGUFFile) -> dict:
         rope_scaling = {"rope_type": scaling_type}           # config_from_dict names it as unsupported
     elif f.has(f"{arch}.rope.scale_linear"):
         rope_scaling = {"rope_type": "linear", "factor": float(f.get(f"{arch}.rope.scale_linear"))}
+    gemma = _gemma_config(f, arch, hidden, heads, head_dim) if arch in GEMMA else {}
     eos = [f.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
     return {
@@ -234,11 +259,32 @@ def raw_config(f: GGUFFile) -> dict:
         "max_position_embeddings": _int(f, f"{arch}.context_length", 8192, required=False),
         "rope_theta": theta, "rope_scaling": rope_scaling, "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in f.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        "attention_bias": "blk.0.attn_output.bias" in f.tensors,
         "eos_token_id": eos or None, "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "sliding_window": _int(f, f"{arch}.attention.sliding_window", None, required=False),
         "gguf": {"file": str(f.path), "name": f.get("general.name"),
                  "file_type": f.get("general.file_type")},
-    }
+    } | moe | gemma
+
+
+def _gemma_config(f: GGUFFile, arch: str, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma 2/3 settings llama.cpp keeps in metadata or in its code: soft-capping, the local
+    layers (Gemma 2 every other one, Gemma 3 five of six or the file's per-layer pattern; local
+    rope base 10000), and the query scale (head_dim ** -0.5; hidden / heads for the 27B models,
+    46 or 62 layers, as llama.cpp decides it)."""
+    layers = _int(f, f"{arch}.block_count")
+    out = {"model_type": "gemma3_text" if arch == "gemma3" else arch, "hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": hidden // heads if layers in (46, 62) else head_dim,
+           "attn_logit_softcapping": f.get(f"{arch}.attn_logit_softcapping"),
+           "final_logit_softcapping": f.get(f"{arch}.final_logit_softcapping")}
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        out["sliding_window_pattern"] = int(pattern)
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
 
 
 def gguf_config(path: str | Path):
@@ -259,15 +305,19 @@ def has_tokenizer(path: str | Path) -> bool:
 
 # -- weights -----------------------------------------------------------------------------------
 
-def hf_name(name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face name (None for ``rope_freqs``, which is no parameter)."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """GGUF tensor name -> Hugging Face name (None for ``rope_freqs``, which is no parameter;
+    stacked experts: the name with ``{e}`` for the expert)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     if name == ROPE_FREQS:
         return None
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _PER_LAYER:
-        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERTS:
+        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}.{m.group(3)}"
+    names = {**_PER_LAYER, **_ARCH_LAYER.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
@@ -293,10 +343,16 @@ def iter_weights(path: str | Path, cfg):
         if name == ROPE_FREQS:
             continue                                  # read into the config's rope scaling
         try:
-            target = hf_name(name)
+            target = hf_name(name, f.architecture)
         except ValueError:
             raise ValueError(f"{f.path}: unexpected tensor {name!r} for {cfg.architecture}") from None
         w = f.dequantize(name)
+        if f.architecture in GEMMA and name.endswith("norm.weight"):
+            w = w - 1.0
+        if "{e}" in target:                           # stacked experts: one tensor per expert
+            for e in range(w.shape[0]):
+                yield target.format(e=e), w[e]
+            continue
         if permute and ".attn_q." in name:
             w = unpermute_qk(w, cfg.num_attention_heads)
         elif permute and ".attn_k." in name:

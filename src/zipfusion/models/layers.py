@@ -69,19 +69,20 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor | CompressedWeight) -> tor
 
 class RMSNorm(nn.Module):
     """y = w · x / sqrt(mean(x²) + eps), statistics in fp32 (as in transformers).
+    ``offset`` (Gemma): y = (x / rms in fp32) · (offset + w in fp32), rounded once.
 
     ``norm(x, residual)`` adds first and returns ``(norm(x + residual), x + residual)``: the
     decoder's residual stream, one kernel on CUDA.
     """
 
-    def __init__(self, dim: int, eps: float, deterministic: bool = False):
+    def __init__(self, dim: int, eps: float, deterministic: bool = False, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.deterministic = deterministic   # CPU: statistics in fp64 (the CUDA kernel is one program per row)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:                       # the Triton kernel (models/merged_ops.py)
+        if x.is_cuda and not self.offset:   # the Triton kernel (models/merged_ops.py)
             from .merged_ops import rmsnorm
             return rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -92,7 +93,10 @@ class RMSNorm(nn.Module):
             inv = torch.rsqrt(x32.double().pow(2).mean(-1, keepdim=True) + self.eps).float()
         else:
             inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * (x32 * inv).to(dtype)
+        if self.offset:
+            y = ((x32 * inv) * (self.offset + self.weight.float())).to(dtype)
+        else:
+            y = self.weight * (x32 * inv).to(dtype)
         return y if residual is None else (y, residual)
 
 
@@ -142,6 +146,18 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.deterministic)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x Wᵀ with the whole W on every rank (a router: small, and every rank needs all of y)."""
+
+    def __init__(self, in_features: int, out_features: int, deterministic: bool = False):
+        super().__init__()
+        self.deterministic = deterministic
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None, self.deterministic)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,4 +1,8 @@
-"""Llama-3.x and Qwen3 decoder (one module; Qwen3 = Llama + per-head q/k RMSNorm).
+"""One decoder for every family (Llama 3.x, Qwen2/2.5/3, Mistral, Phi-3, Gemma 2/3, and the
+mixture-of-experts Qwen3-MoE and Mixtral), the families differing only by ModelConfig options:
+q/k/v bias, per-head q/k RMSNorm, sliding-window layers and their rope, GeGLU, Gemma's (1 + w)
+norms around attention and the MLP and scaled embeddings, soft-capped logits, and sparse MLPs
+(:class:`SparseMoE`).
 
 The model knows the KV cache only through :class:`KVCacheStep`: each layer hands its q, k, v
 to ``kv.store`` (which rotates q and k by position and writes k, v into the cache) and then
@@ -18,6 +22,7 @@ from torch import nn
 from .config import ModelConfig
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
                      RowParallelLinear, VocabParallelEmbedding, linear)
+from .moe import SparseMoE
 from .parallel import tp
 
 # checkpoint name fragment -> (our stacked parameter's fragment, part index)
@@ -52,12 +57,12 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads // t       # this rank's heads (KV heads split by rank)
         self.num_kv_heads = cfg.num_key_value_heads // t
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
-                                             bias=cfg.attention_bias, deterministic=deterministic)
+                                             bias=cfg.attention_bias or cfg.qkv_bias, deterministic=deterministic)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias,
                                         deterministic=deterministic)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, deterministic)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, deterministic)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, deterministic, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, deterministic, cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -75,34 +80,47 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, qs))
 
 
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) · up of a stacked [.., 2I] gate|up: SiLU (one Triton kernel on CUDA) or GELU's
+    tanh approximation (GeGLU)."""
+    if act == "silu" and gate_up.is_cuda:     # the Triton kernel (models/merged_ops.py)
+        from .merged_ops import silu_and_mul
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, deterministic: bool):
         super().__init__()
+        self.act = cfg.hidden_act
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
                                                  deterministic=deterministic)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
                                            deterministic=deterministic)
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:                 # the Triton kernel (models/merged_ops.py)
-            from .merged_ops import silu_and_mul
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, deterministic: bool):
         super().__init__()
         self.self_attn = Attention(cfg, layer, deterministic)
-        self.mlp = MLP(cfg, deterministic)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic)
+        self.mlp = SparseMoE(cfg, deterministic) if cfg.is_moe_layer(layer) else MLP(cfg, deterministic)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic, cfg.norm_offset)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.sandwich = cfg.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x, residual, cos, sin, kv: KVCacheStep):
         """x: the last layer's output (or the embeddings, with ``residual`` None); returns this
         layer's output and the residual stream before it (summed by the next norm)."""
+        if self.sandwich:                   # Gemma: h += norm(attn(norm(h))); h += norm(mlp(norm(h)))
+            h = x if residual is None else x + residual
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv))
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), h
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -117,11 +135,11 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, deterministic) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, deterministic, cfg.norm_offset)
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen3 causal LM. ``forward(input_ids [T], positions [T], kv) -> hidden [T, h]``.
+    """The causal LM of every family. ``forward(input_ids [T], positions [T], kv) -> hidden [T, h]``.
 
     ``deterministic``: batch-invariant arithmetic -- every GEMM and norm computes a row the same
     way whatever else is in the batch (models.layers.linear). Fixed at construction: each layer
@@ -133,6 +151,8 @@ class CausalLM(nn.Module):
         self.deterministic = deterministic          # read by compute_logits (the LM head's GEMM)
         self.model = Backbone(cfg, deterministic)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        # sliding layers' own rope (Gemma 3's local base), else the one rope
+        self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.local_rope) if cfg.local_rope else None
         self._tp = tp()
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -144,17 +164,22 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCacheStep) -> torch.Tensor:
+        cfg = self.config
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions)
+        if cfg.embed_scale:
+            x = x * torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)
+        rope = self.rotary.cos_sin(positions)
+        local = self.local_rotary.cos_sin(positions) if self.local_rotary is not None else rope
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, kv)
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, *(local if cfg.window(i) else rope), kv)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, h] -> logits [n, vocab] in fp32 (tensor parallel: every rank's vocabulary
         shard computed there, gathered on every rank)."""
         logits = linear(hidden, self.lm_head_weight, None, self.deterministic).float()
-        if self._tp.size == 1:
-            return logits
-        return self._tp.all_gather_last(logits)[:, :self.config.vocab_size]
+        if self._tp.size > 1:
+            logits = self._tp.all_gather_last(logits)[:, :self.config.vocab_size]
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

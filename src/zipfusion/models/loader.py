@@ -1,6 +1,6 @@
 """Finding, loading and randomly initialising models.
 
-A model is named by a checkpoint folder (config.json + *.safetensors, sharded with
+A model is named by a Hugging Face Hub id (``ORG/NAME``: :func:`hub_snapshot`), a checkpoint folder (config.json + *.safetensors, sharded with
 ``model.safetensors.index.json`` or not), by a llama.cpp ``.gguf`` file (or a folder holding
 exactly one and no config.json; see :mod:`zipfusion.models.gguf`), by ``"demo"`` (the tiny model shipped in
 ``zipfusion/models/demo``) or by a shipped config with random weights
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -30,11 +31,12 @@ from .parallel import tp
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEMO_DIR = PACKAGE_DIR / "demo"
 CONFIG_DIR = PACKAGE_DIR / "configs"
-RANDOM_MODELS = {
-    "llama-3.1-8b-random": CONFIG_DIR / "llama-3.1-8b.json",
-    "qwen3-8b-random": CONFIG_DIR / "qwen3-8b.json",
-    "qwen3-32b-random": CONFIG_DIR / "qwen3-32b.json",
-}
+# shipped configs of real models, run with random weights (benchmarks, capacity). Sizes in bf16:
+# qwen3-30b-a3b 61 GB and qwen3-32b 65.5 GB fit one 80 GB GPU; mixtral-8x7b (46.7B parameters, 93 GB) needs
+# tensor_parallel_size >= 2, or its first 16 layers (mixtral-8x7b-16l: 24B, 48 GB) fit one GPU.
+RANDOM_MODELS = {f"{name}-random": CONFIG_DIR / f"{name}.json" for name in (
+    "llama-3.1-8b", "qwen3-8b", "qwen3-32b", "qwen2.5-7b", "mistral-7b", "phi-3-mini", "gemma-3-12b", "qwen3-30b-a3b",
+    "mixtral-8x7b", "mixtral-8x7b-16l")}
 INIT_STD = 0.02
 PROGRESS_EVERY_S = 10.0          # a long build logs where it is this often
 
@@ -93,9 +95,55 @@ def _resolve_gguf(name: str, path: Path, load_format: str) -> ModelSource:
     return ModelSource(name, path, None if load_format == "random" else path, tok)
 
 
-def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# what a checkpoint's Hub snapshot needs: config, weights, tokenizer, templates
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+TOKENIZER_PATTERNS = ["*.json", "tokenizer.model", "*.jinja", "*.txt"]
+
+
+def is_hub_id(name: str) -> bool:
+    """``ORG/NAME`` that names no local file or folder."""
+    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, patterns: list[str] = HUB_PATTERNS) -> Path:
+    """The local folder of a Hub repository's snapshot at ``revision``, downloaded into the Hub
+    cache (huggingface_hub's: the token from HF_TOKEN or ``hf auth login``) unless it is there;
+    with HF_HUB_OFFLINE=1 only the cache is read."""
+    from ..config import environment
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(f"model {repo_id!r} is a Hugging Face Hub id: loading it needs huggingface_hub "
+                         "(pip install huggingface_hub)") from None
+    env = environment()
+    try:
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=env.hf_cache,
+                                   local_files_only=env.hf_offline, allow_patterns=patterns)
+    except Exception as e:        # noqa: BLE001 - network, auth, missing repo or revision: one line
+        where = "in the Hub cache " + str(env.hf_cache) + " (HF_HUB_OFFLINE=1)" if env.hf_offline else "on the Hub"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise FileNotFoundError(f"model {repo_id!r}{f' revision {revision!r}' if revision else ''}: not found "
+                                f"{where} ({type(e).__name__}: {first}); pass a Hub id, a checkpoint folder or "
+                                "a .gguf file") from None
+    return Path(folder)
+
+
+def resolve_tokenizer(name: str | None) -> Path | None:
+    """``--tokenizer``: a Hub id (its tokenizer files only, from its main branch) or a folder / .gguf file."""
+    if name is None:
+        return None
+    if is_hub_id(name):
+        return hub_snapshot(name, None, TOKENIZER_PATTERNS)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer {name!r}: no such folder or Hub id")
+    return path
+
+
+def resolve_model(model: str | Path, load_format: str = "auto", revision: str | None = None) -> ModelSource:
     """Name or path -> where config, weights and tokenizer are. ``load_format="random"``
-    ignores any weights and initialises randomly from the config."""
+    ignores any weights and initialises randomly from the config; ``revision``: of a Hub id."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     name = str(model)
@@ -106,12 +154,14 @@ def resolve_model(model: str | Path, load_format: str = "auto") -> ModelSource:
         path = DEMO_DIR
     elif name.lower() in RANDOM_MODELS:
         return ModelSource(name.lower(), RANDOM_MODELS[name.lower()], None, None)
+    elif is_hub_id(name):
+        path = hub_snapshot(name, revision, TOKENIZER_PATTERNS if load_format == "random" else HUB_PATTERNS)
     else:
         path = Path(name).expanduser()
         if not path.exists():
             what = "no such GGUF file" if is_gguf_path(name) else "no such folder"
             raise FileNotFoundError(
-                f"model {name!r}: {what}; pass a checkpoint folder (config.json + *.safetensors), "
+                f"model {name!r}: {what}; pass a Hub id (ORG/NAME), a checkpoint folder (config.json + *.safetensors), "
                 f"a .gguf file, 'demo', or one of {sorted(RANDOM_MODELS)}")
     if path.is_file():
         if is_gguf_path(path):
@@ -156,8 +206,25 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# checkpoint spellings of the same tensors: an image-text checkpoint's text model (Gemma 3's two
+# spellings), Mixtral's expert names -> Qwen3-MoE's (ours); and the image parts, not loaded
+IMAGE_PARTS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+RENAMES = [(re.compile(r"^(language_model\.model|model\.language_model)\."), "model."),
+           (re.compile(r"^language_model\.lm_head\."), "lm_head."),(re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+           (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."), (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj.")]
+EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def stacked_name(name: str) -> tuple[str, int]:
-    """A checkpoint tensor's name -> our parameter's name and its part there (q|k|v, gate|up)."""
+    """Checkpoint tensor name -> (our parameter, the part of it the tensor fills)."""
+    for pattern, repl in RENAMES:
+        name = pattern.sub(repl, name)
+    m = EXPERT.match(name)
+    if m:
+        e, which = int(m.group(2)), m.group(3)
+        if which == "down_proj":
+            return f"{m.group(1)}.down_proj", e
+        return f"{m.group(1)}.gate_up_proj", 2 * e + (which == "up_proj")
     for frag, (stacked, part) in STACKED.items():
         if f".{frag}." in name:
             return name.replace(frag, stacked), part
@@ -171,7 +238,7 @@ def _safetensors_tensors(folder: Path):
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if "rotary_emb" in name:
+                if "rotary_emb" in name or IMAGE_PARTS.match(name):
                     continue
                 yield file.name, name, f.get_tensor(name)
 
@@ -201,16 +268,22 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
         if progress is not None:
             loaded_numel += tensor.numel()
             progress.step(f"loading weights from {file}", min(loaded_numel, total), total)
-        if name == "lm_head.weight" and model.lm_head is None:
-            continue                                   # tied: embed_tokens is the head
         target, part = stacked_name(name)
+        if target == "lm_head.weight" and model.lm_head is None:
+            continue                                   # tied: embed_tokens is the head
         if target not in params:
             raise ValueError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
         param = params[target]
         dtypes.add(tensor.dtype)
         loaded = tensor.to(param.dtype)
         loader = loaders.get(target)
-        if loader is not None:
+        sizes = getattr(param, "part_sizes", None)
+        if loader is not None and sizes and target == name and loaded.shape[0] == sum(sizes):
+            for i, piece in enumerate(loaded.to(param.device).split(sizes)):   # fused in the checkpoint (Phi-3)
+                loader(param, piece, i)
+                done.add((target, i))
+            continue
+        elif loader is not None:
             loader(param, loaded.to(param.device), part)
         else:
             if tuple(loaded.shape) != tuple(param.shape):
@@ -239,7 +312,7 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
                 progress.step("random weights", done, total)
                 done += p.numel()
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(1.0 - model.config.norm_offset)           # a norm's scale of 1
             elif name.endswith("bias"):
                 p.zero_()
             elif getattr(p, "full_shape", None) is not None and tuple(p.full_shape) != tuple(p.shape):
@@ -282,8 +355,8 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
                        what=f"{what}, on {device}") as progress:
         with torch.device(device), default_dtype(dtype):
             model = CausalLM(cfg, deterministic=deterministic)
-        # rope frequencies stay fp32
-        model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
+        model.to(dtype=dtype)                      # what was made in another dtype (no copy of the rest)
+        _set_rope(model, cfg)
         dtypes = set()
         if source.weights_dir is None:
             random_init(model, seed=seed, progress=progress)
@@ -293,6 +366,13 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
             progress.step("compressing the weights", 0, 0)
             compress_model(model, note=compression_note(gguf, dtypes))
     return model.eval().requires_grad_(False)
+
+
+def _set_rope(model: CausalLM, cfg: ModelConfig) -> None:
+    """Rope frequencies in fp32, computed afresh (a dtype conversion would have rounded them)."""
+    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
+    if model.local_rotary is not None:
+        model.local_rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.local_rope).to(model.rotary.inv_freq.device)
 
 
 def compression_note(gguf: bool, dtypes: set[torch.dtype]) -> str:
@@ -313,8 +393,9 @@ def _build_compressed(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
     with BuildProgress(Path(source.name).name, what=f"compressed checkpoint, on {device}") as progress:
         with torch.device("meta"), default_dtype(dtype):
             model = CausalLM(cfg, deterministic=deterministic)
+        model.to(dtype=dtype)
         load_compressed(model, source.weights_dir, torch.device(device), progress=progress)
-        model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+        _set_rope(model, cfg)
     return model.eval().requires_grad_(False)
 
 

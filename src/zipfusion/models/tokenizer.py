@@ -11,7 +11,8 @@ from pathlib import Path
 class Tokenizer:
     """encode / decode / chat template over either backend."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, chat_template: str | Path | None = None):
+        """``chat_template``: a file whose Jinja template replaces the tokenizer's."""
         folder = Path(folder)
         self._hf = None
         self._tok = None
@@ -33,6 +34,11 @@ class Tokenizer:
             self._tok = RawTokenizer.from_file(str(folder / "tokenizer.json"))
         else:
             raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {folder}")
+        if chat_template is not None:
+            if self._hf is None:
+                raise ValueError(f"chat_template: the tokenizer in {folder} has no tokenizer_config.json, which "
+                                 "a chat template needs; pass --tokenizer with a full tokenizer")
+            self._hf.chat_template = Path(chat_template).expanduser().read_text()
 
     def save(self, folder: str | Path) -> None:
         """Write the tokenizer's files into ``folder`` (a GGUF file's as tokenizer.json and friends)."""
@@ -128,5 +134,7 @@ def _gguf_tokenizer(file: Path):
         transformers.logging.set_verbosity(level)
 
 
-def load_tokenizer(folder: str | Path | None) -> Tokenizer | None:
-    return None if folder is None else Tokenizer(folder)
+def load_tokenizer(folder: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer | None:
+    if folder is None and chat_template is not None:
+        raise ValueError("chat_template given, but the model has no tokenizer; pass --tokenizer too")
+    return None if folder is None else Tokenizer(folder, chat_template)
