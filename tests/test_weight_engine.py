@@ -138,6 +138,24 @@ def test_kv_budget_grows_by_what_the_weights_freed(monkeypatch):
     assert on.kv_memory_gb - off.kv_memory_gb == pytest.approx(0.5 * on.weights.saved_bytes / 2**30, rel=1e-9)
 
 
+def test_moe_experts_stay_bf16_named_and_counted(tmp_path, caplog):
+    """Mixture-of-experts: the attention and the embeddings compressed, the router and the stacked
+    experts (not linear layers) held as they are, named, and counted in the weights' size."""
+    raw = json.loads(resolve_model("qwen3-30b-a3b-random").config_path.read_text())
+    raw.update(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, vocab_size=512, moe_intermediate_size=128, num_experts=4,
+               num_experts_per_tok=2)
+    cfg = tmp_path / "moe.json"
+    cfg.write_text(json.dumps(raw))
+    with caplog.at_level(logging.INFO, logger="zipfusion.models"):
+        model = build_model(resolve_model(str(cfg)), weight_compression=True)
+    assert any("model.layers.1.mlp.experts.down_proj (not a linear layer's" in r.getMessage() for r in caplog.records)
+    experts = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp." in n)   # router + experts
+    linear = sum(m.weight.original_nbytes for _, m in weight_modules(model))
+    sizes = weight_sizes(model)
+    assert sizes.compressed == 2 * 2 + 2 and sizes.original_bytes == linear + experts
+
+
 def test_a_given_kv_memory_gets_the_savings_only_when_asked():
     """bench's weights mode: kv_memory_gb + what the weights saved (the same weights + KV memory)."""
     plain = LLMEngine("demo", device="cpu", kv_memory_gb=0.01, weight_compression=True)

@@ -80,8 +80,18 @@ def compressed_weights(model: nn.Module) -> list[CompressedWeight]:
     return [m.weight for _, m in weight_modules(model) if isinstance(m.weight, CompressedWeight)]
 
 
+def other_matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Weight tensors outside the linear layers (MoE experts' stacked matrices): held as they are."""
+    inside = {id(m.weight) for _, m in weight_modules(model)}
+    return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and id(p) not in inside]
+
+
 def weight_sizes(model: nn.Module) -> WeightSizes:
+    """The weight matrices' sizes: the linear layers' and embeddings', and any other (experts)."""
     sizes = WeightSizes()
+    for _, p in other_matrices(model):
+        sizes.original_bytes += p.numel() * p.element_size()
+        sizes.stored_bytes += p.numel() * p.element_size()
     for _, m in weight_modules(model):
         w = m.weight
         if isinstance(w, CompressedWeight):
@@ -100,7 +110,7 @@ def compress_model(model: nn.Module, note: str = "") -> WeightSizes:
     would not shrink stays as it is, named in one log line. ``note``: said in the log line."""
     from tqdm.auto import tqdm
 
-    kept = []
+    kept = [f"{n} (not a linear layer's: MoE router or stacked experts)" for n, _ in other_matrices(model)]
     modules = [(n, m) for n, m in weight_modules(model) if not isinstance(m.weight, CompressedWeight)]
     on_cuda = any(m.weight.is_cuda for _, m in modules)
     for name, module in tqdm(modules, desc="compressing weights", unit="tensor", mininterval=2.0, leave=False):
