@@ -261,3 +261,18 @@ def save_word_tokenizer(folder: str | Path, vocab_size: int = 256) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(["</s>"])
     tok.save(str(Path(folder) / "tokenizer.json"))
+
+
+WEIGHT_SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-39, 3e38, 1e-20, -7.0]
+
+
+def adversarial_weight(n, k, seed, scale=0.02, share=0.02):
+    """A Gaussian BF16 weight [n, k] with a ``share`` of its values replaced by specials (±0,
+    ±inf, NaN, subnormals, outliers that escape)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * scale).bfloat16()
+    flat = w.view(-1)
+    idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * share)),), generator=g)
+    sp = torch.tensor(WEIGHT_SPECIALS).bfloat16()
+    flat[idx] = sp[torch.randint(0, len(sp), idx.shape, generator=g)]
+    return w

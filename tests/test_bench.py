@@ -229,6 +229,8 @@ def test_metrics_text_and_memory_flatness():
     (["throughput", "--engine-args", '{"kv_compression": false}', "--device", "cpu"], "--engine-args sets"),
     (["latency", "--batch-size", "0", "--device", "cpu"], "--batch-size"),
     (["kernel", "--device", "cpu", "--fractions", "2"], "--fractions"),
+    (["kernel", "--linear", "--device", "cpu", "--models", "llama-9b"], "--models takes"),
+    (["kernel", "--linear", "--device", "cpu", "--ms", "0"], "--ms takes"),
 ])
 def test_bad_input_is_one_error_line(argv, words, capsys):
     assert main(["bench", *argv]) == 2
@@ -348,6 +350,16 @@ def test_kernel_smoke_head_dim_256(tmp_path):
     result = json.loads((tmp_path / "k.json").read_text())
     assert result["config"]["shape"]["d"] == 256
     assert all(r["bit_identical_to_uncompressed"] for r in result["records"] if r["kernel"] == "fused")
+def test_kernel_linear_smoke_on_the_cpu(tmp_path):
+    """--linear: the fused kernel and the dispatch beside cuBLAS's stand-in, restore bit-identical."""
+    assert main(["bench", "kernel", "--linear", "--device", "cpu", "--out", str(tmp_path / "w")]) == 0
+    result = json.loads((tmp_path / "w.json").read_text())
+    assert result["config"]["smoke"]
+    restore = next(r for r in result["records"] if r["kernel"] == "restore")
+    assert restore["bit_identical"] is True and restore["stored_ratio"] < 1.0     # K=300 pads to 384
+    assert all(r["rel_err_vs_cublas"] < 1e-2 for r in result["records"] if "rel_err_vs_cublas" in r)
+    for case in result["cases"]:
+        assert case["cublas/fused"] == pytest.approx(case["cublas"] / case["fused"])
 
 
 def test_kernel_smoke_fp8_modes_on_the_cpu(tmp_path):

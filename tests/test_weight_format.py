@@ -3,24 +3,12 @@
 import pytest
 import torch
 
+from helpers import adversarial_weight as _adversarial
 from zipfusion.format.weights import (ESC_ROWS, WEIGHT_BLOCK, compress_weight, restore_rows,
                                       restore_weight)
 
-SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-39, 3e38, 1e-20, -7.0]
-
-
 def _bits(t):
     return t.view(torch.int16)
-
-
-def _adversarial(n, k, seed, scale=0.02, share=0.02):
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * scale).bfloat16()
-    flat = w.view(-1)
-    idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * share)),), generator=g)
-    sp = torch.tensor(SPECIALS).bfloat16()
-    flat[idx] = sp[torch.randint(0, len(sp), idx.shape, generator=g)]
-    return w
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (33, 576), (64, 4096), (17, WEIGHT_BLOCK + 8)])
@@ -59,3 +47,18 @@ def test_refuses_other_dtypes_and_shapes():
         compress_weight(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="2-D bfloat16"):
         compress_weight(torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_worked_example():
+    """docs/format.md, weight format section 5."""
+    e = torch.arange(128) % 14 + 118                                   # exponents 118..131
+    bits = (e << 7) | (torch.arange(128) * 37 % 128)
+    bits[0], bits[4], bits[1], bits[2] = 0xBF95, 0xC123, 0x8000, 0x7149
+    w = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16).view(1, 128)
+    cw = compress_weight(w)
+    assert cw.base[0, 0].item() == 0x3A and cw.codes[0, 0].item() == 0xFD
+    assert cw.lo[0, 0].item() == 0x95 and cw.lo[0, 1].item() == 0 and cw.lo[0, 2].item() == 0
+    assert cw.codes[0, 1].item() >> 7 == 1 and cw.codes[0, 1].item() & 7 == 0      # value 1: -0
+    assert cw.codes[0, 2].item() >> 7 == 0 and cw.codes[0, 2].item() & 7 == 0      # value 2: +0, escaped
+    assert (cw.esc_row.tolist(), cw.esc_col.tolist(), cw.esc_val.tolist()) == ([0], [2], [0x7149])
+    assert torch.equal(_bits(restore_weight(cw)), _bits(w))

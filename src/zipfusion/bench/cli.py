@@ -50,7 +50,9 @@ EXAMPLES = {
     "kernel": """zipfusion bench kernel, examples:
   zipfusion bench kernel                                          # batch 32 x 8K, fractions 1/0.92/0.5/0
   zipfusion bench kernel --batches 1,32,64 --contexts 2048,8192,32768 --fractions 1,0.92 --out kernel_h100
-  zipfusion bench kernel --device cpu                             # a smoke run (Triton interpreter)""",
+  zipfusion bench kernel --device cpu                             # a smoke run (Triton interpreter)
+  zipfusion bench kernel --linear --out weights_kernel_h100       # linear layers over compressed weights
+  zipfusion bench kernel --linear --models llama-3.1-8b --ms 1,64,2048""",
 }
 
 
@@ -204,6 +206,11 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                         "the CPU smoke run: 64)")
     k.add_argument("--heads", default="32,8", help="query heads,KV heads (default: %(default)s, Llama-3.1-8B's; "
                    "Gemma 3 12B's: 16,8)")
+    k.add_argument("--linear", action="store_true", help="linear layers instead: the fused decompress-GEMM over "
+                   "the lossless weight format vs torch.nn.functional.linear (cuBLAS) on Llama-3.1-8B and Qwen3-32B "
+                   "shapes")
+    k.add_argument("--models", default="llama-3.1-8b,qwen3-32b", help="--linear: model shapes (default: %(default)s)")
+    k.add_argument("--ms", default="1,8,32,64,128,256,2048,8192", help="--linear: rows of x (default: %(default)s)")
     return b
 
 
@@ -277,6 +284,9 @@ def _cmd_bench(args) -> int:
         from .serve import run
         return run(args, modes, device, slo)
     device = _resolve_device(args.device)
+    if kind == "kernel" and args.linear:
+        from .weight_kernel import run
+        return run(args, device)
     if kind == "kernel":
         from .kernel import run
         return run(args, modes, device)

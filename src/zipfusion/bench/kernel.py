@@ -409,28 +409,11 @@ FP8_COLUMNS = [("fp8", "fp8 ms", "{:.4f}"), ("flashinfer_fp8", "flashinfer fp8 m
 
 
 def plot(result: dict, path: str) -> bool:
-    plt = report.pyplot()
     rows = result["cases"]
-    if plt is None or not rows:
-        return False
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
-    for j, name in enumerate(("compressed/uncompressed", "compressed/flashinfer")):
-        xs = [i + (j - 0.5) * 0.38 for i in range(len(rows))]
-        ys = [r.get(name) or 0 for r in rows]
-        ax.bar(xs, ys, width=0.38, label=f"{name} (speed)")
-        for x, y in zip(xs, ys):
-            if y:
-                ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)), [f"{r['fraction']:.0%}\nB{r['batch']} {r['context']}" for r in rows],
-                  fontsize=7)
-    ax.set_ylabel("speed of the compressed kernel (x)")
-    ax.set_title(f"zipfusion bench kernel, {result['meta']['device_name']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return report.speed_bars(
+        path, [f"{r['fraction']:.0%}\nB{r['batch']} {r['context']}" for r in rows],
+        {f"{name} (speed)": [r.get(name) for r in rows] for name in ("compressed/uncompressed", "compressed/flashinfer")},
+        f"zipfusion bench kernel, {result['meta']['device_name']}", "speed of the compressed kernel (x)")
 
 
 def run(args, modes: list[str], device: str) -> int:

@@ -117,6 +117,35 @@ def out_paths(out: str) -> tuple[str, str]:
     return stem + ".json", stem + ".png"
 
 
+def speed_bars(path: str, labels: list[str], series: dict[str, list], title: str, ylabel: str,
+               tick_fontsize: int = 7, goal: float | None = None, annotate: bool = True) -> bool:
+    """Grouped bars of speed ratios (one group per label, one bar per series; None drawn as 0),
+    a line at 1 (and at ``goal``); False where matplotlib is missing or there is nothing to draw."""
+    plt = pyplot()
+    if plt is None or not labels:
+        return False
+    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.9 * len(labels) + 2)), 4))
+    width = 0.76 / max(1, len(series))
+    for j, (name, values) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ys = [v or 0 for v in values]
+        ax.bar(xs, ys, width=width, label=name)
+        for x, y in zip(xs, ys):
+            if y and annotate:
+                ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8)
+    if goal:
+        ax.axhline(goal, color="g", lw=0.6, ls="--")
+    ax.set_xticks(range(len(labels)), labels, fontsize=tick_fontsize)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def save(result: dict, out: str, plot=None) -> str:
     """JSON, then the figure (``plot(result, path) -> bool``); returns a line saying what was written."""
     json_path, png_path = out_paths(out)
