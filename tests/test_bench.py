@@ -350,6 +350,12 @@ def test_kernel_smoke_on_the_cpu(tmp_path):
     assert case["stored_ratio"] < 1.0
 
 
+def test_kernel_smoke_head_dim_256(tmp_path):
+    assert main(["bench", "kernel", "--device", "cpu", "--fractions", "1", "--head-dim", "256", "--compare",
+                 "compressed,uncompressed", "--out", str(tmp_path / "k")]) == 0
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["config"]["shape"]["d"] == 256
+    assert all(r["bit_identical_to_uncompressed"] for r in result["records"] if r["kernel"] == "fused")
 def test_kernel_linear_smoke_on_the_cpu(tmp_path):
     """--linear: the fused kernel and the dispatch beside cuBLAS's stand-in, restore bit-identical."""
     assert main(["bench", "kernel", "--linear", "--device", "cpu", "--out", str(tmp_path / "w")]) == 0
@@ -360,14 +366,6 @@ def test_kernel_linear_smoke_on_the_cpu(tmp_path):
     assert all(r["rel_err_vs_cublas"] < 1e-2 for r in result["records"] if "rel_err_vs_cublas" in r)
     for case in result["cases"]:
         assert case["cublas/fused"] == pytest.approx(case["cublas"] / case["fused"])
-
-
-def test_kernel_smoke_head_dim_256(tmp_path):
-    assert main(["bench", "kernel", "--device", "cpu", "--fractions", "1", "--head-dim", "256", "--compare",
-                 "compressed,uncompressed", "--out", str(tmp_path / "k")]) == 0
-    result = json.loads((tmp_path / "k.json").read_text())
-    assert result["config"]["shape"]["d"] == 256
-    assert all(r["bit_identical_to_uncompressed"] for r in result["records"] if r["kernel"] == "fused")
 
 
 def test_kernel_smoke_fp8_modes_on_the_cpu(tmp_path):

@@ -159,8 +159,8 @@ def main():
                     if t is not None:
                         y = wl.fused_linear(x, case.cw[0], **kw).float()
                         err = ((y - ref).norm() / ref.norm()).item()
-                    r = dict(shape=name, N=N, K=K, M=M, kernel="fused", ms=t, cfg=kw, split=wl.plan(M, N, case.cw[0].padded_k, sms, **kw)["split"],
-                             rel_err=err, x_cublas=(t_cub / t if t and t_cub else None),
+                    r = dict(shape=name, N=N, K=K, M=M, kernel="fused", ms=t, cfg=kw,
+                             split=wl.plan(M, N, case.cw[0].padded_k, sms, **kw)["split"], rel_err=err, x_cublas=(t_cub / t if t and t_cub else None),
                              GBps=(case.comp_bytes / (t / 1e3) / 1e9 if t else None))
                     recs.append(r)
                     if t and (best is None or t < best["ms"]):

@@ -201,16 +201,16 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    "model's statistics (default: %(default)s)")
     k.add_argument("--batches", default="32", help="batch sizes, comma-separated (default: %(default)s)")
     k.add_argument("--contexts", default="8192", help="context lengths, comma-separated (default: %(default)s)")
-    k.add_argument("--linear", action="store_true", help="linear layers instead: the fused decompress-GEMM over "
-                   "the lossless weight format vs torch.nn.functional.linear (cuBLAS) on Llama-3.1-8B and Qwen3-32B "
-                   "shapes")
-    k.add_argument("--models", default="llama-3.1-8b,qwen3-32b", help="--linear: model shapes (default: %(default)s)")
-    k.add_argument("--ms", default="1,8,32,64,128,256,2048,8192", help="--linear: rows of x (default: %(default)s)")
     k.add_argument("--head-dim", type=int, default=None, choices=(64, 128, 256),
                    help="head size: 64 (Llama-3.2-1B's), 128 (Llama-3.1-8B's), 256 (Gemma 3's) (default: 128; "
                         "the CPU smoke run: 64)")
     k.add_argument("--heads", default="32,8", help="query heads,KV heads (default: %(default)s, Llama-3.1-8B's; "
                    "Gemma 3 12B's: 16,8)")
+    k.add_argument("--linear", action="store_true", help="linear layers instead: the fused decompress-GEMM over "
+                   "the lossless weight format vs torch.nn.functional.linear (cuBLAS) on Llama-3.1-8B and Qwen3-32B "
+                   "shapes")
+    k.add_argument("--models", default="llama-3.1-8b,qwen3-32b", help="--linear: model shapes (default: %(default)s)")
+    k.add_argument("--ms", default="1,8,32,64,128,256,2048,8192", help="--linear: rows of x (default: %(default)s)")
     return b
 
 

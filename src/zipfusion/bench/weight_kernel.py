@@ -65,9 +65,10 @@ class LinearCase:
     def traffic(self, kernel, M):
         """Bytes a kernel must move at least: weights read, x read, y written (restore: W written)."""
         io = 2 * M * (self.K + self.N)
+        restored = self.comp_bytes + 2 * self.bf16_bytes + io           # restore (read, write), cuBLAS read
         return {"cublas": self.bf16_bytes + io, "fused": self.comp_bytes + io,
-                "weight_linear": (self.comp_bytes if M <= wl.FUSED_MAX_M else 2 * self.bf16_bytes + self.comp_bytes) + io,
-                "restore_cublas": self.comp_bytes + 2 * self.bf16_bytes + io,
+                "weight_linear": self.comp_bytes + io if M <= wl.FUSED_MAX_M else restored,
+                "restore_cublas": restored,
                 "restore": self.comp_bytes + self.bf16_bytes}[kernel]
 
 
