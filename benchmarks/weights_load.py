@@ -2,7 +2,7 @@
 loaded from the compressed checkpoint ``zipfusion compress-weights`` writes (best of --repeat,
 each in this one process after a first untimed round: imports and first calls left out).
 
-    PYTHONPATH=src python benchmarks/weights_load.py --models demo,smollm2 --out benchmarks/results/weights_load_cpu
+    PYTHONPATH=src python benchmarks/weights_load.py --models demo,smollm2 --out benchmarks/results/real_model_kv_cpu/weights
 """
 
 from __future__ import annotations
