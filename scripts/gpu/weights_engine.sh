@@ -1,77 +1,58 @@
 #!/usr/bin/env bash
-# Compressed weights in the engine (issue 61), one call, at most ~8 min on an H100 (limits below): the GPU tests of
-# tests/test_weight_engine.py; bench throughput weights / compressed / uncompressed on
-# llama-3.1-8b-random at 16 GiB of KV (the weights mode's KV gets what its weights saved on
-# top); the weight analyzer on qwen3-32b-random (4 layers); qwen3-32b-random started at default memory with weights compressed and not (both sizes,
-# the KV budget and the tokens it holds); bench serve weights vs uncompressed when the server
-# extra is there (.carry/, scripts/gpu/carry_wheels.sh) and time is left. A short table last.
-#   bash scripts/gpu/weights_engine.sh
+# Compressed weights in the engine, on one GPU; parts (default: all), each bounded by a limit:
+#   tests -- the GPU tests of the weights' engine path and of the model families (CUDA graphs,
+#            grouped GEMM, windows)
+#   run8b -- bench throughput weights / compressed / uncompressed on llama-3.1-8b-random at 16 GiB
+#            of KV (the weights mode's KV gets what its weights saved on top: the same total memory)
+#   qwen  -- bench throughput weights vs uncompressed on qwen3-32b-random at default memory (what
+#            an 80 GB GPU leaves each mode), and the weight analyzer on it (4 layers)
+#   serve -- bench serve, closed loop of 64, weights / compressed / uncompressed at 16 GiB (8B)
+# A short table last.   bash scripts/gpu/weights_engine.sh [tests] [run8b] [qwen] [serve]
 set -u
 OUT=${OUT:-/tmp/weights_out}; mkdir -p "$OUT"
 . scripts/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-
-timeout -k 5 ${TEST_LIMIT:-90} python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_weight_engine.py \
-    2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
-
-timeout -k 10 ${TP_LIMIT:-190} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
-    --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --num-prompts 128 \
-    --output-len 500 --timeout 90 --out "$OUT/throughput_8b" 2>&1 | tail -12 | cut -c1-220
-
-for m in qwen3-32b-random; do      # the analyzer on the GPU, 4 layers sampled
-  timeout -k 5 ${ANALYZE_LIMIT:-45} python3 -m zipfusion analyze --weights $m --layers 4 --device cuda \
-      --plot "$OUT/analyze_$m.png" --json "$OUT/analyze_$m.json" 2>&1 | grep -A7 "^kind" | tail -8
+for part in ${*:-tests run8b qwen serve}; do
+case $part in
+tests)
+  timeout -k 5 ${TEST_LIMIT:-150} python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_weight_engine.py \
+      tests/test_model_families.py > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc $?"; tail -4 "$OUT/gpu_tests.log" | cut -c1-200 ;;
+run8b)
+  timeout -k 10 ${TP_LIMIT:-220} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
+      --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --num-prompts 128 \
+      --output-len 500 --timeout 100 --out "$OUT/throughput_8b" > "$OUT/throughput_8b.log" 2>&1
+  echo "run8b rc $?"; tail -8 "$OUT/throughput_8b.log" | cut -c1-220 ;;
+qwen)
+  timeout -k 10 ${QWEN_LIMIT:-240} python3 -m zipfusion bench throughput --model qwen3-32b-random --device cuda \
+      --compare weights,uncompressed --dataset reasoning --num-prompts 96 --output-len 400 --timeout 115 \
+      --out "$OUT/throughput_qwen32" > "$OUT/throughput_qwen32.log" 2>&1
+  echo "qwen rc $?"; tail -8 "$OUT/throughput_qwen32.log" | cut -c1-220
+  timeout -k 5 ${ANALYZE_LIMIT:-45} python3 -m zipfusion analyze --weights qwen3-32b-random --layers 4 --device cuda \
+      --plot "$OUT/analyze_qwen32.png" --json "$OUT/analyze_qwen32.json" 2>&1 | grep -A7 "^kind" | tail -8 ;;
+serve)
+  timeout -k 10 ${SERVE_LIMIT:-330} python3 -m zipfusion bench serve --model llama-3.1-8b-random --device cuda \
+      --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --output-len 400 \
+      --num-prompts 160 --request-rates inf --max-concurrency 64 --out "$OUT/serve_8b" > "$OUT/serve_8b.log" 2>&1
+  echo "serve rc $?"; tail -10 "$OUT/serve_8b.log" | cut -c1-220 ;;
+esac
 done
-
-# qwen3-32b-random at default memory: each setting in its own process (a clean GPU)
-for wc in 0 1; do
-  timeout -k 10 ${QWEN_LIMIT:-80} python3 - "$wc" "$OUT/qwen32_$wc.json" <<'EOF' 2>&1 | grep -v "it/s\|tensor/s" | tail -4
-import json, sys, time
-import torch
-from zipfusion import LLMEngine
-wc = sys.argv[1] == "1"
-t0 = time.perf_counter()
-eng = LLMEngine("qwen3-32b-random", device="cuda", weight_compression=wc, kv_compression=wc, enforce_eager=True)
-pages = eng.cache.capacity_new_pages()
-rec = {"weight_compression": wc, "kv_compression": wc, "start_s": time.perf_counter() - t0,
-       "weights_gb": eng.weights.original_bytes / 2**30, "weights_stored_gb": eng.weights.stored_bytes / 2**30,
-       "kv_memory_gb": eng.kv_memory_gb, "kv_open_tokens": pages * 16,
-       "free_gb_after": torch.cuda.mem_get_info()[0] / 2**30, "gpu": torch.cuda.get_device_name()}
-print(json.dumps(rec))
-json.dump(rec, open(sys.argv[2], "w"))
-EOF
-done
-
-if [ "$SECONDS" -lt "${SERVE_IF_BEFORE:-300}" ] && python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null; then
-  timeout -k 10 ${SERVE_LIMIT:-150} python3 -m zipfusion bench serve --model llama-3.1-8b-random --device cuda \
-      --kv-memory-gb 16 --compare weights,uncompressed --dataset reasoning --output-len 300 --num-prompts 96 \
-      --request-rates inf --max-concurrency 64 --warmup 2 --out "$OUT/serve_8b" 2>&1 | tail -8 | cut -c1-220
-else
-  echo "bench serve skipped (server extra missing or past ${SERVE_IF_BEFORE:-300} s)"
-fi
 
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
 print("\n== summary ==")
-p = os.path.join(out, "throughput_8b.json")
-if os.path.exists(p):
+for name in ("throughput_8b", "throughput_qwen32"):
+  p = os.path.join(out, name + ".json")
+  if os.path.exists(p):
     r = json.load(open(p))
     for x in r["records"]:
         if "output_tok_s" in x:
-            print(f"8B throughput {x['mode']:<13} {x['output_tok_s']:>9,.0f} out tok/s  peak batch {x['peak_batch']:>4}  "
+            print(f"{name} {x['mode']:<13} {x['output_tok_s']:>9,.0f} out tok/s  peak batch {x['peak_batch']:>4}  "
                   f"weights {x['weights_stored_gb']:.2f} GiB  KV {x['kv_memory_gb']:.2f} GiB")
         else:
-            print(f"8B throughput {x['mode']:<13} {(x.get('error') or x.get('skipped', ''))[-150:]}")
+            print(f"{name} {x['mode']:<13} {(x.get('error') or x.get('skipped', ''))[-150:]}")
     print("identical tokens:", r.get("identical_outputs"))
-q = [os.path.join(out, f"qwen32_{w}.json") for w in (0, 1)]
-if all(os.path.exists(x) for x in q):
-    a, b = (json.load(open(x)) for x in q)
-    for x in (a, b):
-        print(f"qwen3-32b weights {'on ' if x['weight_compression'] else 'off'}: {x['weights_gb']:.1f} -> "
-              f"{x['weights_stored_gb']:.1f} GiB, KV {x['kv_memory_gb']:.1f} GiB, {x['kv_open_tokens']:,} tokens open")
-    print(f"qwen3-32b KV tokens on/off (open pages): {b['kv_open_tokens'] / a['kv_open_tokens']:.2f}x "
-          "(x the KV ratio, ~1.33, once pages are compressed)")
 p = os.path.join(out, "serve_8b.json")
 if os.path.exists(p):
     r = json.load(open(p))
