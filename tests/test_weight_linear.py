@@ -66,6 +66,14 @@ def test_fused_split_k_exact_and_deterministic(split, reduce, seed):
     assert not _counters(x.device).any()
 
 
+@pytest.mark.parametrize("kw", [dict(tma=True), dict(tma=True, swap=True, BN=32, split=2)])
+def test_fused_tma_exact(kw, seed):
+    """x and the planes by tensor descriptors: rows past N and columns past K read as zeros."""
+    w = _integer_weight(40, 300, seed)
+    cw, x = compress_weight(w), _int_x(5, 300, seed + 1)
+    assert torch.equal(_bits(fused_linear(x, cw, **kw)), _bits(_exact(x, w)))
+
+
 @pytest.mark.parametrize("natural,swap", [(True, True), (False, False)])
 def test_fused_gaussian_close_to_fp64(natural, swap, seed):
     w = adversarial_weight(24, 260, seed, share=0.01)
@@ -163,16 +171,17 @@ def _gpu_weights(n, k):
 @GPU
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 256, 600])
-def test_gpu_fused_exact_and_close(n, k, m):
+@pytest.mark.parametrize("tma", [False, True])
+def test_gpu_fused_exact_and_close(n, k, m, tma):
     wi, cwi, w, cw = _gpu_weights(n, k)
     x = _int_x(m, k, seed=m + 1, device="cuda")
-    a = fused_linear(x, cwi)
+    a = fused_linear(x, cwi, tma=tma)
     assert torch.equal(_bits(a), _bits(_exact(x, wi)))
-    assert torch.equal(_bits(a), _bits(fused_linear(x, cwi)))
+    assert torch.equal(_bits(a), _bits(fused_linear(x, cwi, tma=tma)))
     xg = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
     ref = xg.double() @ w.double().T + bias.double()
-    for y in (fused_linear(xg, cw, bias), weight_linear(xg, cw, bias)):
+    for y in (fused_linear(xg, cw, bias, tma=tma), weight_linear(xg, cw, bias)):
         assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3
 
 
