@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from zipfusion.bench.kernel import time_calls
 from zipfusion.bench.weight_kernel import LinearCase
 from zipfusion.kernels import weight_linear as wl
+from weights_tune import timed      # noqa: E402 - this folder's sweep: the same timing
 
 OUT = os.environ.get("OUT", ".")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,28 +23,16 @@ if DEV == "cpu":                                          # a dry run of this sc
     SHAPES, MS = {"gate_up": (48, 256), "o": (32, 128)}, (1, 32)
 BUDGET_S = float(os.environ.get("BUDGET_S", 170))          # timing stops here (the table still prints)
 MS = (1, 8, 32, 64, 128)
-NAT, SW = dict(natural=True, swap=False), dict(natural=True, swap=True)
-S64 = dict(SW, BN=64, BK=128, warps=4, stages=3)
+SW = dict(natural=True, swap=True)
+W128 = dict(SW, BN=128, BK=128, warps=8, stages=3, per_sm=2)
 # candidates per M bucket: name -> override of plan()'s config (per_sm: programs per SM of the K
-# split; tma: bulk tensor copies of x and the planes; ws: warp-specialized loop). mode 4 skips the
-# escapes (wrong values where escapes exist): the warp-specialized loop compiles only without the
-# escapes' dot, so ws is timed against the same kernel without it, both in mode 4.
+# split; tma: bulk tensor copies of x and the planes; ech: escapes per dot). mode 4 skips the
+# escapes (wrong values where escapes exist): what the escapes cost. The first round-2 call
+# (benchmarks/results/kernel_h100/weights/README.md) timed the list of commit 497360c.
 CANDIDATES = {
-    16: {"tma": dict(tma=True),
-         "n32k256s6": dict(NAT, BN=32, BK=256, warps=4, stages=6),
-         "tma_n32k256s6": dict(NAT, BN=32, BK=256, warps=4, stages=6, tma=True),
-         "n16k512s4": dict(NAT, BN=16, BK=512, warps=4, stages=4),
-         "p4": dict(per_sm=4), "p1": dict(per_sm=1),
-         "tma_sw64_m4": dict(S64, per_sm=2, tma=True, mode=4),
-         "ws_sw64_m4": dict(S64, per_sm=2, tma=True, ws=True, mode=4)},
-    64: {"tma": dict(tma=True),
-         "sw128w8s3p2": dict(SW, BN=128, BK=128, warps=8, stages=3, per_sm=2),
-         "sw128w8s3p1": dict(SW, BN=128, BK=128, warps=8, stages=3, per_sm=1),
-         "tma_sw128w8s3p2": dict(SW, BN=128, BK=128, warps=8, stages=3, per_sm=2, tma=True),
-         "sw128w8s2p1": dict(SW, BN=128, BK=128, warps=8, stages=2, per_sm=1),
-         "tma_sw64w4s4p2": dict(S64, stages=4, per_sm=2, tma=True),
-         "tma_sw64_m4": dict(S64, tma=True, mode=4),
-         "ws_sw64_m4": dict(S64, tma=True, ws=True, mode=4)},
+    16: {"no_tma": dict(tma=False), "e64": dict(ech=64), "e128": dict(ech=128), "m4": dict(mode=4)},
+    64: {"no_tma": dict(tma=False), "e64": dict(ech=64), "m4": dict(mode=4),
+         "sw128w8": dict(W128), "sw128w8_no_tma": dict(W128, tma=False)},
 }
 CANDIDATES[32] = CANDIDATES[128] = CANDIDATES[64]
 
@@ -77,19 +65,6 @@ def precompile(workers=14):
     print(f"precompiled {n} launches in {time.time() - t:.0f} s", flush=True)
 
 
-def timed(fn, sets):
-    try:
-        fn(0)
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-        return time_calls(fn, sets, device=DEV)[0] * 1e3
-    except Exception as e:  # noqa: BLE001 - recorded as missing
-        print(f"    failed: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-        return None
-
-
 def main():
     if DEV == "cuda" and "--no-precompile" not in sys.argv:
         precompile()
@@ -112,7 +87,12 @@ def main():
                 if t is not None:
                     y = wl.fused_linear(x, case.cw[0], **kw).double()
                     err = ((y - ref).norm() / ref.norm()).item()
-                recs.append(dict(row, kernel=cname, cfg=kw, ms=t, cublas_ms=row["cublas"], rel_err=err))
+                counters = int(wl._counters(x.device).count_nonzero())     # each launch leaves them 0
+                if counters:
+                    print(f"    {name} M={M} {cname}: {counters} split-K counters left nonzero", flush=True)
+                    wl._counters(x.device).zero_()
+                recs.append(dict(row, kernel=cname, cfg=kw, ms=t, cublas_ms=row["cublas"], rel_err=err,
+                                 counters_left=counters))
                 row[cname] = t
             best = min((k for k in row if k not in ("shape", "N", "K", "M", "cublas") and row[k]),
                        key=lambda k: row[k])
@@ -122,15 +102,15 @@ def main():
         del case
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    print("\nshape      M  cublas  default x_cub | best candidate (exact)   ms     x_cub rel_err | no escapes: tma  ws")
+    print("\nshape      M  cublas  default x_cub | best candidate (exact)   ms     x_cub rel_err | no_tma  m4 (no escapes)")
     for name in SHAPES:
         for M in MS:
             rs = {r["kernel"]: r for r in recs if r["shape"] == name and r["M"] == M and r["ms"]}
             d = rs.get("default")
             if d is None:
                 continue
-            b = min((r for k, r in rs.items() if not k.endswith("_m4")), key=lambda r: r["ms"])
-            m4 = [rs[k]["ms"] if k in rs else float("nan") for k in ("tma_sw64_m4", "ws_sw64_m4")]
+            b = min((r for k, r in rs.items() if k != "m4"), key=lambda r: r["ms"])
+            m4 = [rs[k]["ms"] if k in rs else float("nan") for k in ("no_tma", "m4")]
             print(f"{name:8s} {M:4d} {d['cublas_ms']:.4f}  {d['ms']:.4f}  {d['cublas_ms'] / d['ms']:.2f} | "
                   f"{b['kernel']:18s} {b['ms']:.4f}  {b['cublas_ms'] / b['ms']:.2f}  {b['rel_err']:.1e} | "
                   f"{m4[0]:.4f} {m4[1]:.4f}")

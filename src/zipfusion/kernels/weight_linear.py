@@ -137,12 +137,12 @@ def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr,
                   HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, NATURAL: tl.constexpr,
                   SWAP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
-                  TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr):
+                  TMA: tl.constexpr, ECH: tl.constexpr, INTERPRET: tl.constexpr):
     """x [M, K] times the restored W [N, Kp]ᵀ over this program's K tiles (escapes added by K
     split 0) -> out[M, N] (REDUCE 0: no split), or fp32 partials ws[split, M, N] summed by
     _reduce_kernel (REDUCE 1) or here by the tile's last program to finish (REDUCE 2: a counter
     per (M, N) tile, reset to 0 by that program). SWAP: the accumulator is [BN, BM]. EVEN_K: K
-    is a multiple of BK (x's columns unmasked)."""
+    is a multiple of BK (x's columns unmasked). ECH: escapes a dot."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -160,7 +160,7 @@ def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr,
         acc = tl.full((BM, BN), 0.0, tl.float32)
     t0 = pid_k * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, Kp // BK)
-    for t in tl.range(t0, t1, warp_specialize=WS):
+    for t in range(t0, t1):
         k0 = t * BK
         w = _to_bf16(_tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK, NATURAL,
                                  MODE, INTERPRET, TMA), BK)
@@ -180,8 +180,8 @@ def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr,
         g1 = tl.minimum(g0 + BN // 16, (N + 15) // 16)
         e0 = tl.load(eptr_ptr + g0)
         e1 = tl.load(eptr_ptr + g1)
-        for e in range(e0, e1, 16):
-            ei = e + tl.arange(0, 16)
+        for e in range(e0, e1, ECH):
+            ei = e + tl.arange(0, ECH)
             em = ei < e1
             er = tl.load(erow_ptr + ei, mask=em, other=-1)
             ec = tl.load(ecol_ptr + ei, mask=em, other=0)
@@ -282,16 +282,16 @@ def _bucket(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
-# (BM bucket) -> dict(BN, BK, warps, stages, natural, swap); tuned on the GPU (docs/benchmarks.md)
-# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and the K split's target
-# of programs per SM; the best of a sweep on the GPU (docs/benchmarks.md, scripts/gpu/weights_tune.py)
-_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
-_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
+# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config, the K split's target of
+# programs per SM and tma (bulk tensor copies of x and the planes); the best of sweeps on the GPU
+# (docs/benchmarks.md, scripts/gpu/weights_tune.py and weights_round2.py)
+_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2, tma=True)
+_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True, tma=True)
 CONFIGS = {
     (16, False): _NARROW16, (16, True): dict(_SWAPPED, per_sm=2),
-    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, per_sm=8),
-    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, per_sm=2),
-    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, BN=128, warps=8, per_sm=1),
+    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, stages=4, per_sm=2),
+    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, stages=4, per_sm=2),
+    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, stages=4, per_sm=2),
 }
 
 
@@ -352,9 +352,11 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
         override = dict(dict(BN=16, BK=WEIGHT_BLOCK, BM=16), **override)
     cfg = plan(M, N, Kp, sms, **override)
     m = _module(x.device)
-    lo, codes = (plain.view(torch.int32) if mode == 2 else cw.lo.view(torch.int32)), cw.codes.view(torch.int32)
+    lo = plain.view(torch.int32) if mode == 2 else cw.lo.view(torch.int32)
+    codes = cw.codes.view(torch.int32)
     tma = (cfg.get("tma", False) and cfg["natural"] and mode != 2 and x2.stride(0) % 8 == 0
-           and all(t.data_ptr() % 16 == 0 for t in (x2, lo, codes)))
+           and all(t.data_ptr() % 16 == 0 for t in (x2, lo, codes))
+           and (not interp or _interpreting()))          # descriptors fail in the interpreted copy
     xd = x2
     if tma:
         xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg["BM"], cfg["BK"]])
@@ -370,7 +372,7 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
                           x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
                           REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                           NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode,
-                          EVEN_K=K % cfg["BK"] == 0, TMA=tma, WS=cfg.get("ws", False), INTERPRET=interp,
+                          EVEN_K=K % cfg["BK"] == 0, TMA=tma, ECH=cfg.get("ech", 16), INTERPRET=interp,
                           num_warps=cfg["warps"], num_stages=cfg["stages"])
     if reduce == 1:
         total, block = M * N, 1024
