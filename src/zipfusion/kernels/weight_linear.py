@@ -3,7 +3,8 @@
 * :func:`fused_linear`: ``x Wᵀ (+ bias)`` in one Triton kernel that restores W in registers
   before the tensor-core dot (tiles of (M, N), K split; split partials summed in a fixed order:
   deterministic); x and the planes come in by tensor descriptors (bulk copies) where aligned.
-  Escapes come out of the planes as +0 and are added by K split 0 as one more small dot. The sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
+  Escapes come out of the planes as +0 and are added by K split 0 as one more small dot. The
+  sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
 * :func:`restore_into` / :func:`gather_rows`: W, or its rows ``ids``, restored bit for bit.
 * :func:`weight_linear`: the fused kernel for small M, restore + cuBLAS for large M; on the CPU
   the torch restore + ``F.linear`` (bit for bit the uncompressed result).
