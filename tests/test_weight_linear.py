@@ -36,7 +36,9 @@ def _int_x(m, k, seed, device="cpu"):
 
 
 def _exact(x, w, bias=None):
-    y = x.double() @ w.double().T
+    """x Wᵀ (+ bias) in fp64; a zero sum as +0 (the kernel also sums the +0 products of K's
+    padding, so a sum of -0 products comes out +0)."""
+    y = x.double() @ w.double().T + 0.0
     return (y if bias is None else y + bias.double()).bfloat16()
 
 
@@ -64,6 +66,16 @@ def test_fused_split_k_exact_and_deterministic(split, reduce, seed):
     assert torch.equal(_bits(a), _bits(_exact(x, w, bias)))
     assert torch.equal(_bits(a), _bits(fused_linear(x, cw, bias, split=split, reduce=reduce)))
     assert not _counters(x.device).any()
+
+
+@pytest.mark.parametrize("kw", [dict(tma=False), dict(tma=False, swap=True, BN=32, split=2),
+                                dict(tma=True, swap=True, BN=32, split=2, ech=64)])
+def test_fused_loads_exact(kw, seed):
+    """x and the planes by pointers (tma False) or by tensor descriptors (rows past N and columns
+    past K read as zeros); escapes 16 or 64 a dot."""
+    w = _integer_weight(40, 300, seed)
+    cw, x = compress_weight(w), _int_x(5, 300, seed + 1)
+    assert torch.equal(_bits(fused_linear(x, cw, **kw)), _bits(_exact(x, w)))
 
 
 @pytest.mark.parametrize("natural,swap", [(True, True), (False, False)])
@@ -163,16 +175,17 @@ def _gpu_weights(n, k):
 @GPU
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 256, 600])
-def test_gpu_fused_exact_and_close(n, k, m):
+@pytest.mark.parametrize("kw", [{}, dict(tma=False)])
+def test_gpu_fused_exact_and_close(n, k, m, kw):
     wi, cwi, w, cw = _gpu_weights(n, k)
     x = _int_x(m, k, seed=m + 1, device="cuda")
-    a = fused_linear(x, cwi)
+    a = fused_linear(x, cwi, **kw)
     assert torch.equal(_bits(a), _bits(_exact(x, wi)))
-    assert torch.equal(_bits(a), _bits(fused_linear(x, cwi)))
+    assert torch.equal(_bits(a), _bits(fused_linear(x, cwi, **kw)))
     xg = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
     ref = xg.double() @ w.double().T + bias.double()
-    for y in (fused_linear(xg, cw, bias), weight_linear(xg, cw, bias)):
+    for y in (fused_linear(xg, cw, bias, **kw), weight_linear(xg, cw, bias)):
         assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3
 
 

@@ -2,8 +2,9 @@
 
 * :func:`fused_linear`: ``x Wᵀ (+ bias)`` in one Triton kernel that restores W in registers
   before the tensor-core dot (tiles of (M, N), K split; split partials summed in a fixed order:
-  deterministic). Escapes come out of the planes as +0 and are added by K split 0 as one more
-  small dot. The sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
+  deterministic); x and the planes come in by tensor descriptors (bulk copies) where aligned.
+  Escapes come out of the planes as +0 and are added by K split 0 as one more small dot. The
+  sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
 * :func:`restore_into` / :func:`gather_rows`: W, or its rows ``ids``, restored bit for bit.
 * :func:`weight_linear`: the fused kernel for small M, restore + cuBLAS for large M; on the CPU
   the torch restore + ``F.linear`` (bit for bit the uncompressed result).
@@ -18,6 +19,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..format import triton_restore
 from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_rows, restore_weight
@@ -55,13 +57,18 @@ def _hi_bytes(code, bh):
 
 @triton.jit
 def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexpr,
-                NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr):
+                NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr,
+                TMA: tl.constexpr = False):
     """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0 (a multiple of BK).
     NATURAL: word k of a group = values (2k, 2k+1); else values (0, 2), (1, 3), (4, 6), (5, 7)
     (cheaper without ``prmt``; the caller permutes x's columns to match). Measurements only (wrong
-    values): MODE 1 skips the restore, MODE 3 skips its d = 0 test; MODE 2 reads plain BF16."""
+    values): MODE 1 skips the restore, MODE 3 skips its d = 0 test; MODE 2 reads plain BF16;
+    MODE 4 (in the fused kernel) skips the escapes.
+    TMA: lo_ptr and code_ptr are tensor descriptors of the planes as int32 [N, Kp/4], [N, Kp/8]
+    (bulk copies; rows from rows[0])."""
     BN: tl.constexpr = rows.shape[0]
     NB: tl.constexpr = BK // 128
+    Kp = tl.multiple_of(Kp, 128)                       # the format pads K: 16-byte plane loads
     r = rows[:, None, None].to(tl.int64)
     m = rmask[:, None, None]
     if MODE == 2:
@@ -70,9 +77,14 @@ def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexp
         return tl.reshape(w, (BN, BK // 8, 4))
     blk = tl.arange(0, NB)[None, :, None]
     gi = tl.arange(0, 16)[None, None, :]
-    code = tl.load(code_ptr + r * (Kp // 8) + k0 // 8 + blk * 16 + gi, mask=m, other=0)
-    lo = tl.load(lo_ptr + r * (Kp // 4) + k0 // 4 + blk * 32 + tl.arange(0, 32)[None, None, :],
-                 mask=m, other=0)
+    if TMA:
+        row0 = tl.min(rows, 0)
+        code = tl.reshape(code_ptr.load([row0, k0 // 8]), (BN, NB, 16))
+        lo = tl.reshape(lo_ptr.load([row0, k0 // 4]), (BN, NB, 32))
+    else:
+        code = tl.load(code_ptr + r * (Kp // 8) + k0 // 8 + blk * 16 + gi, mask=m, other=0)
+        lo = tl.load(lo_ptr + r * (Kp // 4) + k0 // 4 + blk * 32 + tl.arange(0, 32)[None, None, :],
+                     mask=m, other=0)
     lo0, lo1 = tl.split(tl.reshape(lo.to(tl.uint32, bitcast=True), (BN, NB, 16, 2)))
     code = code.to(tl.uint32, bitcast=True)
     if MODE == 1:
@@ -121,15 +133,17 @@ def _to_out(acc, INTERPRET: tl.constexpr):
 # ------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
-def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
+def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
                   bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, Kp, stride_xm, tiles_per_split,
                   HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, NATURAL: tl.constexpr,
-                  SWAP: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr):
+                  SWAP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
+                  TMA: tl.constexpr, ECH: tl.constexpr, INTERPRET: tl.constexpr):
     """x [M, K] times the restored W [N, Kp]ᵀ over this program's K tiles (escapes added by K
     split 0) -> out[M, N] (REDUCE 0: no split), or fp32 partials ws[split, M, N] summed by
     _reduce_kernel (REDUCE 1) or here by the tile's last program to finish (REDUCE 2: a counter
-    per (M, N) tile, reset to 0 by that program). SWAP: the accumulator is [BN, BM]."""
+    per (M, N) tile, reset to 0 by that program). SWAP: the accumulator is [BN, BM]. EVEN_K: K
+    is a multiple of BK (x's columns unmasked). ECH: escapes a dot."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -150,9 +164,14 @@ def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_pt
     for t in range(t0, t1):
         k0 = t * BK
         w = _to_bf16(_tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK, NATURAL,
-                                 MODE, INTERPRET), BK)
+                                 MODE, INTERPRET, TMA), BK)
         cols = k0 + kk
-        xt = tl.load(x_row + cols[None, :], mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
+        if TMA:
+            xt = x_desc.load([pid_m * BM, k0])
+        elif EVEN_K:                                   # no column mask: 16-byte loads of x
+            xt = tl.load(x_row + cols[None, :], mask=mmask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_row + cols[None, :], mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
         if SWAP:
             acc = _dot(w, tl.trans(xt), acc, INTERPRET)
         else:
@@ -162,8 +181,8 @@ def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_pt
         g1 = tl.minimum(g0 + BN // 16, (N + 15) // 16)
         e0 = tl.load(eptr_ptr + g0)
         e1 = tl.load(eptr_ptr + g1)
-        for e in range(e0, e1, 16):
-            ei = e + tl.arange(0, 16)
+        for e in range(e0, e1, ECH):
+            ei = e + tl.arange(0, ECH)
             em = ei < e1
             er = tl.load(erow_ptr + ei, mask=em, other=-1)
             ec = tl.load(ecol_ptr + ei, mask=em, other=0)
@@ -264,16 +283,16 @@ def _bucket(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
-# (BM bucket) -> dict(BN, BK, warps, stages, natural, swap); tuned on the GPU (docs/benchmarks.md)
-# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and the K split's target
-# of programs per SM; the best of a sweep on the GPU (docs/benchmarks.md, scripts/gpu/weights_tune.py)
-_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
-_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
+# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config, the K split's target of
+# programs per SM and tma (bulk tensor copies of x and the planes); the best of sweeps on the GPU
+# (docs/benchmarks.md, scripts/gpu/weights_tune.py and weights_round2.py)
+_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2, tma=True)
+_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True, tma=True)
 CONFIGS = {
     (16, False): _NARROW16, (16, True): dict(_SWAPPED, per_sm=2),
-    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, per_sm=8),
-    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, per_sm=2),
-    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, BN=128, warps=8, per_sm=1),
+    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, stages=4, per_sm=2),
+    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, stages=4, per_sm=2),
+    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, stages=4, per_sm=2),
 }
 
 
@@ -334,17 +353,27 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
         override = dict(dict(BN=16, BK=WEIGHT_BLOCK, BM=16), **override)
     cfg = plan(M, N, Kp, sms, **override)
     m = _module(x.device)
-    lo = (plain.view(torch.int32) if mode == 2 else cw.lo.view(torch.int32))
+    lo = plain.view(torch.int32) if mode == 2 else cw.lo.view(torch.int32)
+    codes = cw.codes.view(torch.int32)
+    tma = (cfg.get("tma", False) and cfg["natural"] and mode != 2 and x2.stride(0) % 8 == 0
+           and all(t.data_ptr() % 16 == 0 for t in (x2, lo, codes))
+           and (not interp or _interpreting()))          # descriptors fail in the interpreted copy
+    xd = x2
+    if tma:
+        xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg["BM"], cfg["BK"]])
+        lo = TensorDescriptor(lo, [N, Kp // 4], [Kp // 4, 1], [cfg["BN"], cfg["BK"] // 4])
+        codes = TensorDescriptor(codes, [N, Kp // 8], [Kp // 8, 1], [cfg["BN"], cfg["BK"] // 8])
     split = cfg["split"]
     grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
     reduce = 0 if split == 1 else cfg["reduce"] if grid[0] * grid[1] <= COUNTERS else 1
     ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else out
-    m._fused_kernel[grid](x2, lo, cw.codes.view(torch.int32), cw.base, cw.esc_ptr, cw.esc_row,
+    m._fused_kernel[grid](x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
                           cw.esc_col, cw.esc_val, b, out, ws, _counters(x.device), M, N, K, Kp,
                           x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
                           REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                          NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode, INTERPRET=interp,
+                          NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode,
+                          EVEN_K=K % cfg["BK"] == 0, TMA=tma, ECH=cfg.get("ech", 16), INTERPRET=interp,
                           num_warps=cfg["warps"], num_stages=cfg["stages"])
     if reduce == 1:
         total, block = M * N, 1024
