@@ -324,6 +324,15 @@ def test_gpu_smollm2_greedy_tokens_equal_with_weights_compressed(smollm2):
     assert outs[0] == outs[1]
 
 
+def test_default_rule_follows_the_weights_share_of_the_gpu():
+    from zipfusion.config import weight_compression_default
+    gib = 2**30
+    assert weight_compression_default("cuda", "bfloat16", 61 * gib, 80 * gib)        # a 32B model on 80 GB
+    assert not weight_compression_default("cuda", "bfloat16", 15 * gib, 80 * gib)    # an 8B model
+    assert not weight_compression_default("cuda", "float32", 61 * gib, 80 * gib)
+    assert not weight_compression_default("cpu", "bfloat16", 61 * gib, 0)
+
+
 @pytest.mark.gpu
-def test_gpu_default_is_on_for_bf16():
-    assert LLMEngine("demo", device="cuda", kv_memory_gb=0.5).config.weight_compression is True
+def test_gpu_default_is_off_for_a_model_far_smaller_than_the_gpu():
+    assert LLMEngine("demo", device="cuda", kv_memory_gb=0.5).config.weight_compression is False

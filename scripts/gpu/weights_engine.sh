@@ -2,7 +2,7 @@
 # Compressed weights in the engine, on one GPU; parts (default: all), each bounded by a limit:
 #   tests -- the GPU tests of the weights' engine path and of the model families (CUDA graphs,
 #            grouped GEMM, windows)
-#   run8b -- bench throughput weights / compressed / uncompressed on llama-3.1-8b-random at 16 GiB
+#   run8b -- bench throughput weights / compressed / uncompressed on llama-3.1-8b-random at KV_GB (8) GiB
 #            of KV (the weights mode's KV gets what its weights saved on top: the same total memory)
 #   qwen  -- bench throughput weights vs uncompressed on qwen3-32b-random at default memory (what
 #            an 80 GB GPU leaves each mode), and the weight analyzer on it (4 layers)
@@ -20,12 +20,12 @@ tests)
   echo "gpu tests rc $?"; tail -4 "$OUT/gpu_tests.log" | cut -c1-200 ;;
 run8b)
   timeout -k 10 ${TP_LIMIT:-220} python3 -m zipfusion bench throughput --model llama-3.1-8b-random --device cuda \
-      --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --num-prompts 128 \
-      --output-len 500 --timeout 100 --out "$OUT/throughput_8b" > "$OUT/throughput_8b.log" 2>&1
+      --kv-memory-gb ${KV_GB:-8} --compare weights,compressed,uncompressed --dataset reasoning --num-prompts 128 \
+      --output-len 500 --timeout ${MODE_TIMEOUT:-150} --out "$OUT/throughput_8b" > "$OUT/throughput_8b.log" 2>&1
   echo "run8b rc $?"; tail -8 "$OUT/throughput_8b.log" | cut -c1-220 ;;
 qwen)
   timeout -k 10 ${QWEN_LIMIT:-240} python3 -m zipfusion bench throughput --model qwen3-32b-random --device cuda \
-      --compare weights,uncompressed --dataset reasoning --num-prompts 96 --output-len 400 --timeout 115 \
+      --compare weights,uncompressed --dataset reasoning --num-prompts 96 --output-len 400 --timeout ${QWEN_MODE_TIMEOUT:-160} \
       --out "$OUT/throughput_qwen32" > "$OUT/throughput_qwen32.log" 2>&1
   echo "qwen rc $?"; tail -8 "$OUT/throughput_qwen32.log" | cut -c1-220
   timeout -k 5 ${ANALYZE_LIMIT:-45} python3 -m zipfusion analyze --weights qwen3-32b-random --layers 4 --device cuda \

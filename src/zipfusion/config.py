@@ -42,10 +42,16 @@ ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")   #
 LOOKAHEAD_RESERVE_CHUNKS = 3
 
 
-def weight_compression_default(device_type: str, dtype: str) -> bool:
-    """``weight_compression`` when not given: on where compressed weights serve faster (CUDA, BF16
-    weights), off elsewhere (the CPU restores each weight before its GEMM: slower, no gain)."""
-    return device_type == "cuda" and dtype_is_bf16(dtype)
+WEIGHT_COMPRESSION_MIN_SHARE = 0.5   # weights' share of the GPU above which compressing them is the default
+
+
+def weight_compression_default(device_type: str, dtype: str, weight_bytes: int, device_bytes: int) -> bool:
+    """``weight_compression`` when not given: on for BF16 weights on CUDA that take at least
+    WEIGHT_COMPRESSION_MIN_SHARE of the GPU's memory, where the bytes they free multiply the KV
+    budget; off otherwise: the fused GEMM is slower than cuBLAS at most batch sizes, so a model
+    whose KV budget is already large loses time (docs/benchmarks.md). Off on the CPU."""
+    return (device_type == "cuda" and dtype_is_bf16(dtype)
+            and weight_bytes >= WEIGHT_COMPRESSION_MIN_SHARE * device_bytes)
 
 
 def dtype_is_bf16(dtype) -> bool:
@@ -149,7 +155,8 @@ class EngineConfig:
     weight_compression: bool | None = _opt(
         None, "keep the linear layers' and embeddings' BF16 weights losslessly compressed in memory (about 0.75 "
               "of their size; the memory saved goes to the KV cache when --kv-memory-gb is not given), read by "
-              "fused kernels (default: on for CUDA with bfloat16 weights, off on the CPU; needs --dtype bfloat16)",
+              "fused kernels (default: on for CUDA with bfloat16 weights taking at least half of the GPU's memory, "
+              "off otherwise and on the CPU; needs --dtype bfloat16)",
         off_help="keep the weights uncompressed", both_flags=True)
     kv_cache_dtype: str = _opt(
         "bf16", "how K/V values are stored: bf16 (exact; losslessly compressed unless --no-kv-compression) or "

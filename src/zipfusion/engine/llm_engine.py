@@ -18,7 +18,7 @@ from ..memory.kv_cache import ArenaKVCache
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..kernels import weight_linear
 from ..models.compressed_weights import compressed_weights, weight_sizes
-from ..models.loader import resolve_tokenizer
+from ..models.loader import resolve_tokenizer, weight_bytes
 from ..models.parallel import TensorParallel, use as use_parallel
 from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
 from .observe import MemoryWatch, PhaseClock, StepResult, StepStats, reuse_stats
@@ -45,10 +45,12 @@ class LLMEngine:
             raise ValueError(f"kv_compression=True needs dtype='bfloat16' (the page format is BF16), got "
                              f"{self.dtype}; pass kv_compression=False to run in {self.dtype}")
         AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
-        if cfg.weight_compression is None:          # decided here, once: TP workers get the same value
-            cfg.weight_compression = weight_compression_default(self.device.type, cfg.dtype)
         self.source = resolve_model(cfg.model, cfg.load_format, cfg.revision)
         self.model_config = mc = model_config(self.source)
+        if cfg.weight_compression is None:          # decided here, once: TP workers get the same value
+            gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+            cfg.weight_compression = weight_compression_default(
+                self.device.type, cfg.dtype, weight_bytes(mc) // cfg.tensor_parallel_size, gpu)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
         self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
         if cfg.tensor_parallel_size > 1:
