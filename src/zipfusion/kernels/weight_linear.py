@@ -283,16 +283,17 @@ def _bucket(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
-# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config, the K split's target of
-# programs per SM and tma (bulk tensor copies of x and the planes); the best of sweeps on the GPU
-# (docs/benchmarks.md, scripts/gpu/weights_tune.py and weights_round2.py)
-_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2, tma=True)
-_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True, tma=True)
+# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and the K split's target of
+# programs per SM; the best of sweeps on the GPU (docs/benchmarks.md, scripts/gpu/weights_tune.py).
+# ``tma=True`` (bulk tensor copies of x and the planes) is an option, not a default: it was faster
+# in a sweep but its shipped configs have not passed the exact GPU tests yet.
+_NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
+_SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
 CONFIGS = {
     (16, False): _NARROW16, (16, True): dict(_SWAPPED, per_sm=2),
-    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, stages=4, per_sm=2),
-    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, stages=4, per_sm=2),
-    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, stages=4, per_sm=2),
+    (32, False): dict(_SWAPPED, per_sm=4), (32, True): dict(_SWAPPED, per_sm=8),
+    (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, per_sm=2),
+    (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, BN=128, warps=8, per_sm=1),
 }
 
 
