@@ -25,11 +25,8 @@ ACTIVATION_RESERVE_GB = 4.0      # of that share, kept for activations, CUDA gra
 DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows more
 # Prefill chunk budget (max_num_batched_tokens) when none is given. Offline (LLM, generate) a step
 # may be long: throughput is what counts. A server's step is also every running stream's
-# inter-token gap, so ``zipfusion serve`` sizes it for the device (vLLM does the same: its online
-# default is half its offline one on an H100-class GPU, a quarter elsewhere). On the CPU, with
-# SmolLM2-135M on a loaded 2-core box, a stream's inter-token gap while 2,000-token prompts were
-# prefilled was 0.63 s p50 / 1.15 s p99 with 128-token chunks, 4.9 / 5.6 s with 8192 (at the cost
-# of 2x the long prompt's own latency; docs/benchmarks.md, "The server under hostile requests").
+# inter-token gap, so ``zipfusion serve`` sizes it for the device, smaller on smaller devices (as vLLM's online
+# default; the CPU's measured in docs/benchmarks.md, "The server under hostile requests").
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 WATCHDOG_TIMEOUT_S = 300.0   # on CUDA: longest one engine step may run (engine/watchdog.py)

@@ -3,7 +3,7 @@
 ``realistic_pages`` imitates what attention layers write: keys with per-channel scales, a few
 large outlier channels and rope rotation (channel i paired with i + D/2), values whose scale
 varies by token, and a sprinkle of exact zeros. ``model_like_pages`` reproduces what the
-analyzer measured on a trained model (issue 23): blocks that fail the v1 rule fail because of
+analyzer measured on a trained model: blocks that fail the v1 rule fail because of
 1-4 values, mostly tiny ones below the window. ``pages_with_fraction`` builds pages where a
 chosen fraction of the 512-value blocks is compressible, for benchmarks that must state it.
 """
@@ -46,7 +46,7 @@ def realistic_pages(num_pages: int, num_kv_heads: int, head_dim: int, *, seed: i
     return kv.view(2, num_pages, PAGE_TOKENS, H, D).transpose(0, 1).contiguous()
 
 
-# Measured on SmolLM2-135M-Instruct (benchmarks/real_model.py, 2026-12-04; docs/benchmarks.md):
+# From SmolLM2-135M-Instruct's KV (benchmarks/real_model.py; docs/benchmarks.md):
 # the fraction of 512-value blocks with exactly k = 1, 2, 3, 4 values outside the window format
 # v2 chooses (never 5 or more), and the share of those values below the window (tiny values;
 # the rest lie above it).

@@ -143,9 +143,8 @@ class AttentionBackend:
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Build cuDNN's prefill graphs before the first request (CUDA, bf16/fp16): the prefill
         routes' calls for every shape a step of up to ``max_tokens`` tokens starts with. torch
-        builds a graph per new shape, ~45 ms each on an H200 and 0.5-0.8 s for the first of a
-        kind (benchmarks/results/prefill_h200/cudnn_graph_builds.txt), which the first
-        requests would otherwise wait for."""
+        builds a graph per new shape (tens of milliseconds each, more for the first of a kind:
+        docs/benchmarks.md), which the first requests would otherwise wait for."""
         c = self.cache
         if not cudnn_takes(torch.empty(0, c.head_dim, dtype=c.dtype, device=c.device)):
             return

@@ -4,7 +4,7 @@ them into open pages; nothing is read back from the cache, the attention runs on
 the model computed (:class:`OpenPrefill`).
 
 On the GPU (bf16, fp16) it runs cuDNN's attention, its queries and keys padded to a multiple of
-``CUDNN_BUCKET``: cuDNN builds a graph for every new shape (~45 ms on an H200), and a workload's
+``CUDNN_BUCKET``: cuDNN builds a graph for every new shape (host time), and a workload's
 prompt lengths would each pay one; the buckets' graphs are built when the engine starts
 (:meth:`OpenPrefill.warm_up`). Elsewhere (and in fp32) SDPA.
 
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-# SDPA kernels for a whole prompt on CUDA, fastest first (cuDNN: 0.90 ms per Llama-8B layer at
-# 8192 tokens on an H200, FlashAttention 1.71 ms; docs/benchmarks.md); math only as a last resort
+# SDPA kernels for a whole prompt on CUDA, fastest first as measured (docs/benchmarks.md); math only
+# as a last resort
 CUDA_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]
 # cuDNN attention pads its queries (causal: and keys) to a multiple of this many rows, so that a
@@ -127,8 +127,7 @@ def attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
     (bf16, fp16): cuDNN's SDPA kernel, which returns its log-sum-exp; elsewhere the same in fp32
     torch (tests).
 
-    cuDNN builds an execution graph for every new shape (~45 ms of host time on an H200, ~0.5-0.8 s
-    for the first of a kind; docs/benchmarks.md), and a workload's prompts and chunks come in
+    cuDNN builds an execution graph for every new shape (host time; docs/benchmarks.md), and a workload's prompts and chunks come in
     every length. So the queries are padded with zero rows up to a multiple of ``bucket`` (default
     CUDNN_BUCKET on CUDA) and the padded rows' outputs dropped; for a causal call the keys are
     padded alike, which changes nothing for a real row: row i sees keys 0..i only, all real. A

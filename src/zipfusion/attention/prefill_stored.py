@@ -20,16 +20,16 @@ Two route objects; :class:`~.attention.AttentionBackend` picks one when it is bu
   SDPA per chunk. Prefix-cache hits land here: many short chunks over long cached prefixes.
   When every such chunk is long (``split_min_tokens``: the 8K chunks of a long prompt), each
   runs as :func:`split_prefill` instead: cuDNN over its prefix (rounded down to ``split_grain``
-  keys, so that its graphs are few) and over the rest and itself, merged by log-sum-exp (1.6x
-  faster than FlashAttention's bottom-right causal kernel on an H200). With our kernels, a chunk
+  keys, so that its graphs are few) and over the rest and itself, merged by log-sum-exp (faster
+  than FlashAttention's bottom-right causal kernel as measured: docs/benchmarks.md). With our kernels, a chunk
   of ``ROWS_MAX_TOKENS`` tokens or fewer attends as decode rows instead (split-KV, pages read in
   place, compressed blocks restored in registers): the tails a token budget cuts off (the mixed
   steps of a burst end almost every prompt with one).
 
 A chunk's route depends only on its length and the backend, so compressed and uncompressed runs
 of one schedule take the same routes and give the same bits. (The paged prefill kernel,
-kernels/prefill_attention.py, reads pages in place too; it is not a route: measured on the H200
-it runs at 67-97 TFLOP/s against FlashAttention's ~340, docs/benchmarks.md.)
+kernels/prefill_attention.py, reads pages in place too; it is not a route: it measured several times
+slower than FlashAttention, docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -246,8 +246,8 @@ def split_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         softmax over a ∪ b:  o = o_a · e^(lse_a - lse) + o_b · e^(lse_b - lse),
                              lse = log(e^lse_a + e^lse_b).
 
-    Neither part needs the bottom-right mask that only FlashAttention's kernels take (~340
-    TFLOP/s on an H200), so both run on cuDNN's (~600 for a whole 8K prompt; docs/benchmarks.md).
+    Neither part needs the bottom-right mask that only FlashAttention's kernels take, so
+    both run on cuDNN's, the faster (docs/benchmarks.md).
     cuDNN builds a graph per shape (:func:`attend_lse`): part b's depends on the bucket of r + n
     alone, part a's on n's bucket and P', a multiple of ``grain`` (default PREFILL_SPLIT_GRAIN
     on CUDA, 1 elsewhere), so a run meets a few shapes however its chunks fall. The r <= grain - 1

@@ -137,7 +137,7 @@ class Pool:
     def __init__(self, fraction, seed, shape: Shape = LLAMA, device="cuda"):
         self.shape, self.device = shape, torch.device(device)
         n, layout = shape.pool, shape.layout
-        if fraction == REAL_MODEL_FRACTION:     # the real model's outlier statistics (issue 23)
+        if fraction == REAL_MODEL_FRACTION:     # the real model's outlier statistics
             self.pages = model_like_pages(n, shape.hkv, shape.d, seed=seed).to(self.device)
         else:
             self.pages = pages_with_fraction(n, shape.hkv, shape.d, fraction, seed=seed).to(self.device)

@@ -1,4 +1,4 @@
-// Paged decode attention over the zipfusion KV arena, CUDA C++ (sm_80+; tuned on the H200).
+// Paged decode attention over the zipfusion KV arena, CUDA C++ (sm_80+).
 //
 // Same contract as the Triton kernel in ../triton_attention.py (which stays the CPU-checkable
 // reference): one query token per request, the GQA group of G <= 16 query heads of one KV head
@@ -283,8 +283,8 @@ __device__ __forceinline__ void read_compressed(const uint8_t* blk, uint32_t mar
 
 // How a staged half page is laid out. Each kind has its own straight-line gather (no per-block
 // branches or run-time offsets where the kind fixes them); MIXED is the general case.
-// COMPRESSED_ESC (format v2, built with -DZF_ESC_KIND; off by default: 3 % faster on an H200 with
-// the per-warp kernel in one run, no faster on an H100 with the producer warp): no
+// COMPRESSED_ESC (format v2, built with -DZF_ESC_KIND; off by default: it measured no faster
+// with the producer warp, docs/tuning.md): no
 // raw block, some with escapes; block p starts at 768·p + 16·(escaped blocks before p), a
 // popcount of the marks' bit 7, and only blocks with escapes scan their records.
 enum Kind { MIXED, ALL_COMPRESSED, ALL_RAW, OPEN_ROWS, COMPRESSED_ESC };
