@@ -6,6 +6,8 @@
 #            of KV (the weights mode's KV gets what its weights saved on top: the same total memory)
 #   qwen  -- bench throughput weights vs uncompressed on qwen3-32b-random at default memory (what
 #            an 80 GB GPU leaves each mode), and the weight analyzer on it (4 layers)
+#   qwencap -- qwen3-32b-random started at default memory with weights + KV compressed and with
+#            neither: both sizes, the KV budget and the tokens it holds at open size
 #   serve -- bench serve, closed loop of 64, weights / compressed / uncompressed at 16 GiB (8B)
 # A short table last.   bash scripts/gpu/weights_engine.sh [tests] [run8b] [qwen] [serve]
 set -u
@@ -30,6 +32,24 @@ qwen)
   echo "qwen rc $?"; tail -8 "$OUT/throughput_qwen32.log" | cut -c1-220
   timeout -k 5 ${ANALYZE_LIMIT:-45} python3 -m zipfusion analyze --weights qwen3-32b-random --layers 4 --device cuda \
       --plot "$OUT/analyze_qwen32.png" --json "$OUT/analyze_qwen32.json" 2>&1 | grep -A7 "^kind" | tail -8 ;;
+qwencap)   # qwen3-32b-random started at default memory, weights and KV compressed or neither
+  for wc in 0 1; do
+    timeout -k 10 ${CAP_LIMIT:-80} python3 - "$wc" "$OUT/qwen32_$wc.json" <<'EOF' 2>&1 | grep -v "it/s\|tensor/s" | tail -4
+import json, sys, time
+import torch
+from zipfusion import LLMEngine
+wc = sys.argv[1] == "1"
+t0 = time.perf_counter()
+eng = LLMEngine("qwen3-32b-random", device="cuda", weight_compression=wc, kv_compression=wc, enforce_eager=True)
+pages = eng.cache.capacity_new_pages()
+rec = {"weight_compression": wc, "kv_compression": wc, "start_s": time.perf_counter() - t0,
+       "weights_gb": eng.weights.original_bytes / 2**30, "weights_stored_gb": eng.weights.stored_bytes / 2**30,
+       "kv_memory_gb": eng.kv_memory_gb, "kv_open_tokens": pages * 16,
+       "free_gb_after": torch.cuda.mem_get_info()[0] / 2**30, "gpu": torch.cuda.get_device_name()}
+print(json.dumps(rec))
+json.dump(rec, open(sys.argv[2], "w"))
+EOF
+  done ;;
 serve)
   timeout -k 10 ${SERVE_LIMIT:-330} python3 -m zipfusion bench serve --model llama-3.1-8b-random --device cuda \
       --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --output-len 400 \
@@ -53,6 +73,13 @@ for name in ("throughput_8b", "throughput_qwen32"):
         else:
             print(f"{name} {x['mode']:<13} {(x.get('error') or x.get('skipped', ''))[-150:]}")
     print("identical tokens:", r.get("identical_outputs"))
+q = [os.path.join(out, f"qwen32_{w}.json") for w in (0, 1)]
+if all(os.path.exists(x) for x in q):
+    a, b = (json.load(open(x)) for x in q)
+    for x in (a, b):
+        print(f"qwen3-32b {'compressed  ' if x['weight_compression'] else 'uncompressed'}: weights {x['weights_gb']:.1f} -> "
+              f"{x['weights_stored_gb']:.1f} GiB, KV {x['kv_memory_gb']:.1f} GiB, {x['kv_open_tokens']:,} tokens at open size")
+    print(f"qwen3-32b KV tokens compressed / uncompressed at open size: {b['kv_open_tokens'] / a['kv_open_tokens']:.2f}x")
 p = os.path.join(out, "serve_8b.json")
 if os.path.exists(p):
     r = json.load(open(p))
