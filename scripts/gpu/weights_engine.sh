@@ -33,7 +33,7 @@ qwen)
   timeout -k 5 ${ANALYZE_LIMIT:-45} python3 -m zipfusion analyze --weights qwen3-32b-random --layers 4 --device cuda \
       --plot "$OUT/analyze_qwen32.png" --json "$OUT/analyze_qwen32.json" 2>&1 | grep -A7 "^kind" | tail -8 ;;
 qwencap)   # qwen3-32b-random started at default memory, weights and KV compressed or neither
-  for wc in 0 1; do
+  for wc in ${CAP_ORDER:-0 1}; do
     timeout -k 10 ${CAP_LIMIT:-80} python3 - "$wc" "$OUT/qwen32_$wc.json" <<'EOF' 2>&1 | grep -v "it/s\|tensor/s" | tail -4
 import json, sys, time
 import torch
