@@ -466,7 +466,8 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
     t_end = time.time() + budget_s
     case, stop_at = job["first_case"], job["first_case"] + job["cases"] if job.get("cases") else None
     timeout = job["shape"]["run_timeout"]
-    while time.time() < t_end - 20 and (stop_at is None or case < stop_at):
+    need = 20.0                                 # s a new worker needs to build and run (from the last one)
+    while time.time() < t_end - need and (stop_at is None or case < stop_at):
         n = len(result["workers"])
         err_path = os.path.join(out, f"worker_{n}.err")
         spec = {**job, "first_case": case, "deadline": t_end,
@@ -500,6 +501,7 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
             since = now
             if kind == "READY":
                 info.update(obj)
+                need = obj["build_s"] + obj["warm_up_s"]
                 log(f"[{job['mode']}] engine built in {obj['build_s']:.0f} s on {obj['device']} (a first run {obj['warm_up_s']:.0f} s), "
                     f"KV {obj['kv_memory_gb']:.3g} GiB" + (f"; not hooked: {obj['unhooked']}" if obj["unhooked"] else ""))
             elif kind == "START":
@@ -533,8 +535,10 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
             record(result, rec, job, out)
             case = current["case"] + 1
         elif end in ("exit", "killed") and "build_s" not in info:
-            result["errors"].append({"mode": job["mode"], "detail": f"the worker did not start ({end}, "
-                                     f"exit {p.returncode})", "stacks": open(err_path, errors="replace").read()[-6000:]})
+            tail = open(err_path, errors="replace").read()[-6000:]
+            result["errors"].append({"mode": job["mode"], "case": case, "variant": None, "stacks": tail,
+                                     "detail": f"the worker did not start (exit {p.returncode}): "
+                                               + (tail.strip().splitlines() or ["?"])[-1]})
             log(f"[{job['mode']}] the worker did not start: see {err_path}")
             return
         result["seconds"] = time.time() - result["t0"]
@@ -556,6 +560,8 @@ def record(result: dict, rec: dict, job: dict, out: str) -> None:
     if v in ("mismatch", "error", "hang", "diverged"):
         rec.setdefault("replay", replay_line(job, rec))
         result[{"mismatch": "mismatches", "error": "errors", "hang": "hangs", "diverged": "diverged"}[v]].append(rec)
+    result["seconds"] = time.time() - result["t0"]
+    write_json(result, os.path.join(out, "async_stress.json"))     # kept as it goes: a run cut short has it
     el = time.time() - result["t0"]
     n = sum(bool(r["variant"]) for r in result["records"])
     what = v
