@@ -33,9 +33,9 @@ Modes (``--modes``, the time split evenly between them, one engine each):
         preempts): requests arriving over the run, aborts at random steps, stop tokens taken from
         the reference's outputs, seeded sampling at temperature 0.8; every request must give the
         reference's tokens up to its stop, an aborted one a prefix of them
-A run that does not finish within ``--run-timeout`` is a hang: the worker prints every thread's
-stack (faulthandler) and exits, the driver keeps the stacks, ``nvidia-smi``'s view of the GPU a few
-seconds before, and the case's replay line (``--replay``: its seed and config; the device's timing
+A run that does not finish within ``--run-timeout``, or a step within ``--step-timeout`` (the
+engine's watchdog), is a hang: the worker prints every thread's stack and exits, the driver keeps
+the stacks, ``nvidia-smi``'s view of the GPU (taken every 10 s of a run) and the case's replay line (``--replay``: its seed and config; the device's timing
 itself does not replay), and starts a new worker at the next case. An exception (a device-side
 assert of ``check_pages`` included) is an error, recorded the same way. After each run the engine
 must be idle with no page left in use once the prefix cache is dropped.
@@ -54,7 +54,6 @@ import argparse
 import contextlib
 import faulthandler
 import json
-import math
 import os
 import queue
 import random
@@ -71,22 +70,24 @@ from zipfusion.bench.process import child_environment
 from zipfusion.bench.report import versions, write_json
 
 # per shape: requests, prompt median and cap, shared prefix tokens (a third of the requests, one of
-# three prefixes), output median and cap, KV GiB, max_num_batched_tokens, run timeout s
+# three prefixes), output median and cap, KV GiB, max_num_batched_tokens; the s a run and one step may
+# take (a step past it: the engine's watchdog ends the worker with every thread's stack)
 SHAPES = {
     "mixed": dict(requests=40, prompt=800, prompt_cap=6000, prefix=1024, output=100, output_cap=400,
-                  kv_gb=1.5, batched=4096, run_timeout=120),
+                  kv_gb=1.5, batched=4096, run_timeout=240, step_timeout=30),
     "long": dict(requests=6, prompt=14000, prompt_cap=16000, prefix=0, output=160, output_cap=256,
-                 kv_gb=3.0, batched=8192, run_timeout=150),
+                 kv_gb=3.0, batched=8192, run_timeout=300, step_timeout=30),
 }
 SMOKE = {   # the demo model on the CPU (3 layers, 2 KV heads x 64: 8 KiB a page a layer)
     "mixed": dict(requests=12, prompt=40, prompt_cap=110, prefix=32, output=10, output_cap=30,
-                  kv_gb=80 * 8192 / 2**30, batched=64, run_timeout=60, chunk_bytes=4 * 8192, host_gb=0.002),
+                  kv_gb=80 * 8192 / 2**30, batched=64, run_timeout=60, step_timeout=20, chunk_bytes=4 * 8192,
+                  host_gb=0.002),
     "long": dict(requests=3, prompt=300, prompt_cap=400, prefix=0, output=8, output_cap=12,
-                 kv_gb=160 * 8192 / 2**30, batched=128, run_timeout=60, chunk_bytes=4 * 8192, host_gb=0.002),
+                 kv_gb=160 * 8192 / 2**30, batched=128, run_timeout=60, step_timeout=20, chunk_bytes=4 * 8192,
+                 host_gb=0.002),
 }
 COUNTERS = ("compactions", "pages_moved", "pages_compressed", "prefix_cache_hit_tokens", "prefix_cache_evicted_pages",
             "recomputed_tokens")    # the engine's counters a run's record keeps (its own share)
-POINTS = ("before_forward", "after_forward", "chunk_release", "host_copy", "host")
 FAULTS = ("hang", "mismatch")       # --fault: the harness's own check that it catches each
 
 
@@ -96,7 +97,7 @@ def log(*a) -> None:
 
 # ============================================================================ the injected delays
 class Delays:
-    """Random delays at the points of ``POINTS``, drawn from ``seed`` while ``active``: on CUDA a
+    """Random delays at the points the module's docstring lists, drawn from ``seed`` while ``active``: on CUDA a
     ``torch.cuda._sleep`` of up to ``max_ms`` on the stream the point is on (skewed to short ones),
     or now and then a host sleep instead; on the CPU a released chunk's event completes 0..``max_lag``
     steps later (``clock``: the steps run)."""
@@ -199,10 +200,7 @@ def mirror_page_tables() -> None:
     init = page_table.PageTable.__init__
 
     def mirrored(self, *a, **k):
-        k.pop("mirrored", None)
-        if len(a) > 3:
-            a = a[:3]
-        init(self, *a, mirrored=True, **k)
+        init(self, *a[:3], **{**k, "mirrored": True})
     page_table.PageTable.__init__ = mirrored
 
 
@@ -217,7 +215,7 @@ def make_case(job: dict, case: int, vocab: int, max_len: int) -> dict:
     prompts = random_prompts(plens, vocab, rng.randrange(2**31))
     if s["prefix"]:
         system = random_prompts([s["prefix"]] * 3, vocab, rng.randrange(2**31))
-        prompts = [system[i % 3] + p if i % 3 == 0 else p for i, p in enumerate(prompts)]
+        prompts = [system[i // 3 % 3] + p if i % 3 == 0 else p for i, p in enumerate(prompts)]
     outs = lognormal(s["output"], s["output_cap"], n, rng)
     outs = [max(2, min(o, max_len - len(p) - 1)) for p, o in zip(prompts, outs)]
     prompts = [p[:max_len - o - 1] for p, o in zip(prompts, outs)]
@@ -287,17 +285,20 @@ def run_case(eng, c: dict, stressed: bool, reference: list | None) -> dict:
             **{k: after[k] - before.get(k, 0) for k in COUNTERS if k in after}, "leak": leaked_pages(eng)}
 
 
-def restore_state(eng, fresh: dict = {}) -> None:
+_FRESH: dict = {}       # id(object) -> its numbers before the engine's first run
+
+
+def restore_state(eng) -> None:
     """The numbers the scheduler, admission and the page store learn as they run (admission's
     margin, the seal's wait counters, ...) put back to what they were before the engine's first
-    run: every run of a case starts alike, so its schedules can be the same."""
+    run, so that every run of a case starts from them."""
     s = eng.scheduler
     for obj in (s, getattr(s, "admission", None), getattr(s, "pages", None)):
         if obj is None:
             continue
-        if id(obj) not in fresh:
-            fresh[id(obj)] = {k: v for k, v in vars(obj).items() if type(v) in (int, float, bool)}
-        vars(obj).update(fresh[id(obj)])
+        if id(obj) not in _FRESH:
+            _FRESH[id(obj)] = {k: v for k, v in vars(obj).items() if type(v) in (int, float, bool)}
+        vars(obj).update(_FRESH[id(obj)])
 
 
 def leaked_pages(eng) -> int | None:
@@ -327,8 +328,8 @@ def compare(c: dict, ref: list, got: dict, fault: bool) -> str | None:
             continue
         if b["tokens"] != want or b["finish"] != finish:
             j = next((j for j, (x, y) in enumerate(zip(b["tokens"], want)) if x != y), min(len(b["tokens"]), len(want)))
-            return (f"request {i}: {len(b['tokens'])} tokens ({b['finish']}) vs the reference's {len(want)} ({finish}), "
-                    f"first difference at {j}")
+            return (f"request {i}: {len(b['tokens'])} tokens ({b['finish']}) vs the reference's {len(want)} "
+                    f"({finish}), first difference at {j}")
     return None
 
 
@@ -345,11 +346,12 @@ def build(job: dict):
     DELAYS = Delays(cuda, job["prob"], job["max_ms"], job["max_lag"])
     if not cuda:
         mirror_page_tables()
+        torch.set_num_threads(1)        # small steps: threads would only spin (benchmarks/cpu_threads.py)
     max_len = s["prompt_cap"] + s["prefix"] + s["output_cap"] + 16
     opts = dict(device=job["device"], kv_memory_gb=s["kv_gb"], max_model_len=max_len, max_num_seqs=64,
                 max_num_batched_tokens=s["batched"], check_pages=True, async_scheduling=True,
                 deterministic=job["mode"] == "det", admission="optimistic" if job["mode"] == "det" else "estimate",
-                watchdog_timeout_s=2 * s["run_timeout"] if cuda else 0)
+                watchdog_timeout_s=job["build_timeout"])      # the step's limit once the kernels are built
     if "chunk_bytes" in s:
         opts["chunk_bytes"] = s["chunk_bytes"]
     if "host_gb" in s:
@@ -370,6 +372,8 @@ def worker(job: dict) -> None:
     t1 = time.perf_counter()                # schedules differ (and its kernels build)
     run_case(eng, make_case(job, -1, eng.model_config.vocab_size, max_len), False, None)
     warm_s = time.perf_counter() - t1
+    if getattr(eng, "watchdog", None) is not None:
+        eng.watchdog.timeout_s = job["shape"]["step_timeout"]
     emit("READY", {"build_s": t1 - t0, "warm_up_s": warm_s, "unhooked": missing,
                    "device": torch.cuda.get_device_name() if DELAYS.cuda else "cpu",
                    "kv_memory_gb": eng.kv_memory_gb, "max_model_len": max_len})
@@ -465,7 +469,7 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
     ran; each run's record into ``result``."""
     t_end = time.time() + budget_s
     case, stop_at = job["first_case"], job["first_case"] + job["cases"] if job.get("cases") else None
-    timeout = job["shape"]["run_timeout"]
+    timeout, cuda = job["shape"]["run_timeout"], job["device"] != "cpu"
     need = 20.0                                 # s a new worker needs to build and run (from the last one)
     while time.time() < t_end - need and (stop_at is None or case < stop_at):
         n = len(result["workers"])
@@ -475,7 +479,7 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
         p, lines, err = start_worker(spec, err_path)
         info = {"mode": job["mode"], "first_case": case, "stderr": err_path}
         result["workers"].append(info)
-        current, since, snap, end = None, time.time(), None, None
+        current, since, snap, snapped, end = None, time.time(), None, time.time(), None
         while True:
             limit = build_timeout if "build_s" not in info else timeout + 15
             try:
@@ -487,8 +491,8 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
                 end = "exit"
                 break
             if not line:
-                if current and snap is None and now - since > timeout - 8:
-                    snap = gpu_snapshot()            # is the GPU busy (a kernel runs on) or idle?
+                if current and cuda and now - snapped > 10:
+                    snap, snapped = gpu_snapshot(), now      # is the GPU busy (a kernel runs on) or idle?
                 if now - since > limit:
                     end = "killed"
                     break
@@ -502,8 +506,9 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
             if kind == "READY":
                 info.update(obj)
                 need = obj["build_s"] + obj["warm_up_s"]
-                log(f"[{job['mode']}] engine built in {obj['build_s']:.0f} s on {obj['device']} (a first run {obj['warm_up_s']:.0f} s), "
-                    f"KV {obj['kv_memory_gb']:.3g} GiB" + (f"; not hooked: {obj['unhooked']}" if obj["unhooked"] else ""))
+                log(f"[{job['mode']}] engine built in {obj['build_s']:.0f} s on {obj['device']} (a first run "
+                    f"{obj['warm_up_s']:.0f} s), KV {obj['kv_memory_gb']:.3g} GiB"
+                    + (f"; not hooked: {obj['unhooked']}" if obj["unhooked"] else ""))
             elif kind == "START":
                 current, snap = obj, None
             elif kind == "RUN":
@@ -530,7 +535,9 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
             hung = end == "killed" or "Timeout (" in tail or p.returncode == 70
             rec = {**current, "verdict": "hang" if hung else "error", "exit": p.returncode,
                    "seconds": time.time() - since if end == "killed" else timeout, "gpu": snap,
-                   "detail": "no progress within the run timeout" if hung else f"worker exit {p.returncode}",
+                   "detail": ("a step stalled past the step timeout (the engine's watchdog)" if p.returncode == 70
+                              else "the run did not finish within the run timeout") if hung
+                   else f"worker exit {p.returncode}",
                    "stacks": tail, "replay": replay_line(job, current)}
             record(result, rec, job, out)
             case = current["case"] + 1
@@ -549,7 +556,7 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
 
 def replay_line(job: dict, run: dict) -> str:
     spec = {k: job[k] for k in ("mode", "model", "device", "seed", "shape", "variants", "prob", "max_ms",
-                                "max_lag", "engine")}
+                                "max_lag", "engine", "build_timeout")}
     spec.update(case=run["case"], only_variant=run["variant"])
     return f"python3 benchmarks/async_stress.py --replay {shlex.quote(json.dumps(spec))}"
 
@@ -581,8 +588,8 @@ def record(result: dict, rec: dict, job: dict, out: str) -> None:
 
 
 def summary_table(result: dict) -> str:
-    rows = ["| mode | stressed runs | reference runs | hangs | mismatches | errors | schedule differed (other tokens) | "
-            "steps (stressed) | median run s | preemptions |",
+    rows = ["| mode | stressed runs | reference runs | hangs | mismatches | errors | "
+            "schedule differed (other tokens) | steps (stressed) | median run s | preemptions |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     recs = result["records"]
     for mode in sorted({r["mode"] for r in recs}) + ["all"]:
@@ -627,7 +634,10 @@ def parse(argv=None):
     ap.add_argument("--max-ms", type=float, default=6.0, help="longest device delay (ms)")
     ap.add_argument("--max-lag", type=int, default=4, help="CPU: most steps a released chunk stays pending")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV GiB (default: the shape's)")
+    ap.add_argument("--requests", type=int, default=None, help="requests a case (default: the shape's)")
     ap.add_argument("--run-timeout", type=float, default=None, help="s a run may take (default: the shape's)")
+    ap.add_argument("--step-timeout", type=float, default=None, help="s one engine step may take (default: the "
+                                                                     "shape's)")
     ap.add_argument("--build-timeout", type=float, default=600)
     ap.add_argument("--engine-args", default="{}", help="JSON of more LLM options")
     ap.add_argument("--seed", type=int, default=0)
@@ -664,18 +674,20 @@ def main(argv=None) -> int:
         shape = dict((SMOKE if a.smoke else SHAPES)[a.shape])
         if a.kv_gb:
             shape["kv_gb"] = a.kv_gb
-        if a.run_timeout:
-            shape["run_timeout"] = a.run_timeout
+        for key in ("requests", "run_timeout", "step_timeout"):
+            if getattr(a, key):
+                shape[key] = getattr(a, key)
         base = {"model": a.model or ("demo" if a.smoke else "llama-3.1-8b-random"),
                 "device": a.device or ("cpu" if a.smoke else "cuda"), "seed": a.seed, "shape": shape,
                 "shape_name": a.shape, "variants": a.variants, "prob": a.prob, "max_ms": a.max_ms,
-                "max_lag": a.max_lag, "engine": a.engine, "fault": a.fault, "first_case": 0, "cases": a.cases}
+                "max_lag": a.max_lag, "engine": a.engine, "fault": a.fault, "first_case": 0, "cases": a.cases,
+                "build_timeout": a.build_timeout}
         jobs = [{**base, "mode": m} for m in a.modes.split(",")]
         budget = None if a.cases and a.minutes is None else 60 * (a.minutes or 6.0)
     result = {"meta": {"argv": sys.argv[1:], "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                           time.gmtime())},
-              "t0": time.time(), "seconds": 0.0, "workers": [], "records": [], "hangs": [], "mismatches": [], "diverged": [],
-              "errors": []}
+              "t0": time.time(), "seconds": 0.0, "workers": [], "records": [], "hangs": [], "mismatches": [],
+              "diverged": [], "errors": []}
     for i, job in enumerate(jobs):
         share = (budget - (time.time() - result["t0"])) / (len(jobs) - i) if budget else 1e9
         drive(job, share, a.out, result, a.build_timeout)
