@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Structured output's per-token cost on the CPU: filling the grammar bitmask (llguidance, the
-engine's GrammarCompiler), applying it to the logits (engine/structured.apply_bitmask on CPU
-logits) and feeding the sampled token back, per step of a batch of guided rows.
+"""Structured output's per-token cost: filling the grammar bitmask (llguidance, the engine's
+GrammarCompiler, on the host), applying it to the logits (engine/structured.apply_bitmask on the
+logits' device: with ``--device cuda`` the pinned mask's copy and the masking on the GPU, timed to
+the device's end) and feeding the sampled token back, per step of a batch of guided rows.
 
 Tokens are the argmax of random logits under the mask (a random walk through the grammar; a
 finished row starts again), so the numbers are the grammar machinery's own, without a model; one
-torch thread. On a GPU the mask is applied on the device (not measured here).
-Tokenizers: the demo model's (2,048 tokens) and SmolLM2-135M's (49,152). Result: ``OUT.json``.
+torch thread. Tokenizers: the demo model's (2,048 tokens), SmolLM2-135M's (49,152; from its GGUF,
+downloaded on first use) or a folder holding a tokenizer.json (``--save-tokenizer DIR`` writes
+SmolLM2's there, for a machine without network). Result: ``OUT.json``.
 
     PYTHONPATH=src python benchmarks/structured_output.py
+    PYTHONPATH=src python benchmarks/structured_output.py --device cuda --batches 1,16,64 \
+        --tokenizers demo,DIR --out OUT       # a GPU machine (DIR: from --save-tokenizer)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,19 +43,23 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run(compiler, params, batch: int, steps: int, torch):
+def run(compiler, params, batch: int, steps: int, torch, device: str = "cpu"):
     from zipfusion.engine.structured import apply_bitmask
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     V = compiler.vocab_size
+    cuda = device != "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     matchers = [compiler.matcher(params) for _ in range(batch)]
     fill, apply, accept = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        mask = compiler.bitmask(matchers, pin=False)
+        mask = compiler.bitmask(matchers, pin=cuda)
         t1 = time.perf_counter()
-        logits = torch.randn(batch, V, generator=g)
+        logits = torch.randn(batch, V, generator=g, device=device)
+        sync()
         t2 = time.perf_counter()
         masked = apply_bitmask(logits, list(range(batch)), mask)
+        sync()
         t3 = time.perf_counter()
         tokens = masked.argmax(-1).tolist()
         t4 = time.perf_counter()
@@ -73,7 +82,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--tokenizers", default="demo,smollm2")
+    ap.add_argument("--tokenizers", default="demo,smollm2", help="demo, smollm2 or a folder with a tokenizer.json")
+    ap.add_argument("--device", default="cpu", help="where the logits are and the mask is applied (cpu, cuda)")
+    ap.add_argument("--save-tokenizer", default=None, help="write SmolLM2's tokenizer into this folder and stop")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "server_hostile_cpu" / "structured_output"))
     args = ap.parse_args(argv)
     import torch
@@ -82,16 +93,29 @@ def main(argv=None) -> int:
     from zipfusion.engine.sampling import SamplingParams
     from zipfusion.models import load_tokenizer, model_config, resolve_model
     torch.set_num_threads(1)
+    if args.save_tokenizer:
+        from zipfusion.analysis.checkpoints import smollm2_gguf
+        load_tokenizer(resolve_model(str(smollm2_gguf())).tokenizer_dir).save(args.save_tokenizer)
+        print(f"wrote SmolLM2's tokenizer into {args.save_tokenizer}")
+        return 0
+    if args.device != "cpu" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA GPU here; use --device cpu")
     rows = []
     for name in args.tokenizers.split(","):
-        model = name
-        if name == "smollm2":
-            from zipfusion.analysis.checkpoints import smollm2_gguf
-            model = str(smollm2_gguf())
-        source = resolve_model(model)
-        tok = load_tokenizer(source.tokenizer_dir)
-        mc = model_config(source)
-        compiler = GrammarCompiler(tok, mc.vocab_size, set(mc.eos_token_ids) | set(tok.eos_token_ids))
+        if Path(name).is_dir():             # a tokenizer alone: its own vocabulary and end-of-sequence ids
+            tok = load_tokenizer(name)
+            vocab, eos = tok.vocab_size(), set(tok.eos_token_ids)
+            name = Path(name).name
+        else:
+            model = name
+            if name == "smollm2":
+                from zipfusion.analysis.checkpoints import smollm2_gguf
+                model = str(smollm2_gguf())
+            source = resolve_model(model)
+            tok = load_tokenizer(source.tokenizer_dir)
+            mc = model_config(source)
+            vocab, eos = mc.vocab_size, set(mc.eos_token_ids) | set(tok.eos_token_ids)
+        compiler = GrammarCompiler(tok, vocab, eos)
         compiler.lltokenizer()
         for gname, fields in GRAMMARS.items():
             params = SamplingParams(**fields)
@@ -99,8 +123,8 @@ def main(argv=None) -> int:
             compiler.matcher(params)
             compile_ms = 1e3 * (time.perf_counter() - t0)
             for batch in [int(b) for b in args.batches.split(",")]:
-                r = run(compiler, params, batch, args.steps, torch)
-                rows.append({"tokenizer": name, "vocab": mc.vocab_size, "grammar": gname, "batch": batch,
+                r = run(compiler, params, batch, args.steps, torch, args.device)
+                rows.append({"tokenizer": name, "vocab": vocab, "grammar": gname, "batch": batch,
                              "first_compile_ms": compile_ms, **r})
                 print(f"{name:8s} {gname:12s} B={batch:3d}  fill {r['fill_ms']['mean']:7.3f} ms "
                       f"(p99 {r['fill_ms']['p99']:7.3f}, {r['fill_per_row_us']:6.1f} us/row)  apply "
@@ -109,7 +133,9 @@ def main(argv=None) -> int:
            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
            "torch": torch.__version__, "llguidance": importlib.metadata.version("llguidance"),
            "torch_threads": 1, "steps": args.steps, "loadavg_1min": os.getloadavg()[0],
-           "command": "PYTHONPATH=src python benchmarks/structured_output.py", "rows": rows}
+           "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+           "command": "PYTHONPATH=src python benchmarks/structured_output.py " + " ".join(argv or sys.argv[1:]),
+           "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}.json")
