@@ -587,8 +587,11 @@ def record(result: dict, rec: dict, job: dict, out: str) -> None:
         + (f": {rec.get('detail', '')[:200]}" if v not in ("ok", "reference") else ""))
 
 
-def summary_table(result: dict) -> str:
-    rows = ["| mode | stressed runs | reference runs | hangs | mismatches | errors | "
+def summary(result: dict) -> str:
+    """The rarity line and the table."""
+    n = sum(bool(r["variant"]) for r in result["records"])
+    rows = [f"async stress: {n} stressed runs in {result['seconds'] / 60:.1f} min; {rarity(result)}",
+            "| mode | stressed runs | reference runs | hangs | mismatches | errors | "
             "schedule differed (other tokens) | steps (stressed) | median run s | preemptions |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     recs = result["records"]
@@ -643,6 +646,7 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault", choices=FAULTS, default=None, help="inject a hang or a wrong token (self-check)")
     ap.add_argument("--replay", default=None, help="a failed run's spec (its replay line): run that case alone")
+    ap.add_argument("--summarize", default=None, help="print the table of DIR/async_stress.json (a run cut short)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     for name, lo in (("variants", 1), ("prob", 0), ("max_ms", 0), ("max_lag", 0)):
@@ -664,6 +668,10 @@ def main(argv=None) -> int:
     a = parse(argv)
     if a.worker:
         worker(json.loads(a.worker))
+        return 0
+    if a.summarize:
+        with open(os.path.join(a.summarize, "async_stress.json")) as f:
+            print(summary(json.load(f)))
         return 0
     os.makedirs(a.out, exist_ok=True)
     if a.replay:
@@ -699,8 +707,7 @@ def main(argv=None) -> int:
     for r in result["hangs"] + result["mismatches"] + result["errors"] + result["diverged"]:
         print(f"{r.get('verdict', 'error')}: {r.get('mode')} case {r.get('case')} v{r.get('variant')}: "
               f"{r.get('detail', '')[:300]}\n  replay: {r.get('replay', '-')}")
-    print(f"\nasync stress: {result['runs']} stressed runs in {result['seconds'] / 60:.1f} min; {result['rarity']}")
-    print(summary_table(result))
+    print("\n" + summary(result))
     return 0 if result["passed"] else 1
 
 
