@@ -26,17 +26,20 @@ schedule is made ahead as on the GPU (the engine's ``async_scheduling`` attribut
 
 Modes (``--modes``, the time split evenly between them, one engine each):
   fast  the engine's default (not deterministic, default admission): every request at once,
-        outputs of known length (``ignore_eos``), so the async schedule is the plain one and the
-        tokens must be the same bits; each run's schedule digest (per step: decode rows, prefill
-        tokens, preemptions) tells a schedule that differed from a wrong token
+        outputs of known length (``ignore_eos``), so the async schedule can be the plain one;
+        each run's schedule digest (per step: decode rows, prefill tokens, preemptions) is
+        compared: under the same schedule the tokens must be the same bits, under another one
+        (placement follows the free lists a run leaves and when chunks come back) other tokens
+        are rounding and the run is counted apart as "diverged", not failed
   det   ``deterministic=True`` (tokens depend on the request alone), optimistic admission (it
         preempts): requests arriving over the run, aborts at random steps, stop tokens taken from
         the reference's outputs, seeded sampling at temperature 0.8; every request must give the
         reference's tokens up to its stop, an aborted one a prefix of them
 A run that does not finish within ``--run-timeout``, or a step within ``--step-timeout`` (the
 engine's watchdog), is a hang: the worker prints every thread's stack and exits, the driver keeps
-the stacks, ``nvidia-smi``'s view of the GPU (taken every 10 s of a run) and the case's replay line (``--replay``: its seed and config; the device's timing
-itself does not replay), and starts a new worker at the next case. An exception (a device-side
+the stacks, ``nvidia-smi``'s view of the GPU (taken every 10 s of a run) and the case's replay
+line (``--replay``: its seed and config; the device's timing itself does not replay), and starts
+a new worker at the next case. An exception (a device-side
 assert of ``check_pages`` included) is an error, recorded the same way. After each run the engine
 must be idle with no page left in use once the prefix cache is dropped.
 
