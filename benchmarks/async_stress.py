@@ -46,7 +46,7 @@ must be idle with no page left in use once the prefix cache is dropped.
     python3 benchmarks/async_stress.py --minutes 6 --out DIR                    # GPU: 8B random, 1.5 GiB KV
     python3 benchmarks/async_stress.py --shape long --minutes 2 --out DIR      # 16K prompts, 3 GiB
     python3 benchmarks/async_stress.py --smoke --minutes 1 --out DIR           # CPU, demo model
-    python3 benchmarks/async_stress.py --replay '{"mode": "fast", "case": 7, ...}' --out DIR
+    python3 benchmarks/async_stress.py --replay '{"mode": "fast", "first_case": 0, "cases": 8, ...}' --out DIR
 Writes DIR/async_stress.json (runs, seconds, hangs, mismatches, errors, every run's record) and
 DIR/worker_<n>.err (each worker's stderr); prints a line per run and a short table last.
 """
@@ -392,8 +392,6 @@ def worker(job: dict) -> None:
         ref = None
         for variant in range(job["variants"] + 1):
             stressed = variant > 0
-            if job.get("only_variant") is not None and stressed and variant != job["only_variant"]:
-                continue
             if stressed and not time_left():
                 break
             seed = (job["seed"] * 1_000_003 + case) * 97 + variant
@@ -516,7 +514,7 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
                 current, snap = obj, None
             elif kind == "RUN":
                 current = None
-                record(result, obj, job, out)
+                record(result, obj, spec, out)
                 case = obj["case"] + 1 if obj["verdict"] == "error" else obj["case"]
                 if obj["verdict"] == "error":
                     break
@@ -541,8 +539,8 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
                    "detail": ("a step stalled past the step timeout (the engine's watchdog)" if p.returncode == 70
                               else "the run did not finish within the run timeout") if hung
                    else f"worker exit {p.returncode}",
-                   "stacks": tail, "replay": replay_line(job, current)}
-            record(result, rec, job, out)
+                   "stacks": tail, "replay": replay_line(spec, current)}
+            record(result, rec, spec, out)
             case = current["case"] + 1
         elif end in ("exit", "killed") and "build_s" not in info:
             tail = open(err_path, errors="replace").read()[-6000:]
@@ -558,9 +556,11 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
 
 
 def replay_line(job: dict, run: dict) -> str:
+    """The command that runs the worker's cases again, from its first up to ``run``'s: the
+    engine's state at a run follows from every run before it on that engine."""
     spec = {k: job[k] for k in ("mode", "model", "device", "seed", "shape", "variants", "prob", "max_ms",
-                                "max_lag", "engine", "build_timeout")}
-    spec.update(case=run["case"], only_variant=run["variant"])
+                                "max_lag", "engine", "build_timeout", "first_case")}
+    spec["cases"] = run["case"] - job["first_case"] + 1
     return f"python3 benchmarks/async_stress.py --replay {shlex.quote(json.dumps(spec))}"
 
 
@@ -679,7 +679,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     if a.replay:
         spec = json.loads(a.replay)
-        jobs = [{**spec, "first_case": spec["case"], "cases": 1}]
+        jobs = [spec]
         budget = None
     else:
         shape = dict((SMOKE if a.smoke else SHAPES)[a.shape])

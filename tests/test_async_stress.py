@@ -45,7 +45,7 @@ def test_a_stalled_run_is_a_hang_with_its_stacks_and_a_replay(tmp_path):
     assert (hang["mode"], hang["case"], hang["variant"], hang["exit"]) == ("fast", 0, 1, 70)   # the engine's watchdog
     assert "stalled" in hang["detail"] and "in run_delayed" in hang["stacks"]               # where it stalled
     spec = json.loads(hang["replay"].split("--replay ", 1)[1].strip("'"))
-    assert (spec["case"], spec["only_variant"], spec["mode"]) == (0, 1, "fast") and "fault" not in spec
+    assert (spec["first_case"], spec["cases"], spec["mode"]) == (0, 1, "fast") and "fault" not in spec
     assert "hang: fast case 0 v1" in p.stdout
 
 
