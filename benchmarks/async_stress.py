@@ -17,6 +17,8 @@ case's requests once in the plain order (``async_scheduling`` off, no delays: th
   chunk_release   before a released chunk's event is recorded (``ChunkPool._reads_done``): the
                   chunk stays pending longer, so ``take`` finds pending chunks and the device waits
   host_copy       the host tier's copy stream sleeps before a copy out (GPU)
+  to_device       the compute stream sleeps before a host-to-device copy of the runner's inputs,
+                  the page table's changes or the codec's (GPU: ``memory.copy.to_device``)
   host            the host sleeps instead at either forward point (the device runs ahead)
 
 On the CPU nothing overlaps (the forward runs in the host's thread), so the device's progress is
@@ -129,7 +131,8 @@ class Delays:
         return 20_000_000 / max(a.elapsed_time(b), 1e-3)
 
     def at(self, point: str, stream=None) -> None:
-        if not self.active or self.rng.random() >= self.prob:
+        # copies are many a step: fewer delays there, or a step would mostly sleep
+        if not self.active or self.rng.random() >= self.prob * (0.25 if point == "to_device" else 1):
             return
         ms = self.max_ms * self.rng.random() ** 2
         if not self.cuda or (point.endswith("forward") and self.rng.random() < 0.25):
@@ -184,6 +187,19 @@ def install(eng, delays: Delays, fault_state: dict) -> list[str]:
                 delays.counts["take_with_pending"] += 1
             return take(pool, *a, **k)
         chunks.ChunkPool.take = take_counted
+    if delays.cuda:
+        import importlib
+        for name in ("engine.runner", "memory.page_table", "memory.codec", "attention.prefill_stored"):
+            mod = importlib.import_module("zipfusion." + name)
+            copy = getattr(mod, "to_device", None)
+            if copy is None:
+                missing.append(f"to_device ({name})")
+                continue
+
+            def copy_delayed(*a, _copy=copy, **k):
+                delays.at("to_device")
+                return _copy(*a, **k)
+            mod.to_device = copy_delayed
     tier = eng.host_tier
     stage = getattr(tier, "_stage_batch", None)
     if tier is not None and stage is not None and delays.cuda:
@@ -255,7 +271,7 @@ def run_case(eng, c: dict, stressed: bool, reference: list | None) -> dict:
                 k = next((j for j in range(r["stop_at"], len(ref)) if ref[j] not in ref[:j]), None)
                 if k is not None:
                     stops[i] = (ref[k], k)
-    if DELAYS.cuda:                   # every run starts with the device idle and no chunk pending
+    if eng.device.type == "cuda":     # every run starts with the device idle and no chunk pending
         import torch
         torch.cuda.synchronize()
     DELAYS.clock[0] += DELAYS.max_lag + 1

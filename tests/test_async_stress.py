@@ -54,3 +54,43 @@ def test_a_wrong_token_is_a_mismatch(tmp_path):
     assert p.returncode == 1 and not r["hangs"] and not r["errors"]
     (bad,) = r["mismatches"]
     assert bad["variant"] == 1 and "request 0" in bad["detail"]
+
+
+def test_the_gpu_delay_points_are_reached(monkeypatch):
+    """The CUDA hooks wired on the CPU (a stand-in that records each point instead of sleeping the
+    device): every point is reached in a run whose memory binds, and the run still gives the
+    plain order's tokens."""
+    import importlib
+    import torch
+    from zipfusion.memory import chunks, page_table
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    stress_mod = importlib.import_module("async_stress")
+    patched = [(chunks.ChunkPool, "_reads_done"), (chunks.ChunkPool, "take"), (page_table.PageTable, "__init__")] + [
+        (importlib.import_module("zipfusion." + m), "to_device")
+        for m in ("engine.runner", "memory.page_table", "memory.codec", "attention.prefill_stored")]
+    for obj, name in patched:                   # what the harness wraps, put back after the test
+        monkeypatch.setattr(obj, name, getattr(obj, name))
+    threads = torch.get_num_threads()
+    reached = []
+
+    class Recorded(stress_mod.Delays):
+        _calibrate = staticmethod(lambda: 1.0)
+
+        def at(self, point, stream=None):
+            if self.active:
+                reached.append(point)
+
+    job = {"mode": "fast", "model": "demo", "device": "cpu", "seed": 0, "shape": dict(stress_mod.SMOKE["mixed"]),
+           "prob": 1.0, "max_ms": 1.0, "max_lag": 0, "engine": {"kv_host_memory_gb": 0.001}, "build_timeout": 60}
+    eng, max_len = stress_mod.build(job)
+    monkeypatch.setattr(stress_mod, "DELAYS", Recorded(True, 1.0, 1.0, 0))
+    assert stress_mod.install(eng, stress_mod.DELAYS, {}) == []
+    c = stress_mod.make_case(job, 3, eng.model_config.vocab_size, max_len)
+    eng.async_scheduling = False
+    plain = stress_mod.run_case(eng, c, False, None)
+    eng.async_scheduling = True
+    stress_mod.DELAYS.start(1)
+    got = stress_mod.run_case(eng, c, True, plain["outputs"])
+    assert set(reached) == {"before_forward", "after_forward", "chunk_release", "to_device", "host_copy"}
+    torch.set_num_threads(threads)
+    assert got["outputs"] == plain["outputs"] and got["leak"] == 0
