@@ -528,6 +528,8 @@ def drive(job: dict, budget_s: float, out: str, result: dict, build_timeout: flo
                     + (f"; not hooked: {obj['unhooked']}" if obj["unhooked"] else ""))
             elif kind == "START":
                 current, snap = obj, None
+                result["in_progress"] = {**obj, "since": time.strftime("%H:%M:%S", time.gmtime(now))}
+                write_json(result, os.path.join(out, "async_stress.json"))   # (a driver killed now leaves it)
             elif kind == "RUN":
                 current = None
                 record(result, obj, spec, out)
@@ -582,6 +584,7 @@ def replay_line(job: dict, run: dict) -> str:
 
 def record(result: dict, rec: dict, job: dict, out: str) -> None:
     result["records"].append(rec)
+    result["in_progress"] = None
     v = rec["verdict"]
     if v in ("mismatch", "error", "hang", "diverged"):
         rec.setdefault("replay", replay_line(job, rec))
@@ -609,7 +612,10 @@ def record(result: dict, rec: dict, job: dict, out: str) -> None:
 def summary(result: dict) -> str:
     """The rarity line and the table."""
     n = sum(bool(r["variant"]) for r in result["records"])
-    rows = [f"async stress: {n} stressed runs in {result['seconds'] / 60:.1f} min; {rarity(result)}",
+    cut = result.get("in_progress")
+    rows = [f"async stress: {n} stressed runs in {result['seconds'] / 60:.1f} min; {rarity(result)}"
+            + (f"\nCUT SHORT inside {cut['mode']} case {cut['case']} v{cut['variant']} (started {cut['since']} UTC): "
+               f"a hang the run's limits did not reach? see the worker's stderr" if cut else ""),
             "| mode | stressed runs | reference runs | hangs | mismatches | errors | "
             "schedule differed (other tokens) | steps (stressed) | median run s | preemptions |",
             "|---|---|---|---|---|---|---|---|---|---|"]
