@@ -333,12 +333,14 @@ def _check(x: torch.Tensor, cw: CompressedWeight, bias):
 
 
 def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | None = None,
-                 *, mode: int = 0, plain: torch.Tensor | None = None, **override) -> torch.Tensor:
+                 *, mode: int = 0, plain: torch.Tensor | None = None, compile_only: bool = False,
+                 **override) -> torch.Tensor:
     """``x [..., K] @ Wᵀ (+ bias)`` -> bf16 [..., N], W restored in registers (module docstring).
 
     Not bit-equal to ``F.linear`` (another summation order); deterministic for a given M.
     ``mode`` 1 and 3 (restore skipped or cut: wrong values) and 2 (``plain`` BF16 W read by the
-    same kernel) are measurements only; ``override`` sets launch parameters (:func:`plan`)."""
+    same kernel) are measurements only; ``override`` sets launch parameters (:func:`plan`);
+    ``compile_only`` builds the kernel without launching it (:func:`warmup`)."""
     _check(x, cw, bias)
     lead, (N, K), Kp = x.shape[:-1], cw.shape, cw.padded_k
     x2 = x.reshape(-1, K)
@@ -369,14 +371,17 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     reduce = 0 if split == 1 else cfg["reduce"] if grid[0] * grid[1] <= COUNTERS else 1
     ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else out
-    m._fused_kernel[grid](x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
+    kernel = m._fused_kernel[grid]
+    if compile_only:
+        kernel = functools.partial(m._fused_kernel.warmup, grid=grid)
+    kernel(x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
                           cw.esc_col, cw.esc_val, b, out, ws, _counters(x.device), M, N, K, Kp,
                           x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
                           REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                           NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode,
                           EVEN_K=K % cfg["BK"] == 0, TMA=tma, ECH=cfg.get("ech", 16), INTERPRET=interp,
                           num_warps=cfg["warps"], num_stages=cfg["stages"])
-    if reduce == 1:
+    if reduce == 1 and not compile_only:
         total, block = M * N, 1024
         m._reduce_kernel[(triton.cdiv(total, block),)](ws, b, out, total, N, HAS_BIAS=bias is not None,
                                                       SPLIT=split, BLOCK=block, INTERPRET=interp)
@@ -466,21 +471,30 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
     return torch.nn.functional.linear(x, restore_buffer(cw), bias)
 
 
-def warmup(cw_list, max_m: int) -> None:
-    """Compile the fused kernel's variants (every M bucket up to ``max_m``, split or not, with and
-    without bias) for each weight shape, and size the restore buffer and the split-K counters, so
-    that CUDA graph capture finds everything built."""
-    seen = set()
-    for cw in cw_list:
-        if cw.device.type != "cuda" or (cw.shape, cw.device) in seen:
+def warmup(layers, max_m: int) -> None:
+    """Build every fused-kernel variant the engine will launch (each weight shape's M buckets up to
+    ``max_m``, with its bias or not), compiled side by side in threads, then launch each once and
+    size the restore buffer and the split-K counters, so that CUDA graph capture finds all built.
+    ``layers``: ``(CompressedWeight, bias or None)`` pairs (:func:`compressed_weights`)."""
+    calls, seen = [], set()
+    top = max(1, min(max_m, FUSED_MAX_M))
+    for cw, bias in layers:
+        key = (cw.shape, cw.device, bias is not None)
+        if cw.device.type != "cuda" or key in seen:
             continue
-        seen.add((cw.shape, cw.device))
-        N, K = cw.shape
-        bias = torch.zeros(N, dtype=torch.bfloat16, device=cw.device)
-        for m in sorted({_bucket(m) for m in (1, 32, 64, 128, FUSED_MAX_M) if m <= max(1, min(max_m, FUSED_MAX_M))}):
-            x = torch.zeros(m, K, dtype=torch.bfloat16, device=cw.device)
-            for split in (1, 2):
-                for b in (None, bias):
-                    fused_linear(x, cw, b, split=min(split, cw.padded_k // WEIGHT_BLOCK))
-        if max_m > FUSED_MAX_M:
+        seen.add(key)
+        b = None if bias is None else torch.zeros_like(bias)
+        for m in sorted({_bucket(m) for m in (1, 32, 64, 128) if m <= top}):
+            calls.append((torch.zeros(m, cw.shape[1], dtype=torch.bfloat16, device=cw.device), cw, b))
+    if not calls:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    from triton.runtime._async_compile import AsyncCompileMode
+    with ThreadPoolExecutor(max_workers=min(16, len(calls))) as pool, AsyncCompileMode(pool):
+        for x, cw, b in calls:
+            fused_linear(x, cw, b, compile_only=True)
+    for x, cw, b in calls:
+        fused_linear(x, cw, b)
+    if max_m > FUSED_MAX_M:
+        for cw in {id(cw): cw for _, cw, _ in calls}.values():
             restore_buffer(cw)

@@ -76,8 +76,10 @@ def set_weight(module: nn.Module, weight: CompressedWeight) -> None:
     module.weight = weight
 
 
-def compressed_weights(model: nn.Module) -> list[CompressedWeight]:
-    return [m.weight for _, m in weight_modules(model) if isinstance(m.weight, CompressedWeight)]
+def compressed_weights(model: nn.Module) -> list[tuple[CompressedWeight, torch.Tensor | None]]:
+    """The compressed layers' (weight, bias or None) pairs."""
+    return [(m.weight, getattr(m, "bias", None)) for _, m in weight_modules(model)
+            if isinstance(m.weight, CompressedWeight)]
 
 
 def other_matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
