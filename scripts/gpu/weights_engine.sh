@@ -4,10 +4,12 @@
 #            grouped GEMM, windows)
 #   run8b -- bench throughput weights / compressed / uncompressed on llama-3.1-8b-random at KV_GB (8) GiB
 #            of KV (the weights mode's KV gets what its weights saved on top: the same total memory)
-#   qwen  -- bench throughput weights vs uncompressed on qwen3-32b-random at default memory (what
-#            an 80 GB GPU leaves each mode), and the weight analyzer on it (4 layers)
+#   qwen  -- bench throughput weights vs uncompressed on qwen3-32b-random at the KV budget qwencap found
+#            uncompressed (an 80 GB GPU's default; the weights mode adds what its weights saved)
+
 #   qwencap -- qwen3-32b-random started at default memory with weights + KV compressed and with
-#            neither: both sizes, the KV budget and the tokens it holds at open size
+#            neither: both sizes, the KV budget and the tokens it holds at open size (AS_FREE_GIB:
+#            a larger GPU holds back all but that much, e.g. 78.5 for an H100 80GB)
 #   serve -- bench serve, closed loop of 64, weights / compressed / uncompressed at 16 GiB (8B)
 # A short table last.   bash scripts/gpu/weights_engine.sh [tests] [run8b] [qwen] [serve]
 set -u
@@ -25,8 +27,10 @@ run8b)
       --kv-memory-gb ${KV_GB:-8} --compare weights,compressed,uncompressed --dataset reasoning --num-prompts 128 \
       --output-len 500 --timeout ${MODE_TIMEOUT:-150} --out "$OUT/throughput_8b" > "$OUT/throughput_8b.log" 2>&1
   echo "run8b rc $?"; tail -8 "$OUT/throughput_8b.log" | cut -c1-220 ;;
-qwen)
-  timeout -k 10 ${QWEN_LIMIT:-240} python3 -m zipfusion bench throughput --model qwen3-32b-random --device cuda \
+qwen)   # at the uncompressed KV budget qwencap found (an 80 GB GPU's default), if it ran
+  kv=$(python3 -c "import json,sys; print('--kv-memory-gb %.2f' % json.load(open(sys.argv[1]))['kv_memory_gb'])" \
+       "$OUT/qwen32_0.json" 2>/dev/null)
+  timeout -k 10 ${QWEN_LIMIT:-240} python3 -m zipfusion bench throughput --model qwen3-32b-random --device cuda $kv \
       --compare weights,uncompressed --dataset reasoning --num-prompts 96 --output-len 400 --timeout ${QWEN_MODE_TIMEOUT:-160} \
       --out "$OUT/throughput_qwen32" > "$OUT/throughput_qwen32.log" 2>&1
   echo "qwen rc $?"; tail -8 "$OUT/throughput_qwen32.log" | cut -c1-220
@@ -40,7 +44,11 @@ import torch
 from zipfusion import LLMEngine
 from zipfusion.kernels import weight_linear
 wc = sys.argv[1] == "1"
-built = {}
+free0 = torch.cuda.mem_get_info()[0]
+# a larger GPU plays an 80 GB H100 (AS_FREE_GIB free at start): the rest is held by a blocker
+as_free = float(__import__("os").environ.get("AS_FREE_GIB", 0)) * 2**30
+blocker = torch.empty(int(free0 - as_free), dtype=torch.uint8, device="cuda") if 0 < as_free < free0 else None
+built = {"free_gb_at_start": torch.cuda.mem_get_info()[0] / 2**30}
 _warmup = weight_linear.warmup
 def timed(*a, **k):                       # the fused kernels' build time, apart from the rest
     t = time.perf_counter(); _warmup(*a, **k); built["warmup_s"] = time.perf_counter() - t
