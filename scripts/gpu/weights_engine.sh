@@ -6,7 +6,6 @@
 #            of KV (the weights mode's KV gets what its weights saved on top: the same total memory)
 #   qwen  -- bench throughput weights vs uncompressed on qwen3-32b-random at the KV budget qwencap found
 #            uncompressed (an 80 GB GPU's default; the weights mode adds what its weights saved)
-
 #   qwencap -- qwen3-32b-random started at default memory with weights + KV compressed and with
 #            neither: both sizes, the KV budget and the tokens it holds at open size (AS_FREE_GIB:
 #            a larger GPU holds back all but that much, e.g. 78.5 for an H100 80GB)
