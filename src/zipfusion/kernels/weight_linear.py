@@ -1,15 +1,9 @@
 """Linear layers over weights in the lossless BF16 weight format (docs/format.md, "Weights").
 
-* :func:`fused_linear`: ``x Wᵀ (+ bias)`` in one Triton kernel that restores W in registers
-  before the tensor-core dot (tiles of (M, N), K split; split partials summed in a fixed order:
-  deterministic); x and the planes come in by tensor descriptors (bulk copies) where aligned.
-  Escapes come out of the planes as +0 and are added by K split 0 as one more small dot. The
-  sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
-* :func:`restore_into` / :func:`gather_rows`: W, or its rows ``ids``, restored bit for bit.
-* :func:`weight_linear`: the fused kernel for small M, restore + cuBLAS for large M; on the CPU
-  the torch restore + ``F.linear`` (bit for bit the uncompressed result).
-
-CPU tensors run the kernels through the Triton interpreter (tests).
+:func:`fused_linear` restores W in registers before the tensor-core dot (split-K partials summed
+in a fixed order; escapes added as one more small dot): close to ``F.linear``, not bit-equal.
+:func:`restore_into` / :func:`gather_rows` restore W or its rows bit for bit; :func:`weight_linear`
+dispatches. CPU tensors run the kernels through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -59,13 +53,9 @@ def _hi_bytes(code, bh):
 def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexpr,
                 NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr,
                 TMA: tl.constexpr = False):
-    """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0 (a multiple of BK).
-    NATURAL: word k of a group = values (2k, 2k+1); else values (0, 2), (1, 3), (4, 6), (5, 7)
-    (cheaper without ``prmt``; the caller permutes x's columns to match). Measurements only (wrong
-    values): MODE 1 skips the restore, MODE 3 skips its d = 0 test; MODE 2 reads plain BF16;
-    MODE 4 (in the fused kernel) skips the escapes.
-    TMA: lo_ptr and code_ptr are tensor descriptors of the planes as int32 [N, Kp/4], [N, Kp/8]
-    (bulk copies; rows from rows[0])."""
+    """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0. NATURAL: word k
+    holds values (2k, 2k+1), else (0, 2), (1, 3), ... (x's columns permuted to match). MODE 1-3:
+    measurements only (see fused_linear). TMA: lo_ptr / code_ptr are tensor descriptors."""
     BN: tl.constexpr = rows.shape[0]
     NB: tl.constexpr = BK // 128
     Kp = tl.multiple_of(Kp, 128)                       # the format pads K: 16-byte plane loads
@@ -139,11 +129,8 @@ def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr,
                   BN: tl.constexpr, BK: tl.constexpr, NATURAL: tl.constexpr,
                   SWAP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
                   TMA: tl.constexpr, ECH: tl.constexpr, INTERPRET: tl.constexpr):
-    """x [M, K] times the restored W [N, Kp]ᵀ over this program's K tiles (escapes added by K
-    split 0) -> out[M, N] (REDUCE 0: no split), or fp32 partials ws[split, M, N] summed by
-    _reduce_kernel (REDUCE 1) or here by the tile's last program to finish (REDUCE 2: a counter
-    per (M, N) tile, reset to 0 by that program). SWAP: the accumulator is [BN, BM]. EVEN_K: K
-    is a multiple of BK (x's columns unmasked). ECH: escapes a dot."""
+    """x [M, K] @ restored W [N, Kp]ᵀ over this program's K tiles -> out (REDUCE 0), or fp32
+    partials summed by _reduce_kernel (1) or by the tile's last program (2: a per-tile counter)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -283,10 +270,8 @@ def _bucket(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
-# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and the K split's target of
-# programs per SM; the best of sweeps on the GPU (docs/benchmarks.md, scripts/gpu/weights_tune.py).
-# ``tma=True`` (bulk tensor copies of x and the planes) is an option, not a default: it was faster
-# in a sweep but its shipped configs have not passed the exact GPU tests yet.
+# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and programs per SM, from
+# sweeps (scripts/gpu/weights_tune.py); ``tma=True`` is an option until its configs pass the GPU tests.
 _NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
 _SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
 CONFIGS = {
