@@ -9,7 +9,7 @@
 #   qwencap -- qwen3-32b-random started at default memory with weights + KV compressed and with
 #            neither: both sizes, the KV budget and the tokens it holds at open size (AS_FREE_GIB:
 #            a larger GPU holds back all but that much, e.g. 78.5 for an H100 80GB)
-#   serve -- bench serve, closed loop of 64, weights / compressed / uncompressed at 16 GiB (8B)
+#   serve -- bench serve, closed loop of SERVE_CONC (64), weights / compressed / uncompressed at 16 GiB (8B)
 # A short table last.   bash scripts/gpu/weights_engine.sh [tests] [run8b] [qwen] [serve]
 set -u
 OUT=${OUT:-/tmp/weights_out}; mkdir -p "$OUT"
@@ -66,7 +66,7 @@ EOF
 serve)
   timeout -k 10 ${SERVE_LIMIT:-330} python3 -m zipfusion bench serve --model llama-3.1-8b-random --device cuda \
       --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --output-len 400 \
-      --num-prompts 160 --request-rates inf --max-concurrency 64 --out "$OUT/serve_8b" > "$OUT/serve_8b.log" 2>&1
+      --num-prompts ${SERVE_N:-160} --request-rates inf --max-concurrency ${SERVE_CONC:-64} --out "$OUT/serve_8b" > "$OUT/serve_8b.log" 2>&1
   echo "serve rc $?"; tail -10 "$OUT/serve_8b.log" | cut -c1-220 ;;
 esac
 done

@@ -21,6 +21,7 @@ from .triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 
 FUSED_MAX_M = 128          # above this M, weight_linear restores and calls cuBLAS (measured faster)
+RESTORE_MAX_VALUES = 1 << 28   # larger weights (vocabulary-sized) run fused in blocks of FUSED_MAX_M rows
 _interleave = same_mode(triton_restore)._interleave      # prmt on the GPU, shifts under the interpreter
 _dot = same_mode(triton_attention)._dot                  # fp32 operands under the interpreter
 
@@ -453,6 +454,10 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
     M = x.numel() // max(1, x.shape[-1])
     if M <= FUSED_MAX_M:
         return fused_linear(x, cw, bias)
+    if cw.shape[0] * cw.shape[1] > RESTORE_MAX_VALUES:     # LM head, tied embedding: no buffer that large
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.cat([fused_linear(x2[i:i + FUSED_MAX_M], cw, bias) for i in range(0, M, FUSED_MAX_M)])
+        return out.view(*x.shape[:-1], cw.shape[0])
     return torch.nn.functional.linear(x, restore_buffer(cw), bias)
 
 
@@ -482,4 +487,6 @@ def warmup(layers, max_m: int) -> None:
         fused_linear(x, cw, b)
     if max_m > FUSED_MAX_M:
         for cw in {id(cw): cw for _, cw, _ in calls}.values():
-            restore_buffer(cw)
+            if cw.shape[0] * cw.shape[1] <= RESTORE_MAX_VALUES:
+                restore_buffer(cw)
+    torch.cuda.empty_cache()             # the build's scratch back: the KV budget is sized from what is free
