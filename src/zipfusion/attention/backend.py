@@ -1,11 +1,6 @@
-"""The engine's attention: one backend made once from the EngineConfig, planned once a step and
-run per layer (FlashInfer's plan/run shape); the only reader of ``attention_backend``,
-``kv_compression`` and ``deterministic`` for attention.
-
-It picks one object per route when built: ``decode`` (decode.py), ``prefill_open`` (a chunk that
-starts its request, prefill_open.py) and ``prefill_stored`` (a chunk over its request's pages,
-prefill_stored.py). A chunk's route depends only on where it starts, its length, the config and
-the device, so compressed and uncompressed runs of one schedule give the same bits.
+"""The engine's attention: one backend made from the EngineConfig, planned once a step, run per layer
+(plan/run), with one route object each for decode, prefill over fresh K/V and prefill over stored
+pages. Routes depend only on a chunk's start and length, the config and the device.
 """
 
 from __future__ import annotations
@@ -36,12 +31,8 @@ class ChunkView:
 
 
 class AttentionBackend:
-    """Decode and prefill attention over a KV cache, as the engine's config says.
-
-    ``kind``: "kernel" (ours; Triton-interpreted on CPU tensors), "torch", "flashinfer" (open
-    pages) or "auto". ``packed``: decode rows behind one shared prefix travel as packed requests
-    (packing.py). Layers with ``windows`` or ``softcap`` attend through ``MaskedAttention``.
-    """
+    """Decode and prefill attention over a KV cache, as the engine's config says (``kind``: "kernel",
+    "torch", "flashinfer" or "auto"; ``packed``: packed decode)."""
 
     def __init__(self, cache, kind: str = "auto", *, kv_compression: bool, deterministic: bool = False,
                  num_qo_heads: int, sm_scale: float, packed: bool = False, check_pages: bool = False,

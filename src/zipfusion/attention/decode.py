@@ -1,10 +1,5 @@
-"""Decode attention: each decode row (a request's newest token) attends to its request's pages.
-
-One route object per way of computing it, picked by the backend: :class:`KernelDecode` (our
-kernel, fused or uncompressed), :class:`Fp8KernelDecode` (E4M3 pages), :class:`TorchDecode` and
-:class:`FlashInferPagedDecode`. Each is prepared once a step and called once a layer:
-``decode(layer, q [B, Hq, D], block_table [B, W], context_lens [B]) -> [B, Hq, D]``. In
-deterministic mode the kernel splits pages into fixed runs and torch sums in fp64.
+"""Decode attention: each decode row attends to its request's pages through one route object
+(our kernel, the FP8 kernels, torch or FlashInfer), prepared once a step and called once a layer.
 """
 
 from __future__ import annotations

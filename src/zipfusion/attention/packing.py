@@ -1,9 +1,6 @@
-"""Packed decode: rows behind one shared prefix restore its pages once per step, in the decode
-kernel itself (docs/design.md). A packed request puts R = 8 / G rows' query heads in the kernel's
-tensor-core columns, its block table the shared pages then each row's own, and ``spans`` masks
-each column to its row's keys. Not bit-identical to the plain kernel (another sum order), so
-deterministic mode never packs; with CUDA graphs a packed step replays its own graph over
-:meth:`PackedPlan.empty` buffers.
+"""Packed decode (docs/design.md): rows behind one shared prefix travel as one request whose query-head
+columns are R rows', so the kernel restores shared pages once for R rows. Another sum order than
+the plain kernel's, so deterministic mode never packs.
 """
 
 from __future__ import annotations

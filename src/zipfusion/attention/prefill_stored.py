@@ -1,12 +1,6 @@
-"""Prefill over stored pages: a continuation chunk (a later piece of a long prompt, a prompt
-behind a prefix-cache hit, a recompute) attends causally to its request's pages, open or
-compressed, and, in deterministic mode, every chunk does.
-
-:class:`RowsPrefill` (deterministic) runs each token as a decode row, so it attends exactly as in
-a decode step; :class:`GatherPrefill` restores the pages into contiguous K/V and runs dense
-attention (varlen FlashAttention, or cuDNN split by :func:`split_prefill` for long chunks, SDPA
-on the CPU), short tails as decode rows. A chunk's route depends only on its length and the
-backend, so compressed and uncompressed runs take the same routes.
+"""Prefill over stored pages: a chunk continuing its request (or, deterministic, every chunk)
+attends to its request's pages, as decode rows (:class:`RowsPrefill`) or restored and attended
+densely (:class:`GatherPrefill`). A chunk's route depends only on its length and the backend.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""``zipfusion bench kernel``: decode attention over compressed KV (``compressed``) against the
-same kernel over open pages (``uncompressed``) and FlashInfer (``flashinfer``), plus the lossy FP8
-side (``fp8``, ``flashinfer_fp8``, ``fp8_lossless``), on CUDA.
-
-Llama-3.1-8B attention shapes, KV with an exact compressible fraction, scattered pages, inputs
-rotated past L2; each kernel timed as a CUDA graph of many calls. ``--device cpu`` is a smoke run
-through the Triton interpreter: it checks the path, its timings mean nothing.
+"""``zipfusion bench kernel``: decode attention over compressed KV against the uncompressed kernel,
+FlashInfer and the FP8 kernels on CUDA, each a CUDA graph of many calls over inputs rotated past
+L2. ``--device cpu`` is an interpreter smoke run whose timings mean nothing.
 """
 
 from __future__ import annotations

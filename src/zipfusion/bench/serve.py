@@ -1,10 +1,6 @@
-"""``zipfusion bench serve``: the serving benchmark, as ``vllm bench serve``.
-
-Per mode it starts ``zipfusion serve`` in its own process (or uses ``--url``), then per request
-rate sends streaming requests of a synthetic dataset (Poisson arrivals, or a closed loop with
-``--max-concurrency``) and records TTFT, ITL, TPOT, latency, throughput, goodput, the server's
-/metrics and its memory. ``--sweep`` finds the saturation and runs fractions of it. The server
-process: :mod:`.server_process`; one rate's requests: :mod:`.client`; the numbers:
+"""``zipfusion bench serve``, as ``vllm bench serve``: per mode a server (or ``--url``), streaming
+requests at each rate (Poisson or a closed loop), latencies, throughput, goodput, /metrics and
+memory; ``--sweep`` finds the saturation. Helpers: :mod:`.server_process`, :mod:`.client`,
 :mod:`.serve_results`.
 """
 

@@ -1,9 +1,5 @@
-"""Lossless block format for FP8 E4M3 KV pages: the torch reference codec (docs/fp8_format.md).
-
-Each 512-value block keeps every byte's sign and mantissa as a nibble and codes its exponent in
-k bits against a base β; the all-ones code escapes to a 4-bit stream. A block takes the smallest
-of the modes raw / blk3 / blk2 / col2 its design allows; a page is one record per (head, K/V)
-followed by the blocks' bodies, padded to 16 bytes.
+"""Lossless block format for FP8 E4M3 KV pages (docs/fp8_format.md), the torch reference codec: each
+block keeps sign and mantissa and codes exponents against a base in the smallest allowed mode.
 """
 
 from __future__ import annotations

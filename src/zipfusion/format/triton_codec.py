@@ -1,9 +1,6 @@
-"""Triton kernels of the page format (docs/format.md): analyze, compress and decompress pages.
-
-One program handles one (page, KV head), each role a tile [nb, 64, 4] of 32-bit words (blocks x
-groups of 8 values x words), so all bit work is register-local. The kernels trust metadata
-written by our encoder; ``decompress_pages(validate=True)`` checks it first. On CPU tensors they
-run under the Triton interpreter.
+"""Triton kernels of the page format (docs/format.md): analyze, compress and decompress pages, one
+program per (page, KV head). They trust our encoder's metadata; ``decompress_pages(validate=True)``
+checks it first.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Paged decode attention over the KV arena: the entry points, their input checks and the choice
-of kernel (the CUDA C++ kernel where it applies, else Triton, also the CPU reference).
-
-``decode_attention`` reads open and compressed pages; ``decode_attention_uncompressed`` runs the
-same arithmetic over open pages only, with the same bits. ``split_pages`` fixes the split size,
-making each request's result independent of the batch. Packed requests (``spans``,
-``slot_heads``, made by attention/packing.py) carry R rows behind shared pages as the R slots of
-one request's query heads, so the shared pages are restored once for all of them.
+"""Paged decode attention over the KV arena: the entry points, their checks and the choice of kernel
+(CUDA C++ where it applies, else Triton). ``split_pages`` makes results batch-invariant; packed
+requests (``spans``) carry several rows behind shared pages (attention/packing.py).
 """
 
 from __future__ import annotations
@@ -256,14 +251,9 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
                      stages: int | None = None, tma: bool | None = None,
                      producer: bool | None = None, spans: torch.Tensor | None = None,
                      slot_heads: int | None = None, window: int | None = None, softcap: float | None = None):
-    """Paged decode attention over open and compressed pages -> [B, Hq, D] bf16.
-
-    ``validate`` checks ids and locations (a device sync; False inside CUDA graphs).
-    ``num_splits`` overrides the split count; ``split_pages`` instead fixes each split's pages,
-    so a request's result depends only on its own inputs (batch-invariant). ``stages``, ``tma``,
-    ``producer`` tune the CUDA kernel, ``tile_pages`` and ``num_warps`` the Triton one.
-    ``window`` (sliding window) and ``softcap`` (Gemma 2) run the Triton kernel.
-    """
+    """Paged decode attention over open and compressed pages -> [B, Hq, D] bf16. ``validate`` checks
+    ids and locations (a sync); ``split_pages`` fixes each split's pages (batch-invariant);
+    ``window`` and ``softcap`` run the Triton kernel; the rest tunes the kernels."""
     return _launch(True, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
                    stages, tma, producer, spans, slot_heads, window, softcap)

@@ -1,11 +1,6 @@
-"""FlashInfer's paged decode over the uncompressed arena (``attention_backend="flashinfer"``), BF16
-or FP8 pages: the baseline a user of SGLang would run, reading our open pages in place (an open
-page is FlashInfer's NHD layout with page size 16).
-
-Page ids are shared by all layers but their locations are not, so one plan serves a step and each
-layer writes its own page indices into a buffer we hand the wrapper (its CUDA-graph mode), with
-device ops a CUDA graph captures. One wrapper per batch size. FP8 pages carry the cache's scales,
-which FlashInfer folds into its softmax: not our FP8 kernel's bits.
+"""FlashInfer's paged decode over the uncompressed arena (``attention_backend="flashinfer"``), the
+baseline SGLang users run, reading our open pages in place: one plan a step, each layer writing
+its own page indices into a buffer the wrapper reads (CUDA-graph mode).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Paged decode attention over FP8 pages in the lossless block format, restored in registers
-(docs/fp8_format.md section 5).
-
-Per tile and role the kernel rebuilds the tile's E4M3 bytes [16·TP, D] (SWAR on 4 byte lanes of a
-word), then runs the open-FP8 kernel's arithmetic, so its output equals ``decode_attention_fp8``'s
-over open pages bit for bit. Corrupt records are clamped, not validated: wrong values, no fault.
+"""Paged decode attention over FP8 pages in the lossless block format (docs/fp8_format.md section 5):
+tiles restored to E4M3 bytes in registers, then the open-FP8 kernel's arithmetic, so the output
+equals ``decode_attention_fp8``'s bit for bit. Corrupt records are clamped: wrong values, no fault.
 """
 
 from __future__ import annotations

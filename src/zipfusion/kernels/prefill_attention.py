@@ -1,11 +1,6 @@
-"""Paged prefill attention over the KV arena, fused with the page decoder (Triton).
-
-C chunks (pieces of prompts) attend causally to their requests' pages, read in place open or
-compressed. ``plan_prefill`` cuts chunks into query tiles once per step (FlashInfer-style
-plan/run); program (item, h) serves a tile's tokens for the whole GQA group of KV head h, so
-K/V tiles and their restore are shared. Tile loads, restore and softmax update are the decode
-kernel's, so every page source gives the same bits, and a row's result depends on its chunk
-alone. ``kv_end`` may end a chunk's keys early; ``lse`` then merges it with the rest.
+"""Paged prefill attention over the KV arena, fused with the page decoder (Triton): chunks attend
+causally to their pages read in place, planned once a step (``plan_prefill``) with the decode
+kernel's loads, restore and softmax, so a row's bits depend on its chunk alone.
 """
 
 from __future__ import annotations

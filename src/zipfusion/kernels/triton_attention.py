@@ -1,11 +1,6 @@
-"""The Triton decode-attention kernel, fused with the page decoder: the CPU-checkable reference
-and the GPU fallback of ``decode_attention``.
-
-Program (b, h, s) runs flash decoding over split s of request b's pages for the G query heads of
-KV head h. Compressed blocks are restored in registers by the format's one restore into the same
-words an open page holds, so the arithmetic after it is shared and open or compressed pages give
-the same bits (the uncompressed kernel is this one with ``COMPRESSED=False``). Its loads, restore
-and softmax update also serve the prefill and FP8 kernels.
+"""The Triton decode-attention kernel, fused with the page decoder: the CPU-checkable reference and
+the GPU fallback. Compressed blocks are restored in registers into the words an open page holds,
+so open and compressed pages give the same bits; its pieces also serve the prefill and FP8 kernels.
 """
 
 from __future__ import annotations

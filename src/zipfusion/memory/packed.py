@@ -1,9 +1,6 @@
-"""Per-layer packed space: where full pages go once compressed.
-
-Pages are bump-allocated by next fit at a fill pointer per layer and *stream* (pages expected to
-be freed together share chunks, so chunks empty by themselves). A stored page is at most an open
-page, which bounds the chunks next fit needs; compaction (``plan_repack``) relays pages densest
-chunk first, so copying in order never overwrites a page not yet copied.
+"""Per-layer packed space for compressed pages: next fit at a fill pointer per layer and stream
+(pages expected to leave together share chunks), and compaction (``plan_repack``) that relays
+pages densest chunk first, so an in-order copy never overwrites an uncopied page.
 """
 
 from __future__ import annotations

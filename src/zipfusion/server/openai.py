@@ -1,10 +1,6 @@
-"""OpenAI-compatible HTTP API (vLLM's request and response shapes): /v1/completions,
-/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize and /version.
-
-Every error comes back in OpenAI's error shape (:mod:`.errors`); limits (:mod:`.limits`) and
-values (:mod:`.protocol`) are checked before the work they guard, and a request that can never
-fit is refused with a 400, so a refused request never disturbs running ones. Tokenization runs
-on a tokenizer thread, never on the event loop; a disconnected client's requests are aborted.
+"""OpenAI-compatible HTTP API with vLLM's shapes and extra routes. Errors come in OpenAI's shape, limits
+and values are checked before the work they guard, tokenization runs off the event loop, and a
+client that leaves has its requests aborted.
 """
 
 from __future__ import annotations
