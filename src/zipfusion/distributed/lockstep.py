@@ -1,8 +1,5 @@
-"""Rank 0's view of every rank's KV cache, and the plan that keeps the workers in step
-(docs/distributed.md). Page ids agree across ranks because every rank applies the same cache
-operations in the same order; rank 0 logs them (:class:`LockstepCache`, :class:`LockstepManager`)
-and the workers replay the log and check their ids. Capacity is the tightest rank's, the stored
-ratio the least compressed rank's.
+"""Rank 0's view of every rank's KV cache (docs/distributed.md): rank 0 logs its cache operations
+and the workers replay them, so page ids agree; capacity is the tightest rank's.
 """
 
 from __future__ import annotations

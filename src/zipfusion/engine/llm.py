@@ -15,12 +15,9 @@ from .sampling import SamplingParams
 
 
 class LLM:
-    """An LLM with a compressed KV cache.
-
-    ``model``: a Hub id, a checkpoint folder, a ``.gguf`` file, ``"demo"``, a compressed
-    checkpoint or a shipped random-weight config (:data:`zipfusion.models.RANDOM_MODELS`).
-    Every other option is a field of :class:`~zipfusion.config.EngineConfig`.
-    """
+    """An LLM with a compressed KV cache. ``model``: a Hub id, a checkpoint folder, a ``.gguf`` file,
+    ``"demo"`` or a shipped random-weight config; every other option is an
+    :class:`~zipfusion.config.EngineConfig` field."""
 
     def __init__(self, model: str = "demo", **options):
         self._engine: LLMEngine | None = LLMEngine(EngineConfig.from_kwargs(model, **options))

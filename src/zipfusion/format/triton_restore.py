@@ -1,8 +1,5 @@
-"""The restore of compressed groups (docs/format.md section 2): the one Triton routine of the
-codec's decompress, decode and prefill kernels (``reference.decode_blocks`` is its torch
-counterpart, ``cuda/decode_attention.cu`` its CUDA one). Four high bytes come from the code word
-and b/2 with one add, escape records XOR into them, and the bytes are interleaved into the four
-words an open page holds there. Arguments: uint32, one element per group.
+"""The restore of compressed groups (docs/format.md section 2): the one Triton routine of the codec,
+decode and prefill kernels, giving the four words an open page holds there.
 """
 
 from __future__ import annotations

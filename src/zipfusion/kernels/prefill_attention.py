@@ -125,12 +125,8 @@ def _host_ints(x, name: str) -> list[int]:
 
 def plan_prefill(q_indptr, q_start, num_q_heads: int, num_kv_heads: int, *,
                  block_m: int | None = None, device=None, kv_end=None) -> PrefillPlan:
-    """Work items for :func:`paged_prefill_attention`, reused by every layer of a step.
-
-    ``kv_end`` [C] (q_start < kv_end <= q_start + rows) ends chunks' keys early (default: plain
-    causal); ``block_m``: query rows per program (tokens x padded group; default 128 on the GPU,
-    64 interpreted). Host ``q_indptr``/``q_start`` need no device sync.
-    """
+    """Work items for :func:`paged_prefill_attention`, reused by every layer of a step (``kv_end``
+    ends chunks' keys early; ``block_m``: query rows per program)."""
     if device is None:
         device = q_indptr.device if isinstance(q_indptr, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
@@ -198,13 +194,9 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
                             lse: torch.Tensor | None = None, validate: bool = True,
                             block_m: int | None = None, tile_pages: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None):
-    """Causal attention of C chunks' query rows (q [T, Hq, D], chunk c = rows
-    q_indptr[c]:q_indptr[c+1] from position q_start[c]) to their pages, read in place.
-
-    ``compressed=False`` reads open pages only (the uncompressed kernel); both give the same bits.
-    ``lse`` (fp32 [T, Hq]) receives each row's log2-sum-exp; an fp32 ``out`` keeps results
-    unrounded. ``validate`` checks page ids and locations (a sync; False inside CUDA graphs).
-    """
+    """Causal attention of C chunks' query rows (chunk c: rows q_indptr[c]:q_indptr[c+1] from position
+    q_start[c]) over their pages in place; ``compressed=False``: open pages only, the same bits.
+    ``lse`` receives each row's log2-sum-exp; ``validate`` checks pages (a sync)."""
     _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout, sm_scale,
                    out, lse)
     if plan is None:

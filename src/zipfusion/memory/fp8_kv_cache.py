@@ -1,8 +1,6 @@
-"""The FP8 KV cache (``kv_cache_dtype="fp8"``): E4M3 pages, one byte a value, in the memory
-manager's arena, so the same memory holds about twice the pages of BF16. Lossy: values are stored
-as ``E4M3_RNE(clamp(x / s, ±448))`` with per-tensor scales. With ``kv_compression``
-(``fp8_lossless``) full pages are sealed into the lossless FP8 block format. ``store`` returns a
-chunk's fresh K/V as the pages hold them, so a prompt sees what later tokens see.
+"""The FP8 KV cache (``kv_cache_dtype="fp8"``, lossy): E4M3 pages, one byte a value, in the arena,
+with per-tensor scales; with ``kv_compression`` full pages are sealed losslessly into the FP8
+block format.
 """
 
 from __future__ import annotations

@@ -184,11 +184,8 @@ class PackedSpace:
         return ch[self.chunk_bytes - self.live_bytes[ch] >= self.max_page_bytes]
 
     def plan_repack(self, layer: int, locs: np.ndarray, sizes: np.ndarray, want: int | None = None):
-        """Next-fit layout of the pages in the layer's victim chunks, or None if none would empty.
-
-        ``want``: free at least this many chunks, repacking only the emptiest victims needed.
-        Returns (copy order, new_locs, kept, freed, fill_chunk, fill_ptr).
-        """
+        """Next-fit layout of the pages in the layer's victim chunks (``want``: free that many, emptiest
+        first), or None: (copy order, new_locs, kept, freed, fill_chunk, fill_ptr)."""
         C = self.chunk_bytes
         vic = self.victims(layer)
         if len(vic) < 2:

@@ -23,13 +23,9 @@ DETERMINISTIC_ROWS = 128
 
 def linear(x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None,
            deterministic: bool = False) -> torch.Tensor:
-    """y = x Wᵀ + b; W a tensor or a :class:`CompressedWeight` (read by the fused kernels).
-
-    ``deterministic``: a row's result must not depend on the other rows. cuBLAS picks its
-    algorithm by shape, so on CUDA rows go in blocks of exactly DETERMINISTIC_ROWS (one shape,
-    one algorithm); on the CPU in fp64, where the sum's order is far below the output rounding.
-    A compressed W is then restored into a reused buffer, so outputs equal the uncompressed ones.
-    """
+    """y = x Wᵀ + b; W a tensor or a :class:`CompressedWeight`. ``deterministic``: a row's bits must not
+    depend on the batch, so on CUDA rows go in blocks of exactly DETERMINISTIC_ROWS (one cuBLAS
+    shape), on the CPU in fp64; a compressed W is then restored into a reused buffer."""
     if isinstance(weight, CompressedWeight):
         if not deterministic:
             return wl.weight_linear(x, weight, bias)

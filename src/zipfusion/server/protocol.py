@@ -1,8 +1,5 @@
-"""Request bodies of the OpenAI-compatible API and their translation into SamplingParams.
-
-Every value is checked at the edge: strict types, finite numbers in range, valid Unicode. An
-OpenAI field not implemented is a 400 that names it; an unknown field is ignored with a warning
-(vLLM's behaviour). A ``seed`` repeats tokens only on a ``--deterministic`` server (:data:`SEED_DOC`).
+"""Request bodies of the OpenAI-compatible API, checked at the edge (strict types, finite numbers in
+range, valid Unicode; unknown fields ignored with a warning as vLLM does), into SamplingParams.
 """
 
 from __future__ import annotations
