@@ -1,7 +1,5 @@
-"""Prefill over open pages: a chunk that starts its request attends causally to its own fresh
-K/V (:class:`OpenPrefill`), on the GPU through cuDNN with shapes padded to ``CUDNN_BUCKET`` so a
-run builds few graphs (built at start-up), elsewhere SDPA. Also the dense attention both prefill
-routes run: :func:`prefill_attention`, :func:`attend_lse`, :func:`cudnn_takes`.
+"""Prefill of a chunk that starts its request, over its own fresh K/V (cuDNN on the GPU, shapes
+bucketed so a run builds few graphs; SDPA elsewhere), and the dense attention both routes run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The offline harness of ``zipfusion bench throughput`` / ``latency`` and benchmarks/workloads.py:
-a warmed-up engine, requests run to the end with every step's numbers kept, and each (workload,
-mode) in its own worker process (``python -m zipfusion.bench.offline KIND JOB_JSON SECONDS``,
-printing ``RESULT {json}`` last).
+"""The offline harness of ``zipfusion bench throughput`` / ``latency`` and benchmarks/workloads.py: a
+warmed-up engine, every step's numbers, each (workload, mode) in its own worker process.
 """
 
 from __future__ import annotations

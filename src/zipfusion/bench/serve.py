@@ -1,7 +1,5 @@
-"""``zipfusion bench serve``, as ``vllm bench serve``: per mode a server (or ``--url``), streaming
-requests at each rate (Poisson or a closed loop), latencies, throughput, goodput, /metrics and
-memory; ``--sweep`` finds the saturation. Helpers: :mod:`.server_process`, :mod:`.client`,
-:mod:`.serve_results`.
+"""``zipfusion bench serve``, as ``vllm bench serve``: per mode a server, streaming requests at each
+rate, latencies, throughput, goodput, /metrics and memory; ``--sweep`` finds the saturation.
 """
 
 from __future__ import annotations

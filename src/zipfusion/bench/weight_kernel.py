@@ -1,7 +1,5 @@
-"""``zipfusion bench kernel --linear``: linear layers over weights in the lossless weight format
-(``fused``, ``weight_linear``, ``restore_cublas``, ``restore``) against cuBLAS over the BF16
-weights (``cublas``), Gaussian weights rotated past L2, each case a CUDA graph of many calls.
-``--device cpu``: a smoke run through the Triton interpreter; timings mean nothing.
+"""``zipfusion bench kernel --linear``: linear layers over compressed weights against cuBLAS over
+BF16, each case a CUDA graph of many calls (``--device cpu``: an interpreter smoke run).
 """
 
 from __future__ import annotations

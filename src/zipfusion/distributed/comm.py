@@ -1,7 +1,5 @@
-"""The one communication layer of tensor parallelism: ``tp_group`` for the model's collectives
-(NCCL on CUDA, so CUDA graphs capture them; gloo on the CPU) and ``ctrl`` (gloo) for rank 0's
-messages and the ranks' reports, whose all-gather rank 0 leaves pending until it needs them.
-Every collective has the engine's timeout.
+"""The communication layer of tensor parallelism: ``tp_group`` for the model's collectives (NCCL on
+CUDA), ``ctrl`` (gloo) for rank 0's messages and the ranks' reports.
 """
 
 from __future__ import annotations

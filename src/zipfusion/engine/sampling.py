@@ -1,7 +1,5 @@
-"""Sampling parameters and the batched sampler (vLLM's order and semantics): logit bias, then
-repetition, frequency and presence penalties; greedy rows take the argmax, the others are cut to
-top-k / top-p and sampled by the exponential race, a seeded request from its own generator so its
-tokens do not depend on the batch. Logprobs come from the raw logits (vLLM's ``raw_logprobs``).
+"""Sampling parameters and the batched sampler, in vLLM's order and semantics; a seeded request
+draws from its own generator, so its tokens do not depend on the batch.
 """
 
 from __future__ import annotations

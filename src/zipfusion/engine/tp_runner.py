@@ -1,7 +1,5 @@
-"""The model runner on every rank of a tensor-parallel engine (docs/distributed.md). Rank 0's
-:class:`TPRunner` sends each call to the workers first; each worker (:func:`serve`) follows with
-its shard. The step plan carries only what a worker has not seen yet (:class:`PlanWriter`), and
-the worker rebuilds rank 0's SchedulerOutput over shadow requests (:class:`PlanReader`).
+"""The model runner on every rank of a tensor-parallel engine (docs/distributed.md): rank 0 sends
+each call to the workers first, with only what they have not seen of the step.
 """
 
 from __future__ import annotations

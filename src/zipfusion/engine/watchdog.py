@@ -1,7 +1,5 @@
-"""A stalled step ends the process with every thread's stack, instead of hanging for ever: a GPU
-kernel that never finishes cannot be recovered inside the process. As SGLang's
-``--watchdog-timeout``, a daemon thread checks the running step about once a second and exits
-with :data:`EXIT_CODE` past ``timeout_s``, so a supervisor restarts it.
+"""A stalled step ends the process with every thread's stack instead of hanging (a kernel that never
+finishes cannot be recovered in-process), so a supervisor restarts it; as SGLang's watchdog.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The lossless BF16 weight format (docs/format.md, "Weights"): the torch reference that defines
-the bits the kernels (:mod:`zipfusion.kernels.weight_linear`) read. Rows of ``W [N, K]`` are cut
-into blocks of :data:`WEIGHT_BLOCK` values along K, each value a low byte and a 4-bit code against
-the block's base; values outside the window are escapes kept in a sorted list.
+"""The lossless BF16 weight format (docs/format.md, "Weights"): the torch reference defining the bits
+the weight kernels read.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The CUDA C++ decode-attention kernel (``cuda/decode_attention.cu``): built with ``nvcc`` on
-first use into a library cached under ``$ZIPFUSION_KERNEL_CACHE`` (keyed by source hash, arch and
-defines), called through ``ctypes`` on torch's current stream (so CUDA graphs capture it). Head
-dim 128, GQA groups up to 16, sm_80+; everything else goes to the Triton kernel.
+"""The CUDA C++ decode-attention kernel (``cuda/decode_attention.cu``): built with nvcc on first use,
+cached, called through ctypes on torch's current stream; head dim 128, groups up to 16, sm_80+.
 """
 
 from __future__ import annotations

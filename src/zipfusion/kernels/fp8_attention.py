@@ -1,7 +1,5 @@
-"""Paged decode attention over open FP8 (E4M3) pages: the Triton kernel and its entry point.
-Per tile it loads and dequantizes head h's K/V bytes (``fp8_kv.e4m3_dequant``), then runs the BF16
-kernels' arithmetic, splits and merge, so its output equals the uncompressed BF16 kernel's over
-the dequantized values bit for bit. The CUDA C++ kernel reads no FP8.
+"""Paged decode attention over open FP8 (E4M3) pages: dequantize a tile, then the BF16 kernels'
+arithmetic, so the output equals the uncompressed BF16 kernel's over the dequantized values.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Split-KV planning shared by the Triton and CUDA launchers (flash decoding): each split writes a
-partial output and its log-sum-exp, merged afterwards. ``split_pages`` fixes the split size, so a
-request's result depends only on its own inputs; otherwise each request's pages are balanced over
-the splits in whole tiles (passed to the kernels as ``pages = -tile``).
+"""Split-KV planning shared by the Triton and CUDA launchers: fixed split sizes (``split_pages``,
+batch-invariant) or each request's pages balanced over the splits in whole tiles.
 """
 
 from __future__ import annotations

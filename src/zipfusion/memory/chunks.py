@@ -1,7 +1,5 @@
-"""The chunk pool: free fixed-size chunks of the arena that any layer may take (one shared pool,
-or ``shared=False``: each layer its own share). A chunk freed on CUDA is *pending* until the
-kernels queued before the free ran (an event); ``take`` may hand out a pending chunk after making
-the current stream wait for it, so the host never stalls.
+"""The chunk pool: fixed-size arena chunks any layer may take. A chunk freed on CUDA is pending until
+the kernels queued before the free ran; ``take`` may hand it out after making the stream wait.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Which codec compresses full open pages in the arena and decodes stored ones: the one dispatch
-point. On CUDA the Triton codec, else the torch reference (the same bytes); FP8 pages use the
-torch FP8 block codec everywhere. ``analyze`` returns the sizes on their way to the host, so the
-caller decides when to wait; ``encode`` writes any subset of an analysis without a sync.
+"""Which codec compresses open pages and decodes stored ones (Triton on CUDA, else the torch
+reference: the same bytes). ``analyze`` hands back sizes on their way to the host.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Bit-exact byte moves inside the arena (compaction, pages stored in open form), through a
-temporary buffer in batches so a page may slide onto its own old bytes; a Triton kernel on CUDA,
-a gather/scatter of 16-byte rows elsewhere. ``to_device`` / ``HostArray`` move index arrays to
-and from the GPU through pinned memory without a stream sync.
+"""Bit-exact byte moves inside the arena, through a temporary buffer in batches; ``to_device`` and
+``HostArray`` move arrays to and from the GPU through pinned memory without a stream sync.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The page table: page id -> where the page lives in every layer. Host arrays are the truth;
-``page_loc`` is the kernels' copy (bit 0 tags open pages, format/layout.py), mirrored on CUDA
-after each change or, ``deferred``, in one copy at :meth:`flush`. A page id is the same in every
-layer and never changes while its request lives; only its location does.
+``page_loc`` is the kernels' copy, mirrored on CUDA per change or, ``deferred``, at :meth:`flush`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""GGUF checkpoints (llama.cpp's single-file format): config, weights and tokenizer from one file,
-read with the ``gguf`` package and turned into what a Hugging Face checkpoint would give (names
-mapped, tensors dequantized, llama.cpp's q/k row order undone, Gemma's 1 + w norms loaded as w).
-The reader of the last files opened is kept: parsing a large vocabulary takes seconds.
+"""GGUF checkpoints: config, weights and tokenizer from one file, turned into what a Hugging Face
+checkpoint would give (llama.cpp's q/k row order undone, Gemma's 1 + w norms loaded as w).
 """
 
 from __future__ import annotations

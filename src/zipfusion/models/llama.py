@@ -1,7 +1,5 @@
-"""One decoder for every family (Llama 3.x, Qwen2/2.5/3, Mistral, Phi-3, Gemma 2/3, Qwen3-MoE,
-Mixtral), differing only by ModelConfig options. The model knows the KV cache only through
-:class:`KVCacheStep`; a step's tokens are one flat ``[T]`` batch. Parameter names match Hugging
-Face's, except that q|k|v and gate|up are stacked (:data:`STACKED`).
+"""One decoder for every family, differing only by ModelConfig options; it knows the KV cache only
+through :class:`KVCacheStep`. Parameter names are Hugging Face's, q|k|v and gate|up stacked.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""What one request may ask of the server: each limit is a ``zipfusion serve`` option and a field
-here, each refusal a 4xx in OpenAI's error shape before any work. ``max_sequences`` defaults to a
-quarter of ``max_num_seqs``, so one request leaves most of the batch to the others. Imports
-neither fastapi nor torch (the CLI reads the defaults for ``--help``).
+"""What one request may ask of the server: each limit a ``zipfusion serve`` option and a field here,
+each refusal a 4xx before any work. Imports neither fastapi nor torch (the CLI reads it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Tool calling on /v1/chat/completions (``tools``, ``tool_choice``), as vLLM's parsers: the
-``hermes`` format (Qwen, and the fallback) or ``llama3_json`` (Llama 3.x), chosen from the chat
-template. ``required`` and a named function hold the output to the calls' grammar; ``auto``
-parses what the model wrote, and text that is not a well-formed call stays content.
+"""Tool calling on /v1/chat/completions as vLLM's parsers (``hermes`` or ``llama3_json``, from the
+chat template); ``required`` and a named function hold the output to the calls' grammar.
 """
 
 from __future__ import annotations
