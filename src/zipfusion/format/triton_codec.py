@@ -23,7 +23,7 @@ _restore_group = same_mode(triton_restore).restore_group
 _E = same_mode(triton_encode)
 _sum, _minr, _maxr, _tile_bases = _E.sum_, _E.minr, _E.maxr, _E.tile_bases
 _lo16, _code16, _clean, _escape_words = _E.lo16, _E.code16, _E.clean, _E.escape_words
-PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
+PT = tl.constexpr(PAGE_TOKENS)
 ESC_WORD = tl.constexpr(COMPRESSED_BLOCK_BYTES // 4)  # the escape chunk's first word in a block
 
 
@@ -95,7 +95,7 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
     """Write record (h, R): its M metadata bytes and NB block bodies, at word pointer dst."""
     j, g, k = _group_index(NB)
     rec = h * 2 + R
-    start, bh = _record_starts(first, bh_ptr, NB)                       # [NB] bytes, [NB]
+    start, bh = _record_starts(first, bh_ptr, NB)
     # metadata record: u32 offset of block 0, then the metadata bytes, 4 to a word
     tl.store(dst + rec * (M // 4), first)
     for q in tl.static_range(1, M // 4):
@@ -105,7 +105,7 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
                 word = word | (tl.load(bh_ptr + 4 * (q - 1) + i).to(tl.int32) << (8 * i))
         tl.store(dst + rec * (M // 4) + q, word)
 
-    w = tl.load(src + _open_word_offsets(R, h, H, D, NB))               # [NB, 64, 4] int32
+    w = tl.load(src + _open_word_offsets(R, h, H, D, NB))
     start_w1 = tl.multiple_of(start // 4, 4)                            # blocks 16-aligned
     start_w = start_w1[:, None, None]
     raw1 = bh == RAW_MARK_C
@@ -121,7 +121,7 @@ def _encode_record(src, dst, bh_ptr, first, R: tl.constexpr, h, H: tl.constexpr,
     lo_4567 = _lo16(w2) | (_lo16(w3) << 16)
     bhc = bh7[:, None]
     code = _code16(w0, w2, bhc) | (_code16(w1, w3, bhc) << 16)
-    lo = tl.join(lo_0123, lo_4567).to(tl.int32, bitcast=True)          # [NB, 64, 2]
+    lo = tl.join(lo_0123, lo_4567).to(tl.int32, bitcast=True)
     m = tl.arange(0, 2)[None, None, :]
     tl.store(dst + start_w + 2 * g + m, lo, mask=~is_raw)
     # contiguity 1: one 4-byte store per thread in the layout the codes were computed in
@@ -176,7 +176,7 @@ def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
     for R in tl.static_range(2):
         rec = (h * 2 + R) * M
         first = tl.load(page_w + rec // 4)                                # u32 offset of block 0
-        start, bh = _record_starts(first, arena_ptr + off + rec + 4, NB)  # metadata bytes
+        start, bh = _record_starts(first, arena_ptr + off + rec + 4, NB)
         start_w1 = tl.multiple_of(start // 4, 4)
         start_w = start_w1[:, None, None]
         raw1 = bh == RAW_MARK_C
@@ -192,7 +192,7 @@ def _decompress_kernel(arena_ptr, offsets_ptr, out_ptr,
         esc1 = ((bh & FLAG_C) != 0) & ~raw1
         e0 = tl.load(page_w + start_w1 + ESC_WORD, mask=esc1, other=0).to(tl.uint32, bitcast=True)
         e1 = tl.load(page_w + start_w1 + ESC_WORD + 1, mask=esc1, other=0).to(tl.uint32, bitcast=True)
-        gq = (tl.arange(0, 64)[None, :] + 0 * start[:, None]).to(tl.uint32)   # group in block
+        gq = (tl.arange(0, 64)[None, :] + 0 * start[:, None]).to(tl.uint32)
         any_esc = _maxr(esc1.to(tl.int32), axis=0) != 0
         w0, w1, w2, w3 = _restore_group(lo0, lo1, c, (bh & 0x7F)[:, None] + 0 * gq,
                                         e0[:, None] + 0 * gq, e1[:, None] + 0 * gq, gq, any_esc,
