@@ -35,10 +35,6 @@ def _module(device: torch.device):
     return kernel_module(device, __name__, __file__, _interpreting())
 
 
-# ------------------------------------------------------------------------------------------
-# The restore of a tile: [BN, BK] bf16 from the planes
-# ------------------------------------------------------------------------------------------
-
 @triton.jit
 def _hi_bytes(code, bh):
     """High bytes of values 0..3 and 4..7 of groups (uint32; bh = b/2): s << 7 | (bh + d), or
@@ -118,10 +114,6 @@ def _to_out(acc, INTERPRET: tl.constexpr):
     else:
         return acc.to(tl.bfloat16)
 
-
-# ------------------------------------------------------------------------------------------
-# The fused kernel
-# ------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
@@ -218,10 +210,6 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr,
     tl.store(out_ptr + i, _to_out(acc, INTERPRET), mask=mask)
 
 
-# ------------------------------------------------------------------------------------------
-# The restore kernel (whole matrix or gathered rows)
-# ------------------------------------------------------------------------------------------
-
 @triton.jit(do_not_specialize=["T"])
 def _restore_kernel(lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr, ids_ptr,
                     out_ptr, T, N, K, Kp, GATHER: tl.constexpr, BN: tl.constexpr,
@@ -257,10 +245,6 @@ def _restore_kernel(lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, ev
         hit = (src[:, None] == er[None, :]) & imask[:, None]
         tl.store(dst + ec[None, :], tl.broadcast_to(ev[None, :], (BN, 16)), mask=hit)
 
-
-# ------------------------------------------------------------------------------------------
-# Launch configuration
-# ------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
@@ -301,10 +285,6 @@ def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
     return cfg
 
 
-# ------------------------------------------------------------------------------------------
-# Python entry points
-# ------------------------------------------------------------------------------------------
-
 def _check(x: torch.Tensor, cw: CompressedWeight, bias):
     if not isinstance(cw, CompressedWeight):
         raise TypeError(f"cw must be a zipfusion.format.weights.CompressedWeight, got {type(cw).__name__}")
@@ -321,12 +301,8 @@ def _check(x: torch.Tensor, cw: CompressedWeight, bias):
 def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | None = None,
                  *, mode: int = 0, plain: torch.Tensor | None = None, compile_only: bool = False,
                  **override) -> torch.Tensor:
-    """``x [..., K] @ Wᵀ (+ bias)`` -> bf16 [..., N], W restored in registers (module docstring).
-
-    Not bit-equal to ``F.linear`` (another summation order); deterministic for a given M.
-    ``mode`` 1 and 3 (restore skipped or cut: wrong values) and 2 (``plain`` BF16 W read by the
-    same kernel) are measurements only; ``override`` sets launch parameters (:func:`plan`);
-    ``compile_only`` builds the kernel without launching it (:func:`warmup`)."""
+    """``x @ Wᵀ (+ bias)`` -> bf16, deterministic for a given M. ``mode`` 1-3: measurements only (1, 3
+    cut the restore; 2 reads ``plain`` BF16); ``override``: launch parameters (:func:`plan`)."""
     _check(x, cw, bias)
     lead, (N, K), Kp = x.shape[:-1], cw.shape, cw.padded_k
     x2 = x.reshape(-1, K)
@@ -402,9 +378,7 @@ def restore_into(cw: CompressedWeight, out: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(cw: CompressedWeight, ids: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
-    """Rows ``ids`` (int tensor [T], values in [0, N)) of W, restored bit for bit: bf16 [T, K]. The
-    Triton kernel on CUDA, the torch reference elsewhere (``kernel=True``: the kernel anyway,
-    through the interpreter on the CPU)."""
+    """Rows ``ids`` of W restored bit for bit (bf16 [T, K]): the kernel on CUDA or with ``kernel=True``."""
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {list(ids.shape)}")
     ids = ids.to(cw.device)
@@ -420,8 +394,7 @@ COUNTERS = 1 << 16       # split-K tiles one launch can count (more: the separat
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The split-K tile counters of ``device`` (zeros; each launch leaves them zero). Launches on
-    one device must not overlap in time (one stream, as the engine runs)."""
+    """The split-K tile counters of ``device``, left zero by each launch (one stream at a time)."""
     c = _COUNTERS.get(device)
     if c is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -432,8 +405,7 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def restore_buffer(cw: CompressedWeight) -> torch.Tensor:
-    """W restored into the module's reused buffer of cw's device (grown as needed, never while a
-    CUDA graph is being captured: call :func:`warmup` first)."""
+    """W restored into the device's reused buffer (grown by :func:`warmup`, never during capture)."""
     n = cw.shape[0] * cw.shape[1]
     buf = _BUFFERS.get(cw.device)
     if buf is None or buf.numel() < n:
@@ -462,10 +434,8 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
 
 
 def warmup(layers, max_m: int) -> None:
-    """Build every fused-kernel variant the engine will launch (each weight shape's M buckets up to
-    ``max_m``, with its bias or not), compiled side by side in threads, then launch each once and
-    size the restore buffer and the split-K counters, so that CUDA graph capture finds all built.
-    ``layers``: ``(CompressedWeight, bias or None)`` pairs (:func:`compressed_weights`)."""
+    """Build, in parallel threads, every fused-kernel variant for ``(weight, bias)`` pairs up to
+    ``max_m`` rows, with the restore buffer and counters, so CUDA graph capture builds nothing."""
     calls, seen = [], set()
     top = max(1, min(max_m, FUSED_MAX_M))
     for cw, bias in layers:
