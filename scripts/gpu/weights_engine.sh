@@ -65,7 +65,7 @@ EOF
   done ;;
 serve)
   timeout -k 10 ${SERVE_LIMIT:-330} python3 -m zipfusion bench serve --model llama-3.1-8b-random --device cuda \
-      --kv-memory-gb 16 --compare weights,compressed,uncompressed --dataset reasoning --output-len 400 \
+      --kv-memory-gb 16 --compare ${SERVE_MODES:-weights,compressed,uncompressed} --dataset reasoning --output-len 400 \
       --num-prompts ${SERVE_N:-160} --request-rates inf --max-concurrency ${SERVE_CONC:-64} --out "$OUT/serve_8b" > "$OUT/serve_8b.log" 2>&1
   echo "serve rc $?"; tail -10 "$OUT/serve_8b.log" | cut -c1-220 ;;
 esac
