@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from zipfusion.engine import LLM, SamplingParams  # noqa: E402
-from zipfusion.testing import run_to_completion  # noqa: E402
+from zipfusion.testing import LateEvent, run_to_completion  # noqa: E402
 from helpers import save_tiny_checkpoint, save_word_tokenizer  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -435,26 +435,6 @@ def test_async_scheduling_gives_the_same_tokens_through_stops_preemption_and_abo
     assert ahead[-1].output_ids == free[-1][:len(ahead[-1].output_ids)]
 
 
-class LateEvent:
-    """A chunk release's event as on a GPU running behind the host: done only once the engine
-    has started ``lag`` more steps. ``wait`` is the device's wait (``torch.cuda.Event.wait``:
-    later kernels of the stream wait for it; the host goes on), counted."""
-    clock = 0
-    waits = 0
-
-    def __init__(self, lag: int):
-        self.at = LateEvent.clock + lag
-
-    def query(self) -> bool:
-        return LateEvent.clock >= self.at
-
-    def wait(self) -> None:
-        LateEvent.waits += 1
-
-    def synchronize(self) -> None:
-        raise AssertionError("the host waited for a released chunk's reads")
-
-
 @pytest.mark.parametrize("lag", [1, 4])
 def test_chunks_returning_late_and_scheduling_ahead_give_the_plain_runs_bits(ckpts, monkeypatch, lag):
     """The GPU's order of events on the CPU: released chunks stay pending until their event
@@ -473,15 +453,15 @@ def test_chunks_returning_late_and_scheduling_ahead_give_the_plain_runs_bits(ckp
     outs = torch.randint(4, 40, (24,), generator=rng).tolist()
     page = 2 * 16 * 2 * 64 * 2                                   # one open page of one layer
     init, step = page_table.PageTable.__init__, llm_engine.LLMEngine.step
+    clock, waits = [0], [0]
 
     def run(late: bool):
         if late:
-            LateEvent.clock = LateEvent.waits = 0
-            monkeypatch.setattr(chunks.ChunkPool, "_reads_done", lambda self: LateEvent(lag))
+            monkeypatch.setattr(chunks.ChunkPool, "_reads_done", lambda self: LateEvent(clock, lag, waits))
             monkeypatch.setattr(page_table.PageTable, "__init__",
                                 lambda self, L, P, device, mirrored=None: init(self, L, P, device, True))
             monkeypatch.setattr(llm_engine.LLMEngine, "step",
-                                lambda self: setattr(LateEvent, "clock", LateEvent.clock + 1) or step(self))
+                                lambda self: clock.__setitem__(0, clock[0] + 1) or step(self))
         llm = LLM(str(path), dtype="bfloat16", device="cpu", deterministic=True, kv_memory_gb=48 * page / 2**30,
                   chunk_bytes=4 * page, max_num_batched_tokens=64, max_model_len=160, admission="optimistic",
                   kv_host_memory_gb=0.002)
@@ -496,7 +476,7 @@ def test_chunks_returning_late_and_scheduling_ahead_give_the_plain_runs_bits(ckp
 
     plain = run(False)
     late = run(True)
-    assert LateEvent.waits > 0                              # some take's chunk was still pending
+    assert waits[0] > 0                              # some take's chunk was still pending
     for a, b in zip(plain, late):
         assert a.output_ids == b.output_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

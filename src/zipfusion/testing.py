@@ -122,3 +122,23 @@ def reference_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr,
         sc = sc.masked_fill(torch.arange(L, device=q.device)[None, :] > pos, float("-inf"))
         res[a:b] = torch.einsum("htl,lhd->thd", torch.softmax(sc, -1), v)
     return res.to(out_dtype)
+
+
+class LateEvent:
+    """A chunk release's event as on a device running behind the host, for the CPU (stood in for
+    ``ChunkPool._reads_done``): done once ``clock`` (a one-item list the caller moves on, e.g. a
+    step count) has gone ``lag`` past its value at the release. ``wait`` is the device's wait
+    (later kernels wait, the host goes on), counted in ``waits``; ``synchronize`` would be a host
+    wait, which the engine must never need."""
+
+    def __init__(self, clock: list, lag: int, waits: list):
+        self.clock, self.at, self.waits = clock, clock[0] + lag, waits
+
+    def query(self) -> bool:
+        return self.clock[0] >= self.at
+
+    def wait(self) -> None:
+        self.waits[0] += 1
+
+    def synchronize(self) -> None:
+        raise AssertionError("the host waited for a released chunk's reads")
