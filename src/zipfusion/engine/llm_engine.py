@@ -73,7 +73,7 @@ class LLMEngine:
         self.host_tier = self._build_host_tier()
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
-                                   host_tier=self.host_tier, tuning=cfg.tuning)
+                                   host_tier=self.host_tier, tuning=cfg.tuning, window=self._kv_window())
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe
@@ -157,6 +157,14 @@ class LLMEngine:
             raise ValueError(f"kv_host_memory_gb={gb:g} is more than the host's free memory; pass a smaller one")
         from ..memory.host_tier import HostTier
         return HostTier(self.cache.manager, int(gb * 2**30), cfg.tuning)
+
+    def _kv_window(self) -> int | None:
+        """The largest sliding window when every layer has one (pages wholly before it are given
+        back), else None; under tensor parallelism None too (each rank would need its own)."""
+        ws = self.model_config.sliding_windows
+        if not ws or None in ws or self.tp or max(ws) + PAGE_TOKENS > self.max_model_len:
+            return None                         # (a window as long as a request: nothing to drop)
+        return max(ws)
 
     def _check_one_request_fits(self, asked: bool) -> None:
         """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
@@ -427,7 +435,7 @@ class LLMEngine:
     def _note_kv_stats(self, placed: int) -> None:
         """Keep the cache's numbers from the step with the most pages in use, taken again when
         pages were compressed."""
-        pages = sum(len(r.pages) for r in self.scheduler.running)
+        pages = sum(len(r.pages) - r.dropped_pages for r in self.scheduler.running)
         if self.peak_kv_stats is None or pages > self._peak_pages or (placed and pages == self._peak_pages):
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()

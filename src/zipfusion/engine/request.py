@@ -31,6 +31,7 @@ class Request:
     num_computed: int = 0
     num_sealed_pages: int = 0          # full pages already handed to the memory manager to compress
     prefix_node: int = 0               # prefix-cache node naming pages[:num_sealed_pages] (0: none)
+    dropped_pages: int = 0             # leading pages given back (behind every window): the null page
     num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
     status: Status = Status.WAITING
     finish_reason: str | None = None

@@ -100,7 +100,7 @@ class ModelRunner:
         vec, table = host["vec"].numpy(), host["block_table"].numpy()
         n = len(reqs)
         for i, r in enumerate(reqs):
-            key = (r.request_id, len(r.pages), r.pages[-1] if r.pages else -1)
+            key = (r.request_id, len(r.pages), r.pages[-1] if r.pages else -1, r.dropped_pages)
             if owners[i] != key:                                       # new request here, or a new page
                 if key[1] > W:
                     raise ValueError(f"request {r.request_id} has {key[1]} pages > max_model_len allows ({W})")

@@ -84,16 +84,17 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
-                 host_tier=None, tuning: Tuning = Tuning()):
+                 host_tier=None, tuning: Tuning = Tuning(), window: int | None = None):
         # the options were checked once, by EngineConfig
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.tuning = tuning
-        self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
+        self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens, window=window)
         self.pages = PageStore(cache, prefix_caching=prefix_caching, host_tier=host_tier,
                                fill_stream_of=self._fill_streams,
-                               promised=lambda: self.admission.promised_pages(self._running_needs()))
+                               promised=lambda: self.admission.promised_pages(self._running_needs()),
+                               window=window)
         self.prefix = self.pages.prefix          # matching and holding cached prefixes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -111,6 +112,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.pages.drop_behind(self.running)
         while True:
             self._schedule_decode(out)
             self._schedule_prefill(out, self.max_num_batched_tokens - len(out.decode))
@@ -302,7 +304,7 @@ class Scheduler:
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
 
     def _running_needs(self) -> RunningBatch:
-        return RunningBatch([(len(r.pages), len(r.prompt_ids) + len(r.output_ids), self._max_total_tokens(r),
+        return RunningBatch([(len(r.pages) - r.dropped_pages, len(r.prompt_ids) + len(r.output_ids), self._max_total_tokens(r),
                               r.params.fixed_length, len(r.prompt_ids)) for r in self.running])
 
     def _preempt(self, req: Request) -> Request:
@@ -360,8 +362,7 @@ class Scheduler:
 
     def _free_pages(self, req: Request) -> None:
         """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
-        self.pages.release(req.pages)
-        req.pages = []
+        self.pages.release_request(req)
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached page nobody holds; how many were freed."""

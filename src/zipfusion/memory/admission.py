@@ -75,6 +75,12 @@ def pages_for_tokens(num_tokens: int) -> int:
     return -(-num_tokens // PAGE_TOKENS)
 
 
+def window_pages(window: int | None) -> int | None:
+    """Most pages a request holds at once when every layer sees only its last ``window`` keys
+    (the page store gives back those wholly before): the pages ``window`` tokens can span."""
+    return None if window is None else -(-(window - 1) // PAGE_TOKENS) + 1
+
+
 @dataclass(frozen=True)
 class RunningRequest:
     """What admission needs to know of a running request."""
@@ -103,14 +109,21 @@ class Admission:
     """``cache``: anything with ``capacity_new_pages()`` and ``stored_ratio()`` (the memory
     manager, or the engine's KV cache)."""
 
-    def __init__(self, cache, mode: str = "estimate", step_tokens: int = 0):
+    def __init__(self, cache, mode: str = "estimate", step_tokens: int = 0, window: int | None = None):
         if mode not in MODES:
             raise ValueError(f"admission mode must be one of {MODES}, got {mode!r}")
         self.cache, self.mode, self.step_pages = cache, mode, pages_for_tokens(step_tokens)
+        self.cap = window_pages(window)      # pages a request holds at most (sliding window), or None
         self.margin = BASE_MARGIN
         self.out_frac = 1.0
 
     # -- the estimates ----------------------------------------------------------------------
+    def _span(self, tokens):
+        """Pages of ``tokens`` tokens a request holds at once (int or array): all of them, or at
+        most ``cap`` under a sliding window."""
+        pages = -(-tokens // PAGE_TOKENS)
+        return pages if self.cap is None else np.minimum(pages, self.cap)
+
     def ratio(self) -> float:
         """r': the share of an open page a future page is counted as."""
         if self.mode not in ESTIMATED:
@@ -141,8 +154,8 @@ class Admission:
         left = np.maximum(0, total - tokens)
         if self.mode in ESTIMATED:
             left = np.where(certain != 0, left, np.ceil(np.minimum(left, CLIP_TOKENS) * self.out_frac).astype(np.int64))
-        have = np.maximum(held, -(-tokens // PAGE_TOKENS)) if outputs_only else held
-        future = np.maximum(0, -(-(tokens + left) // PAGE_TOKENS) - have)
+        have = np.maximum(held, self._span(tokens)) if outputs_only else held
+        future = np.maximum(0, self._span(tokens + left) - have)
         sure = certain != 0
         if self.mode != "lookahead" or not sure.any() or outputs_only:
             return math.ceil(r * int(future.sum()))
@@ -160,9 +173,9 @@ class Admission:
         only rises, so the busiest step is t = 0 or some request's last counted step."""
         end = left + FINISH_SLACK_STEPS
         times = np.unique(np.concatenate([[0], end]))
-        grown = -(-np.minimum(tokens[:, None] + times[None, :], (tokens + left)[:, None]) // PAGE_TOKENS)
+        grown = self._span(np.minimum(tokens[:, None] + times[None, :], (tokens + left)[:, None]))
         alive = end[:, None] >= times[None, :]
-        shared = prompt // PAGE_TOKENS
+        shared = prompt // PAGE_TOKENS if self.cap is None else np.minimum(prompt // PAGE_TOKENS, self.cap)
         keep = np.maximum(0, shared - held)[:, None]
         need = np.where(alive, np.maximum(0, grown - held[:, None]), keep).sum(axis=0)
         own = np.maximum(0, held - 1 - shared)
@@ -198,7 +211,7 @@ class Admission:
         if self.mode == "lookahead" and (certain or running.rows[:, 3].any()):   # trajectories: the busiest step
             row = (held_pages + 1, prompt_tokens, prompt_tokens + max_new_tokens, int(certain), prompt_tokens)  # +1: its last page
             return self.reserved_pages(running, extra=row, r=r) + 1 + transient - self.cache.capacity_new_pages()
-        new = math.ceil(r * max(0, pages_for_tokens(whole) - held_pages - 1)) + 1
+        new = math.ceil(r * max(0, int(self._span(whole)) - held_pages - 1)) + 1
         return new + transient + self.reserved_pages(running, r=r) - self._room(running, prompt_tokens, whole, r)
 
     def _room(self, running: RunningBatch, prompt_tokens: int, whole: int, r: float) -> int:
@@ -212,7 +225,7 @@ class Admission:
         if spare <= 0:
             return room
         outputs = self.reserved_pages(running, r=r, outputs_only=True)
-        outputs += math.ceil(r * (pages_for_tokens(whole) - pages_for_tokens(prompt_tokens)))
+        outputs += math.ceil(r * int(self._span(whole) - self._span(prompt_tokens)))
         return room + min(spare, outputs)
 
     def transient_pages(self, prompt_tokens: int, held_pages: int, running: RunningBatch,

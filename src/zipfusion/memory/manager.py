@@ -488,8 +488,14 @@ class KVCacheManager:
 
     def read_pages(self, layer: int, ids: Iterable[int]) -> torch.Tensor:
         """Contents [n, 2, 16, H, D] of pages, open or compressed (decoded): bf16, or the
-        layout's ``element_dtype`` (E4M3 codes of FP8 pages)."""
+        layout's ``element_dtype`` (E4M3 codes of FP8 pages). A page may be named more than once
+        (the null page in a windowed request's dropped places)."""
         self._check_layer(layer)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        once = list(dict.fromkeys(ids))
+        if len(once) < len(ids):
+            at = {p: i for i, p in enumerate(once)}
+            return self.read_pages(layer, once)[torch.tensor([at[p] for p in ids], device=self.device)]
         t = self.table
         ids = t.check(ids, None, "read_pages")
         H, D = self.layout.num_kv_heads, self.layout.head_dim

@@ -54,7 +54,7 @@ SEAL_BACKOFF = 4        # a seal that left pages open waits up to 2**SEAL_BACKOF
 class PageStore:
     def __init__(self, cache, *, prefix_caching: bool = True, host_tier=None,
                  fill_stream_of: Callable[[list[int]], list[int]] | None = None,
-                 promised: Callable[[], int] | None = None):
+                 promised: Callable[[], int] | None = None, window: int | None = None):
         """``cache``: the engine's KV cache (memory/kv_cache.py; under tensor parallelism rank 0's
         lock-step view). ``fill_stream_of(owners)``: each owner's fill stream (default 0);
         ``promised()``: new pages the seal must leave room for (default 0)."""
@@ -80,6 +80,11 @@ class PageStore:
         self._stuck_at = 0                     # the capacity after the last of them
         self._room_wanted = False              # admission refused a request for room since the last seal
         self._first_waiting = False            # a prompt's page or a request's first, since the last seal
+        # every layer sees only its last ``window`` keys: pages wholly before are given back, and
+        # the request's page list keeps its positions with the zeroed null page in their place
+        self.window = window
+        self.null_page = self._zeroed(self.alloc(1)[0]) if window is not None else None
+        self.pages_dropped = 0
 
     # -- capacity, allocation, release: what the scheduler asks --------------------------------
     def capacity(self, keep_reserve: bool = True) -> int:
@@ -97,6 +102,36 @@ class PageStore:
     def release(self, pages: Sequence[int]) -> None:
         """A request lets go of its pages: cached ones stay (evictable), the others are freed."""
         self.prefix.release(pages)
+
+    def release_request(self, req) -> None:
+        """A request lets go of every page it holds (finished, preempted or not admitted)."""
+        self.release(req.pages[req.dropped_pages:])
+        req.pages, req.dropped_pages = [], 0
+
+    def drop_behind(self, reqs: Sequence) -> int:
+        """Give back each request's pages wholly before the window of its next query token (no
+        layer reads them again; a cached one is released, not freed); how many."""
+        if self.window is None:
+            return 0
+        n = 0
+        for r in reqs:
+            dead = min((r.num_computed + 1 - self.window) // PAGE_TOKENS, r.num_sealed_pages)
+            if dead > r.dropped_pages:
+                gone = r.pages[r.dropped_pages:dead]
+                r.pages[r.dropped_pages:dead] = [self.null_page] * len(gone)
+                r.dropped_pages = dead
+                self.release(gone)
+                n += len(gone)
+        self.pages_dropped += n
+        return n
+
+    def _zeroed(self, page: int) -> int:
+        """The page with zeros in every layer: what attention reads, masked, in a dropped page's
+        place (a dense cache starts zeroed)."""
+        manager = getattr(self.cache, "manager", None)
+        for layer in range(manager.num_layers if manager is not None else 0):
+            manager.open_page(layer, page).zero_()
+        return page
 
     def evict_all(self) -> int:
         """Evict every cached page nobody holds; how many were freed."""
