@@ -37,7 +37,7 @@ from ..attention.backend import ChunkView
 from ..config import Tuning
 from ..memory import Admission, RunningBatch
 from ..memory.kv_cache import KVCache
-from ..memory.page_store import PageStore
+from ..memory.page_store import PageStore, cacheable_pages
 from ..memory.prefix_cache import ROOT
 from .request import PAGE_TOKENS, Request, Status
 
@@ -154,9 +154,7 @@ class Scheduler:
                     f"request {r.request_id} needs more than the whole KV memory ({r.num_tokens} tokens); "
                     "give more kv_memory_gb or lower max_tokens")
             out.preempted.append(self._preempt(self.running[-1]))
-        growing = [r for r in batch if r.pages_needed(r.num_computed + 1)]
-        for r, page in zip(growing, self.pages.alloc(len(growing), keep_reserve=False)):   # one allocation
-            r.pages.append(page)
+        self.pages.grow_each([r for r in batch if r.pages_needed(r.num_computed + 1)])
         out.decode = batch
 
     def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> None:
@@ -175,7 +173,7 @@ class Scheduler:
             if not admitted:
                 if len(self.running) >= self.max_num_seqs:
                     break
-                chain = self._match(req)
+                chain = self.pages.match(req)
                 ahead = self._pages_ahead(req, chain[-1].node_id if chain else ROOT, len(chain))
                 if ahead is not None and ahead in computing:
                     continue                      # computed by another request now: cached next step
@@ -193,111 +191,56 @@ class Scheduler:
                     self._unadmit(req)
                 self.pages.want_room()
                 break
-            new_pages = req.pages_needed(req.num_computed + n)
-            if new_pages:
-                req.pages += self.pages.alloc(new_pages)
-                free -= new_pages
+            free -= self.pages.grow(req, req.num_computed + n)
             if not admitted:                      # it starts: its lookup counts (not an admission undone)
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
                 self.running.append(req)
-                self.prefix.note_lookup(req.num_tokens, req.num_computed)
+                self.pages.note_lookup(req.num_tokens, req.num_computed)
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = req.num_computed
             out.prefill.append(PrefillChunk(req, req.num_computed, n))
             budget -= n
-
-    def _match(self, req: Request) -> list:
-        """The cached chain of pages a waiting request's tokens start with (its last token is
-        always computed: it gives the logits)."""
-        return self.prefix.match(req.tokens, self._cacheable_pages(req)) if not req.pages else []
-
-    @staticmethod
-    def _cacheable_pages(req: Request) -> int:
-        """Full pages before the request's last token: the most a prefix hit may cover."""
-        return (req.num_tokens - 1) // PAGE_TOKENS
 
     def _pages_ahead(self, req: Request, parent: int, first: int) -> tuple | None:
         """What names the SHARED_AHEAD_PAGES pages a request computes next, from its page
         ``first`` on behind the cached chain node ``parent`` (None: fewer full pages are left,
         or no prefix cache): two requests with the same key would compute the same pages."""
         end = first + SHARED_AHEAD_PAGES
-        if not self.prefix.enabled or end > self._cacheable_pages(req):
+        if not self.prefix.enabled or end > cacheable_pages(req):
             return None
         return parent, tuple(t for i in range(first, end) for t in req.token_block(i))
 
     def _admit(self, req: Request, chain: list) -> bool:
-        """Take the request's cached prefix (``chain``, from :meth:`_match`), then ask admission
-        (evicting cached pages nobody holds when that is what is missing); on a refusal the
-        prefix is let go again. Pages of the prefix on the host tier come back into new pages
+        """Hold the request's cached prefix (``chain``, from ``PageStore.match``), then ask
+        admission (evicting cached pages nobody holds when that is what is missing); on a refusal
+        the prefix is let go again. Pages of the prefix on the host tier come back into new pages
         (or, with no room, are recomputed)."""
-        resident = [n for n in chain if n.page is not None]
-        self.prefix.acquire(resident)
+        held = self.pages.hold(chain)
         if self.running:
             args = (req.num_tokens, self._max_total_tokens(req) - req.num_tokens, self._running_needs(),
-                    len(resident), req.params.fixed_length)
+                    held, req.params.fixed_length)
             short = self.admission.shortfall(*args)
-            if 0 < short <= self.prefix.num_evictable_pages:       # an evicted page gives at most one
+            if 0 < short <= self.pages.num_evictable:       # an evicted page gives at most one
                 self.pages.make_room(self.pages.capacity() + short)
                 short = self.admission.shortfall(*args)
             if short > 0:
-                self.prefix.release([n.page for n in resident])
+                self.pages.unhold(chain)
                 self.pages.want_room()
                 return False
-        chain = self._swap_in(chain, wait=bool(self.running))
-        if chain is None:                           # its pages on the host do not fit yet: wait
-            self.prefix.release([n.page for n in resident])
+        held = self.pages.bring_back(chain, wait=bool(self.running), stream=self._fill_stream_now())
+        if held is None:                           # its pages on the host do not fit yet: wait
+            self.pages.unhold(chain)
             self.pages.want_room()
             return False
-        if chain:
-            req.pages = [n.page for n in chain]
-            req.num_sealed_pages = len(chain)
-            req.num_computed = len(chain) * PAGE_TOKENS
-            req.prefix_node = chain[-1].node_id
+        self.pages.take_prefix(req, held)
+        req.num_computed = req.num_sealed_pages * PAGE_TOKENS
         return True
-
-    def _swap_in(self, chain: list, wait: bool) -> list | None:
-        """Bring the chain's host-tier pages back into new pages. With no room for them: None when
-        ``wait`` (the request waits for room), else the chain up to its first such page. Pages
-        the tier dropped while room was made end the chain there too (the rest is recomputed)."""
-        away = [n for n in chain if n.page is None]
-        if not away:
-            return chain
-        could = self.pages.capacity() + self.prefix.num_evictable_pages >= len(away)
-        room = self.pages.make_room(len(away)) if could else 0     # no eviction that cannot help
-        keep = len(chain)
-        if room < len(away):
-            if wait:
-                return None
-            keep = chain.index(away[0])
-        chain, away = self._cut_at_lost(chain, keep)
-        if away:
-            pages = self.pages.alloc(len(away))
-            # the allocation's compaction may have evicted pages to the tier, which dropped older ones
-            chain, still = self._cut_at_lost(chain, len(chain))
-            self.pages.release(pages[len(still):])
-            # compressed pages go back compressed where there is room (as a seal of pages no running
-            # request holds: the current window's stream, the room promised to running requests kept)
-            if still:
-                self.pages.swap_in(still, pages[:len(still)], self._fill_stream_now())
-        return chain
-
-    def _cut_at_lost(self, chain: list, keep: int) -> tuple[list, list]:
-        """The chain up to ``keep`` and its first page the host tier dropped (the rest let go of),
-        and its pages still on the host tier."""
-        lost = [n for n in chain if n.page is None and n.host is None]
-        if lost:
-            keep = min(keep, chain.index(lost[0]))
-        if keep < len(chain):
-            self.prefix.release([n.page for n in chain[keep:] if n.page is not None])
-            chain = chain[:keep]
-        return chain, [n for n in chain if n.page is None]
 
     def _unadmit(self, req: Request) -> None:
         """Undo ``_admit`` (or a preempted run): the request waits holding nothing."""
-        self._free_pages(req)
-        req.num_computed = req.num_sealed_pages = 0
-        req.prefix_node = ROOT
+        self.pages.release_request(req)
+        req.num_computed = 0
 
     def _max_total_tokens(self, r: Request) -> int:
         """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
@@ -344,7 +287,7 @@ class Scheduler:
         that the next step may use them; :meth:`finish` gives its reason once the token is in."""
         if req in self.running:
             self.running.remove(req)
-            self._free_pages(req)
+            self.pages.release_request(req)
 
     def finish(self, req: Request, reason: str) -> None:
         """The request is done (or aborted): out of the queues, pages freed."""
@@ -358,10 +301,6 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self._free_pages(req)
-
-    def _free_pages(self, req: Request) -> None:
-        """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
         self.pages.release_request(req)
 
     def reset_prefix_cache(self) -> int:

@@ -41,10 +41,8 @@ import numpy as np
 import torch
 
 from ..config import Tuning
-from ..format.layout import loc_is_open, loc_offset
 from . import codec
 from .copy import batches, copy_ranges
-from .page_table import OPEN, STORED
 
 
 @dataclass
@@ -102,15 +100,6 @@ class HostTier:
             self._pinning.start()
         if wait and self._pinning is not None:
             self._pinning.join()
-
-    def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
-        ids = np.asarray(ids, dtype=np.int64)
-        t = self.manager.table
-        loc = t.loc[:, ids]
-        stored = (t.state[ids] == STORED)[None, :]
-        nbytes = np.where(stored, t.size[:, ids], self.manager.layout.open_page_bytes)
-        return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
 
     def _allocate(self) -> None:
         self.buf = torch.empty(self.budget, dtype=torch.uint8, pin_memory=self.pin)
@@ -171,7 +160,7 @@ class HostTier:
             self._allocate()                                  # the CPU: at once
         if self.buf is None:                                  # still being pinned: nothing kept
             return [None] * ids.size
-        off, nbytes, open_form = self.page_bytes(ids)
+        off, nbytes, open_form = self.manager.page_bytes(ids)
         per_page, open_t = np.ascontiguousarray(nbytes.T), np.ascontiguousarray(open_form.T)   # [n, L]
         out = []
         for i, size in enumerate(per_page.sum(1).tolist()):
@@ -243,8 +232,7 @@ class HostTier:
         m, ids = self.manager, np.asarray(ids, dtype=np.int64)
         if not ids.size:
             return []
-        if (m.table.state[ids] != OPEN).any():
-            raise ValueError("HostTier.take: the destination pages must be open")
+        dst = m.open_offsets(ids, "HostTier.take")
         left = []
         with self._timed("in"):
             for i, j in batches(np.array([r.size for r in records]), self.tuning.stage_in_bytes):   # bounded staging
@@ -254,7 +242,8 @@ class HostTier:
                 nbytes = np.stack([r.nbytes for r in batch], axis=1)          # [L, n]
                 open_form = np.stack([r.open_form for r in batch], axis=1)
                 start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(to.size, -1).T   # [L, n]
-                left += self._restore(to, staged, start, nbytes, open_form, stream, min_capacity, reclaim)
+                left += self._restore(to, dst[:, i:j], staged, start, nbytes, open_form, stream, min_capacity,
+                                      reclaim)
                 self.stats.bytes_in += int(nbytes.sum())
         self.stats.pages_in += ids.size
         return left
@@ -273,14 +262,13 @@ class HostTier:
             at += n
         return staged
 
-    def _restore(self, ids: np.ndarray, staged: torch.Tensor, start: np.ndarray, nbytes: np.ndarray,
-                 open_form: np.ndarray, stream: int, min_capacity: int, reclaim=None) -> list[int]:
+    def _restore(self, ids: np.ndarray, dst: np.ndarray, staged: torch.Tensor, start: np.ndarray,
+                 nbytes: np.ndarray, open_form: np.ndarray, stream: int, min_capacity: int, reclaim=None) -> list[int]:
         """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
         open forms copied into their slots, pages that were stored placed from their bytes
         (``encoded_pages``), the compressed layers of those left open decoded into their slots."""
         m = self.manager
         page = m.layout.open_page_bytes
-        dst = loc_offset(m.table.loc[:, ids])
         copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
         sealable = ~open_form.all(0) if m.kv_compression else np.zeros(ids.size, dtype=bool)
         left = ids[~sealable].tolist()

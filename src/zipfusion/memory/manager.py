@@ -512,6 +512,19 @@ class KVCacheManager:
                 self.arena, loc[sel], t.size[layer, ids[sel]], self.layout)
         return out
 
+    def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
+        t = self.table
+        ids = t.check(ids, None, "page_bytes")
+        loc = t.loc[:, ids]
+        stored = (t.state[ids] == STORED)[None, :]
+        nbytes = np.where(stored, t.size[:, ids], self.layout.open_page_bytes)
+        return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
+
+    def open_offsets(self, ids, what: str = "open_offsets") -> np.ndarray:
+        """Arena offsets [L, n] of the open pages ``ids`` (ValueError naming ``what`` if one is not)."""
+        return loc_offset(self.table.loc[:, self.table.check(ids, OPEN, what)])
+
     def _check_layer(self, layer) -> None:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer!r} does not exist (0..{self.num_layers - 1})")

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..format.layout import PAGE_TOKENS
-from .prefix_cache import PrefixCache
+from .prefix_cache import ROOT, PrefixCache
 
 UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
 # When a seal is due: one call's fixed cost (analysis, placement) should serve many pages, yet
@@ -49,6 +49,12 @@ SEAL_IDLE_WAIT = 64     # steps when nothing waits for room ...
 SEAL_IDLE_BATCHES = 2   # ... or this many compress batches (busy steps: twice the batch and the wait)
 SEAL_FIRST_PAGES = 4    # a request's prompt pages and its first this many keep the short wait
 SEAL_BACKOFF = 4        # a seal that left pages open waits up to 2**SEAL_BACKOFF times longer
+
+
+def cacheable_pages(req) -> int:
+    """Full pages before the request's last token (which always gives logits): the most a
+    prefix hit may cover."""
+    return (req.num_tokens - 1) // PAGE_TOKENS
 
 
 class PageStore:
@@ -103,10 +109,84 @@ class PageStore:
         """A request lets go of its pages: cached ones stay (evictable), the others are freed."""
         self.prefix.release(pages)
 
+    # -- a request's pages: written here only ---------------------------------------------------
+    def grow(self, req, upto_tokens: int, keep_reserve: bool = True) -> int:
+        """New pages for the request's first ``upto_tokens`` tokens; how many."""
+        n = req.pages_needed(upto_tokens)
+        req.pages += self.alloc(n, keep_reserve)
+        return n
+
+    def grow_each(self, reqs: Sequence, keep_reserve: bool = False) -> None:
+        """One new page for each request, in one allocation (a decode step's)."""
+        for r, page in zip(reqs, self.alloc(len(reqs), keep_reserve)):
+            r.pages.append(page)
+
     def release_request(self, req) -> None:
-        """A request lets go of every page it holds (finished, preempted or not admitted)."""
+        """A request lets go of every page it holds (finished, preempted or not admitted):
+        cached ones stay (evictable), the others are freed."""
         self.release(req.pages[req.dropped_pages:])
-        req.pages, req.dropped_pages = [], 0
+        req.pages, req.dropped_pages, req.num_sealed_pages, req.prefix_node = [], 0, 0, ROOT
+
+    # -- prefix hits ----------------------------------------------------------------------------
+    def match(self, req) -> list:
+        """The cached chain of pages a waiting request's tokens start with."""
+        return self.prefix.match(req.tokens, cacheable_pages(req)) if not req.pages else []
+
+    def hold(self, chain: list) -> int:
+        """Hold the chain's pages on the device; how many."""
+        return len(self.prefix.acquire([n for n in chain if n.page is not None]))
+
+    def unhold(self, chain: list) -> None:
+        """Let go of what :meth:`hold` held (a refused admission)."""
+        self.prefix.release([n.page for n in chain if n.page is not None])
+
+    def take_prefix(self, req, chain: list) -> None:
+        """The request starts with the held ``chain``'s pages."""
+        if chain:
+            req.pages = [n.page for n in chain]
+            req.num_sealed_pages, req.prefix_node = len(chain), chain[-1].node_id
+
+    def note_lookup(self, queried: int, hit: int) -> None:
+        self.prefix.note_lookup(queried, hit)
+
+    @property
+    def num_evictable(self) -> int:
+        return self.prefix.num_evictable_pages
+
+    def bring_back(self, chain: list, wait: bool, stream: int) -> list | None:
+        """Bring the chain's host-tier pages back into new pages (fill stream ``stream``). With no
+        room for them: None when ``wait``, else the chain up to its first such page. Pages the
+        tier dropped while room was made end the chain there too (the rest is recomputed)."""
+        away = [n for n in chain if n.page is None]
+        if not away:
+            return chain
+        could = self.capacity() + self.num_evictable >= len(away)
+        room = self.make_room(len(away)) if could else 0     # no eviction that cannot help
+        keep = len(chain)
+        if room < len(away):
+            if wait:
+                return None
+            keep = chain.index(away[0])
+        chain, away = self._cut_at_lost(chain, keep)
+        if away:
+            pages = self.alloc(len(away))
+            # the allocation's compaction may have evicted pages to the tier, which dropped older ones
+            chain, still = self._cut_at_lost(chain, len(chain))
+            self.release(pages[len(still):])
+            if still:
+                self.swap_in(still, pages[:len(still)], stream)
+        return chain
+
+    def _cut_at_lost(self, chain: list, keep: int) -> tuple[list, list]:
+        """The chain up to ``keep`` and its first page the host tier dropped (the rest let go of),
+        and its pages still on the host tier."""
+        lost = [n for n in chain if n.page is None and n.host is None]
+        if lost:
+            keep = min(keep, chain.index(lost[0]))
+        if keep < len(chain):
+            self.release([n.page for n in chain[keep:] if n.page is not None])
+            chain = chain[:keep]
+        return chain, [n for n in chain if n.page is None]
 
     def drop_behind(self, reqs: Sequence) -> int:
         """Give back each request's pages wholly before the window of its next query token (no
