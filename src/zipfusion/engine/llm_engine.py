@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import weakref
 
 import torch
@@ -25,7 +24,7 @@ from .observe import MemoryWatch, PhaseClock, StepResult, StepStats, reuse_stats
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs
-from .scheduler import KVCacheTooSmall, Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
 from .structured import GrammarCompiler, apply_bitmask
 from .watchdog import Watchdog
 
@@ -65,7 +64,8 @@ class LLMEngine:
                                  max(cfg.max_num_seqs, cfg.max_num_batched_tokens))
         self.tokenizer = load_tokenizer(resolve_tokenizer(cfg.tokenizer) or self.source.tokenizer_dir,
                                         chat_template=cfg.chat_template)
-        self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, eos)
         self.cache = self._build_cache()
         self._len_note = ""
         self._check_one_request_fits(cfg.max_model_len is not None)
@@ -73,7 +73,8 @@ class LLMEngine:
         self.host_tier = self._build_host_tier()
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
-                                   host_tier=self.host_tier, tuning=cfg.tuning, window=self._kv_window())
+                                   host_tier=self.host_tier, tuning=cfg.tuning, window=self._kv_window(),
+                                   eos_token_ids=eos, tokenizer=self.tokenizer, grammars=self.grammars)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe
@@ -82,7 +83,6 @@ class LLMEngine:
             from .tp_runner import TPRunner
             self.runner = TPRunner(self.runner, self.tp, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.graph_buckets = self.runner.capture_cuda_graphs()
         self.attention.warm_up_prefill(cfg.max_num_batched_tokens)       # cuDNN's graphs, on CUDA
         if self.host_tier is not None:
@@ -201,6 +201,15 @@ class LLMEngine:
             self.tp.shutdown()
 
     @property
+    def eos_token_ids(self) -> set:
+        """The token ids that end a request (the scheduler's stop rule)."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.scheduler.eos_token_ids = set(ids)
+
+    @property
     def pages(self):
         """The page store: a page's life from allocation to free, the seal included
         (memory/page_store.py; the scheduler's)."""
@@ -276,7 +285,8 @@ class LLMEngine:
         running = len(self.scheduler.running)
         clock.mark("schedule")
         logits = self.runner.run(out)
-        recomputed = self._count_computed(out)
+        recomputed = self.scheduler.computed(out)
+        self.recomputed_tokens += recomputed
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
         tokens = self._launch_sample(sampled, logits) if sampled else None
         clock.mark("forward")
@@ -298,28 +308,14 @@ class LLMEngine:
             self._memory_watch.check(res, placed)
         return res
 
-    def _count_computed(self, out: SchedulerOutput) -> int:
-        """The step's tokens are computed: the requests' counters move on. Returns the prefill
-        tokens computed again after a preemption."""
-        recomputed = 0
-        for ch in out.prefill:
-            r = ch.request
-            recomputed += max(0, min(r.num_computed + ch.length, r.computed_before) - r.num_computed)
-            r.num_computed += ch.length
-        for r in out.decode:
-            r.num_computed += 1
-        self.recomputed_tokens += recomputed
-        return recomputed
-
     def _postprocess(self, sampled: list[Request], logits, tokens, placed: int) -> list[Request]:
-        """The sampled tokens appended (the step's one wait for the device), finished requests
-        let go of; returns those."""
-        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
+        """The sampled tokens back (the step's one wait for the device) and handed to the
+        scheduler's postprocess; returns the requests that finished."""
         self._note_kv_stats(placed)
-        for r, reason in finished:
-            self.scheduler.finish(r, reason)
+        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
+        for r in finished:
             self.runner.forget(r.request_id)
-        return [r for r, _ in finished]
+        return finished
 
     def _forget_preempted(self, out: SchedulerOutput) -> SchedulerOutput:
         """The runner lets go of what it staged for the requests this schedule preempted."""
@@ -338,16 +334,8 @@ class LLMEngine:
         moves, a host-tier copy) runs after this step's forward on the same stream, as it would
         have after a wait. None when nothing is left to schedule, or when the schedule must raise:
         the next step schedules again, once this one's tokens are kept."""
-        s = self.scheduler
-        for r in sampled:
-            if self._at_length_limit(r, more=1):
-                s.retire(r)
-        if not s.has_work():
-            return None
-        try:
-            return self._forget_preempted(s.schedule())
-        except KVCacheTooSmall:
-            return None
+        out = self.scheduler.schedule_ahead(sampled)
+        return out and self._forget_preempted(out)
 
     def _take_ahead(self) -> SchedulerOutput | None:
         """The schedule made ahead, without the requests that finished (or were aborted) since:
@@ -375,62 +363,21 @@ class LLMEngine:
         new_tokens = self.sampler(logits, params, [r.generator for r in reqs], history)
         return HostArray(new_tokens), new_tokens
 
-    def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[tuple[Request, str]]:
-        """Append each request's token; returns (request, reason) of those done."""
+    def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[Request]:
+        """Wait for the sampled tokens; the scheduler appends them (with their logprobs) and
+        finishes the requests that are done, which it returns."""
         host, new_tokens = tokens
-        self._note_logprobs(reqs, logits, new_tokens)
-        tokens = host.get().tolist()
-        now = time.perf_counter()
-        finished = []
-        for r, t in zip(reqs, tokens):
-            r.output_ids.append(int(t))
-            r.token_times.append(now)
-            if r.matcher is not None and not self.grammars.accept(r.matcher, int(t)):
-                log.warning("request %d: the grammar refused token %d (%s); request stopped", r.request_id, int(t),
-                            r.matcher.get_error())
-                finished.append((r, "abort"))
-                continue
-            reason = self._check_stop(r)
-            if reason:
-                finished.append((r, reason))
-        return finished
+        logprobs = self._logprobs(reqs, logits, new_tokens)
+        return self.scheduler.postprocess(reqs, host.get().tolist(), logprobs)
 
-    def _note_logprobs(self, reqs: list[Request], logits: torch.Tensor, new_tokens: torch.Tensor) -> None:
-        """Append to ``request.logprobs`` the raw log-probabilities of the token just sampled
-        (and of its ``params.logprobs`` most likely alternatives), for the requests that asked."""
+    def _logprobs(self, reqs: list[Request], logits: torch.Tensor, new_tokens: torch.Tensor) -> dict:
+        """{row: the raw log-probabilities of the token just sampled and of its ``params.logprobs``
+        most likely alternatives}, for the requests that asked."""
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
-            return
+            return {}
         idx = torch.tensor(rows, device=logits.device)
-        entries = compute_logprobs(logits[idx], new_tokens[idx], [reqs[i].params.logprobs for i in rows])
-        for i, entry in zip(rows, entries):
-            reqs[i].logprobs.append(entry)
-
-    def _check_stop(self, r: Request) -> str | None:
-        p, t = r.params, r.output_ids[-1]
-        n = len(r.output_ids)
-        if r.matcher is not None and r.matcher.is_stopped():
-            return "stop"                  # the grammar is complete (its end-of-sequence token taken)
-        if n >= p.min_tokens:
-            if not p.ignore_eos and t in self.eos_token_ids:
-                return "stop"
-            if t in p.stop_token_ids:
-                r.stop_reason = t
-                return "stop"
-            if p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(r.output_ids)
-                hits = [(text.find(s), s) for s in p.stop if s in text]
-                if hits:
-                    cut, s = min(hits)
-                    r.text, r.stop_reason = text[:cut], s
-                    return "stop"
-        return "length" if self._at_length_limit(r) else None
-
-    def _at_length_limit(self, r: Request, more: int = 0) -> bool:
-        """Whether the request has reached max_tokens or max_model_len (``more``: once it has
-        that many more tokens)."""
-        mt = r.params.max_tokens
-        return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
+        return dict(zip(rows, compute_logprobs(logits[idx], new_tokens[idx], [reqs[i].params.logprobs for i in rows])))
 
     def _note_kv_stats(self, placed: int) -> None:
         """Keep the cache's numbers from the step with the most pages in use, taken again when

@@ -30,6 +30,8 @@ group sent at once behind one system prompt computes it once.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -41,6 +43,8 @@ from ..memory.page_store import PageStore, cacheable_pages
 from ..memory.prefix_cache import ROOT
 from .request import PAGE_TOKENS, Request, Status
 
+
+log = logging.getLogger("zipfusion")
 
 SHARED_AHEAD_PAGES = 2  # a waiting request whose next uncached pages (this many) another request
                         # is computing now waits a step and finds them cached (SGLang's in-batch
@@ -84,12 +88,15 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
-                 host_tier=None, tuning: Tuning = Tuning(), window: int | None = None):
+                 host_tier=None, tuning: Tuning = Tuning(), window: int | None = None,
+                 eos_token_ids=(), tokenizer=None, grammars=None):
         # the options were checked once, by EngineConfig
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.tuning = tuning
+        # the stop rule: end-of-sequence ids, the tokenizer (stop strings), the grammars (guided output)
+        self.eos_token_ids, self.tokenizer, self.grammars = set(eos_token_ids), tokenizer, grammars
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens, window=window)
         self.pages = PageStore(cache, prefix_caching=prefix_caching, host_tier=host_tier,
                                fill_stream_of=self._fill_streams,
@@ -280,6 +287,83 @@ class Scheduler:
     def _fill_stream_now(self) -> int:
         """The fill stream of the current window of steps."""
         return self._steps // self.tuning.fill_window % self.tuning.fill_streams
+
+    # -- after the forward: the requests' state moves on ------------------------------------
+    def computed(self, out: SchedulerOutput) -> int:
+        """The step's tokens are computed: the requests' counters move on. Returns the prefill
+        tokens computed again after a preemption."""
+        recomputed = 0
+        for ch in out.prefill:
+            r = ch.request
+            recomputed += max(0, min(r.num_computed + ch.length, r.computed_before) - r.num_computed)
+            r.num_computed += ch.length
+        for r in out.decode:
+            r.num_computed += 1
+        return recomputed
+
+    def postprocess(self, reqs: list[Request], tokens: list[int], logprobs: dict) -> list[Request]:
+        """Each request's sampled token (and ``logprobs[i]`` of row i, if asked) appended; those
+        done (the stop rule) finished; returns them."""
+        now = time.perf_counter()
+        for i, entry in logprobs.items():
+            reqs[i].logprobs.append(entry)
+        done = []
+        for r, t in zip(reqs, tokens):
+            r.output_ids.append(int(t))
+            r.token_times.append(now)
+            reason = self._stop_reason(r)
+            if reason:
+                done.append((r, reason))
+        for r, reason in done:
+            self.finish(r, reason)
+        return [r for r, _ in done]
+
+    def _stop_reason(self, r: Request) -> str | None:
+        """Why the request ends with its newest token: "stop", "length", "abort" (a token its
+        grammar refused), or None."""
+        p, t, n = r.params, r.output_ids[-1], len(r.output_ids)
+        if r.matcher is not None:
+            if not self.grammars.accept(r.matcher, t):
+                log.warning("request %d: the grammar refused token %d (%s); request stopped", r.request_id, t,
+                            r.matcher.get_error())
+                return "abort"
+            if r.matcher.is_stopped():
+                return "stop"              # the grammar is complete (its end-of-sequence token taken)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and t in self.eos_token_ids:
+                return "stop"
+            if t in p.stop_token_ids:
+                r.stop_reason = t
+                return "stop"
+            if p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(r.output_ids)
+                hits = [(text.find(s), s) for s in p.stop if s in text]
+                if hits:
+                    cut, s = min(hits)
+                    r.text, r.stop_reason = text[:cut], s
+                    return "stop"
+        return "length" if self.at_length_limit(r) else None
+
+    def at_length_limit(self, r: Request, more: int = 0) -> bool:
+        """Whether the request has reached max_tokens or max_model_len (``more``: once it has
+        that many more tokens)."""
+        mt = r.params.max_tokens
+        return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
+
+    def schedule_ahead(self, sampled: list[Request]) -> SchedulerOutput | None:
+        """The next step's schedule, made before the tokens of the step now on the device are
+        in: the requests sure to finish with them (max_tokens or max_model_len) let go of their
+        pages first (:meth:`retire`); any other is taken to go on. None when nothing is left to
+        schedule or the schedule must raise (the next step schedules again, once the tokens are in)."""
+        for r in sampled:
+            if self.at_length_limit(r, more=1):
+                self.retire(r)
+        if not self.has_work():
+            return None
+        try:
+            return self.schedule()
+        except KVCacheTooSmall:
+            return None
 
     def retire(self, req: Request) -> None:
         """The request will finish with the step now on the GPU, whose token is not back yet (the
