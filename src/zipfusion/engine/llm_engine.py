@@ -51,7 +51,7 @@ class LLMEngine:
             cfg.weight_compression = weight_compression_default(
                 self.device.type, cfg.dtype, weight_bytes(mc) // cfg.tensor_parallel_size, gpu)
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
-        self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
+        self.tp = None
         if cfg.tensor_parallel_size > 1:
             from ..distributed.driver import start
             from .tp_runner import serve
@@ -59,8 +59,8 @@ class LLMEngine:
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
             self.model = self.build_model()
         self.weights = weight_sizes(self.model)     # before the KV budget: what compression freed is free
-        if self.weights.compressed and self.device.type == "cuda":   # kernels built, restore buffer in place:
-            weight_linear.warmup(compressed_weights(self.model),     # the budget sees what they hold
+        if self.weights.compressed and self.device.type == "cuda":
+            weight_linear.warmup(compressed_weights(self.model),
                                  max(cfg.max_num_seqs, cfg.max_num_batched_tokens))
         self.tokenizer = load_tokenizer(resolve_tokenizer(cfg.tokenizer) or self.source.tokenizer_dir,
                                         chat_template=cfg.chat_template)
@@ -69,7 +69,7 @@ class LLMEngine:
         self.cache = self._build_cache()
         self._len_note = ""
         self._check_one_request_fits(cfg.max_model_len is not None)
-        sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
+        sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache
         self.host_tier = self._build_host_tier()
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
@@ -84,12 +84,10 @@ class LLMEngine:
             self.runner = TPRunner(self.runner, self.tp, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
         self.graph_buckets = self.runner.capture_cuda_graphs()
-        self.attention.warm_up_prefill(cfg.max_num_batched_tokens)       # cuDNN's graphs, on CUDA
+        self.attention.warm_up_prefill(cfg.max_num_batched_tokens)
         if self.host_tier is not None:
-            self.host_tier.start()                 # pinned in the background, after the capture
-        # async scheduling: the next step is scheduled while this one runs on the GPU (step()). On
-        # the CPU the forward runs in the host's own thread, so nothing would overlap; tests set the
-        # attribute there to run the same code.
+            self.host_tier.start()
+        # the next step scheduled while this one runs on the GPU (tests set it on the CPU too)
         self.async_scheduling = cfg.async_scheduling and self.device.type == "cuda" and not self.tp
         self.watchdog = self._build_watchdog(cfg.watchdog_timeout_s)
         self._memory_watch = MemoryWatch(self) if self.device.type == "cuda" else None
@@ -97,8 +95,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
         self._peak_pages = -1
-        self.recomputed_tokens = 0            # prefill tokens computed again after a preemption
-        self._observers: list = []            # called after each step: fn(StepResult, StepStats)
+        self.recomputed_tokens = 0
+        self._observers: list = []
         w = self.weights
         log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, weights %.2f GiB -> %.2f GiB "
                  "(%s, %.3f), KV memory %.2f GiB (%s), max_model_len %d, max_num_seqs %d", self.source.name,
@@ -108,18 +106,13 @@ class LLMEngine:
                  ("fp8 (E4M3, lossy), " if cfg.kv_cache_dtype == "fp8" else "")
                  + ("compressed" if cfg.kv_compression else "uncompressed"), self.max_model_len, cfg.max_num_seqs)
 
-    # -- building ---------------------------------------------------------------------------
     def build_model(self):
-        """The model, built from ``self.source`` in ``self.dtype`` on ``self.device`` (this rank's
-        shard under tensor parallelism) with ``deterministic`` from the config. A subclass may
-        return a model on weights it already holds instead (benchmarks run several engines on
-        one set of 8B weights), built with the same ``deterministic``."""
+        """The model from ``self.source`` (a subclass may return one on weights it already holds)."""
         return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed,
                            deterministic=self.config.deterministic, weight_compression=self.config.weight_compression)
 
     def _moe_loops(self, mc) -> bool:
-        """Whether the experts run as a loop over groups (models/moe.grouped_mm: deterministic
-        mode, or not bf16), whose host reads a CUDA graph cannot capture."""
+        """Whether the experts run as a loop over groups, whose host reads a CUDA graph cannot capture."""
         return mc.num_experts > 0 and (self.config.deterministic or self.dtype != torch.bfloat16)
 
     @staticmethod
@@ -141,9 +134,7 @@ class LLMEngine:
                               self.tp.size if self.tp else 1)
 
     def _build_host_tier(self):
-        """The KV host tier (memory/host_tier.py), or None: off without prefix caching, for a dense
-        cache, and with tensor parallelism (each rank would need its own; not built). By default
-        on a GPU only: min(2 x the KV memory, a quarter of the host's free memory)."""
+        """The KV host tier (memory/host_tier.py), or None."""
         cfg = self.config
         gb = cfg.kv_host_memory_gb
         if gb is None:
@@ -159,16 +150,14 @@ class LLMEngine:
         return HostTier(self.cache.manager, int(gb * 2**30), cfg.tuning)
 
     def _kv_window(self) -> int | None:
-        """The largest sliding window when every layer has one (pages wholly before it are given
-        back), else None; under tensor parallelism None too (each rank would need its own)."""
+        """The largest sliding window when every layer has one (pages behind it are given back), else None."""
         ws = self.model_config.sliding_windows
         if not ws or None in ws or self.tp or max(ws) + PAGE_TOKENS > self.max_model_len:
-            return None                         # (a window as long as a request: nothing to drop)
+            return None
         return max(ws)
 
     def _check_one_request_fits(self, asked: bool) -> None:
-        """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
-        max_model_len given explicitly that does not fit is an error; a default one is lowered."""
+        """vLLM's start-up rule."""
         graphs = self.device.type == "cuda" and not self.config.enforce_eager and isinstance(self.cache, ArenaKVCache)
         fits = (self.cache.capacity_new_pages() - graphs) * PAGE_TOKENS          # CUDA graphs take a scratch page
         if fits >= self.max_model_len:
@@ -182,19 +171,17 @@ class LLMEngine:
         self._len_note = f" (what kv_memory_gb={self.kv_memory_gb:g} holds; give more kv_memory_gb)"
 
     def _build_watchdog(self, timeout_s: float | None):
-        """The step watchdog (engine/watchdog.py), or None: ``timeout_s`` None is the default
-        (WATCHDOG_TIMEOUT_S on CUDA, off on the CPU), 0 is off."""
+        """The step watchdog (engine/watchdog.py), or None."""
         if timeout_s is None:
             timeout_s = WATCHDOG_TIMEOUT_S if self.device.type == "cuda" else 0
         if not timeout_s:
             return None
         watchdog = Watchdog(timeout_s)
-        weakref.finalize(self, watchdog.close)           # an engine collected unclosed stops it too
+        weakref.finalize(self, watchdog.close)
         return watchdog
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group, stop the watchdog
-        (idempotent; also done when the engine is collected, and at exit). ``LLM.close()`` calls it."""
+        """Stop the tensor-parallel workers and the watchdog (idempotent)."""
         if self.watchdog is not None:
             self.watchdog.close()
         if self.tp:
@@ -211,14 +198,11 @@ class LLMEngine:
 
     @property
     def pages(self):
-        """The page store: a page's life from allocation to free, the seal included
-        (memory/page_store.py; the scheduler's)."""
+        """The page store."""
         return self.scheduler.pages
 
-    # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, matcher=None) -> Request:
-        """Queue a request. ``matcher``: its grammar's matcher built already (``self.grammars.matcher``,
-        off this thread: a server's); by default built here from ``params``."""
+        """Queue a request."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be zipfusion.SamplingParams, got {type(params).__name__}")
         V = self.model_config.vocab_size
@@ -241,12 +225,12 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = self.sampler.make_generator(params.seed)
         elif self.config.deterministic and not params.greedy:
-            req.generator = self.sampler.make_generator(self.config.seed)    # not the shared stream
+            req.generator = self.sampler.make_generator(self.config.seed)
         self.scheduler.add(req)
         return req
 
     def abort(self, req: Request) -> None:
-        """Stop a request wherever it is (waiting or running); its pages are freed."""
+        """Stop a request wherever it is (waiting or running)."""
         if req.status != Status.FINISHED:
             self.scheduler.finish(req, "abort")
             self.runner.forget(req.request_id)
@@ -255,22 +239,14 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def add_observer(self, fn) -> None:
-        """Call ``fn(result: StepResult, stats: StepStats)`` at the end of every step (benchmarks:
-        a step's phase times); ``remove_observer(fn)`` stops it."""
+        """Call ``fn(result: StepResult, stats: StepStats)`` at the end of every step."""
         self._observers.append(fn)
 
     def remove_observer(self, fn) -> None:
         self._observers.remove(fn)
 
-    # -- one step ---------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Run one scheduled step; returns what it did (:class:`StepResult`).
-
-        The order keeps the host's work off the gap between two forwards where it can: the seal
-        runs once the forward is launched (memory/page_store.py: pages analysed behind one step's
-        sampling are placed and encoded while the next step's forward runs; no wait for the
-        device); with ``async_scheduling`` the next step is scheduled then too
-        (:meth:`_schedule_ahead`). The sampled tokens come back after that."""
+        """Run one step: schedule, forward (the seal behind it), postprocess; returns what it did."""
         if self.watchdog is None:
             return self._step()
         self.watchdog.begin()
@@ -300,7 +276,7 @@ class LLMEngine:
         clock.mark("finish")
         res = StepResult(finished, sampled, logits if sampled else None, len(out.decode),
                          sum(ch.length for ch in out.prefill), running, len(out.preempted))
-        if self._observers:                # (benchmarks; contexts: the counters moved on, this token included)
+        if self._observers:
             stats = StepStats(placed, recomputed, sum(r.num_computed for r in out.decode), **clock.times())
             for fn in self._observers:
                 fn(res, stats)
@@ -309,8 +285,7 @@ class LLMEngine:
         return res
 
     def _postprocess(self, sampled: list[Request], logits, tokens, placed: int) -> list[Request]:
-        """The sampled tokens back (the step's one wait for the device) and handed to the
-        scheduler's postprocess; returns the requests that finished."""
+        """The sampled tokens back (the step's one wait) and into the scheduler's postprocess."""
         self._note_kv_stats(placed)
         finished = self._finish_sample(sampled, logits, tokens) if sampled else []
         for r in finished:
@@ -324,23 +299,12 @@ class LLMEngine:
         return out
 
     def _schedule_ahead(self, sampled: list[Request]) -> SchedulerOutput | None:
-        """The next step's schedule, made while this step runs on the GPU and before its sampled
-        tokens are known. The requests sure to finish with them (max_tokens or max_model_len
-        reached) let go of their pages first (``Scheduler.retire``; this step's kernels are
-        queued before any that reuse them); any other is taken to go on (one that stops at an
-        end-of-sequence token is dropped from the schedule before it runs, and its pages serve
-        the step after).
-        Scheduling only changes the host's books: the GPU work it queues (a seal, a compaction's
-        moves, a host-tier copy) runs after this step's forward on the same stream, as it would
-        have after a wait. None when nothing is left to schedule, or when the schedule must raise:
-        the next step schedules again, once this one's tokens are kept."""
+        """The next step's schedule, made while this step runs on the GPU (``Scheduler.schedule_ahead``)."""
         out = self.scheduler.schedule_ahead(sampled)
         return out and self._forget_preempted(out)
 
     def _take_ahead(self) -> SchedulerOutput | None:
-        """The schedule made ahead, without the requests that finished (or were aborted) since:
-        it runs as it is otherwise, their rows simply left out. None if there is none or nothing
-        is left of it (then the step schedules afresh)."""
+        """The schedule made ahead, without the requests that finished (or were aborted) since."""
         out, self._ahead = self._ahead, None
         if out is None:
             return None
@@ -349,10 +313,7 @@ class LLMEngine:
         return None if out.empty else out
 
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor):
-        """One token per request from its logits row, launched: (tokens on their way to the
-        host, the device tensor). Guided rows are masked first: their bitmask is filled on the
-        host here, while the device runs the forward (their previous tokens were accepted at
-        the end of the previous step, so async scheduling keeps its overlap)."""
+        """One token per request from its logits row, launched."""
         params = [r.params for r in reqs]
         history = ([(r.prompt_ids, r.output_ids) if p.penalized else None for r, p in zip(reqs, params)]
                    if any(p.penalized for p in params) else None)
@@ -364,15 +325,13 @@ class LLMEngine:
         return HostArray(new_tokens), new_tokens
 
     def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[Request]:
-        """Wait for the sampled tokens; the scheduler appends them (with their logprobs) and
-        finishes the requests that are done, which it returns."""
+        """Wait for the sampled tokens."""
         host, new_tokens = tokens
         logprobs = self._logprobs(reqs, logits, new_tokens)
         return self.scheduler.postprocess(reqs, host.get().tolist(), logprobs)
 
     def _logprobs(self, reqs: list[Request], logits: torch.Tensor, new_tokens: torch.Tensor) -> dict:
-        """{row: the raw log-probabilities of the token just sampled and of its ``params.logprobs``
-        most likely alternatives}, for the requests that asked."""
+        """{row: logprobs of its sampled token and top alternatives}, for the rows that asked."""
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
             return {}
@@ -380,19 +339,15 @@ class LLMEngine:
         return dict(zip(rows, compute_logprobs(logits[idx], new_tokens[idx], [reqs[i].params.logprobs for i in rows])))
 
     def _note_kv_stats(self, placed: int) -> None:
-        """Keep the cache's numbers from the step with the most pages in use, taken again when
-        pages were compressed."""
+        """Keep the cache's numbers from the step with the most pages in use."""
         pages = sum(len(r.pages) - r.dropped_pages for r in self.scheduler.running)
         if self.peak_kv_stats is None or pages > self._peak_pages or (placed and pages == self._peak_pages):
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 
     def warm_up(self) -> None:
-        """One request whose prompt fills a whole step's token budget (``max_num_batched_tokens``,
-        within max_model_len and the KV memory) and two output tokens, then the counters, the
-        prefix cache and the request ids afresh. The largest prefill step's activations are then in
-        torch's caching allocator before the first request (vLLM's profile run does the same), so a
-        server's GPU memory is flat from its first request on; the seal and a decode step have run."""
+        """Run one request filling a step's token budget, then reset the counters, prefix cache and request
+        ids, so that the largest prefill's activations are cached before the first request."""
         if self.has_work():
             raise RuntimeError("warm_up() is for an idle engine: requests are in it")
         room = (self.cache.capacity_new_pages() - 2) * PAGE_TOKENS
@@ -407,11 +362,10 @@ class LLMEngine:
         self.reset_stats()
         self._ids = itertools.count()
         if self._memory_watch is not None:
-            self._memory_watch = MemoryWatch(self)       # its high-water mark: after the warm-up
+            self._memory_watch = MemoryWatch(self)
 
     def reset_stats(self) -> None:
-        """Start the counters afresh (preemptions, recomputed tokens, the prefix cache's hits, the
-        busiest step's KV numbers), and the prefix cache cold: a benchmark's run after its warm-up."""
+        """Start the counters afresh and the prefix cache cold (a benchmark's run after its warm-up)."""
         self.scheduler.num_preemptions = 0
         self.recomputed_tokens = 0
         self.scheduler.reset_prefix_cache()

@@ -1,31 +1,11 @@
-"""Continuous batching: waiting and running queues, mixed decode + chunked-prefill steps,
-admission from the KV cache's capacity, preemption by recompute.
+"""Continuous batching: waiting and running queues, mixed decode + chunked-prefill steps, admission
+from the KV cache's capacity, preemption by recompute, and the requests' state after each step.
 
-Every step has a token budget (``max_num_batched_tokens``). Running requests whose prompt is
-done go first, one decode token each; what is left of the budget goes to prefill chunks:
-first to running requests whose prompt is not done yet, then to waiting requests in arrival
-order, each admitted only when :class:`~zipfusion.memory.Admission` says its memory fits
-beside what the running requests still need. So running requests keep decoding while a long
-prompt is prefilled, a chunk at a time.
-
-Pages are allocated here, before the step, so the runner only writes into them. When decode
-needs more pages than fit, the newest running request is preempted: its pages are freed and it
-goes back to the front of the waiting queue, to be prefilled again from its prompt and the
-tokens it already generated (its sampler state is kept). With the default admission this is a
-rare correction, and each one makes admission more careful for a while.
-
-Pages are the page store's (memory/page_store.py: allocation, the seal, eviction, free); the
-scheduler asks it for capacity, allocation and release, and gives it two policies: which fill
-stream a request's pages join, and how many new pages admission promised to running requests.
-
-Prefix caching (memory/prefix_cache.py): full pages are offered to the prefix cache as they
-fill up; a request being admitted first takes the cached pages its tokens start with (it then
-prefills from there, attending to them in place). Pages nobody holds stay cached until memory
-is needed: capacity is asked of the cache after evicting what is evictable, least recently used
-first, and only as much as the request at hand needs. A preempted request's full pages become
-evictable too, so a resumed request usually finds them still there. A waiting request whose next
-pages another request is computing right now waits a step for them (SHARED_AHEAD_PAGES), so a
-group sent at once behind one system prompt computes it once.
+Each step decodes every running request whose prompt is done, then gives the rest of its token
+budget to prefill chunks: running prompts first, then waiting requests in order, each admitted when
+:class:`~zipfusion.memory.Admission` agrees. When decode needs more pages than fit, the newest
+request is preempted and recomputed later. Pages are the page store's (memory/page_store.py): the
+scheduler asks it to allocate, hold a cached prefix, and release.
 """
 
 from __future__ import annotations
@@ -46,9 +26,7 @@ from .request import PAGE_TOKENS, Request, Status
 
 log = logging.getLogger("zipfusion")
 
-SHARED_AHEAD_PAGES = 2  # a waiting request whose next uncached pages (this many) another request
-                        # is computing now waits a step and finds them cached (SGLang's in-batch
-                        # prefix check): a group arriving at once computes its shared prompt once
+SHARED_AHEAD_PAGES = 2  # a request whose next pages another is computing now waits a step for them
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -58,12 +36,12 @@ class KVCacheTooSmall(RuntimeError):
 @dataclass
 class PrefillChunk:
     request: Request
-    start: int          # first token position of the chunk (== request.num_computed)
+    start: int
     length: int
 
     @property
     def completes(self) -> bool:
-        """The chunk reaches the last token: its last logits sample the next token."""
+        """The chunk reaches the last token."""
         return self.start + self.length == self.request.num_tokens
 
     def view(self) -> ChunkView:
@@ -90,7 +68,6 @@ class Scheduler:
                  max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
                  host_tier=None, tuning: Tuning = Tuning(), window: int | None = None,
                  eos_token_ids=(), tokenizer=None, grammars=None):
-        # the options were checked once, by EngineConfig
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -102,21 +79,19 @@ class Scheduler:
                                fill_stream_of=self._fill_streams,
                                promised=lambda: self.admission.promised_pages(self._running_needs()),
                                window=window)
-        self.prefix = self.pages.prefix          # matching and holding cached prefixes
+        self.prefix = self.pages.prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._steps = 0                        # steps scheduled: the clock of the fill streams
+        self._steps = 0
 
     def add(self, req: Request) -> None:
-        """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1
-        tokens)."""
+        """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1 tokens)."""
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.pages.drop_behind(self.running)
@@ -129,7 +104,6 @@ class Scheduler:
                 continue
             if len(self.running) < 2:
                 break
-            # only half-prefilled requests are running and none can grow: free the newest
             out.preempted.append(self._preempt(self.running[-1]))
         if out.empty and self.has_work():
             req = self.running[0] if self.running else self.waiting[0]
@@ -142,10 +116,7 @@ class Scheduler:
         return out
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
-        """Every running request whose prompt is done decodes one token. Their new pages take
-        free room first; else the pages waiting for a seal are sealed (a compressed page frees a
-        quarter of its open one, and sealing needs the reserve intact to place them); else the
-        compression reserve; else the newest request is preempted."""
+        """Every running request whose prompt is done decodes one token."""
         while True:
             batch = [r for r in self.running if not r.in_prefill]
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
@@ -165,9 +136,7 @@ class Scheduler:
         out.decode = batch
 
     def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> None:
-        """Prefill chunks for the rest of the budget: running requests mid-prompt, then waiting
-        ones in order, each admitted only if admission agrees (FIFO: the first refusal stops;
-        none in a step that had to preempt)."""
+        """Prefill chunks for the rest of the budget."""
         free = self.pages.capacity()
         candidates = [r for r in self.running if r.in_prefill]
         computing = {self._pages_ahead(r, r.prefix_node, r.num_sealed_pages) for r in candidates}
@@ -188,7 +157,6 @@ class Scheduler:
                     break
                 free = self.pages.capacity()
                 computing.add(self._pages_ahead(req, req.prefix_node, req.num_sealed_pages))
-            # the chunk: what is left of the prompt, within the budget and the pages free now
             want = min(req.num_tokens - req.num_computed, budget)
             if req.pages_needed(req.num_computed + want) > free:
                 free = self.pages.make_room(req.pages_needed(req.num_computed + want))
@@ -210,19 +178,14 @@ class Scheduler:
             budget -= n
 
     def _pages_ahead(self, req: Request, parent: int, first: int) -> tuple | None:
-        """What names the SHARED_AHEAD_PAGES pages a request computes next, from its page
-        ``first`` on behind the cached chain node ``parent`` (None: fewer full pages are left,
-        or no prefix cache): two requests with the same key would compute the same pages."""
+        """The key of the SHARED_AHEAD_PAGES pages a request computes next, behind chain node ``parent``."""
         end = first + SHARED_AHEAD_PAGES
         if not self.prefix.enabled or end > cacheable_pages(req):
             return None
         return parent, tuple(t for i in range(first, end) for t in req.token_block(i))
 
     def _admit(self, req: Request, chain: list) -> bool:
-        """Hold the request's cached prefix (``chain``, from ``PageStore.match``), then ask
-        admission (evicting cached pages nobody holds when that is what is missing); on a refusal
-        the prefix is let go again. Pages of the prefix on the host tier come back into new pages
-        (or, with no room, are recomputed)."""
+        """Hold the request's cached prefix, then ask admission; on a refusal the prefix is let go."""
         held = self.pages.hold(chain)
         if self.running:
             args = (req.num_tokens, self._max_total_tokens(req) - req.num_tokens, self._running_needs(),
@@ -245,20 +208,20 @@ class Scheduler:
         return True
 
     def _unadmit(self, req: Request) -> None:
-        """Undo ``_admit`` (or a preempted run): the request waits holding nothing."""
+        """Undo ``_admit`` (or a preempted run)."""
         self.pages.release_request(req)
         req.num_computed = 0
 
     def _max_total_tokens(self, r: Request) -> int:
-        """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
+        """Tokens the request may reach."""
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
 
     def _running_needs(self) -> RunningBatch:
-        return RunningBatch([(len(r.pages) - r.dropped_pages, len(r.prompt_ids) + len(r.output_ids), self._max_total_tokens(r),
+        return RunningBatch([(len(r.pages) - r.dropped_pages, r.num_tokens, self._max_total_tokens(r),
                               r.params.fixed_length, len(r.prompt_ids)) for r in self.running])
 
     def _preempt(self, req: Request) -> Request:
-        """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
+        """Free the request's pages; it restarts by recompute when readmitted."""
         self.running.remove(req)
         req.computed_before = max(req.computed_before, req.num_computed)
         self._unadmit(req)
@@ -269,15 +232,10 @@ class Scheduler:
         self.waiting.appendleft(req)
         return req
 
-    # -- policies the page store asks for -------------------------------------------------------
     def _fill_streams(self, owners) -> list[int]:
-        """Each owner's fill stream: the window of steps in which its request is expected to
-        finish (admission's estimate of its output; exact for a fixed-length one). A request
-        behind a cached prefix, whose pages are likely to outlive it (a conversation's next
-        turn), takes stream ``fill_streams`` of its own; pages no running request holds (swapped
-        back in, cached) the current window's (Tuning: fill_streams, fill_window)."""
+        """Each owner's fill stream: the window of steps its request is expected to finish in."""
         t = self.tuning
-        wanted = set(owners)          # a seal's few owners, not every running request
+        wanted = set(owners)
         finish = {r.request_id: (self._steps + self.admission.expected_tokens(
                       r.num_tokens, self._max_total_tokens(r), r.params.fixed_length) - r.num_tokens)
                   // t.fill_window % t.fill_streams if not r.num_cached_tokens else t.fill_streams
@@ -285,13 +243,10 @@ class Scheduler:
         return [finish.get(o, self._fill_stream_now()) for o in owners]
 
     def _fill_stream_now(self) -> int:
-        """The fill stream of the current window of steps."""
         return self._steps // self.tuning.fill_window % self.tuning.fill_streams
 
-    # -- after the forward: the requests' state moves on ------------------------------------
     def computed(self, out: SchedulerOutput) -> int:
-        """The step's tokens are computed: the requests' counters move on. Returns the prefill
-        tokens computed again after a preemption."""
+        """The step's tokens are computed: counters move on; returns the tokens computed again."""
         recomputed = 0
         for ch in out.prefill:
             r = ch.request
@@ -302,8 +257,7 @@ class Scheduler:
         return recomputed
 
     def postprocess(self, reqs: list[Request], tokens: list[int], logprobs: dict) -> list[Request]:
-        """Each request's sampled token (and ``logprobs[i]`` of row i, if asked) appended; those
-        done (the stop rule) finished; returns them."""
+        """Append each request's sampled token (and logprobs), finish those the stop rule ends; returns them."""
         now = time.perf_counter()
         for i, entry in logprobs.items():
             reqs[i].logprobs.append(entry)
@@ -319,8 +273,7 @@ class Scheduler:
         return [r for r, _ in done]
 
     def _stop_reason(self, r: Request) -> str | None:
-        """Why the request ends with its newest token: "stop", "length", "abort" (a token its
-        grammar refused), or None."""
+        """Why the request ends with its newest token."""
         p, t, n = r.params, r.output_ids[-1], len(r.output_ids)
         if r.matcher is not None:
             if not self.grammars.accept(r.matcher, t):
@@ -328,7 +281,7 @@ class Scheduler:
                             r.matcher.get_error())
                 return "abort"
             if r.matcher.is_stopped():
-                return "stop"              # the grammar is complete (its end-of-sequence token taken)
+                return "stop"
         if n >= p.min_tokens:
             if not p.ignore_eos and t in self.eos_token_ids:
                 return "stop"
@@ -345,16 +298,12 @@ class Scheduler:
         return "length" if self.at_length_limit(r) else None
 
     def at_length_limit(self, r: Request, more: int = 0) -> bool:
-        """Whether the request has reached max_tokens or max_model_len (``more``: once it has
-        that many more tokens)."""
+        """Whether the request has reached max_tokens or max_model_len (``more`` tokens from now)."""
         mt = r.params.max_tokens
         return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
 
     def schedule_ahead(self, sampled: list[Request]) -> SchedulerOutput | None:
-        """The next step's schedule, made before the tokens of the step now on the device are
-        in: the requests sure to finish with them (max_tokens or max_model_len) let go of their
-        pages first (:meth:`retire`); any other is taken to go on. None when nothing is left to
-        schedule or the schedule must raise (the next step schedules again, once the tokens are in)."""
+        """The next step's schedule, made before the tokens of the step now on the device are in."""
         for r in sampled:
             if self.at_length_limit(r, more=1):
                 self.retire(r)
@@ -366,15 +315,13 @@ class Scheduler:
             return None
 
     def retire(self, req: Request) -> None:
-        """The request will finish with the step now on the GPU, whose token is not back yet (the
-        engine's async scheduling): it leaves the running queue and lets go of its pages now, so
-        that the next step may use them; :meth:`finish` gives its reason once the token is in."""
+        """The request finishes with the step on the device (async scheduling): its pages go now."""
         if req in self.running:
             self.running.remove(req)
             self.pages.release_request(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """The request is done (or aborted): out of the queues, pages freed."""
+        """The request is done (or aborted)."""
         if req.status == Status.FINISHED:
             return
         if req.status == Status.RUNNING and reason != "abort" and not req.params.fixed_length:
@@ -388,5 +335,4 @@ class Scheduler:
         self.pages.release_request(req)
 
     def reset_prefix_cache(self) -> int:
-        """Evict every cached page nobody holds; how many were freed."""
         return self.pages.evict_all()
