@@ -2,16 +2,22 @@
 request's next token are given back (their place in the page list taken by the zeroed null page),
 with the same tokens as a run that keeps every page, and admission counts the bound."""
 
+import os
+
 import pytest
 import torch
+from hypothesis import example, given, settings, strategies as st
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from zipfusion import LLM, SamplingParams  # noqa: E402
 from zipfusion.engine.llm_engine import LLMEngine  # noqa: E402
+from zipfusion.engine.request import Request  # noqa: E402
+from zipfusion.engine.scheduler import Scheduler  # noqa: E402
 from zipfusion.format import PAGE_TOKENS  # noqa: E402
 from zipfusion.memory.admission import Admission, window_pages  # noqa: E402
+from zipfusion.memory.kv_cache import KVCache  # noqa: E402
 from helpers import save_tiny_checkpoint  # noqa: E402
 
 
@@ -153,3 +159,60 @@ def test_kernel_route(tmp_path, monkeypatch, device):
         got, eng, _ = run(str(tmp_path), ps, kv_compression=compressed, **kw)
         assert got == run(str(tmp_path), ps, keep=True, monkeypatch=monkeypatch, kv_compression=compressed, **kw)[0]
         assert eng.scheduler.pages.pages_dropped > 0
+
+
+class Pool(KVCache):
+    """Page ids and nothing else (what the scheduler and the page store need of a cache)."""
+
+    def __init__(self, pages):
+        self.free_ids, self.size = list(range(pages)), pages
+
+    def alloc(self, n, keep_reserve=True, reclaim=None):
+        assert n <= len(self.free_ids), "allocated beyond capacity"
+        out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        return out
+
+    def free(self, ids):
+        assert not set(ids) & set(self.free_ids), "a page freed twice"
+        self.free_ids += list(ids)
+
+    def capacity_new_pages(self, keep_reserve=True):
+        return len(self.free_ids)
+
+
+@settings(max_examples=int(os.environ.get("PG_EXAMPLES", 40)), deadline=None)
+@given(window=st.integers(1, 70), pages=st.integers(16, 48), budget=st.sampled_from([16, 40, 256]),
+       shared=st.integers(0, 70), caching=st.booleans(),
+       reqs=st.lists(st.tuples(st.booleans(), st.integers(1, 90), st.integers(1, 60)), min_size=1, max_size=8))
+@example(window=16, pages=16, budget=16, shared=0, caching=True, reqs=[(False, 90, 60)] * 3)
+def test_conservative_admission_never_preempts_under_a_window(window, pages, budget, shared, caching, reqs):
+    """Under the conservative admission a windowed request's promise is its window's span: no
+    running request is ever preempted; each schedule leaves no page behind a window held, the
+    null page in their places; every page allocated is held, cached or the null page; all finish."""
+    pool = Pool(pages)
+    s = Scheduler(pool, max_num_batched_tokens=budget, max_model_len=512, admission="conservative",
+                  prefix_caching=caching, window=window)
+    head = list(range(3, 3 + shared))
+    all_reqs = [Request(i, (head if share else []) + list(range(1000 * i, 1000 * i + n)),
+                        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+                for i, (share, n, m) in enumerate(reqs)]
+    for r in all_reqs:
+        s.add(r)
+    for _ in range(2000):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        null = s.pages.null_page
+        for r in s.running:
+            behind = min(max(0, (r.num_computed + 1 - window) // PAGE_TOKENS), r.num_sealed_pages)
+            assert r.dropped_pages >= behind and r.pages[:r.dropped_pages] == [null] * r.dropped_pages
+            if not r.in_prefill:
+                assert len(r.pages) - r.dropped_pages <= window_pages(window)
+        live = {p for r in s.running for p in r.pages[r.dropped_pages:]}
+        assert set(range(pages)) - set(pool.free_ids) == live | set(s.prefix._by_page) | {null}
+        s.computed(out)
+        sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
+        s.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
+        s.postprocess(sampled, [7] * len(sampled), {})
+    assert not s.has_work() and s.num_preemptions == 0
+    assert all(len(r.output_ids) == r.params.max_tokens for r in all_reqs)

@@ -205,6 +205,7 @@ class Scheduler:
             return False
         self.pages.take_prefix(req, held)
         req.num_computed = req.num_sealed_pages * PAGE_TOKENS
+        self.pages.drop_behind([req])
         return True
 
     def _unadmit(self, req: Request) -> None:
@@ -217,7 +218,7 @@ class Scheduler:
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
 
     def _running_needs(self) -> RunningBatch:
-        return RunningBatch([(len(r.pages) - r.dropped_pages, r.num_tokens, self._max_total_tokens(r),
+        return RunningBatch([(self.pages.own_pages(r), r.num_tokens, self._max_total_tokens(r),
                               r.params.fixed_length, len(r.prompt_ids)) for r in self.running])
 
     def _preempt(self, req: Request) -> Request:

@@ -88,7 +88,15 @@ class PageStore:
         return self.prefix.match(req.tokens, cacheable_pages(req)) if not req.pages else []
 
     def hold(self, chain: list) -> int:
-        return len(self.prefix.acquire([n for n in chain if n.page is not None]))
+        """Hold the chain's pages on the device; how many count as the request's own (``own_pages``)."""
+        resident = [n for n in chain if n.page is not None]
+        self.prefix.acquire(resident)
+        return len(resident) if self.window is None else sum(n.refs == 1 for n in resident)
+
+    def own_pages(self, req) -> int:
+        """Pages held; under a window only those nobody else holds (dropping a shared one frees nothing)."""
+        live = req.pages[req.dropped_pages:]
+        return len(live) if self.window is None else sum(self.prefix.holders(p) <= 1 for p in live)
 
     def unhold(self, chain: list) -> None:
         """Let go of what :meth:`hold` held (a refused admission)."""
@@ -154,7 +162,6 @@ class PageStore:
         return n
 
     def _zeroed(self, page: int) -> int:
-        """The page with zeros in every layer."""
         manager = getattr(self.cache, "manager", None)
         for layer in range(manager.num_layers if manager is not None else 0):
             manager.open_page(layer, page).zero_()

@@ -59,6 +59,10 @@ class PrefixCache:
     def num_evictable_pages(self) -> int:
         return len(self._evictable)
 
+    def holders(self, page: int) -> int:
+        node = self._by_page.get(page)
+        return 1 if node is None else node.refs
+
     def match(self, tokens: Sequence[int], max_pages: int) -> list[Node]:
         """The cached chain of pages that ``tokens`` start with, at most ``max_pages`` long."""
         if not self.enabled:
