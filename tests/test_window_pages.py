@@ -210,6 +210,7 @@ def test_conservative_admission_never_preempts_under_a_window(window, pages, bud
                 assert len(r.pages) - r.dropped_pages <= window_pages(window)
         live = {p for r in s.running for p in r.pages[r.dropped_pages:]}
         assert set(range(pages)) - set(pool.free_ids) == live | set(s.prefix._by_page) | {null}
+        assert s.prefix.num_shared == sum(n.refs >= 2 for n in s.prefix._by_page.values())
         s.computed(out)
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
         s.pages.after_forward(out.decode + [ch.request for ch in out.prefill])

@@ -96,7 +96,9 @@ class PageStore:
     def own_pages(self, req) -> int:
         """Pages held; under a window only those nobody else holds (dropping a shared one frees nothing)."""
         live = req.pages[req.dropped_pages:]
-        return len(live) if self.window is None else sum(self.prefix.holders(p) <= 1 for p in live)
+        if self.window is None or not self.prefix.num_shared:
+            return len(live)
+        return sum(self.prefix.holders(p) <= 1 for p in live)
 
     def unhold(self, chain: list) -> None:
         """Let go of what :meth:`hold` held (a refused admission)."""

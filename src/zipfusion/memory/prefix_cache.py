@@ -48,6 +48,7 @@ class PrefixCache:
         self._by_page: dict[int, Node] = {}
         self._evictable: OrderedDict[int, Node] = OrderedDict()     # oldest first
         self._next_id = ROOT + 1
+        self.num_shared = 0                      # pages two or more requests hold
         self._room_per_page = 1.0
         self.stats = PrefixCacheStats()
 
@@ -80,6 +81,7 @@ class PrefixCache:
         """Hold the pages of a matched chain (out of the LRU list; all on the device)."""
         for node in chain:
             node.refs += 1
+            self.num_shared += node.refs == 2
             self._evictable.pop(node.page, None)
         return [node.page for node in chain]
 
@@ -119,6 +121,7 @@ class PrefixCache:
                 freed.append(page)
                 continue
             node.refs -= 1
+            self.num_shared -= node.refs == 1
             if node.refs == 0:
                 self._evictable[page] = node
         if freed:
