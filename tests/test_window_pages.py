@@ -2,8 +2,6 @@
 request's next token are given back (their place in the page list taken by the zeroed null page),
 with the same tokens as a run that keeps every page, and admission counts the bound."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -180,7 +178,7 @@ class Pool(KVCache):
         return len(self.free_ids)
 
 
-@settings(max_examples=int(os.environ.get("PG_EXAMPLES", 40)), deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(window=st.integers(1, 70), pages=st.integers(16, 48), budget=st.sampled_from([16, 40, 256]),
        shared=st.integers(0, 70), caching=st.booleans(),
        reqs=st.lists(st.tuples(st.booleans(), st.integers(1, 90), st.integers(1, 60)), min_size=1, max_size=8))
