@@ -26,17 +26,6 @@ ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")
 LOOKAHEAD_RESERVE_CHUNKS = 3
 
 
-WEIGHT_COMPRESSION_MIN_SHARE = 0.5   # weights' share of the GPU above which compressing them is the default
-
-
-def weight_compression_default(device_type: str, dtype: str, weight_bytes: int, device_bytes: int) -> bool:
-    """``weight_compression`` when not given: on for BF16 weights on CUDA that take at least
-    WEIGHT_COMPRESSION_MIN_SHARE of the GPU (the bytes they free multiply the KV budget); off
-    otherwise, the fused GEMM being slower than cuBLAS at most batch sizes."""
-    return (device_type == "cuda" and dtype_is_bf16(dtype)
-            and weight_bytes >= WEIGHT_COMPRESSION_MIN_SHARE * device_bytes)
-
-
 def dtype_is_bf16(dtype) -> bool:
     return str(dtype).lower().removeprefix("torch.") in ("bfloat16", "bf16")
 
@@ -122,11 +111,11 @@ class EngineConfig:
                                 off_help="keep KV pages uncompressed (default: full pages are kept losslessly "
                                          "compressed; needed for --dtype float32; always off with "
                                          "--kv-cache-dtype fp8)")
-    weight_compression: bool | None = _opt(
-        None, "keep the linear layers' and embeddings' BF16 weights losslessly compressed in memory (about 0.75 "
-              "of their size; the memory saved goes to the KV cache when --kv-memory-gb is not given), read by "
-              "fused kernels (default: on for CUDA with bfloat16 weights taking at least half of the GPU's memory, "
-              "off otherwise and on the CPU; needs --dtype bfloat16)",
+    weight_compression: bool = _opt(
+        False, "keep the linear layers' and embeddings' BF16 weights losslessly compressed in memory (about 0.75 "
+               "of their size; the memory saved goes to the KV cache when --kv-memory-gb is not given), read by "
+               "fused kernels: more requests fit, each step is slower (off by default: docs/benchmarks.md; "
+               "needs --dtype bfloat16)",
         off_help="keep the weights uncompressed", both_flags=True)
     kv_cache_dtype: str = _opt(
         "bf16", "how K/V values are stored: bf16 (exact; losslessly compressed unless --no-kv-compression) or "
@@ -226,9 +215,8 @@ class EngineConfig:
             _check_number("", name, getattr(self, name), kind, low, **kw)
         if not isinstance(self.tuning, Tuning):
             raise ValueError(f"tuning must be a zipfusion.config.Tuning, got {type(self.tuning).__name__}")
-        if self.weight_compression not in (None, True, False) or isinstance(self.weight_compression, int) \
-                and not isinstance(self.weight_compression, bool):
-            raise ValueError(f"weight_compression must be True, False or None (the device's default), "
+        if not isinstance(self.weight_compression, bool):
+            raise ValueError(f"weight_compression must be True or False, "
                              f"got {self.weight_compression!r}")
         if self.weight_compression and not dtype_is_bf16(self.dtype):
             raise ValueError(f"weight_compression=True needs dtype='bfloat16' (the weight format is BF16), got "
@@ -306,10 +294,10 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             continue
         flag = "--" + f.name.replace("_", "-")
         help = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"]
-        if f.metadata.get("both_flags"):               # None: decided at build time
-            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
+        if f.metadata.get("both_flags"):               # the flag and its --no- twin
+            parser.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=help)
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                default=None, help=f.metadata["off_help"])
+                                default=f.default, help=f.metadata["off_help"])
         elif f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                                 help=f.metadata["off_help"])

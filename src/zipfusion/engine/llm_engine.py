@@ -10,14 +10,14 @@ import weakref
 import torch
 
 from ..attention.backend import AttentionBackend
-from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig, weight_compression_default
+from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig
 from ..format.layout import PAGE_TOKENS
 from ..memory.copy import HostArray
 from ..memory.kv_cache import ArenaKVCache
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..kernels import weight_linear
 from ..models.compressed_weights import compressed_weights, weight_sizes
-from ..models.loader import resolve_tokenizer, weight_bytes
+from ..models.loader import resolve_tokenizer
 from ..models.parallel import TensorParallel, use as use_parallel
 from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
 from .observe import MemoryWatch, PhaseClock, StepResult, StepStats, reuse_stats
@@ -46,10 +46,8 @@ class LLMEngine:
         AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
         self.source = resolve_model(cfg.model, cfg.load_format, cfg.revision)
         self.model_config = mc = model_config(self.source)
-        if cfg.weight_compression is None:          # decided here, once: TP workers get the same value
-            gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-            cfg.weight_compression = weight_compression_default(
-                self.device.type, cfg.dtype, weight_bytes(mc) // cfg.tensor_parallel_size, gpu)
+        if self.source.compressed:                   # a compressed checkpoint holds compressed weights
+            cfg.weight_compression = True
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
         self.tp = None
         if cfg.tensor_parallel_size > 1:

@@ -378,11 +378,6 @@ def _build_compressed(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
     return model.eval().requires_grad_(False)
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
-    with torch.device("meta"):
-        return 2 * sum(p.numel() for p in CausalLM(cfg).parameters())
-
-
 def model_config(source: ModelSource | str) -> ModelConfig:
     if isinstance(source, str):
         source = resolve_model(source)
