@@ -312,7 +312,7 @@ def plot_tune(records, path):
 
 
 def plot_diag(root):
-    """What bounds the producer kernel (scripts/gpu/producer.sh diag and splits): left, the fused
+    """What bounds the producer kernel (`--diag` runs): left, the fused
     kernel, its copies alone and its instructions alone, x FlashInfer at each fraction; right, the
     kernel and its copies alone over the split count at 100 %."""
     plt = pyplot()

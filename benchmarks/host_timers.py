@@ -33,8 +33,8 @@ from zipfusion.memory import codec, compaction, host_tier, manager, page_store, 
 
 TIMED = {
     scheduler.Scheduler: ("schedule", "_schedule_prefill", "_schedule_decode", "_admit", "_running_needs", "finish",
-                          "_swap_in", "_fill_streams"),
-    page_store.PageStore: ("after_forward", "seal_now", "make_room", "alloc", "_start", "_finish",
+                          "postprocess", "_fill_streams"),
+    page_store.PageStore: ("after_forward", "seal_now", "make_room", "alloc", "bring_back", "_start", "_finish",
                            "_collect", "_reclaim", "_freed"),
     manager.KVCacheManager: ("alloc_pages", "analyze_pages", "place_pages", "_compress_batch", "_wave",
                              "_affordable", "free_pages", "capacity_new_pages"),

@@ -182,7 +182,7 @@ def test_ring_drops_the_oldest_reuses_holes_and_wraps():
     for i, p in enumerate(ids):
         write(m, p, data(i))
     assert m.compress_pages(ids) == []
-    sizes = HostTier(m, 0).page_bytes(ids)[1].sum(0)
+    sizes = m.page_bytes(ids)[1].sum(0)
     size = int(sizes[0])
     assert (sizes == size).all() and size < L * OPEN
     host = HostTier(m, 3 * size + size // 2)

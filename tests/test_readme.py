@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,3 +45,15 @@ def test_the_python_snippet_runs_as_written(capsys):
     assert len(snippet) == 1
     exec(compile(snippet[0], "README.md", "exec"), {})
     assert capsys.readouterr().out.strip()
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 150, f"README.md has {lines} lines: what it is, quick start, use, one results table, links"
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_docs_carry_no_work_history(doc):
+    text = (ROOT / doc).read_text()
+    found = re.findall(r".{0,40}\b(?:session|stop \d+|issue #?\d+)\b.{0,40}", text, flags=re.I)
+    assert not found, f"{doc} narrates the work's history (git keeps it): {found[:5]}"

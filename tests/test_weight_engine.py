@@ -183,8 +183,8 @@ def _copy(folder, tmp_path):
 def test_compressed_checkpoint_loads_as_written(demo_checkpoint):
     manifest = json.loads((demo_checkpoint / MANIFEST).read_text())
     assert manifest["source"]["name"] == "demo" and manifest["stored_bytes"] < manifest["original_bytes"]
-    on_tokens, on_logits, eng = _tokens_and_logits(str(demo_checkpoint), None)
-    assert eng.weights.compressed == len(manifest["compressed"]) and eng.tokenizer is not None
+    on_tokens, on_logits, eng = _tokens_and_logits(str(demo_checkpoint), False)   # the folder decides
+    assert eng.config.weight_compression and eng.weights.compressed == len(manifest["compressed"]) and eng.tokenizer is not None
     off_tokens, off_logits, _ = _tokens_and_logits("demo", False)
     assert on_tokens == off_tokens
     assert all(torch.equal(a, b) for a, b in zip(on_logits, off_logits))
@@ -324,13 +324,10 @@ def test_gpu_smollm2_greedy_tokens_equal_with_weights_compressed(smollm2):
     assert outs[0] == outs[1]
 
 
-def test_default_rule_follows_the_weights_share_of_the_gpu():
-    from zipfusion.config import weight_compression_default
-    gib = 2**30
-    assert weight_compression_default("cuda", "bfloat16", 61 * gib, 80 * gib)        # a 32B model on 80 GB
-    assert not weight_compression_default("cuda", "bfloat16", 15 * gib, 80 * gib)    # an 8B model
-    assert not weight_compression_default("cuda", "float32", 61 * gib, 80 * gib)
-    assert not weight_compression_default("cpu", "bfloat16", 61 * gib, 0)
+def test_weight_compression_is_off_unless_asked_and_takes_only_a_bool():
+    assert EngineConfig().weight_compression is False
+    with pytest.raises(ValueError, match="weight_compression must be True or False"):
+        EngineConfig(weight_compression=None)
 
 
 @pytest.mark.gpu

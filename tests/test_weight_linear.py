@@ -191,16 +191,38 @@ def test_gpu_fused_exact_and_close(n, k, m, kw):
 
 @GPU
 def test_gpu_cuda_graph_capture():
-    from zipfusion.kernels.weight_linear import warmup
+    """warmup builds every variant the dispatch launches (biased or not): capture compiles nothing."""
+    from zipfusion.kernels import weight_linear as wl
     w = (torch.randn(4096, 4096, device="cuda") * 0.02).bfloat16()
     cw = compress_weight(w)
-    warmup([cw], 1024)
-    xs = [torch.randn(m, 4096, device="cuda").bfloat16() for m in (3, 64, 1024)]
-    eager = [weight_linear(x, cw) for x in xs]
+    bias = torch.randn(4096, device="cuda").bfloat16()
+    wl.warmup([(cw, None), (cw, bias)], 1024)
+    cache = wl._module(cw.device)._fused_kernel.device_caches[torch.cuda.current_device()][0]
+    built = len(cache)
+    xs = [torch.randn(m, 4096, device="cuda").bfloat16() for m in (3, 20, 64, 100, 1024)]
+    eager = [weight_linear(x, cw, b) for x in xs for b in (None, bias)]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        outs = [weight_linear(x, cw) for x in xs]
+        outs = [weight_linear(x, cw, b) for x in xs for b in (None, bias)]
     g.replay()
     torch.cuda.synchronize()
+    assert len(cache) == built
     for a, b in zip(outs, eager):
         assert torch.equal(_bits(a), _bits(b))
+
+
+@GPU
+def test_gpu_vocabulary_sized_weight_runs_fused_in_row_blocks():
+    """A weight above RESTORE_MAX_VALUES never gets a restore buffer: M > FUSED_MAX_M runs the
+    fused kernel over blocks of rows, each block's bits those of a lone fused call."""
+    from zipfusion.kernels import weight_linear as wl
+    n = wl.RESTORE_MAX_VALUES // 2048 + 16
+    w = (torch.randn(n, 2048, device="cuda") * 0.02).bfloat16()
+    cw = compress_weight(w)
+    del w
+    wl.warmup([(cw, None)], 512)
+    assert wl._BUFFERS.get(cw.device) is None or wl._BUFFERS[cw.device].numel() < n * 2048
+    x = torch.randn(300, 2048, device="cuda").bfloat16()
+    y = weight_linear(x, cw)
+    for i in range(0, 300, wl.FUSED_MAX_M):
+        assert torch.equal(_bits(y[i:i + wl.FUSED_MAX_M]), _bits(fused_linear(x[i:i + wl.FUSED_MAX_M], cw)))

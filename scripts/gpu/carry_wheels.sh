@@ -14,4 +14,6 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementa
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .carry/extra \
   fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection anyio sniffio \
   h11 uvicorn click httpx httpcore idna certifi prometheus-client gguf pyyaml opentelemetry-api importlib-metadata zipp
+pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d .carry/extra llguidance          # structured output
 du -sh .carry

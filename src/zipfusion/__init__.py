@@ -1,13 +1,5 @@
-"""zipfusion: LLM inference with a losslessly compressed BF16 KV cache.
-
-    import zipfusion
-    llm = zipfusion.LLM(model="demo")          # device="auto": the GPU when there is one, else the CPU
-    out = llm.generate(["In the beginning"], zipfusion.SamplingParams(temperature=0, max_tokens=32))
-    print(out[0].text)
-
-Importing the package is cheap (no torch): ``LLM``, ``SamplingParams`` and the rest are loaded
-on first use, so ``zipfusion --help`` answers at once.
-"""
+"""zipfusion: LLM inference with a losslessly compressed BF16 KV cache. Importing the package is
+cheap (no torch): ``LLM``, ``SamplingParams`` and the rest load on first use."""
 
 from __future__ import annotations
 

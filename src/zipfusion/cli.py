@@ -1,17 +1,6 @@
-"""Command line: ``zipfusion generate``, ``demo``, ``serve``, ``analyze`` and ``compress-weights``.
-
-    zipfusion generate --model demo --prompt "In the beginning" --max-tokens 40 --device cpu
-    zipfusion generate --model llama-3.1-8b-random --prompt-token-ids 1,2,3 --device cpu
-    zipfusion demo
-    zipfusion serve --model PATH --port 8000
-    zipfusion analyze --model PATH --text corpus.txt --plot kv.png
-    zipfusion analyze --weights PATH --plot weights.png
-    zipfusion compress-weights --model PATH --out PATH-compressed
-
-Nothing heavy is imported before the arguments are parsed (``--help`` answers in a few tens
-of milliseconds): torch, the engine and the server load inside the commands. A user error
-(bad option value, model not found, too much KV memory, a missing extra, a busy port) prints
-one ``error: ...`` line on stderr and exits with status 2.
+"""Command line: ``zipfusion generate``, ``demo``, ``serve``, ``analyze``, ``compress-weights`` and
+``bench``. Nothing heavy is imported before the arguments are parsed; a user error prints one
+``error: ...`` line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ def set_cpu_threads(threads: int | None) -> int:
 
 
 def _show_build_progress() -> None:
-    """A model build that takes long (an 8B model on the CPU: minutes) logs its progress on stderr."""
+    """A model build that takes long logs its progress on stderr."""
     import logging
 
     from .server import configure_logging
@@ -124,7 +113,7 @@ def run_demo(max_tokens: int = 48, prompts: list[str] | None = None, kv_memory_g
     import zipfusion
     prompts = prompts or DEMO_PROMPTS
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)      # a 3-layer model: more threads only add overhead (and contend)
+    torch.set_num_threads(1)  # a 3-layer model: more threads only add overhead
     try:
         return _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo)
     finally:
@@ -156,7 +145,7 @@ def _run_demo(zipfusion, prompts, max_tokens, kv_memory_gb, echo) -> dict:
     echo(f"  KV pages at the peak: {st_on['pages_in_use']} ({st_on['stored_pages']} full pages compressed, "
          f"{st_on['open_pages']} open), x {cfg.num_hidden_layers} layers")
     fractions = [layer["compressible_fraction"] for layer in st_on.get("layers", [])
-                 if layer["compressible_fraction"] == layer["compressible_fraction"]]   # not NaN
+                 if layer["compressible_fraction"] == layer["compressible_fraction"]]
     blocks = f", {sum(fractions) / len(fractions):.1%} of 512-value blocks compressible" if fractions else ""
     echo(f"  compression ratio of full pages: {1 / st_on['stored_ratio']:.3f}x "
          f"({st_on['stored_ratio']:.1%} of their BF16 size{blocks})")
@@ -359,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--load-format", default="auto", choices=LOAD_FORMATS, help="(default: auto)")
     c.add_argument("--seed", type=int, default=0, help="random models: the seed of their weights (default: 0)")
     c.set_defaults(func=cmd_compress_weights)
-    from .bench.cli import add_bench_parser        # zipfusion bench serve|throughput|latency|kernel
+    from .bench.cli import add_bench_parser
     add_bench_parser(sub)
     return parser
 

@@ -1,12 +1,6 @@
-"""EngineConfig: every option an engine is built from, its default and its help, in one place.
-
-``LLM(model, **options)``, ``LLMEngine(config)``, ``zipfusion generate`` and ``zipfusion serve``
-all build one :class:`EngineConfig`; the command line options are generated from its fields
-(:func:`add_cli_args`), so a default is written once. This module imports no torch: the CLI
-reads it to print ``--help`` fast.
-
-It is also the one reader of the environment (:func:`environment`): a few variables that are
-not engine options (cache folders, kernel overrides for benchmarks, torchrun's ranks), read once.
+"""EngineConfig: every engine option, its default and its help, in one place; the CLI options are
+generated from its fields. Imports no torch, so ``--help`` is fast. Also the one reader of the
+environment (:func:`environment`).
 """
 
 from __future__ import annotations
@@ -18,37 +12,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Defaults with a name (what they are for is said where they are used).
 CPU_KV_MEMORY_GB = 0.25          # KV arena on the CPU when kv_memory_gb is not given
 GPU_MEMORY_UTILIZATION = 0.90    # share of the GPU's free memory (after the weights) the engine may use
 ACTIVATION_RESERVE_GB = 4.0      # of that share, kept for activations, CUDA graphs and the allocator
-DEFAULT_MAX_MODEL_LEN = 32768    # cap on max_model_len when the model allows more
-# Prefill chunk budget (max_num_batched_tokens) when none is given. Offline (LLM, generate) a step
-# may be long: throughput is what counts. A server's step is also every running stream's
-# inter-token gap, so ``zipfusion serve`` sizes it for the device, smaller on smaller devices (as vLLM's online
-# default; the CPU's measured in docs/benchmarks.md, "The server under hostile requests").
+DEFAULT_MAX_MODEL_LEN = 32768
+# Prefill chunk budget when none is given: offline steps may be long; a server's step is every
+# stream's inter-token gap, so ``zipfusion serve`` sizes it by device.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 SERVING_MAX_NUM_BATCHED_TOKENS = {"big_gpu": 8192, "gpu": 2048, "cpu": 128}
 WATCHDOG_TIMEOUT_S = 300.0   # on CUDA: longest one engine step may run (engine/watchdog.py)
-ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")   # memory/admission.py
-# Lookahead admission runs the arena near full, so its seal needs more room to pack into: 3 chunks
-# a layer kept for it instead of the manager's 2 (and, by the manager's chunk rule, chunks half
-# as large at 4 GiB: a seal that must open a fresh chunk costs half the capacity). With 2, one of
-# two seeds of the simulated closed loop left half the arena open, waiting for a seal
-# (benchmarks/results/closed_loop_sim_cpu, "Lookahead's reserve").
+ADMISSION_POLICIES = ("estimate", "lookahead", "conservative", "optimistic")
+# Lookahead admission runs the arena near full, so its seal keeps 3 chunks a layer to pack into.
 LOOKAHEAD_RESERVE_CHUNKS = 3
-
-
-WEIGHT_COMPRESSION_MIN_SHARE = 0.5   # weights' share of the GPU above which compressing them is the default
-
-
-def weight_compression_default(device_type: str, dtype: str, weight_bytes: int, device_bytes: int) -> bool:
-    """``weight_compression`` when not given: on for BF16 weights on CUDA that take at least
-    WEIGHT_COMPRESSION_MIN_SHARE of the GPU's memory, where the bytes they free multiply the KV
-    budget; off otherwise: the fused GEMM is slower than cuBLAS at most batch sizes, so a model
-    whose KV budget is already large loses time (docs/benchmarks.md). Off on the CPU."""
-    return (device_type == "cuda" and dtype_is_bf16(dtype)
-            and weight_bytes >= WEIGHT_COMPRESSION_MIN_SHARE * device_bytes)
 
 
 def dtype_is_bf16(dtype) -> bool:
@@ -56,29 +31,25 @@ def dtype_is_bf16(dtype) -> bool:
 
 
 def memory_options(admission: str) -> dict:
-    """The memory manager's keyword arguments that ``admission`` asks for (memory/manager.py)."""
     return {"reserve_chunks": LOOKAHEAD_RESERVE_CHUNKS} if admission == "lookahead" else {}
 
 
-# Prefill over stored pages on CUDA (attention/prefill_stored.py): a step whose restored
-# chunks are all at least PREFILL_SPLIT_MIN_TOKENS long attends chunk by chunk with cuDNN
-# (split_prefill) instead of one varlen FlashAttention call, its prefix part rounded down to a
-# multiple of PREFILL_SPLIT_GRAIN keys so that cuDNN builds few graphs.
+# Prefill over stored pages on CUDA: chunks all at least this long run split_prefill (cuDNN),
+# the prefix rounded down to the grain so cuDNN builds few graphs.
 PREFILL_SPLIT_MIN_TOKENS = 1024
 PREFILL_SPLIT_GRAIN = 2048
 TP_START_METHODS = ("spawn", "forkserver")
 TP_TIMEOUT_S = 600.0             # how long a tensor-parallel collective waits for a peer
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
-# kv_cache_dtype: the names accepted (vLLM spells fp8 "fp8_e4m3"; "auto" is the model's, bf16) and
-# the canonical name each stands for (EngineConfig keeps the canonical one)
+# kv_cache_dtype names accepted and the canonical name each stands for
 KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_lossless")
 KV_CACHE_DTYPE_CANONICAL = {"auto": "bf16", "bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_lossless": "fp8"}
 
 
 def _check_number(owner: str, name: str, value, kind: type, low: float, *, above: bool = False,
                   none_ok: bool = False, hint: str = "") -> None:
-    """One option's check: ``value`` is a ``kind`` (an int for float too; never a bool) >= ``low``
-    (> ``low`` with ``above``), or None where ``none_ok``; else a one-line ValueError."""
+    """``value`` is a ``kind`` (never a bool) >= ``low`` (> with ``above``), or None where
+    ``none_ok``; else a one-line ValueError."""
     if value is None and none_ok:
         return
     kinds = (int, float) if kind is float else (int,)
@@ -90,21 +61,15 @@ def _check_number(owner: str, name: str, value, kind: type, low: float, *, above
 
 @dataclass(frozen=True)
 class Tuning:
-    """Performance knobs: how work is batched and laid out, never a token. Each is read by one
-    object, which is handed this (``EngineConfig.tuning``; tests pass small values)."""
+    """Performance knobs: how work is batched and laid out, never a token."""
 
-    # the scheduler seals a page into fill stream (its request's expected finish step //
-    # fill_window) % fill_streams: pages that leave together share chunks, which then empty by
-    # themselves instead of being compacted (memory/packed.py)
+    # pages of requests expected to finish in the same window share a fill stream's chunks
     fill_streams: int = 16
     fill_window: int = 128
-    # packed decode: rows pack behind a shared prefix of at least this many pages ...
+    # packed decode: rows pack behind a shared prefix of this many pages, sparing this many reads
     min_shared_pages: int = 16
-    # ... when packing spares at least this many page reads a layer (rows x shared pages)
     min_spared_pages: int = 4096
-    # host tier: a copy out crosses PCIe through two device staging buffers of this size, taking
-    # turns; a swap-in is staged, placed and decoded stage_in_bytes at a time, and decodes at most
-    # decode_batch_bytes of open pages a launch (bounded device memory however many pages move)
+    # host tier: staging buffer sizes, and the open pages decoded per launch
     stage_out_bytes: int = 64 << 20
     stage_in_bytes: int = 256 << 20
     decode_batch_bytes: int = 256 << 20
@@ -115,11 +80,9 @@ class Tuning:
 
 
 def _opt(default, help: str, **kw):
-    """A field with its help; ``expert=True``: a tuning or debugging knob, not listed by --help."""
     return field(default=default, metadata={"help": help, **kw})
 
 
-# (name, type, lower bound, options of _check_number) of the numeric EngineConfig fields
 _NUMBER_OPTIONS = (
     ("max_num_seqs", int, 1, {}), ("max_num_batched_tokens", int, 1, {}), ("tensor_parallel_size", int, 1, {}),
     ("max_logprobs", int, 0, {}), ("prefill_split_min_tokens", int, 1, {}), ("prefill_split_grain", int, 1, {}),
@@ -131,7 +94,6 @@ _NUMBER_OPTIONS = (
 
 @dataclass
 class EngineConfig:
-    """How to build an engine. Every field is also a command line option (``--kv-memory-gb``)."""
 
     model: str = _opt("demo", "Hugging Face model id (ORG/NAME: downloaded with huggingface_hub into its cache; "
                               "HF_TOKEN, HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE=1 honoured), checkpoint folder, "
@@ -149,11 +111,11 @@ class EngineConfig:
                                 off_help="keep KV pages uncompressed (default: full pages are kept losslessly "
                                          "compressed; needed for --dtype float32; always off with "
                                          "--kv-cache-dtype fp8)")
-    weight_compression: bool | None = _opt(
-        None, "keep the linear layers' and embeddings' BF16 weights losslessly compressed in memory (about 0.75 "
-              "of their size; the memory saved goes to the KV cache when --kv-memory-gb is not given), read by "
-              "fused kernels (default: on for CUDA with bfloat16 weights taking at least half of the GPU's memory, "
-              "off otherwise and on the CPU; needs --dtype bfloat16)",
+    weight_compression: bool = _opt(
+        False, "keep the linear layers' and embeddings' BF16 weights losslessly compressed in memory (about 0.75 "
+               "of their size; the memory saved goes to the KV cache when --kv-memory-gb is not given), read by "
+               "fused kernels: more requests fit, each step is slower (off by default: docs/benchmarks.md; "
+               "needs --dtype bfloat16)",
         off_help="keep the weights uncompressed", both_flags=True)
     kv_cache_dtype: str = _opt(
         "bf16", "how K/V values are stored: bf16 (exact; losslessly compressed unless --no-kv-compression) or "
@@ -244,7 +206,7 @@ class EngineConfig:
         PREFILL_SPLIT_GRAIN, "split_prefill's prefix part covers the prefix rounded down to a multiple of this "
                              "many keys, so that cuDNN builds graphs for few prefix lengths (1: the whole "
                              "prefix, a graph per prefix length)", expert=True)
-    tuning: Tuning = field(default=Tuning(), metadata={"cli": False})     # performance knobs (API only)
+    tuning: Tuning = field(default=Tuning(), metadata={"cli": False})     # API only
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -253,9 +215,8 @@ class EngineConfig:
             _check_number("", name, getattr(self, name), kind, low, **kw)
         if not isinstance(self.tuning, Tuning):
             raise ValueError(f"tuning must be a zipfusion.config.Tuning, got {type(self.tuning).__name__}")
-        if self.weight_compression not in (None, True, False) or isinstance(self.weight_compression, int) \
-                and not isinstance(self.weight_compression, bool):
-            raise ValueError(f"weight_compression must be True, False or None (the device's default), "
+        if not isinstance(self.weight_compression, bool):
+            raise ValueError(f"weight_compression must be True or False, "
                              f"got {self.weight_compression!r}")
         if self.weight_compression and not dtype_is_bf16(self.dtype):
             raise ValueError(f"weight_compression=True needs dtype='bfloat16' (the weight format is BF16), got "
@@ -283,10 +244,8 @@ class EngineConfig:
                 raise ValueError("attention_backend='flashinfer' is not batch-invariant; drop deterministic=True")
 
     def _check_fp8(self, lossless: bool) -> None:
-        """kv_cache_dtype='fp8' (kept as 'fp8'): bf16 activations; pages not compressed, or, named
-        'fp8_lossless', full pages compressed losslessly in the FP8 block format (kv_compression
-        says which: lossy fp8 turns the default True off); read by our Triton decode kernels, FlashInfer's FP8 decode
-        (``attention_backend='flashinfer'``, uncompressed) or torch; no packed decode."""
+        """kv_cache_dtype='fp8': FP8 pages, lossy; 'fp8_lossless' is kept as 'fp8' with
+        kv_compression on (full pages compressed in the FP8 block format)."""
         self.kv_compression = lossless
         if not dtype_is_bf16(self.dtype):
             raise ValueError(f"kv_cache_dtype='fp8' runs with dtype='bfloat16' activations, got dtype={self.dtype!r}")
@@ -295,12 +254,10 @@ class EngineConfig:
 
     @property
     def kv_lossy(self) -> bool:
-        """Whether the KV cache changes the values it holds (fp8); bf16 keeps every bit."""
         return self.kv_cache_dtype != "bf16"
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **options) -> "EngineConfig":
-        """``EngineConfig(model=..., **options)`` with a clear error for an unknown option."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
@@ -309,8 +266,7 @@ class EngineConfig:
 
 
 def serving_max_num_batched_tokens(device: str = "auto") -> int:
-    """The chunk budget ``zipfusion serve`` uses when none is given: sized for interactivity on
-    ``device`` (see :data:`SERVING_MAX_NUM_BATCHED_TOKENS`). Imports torch."""
+    """The chunk budget ``zipfusion serve`` uses on ``device`` when none is given. Imports torch."""
     import torch
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -322,10 +278,8 @@ def serving_max_num_batched_tokens(device: str = "auto") -> int:
 
 
 def default_cpu_threads() -> int:
-    """torch threads on the CPU when --cpu-threads is not given: half the cores this process may
-    use, at least 1, at most 8. torch's default (every core) was up to 55x slower than 1 thread at
-    decode on a 2-core box with other work running (spinning OpenMP threads fight for the cores;
-    docs/benchmarks.md, "CPU threads"; an idle box and larger machines are not measured)."""
+    """torch CPU threads when --cpu-threads is not given: half the usable cores, 1 to 8 (every
+    core's spinning threads lose to one thread on a busy box: docs/tuning.md)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):          # pragma: no cover - non-Linux
@@ -334,17 +288,16 @@ def default_cpu_threads() -> int:
 
 
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One ``--option`` per field (``--no-kv-compression`` for a bool that defaults to True, with
-    its ``off_help``: what the flag does, not what it turns off)."""
+    """One ``--option`` per field (``--no-X`` for a bool defaulting to True, with ``off_help``)."""
     for f in dataclasses.fields(EngineConfig):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
         flag = "--" + f.name.replace("_", "-")
         help = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"]
-        if f.metadata.get("both_flags"):               # None: the default decided at build time
-            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help)
+        if f.metadata.get("both_flags"):               # the flag and its --no- twin
+            parser.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=help)
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                default=None, help=f.metadata["off_help"])
+                                default=f.default, help=f.metadata["off_help"])
         elif f.default is True:
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                                 help=f.metadata["off_help"])
@@ -358,33 +311,26 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
 
 
 def options_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
-    """The options :func:`add_cli_args`' flags give, as typed (``skip``: the same names as there,
-    left at their defaults): what ``LLM(**options)`` takes. (A built config's fields are not:
-    kv_cache_dtype='fp8_lossless' is kept as 'fp8' with kv_compression on.)"""
+    """The options :func:`add_cli_args`' flags give, as typed: what ``LLM(**options)`` takes."""
     names = {f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli") is not False} - set(skip)
     return {k: v for k, v in vars(args).items() if k in names}
 
 
 def config_from_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineConfig:
-    """The EngineConfig that :func:`add_cli_args`' options describe."""
     return EngineConfig(**options_from_args(args, skip))
 
 
-# -- the environment -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Environment:
-    """The environment variables zipfusion reads, read here and nowhere else (but for the
-    server's API key, ``ZIPFUSION_API_KEY``, which ``zipfusion serve`` reads), once: every engine
-    setting is an :class:`EngineConfig` field instead."""
+    """The environment variables zipfusion reads, read here once (but for ``ZIPFUSION_API_KEY``,
+    read by ``zipfusion serve``)."""
     kernel_cache: Path                # ZIPFUSION_KERNEL_CACHE: the built CUDA kernel libraries
     checkpoint_cache: Path            # ZIPFUSION_CHECKPOINT_CACHE: downloaded checkpoint wheels (analysis/)
-    decode_kernel: str                # ZIPFUSION_DECODE_KERNEL: which decode kernel serves a call,
-                                      # "auto", "cuda" or "triton" (a kernel override for benchmarks)
-    cuda_producer: bool | None        # ZIPFUSION_CUDA_PRODUCER=0/1: the producer-warp CUDA kernel or not
-                                      # (a kernel override for benchmarks; None: the measured default)
+    decode_kernel: str                # ZIPFUSION_DECODE_KERNEL: "auto", "cuda" or "triton"
+    cuda_producer: bool | None        # ZIPFUSION_CUDA_PRODUCER=0/1 (None: the default)
     nvcc: str | None                  # NVCC, CUDA_HOME: where nvcc is
     cuda_home: str
-    pip_index_url: str | None         # PIP_INDEX_URL: where checkpoints are downloaded from
+    pip_index_url: str | None         # PIP_INDEX_URL
     hf_cache: Path                    # HF_HUB_CACHE, else HF_HOME/hub: the Hugging Face Hub cache
     hf_offline: bool                  # HF_HUB_OFFLINE=1: only what the Hub cache holds
     torchrun: tuple[int, int, int] | None   # RANK, WORLD_SIZE, LOCAL_RANK: started by torchrun
@@ -392,7 +338,6 @@ class Environment:
 
 @functools.cache
 def environment() -> Environment:
-    """The :class:`Environment` of this process, read on first use."""
     env = os.environ
     cache = Path.home() / ".cache" / "zipfusion"
     torchrun = None

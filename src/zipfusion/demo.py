@@ -1,8 +1,5 @@
-"""The format half of `zipfusion demo`: compress synthetic KV on the CPU and restore it.
-
-The KV imitates what attention layers write (per-channel key scales, a few outlier key
-channels, rope, token-varying values, some exact zeros). The demo prints how many 512-value
-blocks compress, the bytes saved and whether the round trip is bit-exact.
+"""The format half of `zipfusion demo`: compress realistic synthetic KV on the CPU and restore it,
+printing the blocks compressed, the bytes saved and whether the round trip is bit-exact.
 """
 
 from __future__ import annotations

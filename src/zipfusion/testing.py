@@ -1,9 +1,6 @@
-"""Helpers for tests and benchmarks (nothing in the engine calls this module): driving an engine
-step by step, placement from given sizes by a memory manager on the meta device
-(``place_with_sizes``), a host tier that only counts (``AccountingHostTier``), and torch
-references for paged attention over the arena (float64 math, any device), reading pages exactly as the kernels must: ``loc_is_open(page_loc)``: an open page
-stored as ``[2, 16, H, D]`` bf16, else a compressed page decoded with the format's reference
-codec."""
+"""Helpers for tests and benchmarks (the engine never calls this module): stepping an engine,
+placement from given sizes on the meta device, a counting host tier, and float64 references for
+paged attention that read pages exactly as the kernels must."""
 
 from __future__ import annotations
 
@@ -17,10 +14,8 @@ from .memory.host_tier import HostTier
 
 
 def place_with_sizes(m: KVCacheManager, ids, sizes, min_capacity: int = 0, reclaim=None) -> list[int]:
-    """Compress the open pages ``ids`` of a manager on the meta device (page tables, chunk pool,
-    packing and compaction plans, no bytes) as if their encoded sizes were ``sizes``
-    ([L, len(ids)], drawn by the caller: benchmarks/schedule_sim.py, capacity.py); the ids left
-    open. The real manager's placement, of pages "encoded already" (``encoded_pages``)."""
+    """Compress the open pages ``ids`` of a meta-device manager as if their encoded sizes were
+    ``sizes`` [L, len(ids)]; the ids left open."""
     ids = list(ids)
     if m.device.type != "meta":
         raise ValueError("place_with_sizes: a manager on the meta device (no bytes) only")
@@ -39,8 +34,7 @@ def place_with_sizes(m: KVCacheManager, ids, sizes, min_capacity: int = 0, recla
 
 
 class AccountingHostTier(HostTier):
-    """A :class:`HostTier` that keeps the books (its ring of records, drops when full) and moves
-    no bytes: the host tier of a manager on the meta device (benchmarks/schedule_sim.py)."""
+    """A :class:`HostTier` that keeps the books and moves no bytes (meta-device managers)."""
 
     def _allocate(self) -> None:
         self.buf = torch.empty(self.budget, dtype=torch.uint8, device="meta")
@@ -50,8 +44,7 @@ class AccountingHostTier(HostTier):
 
 
 def run_to_completion(engine, reqs=(), keep_logits: bool = False) -> None:
-    """Step ``engine`` until it has no work. With ``keep_logits``, each request of ``reqs`` gets
-    ``logits``: the rows its tokens were sampled from, on the CPU (one per generated token)."""
+    """Step ``engine`` until it has no work (``keep_logits``: each request gets its logits rows)."""
     want = {r.request_id: r for r in reqs} if keep_logits else {}
     for r in want.values():
         r.logits = []
@@ -84,12 +77,8 @@ def gather_request_kv(arena: torch.Tensor, page_loc_layer: torch.Tensor, page_id
 
 def reference_decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout,
                                sm_scale, out=None, *, out_dtype=torch.bfloat16, window=None, softcap=None):
-    """softmax(sm_scale · q Kᵀ) V per request and query head, in float64 (over the last
-    ``window`` keys; scores soft-capped by ``softcap``).
-
-    Same inputs as :func:`zipfusion.kernels.decode_attention`. Returns ``out_dtype``
-    (bf16 by default; pass torch.float64 to compare kernels against the exact result).
-    """
+    """Decode attention in float64 (``window``, ``softcap``), :func:`decode_attention`'s inputs;
+    returns ``out_dtype`` (bf16 by default)."""
     B, Hq, D = q.shape
     H = layout.num_kv_heads
     G = Hq // H
@@ -101,7 +90,7 @@ def reference_decode_attention(q, arena, page_loc_layer, block_table, context_le
         kv = gather_request_kv(arena, page_loc_layer, block_table[b, :n], layout)
         kv = kv.to(torch.float64).transpose(0, 1).reshape(2, n * PAGE_TOKENS, H, D)[:, :L]
         first = 0 if window is None else max(0, L - window)
-        k, v = kv[0, first:], kv[1, first:]                           # [L, H, D]
+        k, v = kv[0, first:], kv[1, first:]
         qb = q[b].to(torch.float64).view(H, G, D)
         s = torch.einsum("hgd,lhd->hgl", qb, k) * sm_scale
         if softcap is not None:
@@ -115,10 +104,8 @@ def reference_decode_attention(q, arena, page_loc_layer, block_table, context_le
 
 def reference_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout,
                                 sm_scale, *, out_dtype=torch.bfloat16):
-    """Causal softmax(sm_scale · q Kᵀ) V per chunk and query head, in float64: the query at
-    position p sees keys 0..p of its chunk's request. Same inputs as
-    :func:`zipfusion.kernels.paged_prefill_attention` (no ``compressed``: pages are read as
-    ``page_loc_layer`` says)."""
+    """Causal prefill attention in float64, :func:`paged_prefill_attention`'s inputs (pages read
+    as ``page_loc_layer`` says)."""
     T, Hq, D = q.shape
     H = layout.num_kv_heads
     res = torch.empty(T, Hq, D, dtype=torch.float64, device=q.device)

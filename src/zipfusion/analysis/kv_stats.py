@@ -1,13 +1,6 @@
-"""How well does a model's KV compress? Per-layer statistics of the page format's block rule.
-
-Input is what attention layers wrote: for each layer, K and V as [tokens, num_kv_heads, head_dim]
-BF16. Only full pages (16 tokens) are compressed by the engine, so a trailing partial page is
-left out. For each layer and role the report gives the fraction of compressible 512-value blocks
-and the stored bytes under the format the engine writes (version 2: escapes) and under version
-1 (no escapes) side by side, the distribution of exponent spans (max exponent minus the even
-base; <= 15 compresses in v1), how many values keep each block from the v1 rule (0; 1..4:
-escaped in v2; 5+: raw) and how many of the escaped ones lie below the window, and what that
-means for concurrent requests.
+"""How well does a model's KV compress? Per-layer statistics of the page format's block rule
+over full pages: compressible fraction and stored bytes under format v2 (what the engine writes)
+and v1, exponent spans and values outside each block's window.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ from ..format.layout import (ESCAPE_FLAG, MAX_ESCAPES, PAGE_TOKENS, RAW_MARK, Pa
 from ..format.reference import block_base_half
 
 SPAN_BINS = 33   # spans 0..31 and ">= 32"
-OUTLIER_BINS = MAX_ESCAPES + 2   # blocks with 0, 1..4 (escaped in v2), 5+ (raw) values outside
+OUTLIER_BINS = MAX_ESCAPES + 2  # blocks with 0, 1..4 (escaped in v2), 5+ (raw) values outside
 
 
 @dataclass
@@ -32,14 +25,14 @@ class LayerStats:
     value_fraction: float
     open_bytes: int
     compressed_bytes: int
-    key_spans: torch.Tensor      # [SPAN_BINS] block counts
+    key_spans: torch.Tensor
     value_spans: torch.Tensor
     key_fraction_v1: float = 0.0
     value_fraction_v1: float = 0.0
     compressed_bytes_v1: int = 0
-    key_outliers: torch.Tensor = None    # [OUTLIER_BINS] blocks by values outside their window
+    key_outliers: torch.Tensor = None
     value_outliers: torch.Tensor = None
-    key_below: int = 0           # escaped values below their block's window (the rest: above)
+    key_below: int = 0  # the rest: above
     value_below: int = 0
 
 
@@ -47,13 +40,12 @@ class LayerStats:
 class KVReport:
     num_kv_heads: int
     head_dim: int
-    pages: int                    # full pages per layer that were analysed
+    pages: int
     layers: list[LayerStats] = field(default_factory=list)
-    model: str | None = None      # what made this KV (a checkpoint's name), for the plot's title
-    fp8: object = None            # analyze --kv-dtype fp8: the FP8 + lossless sizes (fp8_stats.FP8Report)
+    model: str | None = None  # for the plot's title
+    fp8: object = None  # the FP8 + lossless sizes (fp8_stats.FP8Report)
 
     def _mean(self, field: str) -> float:
-        """A per-layer fraction averaged over layers (every layer has as many blocks)."""
         return sum(getattr(s, field) for s in self.layers) / len(self.layers) if self.layers else 0.0
 
     def _ratio(self, field: str) -> float:
@@ -66,7 +58,6 @@ class KVReport:
 
     @property
     def key_fraction(self) -> float:
-        """Compressible fraction of K blocks over all layers."""
         return self._mean("key_fraction")
 
     @property
@@ -75,19 +66,17 @@ class KVReport:
 
     @property
     def size_ratio(self) -> float:
-        """Compressed bytes / open bytes over all layers (0.75 is the format's floor)."""
+        """Compressed bytes / open bytes over all layers."""
         return self._ratio("compressed_bytes")
 
     @property
     def v1(self) -> dict:
-        """The seed format (no escapes): compressible fractions and stored/raw ratio."""
         k, v = self._mean("key_fraction_v1"), self._mean("value_fraction_v1")
         return {"compressible_fraction": (k + v) / 2, "key_fraction": k, "value_fraction": v,
                 "size_ratio": self._ratio("compressed_bytes_v1")}
 
     def outliers(self) -> dict:
-        """Per role: blocks by values outside their window (0, 1..4, 5+, as fractions of all
-        blocks) and the share of escaped values that lie below the window."""
+        """Per role: blocks by values outside their window, and the share of escapes below it."""
         out = {}
         for role in ("key", "value"):
             hist = sum(getattr(s, f"{role}_outliers") for s in self.layers)
@@ -126,17 +115,14 @@ class KVReport:
         return "\n".join(lines)
 
     def headline(self) -> str:
-        """The plot's title: the model, what its KV is stored at under v2 and v1, the shape."""
         return (f"{self.model or 'KV'}: stored at {self.size_ratio:.1%} of BF16 with format v2, "
                 f"{self.v1['size_ratio']:.1%} with v1 ({self.capacity_gain:.3f}x tokens in the same memory)\n"
                 f"{len(self.layers)} layers x {self.pages} pages of {PAGE_TOKENS} tokens x "
                 f"{self.num_kv_heads} KV heads x {self.head_dim}")
 
     def plot(self, path: str, title: str | None = None) -> None:
-        """PNG that answers at a glance: per layer, the stored size under format v2 (what the
-        engine writes) beside v1 (no escapes), with the totals; and all blocks by how many of
-        their values lie outside their 16-exponent window (0: compressed by both formats, 1-4:
-        escaped by v2, raw in v1, 5+: raw in both). ``title``: default, :meth:`headline`."""
+        """PNG: per layer the stored size under v2 beside v1, and blocks by values outside their
+        window."""
         require_matplotlib()
         import matplotlib
         matplotlib.use("Agg")
@@ -176,7 +162,7 @@ class KVReport:
 
 
 class PlotUnavailable(ImportError, ValueError):
-    """matplotlib is missing (a ValueError too, so the CLI prints it as one line)."""
+    """matplotlib is missing (a ValueError too: the CLI prints it as one line)."""
 
 
 def require_matplotlib() -> None:
@@ -195,8 +181,7 @@ def _spans(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _outlier_stats(bits: torch.Tensor):
-    """Blocks [..., 512] (bit patterns, int32) -> (metadata bytes, histogram [OUTLIER_BINS] of
-    values outside the chosen window per block, escaped values below their window)."""
+    """Blocks [..., 512] -> (metadata bytes, outlier histogram, escaped values below the window)."""
     meta = block_base_half(bits)
     e = (bits >> 7) & 0xFF
     b = (2 * (meta & 0x7F))[..., None]
@@ -207,8 +192,7 @@ def _outlier_stats(bits: torch.Tensor):
 
 
 def full_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, PageLayout, int]:
-    """(H, D, layout, P) of one layer's K and V [tokens, H, D]: P full pages of 16 tokens (a
-    partial last page is left out); ValueError for other shapes or fewer than 16 tokens."""
+    """(H, D, layout, P) of one layer's K and V: P full pages; ValueError for other shapes."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"expected K and V of shape [tokens, num_kv_heads, head_dim], got "
                          f"{list(k.shape)} and {list(v.shape)}")
@@ -224,11 +208,11 @@ def layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerStats:
     if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         raise TypeError(f"KV must be bfloat16 to measure the BF16 format, got {k.dtype}/{v.dtype}")
     H, D, layout, P = full_pages(k, v)
-    pages = torch.stack([k[:P * PAGE_TOKENS], v[:P * PAGE_TOKENS]])   # [2, T, H, D]
+    pages = torch.stack([k[:P * PAGE_TOKENS], v[:P * PAGE_TOKENS]])
     pages = pages.view(2, P, PAGE_TOKENS, H, D).transpose(0, 1).contiguous().cpu()
-    blocks = to_blocks(pages)                                          # [P, H, 2, nb, 512]
+    blocks = to_blocks(pages)
     spans_k, spans_v = _spans(blocks[:, :, 0]), _spans(blocks[:, :, 1])
-    ok_k, ok_v = int(spans_k[:16].sum()), int(spans_v[:16].sum())      # v1: span <= 15
+    ok_k, ok_v = int(spans_k[:16].sum()), int(spans_v[:16].sum())  # v1: span <= 15
     bits = blocks.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     meta_k, out_k, below_k = _outlier_stats(bits[:, :, 0])
     meta_v, out_v, below_v = _outlier_stats(bits[:, :, 1])
@@ -244,7 +228,7 @@ def layer_stats(layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerStats:
 
 
 def analyze_kv(layers) -> KVReport:
-    """``layers``: iterable of (K, V) pairs, each [tokens, num_kv_heads, head_dim] bf16."""
+    """``layers``: (K, V) pairs, each [tokens, num_kv_heads, head_dim] bf16."""
     layers = list(layers)
     if not layers:
         raise ValueError("no layers to analyse")

@@ -1,8 +1,5 @@
-"""Run a model over text and report how well the KV it writes compresses.
-
-The model runs one causal forward pass per text (BF16, no cache); a capturing attention
-callable keeps every layer's rotated K and V. :func:`zipfusion.analysis.kv_stats.analyze_kv`
-then applies the format's block rule to the full pages.
+"""Run a model over text and report how well the KV it writes compresses (one causal pass per
+text, every layer's rotated K and V captured, then :func:`~.kv_stats.analyze_kv`).
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from ..models.llama import KVCacheStep
 from .fp8_stats import analyze_fp8
 from .kv_stats import KVReport, analyze_kv
 
-# Used when no text is given: English prose, a list, and Python code, so that the numbers are
-# not those of one kind of text.
+# the default text: prose, a list and Python code
 SAMPLE_TEXT = """\
 The KV cache of a language model holds, for every token already seen, the keys and values that
 attention reads at each later step. During decoding with long contexts, reading it dominates
@@ -45,8 +41,7 @@ where it stayed for the rest of the season. Nobody complained; the view was bett
 
 
 class _CaptureKVCacheStep(KVCacheStep):
-    """A :class:`~zipfusion.models.llama.KVCacheStep` for one causal pass with no cache: keeps
-    each layer's rotated K and V."""
+    """A ``KVCacheStep`` for one causal pass with no cache that keeps each layer's K and V."""
 
     def __init__(self, cfg, on_layer=None):
         self.cfg, self.kv, self.on_layer = cfg, {}, on_layer
@@ -65,8 +60,7 @@ class _CaptureKVCacheStep(KVCacheStep):
 
 @torch.inference_mode()
 def capture_kv(model, input_ids: torch.Tensor, on_layer=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One forward pass over ``input_ids`` [T]; returns each layer's (K, V), [T, H, D] bf16.
-    ``on_layer()`` is called as each layer's KV is captured (progress)."""
+    """One forward pass over ``input_ids`` [T]: each layer's (K, V) [T, H, D] bf16."""
     capture = _CaptureKVCacheStep(model.config, on_layer)
     model(input_ids, torch.arange(input_ids.numel(), device=input_ids.device), capture)
     return [capture.kv[i] for i in range(len(capture.kv))]
@@ -99,9 +93,8 @@ def merge_full_pages(per_text: list[list[tuple[torch.Tensor, torch.Tensor]]]) ->
 
 def analyze_ids(net, ids_list: list[list[int]], *, progress: bool = False, model: str | None = None,
                 kv_dtype: str = "bf16") -> KVReport:
-    """Compressibility of the KV that ``net`` writes for each token sequence, full pages merged.
-    ``progress``: a bar on stderr, a step per layer of each text's forward pass. ``kv_dtype="fp8"``:
-    the report's ``fp8`` also sizes that KV quantized to E4M3 in the FP8 block format."""
+    """Compressibility of the KV ``net`` writes for each token sequence (``kv_dtype="fp8"``: the
+    FP8 + lossless sizes too)."""
     check_kv_dtype(kv_dtype)
     from tqdm.auto import tqdm
 
@@ -132,9 +125,7 @@ def check_kv_dtype(kv_dtype: str) -> None:
 def analyze_model(model: str, texts: list[str] | None = None, *, device: str = "cpu",
                   max_tokens: int = 4096, load_format: str = "auto", progress: bool = True,
                   kv_dtype: str = "bf16") -> KVReport:
-    """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`); the
-    report names the model (a checkpoint folder's or a .gguf file's name). ``kv_dtype="fp8"``
-    adds the FP8 + lossless sizes (:mod:`zipfusion.analysis.fp8_stats`)."""
+    """Compressibility of ``model``'s KV over ``texts`` (default: :data:`SAMPLE_TEXT`)."""
     check_kv_dtype(kv_dtype)
     net, tokenizer = load_for_analysis(model, device=device, load_format=load_format)
     ids_list = [text_ids(tokenizer, text, max_tokens) for text in (texts or [SAMPLE_TEXT])]

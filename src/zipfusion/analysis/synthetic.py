@@ -1,11 +1,6 @@
-"""Synthetic KV pages: realistic statistics, a trained model's outliers, or an exact fraction.
-
-``realistic_pages`` imitates what attention layers write: keys with per-channel scales, a few
-large outlier channels and rope rotation (channel i paired with i + D/2), values whose scale
-varies by token, and a sprinkle of exact zeros. ``model_like_pages`` reproduces what the
-analyzer measured on a trained model: blocks that fail the v1 rule fail because of
-1-4 values, mostly tiny ones below the window. ``pages_with_fraction`` builds pages where a
-chosen fraction of the 512-value blocks is compressible, for benchmarks that must state it.
+"""Synthetic KV pages: realistic statistics (``realistic_pages``), a trained model's outliers
+(``model_like_pages``), or an exact compressible fraction (``pages_with_fraction``) for
+benchmarks that must state it.
 """
 
 from __future__ import annotations
@@ -39,23 +34,20 @@ def realistic_pages(num_pages: int, num_kv_heads: int, head_dim: int, *, seed: i
     k = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
     token_scale = torch.exp(torch.randn(T, 1, 1, generator=g) * 0.7)
     v = torch.randn(T, H, D, generator=g) * torch.exp(torch.randn(H, D, generator=g) * 0.3) * token_scale
-    kv = torch.stack([k, v]).to(torch.bfloat16)                    # [2, T, H, D]
+    kv = torch.stack([k, v]).to(torch.bfloat16)
     if zero_fraction > 0:
         zeros = torch.rand(kv.shape, generator=g) < zero_fraction
         kv[zeros] = 0
     return kv.view(2, num_pages, PAGE_TOKENS, H, D).transpose(0, 1).contiguous()
 
 
-# From SmolLM2-135M-Instruct's KV (benchmarks/real_model.py; docs/benchmarks.md):
-# the fraction of 512-value blocks with exactly k = 1, 2, 3, 4 values outside the window format
-# v2 chooses (never 5 or more), and the share of those values below the window (tiny values;
-# the rest lie above it).
+# A trained model's KV (docs/real_model.md): blocks with k = 1..4 values outside the v2 window,
+# and the share of those below it.
 OUTLIER_COUNTS = {"K": (0.0875, 0.0049, 0.00022, 0.000014), "V": (0.0684, 0.0034, 0.00014, 0.0)}
 BELOW_WINDOW = {"K": 0.998, "V": 0.993}
 
 
 def _distinct_positions(n_blocks: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """[n_blocks, k] distinct value indices per block (k smallest of random keys)."""
     if n_blocks == 0 or k == 0:
         return torch.zeros(n_blocks, k, dtype=torch.int64)
     return torch.rand(n_blocks, BLOCK_VALUES, generator=g).topk(k, -1).indices
@@ -63,8 +55,7 @@ def _distinct_positions(n_blocks: int, k: int, g: torch.Generator) -> torch.Tens
 
 def _set_outliers(flat: torch.Tensor, rows: torch.Tensor, k: int, below: torch.Tensor | float,
                   g: torch.Generator) -> None:
-    """Give each block ``rows`` k values outside its window, in place: 2^-40 (far below the
-    blocks' exponents) where ``below`` holds, else 2^12 (far above); signs kept."""
+    """Give each block ``rows`` k values outside its window, in place (2^-40 where ``below``, else 2^12)."""
     where = _distinct_positions(rows.numel(), k, g)
     low = torch.rand(rows.numel(), k, generator=g) < below
     mag = torch.where(low, 2.0 ** -40, 2.0 ** 12)
@@ -73,21 +64,15 @@ def _set_outliers(flat: torch.Tensor, rows: torch.Tensor, k: int, below: torch.T
 
 
 def _windowed_blocks(P: int, H: int, nb: int, g: torch.Generator) -> torch.Tensor:
-    """[P, H, 2, nb, 512] float values whose exponents span at most 12 in every block."""
     x = torch.randn(P, H, 2, nb, BLOCK_VALUES, generator=g)
-    return torch.sign(x) * x.abs().clamp(min=2.0 ** -9, max=2.0 ** 2.5)       # exponents 118..129
+    return torch.sign(x) * x.abs().clamp(min=2.0 ** -9, max=2.0 ** 2.5)
 
 
 def pages_with_fraction(num_pages: int, num_kv_heads: int, head_dim: int,
                         compressible_fraction: float, *, escaped_fraction: float = 0.0,
                         seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Pages in which exactly round(fraction * blocks) blocks are compressible (format v2).
-
-    Every block starts as Gaussian data clipped to an exponent span of 12 (compressible); the
-    chosen raw blocks get MAX_ESCAPES + 1 values 2^12, beyond what escapes patch. Of the
-    compressible blocks, round(escaped_fraction * blocks) need escapes: 1 value 2^-40 below
-    their window (the common case on real KV). The v1 fraction is the difference of the two.
-    """
+    """Pages in which exactly round(fraction * blocks) blocks are compressible (format v2),
+    round(escaped_fraction * blocks) of them with one escape below the window."""
     if not 0.0 <= escaped_fraction <= compressible_fraction <= 1.0:
         raise ValueError(f"need 0 <= escaped_fraction <= compressible_fraction <= 1, got "
                          f"{escaped_fraction} and {compressible_fraction}")
@@ -107,14 +92,8 @@ def pages_with_fraction(num_pages: int, num_kv_heads: int, head_dim: int,
 
 def model_like_pages(num_pages: int, num_kv_heads: int, head_dim: int, *, seed: int = 0,
                      counts: dict | None = None, below: dict | None = None) -> torch.Tensor:
-    """[num_pages, 2, 16, H, D] bf16 KV with a trained model's outlier statistics.
-
-    Every block's bulk lies within an exponent span of 12 (the measured median); then a block
-    of role r ("K", "V") gets exactly k = 1..4 values outside its window with probability
-    ``counts[r][k-1]`` (default :data:`OUTLIER_COUNTS`), each below the window (2^-40) with
-    probability ``below[r]`` (:data:`BELOW_WINDOW`), else above it (2^12). So format v1 leaves
-    about 9 % of K and 7 % of V blocks raw, and v2 compresses every block.
-    """
+    """[num_pages, 2, 16, H, D] bf16 KV with a trained model's outlier statistics
+    (:data:`OUTLIER_COUNTS`, :data:`BELOW_WINDOW`): v2 compresses every block."""
     counts, below = counts or OUTLIER_COUNTS, below or BELOW_WINDOW
     g = torch.Generator().manual_seed(seed)
     P, H, D = num_pages, num_kv_heads, head_dim

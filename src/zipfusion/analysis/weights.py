@@ -1,9 +1,6 @@
-"""How well a checkpoint's weights compress in the weight format (format/weights.py): per tensor
-kind (qkv, o, gate_up, down, embed, lm_head) and per layer, the stored / BF16 size and the share
-of values that escape, as the engine would store them (q|k|v and gate|up stacked as it stacks
-them). ``layers``: sample that many layers, evenly spread (the first and last among them); the
-model's total is then estimated from the sampled layers' ratio per kind. Random models draw
-Normal(0, 0.02) tensors of the config's shapes (the statistics of the engine's random weights)."""
+"""How well a checkpoint's weights compress in the weight format, per tensor kind and layer, as the
+engine would store them; ``layers`` samples that many layers and estimates the total from them.
+"""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
-"""Decode attention: each decode row (one request's newest token) attends to its request's pages.
-
-One route object per way of computing it; :class:`~.attention.AttentionBackend` picks one when
-it is built, from the config and the device:
-
-* :class:`KernelDecode`: our paged decode kernel (kernels/decode_attention.py: CUDA C++ on the
-  GPU, Triton elsewhere). With ``kv_compression`` the fused kernel, which restores compressed
-  blocks in registers; otherwise the uncompressed kernel, bit-identical to it on open pages;
-  :class:`Fp8KernelDecode`: the Triton FP8 kernels over E4M3 pages (``kv_cache_dtype="fp8"``;
-  with ``kv_compression`` the lossless one, which restores pages in the FP8 block format);
-* :class:`TorchDecode`: fp32 torch over the pages read back (fp64 in deterministic mode);
-* :class:`FlashInferPagedDecode`: FlashInfer's paged decode over the open pages (CUDA,
-  uncompressed; BF16 or E4M3 pages, FlashInfer applying the FP8 scales itself: not the bits of
-  our FP8 kernel).
-
-Each is prepared once a step (``prepare``: FlashInfer's plan) and called once a layer:
-``decode(layer, q [B, Hq, D], block_table [B, W], context_lens [B]) -> [B, Hq, D]``.
-
-Deterministic mode: the kernel splits every request's pages into runs of
-``DETERMINISTIC_SPLIT_PAGES``, whatever the batch (a split count chosen from the batch would
-order the sums differently), and torch sums in fp64.
+"""Decode attention: each decode row attends to its request's pages through one route object
+(our kernel, the FP8 kernels, torch or FlashInfer), prepared once a step and called once a layer.
 """
 
 from __future__ import annotations
@@ -32,9 +13,7 @@ DETERMINISTIC_SPLIT_PAGES = 64
 
 
 class KernelDecode:
-    """The paged decode kernel over the arena: fused (``compressed``) or uncompressed.
-    ``check_pages``: every call first asserts its pages on the device (a debugging aid:
-    ``EngineConfig.check_pages``)."""
+    """The paged decode kernel over the arena: fused (``compressed``) or uncompressed."""
 
     graph_safe = True
 
@@ -48,8 +27,7 @@ class KernelDecode:
 
     def __call__(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                  **packed) -> torch.Tensor:
-        """``packed``: the kernel's ``spans`` and ``slot_heads`` (packing.py), or its ``window``
-        and ``softcap`` (MaskedAttention)."""
+        """``packed``: the kernel's ``spans``/``slot_heads``, or ``window``/``softcap``."""
         from ..kernels import decode_attention, decode_attention_uncompressed
         c = self.cache
         if self.check_pages:
@@ -57,16 +35,14 @@ class KernelDecode:
             check_ids_async(c.arena, c.page_loc[layer], block_table, context_lens, c.layout,
                             None if self.compressed else "decode_attention_uncompressed")
         kernel = decode_attention if self.compressed else decode_attention_uncompressed
-        # the engine builds valid tables; validate=False keeps the call free of host syncs
+        # the engine builds valid tables: no checks, no host syncs
         return kernel(q, c.arena, c.page_loc[layer], block_table, context_lens, c.layout, self.sm_scale,
                       validate=False, **self.split, **packed)
 
     def over_open_copy(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        context_lens: torch.Tensor) -> torch.Tensor:
-        """Rows q [n, Hq, D] of one request, each with its context length, over an open copy of
-        its pages restored as k, v [P·16, H, D] (whole pages): the uncompressed kernel on the
-        copy gives the fused kernel's bits on the pages themselves (the same arithmetic after
-        the restore), and many rows re-reading one prefix restore it once."""
+        """Rows q [n, Hq, D] of one request over an open copy k, v of its pages: the uncompressed
+        kernel on the copy gives the fused kernel's bits, and the prefix is restored once."""
         from ..kernels import decode_attention_uncompressed
         c = self.cache
         P, H, D = k.shape[0] // PAGE_TOKENS, c.num_kv_heads, c.head_dim
@@ -79,11 +55,8 @@ class KernelDecode:
 
 
 class Fp8KernelDecode(KernelDecode):
-    """The Triton FP8 kernels over the cache's E4M3 pages in place, with its scales: with
-    ``kv_compression`` the lossless one (kernels/fp8_lossless_attention.py: open pages and pages
-    in the FP8 block format, restored in registers), else the open one (kernels/fp8_attention.py),
-    the same bits on open pages; the same split rule as :class:`KernelDecode` (the CUDA C++ kernel
-    reads no FP8). No open copy (``RowsPrefill`` runs FP8 rows over the pages themselves)."""
+    """The Triton FP8 kernels over E4M3 pages in place: lossless with ``kv_compression``, else
+    open (the same bits on open pages); :class:`KernelDecode`'s split rule."""
 
     def __init__(self, cache, sm_scale: float, *, deterministic: bool = False, check_pages: bool = False):
         super().__init__(cache, sm_scale, compressed=cache.kv_compression, deterministic=deterministic,
@@ -110,10 +83,9 @@ class Fp8KernelDecode(KernelDecode):
 
 
 class TorchDecode:
-    """Decode attention in torch over the pages the cache reads back (any cache, any dtype);
-    ``exact``: fp64 (deterministic mode)."""
+    """Decode attention in torch over pages read back; ``exact``: fp64."""
 
-    graph_safe = False              # reads the context lengths on the host: dynamic shapes
+    graph_safe = False  # reads context lengths on the host
 
     def __init__(self, cache, sm_scale: float, *, exact: bool = False):
         self.cache, self.sm_scale, self.exact = cache, sm_scale, exact
@@ -128,14 +100,9 @@ class TorchDecode:
 
 
 class MaskedAttention:
-    """Every row of the layers with a sliding window or soft-capped scores (Mistral, Gemma,
-    Phi-3 with its window): decode rows through ``route`` (a :class:`KernelDecode`: the Triton
-    kernel's window and soft-capping, graph-safe; or a :class:`TorchDecode`), prefill chunks
-    through ``masked_attention`` over their own K/V (a chunk that starts its request) or their
-    request's pages restored by ``read`` (``page_reader``); in deterministic (``exact``) mode
-    every prefill token as a decode row. Windowed prefill without soft-capping runs
-    FlashAttention's window on CUDA (``window_prefill``). Compressed and uncompressed pages give
-    the same bits."""
+    """Layers with a sliding window or soft-capped scores: decode rows through ``route``, prefill
+    chunks through ``masked_attention`` over their own K/V or their pages read by ``read`` (or, in
+    ``exact`` mode, as decode rows)."""
 
     def __init__(self, route, sm_scale: float, windows, softcap: float | None, read, num_layers: int,
                  exact: bool = False):
@@ -148,7 +115,6 @@ class MaskedAttention:
         return self.route(layer, q, block_table, context_lens, window=self.windows[layer], softcap=self.softcap)
 
     def attend(self, layer: int, q, k, v, step) -> torch.Tensor:
-        """The rows of a step (``PagedKVCacheStep``): its decode rows, then each prefill chunk."""
         from .prefill_open import masked_attention
         from .prefill_stored import window_prefill
         out, n = torch.empty_like(q), step.num_decode
@@ -171,8 +137,7 @@ class MaskedAttention:
 
 
 class FlashInferPagedDecode:
-    """FlashInfer's paged decode reading the open pages in place (kernels/flashinfer_decode.py):
-    one plan a step, each layer its own page indices."""
+    """FlashInfer's paged decode over the open pages in place; one plan a step."""
 
     graph_safe = True
 
@@ -192,14 +157,8 @@ class FlashInferPagedDecode:
 
 def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, exact: bool = False,
                            window: int | None = None, softcap: float | None = None):
-    """Decode attention in fp32 torch (fp64 when ``exact``: then a row's result does not depend
-    on the batch's padding, up to ~1e-16 relative before the final rounding):
-    q [B, Hq, D]; ``read_pages(ids) -> [n, 2, 16, H, D]``.
-
-    o_b = softmax(sm_scale · q_b K_bᵀ) V_b over the first context_lens[b] tokens of request b
-    (the last ``window`` of them; scores soft-capped by ``softcap``), query head i reading KV
-    head i // (Hq / H).
-    """
+    """Decode attention in fp32 torch (fp64 when ``exact``): q [B, Hq, D] over
+    ``read_pages(ids) -> [n, 2, 16, H, D]``, with ``window`` and ``softcap``."""
     ftype = torch.float64 if exact else torch.float32
     B, Hq, D = q.shape
     lens = context_lens.to(torch.int64)
@@ -208,11 +167,11 @@ def torch_decode_attention(q, read_pages, block_table, context_lens, sm_scale, e
     used = torch.arange(max_pages, device=q.device)[None, :] * PAGE_TOKENS < lens[:, None]
     ids = torch.where(used, table, torch.zeros_like(table))
     uniq, inverse = torch.unique(ids[used], return_inverse=True)
-    pages = read_pages(uniq)                                    # [n, 2, 16, H, D]
+    pages = read_pages(uniq)
     H = pages.shape[3]
     slot = torch.zeros_like(ids)
     slot[used] = inverse
-    kv = pages[slot]                                            # [B, P, 2, 16, H, D]
+    kv = pages[slot]
     k = kv[:, :, 0].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
     v = kv[:, :, 1].reshape(B, max_pages * PAGE_TOKENS, H, D).to(ftype)
     qg = q.to(ftype).reshape(B, H, Hq // H, D)

@@ -1,27 +1,6 @@
-"""Packed decode: rows behind one shared prefix restore its pages once per step, in the decode
-kernel itself.
-
-Prefix-cache hits behind one system prompt hold the same leading pages (a page is shared only
-once it is full and sealed). The plain decode kernel restores those pages for every row, and with
-compressed pages the restore, not memory, bounds the step. The kernel's tensor-core tiles have
-8 query-head columns per KV head; a GQA group of 4 fills half of them and the rest is padding.
-A *packed request* puts R = 8 / G rows' heads in those columns: its block table is the shared
-pages, then each row's own pages, and the kernel masks each column to its row's keys
-(``spans``; kernels/decode_attention.py, "Packed requests"). Each shared page is then restored
-and multiplied once for R rows, at the cost of one row; a row's own pages are read once, as
-before. Rows in no group travel alone (one slot used, the rest empty): the plain kernel's work.
-
-:func:`plan_packed` (host, once per step) pairs the rows that :func:`find_groups` finds (block
-tables beginning with the same ``>= Tuning.min_shared_pages`` page ids, all before each row's newest
-token); :meth:`PackedPlan.run` (per layer) gathers q into the packed layout, runs the kernel
-once, and puts each slot's output back in its row.
-
-The sums run in another order than the plain kernel's, so the result is not bit-identical to
-it; compressed and uncompressed runs of one schedule take the same path and the fused and
-uncompressed kernels' arithmetic is the same, so they give the same bits, and deterministic mode never packs (the pairing depends
-on the batch). With CUDA graphs a packed step replays a graph of its own, captured over
-:meth:`PackedPlan.empty` buffers (V = the bucket's rows, each table as wide as R requests'
-tables) that each step fills (:meth:`PackedPlan.fill`); otherwise it runs eagerly.
+"""Packed decode (docs/design.md): rows behind one shared prefix travel as one request whose query-head
+columns are R rows', so the kernel restores shared pages once for R rows. Another sum order than
+the plain kernel's, so deterministic mode never packs.
 """
 
 from __future__ import annotations
@@ -35,16 +14,15 @@ from ..config import Tuning
 from ..format import PAGE_TOKENS
 from ..memory.copy import to_device
 
-# query-head columns of a packed request: one tensor-core n-tile (R = 8 // G rows a request);
-# 16 (two n-tiles, R = 16 // G) halves the restores again for twice the MMAs
+# query-head columns of a packed request: one tensor-core n-tile (R = 8 // G rows a request)
 PACK_HEADS = 8
 
 
 def find_groups(context_lens: np.ndarray, table: np.ndarray, min_pages: int) -> list[tuple[np.ndarray, int]]:
     """(rows, shared pages) of every group of >= 2 decode rows whose block tables begin with the
-    same ``shared >= min_pages`` page ids, all before each row's newest token."""
+    same ``>= min_pages`` full page ids."""
     lens = np.asarray(context_lens, dtype=np.int64)
-    full = (lens - 1) // PAGE_TOKENS                  # pages wholly before a row's newest token
+    full = (lens - 1) // PAGE_TOKENS
     cand = np.flatnonzero(full >= min_pages)
     if cand.size < 2:
         return []
@@ -66,15 +44,14 @@ def find_groups(context_lens: np.ndarray, table: np.ndarray, min_pages: int) -> 
 
 @dataclass
 class PackedPlan:
-    rows: torch.Tensor          # int64 [V, R]: the step's decode row in each slot (row 0 in empty ones)
+    rows: torch.Tensor  # the step's decode row in each slot
     block_table: torch.Tensor   # int32 [V, W]: shared pages, then each slot's own
-    context_lens: torch.Tensor  # int32 [V]: the last slot's end (0: a padding request, no keys)
+    context_lens: torch.Tensor  # 0: a padding request, no keys
     spans: torch.Tensor         # int32 [V, R, 2]: each slot's own tokens [begin, end)
-    slots: torch.Tensor         # int64 [B]: the packed slot (v·R + r) of each decode row
+    slots: torch.Tensor  # the packed slot of each decode row
 
     def run(self, decode, layer: int, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-        """Attention of the step's decode rows q [B, Hq, D] -> [B, Hq, D] bf16 through the
-        ``decode`` route (decode.KernelDecode)."""
+        """Attention of the step's decode rows q [B, Hq, D] through the ``decode`` route."""
         V, R = self.rows.shape
         B, Hq, D = q.shape
         H = num_kv_heads
@@ -93,15 +70,11 @@ class PackedPlan:
         return PackedPlan(*(to_device(getattr(self, f), device) for f in self.__dataclass_fields__))
 
     def view(self, bs: int) -> "PackedPlan":
-        """The first ``bs`` requests and rows (a graph bucket's share of the buffers)."""
         return PackedPlan(*(getattr(self, f)[:bs] for f in self.__dataclass_fields__))
 
     def fill(self, other: "PackedPlan") -> None:
-        """Copy ``other`` (host tensors, at most as large) into this plan's buffers, the rest
-        left as padding: requests without keys, rows reading slot 0 (asynchronous from pinned
-        memory on CUDA). All but the block table are small and rewritten whole (a larger step's
-        row ids, lengths or spans must not survive); of the block table (bucket x R x max pages)
-        only ``other``'s extent: the kernel reads no page past a request's context."""
+        """Copy ``other`` into this plan's buffers, the rest left as padding; of the block table
+        only ``other``'s extent (the kernel reads no page past a request's context)."""
         for f in self.__dataclass_fields__:
             dst, src = getattr(self, f), getattr(other, f)
             if f == "block_table":
@@ -115,18 +88,15 @@ class PackedPlan:
 
 
 def rows_per_request(num_q_heads: int, num_kv_heads: int, pack_heads: int | None = None) -> int:
-    """R, the decode rows a packed request holds: ``pack_heads`` (default PACK_HEADS) columns
-    of G query heads each; 0 where the GQA group leaves no room for two rows."""
+    """R, the decode rows a packed request holds (0 where the GQA group leaves no room for two)."""
     R = (pack_heads or PACK_HEADS) // (num_q_heads // num_kv_heads)
     return R if R >= 2 else 0
 
 
 def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                 tuning: Tuning = Tuning(), pack_heads: int | None = None) -> PackedPlan | None:
-    """The step's packed requests (host tensors) from its host ``context_lens`` [B] and
-    ``block_table`` [B, W], or None when the GQA group leaves no room for two rows or packing
-    would spare fewer than ``tuning.min_spared_pages`` page reads (rows share at least
-    ``tuning.min_shared_pages``)."""
+    """The step's packed requests (host tensors), or None when packing is impossible or would
+    spare fewer than ``tuning.min_spared_pages`` page reads."""
     R = rows_per_request(num_q_heads, num_kv_heads, pack_heads)
     if not R:
         return None
@@ -136,7 +106,7 @@ def plan_packed(context_lens: torch.Tensor, block_table: torch.Tensor, num_q_hea
         return None
     members, grouped = [], np.zeros(lens.size, dtype=bool)
     for rows, shared in groups:
-        for i in range(0, len(rows) - 1, R):          # runs of R rows (a last one alone travels alone)
+        for i in range(0, len(rows) - 1, R):
             chunk = rows[i:i + R]
             members.append((chunk, shared))
             grouped[chunk] = True

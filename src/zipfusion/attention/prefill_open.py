@@ -1,16 +1,5 @@
-"""Prefill over open pages: a chunk that starts its request (``start == 0``: a whole prompt, or
-the first chunk of a long one) attends causally to its own fresh K/V. The step has just written
-them into open pages; nothing is read back from the cache, the attention runs on the K/V tensors
-the model computed (:class:`OpenPrefill`).
-
-On the GPU (bf16, fp16) it runs cuDNN's attention, its queries and keys padded to a multiple of
-``CUDNN_BUCKET``: cuDNN builds a graph for every new shape (host time), and a workload's
-prompt lengths would each pay one; the buckets' graphs are built when the engine starts
-(:meth:`OpenPrefill.warm_up`). Elsewhere (and in fp32) SDPA.
-
-This file also holds the dense attention both prefill routes run once K/V are contiguous:
-:func:`prefill_attention` (causal, after a prefix), :func:`attend_lse` (cuDNN with its
-log-sum-exp, or its fp32 torch equal) and :func:`cudnn_takes` (whether cuDNN's SDPA serves q).
+"""Prefill of a chunk that starts its request, over its own fresh K/V (cuDNN on the GPU, shapes
+bucketed so a run builds few graphs; SDPA elsewhere), and the dense attention both routes run.
 """
 
 from __future__ import annotations
@@ -23,12 +12,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-# SDPA kernels for a whole prompt on CUDA, fastest first as measured (docs/benchmarks.md); math only
-# as a last resort
+# SDPA kernels for a whole prompt on CUDA, fastest first (docs/benchmarks.md); math last
 CUDA_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]
-# cuDNN attention pads its queries (causal: and keys) to a multiple of this many rows, so that a
-# run builds a few graphs, not one per prompt length (see attend_lse)
+# cuDNN pads queries (causal: and keys) to a multiple of this, so a run builds few graphs
 CUDNN_BUCKET = 512
 
 
@@ -39,40 +26,32 @@ class OpenPrefill:
         self.sm_scale = sm_scale
 
     def plan(self, chunks, device) -> list[slice]:
-        """Host work once a step: the rows of each chunk in the step's q, from (offset, chunk)
-        pairs."""
+        """Host work once a step: each chunk's rows in the step's q."""
         return [slice(off, off + ch.length) for off, ch in chunks]
 
     def run(self, layer: int, q, k, v, out: torch.Tensor, plan: list[slice]) -> None:
-        """Each chunk's rows of ``out`` (the step's q, k, v rows are the chunk's own tokens)."""
         for sl in plan:
             out[sl] = prefill_attention(q[sl], k[sl], v[sl], 0, self.sm_scale)
 
     def warm_up(self, q: torch.Tensor, kv: torch.Tensor) -> None:
-        """Build cuDNN's graph of every causal bucket up to ``q``'s rows (zero q [N, Hq, D] and
-        kv [>= N, H, D], N a multiple of CUDNN_BUCKET; CUDA only)."""
+        """Build cuDNN's graph of every causal bucket up to ``q``'s rows (CUDA only)."""
         for n in range(CUDNN_BUCKET, q.shape[0] + 1, CUDNN_BUCKET):
             attend_lse(q[:n], kv[:n], kv[:n], True, self.sm_scale)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                       window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Causal attention of q [n, Hq, D] (positions start..start+n-1) over k, v [start+n, H, D]:
-    query i sees keys j <= start + i (and j > start + i - ``window``; scores soft-capped by
-    ``softcap``: :func:`masked_attention`). Memory linear in n (no score matrix) on CUDA.
-
-    CUDA: torch's fused kernels in bf16 -- cuDNN for a whole prompt (top-left causal, GQA native,
-    its shapes bucketed: :func:`attend_lse`), SDPA's FlashAttention where cuDNN is missing; with a
-    prefix, SDPA's bottom-right causal variant (``causal_lower_right``, FlashAttention/memory-
-    efficient kernels), K/V heads repeated for GQA. CPU (and fp32): SDPA.
+    """Causal attention of q [n, Hq, D] at positions start.. over k, v [start+n, H, D] (with
+    ``window`` / ``softcap``: :func:`masked_attention`): cuDNN for a whole prompt on CUDA, SDPA's
+    bottom-right causal kernels after a prefix, SDPA on the CPU.
     """
     if window is not None or softcap is not None:
         return masked_attention(q, k, v, start, scale, window, softcap)
     if start == 0 and cudnn_takes(q):
-        return attend_lse(q, k, v, True, scale)[0]                           # cuDNN, its shapes bucketed
+        return attend_lse(q, k, v, True, scale)[0]
     n, Hq, _ = q.shape
     H = k.shape[1]
-    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))        # [1, heads, len, D]
+    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if start == 0:
         with sdpa_kernel(CUDA_SDPA, set_priority=True) if q.is_cuda else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=Hq != H)
@@ -87,16 +66,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     return o[0].transpose(0, 1)
 
 
-MASKED_BLOCK = 256          # query rows a block of masked_attention (bounds its score matrix)
+MASKED_BLOCK = 256  # query rows a block (bounds its score matrix)
 
 
 def masked_attention(q, k, v, start: int, scale: float, window: int | None = None, softcap: float | None = None,
                      exact: bool = False) -> torch.Tensor:
-    """:func:`prefill_attention` with a sliding window and soft-capped scores, on any device:
-    query at position p sees keys p - window < j <= p (transformers' sliding window), scores
-    s -> softcap · tanh(s / softcap) before the mask (Gemma 2). Rows go in blocks of
-    MASKED_BLOCK, each over the keys its window can reach: SDPA with the block's mask, or, with
-    soft-capping (or ``exact``), fp32 torch (fp64)."""
+    """:func:`prefill_attention` with a sliding window and soft-capped scores, on any device, in
+    blocks of MASKED_BLOCK rows (SDPA, or fp32/fp64 torch with soft-capping or ``exact``)."""
     n, Hq, D = q.shape
     H = k.shape[1]
     ftype = torch.float64 if exact else torch.float32
@@ -123,16 +99,9 @@ def masked_attention(q, k, v, start: int, scale: float, window: int | None = Non
 
 
 def attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
-    """(o [n, Hq, D], lse [n, Hq] fp32) of q over k, v (causal: top-left, k as long as q). CUDA
-    (bf16, fp16): cuDNN's SDPA kernel, which returns its log-sum-exp; elsewhere the same in fp32
-    torch (tests).
-
-    cuDNN builds an execution graph for every new shape (host time; docs/benchmarks.md), and a workload's prompts and chunks come in
-    every length. So the queries are padded with zero rows up to a multiple of ``bucket`` (default
-    CUDNN_BUCKET on CUDA) and the padded rows' outputs dropped; for a causal call the keys are
-    padded alike, which changes nothing for a real row: row i sees keys 0..i only, all real. A
-    causal graph then depends on the bucket alone; a prefix's (uncausal) on the bucket and the
-    prefix's length, which zero keys would change (they add e^0 to every softmax)."""
+    """(o [n, Hq, D], lse [n, Hq] fp32) of q over k, v, causal top-left: cuDNN on CUDA, fp32 torch
+    elsewhere. Queries (and causal keys) are zero-padded to a multiple of ``bucket`` so that cuDNN
+    builds a graph per bucket, not per length; padding changes no real row."""
     n, Hq, _ = q.shape
     bucket = bucket or (CUDNN_BUCKET if cudnn_takes(q) else 1)
     if n % bucket:
@@ -152,21 +121,18 @@ def attend_lse(q, k, v, causal: bool, scale: float, bucket: int | None = None):
     s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
     if causal:
         s = s.masked_fill(torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)                                     # [Hq, n]
+    lse = torch.logsumexp(s, -1)
     return torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), vf), lse.transpose(0, 1)
 
 
 def cudnn_takes(q: torch.Tensor) -> dict | None:
-    """What cuDNN's SDPA with its log-sum-exp offers for q ({"gqa": bool}: K/V heads fewer than
-    query heads without repeating them), or None where it does not serve q (not CUDA, bf16 or
-    fp16, or not in this torch and GPU)."""
+    """What cuDNN's SDPA with its log-sum-exp offers for q ({"gqa": bool}), or None."""
     return _cudnn_probe(q.shape[-1]) if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
 
 
 @functools.cache
 def _cudnn_probe(head_dim: int = 128) -> dict | None:
-    """Whether this torch and GPU run cuDNN's SDPA with its log-sum-exp at ``head_dim``, and
-    with GQA (asked once per head size, on a tiny problem)."""
+    """Whether cuDNN's SDPA with log-sum-exp (and GQA) runs at ``head_dim`` (asked once)."""
     if not torch.cuda.is_available():
         return None
     op = torch.ops.aten._scaled_dot_product_cudnn_attention

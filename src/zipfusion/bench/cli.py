@@ -1,7 +1,5 @@
-"""The ``zipfusion bench`` command line (argparse only: ``--help`` imports neither torch nor httpx).
-
-Bad input (an unknown dataset or mode, a malformed ``--goodput``, a rate <= 0) is a ValueError
-raised by the command, which ``zipfusion``'s main prints as one ``error: ...`` line (status 2).
+"""The ``zipfusion bench`` command line (argparse only: ``--help`` imports neither torch nor httpx);
+bad input is a ValueError that ``zipfusion``'s main prints as one line.
 """
 
 from __future__ import annotations

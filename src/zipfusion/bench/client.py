@@ -1,14 +1,6 @@
-"""The client of ``zipfusion bench serve`` (:mod:`.serve`): one rate's requests against a server.
-
-Every request of a dataset is a streaming /v1/completions request (``--endpoint chat``:
-/v1/chat/completions, the prompt as a user message; ``--api-key``: a bearer token) (httpx async; greedy,
-``ignore_eos``, token ids returned, the usage in the last chunk), each bounded by ``--timeout``
-seconds in all. Arrivals are a Poisson process at the rate (``inf``: all at once), with at most
-``--max-concurrency`` in flight (a closed loop at rate inf). Per request its record: the send
-time, the time of every streamed chunk with tokens and their count, and from them TTFT (send to
-first token), the gaps between chunks (ITL), TPOT ((last - first token) / (tokens - 1)) and the
-end-to-end latency. While the rate runs the server's /metrics are sampled (:class:`.Sampler`)
-and progress is logged.
+"""The client of ``zipfusion bench serve``: one rate's streaming requests against a server
+(Poisson arrivals or a closed loop), each with its chunk times, TTFT, ITL, TPOT and latency,
+while the server's /metrics are sampled.
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def request_body(prompt, max_tokens: int, endpoint: str) -> dict:
-    """The streamed request of one prompt: /v1/completions (text or token ids), or
-    /v1/chat/completions (openai-chat: the text as one user message)."""
+    """The streamed request of one prompt (completions, or chat: the text as a user message)."""
     body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     if endpoint == "chat":
@@ -40,8 +31,7 @@ def request_body(prompt, max_tokens: int, endpoint: str) -> dict:
 
 
 def chunk_tokens(event: dict) -> int:
-    """Tokens a streamed event carries: its token ids (completions), else one per choice with
-    text (chat deltas: a step's token each, as vLLM's openai-chat backend counts them)."""
+    """Tokens a streamed event carries (chat deltas: one per choice with text, as vLLM counts)."""
     n = 0
     for c in event.get("choices", []):
         text = c.get("text") or (c.get("delta") or {}).get("content")
@@ -110,10 +100,8 @@ async def run_rate(url: str, ds: datasets.Dataset, rate: float, *, model: str | 
                    max_concurrency: int | None = None, seed: int = 0, metrics_interval: float = 2.0,
                    progress_s: float = 10.0, label: str = "", endpoint: str = "completions",
                    api_key: str | None = None) -> tuple[list[dict], float, Sampler]:
-    """Every request of ``ds``: arrivals a Poisson process at ``rate`` (inf: all at once), at most
-    ``max_concurrency`` in flight, to ``endpoint`` (completions or chat), with ``api_key`` as a
-    bearer token. Returns (records in order, seconds from the first send to the last answer, the
-    /metrics sampler)."""
+    """Every request of ``ds`` at ``rate`` (inf: all at once), at most ``max_concurrency`` in
+    flight. Returns (records, seconds from the first send to the last answer, the sampler)."""
     import httpx
     rng = random.Random(seed)
     n = len(ds)
@@ -133,7 +121,7 @@ async def run_rate(url: str, ds: datasets.Dataset, rate: float, *, model: str | 
                                                    endpoint), timeout)
             except asyncio.TimeoutError:
                 why = f"no answer within --timeout {timeout:g} s"
-            except Exception as exc:                     # noqa: BLE001 - counted as failed, never lost
+            except Exception as exc:  # noqa: BLE001 - counted as failed, never lost
                 why = f"{type(exc).__name__}: {exc}"
             return {"ok": False, "error": why, "sent": t0, "chunks": [], "tokens": 0}
 

@@ -1,22 +1,6 @@
-"""Synthetic datasets: prompt and output lengths drawn from a named distribution, prompts as
-random token ids or random words (text), every draw a function of the seed alone.
-
-Named length distributions (tokens; lognormal with sigma :data:`SIGMA` around the median, capped):
-
-=============  ==================  ==================  ==========================================
-name           prompt median/cap   output median/cap   what it stands for
-=============  ==================  ==================  ==========================================
-chat           300 / 4,096         250 / 1,024         ShareGPT-like conversation turns
-reasoning      200 / 2,048         1,500 / 6,000       decode-heavy: short question, long answer
-long           12,000 / 30,000     250 / 1,000         long context (documents, code bases)
-agent          1,000 / 8,000       120 / 500           prefill-heavy, behind a 2,048-token system
-                                                       prompt + tool list shared by groups of 8
-random         1,024 (fixed)       128 (fixed)         vLLM's random dataset (``range_ratio``)
-=============  ==================  ==================  ==========================================
-
-``input_len`` / ``output_len`` replace a distribution's medians (its caps scale along), e.g. to
-shrink a dataset for the CPU. Lengths are clipped so that prompt + output fits ``max_len``.
-No torch here: the serving client imports this module.
+"""Synthetic datasets: prompt and output lengths drawn from a named distribution (:data:`DATASETS`,
+lognormal around a median, capped), prompts as random token ids or random words, every draw a
+function of the seed alone. No torch here: the serving client imports this module.
 """
 
 from __future__ import annotations
@@ -25,17 +9,17 @@ import dataclasses
 import math
 import random
 
-SIGMA = 0.8          # lognormal lengths: sigma of ln(length)
-ID_RANGE_LOW = 10    # random ids are drawn from [10, vocab - 10): clear of special tokens at either end
+SIGMA = 0.8
+ID_RANGE_LOW = 10  # clear of special tokens at either end
 
 
 @dataclasses.dataclass(frozen=True)
 class LengthDist:
-    prompt: int                  # median prompt tokens (fixed when ``prompt_cap`` is 0)
-    output: int                  # median output tokens (fixed when ``output_cap`` is 0)
+    prompt: int  # fixed when ``prompt_cap`` is 0
+    output: int
     prompt_cap: int = 0
     output_cap: int = 0
-    shared_prefix: int = 0       # > 0: requests in groups of ``group`` start with one such prefix
+    shared_prefix: int = 0  # > 0: requests in groups of ``group`` share one such prefix
     group: int = 1
     about: str = ""
 
@@ -49,9 +33,7 @@ DATASETS = {
     "random": LengthDist(1024, 128, about="fixed lengths (--input-len, --output-len, --range-ratio)"),
 }
 
-# a few hundred common words: text prompts are random sequences of them (about one token each;
-# lengths are fitted to max_len / TEXT_TOKENS_PER_WORD words, so that a tokenizer splitting some
-# words in two still leaves the request within max_len)
+# common words: text prompts are random sequences of them (about one token each)
 TEXT_TOKENS_PER_WORD = 1.5
 WORDS = list(dict.fromkeys("""the of and to in is was that for on with as by at from his he it an be are this which or
 had not but were all have one their they been has there who more when so if will would no its
@@ -73,13 +55,11 @@ def lognormal(median: int, cap: int, n: int, rng: random.Random) -> list[int]:
 
 
 def uniform(length: int, range_ratio: float, n: int, rng: random.Random) -> list[int]:
-    """vLLM's random lengths: uniform in [length x (1 - r), length x (1 + r)]."""
     lo, hi = max(1, round(length * (1 - range_ratio))), max(1, round(length * (1 + range_ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
 def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    """Prompts of random token ids in [10, vocab - 10), one per length."""
     rng = random.Random(seed)
     ids = range(ID_RANGE_LOW, max(ID_RANGE_LOW + 1, vocab - ID_RANGE_LOW))
     return [rng.choices(ids, k=n) for n in lens]
@@ -95,9 +75,9 @@ def random_text(lens: list[int], seed: int) -> list[str]:
 class Dataset:
     name: str
     prompts: list                 # token id lists, or str (text)
-    prompt_lens: list[int]        # tokens asked for (text: words; the server reports its count)
+    prompt_lens: list[int]  # tokens asked for (text: words)
     output_lens: list[int]
-    clipped: int                  # requests whose lengths were cut to fit max_len
+    clipped: int
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -113,7 +93,6 @@ class Dataset:
 
 def resolve(name: str, input_len: int | None = None, output_len: int | None = None,
             shared_prefix: int | None = None, group: int | None = None) -> LengthDist:
-    """The named distribution with the given overrides (ValueError, one line, for bad input)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; pick from {', '.join(DATASETS)}")
     d = DATASETS[name]
@@ -132,8 +111,7 @@ def resolve(name: str, input_len: int | None = None, output_len: int | None = No
 
 
 def fit(prompt: int, output: int, max_len: int) -> tuple[int, int]:
-    """Lengths cut to fit ``max_len`` tokens (prompt + output <= max_len - 1): the prompt is
-    shortened first, down to half of ``max_len``, then the output."""
+    """Lengths cut to fit ``max_len`` (prompt shortened first, down to half, then the output)."""
     if prompt + output < max_len:
         return prompt, output
     output = min(output, max(1, max_len - 1 - min(prompt, max_len // 2)))
@@ -142,8 +120,7 @@ def fit(prompt: int, output: int, max_len: int) -> tuple[int, int]:
 
 def lengths(dist: LengthDist, n: int, *, seed: int = 0, max_len: int | None = None,
             range_ratio: float = 0.0) -> tuple[list[int], list[int], int]:
-    """``n`` (prompt, output) lengths of ``dist`` (prompts without the shared prefix), cut to fit
-    ``max_len`` with the prefix; and how many were cut."""
+    """``n`` (prompt, output) lengths of ``dist``, cut to fit ``max_len``, and how many were cut."""
     if n < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {n}")
     if not 0 <= range_ratio < 1:
@@ -166,11 +143,9 @@ def lengths(dist: LengthDist, n: int, *, seed: int = 0, max_len: int | None = No
 
 def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | None = None, vocab: int = 2048,
           max_len: int | None = None, range_ratio: float = 0.0, text: bool = False) -> Dataset:
-    """``n`` requests of ``dist``. ``seed`` draws the lengths, ``id_seed`` (default ``seed``) the
-    tokens: one set of lengths can be sent with fresh tokens (a prefix cache would find the same
-    prompts cached). The shared prefix counts within ``max_len`` (for ``text``, in words: within
-    ``max_len / TEXT_TOKENS_PER_WORD``)."""
-    if text and max_len is not None:          # words, not tokens: room for a word of several tokens
+    """``n`` requests of ``dist``: ``seed`` draws the lengths, ``id_seed`` (default ``seed``) the
+    tokens, so one set of lengths can be sent with fresh tokens."""
+    if text and max_len is not None:
         max_len = int(max_len / TEXT_TOKENS_PER_WORD)
     plens, olens, clipped = lengths(dist, n, seed=seed, max_len=max_len, range_ratio=range_ratio)
     prefix = dist.shared_prefix
@@ -190,11 +165,8 @@ def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | 
 
 
 def sharegpt(path: str, n: int, *, seed: int = 0, count=None, max_len: int | None = None) -> Dataset:
-    """``n`` conversations of a ShareGPT-style JSON file (a list of ``{"conversations": [{"from":
-    "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}``, as vLLM's ``--dataset-name
-    sharegpt``), drawn in a seeded order: the first human turn is the prompt (text), the reply's
-    tokens (``count(text)``; without it, words x 1.3) its output length. As vLLM, pairs with fewer
-    than 4 prompt or output tokens, or not within ``max_len``, are skipped."""
+    """``n`` conversations of a ShareGPT-style JSON file in a seeded order (vLLM's
+    ``sharegpt``): the first human turn is the prompt, the reply's tokens its output length."""
     import json
     try:
         with open(path) as f:

@@ -1,23 +1,6 @@
-"""``zipfusion bench kernel``: decode attention over compressed KV (the fused kernel: the
-``compressed`` mode) against the same kernel over open pages (the uncompressed kernel:
-``uncompressed``) and FlashInfer's paged decode (``flashinfer``, where it is installed), on CUDA;
-and the lossy FP8 side: our Triton kernel over E4M3 pages (``fp8``) and FlashInfer's decode over
-the same E4M3 pages (``flashinfer_fp8``), both with scale 1 (the values quantized from the same
-BF16 pages; their error is reported against FlashInfer's BF16 output), and our kernel over those
-E4M3 pages encoded in the lossless FP8 block format (``fp8_lossless``: every page encoded,
-format/fp8_blocks.py; its output is ``fp8``'s bit for bit, its stored bytes over FP8's reported).
-
-Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), page size 16, KV data with an
-exact fraction of compressible blocks (:func:`~zipfusion.analysis.synthetic.pages_with_fraction`;
-at 0.92 the real model's outlier statistics, :func:`~zipfusion.analysis.synthetic.model_like_pages`).
-Every request's pages are scattered (random page ids); every full page is compressed for the fused
-kernel; the uncompressed kernel and FlashInfer read the same values from open pages. Inputs are rotated over
-several copies so that no timed call finds its data in L2; each kernel is timed as a CUDA graph of
-many calls (median over replays). benchmarks/attention.py adds the development variants (the
-unfused baseline, tuning) on top of this module.
-
-``--device cpu`` is a smoke run through the Triton interpreter at tiny sizes (2 query heads, 1 KV
-head): it checks the path and the outputs; its timings mean nothing.
+"""``zipfusion bench kernel``: decode attention over compressed KV against the uncompressed kernel,
+FlashInfer and the FP8 kernels on CUDA, each a CUDA graph of many calls over inputs rotated past
+L2. ``--device cpu`` is an interpreter smoke run whose timings mean nothing.
 """
 
 from __future__ import annotations
@@ -37,17 +20,15 @@ from ..kernels import decode_attention, decode_attention_uncompressed
 from . import report
 
 PS = 16
-REAL_MODEL_FRACTION = 0.92    # SmolLM2-135M's v1 fraction with fp32 rope (docs/real_model.md); its
-                              # pool is model_like_pages: v2 compresses every block (~8 % escaped)
+REAL_MODEL_FRACTION = 0.92    # a trained model's statistics (model_like_pages; docs/real_model.md)
 ROTATE_BYTES = 512 << 20      # rotate input copies until this much data is touched
-# name -> (Case method, fixed keyword arguments, the bytes it moves: Case.traffic's kind)
 KERNELS = {"uncompressed": ("run_uncompressed", {}, "open"), "fused": ("run_fused", {}, "compressed"),
            "uncompressed_triton": ("run_uncompressed", {"backend": "triton"}, "open"),
            "fused_triton": ("run_fused", {"backend": "triton"}, "compressed"),
            "fp8": ("run_fp8", {}, "fp8"), "fp8_lossless": ("run_fp8_lossless", {}, "fp8_lossless")}
-MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "fp8": "fp8",     # our kernels' modes
+MODE_KERNELS = {"compressed": "fused", "uncompressed": "uncompressed", "fp8": "fp8",
                 "fp8_lossless": "fp8_lossless"}
-FLASHINFER_KV = {"flashinfer": torch.bfloat16, "flashinfer_fp8": torch.float8_e4m3fn}   # FlashInfer's: pages' dtype
+FLASHINFER_KV = {"flashinfer": torch.bfloat16, "flashinfer_fp8": torch.float8_e4m3fn}  # FlashInfer's: pages' dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +36,7 @@ class Shape:
     hq: int = 32
     hkv: int = 8
     d: int = 128
-    pool: int = 1024          # distinct pages per fraction; the arena repeats them
+    pool: int = 1024
 
     @property
     def layout(self) -> PageLayout:
@@ -67,8 +48,7 @@ SMOKE = Shape(2, 1, 64, pool=8)
 
 
 def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (median of 20 copies);
-    NaN off the GPU. This is the ceiling that achieved bandwidths are compared with."""
+    """Device-to-device copy bandwidth (bytes read + written per second); NaN off the GPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return float("nan")
@@ -89,8 +69,7 @@ def copy_bandwidth(device="cuda", nbytes: int = 2 << 30) -> float:
 
 
 def time_calls(fn, n_sets, reps=11, min_inner=10, device="cuda"):
-    """Median seconds per call of fn(i) (i cycles over the input copies), as a CUDA graph; on the
-    CPU (the smoke run, through the Triton interpreter) the host clock around one call."""
+    """Median seconds per call of fn(i) as a CUDA graph (on the CPU: one call, host clock)."""
     if torch.device(device).type != "cuda":
         t0 = time.perf_counter()
         fn(0)
@@ -110,7 +89,7 @@ def time_calls(fn, n_sets, reps=11, min_inner=10, device="cuda"):
             for i in range(n_inner):
                 fn(i)
         run, how = g.replay, "graph"
-    except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
+    except Exception as e:  # fall back to eager launches, and say so
         print(f"  (graph capture failed: {type(e).__name__}: {e}; timing eager launches)", file=sys.stderr)
         torch.cuda.synchronize()
 
@@ -137,12 +116,12 @@ class Pool:
     def __init__(self, fraction, seed, shape: Shape = LLAMA, device="cuda"):
         self.shape, self.device = shape, torch.device(device)
         n, layout = shape.pool, shape.layout
-        if fraction == REAL_MODEL_FRACTION:     # the real model's outlier statistics
+        if fraction == REAL_MODEL_FRACTION:
             self.pages = model_like_pages(n, shape.hkv, shape.d, seed=seed).to(self.device)
         else:
             self.pages = pages_with_fraction(n, shape.hkv, shape.d, fraction, seed=seed).to(self.device)
         self.fraction = compressible_fraction(self.pages[:64].cpu())
-        self.sizes = page_sizes(self.pages)                         # [pool] int64
+        self.sizes = page_sizes(self.pages)
         raw = n * layout.open_page_bytes
         self.formats = {"stored_ratio": float(self.sizes.sum()) / raw,
                         "stored_ratio_v1": float(page_sizes(self.pages, version=1).sum()) / raw,
@@ -154,8 +133,7 @@ class Pool:
 
     @property
     def fp8_encoded(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The pages quantized to E4M3 (scale 1) and encoded in the lossless FP8 block format (on
-        the CPU, once: ~5 ms a page), each padded to 16 bytes, and their stored sizes unpadded."""
+        """The pages as E4M3 (scale 1), encoded in the lossless FP8 block format, and their sizes."""
         if self._fp8 is None:
             blobs = [encode_fp8_page(p) for p in quantize_e4m3(self.pages).cpu()]
             sizes = torch.tensor([b.numel() for b in blobs])
@@ -165,7 +143,7 @@ class Pool:
 
 
 class Case:
-    """B requests of ctx tokens: open caches (FlashInfer, the uncompressed kernel) and compressed arenas (fused)."""
+    """B requests of ctx tokens: open caches and compressed arenas."""
 
     def __init__(self, pool: Pool, B, ctx, seed=0):
         self.B, self.ctx, self.shape, dev = B, ctx, pool.shape, pool.device
@@ -176,10 +154,9 @@ class Case:
         idx = torch.arange(P, device=dev) % pool.shape.pool
         self.open_bytes = P * layout.open_page_bytes
         self.sets = max(1, min(64, -(-ROTATE_BYTES // self.open_bytes))) if dev.type == "cuda" else 1
-        # open caches: [sets, P, 2, 16, H, D] (FlashInfer's NHD paged layout)
+# open caches: FlashInfer's NHD paged layout
         self.kv = pool.pages[idx].unsqueeze(0).repeat(self.sets, 1, 1, 1, 1, 1)
         self.loc_o = torch.arange(P, device=dev, dtype=torch.int64) * layout.open_page_bytes | 1
-        # compressed arenas: page i = pool page i % pool size, packed back to back
         arena = pool.buf.repeat(reps)
         sizes = pool.sizes[idx]
         self.loc_c = torch.cumsum(sizes, 0) - sizes
@@ -199,7 +176,7 @@ class Case:
 
     @property
     def kv8(self) -> torch.Tensor:
-        """The open caches quantized to E4M3 (scale 1), uint8 [sets, P, 2, 16, H, D] (made once)."""
+        """The open caches as E4M3 (scale 1), made once."""
         if self._kv8 is None:
             self._kv8 = quantize_e4m3(self.kv)
         return self._kv8
@@ -213,12 +190,11 @@ class Case:
 
     @property
     def fp8l(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The E4M3 pages (kv8's, same page ids) encoded in the lossless FP8 block format, packed
-        back to back at 16-byte offsets: (arenas [sets, bytes], page locations, stored bytes)."""
+        """The E4M3 pages encoded in the lossless FP8 block format: (arenas, locations, bytes)."""
         if self._fp8l is None:
             blobs, sizes = self.pool.fp8_encoded
             lengths = torch.tensor([b.numel() for b in blobs], device=self.q.device)[self.idx]
-            loc = torch.cumsum(lengths, 0) - lengths                   # bit 0 clear: encoded pages
+            loc = torch.cumsum(lengths, 0) - lengths
             arena = torch.cat(blobs).repeat(-(-self.P // len(blobs)))[:int(lengths.sum())]
             self._fp8l = arena.unsqueeze(0).repeat(self.sets, 1), loc, int(sizes[self.idx].sum())
         return self._fp8l
@@ -238,7 +214,7 @@ class Case:
     def run_fp8(self, i, **kw):
         from ..kernels.fp8_attention import decode_attention_fp8
         layout = Fp8PageLayout(self.shape.hkv, self.shape.d)
-        loc = self.loc_o // 2 | 1                  # open page i at i x (half the BF16 page's bytes)
+        loc = self.loc_o // 2 | 1
         return decode_attention_fp8(self.q, self.kv8[i % self.sets].view(-1), loc, self.bt, self.lens, layout,
                                     self.shape.d ** -0.5, self.out, validate=False, **kw)
 
@@ -280,10 +256,7 @@ def rel(a, b):
 
 def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table=KERNELS,
                  fi_modes=("flashinfer",)):
-    """Times and checks one case; returns records. ``table``: kernel name -> (Case method, fixed
-    keyword arguments, traffic kind); ``cfg``: keyword arguments of the kernels without fixed ones;
-    ``fi_modes``: FlashInfer's kernels to time (FLASHINFER_KV) when ``fi`` is given. Errors are
-    against FlashInfer's BF16 output where it runs."""
+    """Times and checks one case; returns records (errors against FlashInfer's BF16 output)."""
     recs = []
     outs = {}
     ref = None
@@ -292,7 +265,7 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table
         try:
             run = fi.prepare(case, FLASHINFER_KV[mode])
             o = run(0).clone()
-        except Exception as e:  # noqa: BLE001 - a FlashInfer build without this dtype: said, not fatal
+        except Exception as e:  # a FlashInfer build without this dtype: said, not fatal
             print(f"  {mode}: could not run ({type(e).__name__}: {str(e)[:200]}); left out", file=sys.stderr)
             continue
         t, spread, how = time_calls(run, case.sets, device=device)
@@ -323,10 +296,10 @@ def measure_case(case: Case, fi: FlashInfer | None, kernels, cfg, ceiling, table
             for r in recs:
                 if r["kernel"] == fu:
                     r["bit_identical_to_uncompressed"] = same
-    if "fp8" in outs and "uncompressed" in outs:        # the quantization's error (FP8 is lossy)
+    if "fp8" in outs and "uncompressed" in outs:
         next(r for r in recs if r["kernel"] == "fp8")["rel_err_vs_uncompressed"] = rel(outs["fp8"], outs["uncompressed"])
     for r in recs:
-        if r["kernel"] == "fp8_lossless":               # stored / FP8 bytes; the same bits as fp8
+        if r["kernel"] == "fp8_lossless":
             r["fp8_lossless_stored_ratio"] = r["bytes_read"] / case.traffic("fp8")[0]
             if "fp8" in outs:
                 r["bit_identical_to_fp8"] = bool(torch.equal(outs["fp8"], outs["fp8_lossless"]))
@@ -365,7 +338,6 @@ def summary(records):
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------- the command
 def parse_list(text: str, kind, flag: str, low: float, high: float = float("inf")) -> list:
     try:
         out = [kind(x) for x in text.split(",") if x.strip()]

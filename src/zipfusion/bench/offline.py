@@ -1,12 +1,5 @@
-"""The offline harness shared by ``zipfusion bench throughput`` / ``latency`` and
-benchmarks/workloads.py: an engine warmed up outside the numbers, requests run to the end with
-every step's numbers kept (a :class:`Step`: the engine's ``StepResult`` and the ``StepStats`` its
-observer gets), a run's numbers, and each (workload, mode) in its own process.
-
-    python -m zipfusion.bench.offline KIND JOB_JSON SECONDS     # a worker: KIND is throughput or latency
-
-A worker prints ``RESULT {json}`` as its last line; :func:`run_worker` starts one, shows its
-stderr (progress) as it comes and kills it past its time, keeping where it was (faulthandler).
+"""The offline harness of ``zipfusion bench throughput`` / ``latency`` and benchmarks/workloads.py: a
+warmed-up engine, every step's numbers, each (workload, mode) in its own worker process.
 """
 
 from __future__ import annotations
@@ -29,11 +22,10 @@ from .process import child_environment
 from .stats import percentile
 
 STEP_FIELDS = ("decode_rows", "prefill_tokens", "running", "preempted", "sealed_pages", "seconds", "schedule_s",
-               "forward_s", "seal_s", "ahead_s", "recomputed_tokens", "context_tokens", "finish_s")   # a step log's columns
+               "forward_s", "seal_s", "ahead_s", "recomputed_tokens", "context_tokens", "finish_s")  # a step log's columns
 
 
 class Step(NamedTuple):
-    """One step: its ``StepResult``'s size and the ``StepStats`` the engine's observer got."""
     decode_rows: int
     prefill_tokens: int
     running: int
@@ -61,13 +53,11 @@ def greedy(max_tokens: int):
 
 
 def warm_up(eng, max_len: int) -> None:
-    """Outside the numbers: kernel builds for every step shape a run will see. A request decodes
-    over its sealed pages alone, then beside a prompt of more than one chunk (mixed steps with a
-    first chunk and a continuation); two prompts then hit its cached prefix; then the engine's
-    counters start afresh. (The decode steps' CUDA graphs are captured when the engine is built.)"""
+    """Build kernels and graphs for every step shape a run will see, outside the numbers, then
+    reset the engine's counters."""
     import torch
     vocab, batched = eng.model_config.vocab_size, eng.config.max_num_batched_tokens
-    decode = 20 if eng.device.type == "cuda" else 3                 # the CPU's reference paths are slow
+    decode = 20 if eng.device.type == "cuda" else 3
     g = torch.Generator().manual_seed(12345)
     rand = lambda n: torch.randint(10, vocab - 10, (n,), generator=g).tolist()  # noqa: E731
     first = eng.add_request(rand(min(1024, max_len // 2)), greedy(2 * decode))
@@ -76,25 +66,22 @@ def warm_up(eng, max_len: int) -> None:
     eng.add_request(rand(max(1, min(batched + batched // 8, max_len - 8))), greedy(4))
     while eng.has_work():
         eng.step()
-    for n in (40, 300):                    # prefix-cache hits: short and long chunks over cached pages
+    for n in (40, 300):
         n = min(n, max_len - 4 - len(first.prompt_ids))
         if n > 0:
             eng.add_request(first.prompt_ids + rand(n), greedy(2))
     while eng.has_work():
         eng.step()
-    eng.reset_stats()                                               # the run starts with a cold cache
+    eng.reset_stats()
     if eng.host_tier is not None:
-        eng.host_tier.start(wait=True)            # its pinned buffer, before the clock starts
+        eng.host_tier.start(wait=True)
 
 
 def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=20.0, label="", turns=None,
                  max_in_flight=None):
-    """Every request added at once (or, ``sequential``, each after the previous one finished;
-    ``max_in_flight``: at most that many unfinished at a time, the next added as one finishes: a
-    closed loop), the engine stepped until none is left; ``turns[i]``: request i's conversation
-    goes on, each message sent when the previous answer is done (prompt + answer + message).
-    Returns (requests in order of arrival, a :class:`Step` per step, wall seconds from the first
-    request to the last token). A line of progress on stderr every ``progress_s`` seconds."""
+    """Run requests to the end: all at once, ``sequential``, or a closed loop of
+    ``max_in_flight``; ``turns[i]`` continues request i's conversation. Returns (requests,
+    steps, wall seconds)."""
     steps, reqs, follow = [], [], {}
     observe = lambda res, stats: steps.append(Step(*res[3:], *stats))  # noqa: E731  (the engine's observer)
     eng.add_observer(observe)
@@ -113,7 +100,7 @@ def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=
                 in_flight += len(batch)
             res = eng.step()
             in_flight -= len(res.finished)
-            for r in res.finished:                      # a conversation's next turn
+            for r in res.finished:
                 o, more = follow.pop(r.request_id)
                 if more:
                     pending.append((r.prompt_ids + r.output_ids + more[0], o, more[1:]))
@@ -123,7 +110,7 @@ def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=
                 last = time.perf_counter()
                 done = sum(r.finish_reason is not None for r in reqs)
                 made = sum(len(r.output_ids) for r in reqs)
-                eta = (last - t0) * (sum(outs) - made) / made if made else None     # at the rate so far
+                eta = (last - t0) * (sum(outs) - made) / made if made else None
                 log(f"  {label} {last - t0:.0f} s: {done}/{len(prompts)} requests done, {len(steps)} steps, "
                     f"{res.running} running, {eng.scheduler.num_preemptions} preemptions"
                     + (f"; about {eta:.0f} s left at this rate" if eta is not None else ""))
@@ -133,8 +120,7 @@ def run_requests(eng, prompts, outs, sequential=False, on_step=None, progress_s=
 
 
 def kv_numbers(eng) -> dict:
-    """The KV numbers at the busiest step (the end holds no page): bytes in use, the stored /
-    open size of full pages and the mean over layers of their compressible fraction."""
+    """The KV numbers at the busiest step: bytes in use, stored / open size, compressible share."""
     kv = eng.peak_kv_stats or eng.cache.stats()
     fracs = [x["compressible_fraction"] for x in kv.get("layers", [])
              if x["compressible_fraction"] == x["compressible_fraction"]]
@@ -144,7 +130,7 @@ def kv_numbers(eng) -> dict:
 
 
 def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
-    """A run's numbers; ``base``: cache.stats() after the warm-up (compaction counters are cumulative)."""
+    """A run's numbers; ``base``: cache.stats() after the warm-up."""
     dec = [x for x in steps if x.prefill_tokens == 0 and x.decode_rows > 0]
     dec_s = sum(x.seconds for x in dec)
     pre = [x for x in steps if x.prefill_tokens > 0]
@@ -160,10 +146,7 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
     hit = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and r.num_cached_tokens]
     miss = [r.token_times[0] - r.arrival_time for r in reqs if r.token_times and not r.num_cached_tokens]
     pc = eng.reuse_stats()
-    # what preemption cost: the steps' seconds in the share of their prefill that was computed
-    # before (recompute), and the host tier's transfers (host seconds and the compute-stream work
-    # they queue, both counted: an upper bound, and every eviction to the tier counts, not only a
-    # preempted request's)
+    # what preemption cost: recomputed prefill's step seconds and the host tier's transfers (an upper bound)
     recompute_s = sum(x.seconds * x.recomputed_tokens / x.prefill_tokens for x in pre if x.recomputed_tokens)
     swap_s = sum(pc.get(f"swap_{d}_{w}_s", 0.0) for d in ("out", "in") for w in ("host", "device"))
     return {
@@ -180,7 +163,7 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
         "seal_s": sum(x.seal_s for x in steps), "schedule_s": sum(x.schedule_s for x in steps),
         "forward_s": sum(x.forward_s for x in steps), "ahead_s": sum(x.ahead_s for x in steps),
         "finish_s": sum(x.finish_s for x in steps),
-        "sealed_pages": sum(x.sealed_pages for x in steps),     # handed to the seal: retries count again
+        "sealed_pages": sum(x.sealed_pages for x in steps),
         "pages_compressed": now.get("pages_compressed", 0) - base.get("pages_compressed", 0),
         "compactions": now.get("compactions", 0) - base.get("compactions", 0),
         "compaction_bytes": now.get("bytes_moved", 0) - base.get("bytes_moved", 0),
@@ -201,14 +184,13 @@ def summarize(eng, reqs, steps, wall: float, base: dict) -> dict:
 
 
 def weight_numbers(eng) -> dict:
-    """The engine's weights as BF16 and as held (GiB; compressed or not) and the ratio."""
     w = eng.weights
     return {"weights_gb": w.original_bytes / 2**30, "weights_stored_gb": w.stored_bytes / 2**30,
             "weights_ratio": w.ratio, "weights_compressed_tensors": w.compressed}
 
 
 def outputs_sha256(reqs) -> str:
-    """One hash of every request's output ids, in order: runs with the same tokens have the same."""
+    """One hash of every request's output ids, in order."""
     return hashlib.sha256(json.dumps([list(r.output_ids) for r in reqs]).encode()).hexdigest()
 
 
@@ -222,19 +204,17 @@ def device_name(eng) -> str:
 
 
 def die_with_parent() -> None:
-    """A ``preexec_fn``: the child gets SIGTERM when the process that started it dies (Linux's
-    PR_SET_PDEATHSIG), so that no worker or server outlives a benchmark killed outright."""
+    """A ``preexec_fn``: SIGTERM the child when its parent dies (Linux), so no worker outlives it."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):          # not Linux: the finally blocks alone
+    except (OSError, AttributeError):
         pass
 
 
 def run_worker(cmd: list[str], timeout: float, threads: int = 0) -> dict:
-    """``cmd`` (a worker) in its own process; its stderr (progress) is shown as it comes. Returns
-    its ``RESULT`` dict, or ``{"error": ...}`` (with its last output) when it failed or ran past
-    ``timeout`` seconds; ``process_s`` either way. ``threads``: its CPU threads (0: torch's default)."""
+    """``cmd`` (a worker) in its own process, stderr shown as it comes: its ``RESULT`` dict, or
+    ``{"error": ...}`` when it failed or ran past ``timeout``; ``process_s`` either way."""
     tail = collections.deque(maxlen=80)
     t0 = time.perf_counter()
     env = child_environment(**({"OMP_NUM_THREADS": str(threads)} if threads else {}))
@@ -252,7 +232,7 @@ def run_worker(cmd: list[str], timeout: float, threads: int = 0) -> dict:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-        except BaseException:               # SIGTERM (timeout(1)) or Ctrl-C: leave no worker behind
+        except BaseException:  # SIGTERM or Ctrl-C: leave no worker behind
             p.kill()
             raise
         finally:
@@ -271,15 +251,13 @@ def run_worker(cmd: list[str], timeout: float, threads: int = 0) -> dict:
 
 
 def run_job(kind: str, job: dict, timeout: float, threads: int = 0) -> dict:
-    """A ``zipfusion bench`` worker (``kind``: the module with a ``worker(job)``) in its own
-    process; it prints where each thread is 5 s before its time is up."""
+    """A ``zipfusion bench`` worker in its own process (thread stacks dumped before its time is up)."""
     cmd = [sys.executable, "-m", __name__, kind, json.dumps(job), str(max(1.0, timeout - 5))]
     return run_worker(cmd, timeout, threads)
 
 
 def run_modes(kind: str, modes: list[str], job: dict, timeout: float, describe) -> list[dict]:
-    """One worker per mode, one after the other (a mode that cannot run here is skipped with the
-    reason); a line of progress per stage. ``describe(record)``: the line of a finished mode."""
+    """One worker per mode in turn (a mode that cannot run here is skipped with the reason)."""
     from . import FLASHINFER_MODES, flashinfer_skip_reason
     records = []
     for i, mode in enumerate(modes):
@@ -307,12 +285,11 @@ def note(rec: dict) -> str:
 
 
 def worker_main(argv: list[str]) -> None:
-    """``python -m zipfusion.bench.offline KIND JOB SECONDS``: ``KIND.worker(job)``, its result
-    printed as ``RESULT {json}``."""
+    """``python -m zipfusion.bench.offline KIND JOB SECONDS``."""
     kind, job, seconds = argv
     if kind not in ("throughput", "latency"):
         raise SystemExit(f"unknown worker kind {kind!r}")
-    faulthandler.dump_traceback_later(float(seconds))      # where it hangs, if it does
+    faulthandler.dump_traceback_later(float(seconds))
     module = importlib.import_module(f"{__package__}.{kind}")
     print("RESULT " + json.dumps(module.worker(json.loads(job)), default=float), flush=True)
 

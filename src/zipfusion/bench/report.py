@@ -20,9 +20,8 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def versions() -> dict:
-    """torch, triton, flashinfer and Python versions (from the installed distributions: nothing is
-    imported), and the git commit of the checkout the package runs from (``git_dirty``: tracked
-    files changed since it; None outside a checkout)."""
+    """torch, triton, flashinfer and Python versions (nothing imported), and the git commit
+    (``git_dirty``: tracked files changed; None outside a checkout)."""
     from importlib.metadata import PackageNotFoundError, version
     v = {"python": sys.version.split()[0]}
     for pkg, dists in (("torch", ("torch",)), ("triton", ("triton",)),
@@ -40,7 +39,6 @@ def versions() -> dict:
                                     timeout=10).stdout.strip()
     try:
         v["git_commit"] = git("rev-parse", "--short", "HEAD") or None
-        # tracked files changed since that commit: the run's code is not the commit's alone
         v["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no")) if v["git_commit"] else None
     except (OSError, subprocess.SubprocessError):
         v["git_commit"] = v["git_dirty"] = None
@@ -62,7 +60,7 @@ def device_name(device: str | None) -> str:
         try:
             import torch
             return torch.cuda.get_device_name(int(index))
-        except Exception:               # noqa: BLE001 - a name is a nicety
+        except Exception:  # noqa: BLE001 - a name is a nicety
             return "cuda"
     try:
         with open("/proc/cpuinfo") as f:
@@ -76,7 +74,7 @@ def device_name(device: str | None) -> str:
 
 def run_meta(kind: str, argv: list[str] | None, device: str | None) -> dict:
     """The facts every result starts with."""
-    if argv is None:           # the command line from "bench" on (zipfusion's main, or python -m zipfusion)
+    if argv is None:  # the command line from "bench" on
         argv = sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else [
             "bench", kind, f"(called from {os.path.basename(sys.argv[0])})"]
     env = zipfusion_variables()
@@ -87,8 +85,7 @@ def run_meta(kind: str, argv: list[str] | None, device: str | None) -> dict:
 
 
 def write_json(obj, path) -> None:
-    """JSON with indent 1, but each list of plain numbers on one line (a step log stays one row
-    per step instead of one line per number)."""
+    """JSON with indent 1, each list of plain numbers on one line."""
     text = json.dumps(obj, indent=1, default=float)
     flat = re.sub(r"\[\n\s*([-0-9.eE+, \n\s]*?(?:NaN|Infinity|[-0-9.eE+]+))\n\s*\]",
                   lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
@@ -97,8 +94,7 @@ def write_json(obj, path) -> None:
 
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing:
-    a missing figure must not lose the numbers."""
+    """matplotlib.pyplot on the Agg backend, or None (with a note) where it is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -119,8 +115,7 @@ def out_paths(out: str) -> tuple[str, str]:
 
 def speed_bars(path: str, labels: list[str], series: dict[str, list], title: str, ylabel: str,
                tick_fontsize: int = 7, goal: float | None = None, annotate: bool = True) -> bool:
-    """Grouped bars of speed ratios (one group per label, one bar per series; None drawn as 0),
-    a line at 1 (and at ``goal``); False where matplotlib is missing or there is nothing to draw."""
+    """Grouped bars of speed ratios, a line at 1 (and ``goal``); False where nothing is drawn."""
     plt = pyplot()
     if plt is None or not labels:
         return False
@@ -171,8 +166,8 @@ def fmt(v, spec: str = "{:,.0f}") -> str:
 
 
 def text_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    """An aligned plain-text table; ``cols``: (key, header, format). A row's ``note`` (a skipped
-    or failed run) takes the place of its numbers."""
+    """An aligned plain-text table; ``cols``: (key, header, format); a row's ``note`` replaces its
+    numbers."""
     lines = [[h for _, h, _ in cols]]
     for r in rows:
         if r.get("note"):
@@ -191,8 +186,7 @@ def text_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
 
 
 def ratios(by_mode: dict[str, dict], keys: tuple[str, ...], first: str = "compressed") -> dict:
-    """``first`` / each other mode, key by key: {"compressed/uncompressed": {key: ratio}} (NaN
-    where a number is missing or zero)."""
+    """``first`` / each other mode, key by key (NaN where a number is missing or zero)."""
     a = by_mode.get(first)
     out = {}
     if not a:

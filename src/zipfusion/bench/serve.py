@@ -1,27 +1,5 @@
-"""``zipfusion bench serve``: the serving benchmark, as ``vllm bench serve``.
-
-Per mode it starts ``zipfusion serve`` in its own process on 127.0.0.1 (``--compare`` runs the
-modes one after the other at the same ``--kv-memory-gb``), or uses ``--url`` of a running one.
-Then, per request rate, it sends ``--num-prompts`` streaming /v1/completions requests (httpx
-async; arrivals a Poisson process at that rate, ``inf``: all at once; ``--max-concurrency N``
-caps those in flight: a closed loop at rate inf) of a synthetic dataset (:mod:`.datasets`; greedy,
-``ignore_eos``, so every request generates exactly its output length). Per request: TTFT (send
-to first token), the gaps between streamed chunks (ITL), TPOT ((last - first token) / (tokens -
-1)) and the end-to-end latency; per rate their mean / p50 / p90 / p99, output and total tokens/s,
-requests/s and goodput (requests/s meeting ``--goodput``'s SLO), requests that failed (an error)
-or were lost (no error, but not all their tokens), the server's /metrics (preemptions, the peak
-of running and waiting requests, KV usage, stored ratio and compressible fraction, sampled while
-the rate runs) and the server process's memory (RSS, and on CUDA the GPU's) after each rate:
-it must stay flat. ``--sweep`` finds the saturation (the request rate sustained with every
-request at once), then runs fractions of it up to 2x (``--sweep-points``).
-
-Only loopback (or ``--url``) traffic; every wait has a bound (``--timeout`` per request,
-``--startup-timeout`` for the server).
-
-This module is the benchmark's story: per mode a server, a warm-up, the rates (or the sweep),
-then the results, and ``--merge`` of earlier runs. The server process, its /metrics and its
-memory: :mod:`.server_process`; the requests of one rate: :mod:`.client`; the numbers, the
-comparison, the table and the plot: :mod:`.serve_results`.
+"""``zipfusion bench serve``, as ``vllm bench serve``: per mode a server, streaming requests at each
+rate, latencies, throughput, goodput, /metrics and memory; ``--sweep`` finds the saturation.
 """
 
 from __future__ import annotations
@@ -41,11 +19,10 @@ from .serve_results import finish, mode_summary, rate_label, rate_row
 from .server_process import SIZE_FLAGS, Server, counter_deltas, memory_check, one_scrape, server_flags
 
 LOG = "zipfusion bench serve"
-GROWTH_LINE = "GPU memory reserved by torch grew"     # the engine's MemoryWatch warning
+GROWTH_LINE = "GPU memory reserved by torch grew"
 
 
 def parse_rates(text: str) -> list[float]:
-    """``1,2,4,inf`` -> [1.0, 2.0, 4.0, inf] (requests/s; inf: every request at once)."""
     out = []
     for part in (p.strip() for p in text.split(",")):
         try:
@@ -68,10 +45,8 @@ def parse_fractions(text: str) -> list[float]:
     return out
 
 
-# ---------------------------------------------------------------------------------- the driver
 def rate_seed(base: int, rate: float) -> int:
-    """The token seed of a rate: the same prompts at the same rate in every mode, other prompts at
-    another rate (the prefix cache would hold a rate's prompts for the next)."""
+    """The token seed of a rate: the same prompts at a rate in every mode, others at another rate."""
     return base + zlib.crc32(rate_label(rate).encode())
 
 
@@ -90,7 +65,6 @@ class Run:
         self.sizes = {k: first.get(k) for k in ("kv_memory_gb", "weights_bytes", "weights_stored_bytes")}
 
     def count_tokens(self, text: str) -> int:
-        """The server's token count of ``text`` (its /tokenize)."""
         import httpx
         r = httpx.post(self.server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30,
                        headers=auth_headers(self.args.api_key))
@@ -110,7 +84,7 @@ class Run:
                 "progress_s": self.args.progress_s}
 
     def warm_up(self) -> None:
-        """A few requests outside the numbers (kernel builds on first use): all must succeed."""
+        """A few requests outside the numbers: all must succeed."""
         a = self.args
         if a.warmup < 1:
             return
@@ -153,8 +127,8 @@ class Run:
 
 
 def sweep_rates(saturation: float, fractions: list[float], grid: list[float]) -> list[float]:
-    """The rates to run after the saturation probe: ``grid`` (the first mode's), plus this mode's
-    own fractions of its saturation past the grid's end (so every mode goes to 2x its own)."""
+    """The rates to run after the saturation probe: the first mode's grid plus this mode's own
+    fractions past its end."""
     own = [f * saturation for f in fractions]
     if not grid:
         return sorted(float(f"{r:.3g}") for r in own)
@@ -162,7 +136,7 @@ def sweep_rates(saturation: float, fractions: list[float], grid: list[float]) ->
 
 
 def redact_key(argv: list[str] | None) -> list[str] | None:
-    """The command line as recorded in the results: an --api-key's value left out."""
+    """The command line as recorded, an --api-key's value left out."""
     if argv is None:
         return None
     out = list(argv)
@@ -179,7 +153,7 @@ def auth_headers(api_key: str | None) -> dict:
 
 
 def served_model(url: str, api_key: str | None) -> dict:
-    """The first model a server lists on /v1/models (a clear error for a missing or wrong key)."""
+    """The first model a server lists (a clear error for a missing or wrong key)."""
     import httpx
     r = httpx.get(url + "/v1/models", timeout=30, headers=auth_headers(api_key))
     if r.status_code == 401:
@@ -190,7 +164,7 @@ def served_model(url: str, api_key: str | None) -> dict:
 
 
 def server_mode(model: dict) -> str:
-    """The bench mode a running server is in, from what its /v1/models says of its KV cache and weights."""
+    """The bench mode a running server is in, from its /v1/models."""
     dtype = model.get("kv_cache_dtype", "auto")
     if dtype.startswith("fp8"):
         return "fp8_lossless" if "lossless" in dtype else "fp8"
@@ -230,7 +204,7 @@ def run_mode(args, mode: str, dist, slo: dict, device: str, grid: list[float], c
     finally:
         server.stop()
     mem = memory_check(start_memory, end_memory, run.rows[0]["memory_after"] if len(run.rows) > 1 else None)
-    mem["server_log"] = server.log_lines(GROWTH_LINE)[-20:]     # the engine's MemoryWatch: when and why
+    mem["server_log"] = server.log_lines(GROWTH_LINE)[-20:]
     if mem["flat"] is False:
         log(f"[{mode}] WARNING: the server's memory grew over the run: {mem['growth_mib']} MiB")
         for line in mem["server_log"][-5:]:
@@ -252,7 +226,7 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
         raise ValueError(f"--endpoint is completions or chat, got {args.endpoint!r}")
     if args.endpoint == "chat" and args.prompt_format != "text" and not args.dataset_path:
         raise ValueError("--endpoint chat sends text: add --prompt-format text, or give --dataset-path")
-    if args.url:                 # label the run with what the server reports, not this client's defaults
+    if args.url:  # label the run with what the server reports
         served = served_model(args.url.rstrip("/"), args.api_key)
         modes = [server_mode(served)]
         args.model = served["id"]
@@ -273,7 +247,7 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
         args.dataset = "sharegpt"
     dist = datasets.resolve("chat" if args.dataset_path else args.dataset, args.input_len, args.output_len,
                             args.shared_prefix, args.prefix_group)
-    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)      # bad sizes: now
+    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)  # bad sizes: now
     meta = report.run_meta("serve", redact_key(args.argv), device)
     config = {"model": args.model, "device": device, "url": args.url, "modes": modes, "dataset": args.dataset,
               "length_dist": dataclasses.asdict(dist), "num_prompts": args.num_prompts, "prompt_format": args.prompt_format,
@@ -293,7 +267,7 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
     json_path, _ = report.out_paths(args.out)
 
     def checkpoint(mode: str, partial: dict) -> None:
-        """The JSON so far after every rate: a run cut short (a time limit) keeps what it measured."""
+        """The JSON so far after every rate: a run cut short keeps what it measured."""
         result["modes"][mode] = {**partial, "partial": True}
         report.write_json(result, json_path)
 
@@ -320,8 +294,7 @@ MATCH = ("model", "dataset", "length_dist", "num_prompts", "prompt_format", "kv_
 
 
 def merge(paths: list[str], out: str) -> int:
-    """Earlier runs' JSON (e.g. one mode per call, where a call has a time limit) as one
-    comparison; they must have measured the same workload at the same KV memory and SLO."""
+    """Earlier runs' JSON as one comparison (the same workload, KV memory and SLO)."""
     results = []
     for path in paths:
         try:

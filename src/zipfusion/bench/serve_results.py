@@ -1,12 +1,6 @@
-"""What ``zipfusion bench serve`` (:mod:`.serve`) makes of its request records.
-
-Per rate a row (latencies in ms as vLLM reports them: mean / p50 / p90 / p99 of TTFT, TPOT, ITL
-and end-to-end latency; requests/s, output and total tokens/s, and output tokens/s while
-arrivals last (the steady rate: a finite run's ramp and tail left out); requests that failed or were
-lost; goodput against ``--goodput``'s SLO). Per mode a summary: the highest Poisson rate
-sustained within the SLO, the peaks. Across modes the comparison (the first mode's ratios to the
-others), the table and the plot, and the end of a run: JSON + PNG, the tables, the memory
-verdicts and the exit status.
+"""What ``zipfusion bench serve`` makes of its request records: per rate a row (vLLM's latency
+percentiles, throughputs, goodput, failures), per mode a summary, across modes the comparison,
+the table, the plot and the exit status.
 """
 
 from __future__ import annotations
@@ -30,20 +24,14 @@ def rate_label(rate: float) -> str:
 
 
 def steady_start(n: int, max_concurrency: int | None = None) -> int:
-    """Where a run of ``n`` sends starts its steady state: the first quarter's last send, or in
-    a closed loop of ``max_concurrency`` requests, if later, the first send made after a request
-    finished (the first ``max_concurrency`` go at once)."""
+    """Where a run of ``n`` sends starts its steady state (a closed loop: after the first finish)."""
     return max(n // 4, min(max_concurrency or 0, n - 1))
 
 
 def steady_output_tok_s(recs: list[dict], min_window_s: float = 1.0,
                         max_concurrency: int | None = None) -> float | None:
-    """Output tokens/s streamed while requests keep arriving: from the arrival of the first
-    quarter's last request (in a closed loop of ``max_concurrency`` requests, at the earliest the
-    first one sent after a request finished: the first ``max_concurrency`` go at once) to the last
-    arrival. A finite run's ramp (the batch filling) and tail (the last requests finishing alone)
-    are left out, so past saturation this is what the server sustains. None when arrivals span
-    less than ``min_window_s`` (every request at once)."""
+    """Output tokens/s while requests keep arriving, the ramp and tail left out: what the server
+    sustains past saturation. None when arrivals span less than ``min_window_s``."""
     sends = sorted(r["sent"] for r in recs if "sent" in r)
     first = steady_start(len(sends), max_concurrency)
     if len(sends) < 4 or sends[-1] - sends[first] < min_window_s:
@@ -78,15 +66,13 @@ def rate_row(recs: list[dict], duration: float, rate: float, slo: dict[str, floa
 
 
 def within_slo(row: dict, attainment: float) -> bool:
-    """A rate is sustained within the SLO when no request failed or was lost and at least
-    ``attainment`` of its requests met the SLO."""
+    """Sustained within the SLO: nothing failed or lost, ``attainment`` of requests met the SLO."""
     return row["failed"] == row["lost"] == 0 and row.get("slo_attainment", 0.0) >= attainment
 
 
 def mode_summary(rows: list[dict], slo: dict, attainment: float) -> dict:
-    """What the comparison takes from one mode's rates. ``max_rate_within_slo``: the highest
-    Poisson rate that, with every lower rate run, was sustained within the SLO (0: not even the
-    lowest; None: no SLO given)."""
+    """What the comparison takes from one mode's rates (``max_rate_within_slo``: the highest
+    Poisson rate sustained within the SLO with every lower rate)."""
     best = 0.0
     for r in sorted((r for r in rows if r["request_rate"] != "inf"), key=lambda r: r["request_rate"]):
         if not within_slo(r, attainment):
@@ -105,8 +91,7 @@ def mode_summary(rows: list[dict], slo: dict, attainment: float) -> dict:
 
 
 def comparison(result: dict, modes: list[str]) -> dict:
-    """Per mode its summary (a run cut short, e.g. by a time limit, is summarised from the rates it
-    finished, marked ``partial``), and the first mode's ratios to the others."""
+    """Per mode its summary (``partial`` for a run cut short), and the first mode's ratios."""
     c = result["config"]
     per = {}
     for m in modes:
@@ -166,11 +151,8 @@ def vllm_table(row: dict, title: str) -> str:
 
 
 def plot(result: dict, path: str) -> bool:
-    """Latency against request rate, every mode on the same axes: TTFT and TPOT (p50 solid, p99
-    dashed), output tokens/s (the whole rate; dashed: while arrivals last) and goodput (or
-    requests/s). The all-at-once rate (inf, or a closed loop with --max-concurrency) is drawn at
-    the request rate it achieved, as a star (hollow: its output tokens/s while requests kept
-    being sent)."""
+    """Latency, throughput and goodput against request rate, every mode on the same axes (the
+    all-at-once rate drawn at the rate it achieved, as a star)."""
     plt = report.pyplot()
     modes = {m: v for m, v in result["modes"].items() if v.get("rates")}
     if plt is None or not modes:
@@ -187,7 +169,6 @@ def plot(result: dict, path: str) -> bool:
         burst = [r for r in rows if r["request_rate"] == "inf"]
         xs = [r["request_rate"] for r in finite]
         def draw(ax, x, y, style, label=None, **kw):
-            """A line only where it has points, and a legend entry only for a drawn line."""
             if any(v is not None and v == v for v in y):
                 ax.plot(x, [math.nan if v is None else v for v in y], style, color=color, label=label, **kw)
 
@@ -207,17 +188,17 @@ def plot(result: dict, path: str) -> bool:
         axes[1][1].set_ylabel(name)
     for ax, key, name in panels:
         ax.set_ylabel(name)
-        with warnings.catch_warnings():            # one point (one rate): matplotlib widens the limits itself
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             ax.set_yscale("log")
         if key[:4] in slo:
             ax.axhline(slo[key[:4]], color="gray", ls=":", lw=1, label="SLO")
         lo, hi = ax.get_ylim()
-        if 0 < lo and hi / lo < 10:               # at least a decade: noise of a few % is not magnified
+        if 0 < lo and hi / lo < 10:  # at least a decade: noise is not magnified
             mid = math.sqrt(lo * hi)
             ax.set_ylim(mid / math.sqrt(10), mid * math.sqrt(10))
     for ax in (axes[1][0], axes[1][1]):
-        ax.set_ylim(bottom=0)                     # throughputs from zero: their differences at their scale
+        ax.set_ylim(bottom=0)
     axes[1][0].set_ylabel("output tokens/s")
     loop = result["config"].get("max_concurrency")
     star = f"closed loop of {loop}" if loop else "all at once"
@@ -238,8 +219,7 @@ def plot(result: dict, path: str) -> bool:
 
 
 def finish(result: dict, out: str) -> int:
-    """The comparison, JSON + PNG, then the tables (the comparison last); 1 when a request
-    failed or was lost, or a mode failed."""
+    """The comparison, JSON + PNG, the tables; 1 when a request failed or was lost."""
     slo, attainment = result["config"]["goodput"], result["config"]["slo_attainment"]
     result["comparison"] = comparison(result, result["config"]["modes"])
     failed = sum(m["summary"]["failed"] + m["summary"]["lost"] for m in result["modes"].values() if "summary" in m)

@@ -1,12 +1,6 @@
-"""The ``zipfusion serve`` process a ``zipfusion bench serve`` mode runs against (:mod:`.serve`).
-
-The server: its flags for a mode (the bench's size options, the mode's, then ``--server-args``),
-started on a free loopback port and waited for on /health within ``--startup-timeout`` (or, with
-``--url``, one already running), then stopped. Its memory: the process's RSS (Linux /proc) and on
-CUDA the GPU memory it holds (nvidia-smi), and whether it stayed flat over the rates. Its
-/metrics: the Prometheus text parsed, sampled while a rate runs (the peaks of running and waiting
-requests and of KV usage, the KV's stored ratio and compressible fraction), and the counters'
-deltas over a rate.
+"""The ``zipfusion serve`` process a ``zipfusion bench serve`` mode runs against: its flags,
+start-up on a free loopback port and shutdown, its memory (RSS, GPU) and whether it stayed flat,
+and its /metrics sampled while a rate runs.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from . import MODES
 from .offline import die_with_parent
 from .process import child_environment, visible_gpus
 
-# sizes a server takes from the bench's own options (the rest: --server-args)
+# sizes a server takes from the bench's own options
 SIZE_FLAGS = ("kv_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
 
@@ -82,7 +76,6 @@ class Server:
         return " | ".join(self.log_lines()[-lines:])
 
     def log_lines(self, containing: str = "") -> list[str]:
-        """The lines of the server's log (one this benchmark started) that contain ``containing``."""
         try:
             with open(self.log_path, errors="replace") as f:
                 return [line.strip() for line in f.read().splitlines() if line.strip() and containing in line]
@@ -97,8 +90,7 @@ class Server:
         return {**process_memory(self.pid), **gpu_memory(self.pid, self.device)}
 
     def settled_memory(self, seconds: float = 30.0) -> dict:
-        """The memory once the process's RSS stops moving (a GPU server pins its host tier in the
-        background after start-up): three readings half a second apart within 16 MiB, at most ``seconds``."""
+        """The memory once the process's RSS stops moving (at most ``seconds``)."""
         readings = []
         deadline = time.monotonic() + seconds
         while self.pid is not None and time.monotonic() < deadline:
@@ -122,7 +114,6 @@ class Server:
         return {"url": self.url, "command": " ".join(self.cmd) if self.cmd else None, "log": self.log_path}
 
 
-# ---------------------------------------------------------------------------------- its memory
 def process_memory(pid: int | None) -> dict:
     """A process's resident memory now and at its peak (MiB, Linux /proc), None elsewhere."""
     out = {"rss_mib": None, "rss_peak_mib": None}
@@ -162,14 +153,12 @@ def gpu_memory(pid: int | None, device: str) -> dict:
     return out
 
 
-FLAT_MIB = 256.0       # growth of the server's RSS or GPU memory over the rates that still counts as flat
+FLAT_MIB = 256.0  # growth over the rates that still counts as flat
 
 
 def memory_check(before: dict, after: dict, after_first: dict | None = None) -> dict:
-    """The server's memory over the run: ``growth_mib`` from after the warm-up to the end, and
-    ``growth_after_first_rate_mib`` from after the first rate (kernels built for its step shapes
-    and allocator pools grown by then are not a leak). Flat when no number grew by more than
-    FLAT_MIB after the first rate (after the warm-up, with one rate)."""
+    """The server's memory growth over the run, from after the warm-up and after the first rate
+    (kernel builds and allocator pools are no leak); flat within FLAT_MIB."""
     def growth(a, b):
         return {k: b[k] - a[k] for k in ("rss_mib", "gpu_process_mib", "gpu_used_mib")
                 if a.get(k) is not None and b.get(k) is not None}
@@ -180,16 +169,14 @@ def memory_check(before: dict, after: dict, after_first: dict | None = None) -> 
             "flat": all(v <= FLAT_MIB for v in judged.values()) if judged else None}
 
 
-# ---------------------------------------------------------------------------------- its /metrics
 def parse_metrics(text: str) -> dict:
-    """The server's Prometheus text -> {name: value} (series of one name summed over labels but
-    ``zipfusion:kv_compressible_fraction``, averaged over layers that stored pages)."""
+    """The server's Prometheus text -> {name: value} (series summed over labels)."""
     out, fracs = {}, []
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith("vllm:"):                  # a server run with --metrics-prefix vllm
+        if name.startswith("vllm:"):
             name = "zipfusion:" + name[5:]
         try:
             value = float(line.rsplit(" ", 1)[1])
@@ -221,9 +208,7 @@ async def one_scrape(url: str) -> dict:
 
 
 class Sampler:
-    """/metrics every ``interval`` seconds while a rate runs: the peaks of running and waiting
-    requests and of KV usage, and the KV's stored ratio and compressible fraction at the sample
-    with the most pages in use."""
+    """/metrics every ``interval`` seconds while a rate runs: peaks and the KV's numbers."""
 
     def __init__(self):
         self.samples = 0

@@ -1,12 +1,6 @@
 """``zipfusion bench throughput``: offline, every request of a dataset at once, each mode in its
-own process (``LLM(model, kv_compression=..., kv_memory_gb=GB)``; a warm-up outside the numbers,
-then ``LLM.generate``'s loop over the engine, every step kept). Wall time runs from the first
-request to the last token: total and output tokens/s, requests/s, the peak batch, preemptions and
-the KV's stored ratio and compressible fraction; with ``--compare``, the ratios between modes and
-whether the modes produced the same tokens (greedy: they do wherever the schedules agree, and
-always with ``--deterministic``). Every step's numbers go to OUT_steps.json, by mode (decode rows,
-prefill tokens, seconds and their host phases: ``benchmarks/step_stats.py`` compares decode steps
-at equal rows)."""
+own process; tokens/s, peak batch, preemptions, the KV's stored ratio and whether the modes
+produced the same tokens. Every step's numbers go to OUT_steps.json."""
 
 from __future__ import annotations
 
@@ -37,7 +31,7 @@ def engine_options(job: dict) -> dict:
 
 
 def build_engine(job: dict):
-    """The worker's LLM (CPU threads set first: half the cores unless --cpu-threads) and the seconds it took."""
+    """The worker's LLM and the seconds it took."""
     import torch
 
     from .. import LLM
@@ -99,21 +93,20 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 
 class StepTrace:
-    """torch.profiler over steps [start, end) of a run (an ``on_step`` hook of run_requests): the
-    Chrome trace written to ``path`` (gzipped), the top operators by device time (CPU time off the
-    GPU) returned by :meth:`finish`."""
+    """torch.profiler over steps [start, end) of a run: a Chrome trace at ``path`` and the top
+    operators by device time."""
 
     def __init__(self, steps: str, path: str):
         import torch
         self.start, self.end = parse_steps(steps)
-        self.path, self.step, self.prof, self.done = path, 0, None, None   # done: the finished profile
+        self.path, self.step, self.prof, self.done = path, 0, None, None  # done: the finished profile
         self.activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        if self.start == 0:                     # from the first step on
+        if self.start == 0:
             self._begin()
 
     def __call__(self, eng, res) -> None:
-        self.step += 1                          # steps done
+        self.step += 1
         if self.step == self.start:
             self._begin()
         elif self.step == self.end and self.prof is not None:
@@ -134,7 +127,7 @@ class StepTrace:
 
     def finish(self) -> dict:
         """The trace's summary (its steps, file and top operators), or why there is none."""
-        if self.prof is not None:               # the run ended inside the window
+        if self.prof is not None:  # the run ended inside the window
             self._stop()
         prof = self.done
         if prof is None:
@@ -163,14 +156,14 @@ def plot(result: dict, path: str) -> bool:
                             f"{c['dataset']} x {c['num_prompts']}, KV {c['kv_memory_gb'] or 'default'} GiB", path)
 
 
-# on the CPU a run of the GPU's default size takes hours: these sizes finish in about a minute
+# on the CPU: sizes that finish in about a minute
 CPU_DEFAULTS = {"num_prompts": 16, "input_len": 64, "output_len": 32}
 GPU_NUM_PROMPTS = 200
 NOISE_S = 1.0           # a mode's run shorter than this: its ratios are noise
 
 
 def size_defaults(args, device: str) -> None:
-    """Fill the sizes not given: the GPU's default count, or on the CPU :data:`CPU_DEFAULTS` (said in the log)."""
+    """Fill the sizes not given (on the CPU: :data:`CPU_DEFAULTS`, said in the log)."""
     if device != "cpu":
         args.num_prompts = args.num_prompts or GPU_NUM_PROMPTS
         return
@@ -191,10 +184,10 @@ def noise_note(records: list[dict]) -> str | None:
 
 def run(args, modes: list[str], device: str, engine: dict) -> int:
     """The driver: one worker process per mode, then the table, JSON and PNG."""
-    datasets.resolve(args.dataset)              # an unknown name: its error first
+    datasets.resolve(args.dataset)
     size_defaults(args, device)
     dist = datasets.resolve(args.dataset, args.input_len, args.output_len, args.shared_prefix, args.prefix_group)
-    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)      # bad sizes: now
+    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)  # bad sizes: now
     job = {"model": args.model, "device": device, "kv_memory_gb": args.kv_memory_gb,
            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
            "max_model_len": args.max_model_len, "deterministic": args.deterministic, "engine": engine,
@@ -202,7 +195,7 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
            "num_prompts": args.num_prompts, "seed": args.seed, "range_ratio": args.range_ratio,
            "text": args.prompt_format == "text"}
     if args.profile_steps:
-        parse_steps(args.profile_steps)         # a typo costs nothing
+        parse_steps(args.profile_steps)
         job["profile_steps"] = args.profile_steps
         job["trace_path"] = os.path.abspath(args.out) + "_{mode}.trace.json.gz"
     meta = report.run_meta("throughput", args.argv, device)
@@ -212,7 +205,7 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
         f"wall {r['wall_s']:.2f} s, {r['total_tok_s']:,.1f} tok/s total, {r['output_tok_s']:,.1f} output, "
         f"peak batch {r['peak_batch']}, {r['preemptions']} preemptions"))
     steps = {r["mode"]: {"fields": r.pop("step_fields"), "rows": r.pop("step_log")}
-             for r in records if "step_log" in r}                   # every step, apart: OUT_steps.json
+             for r in records if "step_log" in r}  # every step, apart: OUT_steps.json
     ran = {r["mode"]: r for r in records if "output_tok_s" in r}
     result = {"meta": meta, "config": {k: v for k, v in job.items() if k != "dist"} | {"length_dist": job["dist"]},
               "records": records, "ratios": report.ratios(ran, tuple(RATIO_KEYS), modes[0]),
@@ -220,7 +213,7 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
     written = report.save(result, args.out, plot)
     if steps:
         steps_path = report.out_paths(args.out)[0][:-len(".json")] + "_steps.json"
-        report.write_json(steps, steps_path)                      # benchmarks/step_stats.py reads it
+        report.write_json(steps, steps_path)
         written += f" and {steps_path}"
     rows = [r if "output_tok_s" in r else {"mode": r["mode"], "note": note(r)} for r in records]
     print(written)

@@ -1,14 +1,5 @@
-"""``zipfusion bench kernel --linear``: linear layers over weights in the lossless weight format
-(kernels/weight_linear.py) against ``torch.nn.functional.linear`` (cuBLAS) over the BF16 weights.
-
-Per model shape and M: ``cublas`` (F.linear on BF16 W), ``fused`` (the decompress-GEMM),
-``weight_linear`` (the dispatch: fused up to FUSED_MAX_M, else restore + cuBLAS),
-``restore_cublas`` (restore into a buffer, then F.linear) at large M, and the restore kernel alone
-(``restore``). Weights are Gaussian (std 0.02) BF16; their escape share is reported. Weights (and
-their compressed copies) are rotated over several copies so that no timed call finds them in L2;
-each case is a CUDA graph of many calls (median over replays, kernel.time_calls).
-
-``--device cpu``: a smoke run through the Triton interpreter at tiny sizes; timings mean nothing.
+"""``zipfusion bench kernel --linear``: linear layers over compressed weights against cuBLAS over
+BF16, each case a CUDA graph of many calls (``--device cpu``: an interpreter smoke run).
 """
 
 from __future__ import annotations
@@ -65,7 +56,7 @@ class LinearCase:
     def traffic(self, kernel, M):
         """Bytes a kernel must move at least: weights read, x read, y written (restore: W written)."""
         io = 2 * M * (self.K + self.N)
-        restored = self.comp_bytes + 2 * self.bf16_bytes + io           # restore (read, write), cuBLAS read
+        restored = self.comp_bytes + 2 * self.bf16_bytes + io
         return {"cublas": self.bf16_bytes + io, "fused": self.comp_bytes + io,
                 "weight_linear": self.comp_bytes + io if M <= wl.FUSED_MAX_M else restored,
                 "restore_cublas": restored,
@@ -84,7 +75,7 @@ def measure(case: LinearCase, M: int, kernels, device) -> list[dict]:
         out = fn(0)
         if name == "cublas":
             ref = out.float()
-        big = M >= 2048                   # compute-bound: stable; fewer replays keep the run short
+        big = M >= 2048  # compute-bound: stable; fewer replays keep the run short
         t, spread, how = time_calls(fn, case.sets, reps=5 if big else 11, min_inner=3 if big else 10, device=device)
         r = dict(kernel=name, M=M, median_ms=t * 1e3, spread_ms=spread * 1e3, timing=how,
                  bytes=case.traffic(name, M))

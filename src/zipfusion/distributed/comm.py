@@ -1,16 +1,5 @@
-"""The one communication layer of tensor parallelism: torch.distributed, NCCL on CUDA, gloo on CPU.
-
-Two process groups over the same ranks:
-
-* ``tp_group`` -- the model's collectives (the row-parallel all-reduces, the vocabulary gather):
-  NCCL on CUDA (so they run inside CUDA graphs), gloo on the CPU;
-* ``ctrl`` -- always gloo, host memory: rank 0 broadcasts each message (a pickled step plan or
-  cache operations) and every rank then contributes a small report (its KV capacity) to an
-  all-gather. Rank 0 leaves that all-gather pending until it needs the numbers (or sends the
-  next message), so a worker's report costs rank 0 no wait in the common case.
-
-Every collective has the engine's timeout (``EngineConfig.tp_timeout_s``, default 600 s); a
-peer that dies closes its sockets, which fails the next gloo collective at once.
+"""The communication layer of tensor parallelism: ``tp_group`` for the model's collectives (NCCL on
+CUDA), ``ctrl`` (gloo) for rank 0's messages and the ranks' reports.
 """
 
 from __future__ import annotations
@@ -23,12 +12,11 @@ import torch
 import torch.distributed as dist
 
 HEAD_BYTES = 4096            # a message up to this size is one broadcast; longer ones take two
-REPORT = 4                   # capacity (reserve kept), capacity (reserve counted), stored ratio, spare
+REPORT = 4  # capacity (reserve kept), capacity (reserve counted), stored ratio, spare
 
 
 class Comm:
-    """This process's end of the tensor-parallel group (``rank`` of ``world``); every collective
-    waits at most ``timeout_s`` for its peers."""
+    """This process's end of the tensor-parallel group."""
 
     def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float, store=None,
                  init_method: str | None = None):
@@ -44,10 +32,9 @@ class Comm:
         self.ctrl = dist.new_group(backend="gloo", timeout=self.timeout)
         self._head = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
         self._report = torch.zeros(world * REPORT, dtype=torch.float64)
-        self._pending = None                       # rank 0: the report all-gather in flight
+        self._pending = None
         self.last_report = None
 
-    # -- messages: rank 0 -> every worker ---------------------------------------------------
     def send(self, msg) -> None:
         """Rank 0: broadcast ``msg`` (after finishing the last message's report)."""
         self.finish_report()
@@ -74,10 +61,8 @@ class Comm:
             data += rest.numpy().tobytes()
         return pickle.loads(data)
 
-    # -- reports: every rank -> rank 0 ------------------------------------------------------
     def report(self, values=(0.0,) * REPORT) -> None:
-        """Every rank after each message: its report into the all-gather (rank 0: started,
-        finished by :meth:`finish_report`)."""
+        """Every rank after each message: its report into the all-gather."""
         mine = torch.tensor(list(values) + [0.0] * (REPORT - len(values)), dtype=torch.float64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         if self.rank == 0:
@@ -86,8 +71,7 @@ class Comm:
             gather(self._report, mine, group=self.ctrl)
 
     def finish_report(self) -> np.ndarray | None:
-        """Rank 0: wait for the pending report, if any; the latest reports [world, REPORT]
-        (None before the first)."""
+        """Rank 0: the latest reports [world, REPORT] (None before the first)."""
         if self._pending is not None:
             work, self._pending = self._pending, None
             work.wait(self.timeout)
@@ -104,5 +88,5 @@ class Comm:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:          # a peer already gone: nothing left to tear down politely
+            except Exception:
                 pass

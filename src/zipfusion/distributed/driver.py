@@ -1,17 +1,6 @@
-"""Rank 0 of a tensor-parallel engine: starts (or joins) the workers and keeps them in step.
-
-``LLMEngine`` calls :func:`start` when ``tensor_parallel_size > 1``. Without a launcher the
-engine starts ``N - 1`` worker processes itself (``torch.multiprocessing``, ``spawn`` by
-default; ``EngineConfig.tp_start_method="forkserver"`` forks them from a server that has
-imported torch and zipfusion once -- the tests use it), one per GPU; each runs the engine's
-worker loop (``serve``: engine/tp_runner.py), which the engine hands to :func:`start`. Under
-``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment, WORLD_SIZE == N) every process runs
-the user's script: rank 0's ``LLMEngine`` is the engine, the others' serve as workers until
-rank 0 shuts down and then exit (``SystemExit(0)``).
-
-Everything that crosses processes goes through :class:`~zipfusion.distributed.comm.Comm`. A
-failure there -- a worker that died, a peer that timed out -- ends the engine with
-:class:`TPWorkerError` naming the rank and its exit code; the workers left are stopped.
+"""Rank 0 of a tensor-parallel engine: starts (or, under ``torchrun``, joins) the workers and
+keeps them in step (docs/distributed.md). A failure across processes ends the engine with
+:class:`TPWorkerError` naming the rank; the workers left are stopped.
 """
 
 from __future__ import annotations
@@ -49,8 +38,7 @@ def check_model(mc, n: int) -> None:
 
 
 def start(cfg, device: torch.device, mc, serve) -> "TPDriver":
-    """Rank 0: the driver. Under torchrun on a rank > 0: run ``serve(cfg, comm)`` (the worker
-    loop), then SystemExit(0)."""
+    """Rank 0: the driver. Under torchrun on a rank > 0: serve as a worker, then SystemExit(0)."""
     n = cfg.tensor_parallel_size
     check_model(mc, n)
     _collect_dropped_engines()
@@ -75,9 +63,8 @@ def start(cfg, device: torch.device, mc, serve) -> "TPDriver":
 
 
 def _collect_dropped_engines() -> None:
-    """An engine dropped without ``close()`` stops its workers and leaves the process group when
-    it is collected (TPDriver's finalizer); reference cycles keep it until the collector runs,
-    so run it before a new engine needs torch.distributed (one default group a process)."""
+    """Collect engines dropped without ``close()`` (their finalizers stop their workers) before a
+    new engine needs torch.distributed."""
     import torch.distributed as dist
     if dist.is_initialized():
         gc.collect()
@@ -102,7 +89,6 @@ def _spawn(cfg, device: torch.device, n: int, serve) -> "TPDriver":
                                   serve))
             p.start()
             procs.append(p)
-        # wait for every worker to reach the store, watching that none died on the way
         deadline = time.monotonic() + cfg.tp_timeout_s
         keys = [f"zf_up{r}" for r in range(1, n)]
         while not store.check(keys):
@@ -149,8 +135,7 @@ def _shutdown(state: dict) -> None:
 
 
 class TPDriver:
-    """Rank 0's handle on the group: what the engine asks of it (``parallel``, ``agree_budget``,
-    ``lockstep``, ``send``, ``shutdown``; engine/tp_runner.py's TPRunner sends its calls)."""
+    """Rank 0's handle on the group: what the engine asks of it."""
 
     def __init__(self, cfg, comm: Comm, procs: list, store=None):
         self.size, self.comm, self.procs = cfg.tensor_parallel_size, comm, procs
@@ -163,13 +148,12 @@ class TPDriver:
         log.info("tensor parallel: %d ranks (%s), %s", self.size, "torchrun" if not procs else
                  f"worker pids {[p.pid for p in procs]}", "nccl" if comm.device.type == "cuda" else "gloo")
 
-    # -- failures ------------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> TPWorkerError:
         if self.broken is not None:
             return self.broken
         dead = []
         for r, p in enumerate(self.procs, 1):
-            p.join(1.0 if not dead else 0.1)           # its sockets closed as it exited: let it finish
+            p.join(1.0 if not dead else 0.1)  # its sockets closed as it exited: let it finish
             if not p.is_alive():
                 dead.append(f"rank {r} (pid {p.pid}) died with exit code {p.exitcode}")
         if dead:
@@ -194,7 +178,6 @@ class TPDriver:
         except Exception as exc:
             raise self.fail(exc) from exc
 
-    # -- hooks for the engine ------------------------------------------------------------------
     def agree_budget(self, gb: float) -> float:
         """Every rank's KV budget: the smallest any rank can give (so page ids range alike)."""
         with self.guard():
@@ -211,7 +194,6 @@ class TPDriver:
     def alive(self) -> bool:
         return self._finalizer.alive
 
-    # -- messages ------------------------------------------------------------------------------
     def send(self, kind: str | None, **payload) -> None:
         """Broadcast the cache log (and forgets) with a message; every rank reports after it."""
         ops = self.cache.take_log() if self.cache is not None else []

@@ -1,31 +1,5 @@
-"""Rank 0's view of every rank's KV cache, and the plan that keeps the workers in step.
-
-Each rank holds its own cache (its KV heads) and compresses its own pages, so the ranks'
-compressed sizes -- and their free memory -- differ. Page ids must not: a request's block
-table is one list of ids for every rank. They agree because every rank applies the same
-cache operations in the same order. A page id comes from the page table's free list
-(``memory/page_table.py``: last freed, first taken) and depends only on the sequence of
-``alloc(n)`` and ``free(ids)`` calls, not on where or how compressed pages are stored; every
-rank's arena has the same budget (the smallest any rank can give, agreed at start-up) and
-the same page geometry (H / tp heads each), hence the same id range.
-
-* :class:`LockstepCache` wraps rank 0's cache for the scheduler. ``alloc``/``free`` run on rank
-  0's cache and are logged; the log travels with the next message to the workers, who replay
-  it and check that their ids are rank 0's (``PageIdsDiverged`` otherwise).
-* Its ``manager`` (:class:`LockstepManager`) is rank 0's memory manager as the page store
-  (memory/page_store.py) drives the seal through it: the same mechanics, logged. A placement
-  (``place_pages``) is sent at once, so the workers compress the same pages while rank 0 does;
-  every rank analyses the pages' sizes then (``compress_pages``), not a step ahead.
-* ``capacity_new_pages`` is the tightest rank's: ``min(rank 0's own, each worker's last
-  report - pages allocated since)``. An allocation of n pages lowers a cache's capacity by at
-  most n and a free never lowers it, so the bound never promises a page some rank lacks; a
-  seal can lower it (compressed space is taken before open slots are freed), which is why a
-  seal always brings a fresh report. When frees are logged but unsent and a worker is the
-  tightest rank, the log is sent first and the fresh reports are used (after a preemption
-  or an abort: rare), so the bound is not needlessly tight.
-* ``stored_ratio`` (admission's estimate) is the largest -- the least compressed -- rank's.
-* The fill streams (``set_streams``, a placement hint, memory/packed.py) are logged too, so
-  every rank groups its packed pages alike.
+"""Rank 0's view of every rank's KV cache (docs/distributed.md): rank 0 logs its cache operations
+and the workers replay them, so page ids agree; capacity is the tightest rank's.
 """
 
 from __future__ import annotations
@@ -36,8 +10,7 @@ ALLOC, FREE, SEAL, STREAMS = "a", "f", "s", "t"
 
 
 class PageIdsDiverged(RuntimeError):
-    """A worker's cache gave other page ids than rank 0's (a bug: the ranks' caches must see
-    the same operations)."""
+    """A worker's cache gave other page ids than rank 0's (a bug)."""
 
 
 class LockstepCache:
@@ -46,14 +19,13 @@ class LockstepCache:
         self.log: list[tuple] = []
         self._unsent_allocs = 0
         self._unsent_frees = False
-        self._reports: np.ndarray | None = None        # [workers, REPORT] after every sent message
+        self._reports: np.ndarray | None = None
         if getattr(cache, "kv_compression", False):
             self.manager = LockstepManager(self.log, driver, cache.manager)
 
     def __getattr__(self, name):                         # kv_compression, deterministic, stats, ...
         return getattr(self._cache, name)
 
-    # -- operations, logged ------------------------------------------------------------------
     def alloc(self, n, keep_reserve: bool = True, reclaim=None):
         ids = self._cache.alloc(n, keep_reserve=keep_reserve, reclaim=reclaim)
         if ids:
@@ -70,15 +42,14 @@ class LockstepCache:
 
     def take_log(self) -> list[tuple]:
         log = self.log[:]
-        self.log.clear()                               # the one list, its manager's too
+        self.log.clear()
         self._unsent_allocs, self._unsent_frees = 0, False
         return log
 
     def set_reports(self, reports: np.ndarray | None) -> None:
         if reports is not None:
-            self._reports = reports[1:]                # row 0 is rank 0's (zeros)
+            self._reports = reports[1:]
 
-    # -- the tightest rank ---------------------------------------------------------------------
     def _workers(self, column: int) -> float:
         self.set_reports(self._driver.comm_finish_report())
         if self._reports is None:
@@ -103,8 +74,8 @@ class LockstepCache:
 
 
 class LockstepManager:
-    """Rank 0's memory manager as the page store sees it (its compression mechanics): each
-    operation runs on rank 0's manager and is logged for the workers, who replay it on theirs."""
+    """Rank 0's memory manager as the page store sees it: each operation runs here and is logged
+    for the workers."""
 
     def __init__(self, log: list[tuple], driver, manager):
         self._log, self._driver, self._manager = log, driver, manager
@@ -113,19 +84,17 @@ class LockstepManager:
         return getattr(self._manager, name)
 
     def set_streams(self, ids, streams) -> None:
-        """Fill streams are a placement hint: every rank places its pages by them."""
         ids = list(ids)
         if ids:
             self._manager.set_streams(ids, streams)
             self._log.append((STREAMS, ids, list(streams)))
 
     def analyze_pages(self, ids) -> list[int]:
-        """Nothing launched: the pages are analysed at their placement, on every rank alike."""
+        """Nothing launched: pages are analysed at their placement, on every rank alike."""
         return list(ids)
 
     def place_pages(self, job: list[int], min_capacity: int = 0, reclaim=None, keep=None) -> list[int]:
-        """Compress the pages of ``job`` still alive (``keep``) on every rank: logged and sent
-        first, so the workers compress while rank 0 does; rank 0's pages left open."""
+        """Compress the live pages of ``job`` on every rank: logged and sent first."""
         keep = set(job if keep is None else keep)
         ids = [p for p in job if p in keep]
         if not ids:
@@ -136,8 +105,7 @@ class LockstepManager:
 
 
 def apply_ops(cache, log: list[tuple], left_open: set[int]) -> None:
-    """A worker: replay rank 0's cache operations on this rank's cache. ``left_open``: pages
-    this rank could not compress yet (no room); retried with the next seal."""
+    """A worker: replay rank 0's cache operations; ``left_open``: pages retried at the next seal."""
     for op in log:
         if op[0] == ALLOC:
             _, n, keep, want = op
@@ -147,8 +115,8 @@ def apply_ops(cache, log: list[tuple], left_open: set[int]) -> None:
         elif op[0] == FREE:
             cache.free(op[1])
             left_open.difference_update(op[1])
-        elif op[0] == SEAL:                             # only a compressing cache logs these
-            m = cache.manager                           # rank 0 may retry pages this rank already sealed
+        elif op[0] == SEAL:
+            m = cache.manager  # rank 0 may retry pages this rank already sealed
             ids = sorted(i for i in set(op[1]) | left_open if m.page_state(i) == "open")
             left_open.clear()
             left_open.update(m.compress_pages(ids, min_capacity=op[2]) if ids else [])

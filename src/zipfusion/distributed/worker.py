@@ -1,9 +1,5 @@
-"""A tensor-parallel worker process (rank > 0): joins rank 0's group, then runs the engine's
-worker loop (``serve``, engine/tp_runner.py: its shard of the model, its own KV cache, what
-rank 0 sends) until told to exit.
-
-Any error prints its traceback and ends the process: its sockets close, so rank 0's next
-collective fails at once and rank 0 reports the dead rank.
+"""A tensor-parallel worker process (rank > 0): joins rank 0's group and runs the engine's worker
+loop until told to exit. An error ends the process, so rank 0's next collective fails at once.
 """
 
 from __future__ import annotations

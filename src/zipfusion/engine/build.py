@@ -51,11 +51,9 @@ def free_memory_gb(device: torch.device) -> float:
 
 
 def kv_memory_gb(config: EngineConfig, device: torch.device, weights_saved_bytes: int = 0) -> float:
-    """The GiB this process can give the KV cache: ``config.kv_memory_gb`` (checked against what
-    is free; plus ``weights_saved_bytes``, what weight compression saved, with
-    ``kv_gets_weight_savings``), by default what the device has free once the weights are in
-    place (compressed: the saving is free memory) x GPU_MEMORY_UTILIZATION less
-    ACTIVATION_RESERVE_GB, or CPU_KV_MEMORY_GB on the CPU."""
+    """The GiB this process can give the KV cache: ``config.kv_memory_gb`` (checked), else what
+    the device has free once the weights are in place, x GPU_MEMORY_UTILIZATION less
+    ACTIVATION_RESERVE_GB (CPU: CPU_KV_MEMORY_GB); plus weight compression's saving if asked."""
     free = free_memory_gb(device)
     if config.kv_memory_gb is None:
         return (max(0.5, GPU_MEMORY_UTILIZATION * free - ACTIVATION_RESERVE_GB) if device.type == "cuda"
@@ -69,9 +67,8 @@ def kv_memory_gb(config: EngineConfig, device: torch.device, weights_saved_bytes
 
 def build_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, gb: float,
                    tp_size: int = 1):
-    """The KV cache of ``gb`` GiB for this rank's 1/tp_size of the KV heads: pages in an arena in
-    bfloat16 (ArenaKVCache, compressed or not; Fp8KVCache with ``kv_cache_dtype="fp8"``: E4M3
-    pages, one byte a value, compressed or not), dense pages (DenseKVCache) otherwise."""
+    """The KV cache of ``gb`` GiB for this rank's KV heads: an arena (BF16 or FP8 pages) or dense
+    pages."""
     mc, budget = model_config, int(gb * 2**30)
     L, H, D = mc.num_hidden_layers, mc.num_key_value_heads // tp_size, mc.head_dim
     if dtype != torch.bfloat16:

@@ -1,9 +1,5 @@
 """The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, vLLM-shaped.
-
-``LLM`` turns prompts into requests of an :class:`~zipfusion.engine.llm_engine.LLMEngine`, runs
-it until they are done and returns their outputs in the prompts' order. ``close()`` (or leaving
-``with LLM(...) as llm:``) lets go of the engine: its tensor-parallel workers and process group,
-its model and KV memory; an LLM dropped without it is released when it is collected.
+``close()`` (or leaving ``with LLM(...) as llm:``) releases the engine, its workers and memory.
 """
 
 from __future__ import annotations
@@ -19,18 +15,9 @@ from .sampling import SamplingParams
 
 
 class LLM:
-    """An LLM with a compressed KV cache.
-
-    ``model``: a Hugging Face model id (``"ORG/NAME"``, with ``revision=``), a checkpoint folder,
-    a ``.gguf`` file, ``"demo"`` (the embedded tiny model), a compressed checkpoint (``zipfusion
-    compress-weights``) or a shipped config with random weights
-    (``"llama-3.1-8b-random"``, ... :data:`zipfusion.models.RANDOM_MODELS`).
-    Every other option is a field of :class:`~zipfusion.config.EngineConfig`, e.g.
-    ``kv_compression`` (keep full KV pages losslessly compressed; needs dtype bfloat16),
-    ``weight_compression`` (the same for the weights; default: on for CUDA with bfloat16),
-    ``kv_cache_dtype`` ("bf16", or "fp8": E4M3 pages, about 2x the pages, *lossy*),
-    ``kv_memory_gb``, ``device`` ("auto" by default), ``deterministic``.
-    """
+    """An LLM with a compressed KV cache. ``model``: a Hub id, a checkpoint folder, a ``.gguf`` file,
+    ``"demo"`` or a shipped random-weight config; every other option is an
+    :class:`~zipfusion.config.EngineConfig` field."""
 
     def __init__(self, model: str = "demo", **options):
         self._engine: LLMEngine | None = LLMEngine(EngineConfig.from_kwargs(model, **options))
@@ -42,9 +29,8 @@ class LLM:
         return self._engine
 
     def close(self) -> None:
-        """Release the engine (idempotent): stop its tensor-parallel workers and leave the process
-        group (so that another tensor-parallel LLM can start in this process), drop its model, KV
-        cache and CUDA graphs and hand their GPU memory back. The LLM cannot generate after."""
+        """Release the engine (idempotent): its workers, process group, model, KV cache and GPU
+        memory. The LLM cannot generate after."""
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -99,7 +85,7 @@ class LLM:
             for i, ((ids, _), sp) in enumerate(zip(parsed, params)):
                 reqs.append(eng.add_request(ids, sp))
         except (ValueError, TypeError) as exc:
-            for r in reqs:                       # all or nothing: queue none of this call's prompts
+            for r in reqs:  # all or nothing: queue none of this call's prompts
                 eng.abort(r)
             raise type(exc)(f"prompt {i}: {exc}") from None
         bar = None
@@ -111,7 +97,7 @@ class LLM:
                 done = eng.step().finished
                 if bar is not None and done:
                     bar.update(len(done))
-        except BaseException:                    # KeyboardInterrupt, a failed step: leave no request behind
+        except BaseException:  # leave no request behind
             for r in reqs:
                 eng.abort(r)
             raise
@@ -121,9 +107,7 @@ class LLM:
         return [eng.output_of(r, text) for r, (_, text) in zip(reqs, parsed)]
 
     def kv_stats(self) -> dict:
-        """KV memory numbers at the busiest step of the last runs (pages, bytes, ratio), and the
-        prefix cache's, host tier's and preemptions' counters now (``prefix_cache_*``,
-        ``swap*``, ``recomputed_tokens``: ``LLMEngine.reuse_stats``)."""
+        """KV memory numbers at the busiest step of the last runs, and the reuse counters now."""
         return self.engine.kv_stats(at_peak=True)
 
     def reset_prefix_cache(self) -> int:

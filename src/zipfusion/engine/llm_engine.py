@@ -5,27 +5,26 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import weakref
 
 import torch
 
 from ..attention.backend import AttentionBackend
-from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig, weight_compression_default
+from ..config import DEFAULT_MAX_MODEL_LEN, WATCHDOG_TIMEOUT_S, EngineConfig
 from ..format.layout import PAGE_TOKENS
 from ..memory.copy import HostArray
 from ..memory.kv_cache import ArenaKVCache
 from ..models import build_model, load_tokenizer, model_config, resolve_model
 from ..kernels import weight_linear
 from ..models.compressed_weights import compressed_weights, weight_sizes
-from ..models.loader import resolve_tokenizer, weight_bytes
+from ..models.loader import resolve_tokenizer
 from ..models.parallel import TensorParallel, use as use_parallel
 from .build import build_kv_cache, free_memory_gb, kv_memory_gb, parse_device, parse_dtype
 from .observe import MemoryWatch, PhaseClock, StepResult, StepStats, reuse_stats
 from .request import CompletionOutput, Request, RequestOutput, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, compute_logprobs
-from .scheduler import KVCacheTooSmall, Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
 from .structured import GrammarCompiler, apply_bitmask
 from .watchdog import Watchdog
 
@@ -47,12 +46,10 @@ class LLMEngine:
         AttentionBackend.check_kind(cfg.attention_backend, self.device, self.dtype)
         self.source = resolve_model(cfg.model, cfg.load_format, cfg.revision)
         self.model_config = mc = model_config(self.source)
-        if cfg.weight_compression is None:          # decided here, once: TP workers get the same value
-            gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-            cfg.weight_compression = weight_compression_default(
-                self.device.type, cfg.dtype, weight_bytes(mc) // cfg.tensor_parallel_size, gpu)
+        if self.source.compressed:                   # a compressed checkpoint holds compressed weights
+            cfg.weight_compression = True
         self.max_model_len = self._max_model_len(cfg.max_model_len, mc.max_position_embeddings)
-        self.tp = None                      # tensor parallel: rank 0's driver (docs/distributed.md)
+        self.tp = None
         if cfg.tensor_parallel_size > 1:
             from ..distributed.driver import start
             from .tp_runner import serve
@@ -60,20 +57,22 @@ class LLMEngine:
         with use_parallel(self.tp.parallel if self.tp else TensorParallel()):
             self.model = self.build_model()
         self.weights = weight_sizes(self.model)     # before the KV budget: what compression freed is free
-        if self.weights.compressed and self.device.type == "cuda":   # kernels built, restore buffer in place:
-            weight_linear.warmup(compressed_weights(self.model),     # the budget sees what they hold
+        if self.weights.compressed and self.device.type == "cuda":
+            weight_linear.warmup(compressed_weights(self.model),
                                  max(cfg.max_num_seqs, cfg.max_num_batched_tokens))
         self.tokenizer = load_tokenizer(resolve_tokenizer(cfg.tokenizer) or self.source.tokenizer_dir,
                                         chat_template=cfg.chat_template)
-        self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, eos)
         self.cache = self._build_cache()
         self._len_note = ""
         self._check_one_request_fits(cfg.max_model_len is not None)
-        sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache    # TP: every rank's capacity
+        sched_cache = self.tp.lockstep(self.cache) if self.tp else self.cache
         self.host_tier = self._build_host_tier()
         self.scheduler = Scheduler(sched_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    admission=cfg.admission, prefix_caching=cfg.enable_prefix_caching,
-                                   host_tier=self.host_tier, tuning=cfg.tuning)
+                                   host_tier=self.host_tier, tuning=cfg.tuning, window=self._kv_window(),
+                                   eos_token_ids=eos, tokenizer=self.tokenizer, grammars=self.grammars)
         self.attention = AttentionBackend.from_config(cfg, self.cache, mc, self.tp.size if self.tp else 1)
         self.runner = ModelRunner(self.model, self.attention, self.max_model_len, cfg.max_num_seqs,
                                   use_cuda_graphs=not cfg.enforce_eager and self.attention.graph_safe
@@ -82,14 +81,11 @@ class LLMEngine:
             from .tp_runner import TPRunner
             self.runner = TPRunner(self.runner, self.tp, self.max_model_len)
         self.sampler = Sampler(self.device, cfg.seed)
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.graph_buckets = self.runner.capture_cuda_graphs()
-        self.attention.warm_up_prefill(cfg.max_num_batched_tokens)       # cuDNN's graphs, on CUDA
+        self.attention.warm_up_prefill(cfg.max_num_batched_tokens)
         if self.host_tier is not None:
-            self.host_tier.start()                 # pinned in the background, after the capture
-        # async scheduling: the next step is scheduled while this one runs on the GPU (step()). On
-        # the CPU the forward runs in the host's own thread, so nothing would overlap; tests set the
-        # attribute there to run the same code.
+            self.host_tier.start()
+        # the next step scheduled while this one runs on the GPU (tests set it on the CPU too)
         self.async_scheduling = cfg.async_scheduling and self.device.type == "cuda" and not self.tp
         self.watchdog = self._build_watchdog(cfg.watchdog_timeout_s)
         self._memory_watch = MemoryWatch(self) if self.device.type == "cuda" else None
@@ -97,8 +93,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.peak_kv_stats: dict | None = None
         self._peak_pages = -1
-        self.recomputed_tokens = 0            # prefill tokens computed again after a preemption
-        self._observers: list = []            # called after each step: fn(StepResult, StepStats)
+        self.recomputed_tokens = 0
+        self._observers: list = []
         w = self.weights
         log.info("zipfusion engine: model %s (%d layers, %d KV heads x %d), %s on %s, weights %.2f GiB -> %.2f GiB "
                  "(%s, %.3f), KV memory %.2f GiB (%s), max_model_len %d, max_num_seqs %d", self.source.name,
@@ -108,18 +104,13 @@ class LLMEngine:
                  ("fp8 (E4M3, lossy), " if cfg.kv_cache_dtype == "fp8" else "")
                  + ("compressed" if cfg.kv_compression else "uncompressed"), self.max_model_len, cfg.max_num_seqs)
 
-    # -- building ---------------------------------------------------------------------------
     def build_model(self):
-        """The model, built from ``self.source`` in ``self.dtype`` on ``self.device`` (this rank's
-        shard under tensor parallelism) with ``deterministic`` from the config. A subclass may
-        return a model on weights it already holds instead (benchmarks run several engines on
-        one set of 8B weights), built with the same ``deterministic``."""
+        """The model from ``self.source`` (a subclass may return one on weights it already holds)."""
         return build_model(self.source, dtype=self.dtype, device=self.device, seed=self.config.seed,
                            deterministic=self.config.deterministic, weight_compression=self.config.weight_compression)
 
     def _moe_loops(self, mc) -> bool:
-        """Whether the experts run as a loop over groups (models/moe.grouped_mm: deterministic
-        mode, or not bf16), whose host reads a CUDA graph cannot capture."""
+        """Whether the experts run as a loop over groups, whose host reads a CUDA graph cannot capture."""
         return mc.num_experts > 0 and (self.config.deterministic or self.dtype != torch.bfloat16)
 
     @staticmethod
@@ -141,9 +132,7 @@ class LLMEngine:
                               self.tp.size if self.tp else 1)
 
     def _build_host_tier(self):
-        """The KV host tier (memory/host_tier.py), or None: off without prefix caching, for a dense
-        cache, and with tensor parallelism (each rank would need its own; not built). By default
-        on a GPU only: min(2 x the KV memory, a quarter of the host's free memory)."""
+        """The KV host tier (memory/host_tier.py), or None."""
         cfg = self.config
         gb = cfg.kv_host_memory_gb
         if gb is None:
@@ -158,9 +147,15 @@ class LLMEngine:
         from ..memory.host_tier import HostTier
         return HostTier(self.cache.manager, int(gb * 2**30), cfg.tuning)
 
+    def _kv_window(self) -> int | None:
+        """The largest sliding window when every layer has one (pages behind it are given back), else None."""
+        ws = self.model_config.sliding_windows
+        if not ws or None in ws or self.tp or max(ws) + PAGE_TOKENS > self.max_model_len:
+            return None
+        return max(ws)
+
     def _check_one_request_fits(self, asked: bool) -> None:
-        """vLLM's start-up rule: one max_model_len request must fit in the KV memory. A
-        max_model_len given explicitly that does not fit is an error; a default one is lowered."""
+        """vLLM's start-up rule."""
         graphs = self.device.type == "cuda" and not self.config.enforce_eager and isinstance(self.cache, ArenaKVCache)
         fits = (self.cache.capacity_new_pages() - graphs) * PAGE_TOKENS          # CUDA graphs take a scratch page
         if fits >= self.max_model_len:
@@ -174,34 +169,38 @@ class LLMEngine:
         self._len_note = f" (what kv_memory_gb={self.kv_memory_gb:g} holds; give more kv_memory_gb)"
 
     def _build_watchdog(self, timeout_s: float | None):
-        """The step watchdog (engine/watchdog.py), or None: ``timeout_s`` None is the default
-        (WATCHDOG_TIMEOUT_S on CUDA, off on the CPU), 0 is off."""
+        """The step watchdog (engine/watchdog.py), or None."""
         if timeout_s is None:
             timeout_s = WATCHDOG_TIMEOUT_S if self.device.type == "cuda" else 0
         if not timeout_s:
             return None
         watchdog = Watchdog(timeout_s)
-        weakref.finalize(self, watchdog.close)           # an engine collected unclosed stops it too
+        weakref.finalize(self, watchdog.close)
         return watchdog
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group, stop the watchdog
-        (idempotent; also done when the engine is collected, and at exit). ``LLM.close()`` calls it."""
+        """Stop the tensor-parallel workers and the watchdog (idempotent)."""
         if self.watchdog is not None:
             self.watchdog.close()
         if self.tp:
             self.tp.shutdown()
 
     @property
+    def eos_token_ids(self) -> set:
+        """The token ids that end a request (the scheduler's stop rule)."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.scheduler.eos_token_ids = set(ids)
+
+    @property
     def pages(self):
-        """The page store: a page's life from allocation to free, the seal included
-        (memory/page_store.py; the scheduler's)."""
+        """The page store."""
         return self.scheduler.pages
 
-    # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, matcher=None) -> Request:
-        """Queue a request. ``matcher``: its grammar's matcher built already (``self.grammars.matcher``,
-        off this thread: a server's); by default built here from ``params``."""
+        """Queue a request."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be zipfusion.SamplingParams, got {type(params).__name__}")
         V = self.model_config.vocab_size
@@ -224,12 +223,12 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = self.sampler.make_generator(params.seed)
         elif self.config.deterministic and not params.greedy:
-            req.generator = self.sampler.make_generator(self.config.seed)    # not the shared stream
+            req.generator = self.sampler.make_generator(self.config.seed)
         self.scheduler.add(req)
         return req
 
     def abort(self, req: Request) -> None:
-        """Stop a request wherever it is (waiting or running); its pages are freed."""
+        """Stop a request wherever it is (waiting or running)."""
         if req.status != Status.FINISHED:
             self.scheduler.finish(req, "abort")
             self.runner.forget(req.request_id)
@@ -238,22 +237,14 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def add_observer(self, fn) -> None:
-        """Call ``fn(result: StepResult, stats: StepStats)`` at the end of every step (benchmarks:
-        a step's phase times); ``remove_observer(fn)`` stops it."""
+        """Call ``fn(result: StepResult, stats: StepStats)`` at the end of every step."""
         self._observers.append(fn)
 
     def remove_observer(self, fn) -> None:
         self._observers.remove(fn)
 
-    # -- one step ---------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Run one scheduled step; returns what it did (:class:`StepResult`).
-
-        The order keeps the host's work off the gap between two forwards where it can: the seal
-        runs once the forward is launched (memory/page_store.py: pages analysed behind one step's
-        sampling are placed and encoded while the next step's forward runs; no wait for the
-        device); with ``async_scheduling`` the next step is scheduled then too
-        (:meth:`_schedule_ahead`). The sampled tokens come back after that."""
+        """Run one step: schedule, forward (the seal behind it), postprocess; returns what it did."""
         if self.watchdog is None:
             return self._step()
         self.watchdog.begin()
@@ -268,7 +259,8 @@ class LLMEngine:
         running = len(self.scheduler.running)
         clock.mark("schedule")
         logits = self.runner.run(out)
-        recomputed = self._count_computed(out)
+        recomputed = self.scheduler.computed(out)
+        self.recomputed_tokens += recomputed
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
         tokens = self._launch_sample(sampled, logits) if sampled else None
         clock.mark("forward")
@@ -282,7 +274,7 @@ class LLMEngine:
         clock.mark("finish")
         res = StepResult(finished, sampled, logits if sampled else None, len(out.decode),
                          sum(ch.length for ch in out.prefill), running, len(out.preempted))
-        if self._observers:                # (benchmarks; contexts: the counters moved on, this token included)
+        if self._observers:
             stats = StepStats(placed, recomputed, sum(r.num_computed for r in out.decode), **clock.times())
             for fn in self._observers:
                 fn(res, stats)
@@ -290,28 +282,13 @@ class LLMEngine:
             self._memory_watch.check(res, placed)
         return res
 
-    def _count_computed(self, out: SchedulerOutput) -> int:
-        """The step's tokens are computed: the requests' counters move on. Returns the prefill
-        tokens computed again after a preemption."""
-        recomputed = 0
-        for ch in out.prefill:
-            r = ch.request
-            recomputed += max(0, min(r.num_computed + ch.length, r.computed_before) - r.num_computed)
-            r.num_computed += ch.length
-        for r in out.decode:
-            r.num_computed += 1
-        self.recomputed_tokens += recomputed
-        return recomputed
-
     def _postprocess(self, sampled: list[Request], logits, tokens, placed: int) -> list[Request]:
-        """The sampled tokens appended (the step's one wait for the device), finished requests
-        let go of; returns those."""
-        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
+        """The sampled tokens back (the step's one wait) and into the scheduler's postprocess."""
         self._note_kv_stats(placed)
-        for r, reason in finished:
-            self.scheduler.finish(r, reason)
+        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
+        for r in finished:
             self.runner.forget(r.request_id)
-        return [r for r, _ in finished]
+        return finished
 
     def _forget_preempted(self, out: SchedulerOutput) -> SchedulerOutput:
         """The runner lets go of what it staged for the requests this schedule preempted."""
@@ -320,31 +297,12 @@ class LLMEngine:
         return out
 
     def _schedule_ahead(self, sampled: list[Request]) -> SchedulerOutput | None:
-        """The next step's schedule, made while this step runs on the GPU and before its sampled
-        tokens are known. The requests sure to finish with them (max_tokens or max_model_len
-        reached) let go of their pages first (``Scheduler.retire``; this step's kernels are
-        queued before any that reuse them); any other is taken to go on (one that stops at an
-        end-of-sequence token is dropped from the schedule before it runs, and its pages serve
-        the step after).
-        Scheduling only changes the host's books: the GPU work it queues (a seal, a compaction's
-        moves, a host-tier copy) runs after this step's forward on the same stream, as it would
-        have after a wait. None when nothing is left to schedule, or when the schedule must raise:
-        the next step schedules again, once this one's tokens are kept."""
-        s = self.scheduler
-        for r in sampled:
-            if self._at_length_limit(r, more=1):
-                s.retire(r)
-        if not s.has_work():
-            return None
-        try:
-            return self._forget_preempted(s.schedule())
-        except KVCacheTooSmall:
-            return None
+        """The next step's schedule, made while this step runs on the GPU (``Scheduler.schedule_ahead``)."""
+        out = self.scheduler.schedule_ahead(sampled)
+        return out and self._forget_preempted(out)
 
     def _take_ahead(self) -> SchedulerOutput | None:
-        """The schedule made ahead, without the requests that finished (or were aborted) since:
-        it runs as it is otherwise, their rows simply left out. None if there is none or nothing
-        is left of it (then the step schedules afresh)."""
+        """The schedule made ahead, without the requests that finished (or were aborted) since."""
         out, self._ahead = self._ahead, None
         if out is None:
             return None
@@ -353,10 +311,7 @@ class LLMEngine:
         return None if out.empty else out
 
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor):
-        """One token per request from its logits row, launched: (tokens on their way to the
-        host, the device tensor). Guided rows are masked first: their bitmask is filled on the
-        host here, while the device runs the forward (their previous tokens were accepted at
-        the end of the previous step, so async scheduling keeps its overlap)."""
+        """One token per request from its logits row, launched."""
         params = [r.params for r in reqs]
         history = ([(r.prompt_ids, r.output_ids) if p.penalized else None for r, p in zip(reqs, params)]
                    if any(p.penalized for p in params) else None)
@@ -367,77 +322,30 @@ class LLMEngine:
         new_tokens = self.sampler(logits, params, [r.generator for r in reqs], history)
         return HostArray(new_tokens), new_tokens
 
-    def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[tuple[Request, str]]:
-        """Append each request's token; returns (request, reason) of those done."""
+    def _finish_sample(self, reqs: list[Request], logits: torch.Tensor, tokens) -> list[Request]:
+        """Wait for the sampled tokens."""
         host, new_tokens = tokens
-        self._note_logprobs(reqs, logits, new_tokens)
-        tokens = host.get().tolist()
-        now = time.perf_counter()
-        finished = []
-        for r, t in zip(reqs, tokens):
-            r.output_ids.append(int(t))
-            r.token_times.append(now)
-            if r.matcher is not None and not self.grammars.accept(r.matcher, int(t)):
-                log.warning("request %d: the grammar refused token %d (%s); request stopped", r.request_id, int(t),
-                            r.matcher.get_error())
-                finished.append((r, "abort"))
-                continue
-            reason = self._check_stop(r)
-            if reason:
-                finished.append((r, reason))
-        return finished
+        logprobs = self._logprobs(reqs, logits, new_tokens)
+        return self.scheduler.postprocess(reqs, host.get().tolist(), logprobs)
 
-    def _note_logprobs(self, reqs: list[Request], logits: torch.Tensor, new_tokens: torch.Tensor) -> None:
-        """Append to ``request.logprobs`` the raw log-probabilities of the token just sampled
-        (and of its ``params.logprobs`` most likely alternatives), for the requests that asked."""
+    def _logprobs(self, reqs: list[Request], logits: torch.Tensor, new_tokens: torch.Tensor) -> dict:
+        """{row: logprobs of its sampled token and top alternatives}, for the rows that asked."""
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
-            return
+            return {}
         idx = torch.tensor(rows, device=logits.device)
-        entries = compute_logprobs(logits[idx], new_tokens[idx], [reqs[i].params.logprobs for i in rows])
-        for i, entry in zip(rows, entries):
-            reqs[i].logprobs.append(entry)
-
-    def _check_stop(self, r: Request) -> str | None:
-        p, t = r.params, r.output_ids[-1]
-        n = len(r.output_ids)
-        if r.matcher is not None and r.matcher.is_stopped():
-            return "stop"                  # the grammar is complete (its end-of-sequence token taken)
-        if n >= p.min_tokens:
-            if not p.ignore_eos and t in self.eos_token_ids:
-                return "stop"
-            if t in p.stop_token_ids:
-                r.stop_reason = t
-                return "stop"
-            if p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(r.output_ids)
-                hits = [(text.find(s), s) for s in p.stop if s in text]
-                if hits:
-                    cut, s = min(hits)
-                    r.text, r.stop_reason = text[:cut], s
-                    return "stop"
-        return "length" if self._at_length_limit(r) else None
-
-    def _at_length_limit(self, r: Request, more: int = 0) -> bool:
-        """Whether the request has reached max_tokens or max_model_len (``more``: once it has
-        that many more tokens)."""
-        mt = r.params.max_tokens
-        return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
+        return dict(zip(rows, compute_logprobs(logits[idx], new_tokens[idx], [reqs[i].params.logprobs for i in rows])))
 
     def _note_kv_stats(self, placed: int) -> None:
-        """Keep the cache's numbers from the step with the most pages in use, taken again when
-        pages were compressed."""
-        pages = sum(len(r.pages) for r in self.scheduler.running)
+        """Keep the cache's numbers from the step with the most pages in use."""
+        pages = sum(len(r.pages) - r.dropped_pages for r in self.scheduler.running)
         if self.peak_kv_stats is None or pages > self._peak_pages or (placed and pages == self._peak_pages):
             self._peak_pages = pages
             self.peak_kv_stats = self.cache.stats()
 
     def warm_up(self) -> None:
-        """One request whose prompt fills a whole step's token budget (``max_num_batched_tokens``,
-        within max_model_len and the KV memory) and two output tokens, then the counters, the
-        prefix cache and the request ids afresh. The largest prefill step's activations are then in
-        torch's caching allocator before the first request (vLLM's profile run does the same), so a
-        server's GPU memory is flat from its first request on; the seal and a decode step have run."""
+        """Run one request filling a step's token budget, then reset the counters, prefix cache and request
+        ids, so that the largest prefill's activations are cached before the first request."""
         if self.has_work():
             raise RuntimeError("warm_up() is for an idle engine: requests are in it")
         room = (self.cache.capacity_new_pages() - 2) * PAGE_TOKENS
@@ -452,11 +360,10 @@ class LLMEngine:
         self.reset_stats()
         self._ids = itertools.count()
         if self._memory_watch is not None:
-            self._memory_watch = MemoryWatch(self)       # its high-water mark: after the warm-up
+            self._memory_watch = MemoryWatch(self)
 
     def reset_stats(self) -> None:
-        """Start the counters afresh (preemptions, recomputed tokens, the prefix cache's hits, the
-        busiest step's KV numbers), and the prefix cache cold: a benchmark's run after its warm-up."""
+        """Start the counters afresh and the prefix cache cold (a benchmark's run after its warm-up)."""
         self.scheduler.num_preemptions = 0
         self.recomputed_tokens = 0
         self.scheduler.reset_prefix_cache()

@@ -1,6 +1,5 @@
-"""What the engine tells about its steps, beside its results: a step's result and numbers
-(``StepResult``, ``StepStats``: what observers get), the host clock of its phases, the watch on
-the GPU memory it reserves, and the counters of reused K/V."""
+"""What the engine tells about its steps: results and numbers for observers, the phase clock, the
+GPU memory watch and the reuse counters."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ log = logging.getLogger("zipfusion")
 
 
 class PhaseClock:
-    """Host seconds of a step's phases: ``mark(phase)`` adds the time since the last mark to the
-    phase's total (a phase may come back)."""
+    """Host seconds of a step's phases."""
 
     PHASES = ("schedule", "forward", "seal", "ahead", "finish")
 
@@ -32,17 +30,12 @@ class PhaseClock:
         self._last = now
 
     def times(self) -> dict:
-        """StepStats' timing fields."""
         return {"start": self.start, "seconds": self._last - self.start,
                 **{f"{p}_s": self._s[p] for p in self.PHASES}}
 
 
 class MemoryWatch:
-    """On CUDA: a warning each time the caching allocator's reserved GPU memory passes its
-    high-water mark by more than ``STEP_MIB`` (memory that a server should hold flat after its
-    warm-up), naming what the step did and what the memory system did in it (host-tier swaps,
-    compaction, pages compressed), so that the growth can be traced to its cause. A host call to
-    the allocator's counters a step."""
+    """CUDA: warn when reserved GPU memory passes its high-water mark by ``STEP_MIB``, naming the step."""
 
     STEP_MIB = 64
 
@@ -76,37 +69,32 @@ class MemoryWatch:
 
 
 class StepResult(NamedTuple):
-    """What one :meth:`LLMEngine.step` did: the requests that finished, the rows it sampled
-    (``logits[i]`` is the row that gave ``sampled[i]`` its newest token: valid until the next
-    step, clone to keep), and its size."""
+    """What one :meth:`LLMEngine.step` did."""
     finished: list
     sampled: list
-    logits: object                   # torch.Tensor [len(sampled), V] fp32, or None
+    logits: object
     decode_rows: int
     prefill_tokens: int
-    running: int                     # requests running after scheduling
+    running: int
     preempted: int
 
 
 class StepStats(NamedTuple):
-    """A step's numbers beyond its result, for the engine's observers (:meth:`LLMEngine.add_observer`:
-    benchmarks): seconds from the host clock (:class:`PhaseClock`)."""
-    sealed_pages: int                # pages handed to the seal's placement (those it left open are handed again later)
-    recomputed_tokens: int           # prefill tokens whose K/V had been computed before a preemption
-    context_tokens: int              # the decode rows' context lengths, summed (what decode attention reads)
-    start: float                     # time.perf_counter() at the step's start
+    """A step's numbers beyond its result, for the engine's observers (benchmarks)."""
+    sealed_pages: int                # pages handed to the seal's placement
+    recomputed_tokens: int
+    context_tokens: int
+    start: float
     seconds: float
     schedule_s: float
-    forward_s: float                 # the forward and the sampling launched (on CUDA: queued, not waited for)
-    seal_s: float                    # the page store's call behind the forward: placement and encode launch, full pages collected, analysis launch
-    ahead_s: float                   # scheduling the next step while this one ran on the GPU (async_scheduling)
-    finish_s: float                  # the sampled tokens back and appended, stop checks, finished requests let go
+    forward_s: float
+    seal_s: float                    # the page store's call behind the forward
+    ahead_s: float
+    finish_s: float
 
 
 def reuse_stats(scheduler, recomputed_tokens: int) -> dict:
-    """What K/V was reused, moved or thrown away, now: the prefix cache's hits over lookups (in
-    prompt tokens), pages cached / evictable; its host tier's bytes, pages swapped and the
-    seconds the swaps took; preemptions and the prefill tokens computed again after them."""
+    """What K/V was reused, moved or thrown away, now."""
     p = scheduler.prefix
     out = {"prefix_cache_enabled": p.enabled, "prefix_cache_queried_tokens": p.stats.queried_tokens,
            "prefix_cache_hit_tokens": p.stats.hit_tokens, "prefix_cache_hit_rate": p.stats.hit_rate,

@@ -1,11 +1,6 @@
-"""The model runner: turns a scheduled step into one forward pass and returns logits.
-
-A step's tokens are ``[decode rows | prefill chunks]`` (attention/backend.py). A pure decode step
-on CUDA replays a captured CUDA graph per batch-size bucket (padding rows write into and read
-from one scratch page), or, where its rows travel as packed requests (attention/packing.py), the
-bucket's packed graph; a step with prefill chunks runs eagerly. Either way the layers reach
-the KV cache through a :class:`~zipfusion.attention.backend.PagedKVCacheStep`.
-"""
+"""The model runner: a scheduled step (``[decode rows | prefill chunks]``) -> one forward -> logits.
+A pure decode step on CUDA replays the batch-size bucket's captured CUDA graph (padding rows use one
+scratch page); a step with prefill chunks runs eagerly."""
 
 from __future__ import annotations
 
@@ -22,10 +17,7 @@ from ..models.compressed_weights import compressed_weights
 from .request import PAGE_TOKENS, Request
 from .scheduler import SchedulerOutput
 
-# decode batch sizes with a captured CUDA graph: a step of n requests replays the smallest >= n.
-# Every 8 rows: the attention kernel's split count is fixed at capture from the bucket's size,
-# so a bucket much larger than the batch (65 requests in a graph of 96) picks too few splits
-# for the real rows and leaves a wave of the launch half empty.
+# decode batch sizes with a CUDA graph (n rows replay the smallest >= n); every 8: a split count fixed at capture
 GRAPH_BUCKETS = (1, 2, 4) + tuple(range(8, 513, 8))
 
 
@@ -38,18 +30,17 @@ class ModelRunner:
         self.max_pages_per_req = -(-max_model_len // PAGE_TOKENS)
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.packed_graphs: dict[int, torch.cuda.CUDAGraph] = {}     # (packed_decode) the same, packed
-        self._buckets: list[int] = []                 # sorted keys of graphs
+        self.packed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._buckets: list[int] = []
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._scratch: list[int] = []
-        self._row_owner: list = []                    # staged table row i: (request id, pages, last page)
+        self._row_owner: list = []                    # staged table row i: (request id, pages, last, dropped)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [n, V] fp32: one row per decode request, then one per prefill chunk that
-        completes its prompt (its last token samples the next one), in order."""
+        """Logits [n, V] fp32."""
         if not out.prefill:
-            return self.decode(out.decode)                # (which flushes the page table itself)
+            return self.decode(out.decode)
         self.cache.flush_table()                      # the step's page-table changes, one copy
         n = len(out.decode)
         dec = self.decode_inputs(out.decode, n) if n else None
@@ -67,11 +58,10 @@ class ModelRunner:
             off += ch.length
             if ch.completes:
                 last.append(off - 1)
-        vec = np.stack([np.concatenate(x) for x in (ids, pos, pages, slots)])     # [4, T_prefill]
+        vec = np.stack([np.concatenate(x) for x in (ids, pos, pages, slots)])
         if dec is not None:
             vec = np.concatenate([dec["vec"].numpy(), vec], axis=1)
-        # inputs through pinned memory: no host wait, so the host goes on (sealing) while the
-        # forward runs
+        # inputs through pinned memory: no host wait, so the host seals while the forward runs
         vec = to_device(vec, self.device)
         kv = self.attention.plan(vec[2], vec[3], num_decode=n,
                                  block_table=dec and to_device(dec["block_table"], self.device),
@@ -81,16 +71,11 @@ class ModelRunner:
         rows = to_device(np.array(list(range(n)) + last, dtype=np.int64), self.device)
         return self.model.compute_logits(hidden[rows])
 
-    # -- decode -----------------------------------------------------------------------------
-    # The decode inputs of a step: four [bs] vectors and the block table [bs, W]. With CUDA
-    # graphs they are built in place in pinned host buffers (the table row of a request is
-    # rewritten only when its pages change) and reach the graph's static inputs in three
-    # asynchronous copies; without graphs, in fresh host arrays.
-    VECTORS = ("input_ids", "positions", "page_ids", "slots")         # int64, rows of one buffer
+    # decode inputs: four [bs] vectors and the block table [bs, W], in pinned buffers under CUDA graphs
+    VECTORS = ("input_ids", "positions", "page_ids", "slots")
 
     def decode_inputs(self, reqs: list[Request], bs: int, host: dict | None = None) -> dict:
-        """Host decode inputs, padded to ``bs`` rows with the scratch page (written into
-        ``host``, the staging buffers, when given)."""
+        """Host decode inputs padded to ``bs`` rows with the scratch page (into ``host`` when given)."""
         W = self.max_pages_per_req
         scratch = self._scratch[0] if self._scratch else 0
         if host is None:
@@ -100,8 +85,8 @@ class ModelRunner:
         vec, table = host["vec"].numpy(), host["block_table"].numpy()
         n = len(reqs)
         for i, r in enumerate(reqs):
-            key = (r.request_id, len(r.pages), r.pages[-1] if r.pages else -1)
-            if owners[i] != key:                                       # new request here, or a new page
+            key = (r.request_id, len(r.pages), r.pages[-1] if r.pages else -1, r.dropped_pages)
+            if owners[i] != key:
                 if key[1] > W:
                     raise ValueError(f"request {r.request_id} has {key[1]} pages > max_model_len allows ({W})")
                 table[i, :key[1]] = r.pages
@@ -147,10 +132,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One decode step for ``reqs``; logits [len(reqs), V] fp32."""
+        """One decode step for ``reqs``."""
         self.cache.flush_table()
         n = len(reqs)
-        i = bisect.bisect_left(self._buckets, n)              # the smallest captured size >= n
+        i = bisect.bisect_left(self._buckets, n)
         if i == len(self._buckets):
             host = self.decode_inputs(reqs, n)
             self.attention.prepare_decode(host["context_lens"], host["block_table"])
@@ -171,7 +156,6 @@ class ModelRunner:
         (self.packed_graphs if how == "packed" else self.graphs)[bucket].replay()
         return self._logits[:n]
 
-    # -- CUDA graphs ------------------------------------------------------------------------
     def reserve_scratch_page(self) -> int:
         """The page that a graph's padding rows write into and read from (allocated once)."""
         if not self._scratch:
@@ -180,8 +164,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int | None = None, sizes: list[int] | None = None) -> list[int]:
-        """Capture the decode step for every bucket up to ``max_batch`` (or exactly ``sizes``);
-        returns the batch sizes captured. A step of n requests replays the smallest one >= n."""
+        """Capture the decode step for every bucket up to ``max_batch`` (or exactly ``sizes``)."""
         if not self.use_cuda_graphs:
             return []
         max_batch = min(max_batch or self.max_num_seqs, self.max_num_seqs)
@@ -189,22 +172,22 @@ class ModelRunner:
         if not buckets:
             return []
         self.reserve_scratch_page()
-        self.cache.flush_table()                            # the scratch page's table entry
+        self.cache.flush_table()
         top = buckets[-1]
-        weight_linear.warmup(compressed_weights(self.model), top)    # kernels built before capture
+        weight_linear.warmup(compressed_weights(self.model), top)
         self._row_owner = [None] * top
         self._host = {k: v.pin_memory() for k, v in self._new_buffers(top).items()}
-        self.decode_inputs([], top, self._host)                       # all rows padding
+        self.decode_inputs([], top, self._host)
         self._static = {k: v.to(self.device) for k, v in self._host.items()}
         self._staged = torch.cuda.Event()
         self._logits = torch.empty(top, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         packed = self.attention.packed_graph_buffers(top, self.max_pages_per_req)
         pool = None
-        for bs in reversed(buckets):                        # one memory pool; every graph writes its
-            b = self._named(self._static, bs)               # logits into the one output buffer
+        for bs in reversed(buckets):
+            b = self._named(self._static, bs)
             for graphs in (self.graphs, self.packed_graphs) if packed else (self.graphs,):
                 def prepare():
-                    if graphs is self.packed_graphs:        # the packed buffers at rest: padding
+                    if graphs is self.packed_graphs:
                         self.attention.use_packed_buffers(bs)
                     else:
                         self.attention.prepare_decode(self._host["context_lens"][:bs],
@@ -214,7 +197,7 @@ class ModelRunner:
                 with torch.cuda.stream(stream):
                     for _ in range(2):
                         prepare()
-                        self._decode_forward(b)             # warm up: compile kernels, autotune
+                        self._decode_forward(b)
                 torch.cuda.current_stream().wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
                 prepare()

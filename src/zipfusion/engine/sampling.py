@@ -1,18 +1,5 @@
-"""Sampling parameters and the batched sampler.
-
-One call samples every row of a ``[B, V]`` logits tensor on its device. First the rows that ask
-for it are adjusted (vLLM's order and semantics): ``logit_bias`` is added, then
-``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every
-token seen in the prompt or the output, then ``frequency_penalty`` x (times the token was
-generated) and ``presence_penalty`` x (generated at all) are subtracted. Greedy rows then take
-the argmax; the others are divided by their temperature, cut to their top-k and top-p sets and
-sampled by the exponential race (argmax of p_i / E_i with E_i ~ Exp(1), which picks i with
-probability p_i). A request with a ``seed`` draws its E from its own generator, so its tokens
-do not depend on what else is in the batch.
-
-:func:`compute_logprobs` gives the log-probabilities of the sampled tokens and the top-k
-alternatives from the raw logits (vLLM's default ``raw_logprobs``: the model's distribution
-before bias, penalties, temperature and top-k/top-p).
+"""Sampling parameters and the batched sampler, in vLLM's order and semantics; a seeded request
+draws from its own generator, so its tokens do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -23,14 +10,13 @@ import torch
 
 from .structured import check_guided, guide_of
 
-MAX_PENALTY = 2.0          # OpenAI's range for presence and frequency penalties: [-2, 2]
-MAX_LOGIT_BIAS = 100.0     # OpenAI's range for a logit bias: [-100, 100]
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
 class Logprob:
-    """One token's log-probability under the raw model distribution and its rank there (1 =
-    the most likely), vLLM-shaped."""
+    """A token's log-probability under the raw model distribution and its rank there (vLLM-shaped)."""
 
     logprob: float
     rank: int
@@ -43,21 +29,8 @@ def _number(name: str, v, lo: float, hi: float, lo_open: bool = False) -> None:
 
 @dataclass
 class SamplingParams:
-    """What to generate for one prompt (vLLM's names and defaults).
-
-    temperature 0 means greedy. ``top_k`` -1 (or 0) means all tokens, ``top_p`` 1.0 the whole
-    distribution. ``stop`` strings end the output (not included in ``.text``); ``stop_token_ids``
-    add to the model's end-of-sequence tokens, which ``ignore_eos`` disregards.
-    ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2], 0 = off) penalise tokens already
-    generated; ``repetition_penalty`` (> 0, 1 = off) tokens of the prompt and the output;
-    ``logit_bias`` maps token id -> a bias in [-100, 100] added to its logit. ``logprobs``: the
-    number of most likely tokens whose log-probabilities come back with each generated token
-    (0: only the generated token's; None: none), from the raw model distribution.
-    Structured output (vLLM's guided decoding, at most one; :mod:`.structured`): ``guided_json``
-    a JSON schema (``{"type": "object"}``: any JSON object), ``guided_regex`` a regular
-    expression, ``guided_choice`` a list of strings the output is one of, ``guided_grammar`` a
-    Lark or GBNF grammar (llguidance's syntax).
-    """
+    """What to generate for one prompt (vLLM's names, defaults and ranges). Structured output:
+    at most one ``guided_*`` field (:mod:`.structured`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -80,8 +53,7 @@ class SamplingParams:
 
     @property
     def fixed_length(self) -> bool:
-        """Whether the output is exactly ``max_tokens`` long (nothing can end it sooner: EOS
-        ignored, no stop strings or tokens); admission then reserves it whole."""
+        """Whether the output is exactly ``max_tokens`` long (no EOS, no stops)."""
         return self.ignore_eos and not self.stop and not self.stop_token_ids
 
     def __post_init__(self):
@@ -116,7 +88,7 @@ class SamplingParams:
             bias = {}
             for k, v in dict(self.logit_bias).items():
                 try:
-                    tok = int(k)            # JSON object keys arrive as strings
+                    tok = int(k)
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
                 _number(f"logit_bias[{k}]", v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
@@ -135,7 +107,6 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Sampling this row needs the request's prompt and output tokens."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
@@ -152,12 +123,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  history: list[tuple[list[int], list[int]] | None] | None = None) -> torch.Tensor:
-        """logits [B, V] fp32 -> token ids [B] int64 (on the logits' device). ``history``: per
-        row, (prompt ids, output ids) of its request; needed by the rows with a penalty."""
+        """logits [B, V] fp32 -> token ids [B] int64; ``history``: per row, (prompt ids, output
+        ids), needed by rows with a penalty."""
         B, V = logits.shape
         if len(params) != B or len(generators) != B:
             raise ValueError(f"{B} logits rows but {len(params)} params / {len(generators)} generators")
-        # what to do is decided on the host from the params: no device round trip before sampling
+# decided on the host: no device round trip before sampling
         if any(p.penalized or p.logit_bias for p in params):
             logits = apply_penalties(logits, params, history)
         out = logits.argmax(dim=-1)
@@ -188,15 +159,12 @@ class Sampler:
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                     history: list[tuple[list[int], list[int]] | None] | None) -> torch.Tensor:
-    """The logits with each row's logit bias and penalties applied (vLLM's semantics), on the
-    logits' device: only the rows that have any are touched, and each of those with one
-    scatter of its token ids (no per-token host work beyond listing them)."""
+    """The logits with each row's logit bias and penalties applied (only rows that have any)."""
     B, V = logits.shape
     dev = logits.device
     rows = [i for i, p in enumerate(params) if p.penalized or p.logit_bias]
     x = logits.float().clone()
     sub = x[rows]
-    # logit bias: one (row, token, bias) triple per entry
     bias = [(j, t, b) for j, i in enumerate(rows) for t, b in (params[i].logit_bias or {}).items() if 0 <= t < V]
     if bias:
         r_, t_, b_ = zip(*bias)
@@ -206,7 +174,6 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     if pen:
         if history is None or any(history[rows[j]] is None for j in pen):
             raise ValueError("penalties need each penalised row's prompt and output token ids")
-        # output token counts and prompt-token presence of the penalised rows, [P, V]
         out_r, out_t, pr_r, pr_t = [], [], [], []
         for k, j in enumerate(pen):
             prompt, output = history[rows[j]]
@@ -235,14 +202,10 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
-    """Per row: {token id: Logprob} for the sampled token and the row's ``num_top`` most likely
-    tokens (vLLM's shape: the sampled token is in the dict even when it is not among the top).
-
-    Log-probabilities of the raw model distribution: ``log_softmax`` of the logits row as the
-    model produced it, before logit bias, penalties, temperature and top-k/top-p (vLLM's default
-    ``raw_logprobs``). One transfer to the host for the whole batch."""
+    """Per row: {token id: Logprob} for the sampled token and the ``num_top`` most likely, from
+    the raw logits; one transfer to the host."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(-1, tokens.view(-1, 1).to(lp.device))                    # [B, 1]
+    chosen = lp.gather(-1, tokens.view(-1, 1).to(lp.device))
     rank = (lp > chosen).sum(-1) + 1
     k = max(num_top)
     if k > 0:
@@ -259,14 +222,12 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[i
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus (the
-    smallest set of most likely tokens whose probability reaches top_p; the top token always
-    stays)."""
+    """-inf for every logit outside the row's top-k, then its top-p nucleus (the top token stays)."""
     V = x.shape[-1]
     sorted_x, order = x.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=x.device)[None, :]
     sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = sorted_x.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs                    # mass of the better tokens
+    before = probs.cumsum(dim=-1) - probs
     sorted_x = sorted_x.masked_fill((before >= top_p[:, None]) & (rank > 0), float("-inf"))
     return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)

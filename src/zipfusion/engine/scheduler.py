@@ -1,35 +1,17 @@
-"""Continuous batching: waiting and running queues, mixed decode + chunked-prefill steps,
-admission from the KV cache's capacity, preemption by recompute.
+"""Continuous batching: waiting and running queues, mixed decode + chunked-prefill steps, admission
+from the KV cache's capacity, preemption by recompute, and the requests' state after each step.
 
-Every step has a token budget (``max_num_batched_tokens``). Running requests whose prompt is
-done go first, one decode token each; what is left of the budget goes to prefill chunks:
-first to running requests whose prompt is not done yet, then to waiting requests in arrival
-order, each admitted only when :class:`~zipfusion.memory.Admission` says its memory fits
-beside what the running requests still need. So running requests keep decoding while a long
-prompt is prefilled, a chunk at a time.
-
-Pages are allocated here, before the step, so the runner only writes into them. When decode
-needs more pages than fit, the newest running request is preempted: its pages are freed and it
-goes back to the front of the waiting queue, to be prefilled again from its prompt and the
-tokens it already generated (its sampler state is kept). With the default admission this is a
-rare correction, and each one makes admission more careful for a while.
-
-Pages are the page store's (memory/page_store.py: allocation, the seal, eviction, free); the
-scheduler asks it for capacity, allocation and release, and gives it two policies: which fill
-stream a request's pages join, and how many new pages admission promised to running requests.
-
-Prefix caching (memory/prefix_cache.py): full pages are offered to the prefix cache as they
-fill up; a request being admitted first takes the cached pages its tokens start with (it then
-prefills from there, attending to them in place). Pages nobody holds stay cached until memory
-is needed: capacity is asked of the cache after evicting what is evictable, least recently used
-first, and only as much as the request at hand needs. A preempted request's full pages become
-evictable too, so a resumed request usually finds them still there. A waiting request whose next
-pages another request is computing right now waits a step for them (SHARED_AHEAD_PAGES), so a
-group sent at once behind one system prompt computes it once.
+Each step decodes every running request whose prompt is done, then gives the rest of its token
+budget to prefill chunks: running prompts first, then waiting requests in order, each admitted when
+:class:`~zipfusion.memory.Admission` agrees. When decode needs more pages than fit, the newest
+request is preempted and recomputed later. Pages are the page store's (memory/page_store.py): the
+scheduler asks it to allocate, hold a cached prefix, and release.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,14 +19,14 @@ from ..attention.backend import ChunkView
 from ..config import Tuning
 from ..memory import Admission, RunningBatch
 from ..memory.kv_cache import KVCache
-from ..memory.page_store import PageStore
+from ..memory.page_store import PageStore, cacheable_pages
 from ..memory.prefix_cache import ROOT
 from .request import PAGE_TOKENS, Request, Status
 
 
-SHARED_AHEAD_PAGES = 2  # a waiting request whose next uncached pages (this many) another request
-                        # is computing now waits a step and finds them cached (SGLang's in-batch
-                        # prefix check): a group arriving at once computes its shared prompt once
+log = logging.getLogger("zipfusion")
+
+SHARED_AHEAD_PAGES = 2  # a request whose next pages another is computing now waits a step for them
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -54,12 +36,12 @@ class KVCacheTooSmall(RuntimeError):
 @dataclass
 class PrefillChunk:
     request: Request
-    start: int          # first token position of the chunk (== request.num_computed)
+    start: int
     length: int
 
     @property
     def completes(self) -> bool:
-        """The chunk reaches the last token: its last logits sample the next token."""
+        """The chunk reaches the last token."""
         return self.start + self.length == self.request.num_tokens
 
     def view(self) -> ChunkView:
@@ -84,33 +66,35 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 8192, admission: str = "estimate", prefix_caching: bool = True,
-                 host_tier=None, tuning: Tuning = Tuning()):
-        # the options were checked once, by EngineConfig
+                 host_tier=None, tuning: Tuning = Tuning(), window: int | None = None,
+                 eos_token_ids=(), tokenizer=None, grammars=None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.tuning = tuning
-        self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens)
+        # the stop rule: end-of-sequence ids, the tokenizer (stop strings), the grammars (guided output)
+        self.eos_token_ids, self.tokenizer, self.grammars = set(eos_token_ids), tokenizer, grammars
+        self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens, window=window)
         self.pages = PageStore(cache, prefix_caching=prefix_caching, host_tier=host_tier,
                                fill_stream_of=self._fill_streams,
-                               promised=lambda: self.admission.promised_pages(self._running_needs()))
-        self.prefix = self.pages.prefix          # matching and holding cached prefixes
+                               promised=lambda: self.admission.promised_pages(self._running_needs()),
+                               window=window)
+        self.prefix = self.pages.prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._steps = 0                        # steps scheduled: the clock of the fill streams
+        self._steps = 0
 
     def add(self, req: Request) -> None:
-        """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1
-        tokens)."""
+        """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1 tokens)."""
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.pages.drop_behind(self.running)
         while True:
             self._schedule_decode(out)
             self._schedule_prefill(out, self.max_num_batched_tokens - len(out.decode))
@@ -120,7 +104,6 @@ class Scheduler:
                 continue
             if len(self.running) < 2:
                 break
-            # only half-prefilled requests are running and none can grow: free the newest
             out.preempted.append(self._preempt(self.running[-1]))
         if out.empty and self.has_work():
             req = self.running[0] if self.running else self.waiting[0]
@@ -133,10 +116,7 @@ class Scheduler:
         return out
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
-        """Every running request whose prompt is done decodes one token. Their new pages take
-        free room first; else the pages waiting for a seal are sealed (a compressed page frees a
-        quarter of its open one, and sealing needs the reserve intact to place them); else the
-        compression reserve; else the newest request is preempted."""
+        """Every running request whose prompt is done decodes one token."""
         while True:
             batch = [r for r in self.running if not r.in_prefill]
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
@@ -152,15 +132,11 @@ class Scheduler:
                     f"request {r.request_id} needs more than the whole KV memory ({r.num_tokens} tokens); "
                     "give more kv_memory_gb or lower max_tokens")
             out.preempted.append(self._preempt(self.running[-1]))
-        growing = [r for r in batch if r.pages_needed(r.num_computed + 1)]
-        for r, page in zip(growing, self.pages.alloc(len(growing), keep_reserve=False)):   # one allocation
-            r.pages.append(page)
+        self.pages.grow_each([r for r in batch if r.pages_needed(r.num_computed + 1)])
         out.decode = batch
 
     def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> None:
-        """Prefill chunks for the rest of the budget: running requests mid-prompt, then waiting
-        ones in order, each admitted only if admission agrees (FIFO: the first refusal stops;
-        none in a step that had to preempt)."""
+        """Prefill chunks for the rest of the budget."""
         free = self.pages.capacity()
         candidates = [r for r in self.running if r.in_prefill]
         computing = {self._pages_ahead(r, r.prefix_node, r.num_sealed_pages) for r in candidates}
@@ -173,7 +149,7 @@ class Scheduler:
             if not admitted:
                 if len(self.running) >= self.max_num_seqs:
                     break
-                chain = self._match(req)
+                chain = self.pages.match(req)
                 ahead = self._pages_ahead(req, chain[-1].node_id if chain else ROOT, len(chain))
                 if ahead is not None and ahead in computing:
                     continue                      # computed by another request now: cached next step
@@ -181,7 +157,6 @@ class Scheduler:
                     break
                 free = self.pages.capacity()
                 computing.add(self._pages_ahead(req, req.prefix_node, req.num_sealed_pages))
-            # the chunk: what is left of the prompt, within the budget and the pages free now
             want = min(req.num_tokens - req.num_computed, budget)
             if req.pages_needed(req.num_computed + want) > free:
                 free = self.pages.make_room(req.pages_needed(req.num_computed + want))
@@ -191,122 +166,63 @@ class Scheduler:
                     self._unadmit(req)
                 self.pages.want_room()
                 break
-            new_pages = req.pages_needed(req.num_computed + n)
-            if new_pages:
-                req.pages += self.pages.alloc(new_pages)
-                free -= new_pages
+            free -= self.pages.grow(req, req.num_computed + n)
             if not admitted:                      # it starts: its lookup counts (not an admission undone)
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
                 self.running.append(req)
-                self.prefix.note_lookup(req.num_tokens, req.num_computed)
+                self.pages.note_lookup(req.num_tokens, req.num_computed)
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = req.num_computed
             out.prefill.append(PrefillChunk(req, req.num_computed, n))
             budget -= n
 
-    def _match(self, req: Request) -> list:
-        """The cached chain of pages a waiting request's tokens start with (its last token is
-        always computed: it gives the logits)."""
-        return self.prefix.match(req.tokens, self._cacheable_pages(req)) if not req.pages else []
-
-    @staticmethod
-    def _cacheable_pages(req: Request) -> int:
-        """Full pages before the request's last token: the most a prefix hit may cover."""
-        return (req.num_tokens - 1) // PAGE_TOKENS
-
     def _pages_ahead(self, req: Request, parent: int, first: int) -> tuple | None:
-        """What names the SHARED_AHEAD_PAGES pages a request computes next, from its page
-        ``first`` on behind the cached chain node ``parent`` (None: fewer full pages are left,
-        or no prefix cache): two requests with the same key would compute the same pages."""
+        """The key of the SHARED_AHEAD_PAGES pages a request computes next, behind chain node ``parent``."""
         end = first + SHARED_AHEAD_PAGES
-        if not self.prefix.enabled or end > self._cacheable_pages(req):
+        if not self.prefix.enabled or end > cacheable_pages(req):
             return None
         return parent, tuple(t for i in range(first, end) for t in req.token_block(i))
 
     def _admit(self, req: Request, chain: list) -> bool:
-        """Take the request's cached prefix (``chain``, from :meth:`_match`), then ask admission
-        (evicting cached pages nobody holds when that is what is missing); on a refusal the
-        prefix is let go again. Pages of the prefix on the host tier come back into new pages
-        (or, with no room, are recomputed)."""
-        resident = [n for n in chain if n.page is not None]
-        self.prefix.acquire(resident)
+        """Hold the request's cached prefix, then ask admission; on a refusal the prefix is let go."""
+        held = self.pages.hold(chain)
         if self.running:
             args = (req.num_tokens, self._max_total_tokens(req) - req.num_tokens, self._running_needs(),
-                    len(resident), req.params.fixed_length)
+                    held, req.params.fixed_length)
             short = self.admission.shortfall(*args)
-            if 0 < short <= self.prefix.num_evictable_pages:       # an evicted page gives at most one
+            if 0 < short <= self.pages.num_evictable:       # an evicted page gives at most one
                 self.pages.make_room(self.pages.capacity() + short)
                 short = self.admission.shortfall(*args)
             if short > 0:
-                self.prefix.release([n.page for n in resident])
+                self.pages.unhold(chain)
                 self.pages.want_room()
                 return False
-        chain = self._swap_in(chain, wait=bool(self.running))
-        if chain is None:                           # its pages on the host do not fit yet: wait
-            self.prefix.release([n.page for n in resident])
+        held = self.pages.bring_back(chain, wait=bool(self.running), stream=self._fill_stream_now())
+        if held is None:                           # its pages on the host do not fit yet: wait
+            self.pages.unhold(chain)
             self.pages.want_room()
             return False
-        if chain:
-            req.pages = [n.page for n in chain]
-            req.num_sealed_pages = len(chain)
-            req.num_computed = len(chain) * PAGE_TOKENS
-            req.prefix_node = chain[-1].node_id
+        self.pages.take_prefix(req, held)
+        req.num_computed = req.num_sealed_pages * PAGE_TOKENS
+        self.pages.drop_behind([req])
         return True
 
-    def _swap_in(self, chain: list, wait: bool) -> list | None:
-        """Bring the chain's host-tier pages back into new pages. With no room for them: None when
-        ``wait`` (the request waits for room), else the chain up to its first such page. Pages
-        the tier dropped while room was made end the chain there too (the rest is recomputed)."""
-        away = [n for n in chain if n.page is None]
-        if not away:
-            return chain
-        could = self.pages.capacity() + self.prefix.num_evictable_pages >= len(away)
-        room = self.pages.make_room(len(away)) if could else 0     # no eviction that cannot help
-        keep = len(chain)
-        if room < len(away):
-            if wait:
-                return None
-            keep = chain.index(away[0])
-        chain, away = self._cut_at_lost(chain, keep)
-        if away:
-            pages = self.pages.alloc(len(away))
-            # the allocation's compaction may have evicted pages to the tier, which dropped older ones
-            chain, still = self._cut_at_lost(chain, len(chain))
-            self.pages.release(pages[len(still):])
-            # compressed pages go back compressed where there is room (as a seal of pages no running
-            # request holds: the current window's stream, the room promised to running requests kept)
-            if still:
-                self.pages.swap_in(still, pages[:len(still)], self._fill_stream_now())
-        return chain
-
-    def _cut_at_lost(self, chain: list, keep: int) -> tuple[list, list]:
-        """The chain up to ``keep`` and its first page the host tier dropped (the rest let go of),
-        and its pages still on the host tier."""
-        lost = [n for n in chain if n.page is None and n.host is None]
-        if lost:
-            keep = min(keep, chain.index(lost[0]))
-        if keep < len(chain):
-            self.prefix.release([n.page for n in chain[keep:] if n.page is not None])
-            chain = chain[:keep]
-        return chain, [n for n in chain if n.page is None]
-
     def _unadmit(self, req: Request) -> None:
-        """Undo ``_admit`` (or a preempted run): the request waits holding nothing."""
-        self._free_pages(req)
-        req.num_computed = req.num_sealed_pages = 0
-        req.prefix_node = ROOT
+        """Undo ``_admit`` (or a preempted run)."""
+        self.pages.release_request(req)
+        req.num_computed = 0
 
     def _max_total_tokens(self, r: Request) -> int:
-        """Tokens the request may reach: prompt + max_tokens, capped by max_model_len."""
+        """Tokens the request may reach."""
         return min(self.max_model_len, r.max_total_tokens or self.max_model_len)
 
     def _running_needs(self) -> RunningBatch:
-        return RunningBatch([(len(r.pages), len(r.prompt_ids) + len(r.output_ids), self._max_total_tokens(r),
+        return RunningBatch([(self.pages.own_pages(r), r.num_tokens, self._max_total_tokens(r),
                               r.params.fixed_length, len(r.prompt_ids)) for r in self.running])
 
     def _preempt(self, req: Request) -> Request:
-        """Free the request's pages; it restarts from scratch (recompute) when readmitted."""
+        """Free the request's pages; it restarts by recompute when readmitted."""
         self.running.remove(req)
         req.computed_before = max(req.computed_before, req.num_computed)
         self._unadmit(req)
@@ -317,15 +233,10 @@ class Scheduler:
         self.waiting.appendleft(req)
         return req
 
-    # -- policies the page store asks for -------------------------------------------------------
     def _fill_streams(self, owners) -> list[int]:
-        """Each owner's fill stream: the window of steps in which its request is expected to
-        finish (admission's estimate of its output; exact for a fixed-length one). A request
-        behind a cached prefix, whose pages are likely to outlive it (a conversation's next
-        turn), takes stream ``fill_streams`` of its own; pages no running request holds (swapped
-        back in, cached) the current window's (Tuning: fill_streams, fill_window)."""
+        """Each owner's fill stream: the window of steps its request is expected to finish in."""
         t = self.tuning
-        wanted = set(owners)          # a seal's few owners, not every running request
+        wanted = set(owners)
         finish = {r.request_id: (self._steps + self.admission.expected_tokens(
                       r.num_tokens, self._max_total_tokens(r), r.params.fixed_length) - r.num_tokens)
                   // t.fill_window % t.fill_streams if not r.num_cached_tokens else t.fill_streams
@@ -333,19 +244,85 @@ class Scheduler:
         return [finish.get(o, self._fill_stream_now()) for o in owners]
 
     def _fill_stream_now(self) -> int:
-        """The fill stream of the current window of steps."""
         return self._steps // self.tuning.fill_window % self.tuning.fill_streams
 
+    def computed(self, out: SchedulerOutput) -> int:
+        """The step's tokens are computed: counters move on; returns the tokens computed again."""
+        recomputed = 0
+        for ch in out.prefill:
+            r = ch.request
+            recomputed += max(0, min(r.num_computed + ch.length, r.computed_before) - r.num_computed)
+            r.num_computed += ch.length
+        for r in out.decode:
+            r.num_computed += 1
+        return recomputed
+
+    def postprocess(self, reqs: list[Request], tokens: list[int], logprobs: dict) -> list[Request]:
+        """Append each request's sampled token (and logprobs), finish those the stop rule ends; returns them."""
+        now = time.perf_counter()
+        for i, entry in logprobs.items():
+            reqs[i].logprobs.append(entry)
+        done = []
+        for r, t in zip(reqs, tokens):
+            r.output_ids.append(int(t))
+            r.token_times.append(now)
+            reason = self._stop_reason(r)
+            if reason:
+                done.append((r, reason))
+        for r, reason in done:
+            self.finish(r, reason)
+        return [r for r, _ in done]
+
+    def _stop_reason(self, r: Request) -> str | None:
+        """Why the request ends with its newest token."""
+        p, t, n = r.params, r.output_ids[-1], len(r.output_ids)
+        if r.matcher is not None:
+            if not self.grammars.accept(r.matcher, t):
+                log.warning("request %d: the grammar refused token %d (%s); request stopped", r.request_id, t,
+                            r.matcher.get_error())
+                return "abort"
+            if r.matcher.is_stopped():
+                return "stop"
+        if n >= p.min_tokens:
+            if not p.ignore_eos and t in self.eos_token_ids:
+                return "stop"
+            if t in p.stop_token_ids:
+                r.stop_reason = t
+                return "stop"
+            if p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(r.output_ids)
+                hits = [(text.find(s), s) for s in p.stop if s in text]
+                if hits:
+                    cut, s = min(hits)
+                    r.text, r.stop_reason = text[:cut], s
+                    return "stop"
+        return "length" if self.at_length_limit(r) else None
+
+    def at_length_limit(self, r: Request, more: int = 0) -> bool:
+        """Whether the request has reached max_tokens or max_model_len (``more`` tokens from now)."""
+        mt = r.params.max_tokens
+        return (mt is not None and len(r.output_ids) + more >= mt) or r.num_tokens + more >= self.max_model_len
+
+    def schedule_ahead(self, sampled: list[Request]) -> SchedulerOutput | None:
+        """The next step's schedule, made before the tokens of the step now on the device are in."""
+        for r in sampled:
+            if self.at_length_limit(r, more=1):
+                self.retire(r)
+        if not self.has_work():
+            return None
+        try:
+            return self.schedule()
+        except KVCacheTooSmall:
+            return None
+
     def retire(self, req: Request) -> None:
-        """The request will finish with the step now on the GPU, whose token is not back yet (the
-        engine's async scheduling): it leaves the running queue and lets go of its pages now, so
-        that the next step may use them; :meth:`finish` gives its reason once the token is in."""
+        """The request finishes with the step on the device (async scheduling): its pages go now."""
         if req in self.running:
             self.running.remove(req)
-            self._free_pages(req)
+            self.pages.release_request(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """The request is done (or aborted): out of the queues, pages freed."""
+        """The request is done (or aborted)."""
         if req.status == Status.FINISHED:
             return
         if req.status == Status.RUNNING and reason != "abort" and not req.params.fixed_length:
@@ -356,13 +333,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self._free_pages(req)
-
-    def _free_pages(self, req: Request) -> None:
-        """Let go of the request's pages: cached ones stay (evictable), the others are freed."""
-        self.pages.release(req.pages)
-        req.pages = []
+        self.pages.release_request(req)
 
     def reset_prefix_cache(self) -> int:
-        """Evict every cached page nobody holds; how many were freed."""
         return self.pages.evict_all()

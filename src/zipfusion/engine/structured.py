@@ -1,12 +1,6 @@
-"""Structured output: a request's output kept inside a grammar (a JSON schema, a regular
-expression, a choice of strings, or a Lark / GBNF grammar), as vLLM's guided decoding.
-
-llguidance compiles the grammar into a matcher per request. Before each sampled token the
-matchers of the batch's guided rows fill a bitmask of the tokens that keep the output inside
-the grammar, on the CPU (llguidance's threads, behind the forward the device is running); the
-mask goes to the logits' device and sets every other token's logit to -inf there. The sampled
-token is then fed to the matcher (:meth:`GrammarCompiler.accept`); once the grammar is complete
-only an end-of-sequence token is allowed, and the request stops.
+"""Structured output (vLLM's guided decoding) through llguidance: a matcher per request fills a
+bitmask of allowed tokens on the CPU behind the forward, applied to the logits on their device;
+each sampled token is fed back, and a complete grammar allows only end-of-sequence.
 """
 
 from __future__ import annotations
@@ -17,16 +11,14 @@ import threading
 
 import torch
 
-# the JSON grammar's defaults: no whitespace between tokens (a small model given free whitespace
-# can emit it forever); a schema's "x-guidance" key overrides them
+# JSON defaults: no whitespace between tokens (a small model can emit it forever)
 JSON_DEFAULTS = {"whitespace_flexible": False}
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 INSTALL_HINT = "structured output needs llguidance: pip install llguidance (or the zipfusion 'server' extra)"
 
 
 def guide_of(params) -> tuple[str, str] | None:
-    """(kind, text) of a SamplingParams' grammar: ("json", schema JSON), ("regex", pattern),
-    ("choice", JSON list of strings), or None when it has none."""
+    """(kind, text) of a SamplingParams' grammar, or None."""
     if params.guided_json is not None:
         g = params.guided_json
         return "json", g if isinstance(g, str) else json.dumps(g, sort_keys=True)
@@ -64,8 +56,8 @@ def check_guided(params) -> None:
 
 
 class GrammarCompiler:
-    """One engine's grammars: its tokenizer as llguidance's (built on first use), compiled
-    grammars cached by their text, a matcher per request, the batch's bitmask."""
+    """One engine's grammars: the tokenizer as llguidance's, compiled grammars cached, a matcher
+    per request, the batch's bitmask."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, sorted(eos_token_ids)
@@ -92,8 +84,7 @@ class GrammarCompiler:
             return self._ll
 
     def _grammar(self, kind: str, text: str) -> str:
-        """The llguidance grammar of (kind, text), checked against the tokenizer (ValueError
-        naming the field when it is not a valid grammar)."""
+        """The llguidance grammar of (kind, text), checked (ValueError naming the field)."""
         llg = self._llguidance()
         field = f"guided_{kind}"
         try:
@@ -129,14 +120,12 @@ class GrammarCompiler:
 
     @staticmethod
     def accept(matcher, token: int) -> bool:
-        """Feed the sampled token; False when the grammar refused it (the row was masked, so a
-        refusal means the matcher is in error)."""
+        """Feed the sampled token; False when the grammar refused it (a matcher error)."""
         return matcher.consume_token(token)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
-    """A copy of ``logits`` [B, V] whose ``rows`` have -inf wherever ``mask`` (the CPU bitmask
-    of those rows) has a 0 bit; the mask is expanded on the logits' device."""
+    """A copy of ``logits`` with -inf wherever the rows' bitmask has a 0 bit."""
     dev, V = logits.device, logits.shape[1]
     m = mask.to(dev, non_blocking=True)
     bits = (m.unsqueeze(-1) >> torch.arange(32, device=dev, dtype=torch.int32)) & 1

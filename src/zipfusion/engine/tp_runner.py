@@ -1,19 +1,5 @@
-"""The model runner on every rank of a tensor-parallel engine (docs/distributed.md).
-
-Rank 0's :class:`TPRunner` wraps its ModelRunner: each call (build the runner, capture CUDA
-graphs, run a step) goes to the workers first (distributed/driver.py: ``TPDriver.send``), then
-runs here. Each worker runs :func:`serve` (started by distributed/worker.py): it builds its shard
-of the model and its own KV cache and runner, then follows rank 0's messages until told to exit.
-
-The step plan is what a worker needs to run the step rank 0 scheduled, and nothing more. Per
-decode row: the request id, ``num_computed``, the pages and tokens the worker has not seen yet.
-Per prefill chunk: the same plus ``start`` and ``length``. Rank 0 remembers how much of each
-request it has sent (:class:`PlanWriter`; a request's tokens only grow; its pages only grow
-until it is preempted or finished, when the runner's ``forget`` resets both sides). The worker
-keeps a shadow :class:`~zipfusion.engine.request.Request` per request (:class:`PlanReader`:
-tokens, pages, num_computed) and hands its own ModelRunner the same SchedulerOutput rank 0's
-runner gets. So the protocol does not depend on what ``LLMEngine.step`` returns, only on the
-runner's input.
+"""The model runner on every rank of a tensor-parallel engine (docs/distributed.md): rank 0 sends
+each call to the workers first, with only what they have not seen of the step.
 """
 
 from __future__ import annotations
@@ -46,7 +32,7 @@ class TPRunner:
     def _call(self, kind: str, fn, **payload):
         d = self._driver
         d.send(kind, **payload)
-        with d.guard():                      # a failure mid-step leaves the workers mid-collective: fatal
+        with d.guard():  # a failure mid-step leaves the workers mid-collective: fatal
             result = fn()
             d.comm.report()
         return result
@@ -66,13 +52,8 @@ class TPRunner:
 
 
 def serve(cfg, comm) -> None:
-    """A worker (rank > 0, ``comm``: its distributed.comm.Comm): build this rank's model and
-    cache, then follow rank 0 until it says exit.
-
-    Each message: replay rank 0's cache operations (``lockstep.apply_ops``), drop forgotten
-    requests, then ``runner`` (build the ModelRunner), ``capture`` (CUDA graphs, in step with rank
-    0's capture: their all-reduces are recorded in the graphs) or ``step`` (one forward over the
-    plan's shadow requests; the logits are rank 0's business), then report this rank's capacity."""
+    """A worker (rank > 0): build this rank's model and cache, then follow rank 0's messages
+    (replay its cache operations, build, capture, step) and report capacity, until told to exit."""
     dtype, device = parse_dtype(cfg.dtype), comm.device
     source = resolve_model(cfg.model, cfg.load_format, cfg.revision)
     mc = model_config(source)
@@ -80,7 +61,7 @@ def serve(cfg, comm) -> None:
         model = build_model(source, dtype=dtype, device=device, seed=cfg.seed, deterministic=cfg.deterministic,
                             weight_compression=cfg.weight_compression)
     saved = weight_sizes(model).saved_bytes
-    gb = comm.min_over_ranks(kv_memory_gb(cfg, device, saved))      # rank 0's agree_budget: the same collective
+    gb = comm.min_over_ranks(kv_memory_gb(cfg, device, saved))  # the same collective as rank 0's agree_budget
     cache = build_kv_cache(cfg, mc, dtype, device, gb, comm.world)
     runner, reader, left_open = None, PlanReader(), set()
     while True:
@@ -111,14 +92,14 @@ class PlanWriter:
     """Rank 0: SchedulerOutput -> compact plan."""
 
     def __init__(self):
-        self.sent: dict[int, list[int]] = {}          # request id -> [pages sent, tokens sent]
+        self.sent: dict[int, list[int]] = {}  # request id -> [pages sent, tokens sent]
 
     def forget(self, rid: int) -> None:
         self.sent.pop(rid, None)
 
     def _entry(self, r) -> tuple:
         s = self.sent.setdefault(r.request_id, [0, 0])
-        if len(r.pages) < s[0]:                        # pages shrank without a forget: resend all
+        if len(r.pages) < s[0]:  # pages shrank without a forget: resend all
             s[0] = 0
         pages_from, pages = s[0], list(r.pages[s[0]:])
         n = r.num_tokens
@@ -148,7 +129,7 @@ class PlanReader:
         r = self.shadows.get(rid)
         if r is None:
             r = self.shadows[rid] = Request(rid, [], _PARAMS)
-        r.prompt_ids.extend(tokens)                    # the shadow's tokens: prompt + outputs so far
+        r.prompt_ids.extend(tokens)
         del r.pages[pages_from:]
         r.pages.extend(pages)
         r.num_computed = num_computed

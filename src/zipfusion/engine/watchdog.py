@@ -1,15 +1,5 @@
-"""A stalled step ends the process with every thread's stack, instead of hanging for ever.
-
-A GPU kernel that never finishes (a bulk copy from a bad address, a barrier that is never
-reached) leaves the host waiting in ``cudaEventSynchronize`` with no error and no way back: the
-CUDA context cannot be recovered inside the process. A server would stop answering and say
-nothing. As SGLang's ``--watchdog-timeout``, a daemon thread looks at the step in progress
-about once a second; a step that has run longer than ``timeout_s`` gets a critical log line
-naming the step and its age, every thread's stack on stderr (where the host waits), and then
-the process exits with :data:`EXIT_CODE`, so a supervisor restarts it and the stacks say where
-to look.
-
-The engine's cost is two attribute writes a step (:meth:`Watchdog.begin`, :meth:`Watchdog.end`).
+"""A stalled step ends the process with every thread's stack instead of hanging (a kernel that never
+finishes cannot be recovered in-process), so a supervisor restarts it; as SGLang's watchdog.
 """
 
 from __future__ import annotations
@@ -34,18 +24,16 @@ class Watchdog:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self._step = 0
-        self._since: float | None = None              # the running step's start (time.monotonic)
+        self._since: float | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="zipfusion-watchdog", daemon=True)
         self._thread.start()
 
     def begin(self) -> None:
-        """A step starts."""
         self._step += 1
         self._since = time.monotonic()
 
     def end(self) -> None:
-        """The step ended (returned or raised)."""
         self._since = None
 
     def close(self) -> None:

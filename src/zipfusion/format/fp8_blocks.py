@@ -1,41 +1,5 @@
-"""Lossless block format for FP8 E4M3 KV pages: the torch reference codec.
-
-A page of E4M3 codes ``[2, 16, H, D]`` (uint8, :func:`zipfusion.format.fp8.quantize_e4m3`) is cut
-into the BF16 format's 512-value blocks (:func:`zipfusion.format.layout.to_blocks`: K channel-
-grouped, V token-grouped). A byte is ``s eeee mmm``; the sign and mantissa are kept as they are,
-as a 4-bit *nibble* ``n = s << 3 | m``, and the exponent field ``e`` (0..15) is coded in k bits
-against a base ``β``: ``d = e - β``. A code ``d`` in ``0 .. 2^k - 2`` is the value's exponent
-(the *window* ``[β, β + 2^k - 2]``); the all-ones code ``2^k - 1`` is an *escape*: the value's
-exponent is the next 4-bit entry of the block's escape stream (escapes in value order). Each
-block is stored in the smallest of these *modes* (metadata ``mode``):
-
-| mode | base | code | body bytes | window |
-| --- | --- | --- | --- | --- |
-| 0 raw   | -                                    | -      | 512                      | - |
-| 1 blk3  | one ``β`` per block (``β <= 9``)     | 3 bits | 256 + 128 + 64 = 448     | 7 exponents |
-| 2 blk2  | one ``β`` per block (``β <= 13``)    | 2 bits | 256 + 128 = 384          | 3 exponents |
-| 3 col2  | one ``β_c`` per column ``c = v & 31`` | 2 bits | 16 + 256 + 128 = 400     | 3 exponents |
-
-plus ``4·w`` bytes of escape stream, ``w = ceil(escapes / 8)`` (nibbles, zero-padded to a
-32-bit word). For a K block, column ``c`` is channel ``32j + c`` over the 16 tokens (K's scale
-is per channel); for V it is channel ``c mod 32`` of each token. A mode's base is the one with
-the fewest values outside its window (ties: the smallest ``β``), and ``β + d <= 15`` for every
-in-window code, so restoring never carries out of the exponent field. A block is raw unless a
-mode is strictly smaller than 512 bytes. A *design* is the set of modes an encoder may use
-(:data:`DESIGNS`); the format reads them all.
-
-Planes (kernel-friendly: fixed places, the 4 values ``4i + j`` (``j = 0..3``) of a 32-value
-group restore from byte ``j`` of 32-bit words, as format v1 pairs values ``j`` and ``j + 4``):
-a plane of ``b``-bit fields (b = 4, 2, 1) stores value ``v`` in byte ``4·(v // (4p)) + v % 4``,
-bits ``b·((v // 4) % p)``, ``p = 8 / b`` fields per byte (:func:`pack_fields`). blk3's code is a
-2-bit plane of ``d & 3`` and a 1-bit plane of ``d >> 2``. The restore of 4 values in a register:
-``byte = n + 15·(n & 0x08) + 8·(d + β)`` per byte lane (no carries between lanes once escape
-codes are zeroed; an escaped value's exponent is then ORed into bits 3..6).
-
-Page: for each (head, K/V) a record of a u32 byte offset of its first block and one u16 metadata
-word per block ``β | mode << 4 | w << 6``, zero-padded to 8 bytes; then the blocks' bodies in
-format order, each ``body + 4·w`` bytes; then zeros to a multiple of 16 bytes (``PAGE_ALIGN``:
-the arena copies pages in 16-byte rows).
+"""Lossless block format for FP8 E4M3 KV pages (docs/fp8_format.md), the torch reference codec: each
+block keeps sign and mantissa and codes exponents against a base in the smallest allowed mode.
 """
 
 from __future__ import annotations
@@ -62,8 +26,7 @@ def exponent_field(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_fields(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x`` [..., n] (each < 2^bits, n a multiple of 32/bits) -> plane [..., n·bits/8] uint8:
-    value ``v`` at byte ``4·(v // (4p)) + v % 4``, bits ``bits·((v // 4) % p)``, ``p = 8/bits``."""
+    """``x`` [..., n] of ``bits``-bit fields -> a plane [..., n·bits/8] uint8 (docs/fp8_format.md)."""
     p = 8 // bits
     x = x.to(torch.int64).unflatten(-1, (-1, p, 4))
     shift = (bits * torch.arange(p, device=x.device)).view(p, 1)
@@ -79,11 +42,11 @@ def unpack_fields(plane: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _best_window(e: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e [..., n] exponent fields -> (β, values outside [β, β + width - 1]) for the β in
-    ``0 .. 16 - width`` with the fewest outside (the smallest such β), each [...]."""
+    """e [..., n] exponent fields -> (β, values outside the window) for the β with the fewest
+    outside (the smallest such), each [...]."""
     hist = torch.zeros(*e.shape[:-1], 17, dtype=torch.int64, device=e.device)
     hist.scatter_add_(-1, e + 1, torch.ones_like(e))
-    below = torch.cumsum(hist, -1)                                   # below[x] = #{e < x}
+    below = torch.cumsum(hist, -1)
     b = torch.arange(0, 17 - width, device=e.device)
     outside = e.shape[-1] - (below[..., b + width] - below[..., b])
     n, beta = outside.min(-1)
@@ -105,8 +68,7 @@ def _escape_words(n: torch.Tensor) -> torch.Tensor:
 
 
 def choose_modes(codes: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
-    """E4M3 blocks [..., 512] (uint8) -> each block's u16 metadata word (int64 [...]):
-    ``β | mode << 4 | w << 6`` of the smallest allowed mode, raw (0) unless one is smaller."""
+    """E4M3 blocks [..., 512] -> each block's u16 metadata word of the smallest allowed mode."""
     modes = _design(design)
     e = exponent_field(codes).reshape(-1, BLOCK_VALUES)
     best_size = torch.full(e.shape[:1], BODY_BYTES[RAW], dtype=torch.int64, device=e.device)
@@ -123,7 +85,7 @@ def choose_modes(codes: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Ten
 
 
 def block_sizes(meta: torch.Tensor) -> torch.Tensor:
-    """Stored bytes of each block from its metadata word: ``BODY_BYTES[mode] + 4·w``."""
+    """Stored bytes of each block from its metadata word."""
     mode = (meta >> 4) & 3
     return torch.tensor(BODY_BYTES, device=meta.device)[mode] + 4 * (meta >> 6)
 
@@ -135,15 +97,13 @@ def _design(design: str) -> tuple[int, ...]:
 
 
 def encode_blocks(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """E4M3 blocks [N, 512] uint8 and their metadata [N] -> bodies [N, MAX_BODY] uint8 (block
-    ``i`` uses the first ``block_sizes(meta)[i]`` bytes, the rest is zero). Every mode's body is
-    built for every block and the block's own kept (no data-dependent shape: no host sync on a
-    GPU, where the seal runs behind a forward)."""
+    """E4M3 blocks [N, 512] and their metadata [N] -> bodies [N, MAX_BODY] uint8. Every mode is
+    built for every block and the block's own kept: no data-dependent shape, no host sync."""
     x = codes.to(torch.int64)
     e = (x >> 3) & 15
     nib = ((x >> 4) & 8) | (x & 7)
     mode_of = ((meta >> 4) & 3)[:, None]
-    out = torch.nn.functional.pad(x, (0, MAX_BODY - BLOCK_VALUES))                    # raw
+    out = torch.nn.functional.pad(x, (0, MAX_BODY - BLOCK_VALUES))
     for mode in (BLK3, BLK2, COL2):
         base, _ = _mode_plan(e, mode)
         k = CODE_BITS[mode]
@@ -159,18 +119,15 @@ def encode_blocks(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_escapes(e: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
-    """Escaped exponents in value order, two per byte (low nibble first), [N, 256] int64."""
-    order = torch.sort((~esc).to(torch.int8), dim=-1, stable=True).indices   # escaped first
+    """Escaped exponents in value order, two per byte (low nibble first)."""
+    order = torch.sort((~esc).to(torch.int8), dim=-1, stable=True).indices
     rank = torch.arange(BLOCK_VALUES, device=e.device)
     vals = torch.where(rank < esc.sum(-1, keepdim=True), e.gather(-1, order), 0)
     return vals[:, 0::2] | (vals[:, 1::2] << 4)
 
 
 def decode_blocks(bodies: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`encode_blocks`: bodies [N, ≥ size] uint8, metadata [N] -> E4M3 bytes
-    [N, 512] uint8. Per value: ``e = β + d``, or the next escape-stream nibble for ``d = 2^k - 1``;
-    byte ``= (n & 8) << 4 | e << 3 | (n & 7)``. Every mode decoded for every block, the block's own
-    kept (no host sync)."""
+    """Inverse of :func:`encode_blocks` (every mode decoded, the block's own kept: no host sync)."""
     b = torch.nn.functional.pad(bodies.to(torch.int64), (0, max(0, MAX_BODY - bodies.shape[1])))
     mode_of, beta = ((meta >> 4) & 3)[:, None], (meta & 15)[:, None]
     out = b[:, :BLOCK_VALUES]
@@ -195,9 +152,8 @@ def decode_blocks(bodies: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
 
 
 def check_meta(meta: torch.Tensor, bodies: torch.Tensor | None = None) -> None:
-    """Raise :class:`CorruptPageError` for metadata no encoder writes: bits 13..15 set, a raw or
-    col2 block with β != 0, β past its mode's limit (``β + 2^k - 2 > 15``), and, given the
-    bodies, an escape-stream length that does not match the escape codes."""
+    """Raise :class:`CorruptPageError` for metadata no encoder writes (and, given the bodies, an
+    escape-stream length that does not match the escape codes)."""
     mode, beta = (meta >> 4) & 3, meta & 15
     if bool((meta >> 13).any()) or bool((meta < 0).any()):
         raise CorruptPageError("FP8 block metadata has bits above bit 12 set")
@@ -212,7 +168,6 @@ def check_meta(meta: torch.Tensor, bodies: torch.Tensor | None = None) -> None:
 
 
 def _escape_counts(b: torch.Tensor, mode: torch.Tensor) -> torch.Tensor:
-    """Number of escape codes in each block's code planes (0 for raw)."""
     count = torch.zeros_like(mode)
     for m in (BLK3, BLK2, COL2):
         at = COLUMNS // 2 if m == COL2 else 0
@@ -223,9 +178,6 @@ def _escape_counts(b: torch.Tensor, mode: torch.Tensor) -> torch.Tensor:
     return count
 
 
-# --------------------------------------------------------------------------------------------
-# Pages
-# --------------------------------------------------------------------------------------------
 
 def _check_fp8_pages(pages: torch.Tensor) -> PageLayout:
     if not isinstance(pages, torch.Tensor):
@@ -239,12 +191,10 @@ def _check_fp8_pages(pages: torch.Tensor) -> PageLayout:
 
 
 def record_bytes(layout: PageLayout) -> int:
-    """Bytes per (head, K or V) record: a u32 offset + a u16 per block, padded to 8."""
     return 8 * -(-(4 + 2 * layout.blocks_per_head) // 8)
 
 
 def header_bytes(layout: PageLayout) -> int:
-    """The records of a page: one per (head, K or V)."""
     return 2 * layout.num_kv_heads * record_bytes(layout)
 
 
@@ -253,8 +203,7 @@ def _round_up(n):
 
 
 def _page_plan(meta: torch.Tensor, layout: PageLayout):
-    """Metadata words [P, NB] (format order) -> (block sizes [P, NB], block starts [P, NB]
-    from the page's first byte, page sizes [P]: records + bodies, padded to PAGE_ALIGN)."""
+    """Metadata words [P, NB] -> (block sizes, block starts, padded page sizes)."""
     sizes = block_sizes(meta)
     header = header_bytes(layout)
     starts = header + torch.cumsum(sizes, 1) - sizes
@@ -262,38 +211,34 @@ def _page_plan(meta: torch.Tensor, layout: PageLayout):
 
 
 def fp8_block_meta(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
-    """Metadata words [P, H, 2, nb] (int64) of E4M3 pages [P, 2, 16, H, D] under ``design``."""
     _check_fp8_pages(pages)
     return choose_modes(to_blocks(pages.contiguous().view(torch.uint8)), design)
 
 
 def fp8_page_sizes(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
-    """Encoded bytes of each E4M3 page [P, 2, 16, H, D], [P] int64 (padding included), without
-    encoding."""
+    """Encoded bytes of each E4M3 page, [P] int64, without encoding."""
     layout = _check_fp8_pages(pages)
     return _page_plan(fp8_block_meta(pages, design).flatten(1), layout)[2]
 
 
 def encode_fp8_pages(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 pages [P, 2, 16, H, D] (uint8 codes) -> (bytes [P, W] uint8, sizes [P] int64): page
-    ``p`` is the first ``sizes[p]`` bytes of row ``p`` (records, bodies, zero padding), the rest
-    of the row is zero. Batched, no host sync (the caller knows the sizes it copies)."""
+    """E4M3 pages [P, 2, 16, H, D] -> (bytes [P, W] uint8, sizes [P] int64), no host sync."""
     layout = _check_fp8_pages(pages)
     P, nb = pages.shape[0], layout.blocks_per_head
-    blocks = to_blocks(pages.contiguous().view(torch.uint8)).reshape(P, -1, BLOCK_VALUES)    # [P, NB, 512]
-    meta = choose_modes(blocks, design)                                                       # [P, NB]
+    blocks = to_blocks(pages.contiguous().view(torch.uint8)).reshape(P, -1, BLOCK_VALUES)
+    meta = choose_modes(blocks, design)
     sizes, starts, total = _page_plan(meta, layout)
-    first = starts.view(P, -1, nb)[..., 0]                                 # [P, 2H]: each record's offset
+    first = starts.view(P, -1, nb)[..., 0]
     m = meta.view(P, -1, nb)
     rec = torch.cat([torch.stack([(first >> (8 * i)) & 0xFF for i in range(4)], -1),
                      torch.stack([m & 0xFF, m >> 8], -1).flatten(-2),
                      first.new_zeros(*first.shape, record_bytes(layout) - 4 - 2 * nb)], -1)
     header = header_bytes(layout)
-    W = header + meta.shape[1] * MAX_BODY                                  # a page of every block's largest body
+    W = header + meta.shape[1] * MAX_BODY
     bodies = encode_blocks(blocks.reshape(-1, BLOCK_VALUES), meta.reshape(-1)).view(P, -1, MAX_BODY)
     j = torch.arange(MAX_BODY, device=pages.device)
     pos = torch.where(j < sizes[..., None], starts[..., None] + j, W)     # past a body: the dropped column W
-    out = torch.zeros(P, W + PAGE_ALIGN, dtype=torch.uint8, device=pages.device)   # rows stay 16-byte aligned
+    out = torch.zeros(P, W + PAGE_ALIGN, dtype=torch.uint8, device=pages.device)
     out[:, :header] = rec.flatten(1).to(torch.uint8)
     out.scatter_(1, pos.flatten(1), bodies.flatten(1))
     out[:, W] = 0
@@ -302,19 +247,17 @@ def encode_fp8_pages(pages: torch.Tensor, design: str = DEFAULT_DESIGN) -> tuple
 
 def decode_fp8_pages(buf: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor | None,
                      num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Encoded pages at byte ``offsets`` [P] of the 1-D uint8 ``buf`` -> E4M3 codes
-    [P, 2, 16, H, D] uint8, bit-exact. Given their ``sizes`` [P] (int64, on ``buf``'s device or
-    the host), every page is checked first: :class:`CorruptPageError` if its records do not
-    describe exactly that many bytes (padding zero) or hold metadata no encoder writes (host
-    syncs); ``sizes=None``: trusted bytes (this process's own), no check, no sync."""
+    """Encoded pages at byte ``offsets`` of ``buf`` -> E4M3 codes [P, 2, 16, H, D], bit-exact.
+    Given ``sizes``, every page is checked first (:class:`CorruptPageError`, host syncs);
+    ``sizes=None`` trusts the bytes."""
     layout = PageLayout(num_kv_heads, head_dim)
     R, nb, header = record_bytes(layout), layout.blocks_per_head, header_bytes(layout)
     off = offsets.to(buf.device, torch.int64)
     P, dev = off.numel(), buf.device
     last = buf.numel() - 1
     rec = buf[(off[:, None] + torch.arange(header, device=dev)).clamp(max=last)].to(torch.int64).view(P, -1, R)
-    first = rec[..., 0] | (rec[..., 1] << 8) | (rec[..., 2] << 16) | (rec[..., 3] << 24)    # [P, 2H]
-    meta = (rec[..., 4:4 + 2 * nb:2] | (rec[..., 5:4 + 2 * nb:2] << 8)).flatten(1)          # [P, NB]
+    first = rec[..., 0] | (rec[..., 1] << 8) | (rec[..., 2] << 16) | (rec[..., 3] << 24)
+    meta = (rec[..., 4:4 + 2 * nb:2] | (rec[..., 5:4 + 2 * nb:2] << 8)).flatten(1)
     if sizes is not None:
         check_meta(meta)
         if bool((rec[..., 4 + 2 * nb:] != 0).any()):
@@ -339,8 +282,7 @@ def decode_fp8_pages(buf: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tens
 
 
 def encode_fp8_page(page: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.Tensor:
-    """One E4M3 page [2, 16, H, D] (uint8 codes) -> a 1-D uint8 tensor (records, bodies, zero
-    padding to a multiple of PAGE_ALIGN)."""
+    """One E4M3 page [2, 16, H, D] -> a 1-D uint8 tensor."""
     if not isinstance(page, torch.Tensor) or page.dim() != 4:
         raise ValueError("expected one page of shape [2, 16, num_kv_heads, head_dim], got "
                          f"{list(page.shape) if isinstance(page, torch.Tensor) else type(page).__name__}")
@@ -349,8 +291,8 @@ def encode_fp8_page(page: torch.Tensor, design: str = DEFAULT_DESIGN) -> torch.T
 
 
 def decode_fp8_page(buf: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """A 1-D uint8 page from :func:`encode_fp8_page` -> E4M3 codes [2, 16, H, D] uint8, bit-exact.
-    Raises :class:`CorruptPageError` if the records do not describe exactly ``buf``."""
+    """Inverse of :func:`encode_fp8_page`; :class:`CorruptPageError` if the records do not
+    describe exactly ``buf``."""
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
         raise TypeError("an encoded FP8 page is a 1-D torch.uint8 tensor")
     if buf.numel() < header_bytes(PageLayout(num_kv_heads, head_dim)):

@@ -1,8 +1,5 @@
-"""Reference codec in plain torch (CPU or CUDA): the definition the kernels are checked against.
-
-The steps follow docs/format.md: split a page into blocks, pick each block's base, pack low
-bytes and 4-bit codes, lay the blocks out behind the metadata. All arithmetic is on integers,
-so decoding gives back every bit pattern exactly.
+"""Reference codec in plain torch (CPU or CUDA): the definition (docs/format.md) the kernels are
+checked against. All arithmetic is on integers, so decoding gives back every bit exactly.
 """
 
 from __future__ import annotations
@@ -18,9 +15,6 @@ class CorruptPageError(ValueError):
     """A compressed page whose metadata does not describe a valid page."""
 
 
-# --------------------------------------------------------------------------------------------
-# Blocks
-# --------------------------------------------------------------------------------------------
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """bf16 tensor -> its 16-bit patterns as int32 in 0..65535."""
@@ -28,23 +22,17 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_base_half(bits: torch.Tensor) -> torch.Tensor:
-    """bits [..., 512] (int32) -> each block's metadata byte (int32): ``b/2`` (compressed, v1
-    form), ``0x80 | b/2`` (compressed with 1..4 escapes, v2) or ``RAW_MARK`` (docs/format.md
-    section 2: the choice of b).
-
-    Straight from the definition: n(b), the values outside [b, b+15], for every even b from an
-    exponent histogram; no escapes needed -> b = min(e) & ~1 (as in v1); else the largest even
-    b <= 252 with the fewest outliers, if they are at most MAX_ESCAPES; else raw.
-    """
+    """bits [..., 512] -> each block's metadata byte: ``b/2`` (no escapes), ``0x80 | b/2``
+    (1..MAX_ESCAPES escapes) or ``RAW_MARK``, straight from docs/format.md section 2's rule."""
     e = (bits >> 7) & 0xFF
     hist = torch.zeros(*e.shape[:-1], 257, dtype=torch.int32, device=e.device)
     hist.scatter_add_(-1, e + 1, torch.ones_like(e))
-    below = torch.cumsum(hist, -1)                                     # below[x] = #{e < x}
+    below = torch.cumsum(hist, -1)
     b = torch.arange(0, 256, 2, device=e.device)
-    n = e.shape[-1] - (below[..., (b + 16).clamp(max=256)] - below[..., b])   # [..., 128]
+    n = e.shape[-1] - (below[..., (b + 16).clamp(max=256)] - below[..., b])
     v1 = e.amin(-1) & ~1
     fits = n.gather(-1, (v1 >> 1)[..., None])[..., 0] == 0
-    last = n[..., :127].flip(-1)                     # b/2 = 126 .. 0: argmin takes the largest b
+    last = n[..., :127].flip(-1)  # b/2 = 126 .. 0: argmin takes the largest b
     bh = 126 - last.argmin(-1)
     n_esc = last.amin(-1)
     meta = torch.where(n_esc <= MAX_ESCAPES, ESCAPE_FLAG | bh, torch.full_like(bh, RAW_MARK))
@@ -52,27 +40,24 @@ def block_base_half(bits: torch.Tensor) -> torch.Tensor:
 
 
 def block_base_half_v1(bits: torch.Tensor) -> torch.Tensor:
-    """The v1 rule (no escapes): b/2 if max(e) <= (min(e) & ~1) + 15, else RAW_MARK. v1 pages
-    are valid v2 pages; the encoder writes them with ``version=1`` (comparisons, tests)."""
+    """The v1 rule (no escapes): b/2 if max(e) <= (min(e) & ~1) + 15, else RAW_MARK."""
     e = (bits >> 7) & 0xFF
     b = e.amin(-1) & ~1
     return torch.where(e.amax(-1) <= b + 15, b >> 1, torch.full_like(b, RAW_MARK)).to(torch.int32)
 
 
 def _escape_records(bits: torch.Tensor, bh: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
-    """The 16-byte escape chunk of each block, [..., 16] int32 bytes: the first MAX_ESCAPES
-    escaped values in index order, record = v | ((e >> 1) ^ b/2) << 9 (u16), zero records after."""
+    """Each block's 16-byte escape chunk: records v | ((e >> 1) ^ b/2) << 9, zeros after."""
     v = torch.arange(bits.shape[-1], device=bits.device)
     pos = torch.where(esc, v, bits.shape[-1]).topk(MAX_ESCAPES, -1, largest=False).values
     hi7 = ((bits >> 8) & 0x7F).gather(-1, pos.clamp(max=bits.shape[-1] - 1))
     rec = torch.where(pos < bits.shape[-1], pos | ((hi7 ^ bh[..., None]) << 9), 0)
-    chunk = torch.stack([rec & 0xFF, rec >> 8], -1).flatten(-2)                   # [..., 8]
+    chunk = torch.stack([rec & 0xFF, rec >> 8], -1).flatten(-2)
     return torch.nn.functional.pad(chunk, (0, ESCAPE_CHUNK_BYTES - 2 * MAX_ESCAPES))
 
 
 def encode_blocks(bits: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor:
-    """Block bodies, [..., 1024] uint8; a compressed block uses the first 768 bytes (784 with
-    escapes: the escaped values' codes hold d = 0, their records follow the codes)."""
+    """Block bodies [..., 1024] uint8 (a compressed block uses the first 768, or 784, bytes)."""
     lo = bits & 0xFF
     s = bits >> 15
     bh = base_half & 0x7F
@@ -85,24 +70,20 @@ def encode_blocks(bits: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor:
     codes = (s[..., :4] << 7) | (s[..., 4:] << 6) | (d[..., 4:] << 3) | d[..., :4]
     compressed = torch.cat([lo, codes.flatten(-2), chunk], dim=-1).to(torch.uint8)
     compressed = torch.nn.functional.pad(compressed, (0, RAW_BLOCK_BYTES - ESCAPED_BLOCK_BYTES))
-    raw = bits.to(torch.int16).contiguous().view(torch.uint8)   # little-endian words
+    raw = bits.to(torch.int16).contiguous().view(torch.uint8)
     is_raw = (base_half == RAW_MARK)[..., None]
     return torch.where(is_raw, raw, compressed)
 
 
 def decode_blocks(bodies: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`encode_blocks`: bodies [..., 1024] uint8 -> bits [..., 512] int32.
-
-    The torch form of the restore (docs/format.md section 2): four high bytes per group from
-    the codes and b/2, then each escape record XORs its 7 bits into its value's high byte
-    (zero records, and blocks without escapes, change nothing)."""
+    """Inverse of :func:`encode_blocks`: bodies [..., 1024] uint8 -> bits [..., 512] int32."""
     b = bodies.to(torch.int32)
     raw = b[..., 0::2] | (b[..., 1::2] << 8)
     lo = b[..., :BLOCK_VALUES]
     codes = b[..., BLOCK_VALUES:COMPRESSED_BLOCK_BYTES].unflatten(-1, (-1, 4))
     half = (base_half & 0x7F)[..., None, None]
-    hi_first = (codes & 0x87) + half                                  # values 0..3 of a group
-    hi_last = (((codes << 1) & 0x80) | ((codes >> 3) & 0x07)) + half  # values 4..7
+    hi_first = (codes & 0x87) + half
+    hi_last = (((codes << 1) & 0x80) | ((codes >> 3) & 0x07)) + half
     hi = torch.cat([hi_first, hi_last], dim=-1).flatten(-2)
     escaped = ((base_half & ESCAPE_FLAG) != 0) & (base_half != RAW_MARK)
     rec = b[..., COMPRESSED_BLOCK_BYTES:ESCAPED_BLOCK_BYTES:2] \
@@ -115,9 +96,6 @@ def decode_blocks(bodies: torch.Tensor, base_half: torch.Tensor) -> torch.Tensor
     return torch.where((base_half == RAW_MARK)[..., None], raw, compressed)
 
 
-# --------------------------------------------------------------------------------------------
-# Pages
-# --------------------------------------------------------------------------------------------
 
 def _check_pages(pages: torch.Tensor) -> PageLayout:
     if not isinstance(pages, torch.Tensor):
@@ -140,29 +118,27 @@ def _rule(version: int):
 
 
 def analyze_pages(pages: torch.Tensor, version: int = 2) -> torch.Tensor:
-    """Per-block metadata byte (b/2, 0x80 | b/2 or RAW_MARK), [P, H, 2, nb] int32.
-    ``version=1``: the seed format's rule (no escapes)."""
+    """Per-block metadata bytes [P, H, 2, nb] (``version=1``: the no-escape rule)."""
     _check_pages(pages)
     return _rule(version)(_bits(to_blocks(pages)))
 
 
 def page_sizes(pages: torch.Tensor, version: int = 2) -> torch.Tensor:
-    """Encoded size in bytes of each page, [P] int64, without encoding."""
+    """Encoded size of each page, [P] int64, without encoding."""
     layout = _check_pages(pages)
     meta = analyze_pages(pages, version)
     return layout.header_bytes + block_bytes(meta).flatten(1).sum(1).to(torch.int64)
 
 
 def _block_starts(base_half: torch.Tensor, layout: PageLayout) -> torch.Tensor:
-    """Byte offset of every block from its page's start, [P, NB] int64 (format order)."""
+    """Byte offset of every block from its page's start, [P, NB] int64."""
     sizes = block_bytes(base_half.flatten(1)).to(torch.int64)
     return layout.header_bytes + torch.cumsum(sizes, 1) - sizes
 
 
 def _headers(base_half: torch.Tensor, starts: torch.Tensor, layout: PageLayout) -> torch.Tensor:
-    """Metadata bytes [P, header_bytes] uint8."""
     P, H, _, nb = base_half.shape
-    first = starts.view(P, H, 2, nb)[..., 0]                               # [P, H, 2]
+    first = starts.view(P, H, 2, nb)[..., 0]
     offset_bytes = torch.stack([(first >> (8 * i)) & 0xFF for i in range(4)], -1)
     pad = layout.record_bytes - 4 - nb
     records = torch.cat([offset_bytes, base_half.to(torch.int64),
@@ -172,12 +148,8 @@ def _headers(base_half: torch.Tensor, starts: torch.Tensor, layout: PageLayout) 
 
 def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch.Tensor,
                       version: int = 2) -> torch.Tensor:
-    """Encode pages [P, 2, 16, H, D] into the uint8 buffer ``out`` at byte offsets ``dst_offsets``.
-
-    Returns each page's encoded size ([P] int64). ``out`` must have room: use
-    :func:`page_sizes` to size the destinations first. ``version=1`` writes the seed format
-    (no escapes), which every decoder reads too.
-    """
+    """Encode pages [P, 2, 16, H, D] into ``out`` at ``dst_offsets``; returns their sizes
+    (size the destinations with :func:`page_sizes` first)."""
     layout = _check_pages(pages)
     bits = _bits(to_blocks(pages))
     base_half = _rule(version)(bits)
@@ -192,14 +164,14 @@ def encode_pages_into(pages: torch.Tensor, out: torch.Tensor, dst_offsets: torch
     hdr_idx = dst + torch.arange(layout.header_bytes, device=out.device)
     out[hdr_idx.flatten()] = _headers(base_half, starts, layout).flatten().to(out.device)
     pos = torch.arange(RAW_BLOCK_BYTES, device=pages.device)
-    keep = pos < sizes[..., None]                                          # [P, NB, 1024]
+    keep = pos < sizes[..., None]
     idx = dst.to(pages.device)[..., None] + starts[..., None] + pos
     out[idx[keep].to(out.device)] = bodies.flatten(1, 3)[keep].to(out.device)
     return total
 
 
 def encode_page(kv: torch.Tensor) -> torch.Tensor:
-    """One page [2, 16, H, D] bf16 -> 1-D uint8 tensor (metadata + blocks), same device."""
+    """One page [2, 16, H, D] bf16 -> 1-D uint8 tensor."""
     if isinstance(kv, torch.Tensor) and (kv.dim() != 4 or kv.shape[:2] != (2, PAGE_TOKENS)):
         raise ValueError("expected one page of shape [2, 16, num_kv_heads, head_dim] (K then V, "
                          f"16 tokens), got {list(kv.shape)}")
@@ -211,11 +183,8 @@ def encode_page(kv: torch.Tensor) -> torch.Tensor:
 
 
 def read_headers(buf: torch.Tensor, offsets: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Parse and check the metadata of pages at ``offsets`` in ``buf``.
-
-    Returns (base_half [P, H, 2, nb] int32, block starts [P, NB] int64). Raises CorruptPageError
-    when a record is malformed or a page would extend past the buffer.
-    """
+    """Parse and check the metadata of pages at ``offsets`` -> (base_half, block starts);
+    CorruptPageError when a record is malformed or a page would pass the buffer's end."""
     P = offsets.numel()
     H, nb, M = layout.num_kv_heads, layout.blocks_per_head, layout.record_bytes
     offsets = offsets.to(device=buf.device, dtype=torch.int64).view(P, 1)
@@ -223,7 +192,7 @@ def read_headers(buf: torch.Tensor, offsets: torch.Tensor, layout: PageLayout) -
         raise CorruptPageError("page location outside the buffer")
     hdr = buf[offsets + torch.arange(layout.header_bytes, device=buf.device)].to(torch.int64)
     rec = hdr.view(P, H, 2, M)
-    base_half = rec[..., 4:4 + nb]       # every byte is valid: b/2, 0x80 | b/2 or 0xFF
+    base_half = rec[..., 4:4 + nb]
     if bool((rec[..., 4 + nb:] != 0).any()):
         raise CorruptPageError("metadata padding bytes are not zero")
     first = rec[..., 0] | (rec[..., 1] << 8) | (rec[..., 2] << 16) | (rec[..., 3] << 24)
@@ -235,10 +204,8 @@ def read_headers(buf: torch.Tensor, offsets: torch.Tensor, layout: PageLayout) -
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int, head_dim: int,
                  sizes: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode the pages at byte ``offsets`` of ``buf`` -> [P, 2, 16, H, D] bf16 on buf's device.
-
-    If ``sizes`` is given, each page must end exactly there (CorruptPageError otherwise).
-    """
+    """Decode the pages at ``offsets`` of ``buf`` -> [P, 2, 16, H, D] bf16; given ``sizes``, each
+    page must end exactly there (CorruptPageError)."""
     layout = PageLayout(num_kv_heads, head_dim)
     _check_buffer(buf)
     base_half, starts = read_headers(buf, offsets, layout)
@@ -258,7 +225,7 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int, he
 
 
 def decode_page(buf: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """1-D uint8 page -> [2, 16, H, D] bf16, bitwise equal to what was encoded."""
+    """Inverse of :func:`encode_page`."""
     _check_buffer(buf)
     offsets = torch.zeros(1, dtype=torch.int64, device=buf.device)
     sizes = torch.full((1,), buf.numel(), dtype=torch.int64)

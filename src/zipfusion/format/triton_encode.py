@@ -1,8 +1,6 @@
-"""Bit work of the Triton codec's encoder (``triton_codec.py``): the block rule with escapes
-(``tile_bases``), the code bytes (``code16``), format v2's escape records (``clean``,
-``escape_words``), and the reductions the codec's kernels use. Every function works on a tile
-``[NB, 64, 4]`` of 32-bit words (``NB`` blocks x 64 groups x 4 words of two BF16 values) or on
-per-block vectors ``[NB]``; docs/format.md section 2 has the rules.
+"""Bit work of the Triton codec's encoder: the block rule with escapes (``tile_bases``), the code
+bytes (``code16``), format v2's escape records and the codec kernels' reductions, on tiles
+[NB, 64, 4] of 32-bit words (docs/format.md section 2).
 """
 
 from __future__ import annotations
@@ -26,15 +24,9 @@ def _interpreting() -> bool:
     return not isinstance(tile_bases, triton.runtime.jit.JITFunction)
 
 
-# --------------------------------------------------------------------------------------------
-# Reductions (also used by the codec's kernels)
-# --------------------------------------------------------------------------------------------
-
-# Reductions: tl.reduce with triton.language's own combine functions, passed explicitly. The
-# Triton interpreter recognises these objects and reduces with numpy (fast); tl.sum/tl.min/
-# tl.max would not run under the interpreter copy of this module (see triton_codec._kernel) when Triton was
-# imported without TRITON_INTERPRET=1, and our own combine functions would be reduced element
-# by element in Python (slow). On the GPU this is exactly what tl.sum/tl.min/tl.max compile to.
+# Reductions with triton.language's own combine functions passed explicitly: the interpreter
+# reduces them with numpy (an interpreted copy cannot call tl.sum), and on the GPU they compile
+# to what tl.sum/tl.min/tl.max do.
 
 @triton.jit
 def sum_(x, axis: tl.constexpr):
@@ -51,13 +43,10 @@ def maxr(x, axis: tl.constexpr):
     return tl.reduce(x, axis, tl.standard._elementwise_max)
 
 
-# --------------------------------------------------------------------------------------------
-# Analyze: per-block metadata byte and size
-# --------------------------------------------------------------------------------------------
 
 @triton.jit
 def _outside(e_lo, e_hi, b):
-    """n(b): values of each block outside its window [b, b+15], [NB] int32, for bases b [NB]."""
+    """n(b): values of each block outside its window [b, b+15], [NB] int32."""
     bb = b[:, None, None]
     out = ((e_lo < bb) | (e_lo > bb + 15)).to(tl.int32) + ((e_hi < bb) | (e_hi > bb + 15)).to(tl.int32)
     return sum_(sum_(out, axis=2), axis=1)
@@ -73,24 +62,18 @@ def _min_above(e_lo, e_hi, u):
 
 @triton.jit
 def tile_bases(w):
-    """Tile [NB, 64, 4] of words -> per-block metadata byte [NB] and the tile's encoded bytes.
-
-    Exponents of each half of a word: e = (w >> 7) & 0xFF and (w >> 23) & 0xFF.
-    v1 form: b1 = min(e) & ~1 and n(b1) = 0 -> b1/2, 768 bytes. Else (format v2) the largest
-    even b <= 252 with the fewest values outside [b, b+15], which is one of the candidates
-    min(u_i, 252) & ~1 for the five smallest distinct exponents u_0 < .. < u_4 (docs/format.md
-    section 2): <= 4 outside -> 0x80 | b/2, 784 bytes; else raw, 0xFF, 1024 bytes.
-    """
+    """Tile [NB, 64, 4] of words -> per-block metadata byte [NB] and the tile's encoded bytes;
+    the v2 base is one of min(u_i, 252) & ~1 for the five smallest distinct exponents u_i."""
     u = w.to(tl.uint32, bitcast=True)
     e_lo = ((u >> 7) & 0xFF).to(tl.int32)
     e_hi = ((u >> 23) & 0xFF).to(tl.int32)
-    ui = minr(minr(tl.minimum(e_lo, e_hi), axis=2), axis=1)           # u_0, [NB]
+    ui = minr(minr(tl.minimum(e_lo, e_hi), axis=2), axis=1)  # u_0
     b1 = ui & 0xFE
     fits = _outside(e_lo, e_hi, b1) == 0
     best_b = tl.minimum(ui, 252) & 0xFE
     best_n = _outside(e_lo, e_hi, best_b)
     for i in tl.static_range(MAX_ESC_C):
-        ui = _min_above(e_lo, e_hi, ui)                                   # u_1 .. u_4
+        ui = _min_above(e_lo, e_hi, ui)  # u_1 .. u_4
         c = tl.minimum(ui, 252) & 0xFE
         n = _outside(e_lo, e_hi, c)
         better = (n < best_n) | ((n == best_n) & (c > best_b))
@@ -102,25 +85,17 @@ def tile_bases(w):
     return meta, sum_(size, axis=0)
 
 
-# --------------------------------------------------------------------------------------------
-# Compress: code bytes and escape records
-# --------------------------------------------------------------------------------------------
 
 @triton.jit
 def lo16(w):
-    """Low bytes of the two values of a word, packed into 16 bits: lo(v0) | lo(v1) << 8."""
+    """Low bytes of a word's two values packed into 16 bits."""
     return (w & 0xFF) | ((w >> 8) & 0xFF00)
 
 
 @triton.jit
 def code16(wa, wb, bh):
-    """Code bytes of the value pairs (wa: values j, j+1; wb: values j+4, j+5) -> 16 bits.
-
-    Lane-wise on the 16-bit halves: hi = high byte, d = (hi & 0x7F) − b/2 in 0..7, s = hi >> 7;
-    code = s[j] << 7 | s[j+4] << 6 | d[j+4] << 3 | d[j], then the two lanes' bytes packed.
-    The subtraction cannot borrow across lanes because (hi & 0x7F) >= b/2 in every lane of a
-    compressible block (raw blocks' codes are never stored).
-    """
+    """Code bytes of the value pairs (wa: values j, j+1; wb: values j+4, j+5) -> 16 bits,
+    lane-wise on the 16-bit halves (no borrow across lanes in a compressible block)."""
     bh2 = bh * 0x00010001
     ha = (wa >> 8) & 0x00FF00FF
     hb = (wb >> 8) & 0x00FF00FF
@@ -132,9 +107,7 @@ def code16(wa, wb, bh):
 
 @triton.jit
 def clean(w, bh):
-    """Word w (two values) with d = 0 for the values outside the window [b, b+15] (format v2
-    escapes): their high byte's 7 low bits, e >> 1, replaced by b/2. Inside the window
-    (e >> 1) - b/2 is 0..7; outside it is negative (wraps, unsigned) or above 7."""
+    """Word w with d = 0 for values outside the window (their 7 exponent bits set to b/2)."""
     esc_lo = (((w >> 8) & 0x7F) - bh) > 7
     esc_hi = (((w >> 24) & 0x7F) - bh) > 7
     w = tl.where(esc_lo, (w & 0xFFFF80FF) | (bh << 8), w)
@@ -143,14 +116,10 @@ def clean(w, bh):
 
 @triton.jit
 def escape_words(u, bh, g, k):
-    """The escape chunk's first two words per block, [NB] each: records r_0..r_3 (u16, index
-    order) of the values outside the window, r = v | ((e >> 1) ^ b/2) << 9, zero after the last.
-
-    Each value outside gets a key v << 7 | ((e >> 1) ^ b/2) (v: 9 bits, so keys order by v);
-    record i is the i-th smallest key (4 min-reductions, each above the previous key).
-    """
+    """The escape chunk's first two words per block: records r = v | ((e >> 1) ^ b/2) << 9 of
+    the values outside the window, in index order (4 min-reductions over keys)."""
     bh3 = bh[:, None, None].to(tl.int32)
-    v = 8 * g + 2 * k                                                   # value of the low half
+    v = 8 * g + 2 * k
     e7_lo = ((u >> 8) & 0x7F).to(tl.int32)
     e7_hi = ((u >> 24) & 0x7F).to(tl.int32)
     BIG: tl.constexpr = 1 << 16

@@ -1,16 +1,5 @@
-"""The lossless BF16 weight format (docs/format.md, "Weights"): the torch reference.
-
-A weight ``W [N, K]`` (``y = x Wᵀ``, K the reduction dimension) is cut, row by row, into blocks of
-:data:`WEIGHT_BLOCK` values along K. Each value keeps its low byte (7 fraction bits and the
-exponent's lowest bit) and a 4-bit code, sign ``s`` and ``d = (e - b) >> 1``, where ``b`` is its
-block's even base exponent: ``d`` in 1..7 covers exponents ``b+2 .. b+15``, and ``d = 0`` restores
-±0. A nonzero value outside that window is an *escape*: it is stored as +0 in the planes and its
-bits are kept in a sorted escape list, so every block is stored compressed (12 bits a value).
-
-The planes are laid out for a GEMM tile: row-major along K, groups of 8 values owning 4 code bytes
-packed as the KV format's (value ``j`` and ``j+4`` of a group share code byte ``j``), so a kernel
-restores 4 high bytes with one 32-bit add. The kernels read the same planes
-(:mod:`zipfusion.kernels.weight_linear`); this module defines the bits.
+"""The lossless BF16 weight format (docs/format.md, "Weights"): the torch reference defining the bits
+the weight kernels read.
 """
 
 from __future__ import annotations
@@ -21,21 +10,16 @@ import torch
 
 WEIGHT_BLOCK = 128        # values along K that share one base byte
 GROUP = 8                 # values whose codes share one 32-bit word
-ESC_ROWS = 16             # escapes are indexed by groups of this many rows
+ESC_ROWS = 16
 MAX_BASE_HALF = 120       # b/2 + 7 <= 127: restoring never carries into the sign bit
 FORMAT_VERSION = 1
-ROW_CHUNK_VALUES = 1 << 24   # the encoder's working set: rows are encoded this many values at a time
+ROW_CHUNK_VALUES = 1 << 24  # encoded this many values at a time
 
 
 @dataclass
 class CompressedWeight:
-    """A BF16 matrix ``[N, K]`` in the weight format (every tensor on one device).
-
-    ``lo [N, Kp]`` uint8 low bytes, ``codes [N, Kp/2]`` uint8, ``base [N, Kp/WEIGHT_BLOCK]`` uint8
-    (b/2 per block), escapes sorted by (row, column): ``esc_row``/``esc_col`` int32 and
-    ``esc_val`` int16 (the value's bits), ``esc_ptr [ceil(N/ESC_ROWS) + 1]`` int32 (escapes of rows
-    ``ESC_ROWS·r ..`` are ``esc_ptr[r] .. esc_ptr[r+1]``). ``Kp`` is K rounded up to WEIGHT_BLOCK
-    (padding is +0)."""
+    """A BF16 matrix ``[N, K]`` in the weight format: ``lo``, ``codes`` and ``base`` planes and
+    escapes sorted by (row, column), indexed by groups of ESC_ROWS rows (``esc_ptr``)."""
 
     shape: tuple[int, int]
     lo: torch.Tensor
@@ -86,12 +70,11 @@ def _bits(w: torch.Tensor) -> torch.Tensor:
 
 
 def choose_base_half(e: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
-    """Exponents ``e [..., WEIGHT_BLOCK]`` (int32) and which values are nonzero -> each block's
-    b/2 (int32): the even b <= 2·MAX_BASE_HALF whose window ``[b+2, b+15]`` leaves the fewest
-    nonzero values out; the largest such b among equals."""
+    """Exponents ``e [..., WEIGHT_BLOCK]`` and nonzero mask -> each block's b/2: the even b whose
+    window leaves the fewest nonzero values out (the largest among equals)."""
     hist = torch.zeros(*e.shape[:-1], 257, dtype=torch.int32, device=e.device)
     hist.scatter_add_(-1, e + 1, nonzero.to(torch.int32))
-    below = torch.cumsum(hist, -1)                                   # below[x] = #{nonzero, e < x}
+    below = torch.cumsum(hist, -1)
     b = torch.arange(0, 2 * MAX_BASE_HALF + 1, 2, device=e.device)
     inside = below[..., b + 16] - below[..., b + 2]
     return (MAX_BASE_HALF - inside.flip(-1).argmax(-1)).to(torch.int32)
@@ -109,8 +92,8 @@ def _encode_rows(bits: torch.Tensor):
     d = torch.where(inside, (e - b) >> 1, 0)
     s = torch.where(escape, 0, s)
     lo = torch.where(inside, lo, 0)
-    g = torch.stack([s, d], -1).view(n, kp // GROUP, 2, 4, 2)        # [n, group, half, j, (s, d)]
-    first, second = g[:, :, 0], g[:, :, 1]                          # values j and j+4
+    g = torch.stack([s, d], -1).view(n, kp // GROUP, 2, 4, 2)
+    first, second = g[:, :, 0], g[:, :, 1]  # values j and j+4
     codes = (first[..., 0] << 7) | (second[..., 0] << 6) | (second[..., 1] << 3) | first[..., 1]
     return (lo.to(torch.uint8), codes.reshape(n, kp // 2).to(torch.uint8), bh.to(torch.uint8), escape)
 
@@ -144,9 +127,8 @@ def compress_weight(w: torch.Tensor) -> CompressedWeight:
 
 def restore_words(code_word: torch.Tensor, lo_0123: torch.Tensor, lo_4567: torch.Tensor,
                   base_half: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One group of 8 values from its three 32-bit words (int64 tensors holding uint32), the
-    arithmetic every kernel does: -> four words of two BF16 values each, values (0, 2), (1, 3),
-    (4, 6), (5, 7) in their low and high halves. ``d = 0`` gives ±0 (no base is added)."""
+    """One group's three words -> its four words of two BF16 values: the arithmetic every kernel
+    does (``d = 0`` gives ±0)."""
     w = code_word
     t = w & 0x07070707
     hi_0123 = (w & 0x87878787) + ((((t + 0x7F7F7F7F) >> 7) & 0x01010101) * base_half)
@@ -154,8 +136,8 @@ def restore_words(code_word: torch.Tensor, lo_0123: torch.Tensor, lo_4567: torch
     hi_4567 = ((w << 1) & 0x80808080) + u + ((((u + 0x7F7F7F7F) >> 7) & 0x01010101) * base_half)
     out = []
     for lo, hi in ((lo_0123, hi_0123), (lo_4567, hi_4567)):
-        out.append((lo & 0x00FF00FF) | ((hi & 0x00FF00FF) << 8))          # values 0 and 2 of the four
-        out.append(((lo >> 8) & 0x00FF00FF) | (hi & 0xFF00FF00))          # values 1 and 3
+        out.append((lo & 0x00FF00FF) | ((hi & 0x00FF00FF) << 8))
+        out.append(((lo >> 8) & 0x00FF00FF) | (hi & 0xFF00FF00))
     return tuple(out)
 
 
@@ -168,13 +150,12 @@ def restore_rows(cw: CompressedWeight, rows: torch.Tensor | None = None) -> torc
 
 
 def _restore(cw: CompressedWeight, idx: torch.Tensor) -> torch.Tensor:
-    """Distinct rows ``idx`` of ``cw``."""
     n, kp = idx.numel(), cw.padded_k
     lo = cw.lo[idx].view(n, kp // GROUP, 2, 4).to(torch.int64)
     shifts = torch.tensor([0, 8, 16, 24], device=cw.device)
-    lo_words = (lo << shifts).sum(-1)                                        # [n, G, 2]
+    lo_words = (lo << shifts).sum(-1)
     code = cw.codes[idx].view(n, kp // GROUP, 4).to(torch.int64)
-    code_word = (code << shifts).sum(-1)                                     # [n, G]
+    code_word = (code << shifts).sum(-1)
     bh = cw.base[idx].to(torch.int64).repeat_interleave(WEIGHT_BLOCK // GROUP, dim=1)
     p02, p13, p46, p57 = restore_words(code_word, lo_words[..., 0], lo_words[..., 1], bh)
     half = lambda p, k: (p >> (16 * k)) & 0xFFFF                            # noqa: E731
@@ -192,7 +173,7 @@ def _restore(cw: CompressedWeight, idx: torch.Tensor) -> torch.Tensor:
 
 
 def restore_weight(cw: CompressedWeight) -> torch.Tensor:
-    """The whole BF16 ``[N, K]`` matrix, bit for bit (torch reference), row chunks at a time."""
+    """The whole BF16 ``[N, K]`` matrix, bit for bit, row chunks at a time."""
     N, kp = cw.shape[0], cw.padded_k
     rows = max(1, ROW_CHUNK_VALUES // (8 * kp))
     out = torch.empty(cw.shape, dtype=torch.bfloat16, device=cw.device)

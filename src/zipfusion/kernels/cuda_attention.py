@@ -1,17 +1,5 @@
-"""The CUDA C++ decode-attention kernel (``cuda/decode_attention.cu``): build once, call.
-
-The kernel is compiled with ``nvcc`` the first time it is needed (a few seconds) into a small
-shared library cached under ``$ZIPFUSION_KERNEL_CACHE`` (default ``~/.cache/zipfusion/kernels``),
-keyed by the source's hash, the GPU architecture and the build's defines, and called through
-``ctypes`` on torch's current stream (so it is captured by CUDA graphs like any torch op). It
-covers head_dim 128 and GQA groups of up to 16 query heads on GPUs with bf16 tensor cores
-(sm_80+); everything else, and every CPU run, goes to the Triton kernel, which is also the
-CPU-checkable reference.
-
-Build variants (benchmarks/attention.py, the tests' ``--cuda-define``): :func:`set_build_defines`
-adds preprocessor defines to every later build of this process, e.g. ``ZF_ESC_KIND`` (the
-COMPRESSED_ESC page kind: format v2 pages with escapes and no raw block; see the source; off by
-default). The package itself never sets one.
+"""The CUDA C++ decode-attention kernel (``cuda/decode_attention.cu``): built with nvcc on first use,
+cached, called through ctypes on torch's current stream; head dim 128, groups up to 16, sm_80+.
 """
 
 from __future__ import annotations
@@ -38,20 +26,16 @@ MAX_GROUP = 16
 
 
 def default_stages(compressed: bool, group: int) -> int:
-    """Half pages in flight per warp (tuned by benchmarks/attention.py --tune): the fused kernel 4
-    (3 CTAs per SM), the uncompressed kernel 3 (4 CTAs per SM at 128 registers). Groups over 8
-    need twice the accumulators and spill at 3: 4."""
+    """Half pages in flight per warp (docs/tuning.md): fused 4, uncompressed 3; groups over 8: 4."""
     return 3 if not compressed and group <= 8 else 4
 
 
-PRODUCER_STAGES = 4     # the producer kernel's depth: 2 pages (4 half pages) a computing warp
+PRODUCER_STAGES = 4  # the producer kernel's fixed depth
 
 
 def default_producer(compressed: bool, hopper: bool) -> bool:
-    """Whether the producer-warp kernel runs by default: for compressed pages on Hopper, where it
-    is the faster form; the uncompressed kernel keeps its per-warp copies (its open pages cost the
-    producer 32 row copies each). ``ZIPFUSION_CUDA_PRODUCER=0`` / ``1`` overrides
-    (config.environment)."""
+    """Whether the producer-warp kernel is the default: for compressed pages on Hopper
+    (``ZIPFUSION_CUDA_PRODUCER`` overrides)."""
     override = environment().cuda_producer
     return hopper and (compressed if override is None else override)
 
@@ -62,10 +46,8 @@ class CudaKernelUnavailable(RuntimeError):
 
 def choose_copy(compressed: bool, hopper: bool, group: int, stages: int | None,
                 tma: bool | None, producer: bool | None) -> tuple[int, int]:
-    """(stages, copy) for the kernel library: copy 0 = each warp with cp.async, 1 = each warp
-    with bulk copies, 2 = a producer warp with bulk copies. Unset knobs take the tuned
-    defaults; asking for a per-warp depth (stages != 4) or for cp.async (tma=False) asks for the
-    per-warp kernel, and contradicting the producer kernel's fixed depth is an error."""
+    """(stages, copy) for the kernel library: copy 0 = per-warp cp.async, 1 = per-warp bulk
+    copies, 2 = a producer warp with bulk copies; unset knobs take the defaults."""
     if producer is None:
         producer = (default_producer(compressed, hopper) and tma is not False
                     and stages in (None, PRODUCER_STAGES))
@@ -75,7 +57,7 @@ def choose_copy(compressed: bool, hopper: bool, group: int, stages: int | None,
     if producer and tma is False:
         raise ValueError("producer=True with tma=False: the producer warp stages pages with bulk "
                          "copies (TMA); leave tma unset")
-    if tma is None:      # bulk copies for compressed pages, cp.async for open ones
+    if tma is None:
         tma = compressed and hopper
     if (tma or producer) and not hopper:
         raise CudaKernelUnavailable("tma=True / producer=True need an sm_90+ GPU (Hopper)")
@@ -93,14 +75,12 @@ def _nvcc() -> str:
                                 "backend='triton')")
 
 
-_BUILT: dict[str, "ctypes.CDLL | CudaKernelUnavailable"] = {}   # arch + flags -> library or why not
-_FLAGS: list[str] = []                                            # set_build_defines'
+_BUILT: dict[str, "ctypes.CDLL | CudaKernelUnavailable"] = {}  # arch + flags -> library or why not
+_FLAGS: list[str] = []
 
 
 def set_build_defines(*defines: str) -> None:
-    """Build the kernel with these preprocessor defines (``NAME`` or ``NAME=VALUE``) from now on
-    in this process, e.g. ``set_build_defines("ZF_ESC_KIND")``; none: the default build. The
-    source says what each does; benchmarks/attention.py also builds diagnostic variants."""
+    """Add preprocessor defines to every later build in this process (benchmarks, tests)."""
     for d in defines:
         if not re.fullmatch(r"[A-Za-z_]\w*(=\w+)?", d):
             raise ValueError(f"a build define is NAME or NAME=VALUE, got {d!r}")
@@ -108,8 +88,7 @@ def set_build_defines(*defines: str) -> None:
 
 
 def _library(arch: str) -> ctypes.CDLL:
-    """The kernel library for ``arch`` (e.g. "90"), built once; a failure is remembered (and
-    warned about once: callers then use the Triton kernel) instead of retried on every call."""
+    """The kernel library for ``arch``, built once; a failure is remembered and warned once."""
     flags = list(_FLAGS)
     got = _BUILT.get(arch + " ".join(flags))
     if got is None:
@@ -145,7 +124,6 @@ def _build(arch: str, flags: list[str]) -> ctypes.CDLL:
 
 
 def load_library(lib: Path) -> ctypes.CDLL:
-    """Open a built kernel library and declare its entry points."""
     dll = ctypes.CDLL(str(lib))
     dll.zf_decode_attention.restype = ctypes.c_int
     dll.zf_decode_attention.argtypes = (
@@ -180,24 +158,17 @@ def unsupported_reason(device: torch.device, head_dim: int, group: int) -> str |
 
 
 def ctas_per_sm(stages: int) -> int:
-    """CTAs of the kernel that fit on one SM at this copy depth (shared memory: 4 warps x
-    stages x 4 KB; the kernel's __launch_bounds__ make registers allow as many)."""
+    """CTAs of the kernel that fit on one SM at this copy depth."""
     return 4 if stages <= 3 else 3 if stages <= 4 else 2 if stages <= 6 else 1
 
 
-PAGES_PER_CTA_OVERHEAD = 2.5    # a CTA's fixed cost (prologue, warp combine, merge rows), in pages
+PAGES_PER_CTA_OVERHEAD = 2.5  # a CTA's fixed cost, in pages (docs/tuning.md)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch.device) -> int:
-    """Split-KV factor S from a wave model of the launch: the B·H·S CTAs run in
-    ceil(B·H·S / slots) waves (slots = CTAs per SM x SMs) of ceil(pages / S) + c pages each;
-    the fewest splits within 3 % of the cheapest S win (the model leaves out that a partial wave
-    runs faster and what the merge costs), with >= 16 pages a split.
-
-    The slots are the fused kernel's at its default depth (4 stages, 3 CTAs per SM) for the
-    uncompressed kernel too: the split count fixes the order of the final sums, so both must agree on it
-    to give the same bits. ``c`` (PAGES_PER_CTA_OVERHEAD) was fitted to measured kernel times
-    (docs/tuning.md, "The CUDA decode kernel's defaults").
+    """Split-KV factor from a wave model of the launch: the fewest splits within 3 % of the
+    cheapest, >= 16 pages a split. The uncompressed kernel uses the fused kernel's slots, as
+    the split count fixes the order of the sums and both must give the same bits.
     """
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     slots = ctas_per_sm(default_stages(True, 1)) * sms
@@ -218,19 +189,9 @@ def decode_attention_cuda(q: torch.Tensor, arena: torch.Tensor, page_loc_layer: 
                           stages: int | None = None, tma: bool | None = None,
                           producer: bool | None = None, spans: torch.Tensor | None = None,
                           slot_heads: int = 0) -> torch.Tensor:
-    """Launch the kernel (and the merge when there are several splits). Inputs are checked, and
-    this kernel chosen, by the caller (``decode_attention._launch`` via
-    :func:`unsupported_reason`); ``qk_scale`` is sm_scale·log2(e). ``num_splits`` /
-    ``split_pages``: see ``splits.plan_splits``.
-
-    ``stages``: copy depth in half pages (3, 4 or 6; packed: 3 or 4); ``tma``: stage pages with
-    bulk copies (Hopper's TMA; by default for compressed pages on sm_90+) instead of cp.async;
-    ``producer``: a fifth warp issues every bulk copy and the four others only compute (warp
-    specialisation, sm_90+; its depth is fixed: 2 pages a computing warp, ``stages`` 4). Every
-    variant gives the same bits.
-    ``spans`` (int32 [B, G / slot_heads, 2]) and ``slot_heads``: packed requests
-    (``decode_attention.py``).
-    """
+    """Launch the kernel (and the merge for several splits); inputs checked by the caller.
+    ``stages``, ``tma``, ``producer`` pick the copy scheme (every variant gives the same bits);
+    ``spans`` and ``slot_heads``: packed requests."""
     B, Hq, D = q.shape
     G = Hq // num_kv_heads
     if B == 0:

@@ -1,31 +1,6 @@
-"""Paged decode attention over the zipfusion KV arena: the entry points, their input checks and
-the choice of kernel.
-
-``decode_attention`` (fused: reads open and compressed pages, restores BF16 in registers) and
-``decode_attention_uncompressed`` (the same arithmetic over open pages only: the same bits) run
-
-* the CUDA C++ kernel (``cuda_attention.py``, ``cuda/decode_attention.cu``) on CUDA tensors where
-  it applies (head_dim 128, GQA group <= 16, nvcc present), and
-* the Triton kernel (``triton_attention.py``) otherwise: the GPU fallback, and on CPU tensors the
-  CPU-checkable reference through the Triton interpreter. Its module docstring has the math.
-
-Both split a request's pages into slices that run in parallel and are merged afterwards
-(``splits.py``); ``split_pages`` fixes the slice size, which makes each request's result
-independent of the rest of the batch (batch-invariant, for a deterministic mode).
-
-Packed requests (``spans``, ``slot_heads``; attention/packing.py makes them). Rows whose block
-tables begin with the same pages can travel as one request whose ``G = R·slot_heads`` query
-heads per KV head are R *slots*, one row's heads each. Its block table holds the shared pages,
-then each slot's own pages, and ``spans`` (int32 [B, R, 2]) gives slot r's own tokens
-``[begin_r, end_r)`` (begin_r at a page boundary; begin_0 = the shared tokens). Slot r attends
-``[0, begin_0) ∪ [begin_r, end_r)``: an empty slot (``begin = end``) only the shared tokens,
-and nothing, with a zero output, where ``begin_0 = 0``; a request of context length 0 (a CUDA
-graph's padding) has no keys at all. The kernel restores each shared page
-once for the R rows, and the heads fill the MMA columns that a GQA group of 4 leaves as padding
-(one 8-wide n-tile), so two rows cost about what one did. The CUDA kernel does it in one launch;
-the Triton route runs each slot as a plain row (:func:`packed_rows`): the same values, not the
-same bits (the sums run in another order), and the fused kernel and the uncompressed kernel agree bit for bit
-on either route.
+"""Paged decode attention over the KV arena: the entry points, their checks and the choice of kernel
+(CUDA C++ where it applies, else Triton). ``split_pages`` makes results batch-invariant; packed
+requests (``spans``) carry several rows behind shared pages (attention/packing.py).
 """
 
 from __future__ import annotations
@@ -109,13 +84,9 @@ def _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, s
 
 
 def page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None):
-    """What a kernel would read wrongly, as (message, one-element bool tensor on the device)
-    pairs (a message may be a function, called only once the fault is read: it may read values),
-    computed without a host sync or a data-dependent shape (so also inside a CUDA graph):
-    context lengths, page ids, locations (freed, misaligned, past the arena), a compressed partial
-    last page. ``open_only``: the name of the uncompressed entry point being checked (every page must be
-    open), or None for a fused kernel. A bad location is worse than a wrong result on the GPU: the
-    fused kernel's bulk copies from a misaligned address never complete and it spins."""
+    """What a kernel would read wrongly (bad context lengths, page ids, locations, a compressed
+    partial last page), as (message, device bool) pairs, with no host sync (CUDA-graph safe).
+    ``open_only``: the uncompressed entry point's name (every page must be open)."""
     if context_lens.numel() == 0:
         return []
     W, n = block_table.shape[1], page_loc_layer.numel()
@@ -155,21 +126,16 @@ def check_ids(arena, page_loc_layer, block_table, context_lens, layout, open_onl
 
 
 def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, open_only: str | None) -> None:
-    """:func:`page_faults` asserted on the device, no host sync (``torch._assert_async``): a
-    fault stops the process with a device-side assert instead of a kernel reading garbage or
-    spinning. The engine runs it before each decode attention call with
-    ``EngineConfig(check_pages=True)`` (a debugging aid; it costs a few small kernels per layer)."""
+    """:func:`page_faults` asserted on the device (``check_pages``): a device-side assert
+    instead of a kernel reading garbage or spinning on a bad address."""
     faults = page_faults(arena, page_loc_layer, block_table, context_lens, layout, open_only)
     if faults:
         torch._assert_async(~torch.stack([f for _, f in faults]).any())
 
 
 def uses_cuda_kernel(backend, device, layout, group: int) -> bool:
-    """Which kernel serves a call on ``device`` (GQA ``group``): the CUDA C++ kernel
-    (``cuda_attention``) where it can (CUDA tensors, head_dim 128, group <= 16, nvcc present),
-    else the Triton kernel. ``backend`` (or $ZIPFUSION_DECODE_KERNEL: config.environment)
-    forces one. (A packed launch on the Triton route plans its rows on the host,
-    :func:`packed_rows`, so the engine captures packed CUDA graphs only where this is True.)"""
+    """Whether the CUDA C++ kernel serves a call on ``device`` (CUDA, head_dim 128, group <= 16,
+    nvcc), else Triton; ``backend`` or $ZIPFUSION_DECODE_KERNEL forces one."""
     backend = backend or environment().decode_kernel
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -183,9 +149,7 @@ def uses_cuda_kernel(backend, device, layout, group: int) -> bool:
 
 
 def check_spans(spans, slot_heads, q, layout, context_lens, validate: bool) -> None:
-    """A packed launch's ``spans`` int32 [B, R, 2] and ``slot_heads`` (R·slot_heads = the
-    group); ``validate`` also reads them on the host: each begin at a page boundary, begin <=
-    end <= the request's context length, and begin_0 (the shared tokens) <= every begin."""
+    """Check a packed launch's ``spans`` [B, R, 2] and ``slot_heads`` (``validate``: on the host too)."""
     G = q.shape[1] // layout.num_kv_heads
     if isinstance(slot_heads, bool) or not isinstance(slot_heads, int) or slot_heads < 1 or G % slot_heads:
         raise ValueError(f"slot_heads must be a positive int dividing the GQA group of {G}, got {slot_heads!r}")
@@ -206,9 +170,8 @@ def check_spans(spans, slot_heads, q, layout, context_lens, validate: bool) -> N
 
 
 def packed_rows(q, block_table, context_lens, spans, slot_heads: int, num_kv_heads: int):
-    """A packed launch's slots as plain rows (host work): ``(which, q, block_table, context_lens)``
-    of its non-empty slots, ``which`` indexing the [B·R] slots. Slot r of request b is the row
-    over the shared pages and then its own: its query heads are those of slot r in each KV head."""
+    """A packed launch's non-empty slots as plain rows (host work):
+    ``(which, q, block_table, context_lens)``."""
     B, R = spans.shape[:2]
     H, G, D = num_kv_heads, slot_heads, q.shape[2]
     rows_q = q.view(B, H, R, G, D).transpose(1, 2).reshape(B * R, H * G, D)
@@ -247,7 +210,7 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
             raise ValueError(f"softcap must be a positive number, got {softcap!r}")
         if backend == "cuda":
             raise ValueError("the CUDA C++ kernel takes no sliding window or soft-capping; use backend='triton' or 'auto'")
-        backend = "triton"            # (the CUDA C++ kernel has neither)
+        backend = "triton"
     check_split_args(num_splits, split_pages)
     if spans is not None:
         check_spans(spans, slot_heads, q, layout, context_lens, validate)
@@ -268,7 +231,7 @@ def _launch(compressed, q, arena, page_loc_layer, block_table, context_lens, lay
                        tile_pages=tile_pages, num_warps=num_warps, window=window, softcap=softcap)
     if spans is None:
         return decode_attention_triton(*args, **triton_args)
-    # packed: each slot as a plain row, put back in the packed layout (empty slots: zeros)
+    # packed: each slot as a plain row, back in the packed layout (empty slots: zeros)
     H, R = layout.num_kv_heads, spans.shape[1]
     which, rq, rtable, rlens = packed_rows(q, block_table, context_lens, spans, slot_heads, H)
     rows_out = torch.zeros(q.shape[0] * R, H * slot_heads, q.shape[2], dtype=q.dtype, device=q.device)
@@ -288,29 +251,9 @@ def decode_attention(q, arena, page_loc_layer, block_table, context_lens, layout
                      stages: int | None = None, tma: bool | None = None,
                      producer: bool | None = None, spans: torch.Tensor | None = None,
                      slot_heads: int | None = None, window: int | None = None, softcap: float | None = None):
-    """Paged decode attention reading open and compressed pages as ``page_loc_layer`` says.
-
-    q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages]; block_table int32
-    [B, max_pages_per_request]; context_lens int32 [B] -> [B, Hq, D] bf16 (written into ``out``
-    if given). ``validate`` checks ids and locations (one device sync; pass False inside CUDA
-    graphs). ``backend``: "auto" (the CUDA C++ kernel where it applies, else Triton), "cuda"
-    or "triton".
-
-    Split-KV (both kernels): ``num_splits`` overrides the default split count (which depends on
-    the batch); each request's own pages are spread over the splits (balanced, in whole tiles:
-    splits.split_size), so its bits depend on the split count, not on the block table's width.
-    ``split_pages`` instead fixes every split to that many pages (split s = pages
-    s·split_pages .. (s+1)·split_pages - 1 of each request, ceil(block_table width /
-    split_pages) splits), so that a request's result depends only on its own q, pages and
-    context length: the same bits alone or in any batch, with any block-table width. For the
-    Triton kernel it must be a multiple of ``tile_pages``. At most one of the two.
-
-    ``stages`` (copy depth), ``tma`` (bulk copies) and ``producer`` (a warp that only copies)
-    tune the CUDA kernel; ``tile_pages`` and ``num_warps`` the Triton kernel. ``spans`` and
-    ``slot_heads``: packed requests (module docstring). ``window``: a row of context length n
-    sees its last ``window`` keys only (sliding-window layers; pages wholly before them are not
-    read); ``softcap`` c: scores s -> c·tanh(s / c) (Gemma 2). Both run the Triton kernel.
-    """
+    """Paged decode attention over open and compressed pages -> [B, Hq, D] bf16. ``validate`` checks
+    ids and locations (a sync); ``split_pages`` fixes each split's pages (batch-invariant);
+    ``window`` and ``softcap`` run the Triton kernel; the rest tunes the kernels."""
     return _launch(True, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
                    stages, tma, producer, spans, slot_heads, window, softcap)
@@ -324,8 +267,8 @@ def decode_attention_uncompressed(q, arena, page_loc_layer, block_table, context
                           tma: bool | None = None, producer: bool | None = None,
                           spans: torch.Tensor | None = None, slot_heads: int | None = None,
                           window: int | None = None, softcap: float | None = None):
-    """The uncompressed kernel: same tiling and arithmetic, every page must be open; same
-    arguments as :func:`decode_attention`, and the same bits for the same values."""
+    """The uncompressed kernel: every page must be open; :func:`decode_attention`'s arguments
+    and bits."""
     return _launch(False, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale,
                    out, validate, backend, num_splits, split_pages, tile_pages, num_warps,
                    stages, tma, producer, spans, slot_heads, window, softcap)

@@ -1,31 +1,6 @@
-"""FlashInfer's paged decode kernel over the uncompressed arena (``attention_backend="flashinfer"``),
-BF16 or FP8 pages.
-
-The baseline a user of SGLang would run: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
-(tensor cores for GQA groups >= 4, as SGLang does) reading our open pages in place.
-
-Layout. An open page is ``[2, 16, H, D]`` bf16 (K then V, token-major: docs/format.md) at byte
-``loc_offset(page_loc[layer, id])`` of the arena (format/layout.py), which is FlashInfer's NHD paged layout
-``[num_pages, 2, page_size, H, D]`` with page_size 16. Open pages sit in chunks of whole open
-pages, so the arena viewed as ``[arena_bytes // open_page_bytes, 2, 16, H, D]`` holds every open
-page at index ``loc_offset(page_loc) // open_page_bytes`` (:func:`page_indices`).
-
-Per layer indices. Our page ids are shared by all layers but their locations are not (each
-layer's pages live in its own chunks), so FlashInfer's page indices differ per layer while its
-plan (indptr, last page lengths: the split of the work) does not. One plan per step
-(:meth:`FlashInferDecode.prepare`, host side, before the forward or the graph replay); each
-layer then writes its own indices into the wrapper's indices buffer -- a buffer we own and
-hand to the wrapper (``paged_kv_indices_buffer``, the wrapper's CUDA-graph mode) -- with two
-small device ops that a CUDA graph captures, and runs the kernel.
-
-FP8 pages (``kv_cache_dtype="fp8"``: ``format.fp8.Fp8PageLayout``, the same element order at one
-byte a value) are read as ``float8_e4m3fn`` with the cache's per-tensor ``k_scale`` / ``v_scale``,
-which FlashInfer folds into its softmax scale and output (vLLM's FP8 decode): lossy as the pages
-are, and not bit-equal to our FP8 kernel, which dequantizes to BF16 first.
-
-CUDA graphs: one wrapper per batch size (FlashInfer's CUDA-graph mode fixes it), made on first
-use; the graph buckets keep theirs, other sizes (eager mixed steps) share a few recent ones.
-Only FlashInfer's public API is used: ``BatchDecodeWithPagedKVCacheWrapper`` ``plan``/``run``.
+"""FlashInfer's paged decode over the uncompressed arena (``attention_backend="flashinfer"``), the
+baseline SGLang users run, reading our open pages in place: one plan a step, each layer writing
+its own page indices into a buffer the wrapper reads (CUDA-graph mode).
 """
 
 from __future__ import annotations
@@ -37,14 +12,13 @@ import torch
 
 from ..format.layout import PAGE_TOKENS, PageLayout
 
-WORKSPACE_BYTES = 256 << 20      # FlashInfer's float workspace (split-KV partial results), shared
-EAGER_WRAPPERS = 8               # wrappers kept for batch sizes without a CUDA graph
-TENSOR_CORE_MIN_GROUP = 4        # SGLang: tensor-core decode for GQA groups >= 4
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace, shared
+EAGER_WRAPPERS = 8
+TENSOR_CORE_MIN_GROUP = 4  # as SGLang
 INSTALL_HINT = "attention_backend='flashinfer' needs FlashInfer: pip install flashinfer-python"
 
 
 def import_flashinfer():
-    """The flashinfer module, or an ImportError that says how to install it."""
     try:
         import flashinfer
     except ImportError as exc:
@@ -53,9 +27,7 @@ def import_flashinfer():
 
 
 def paged_plan(context_lens, block_table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """FlashInfer's CSR page table from ours: (indptr int32 [B+1], page ids int64 [indptr[-1]]
-    in request order, last_page_len int32 [B]). ``context_lens`` [B] and ``block_table``
-    [B, W] are host arrays (numpy or CPU tensors); lengths must be in 1..16·W."""
+    """FlashInfer's CSR page table from ours (host arrays): (indptr, page ids, last_page_len)."""
     lens = np.asarray(context_lens, dtype=np.int64)
     table = np.asarray(block_table)
     if table.ndim != 2 or lens.shape != (table.shape[0],):
@@ -71,9 +43,8 @@ def paged_plan(context_lens, block_table) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def page_indices(page_loc_layer: torch.Tensor, page_ids: torch.Tensor, open_page_bytes: int) -> torch.Tensor:
-    """FlashInfer page index (int32) of each open page: its byte offset / open_page_bytes
-    (the offset is a multiple of the open page size, so the open tag, bit 0 of ``page_loc``,
-    drops out of the floor division: no ``loc_offset`` op in the captured graph)."""
+    """FlashInfer page index of each open page: its byte offset / open_page_bytes (the open tag,
+    bit 0, drops out of the division)."""
     return torch.div(page_loc_layer[page_ids], open_page_bytes, rounding_mode="floor").to(torch.int32)
 
 
@@ -83,8 +54,8 @@ class _Slot:
     def __init__(self, fi, workspace, bs: int, width: int, tensor_cores: bool):
         dev = workspace.device
         self.width = width
-        self.ids = torch.zeros(bs * width, dtype=torch.int64, device=dev)       # our page ids, CSR order
-        self.indices = torch.zeros(bs * width, dtype=torch.int32, device=dev)   # FlashInfer's, one layer
+        self.ids = torch.zeros(bs * width, dtype=torch.int64, device=dev)  # our page ids, CSR order
+        self.indices = torch.zeros(bs * width, dtype=torch.int32, device=dev)  # FlashInfer's, one layer
         self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
@@ -98,7 +69,7 @@ class FlashInferDecode:
 
     def __init__(self, arena: torch.Tensor, layout: PageLayout, num_qo_heads: int, chunk_bytes: int,
                  fp8_scales: tuple[float, float] | None = None):
-        """``fp8_scales``: (k_scale, v_scale) of E4M3 pages (``layout`` an Fp8PageLayout); None: BF16."""
+        """``fp8_scales``: (k_scale, v_scale) of E4M3 pages; None: BF16."""
         ob = layout.open_page_bytes
         if chunk_bytes % ob:
             raise ValueError(f"attention_backend='flashinfer' needs chunk_bytes a multiple of the open page "
@@ -131,7 +102,7 @@ class FlashInferDecode:
         key = (bs, width)
         slot = self._eager_slots.pop(key, None)
         if slot is None:
-            if len(self._eager_slots) >= EAGER_WRAPPERS:     # its buffers may still be read: wait
+            if len(self._eager_slots) >= EAGER_WRAPPERS:  # its buffers may still be read: wait
                 torch.cuda.current_stream().synchronize()
                 self._eager_slots.popitem(last=False)
             slot = _Slot(self.fi, self.workspace, bs, width, self.tensor_cores)
@@ -140,8 +111,8 @@ class FlashInferDecode:
 
     def prepare(self, context_lens: torch.Tensor, block_table: torch.Tensor, sm_scale: float,
                 graph: bool = False) -> None:
-        """Plan the step's decode (host side; never inside a CUDA graph capture): host
-        ``context_lens`` [B] and ``block_table`` [B, W]. ``graph``: B is a CUDA-graph bucket."""
+        """Plan the step's decode on the host (never inside a graph capture); ``graph``: B is a
+        CUDA-graph bucket."""
         bs, width = block_table.shape
         indptr, ids, last = paged_plan(context_lens, block_table)
         slot = self._slot(bs, width, graph)
@@ -150,13 +121,13 @@ class FlashInferDecode:
         padded[:nnz] = ids
         slot.ids.copy_(torch.from_numpy(padded))
         L = self.layout
-        slot.wrapper.plan(torch.from_numpy(indptr), slot.ids[:nnz], torch.from_numpy(last),   # run() sets indices
+        slot.wrapper.plan(torch.from_numpy(indptr), slot.ids[:nnz], torch.from_numpy(last),
                           self.num_qo_heads, L.num_kv_heads, L.head_dim, PAGE_TOKENS,
                           q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, sm_scale=float(sm_scale))
         self._current, self._current_bs = slot, bs
 
     def run(self, q: torch.Tensor, page_loc_layer: torch.Tensor) -> torch.Tensor:
-        """Decode attention of q [B, Hq, D] for one layer, as planned by :meth:`prepare`."""
+        """Decode attention of q [B, Hq, D] for one layer, as planned."""
         slot = self._current
         if slot is None or q.shape[0] != self._current_bs:
             raise RuntimeError(f"FlashInfer decode of {q.shape[0]} rows without a plan for them: call "

@@ -1,20 +1,5 @@
-"""Paged decode attention over FP8 (E4M3) pages: the Triton kernel and its entry point.
-
-The pages are open FP8 pages in the arena (``format.fp8.Fp8PageLayout``: ``[2, 16, H, D]`` at one
-byte a value, at ``loc_offset(page_loc)``). Per tile of TP pages the kernel loads the K and V
-bytes of head h, dequantizes them (``bf16(fp32(E4M3(byte)) · scale)``, ``k_scale`` for K,
-``v_scale`` for V: ``fp8_kv.e4m3_dequant``, integer arithmetic under the interpreter, the GPU's
-conversions compiled, the same bits) and then runs *the same arithmetic as the BF16 kernels*:
-``triton_attention.begin_split`` (the split's pages, q, the softmax state), ``attend_tile``
-(S = c·q Kᵀ with c = sm_scale·log2 e, online softmax in base 2, acc += P_bf16·V) and
-``store_split``, with the same split plan
-(``splits.tile_plan``) and merge kernel. So its output equals, bit for bit, the uncompressed
-BF16 kernel's (``decode_attention_uncompressed``) over BF16 pages holding the dequantized
-values, with the same tile and splits; ``split_pages`` makes it batch-invariant as there.
-
-Triton on any GPU it compiles for and, on CPU tensors, through the interpreter (the dots on
-fp32-upcast operands there, as in the BF16 kernels). The CUDA C++ kernel does not read FP8:
-the engine's decode route for FP8 pages is this kernel (attention/decode.py).
+"""Paged decode attention over open FP8 (E4M3) pages: dequantize a tile, then the BF16 kernels'
+arithmetic, so the output equals the uncompressed BF16 kernel's over the dequantized values.
 """
 
 from __future__ import annotations
@@ -30,10 +15,10 @@ from .decode_attention import LOG2E, _check_inputs, check_ids
 from ..format.fp8 import Fp8PageLayout, check_scale
 from .splits import check_split_args, tile_plan
 
-_TA = same_mode(triton_attention)                    # the BF16 kernels' arithmetic, in this mode
+_TA = same_mode(triton_attention)
 _begin_split, _attend_tile, _store_split = _TA.begin_split, _TA.attend_tile, _TA.store_split
 _dequant = same_mode(fp8_kv).e4m3_dequant
-NUM_STAGES = 1                                      # the compiled kernel's software pipelining
+NUM_STAGES = 1  # the compiled kernel's software pipelining
 _loc_offset = triton.jit(loc_offset)
 PT = tl.constexpr(PAGE_TOKENS)
 
@@ -47,7 +32,6 @@ def _fp8_decode_kernel(q_ptr, arena, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, par
                        qk_scale, k_scale, v_scale, stride_bt, pages_per_split, num_splits,
                        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                        TP: tl.constexpr, INTERPRET: tl.constexpr):
-    """Program (b, h, s): request b, KV head h, split s; the G query heads of the group at once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -60,8 +44,8 @@ def _fp8_decode_kernel(q_ptr, arena, page_loc_ptr, bt_ptr, ctx_ptr, out_ptr, par
         valid = in_range & (page * PT + t < ctx)
         pid = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page, mask=in_range, other=0)
         base = _loc_offset(tl.load(page_loc_ptr + pid.to(tl.int64), mask=in_range, other=1))
-        k_off = base + (t * H + h) * D              # role 0, slot t, head h (base: int64)
-        v_off = base + ((t + PT) * H + h) * D       # role 1
+        k_off = base + (t * H + h) * D  # role 0, slot t, head h
+        v_off = base + ((t + PT) * H + h) * D  # role 1
         kb = tl.load(arena + k_off[:, None] + d[None, :], mask=valid[:, None], other=0)
         vb = tl.load(arena + v_off[:, None] + d[None, :], mask=valid[:, None], other=0)
         m_i, l_i, acc = _attend_tile(valid[None, :], _dequant(kb, k_scale), _dequant(vb, v_scale), q,
@@ -74,18 +58,8 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
                          num_splits: int | None = None, split_pages: int | None = None,
                          validate: bool = True, tile_pages: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None):
-    """Paged decode attention over open FP8 pages (module docstring).
-
-    q [B, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64; block_table int32 [B, W];
-    context_lens int32 [B]; ``layout`` an :class:`~zipfusion.format.fp8.Fp8PageLayout` -> [B, Hq, D] bf16::
-
-        o_b = softmax(sm_scale · q_b K'ᵀ) V',  K' = bf16(E4M3(K bytes) · k_scale),
-                                             V' = bf16(E4M3(V bytes) · v_scale)
-
-    over the first context_lens[b] tokens. ``num_splits``, ``split_pages`` (batch-invariant),
-    ``validate``, ``tile_pages``, ``num_warps``: as for ``decode_attention``; ``num_stages``:
-    Triton's software pipelining of the compiled kernel (default :data:`NUM_STAGES`).
-    """
+    """Paged decode attention over open FP8 pages (``layout`` an ``Fp8PageLayout``), K and V
+    dequantized with ``k_scale`` / ``v_scale``; other arguments as ``decode_attention``'s."""
     def launch(grid, q, out, plan, TP, G, k_scale, v_scale, interp):
         m = kernel_module(arena.device, __name__, __file__, _interpreting())
         m._fp8_decode_kernel[grid](
@@ -99,9 +73,8 @@ def decode_attention_fp8(q, arena, page_loc_layer, block_table, context_lens, la
 
 def run_fp8_decode(launch, q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out,
                    k_scale, v_scale, num_splits, split_pages, validate, tile_pages, open_only):
-    """What the FP8 decode kernels' entry points share: the input checks (``validate``: the page
-    locations, ``open_only`` as for ``check_ids``), the split plan, then ``launch(grid, q, out,
-    plan, TP, G, k_scale, v_scale, interp)`` (the entry point's kernel) and the merge kernel."""
+    """What the FP8 kernels' entry points share: input checks, the split plan, then ``launch``
+    (the entry point's kernel) and the merge kernel."""
     if not isinstance(layout, Fp8PageLayout):
         raise TypeError(f"layout must be a zipfusion.format.fp8.Fp8PageLayout, got {type(layout).__name__}")
     _check_inputs(q, arena, page_loc_layer, block_table, context_lens, layout, sm_scale, out)

@@ -1,42 +1,6 @@
-"""Paged prefill attention over the zipfusion KV arena, fused with the page decoder (Triton).
-
-A prefill step attends the query rows of C *chunks* (pieces of prompts) to the K/V of their
-requests, which the engine has already stored in the requests' pages: chunk ``c`` owns the rows
-``q_indptr[c] : q_indptr[c+1]`` of ``q`` at token positions ``q_start[c] + i``, and its pages are
-row ``c`` of ``block_table``. Pages are read where they lie in the arena, open or compressed
-(docs/design.md, docs/format.md); nothing is gathered, decompressed to memory or repeated for
-GQA. Causal: the query at position p attends to keys 0..p of its request. A chunk may also end
-its keys early (``kv_end[c]``: row i sits at position ``min(q_start[c] + i, kv_end[c] - 1)``):
-with ``q_start = kv_end - 1`` every row sees exactly keys ``0 .. kv_end - 1`` (a piece of a
-longer context); ``lse`` then gives each row's log-sum-exp for merging with the rest of it.
-
-Work split (FlashInfer-style plan/run). :func:`plan_prefill` cuts every chunk into query tiles
-of ``BT`` tokens and lists the (chunk, first token) work items, heaviest first; it runs once per
-engine step (host only when ``q_indptr``/``q_start`` are on the host) and every layer reuses it.
-Program ``(item, h)`` serves the tile's tokens for all ``G = Hq / H`` query heads of KV head
-``h``: the M dimension of the dots is tokens x group, row ``r = token·G_PAD + g`` (``BLOCK_M =
-BT·G_PAD`` rows), so the K/V tile -- and the restore of its compressed blocks -- is shared by
-the whole group. K/V tiles of ``TP`` pages (``R = 16·TP`` keys) go in order from page 0, with
-``c = sm_scale·log2(e)`` (flash attention, online softmax in base 2)::
-
-    S   = c · Q Kᵀ                        [BLOCK_M, R]   (bf16 operands, fp32 accumulate)
-    S   = -inf where key > query position  (diagonal tiles only)
-    m'  = max(m, rowmax S)
-    P   = 2^(S - m')
-    l   = l · 2^(m - m') + rowsum P
-    acc = acc · 2^(m - m') + P_bf16 · V   [BLOCK_M, D]
-    o   = acc / l                          (bf16, or fp32 into an fp32 ``out``)
-    lse = m + log2(l)                      (optional, base 2, in units of c·q·k)
-
-The tiles whose keys all precede the tile's first query need no mask (the first loop); the
-tiles up to the tile's last query are masked (the second loop); later tiles are skipped. The
-tile loads, the restore (one routine, ``_restore_tile``) and the softmax update
-(``_tile_compute``) are those of the decode kernel, ``triton_attention.py`` (its docstring has
-the restore's math): every page source yields the same bf16 tile, so ``compressed=True`` (open
-pages, raw and compressed blocks) and ``compressed=False`` (the uncompressed kernel: open pages only) give the
-same bits. A row's result depends only on its chunk's pages, its position and its tile, which is
-fixed by its chunk alone: not on the other chunks of the launch. Under the Triton interpreter
-(CPU) the dots run on fp32-upcast operands (``_dot``).
+"""Paged prefill attention over the KV arena, fused with the page decoder (Triton): chunks attend
+causally to their pages read in place, planned once a step (``plan_prefill``) with the decode
+kernel's loads, restore and softmax, so a row's bits depend on its chunk alone.
 """
 
 from __future__ import annotations
@@ -53,12 +17,11 @@ from . import triton_attention
 from .decode_attention import (LOG2E, check_block_table, check_ids, check_q_and_arena,
                                check_scale_and_out, check_tensors)
 
-# The decode kernel's helpers, made the way this module's kernels are (this module's interpreted
-# copy, which serves CPU tensors in a compiled import, needs their interpreted copy).
+# The decode kernel's helpers, in this module's mode (interpreted or compiled).
 _TA = same_mode(triton_attention)
 _load_meta, _tile_load, _tile_compute = _TA._load_meta, _TA._tile_load, _TA._tile_compute
 _restore_tile = _TA._restore_tile
-PT = tl.constexpr(PAGE_TOKENS)                       # tokens per page, as a kernel constant
+PT = tl.constexpr(PAGE_TOKENS)
 
 
 def _interpreting() -> bool:
@@ -69,11 +32,11 @@ def _interpreting() -> bool:
 def _kv_tiles(p_lo, p_hi, ctx, pos, q, m_i, l_i, acc, qk_scale, arena32, page_loc_ptr, bt_ptr,
               c, stride_bt, h, H: tl.constexpr, D: tl.constexpr, TP: tl.constexpr,
               COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr, MASKED: tl.constexpr):
-    """Online softmax over the K/V tiles of pages p_lo .. p_hi - 1 (a multiple of TP apart, or
-    up to the tile holding key ctx - 1); ``MASKED``: keys past a row's position ``pos``."""
+    """Online softmax over the K/V tiles of pages p_lo .. p_hi - 1; ``MASKED``: keys past a
+    row's position ``pos``."""
     r = tl.arange(0, TP * PT)
-    t = r % PT                      # token inside its page
-    slot = r // PT                  # page inside the tile
+    t = r % PT
+    slot = r // PT
     for p0 in range(p_lo, p_hi, TP):
         loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, c, stride_bt,
                                                      p0, slot, p_hi, h, D, COMPRESSED)
@@ -94,18 +57,18 @@ def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr,
                     BT: tl.constexpr, TP: tl.constexpr, COMPRESSED: tl.constexpr,
                     INTERPRET: tl.constexpr, WRITE_LSE: tl.constexpr):
     pid = tl.program_id(0)
-    item = pid // H                 # the KV heads of one item are neighbours in launch order
+    item = pid // H
     h = pid % H
     c = tl.load(items_ptr + 2 * item)
     m0 = tl.load(items_ptr + 2 * item + 1)
     row0 = tl.load(indptr_ptr + c)
     n_rows = tl.load(indptr_ptr + c + 1) - row0
     start = tl.load(start_ptr + c)
-    kv_end = tl.load(end_ptr + c)   # keys past kv_end - 1 are never seen (a prefix piece's end)
+    kv_end = tl.load(end_ptr + c)   # keys past kv_end - 1 are never seen
 
     rm = tl.arange(0, BT * G_PAD)
     i = m0 + rm // G_PAD            # token of the chunk
-    g = rm % G_PAD                  # query head inside the group
+    g = rm % G_PAD                  # query head in the group
     pos = tl.minimum(start + i, kv_end - 1)
     rows = ((row0 + i).to(tl.int64) * (H * G) + h * G + g) * D
     ok = (i < n_rows) & (g < G)
@@ -113,8 +76,8 @@ def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr,
     d = tl.arange(0, D)
     q = tl.load(q_ptr + rows[:, None] + d[None, :], mask=row_ok, other=0.0)
 
-    ctx = tl.minimum(start + tl.minimum(m0 + BT, n_rows), kv_end)     # keys 0 .. ctx - 1 are read
-    p_full = (tl.minimum(start + m0, kv_end - 1) + 1) // (PT * TP) * TP  # tiles before the first query
+    ctx = tl.minimum(start + tl.minimum(m0 + BT, n_rows), kv_end)     # keys read: 0 .. ctx - 1
+    p_full = (tl.minimum(start + m0, kv_end - 1) + 1) // (PT * TP) * TP  # unmasked tiles
     m_i = tl.full([BT * G_PAD], -1.0e30, tl.float32)
     l_i = tl.full([BT * G_PAD], 0.0, tl.float32)
     acc = tl.full([BT * G_PAD, D], 0.0, tl.float32)
@@ -126,21 +89,15 @@ def _prefill_kernel(q_ptr, arena32, page_loc_ptr, bt_ptr, indptr_ptr, start_ptr,
                               COMPRESSED, INTERPRET, True)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + rows[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok)
-    if WRITE_LSE:                   # log2 of the row's softmax denominator, in the scores' units
+    if WRITE_LSE:
         tl.store(lse_ptr + rows // D, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=ok)
 
 
-# ------------------------------------------------------------------------------------------
-# Host side: plan once per step, run per layer
-# ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """The work items of a prefill step: ``items`` int32 [N, 2] (chunk, first token of its query
-    tile) on the device, heaviest first; ``block_tokens`` tokens per tile (x ``group_pad`` query
-    heads = the kernel's BLOCK_M rows); ``ends`` int32 [C] on the device, each chunk's key count
-    (``kv_end``, by default its last position + 1). ``q_indptr``/``q_start``/``kv_end`` are host
-    copies, for checks."""
+    """A prefill step's work items, heaviest first: ``items`` [N, 2] (chunk, first token of its
+    query tile) and ``ends`` [C] (each chunk's key count) on the device; host copies for checks."""
     items: torch.Tensor
     block_tokens: int
     group_pad: int
@@ -162,21 +119,14 @@ def _host_ints(x, name: str) -> list[int]:
     if isinstance(x, torch.Tensor):
         if x.dim() != 1 or x.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be a 1-D int32 tensor, got {x.dtype} {list(x.shape)}")
-        return x.tolist()                                    # a device sync if on the GPU
+        return x.tolist()
     return [int(v) for v in x]
 
 
 def plan_prefill(q_indptr, q_start, num_q_heads: int, num_kv_heads: int, *,
                  block_m: int | None = None, device=None, kv_end=None) -> PrefillPlan:
-    """Work items for :func:`paged_prefill_attention` (reusable by every layer of a step).
-
-    ``q_indptr`` [C+1] and ``q_start`` [C]: sequences or tensors (host ones: no device sync).
-    ``kv_end`` [C] (optional, q_start < kv_end <= q_start + rows): chunk c's rows see no key at
-    or past kv_end[c] (the module docstring); by default each chunk is plainly causal.
-    ``block_m``: query rows per program, tokens x the group padded to a power of 2 (default 128
-    on the GPU, 64 under the interpreter); a tile holds at least 16 rows. ``device``: where the
-    items go (default: that of ``q_indptr`` if a tensor, else CPU).
-    """
+    """Work items for :func:`paged_prefill_attention`, reused by every layer of a step (``kv_end``
+    ends chunks' keys early; ``block_m``: query rows per program)."""
     if device is None:
         device = q_indptr.device if isinstance(q_indptr, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
@@ -244,22 +194,9 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
                             lse: torch.Tensor | None = None, validate: bool = True,
                             block_m: int | None = None, tile_pages: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None):
-    """Causal attention of C chunks' query rows to their requests' pages, read in place.
-
-    q [T, Hq, D] bf16; arena 1-D uint8; page_loc_layer int64 [max_pages] (``page_loc[layer]``);
-    block_table int32 [C, W]; q_indptr int32 [C+1] (chunk c = rows q_indptr[c]:q_indptr[c+1]);
-    q_start int32 [C] (position of each chunk's first row) -> [T, Hq, D] bf16 (into ``out`` if
-    given; an fp32 ``out`` keeps the result unrounded). The K/V of every position up to each
-    chunk's last must already be stored. ``lse`` (fp32 [T, Hq], optional) receives each row's
-    log2-sum-exp of its scores x sm_scale·log2(e); a plan with ``kv_end`` ends chunks' keys early.
-
-    ``compressed``: True reads open and compressed pages (fused restore), False open pages only
-    (the uncompressed kernel); both give the same bits for the same values. ``plan``: from
-    :func:`plan_prefill` (made here if None: a device sync when q_indptr is on the GPU).
-    ``validate`` checks page ids and locations (a device sync; False inside CUDA graphs).
-    Tuning: ``block_m`` (rows per program, only without a plan), ``tile_pages`` (TP, pages per
-    K/V tile, a power of 2; default 4, 1 under the interpreter), ``num_warps``, ``num_stages``.
-    """
+    """Causal attention of C chunks' query rows (chunk c: rows q_indptr[c]:q_indptr[c+1] from position
+    q_start[c]) over their pages in place; ``compressed=False``: open pages only, the same bits.
+    ``lse`` receives each row's log2-sum-exp; ``validate`` checks pages (a sync)."""
     _check_tensors(q, arena, page_loc_layer, block_table, q_indptr, q_start, layout, sm_scale,
                    out, lse)
     if plan is None:
@@ -274,7 +211,7 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
     TP = tile_pages or (1 if interp else 4)
     if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
         raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
-    if validate:              # an ended chunk's last page may be full and compressed: check whole pages
+    if validate:              # an ended chunk's last page may be full and compressed
         ends = [e if e == s + b - a else -(-e // PAGE_TOKENS) * PAGE_TOKENS
                 for s, e, a, b in zip(plan.q_start, plan.kv_end, plan.q_indptr, plan.q_indptr[1:])]
         if ends and max(ends) > PAGE_TOKENS * block_table.shape[1]:
@@ -300,7 +237,6 @@ def paged_prefill_attention(q, arena, page_loc_layer, block_table, q_indptr, q_s
 
 
 def prefill_flops(q_indptr, q_start, num_q_heads: int, head_dim: int) -> float:
-    """Useful FLOPs of causal prefill attention (4·D per query head and attended key)."""
     indptr, start = _host_ints(q_indptr, "q_indptr"), _host_ints(q_start, "q_start")
     keys = sum(n * s + n * (n + 1) // 2
                for s, n in zip(start, (b - a for a, b in zip(indptr, indptr[1:]))))
@@ -308,25 +244,18 @@ def prefill_flops(q_indptr, q_start, num_q_heads: int, head_dim: int) -> float:
 
 
 
-
-# ------------------------------------------------------------------------------------------
-# Restoring a request's pages into contiguous K/V (for a library attention kernel)
-# ------------------------------------------------------------------------------------------
-
 @triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
 def _gather_kernel(arena32, page_loc_ptr, bt_ptr, k_ptr, v_ptr, stride_bt, num_tokens,
                    H: tl.constexpr, D: tl.constexpr, TP: tl.constexpr,
                    COMPRESSED: tl.constexpr, INTERPRET: tl.constexpr):
-    """Program (tile of TP pages, KV head h): the tile's K and V rows, restored by the
-    attention kernels' own routine (every page source yields the same bf16 values), stored at
-    token order into k, v [num_tokens, H, D]."""
+    """Program (tile of TP pages, head h): the tile's K and V rows restored into k, v."""
     p0 = tl.program_id(0) * TP
     h = tl.program_id(1)
     r = tl.arange(0, TP * PT)
     t = r % PT
     slot = r // PT
     p_end = (num_tokens + PT - 1) // PT
-    row = h * 0                     # the one block-table row (a tensor, as _load_meta wants)
+    row = h * 0                     # the one block-table row, as a tensor
     loc, kf, kh0, kh1, vf, vh0, vh1 = _load_meta(arena32, page_loc_ptr, bt_ptr, row, stride_bt, p0,
                                                  slot, p_end, h, D, COMPRESSED)
     (valid, k_p4, k_lo, k_code, k_meta, k_esc, k_packed, v_p4, v_lo, v_code, v_meta, v_esc,
@@ -342,10 +271,8 @@ def _gather_kernel(arena32, page_loc_ptr, bt_ptr, k_ptr, v_ptr, stride_bt, num_t
 
 def gather_kv(arena, page_loc_layer, pages, num_tokens: int, layout, *, compressed: bool,
               tile_pages: int = 1):
-    """K, V [num_tokens, H, D] bf16 of the first ``num_tokens`` tokens held in ``pages`` (int32
-    [>= ceil(num_tokens/16)] page ids on the arena's device), open or compressed, restored with
-    the attention kernels' routine in one launch. The engine's tables are trusted (no checks).
-    ``tile_pages``: pages a program restores (1 is the fastest: docs/tuning.md, "Gather")."""
+    """K, V [num_tokens, H, D] bf16 of the tokens held in ``pages``, restored in one launch
+    (tables trusted, no checks)."""
     H, D = layout.num_kv_heads, layout.head_dim
     k = torch.empty(num_tokens, H, D, dtype=torch.bfloat16, device=arena.device)
     v = torch.empty_like(k)

@@ -1,9 +1,5 @@
-"""Rope + K/V store into the arena (Triton, CUDA): the kernel that writes the KV cache, beside
-the attention kernels that read it.
-
-Written as torch ops, rope is ~8 kernels per tensor and the K/V store ~5; this kernel does them in
-one. The torch version (models/layers.py, memory/kv_cache.py) stays the reference and the tests
-compare both under the Triton interpreter.
+"""Rope + K/V store into the arena in one Triton kernel (CUDA), the torch version
+(models/layers.py, memory/kv_cache.py) staying the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -12,23 +8,15 @@ import triton
 import triton.language as tl
 
 from ..format.layout import PAGE_TOKENS, loc_offset, open_bf16_index
-from .fp8_kv import bf16_rne, e4m3_dequant, e4m3_quant   # (never copied for the interpreter: one mode)
+from .fp8_kv import bf16_rne, e4m3_dequant, e4m3_quant
 
 _open_bf16_index = triton.jit(open_bf16_index)
 _loc_offset = triton.jit(loc_offset)
 PAGE_TOKENS_C = tl.constexpr(PAGE_TOKENS)
 
 
-# ------------------------------------------------------------------------------------------
-# Rope + K/V store. Program (t, head): heads 0..Hq-1 rotate q into q_out; heads Hq..Hq+H-1
-# rotate k (into k_out when asked: prefill attends over it) and store k and v of KV head h
-# into the open page of token t. Rope (RotaryEmbedding's arithmetic, models/layers.py):
-#   out1 = x1*cos - x2*sin,  out2 = x2*cos + x1*sin      (x1, x2: halves of the head)
-# with cos/sin fp32 and the products and sums in fp64 (exact products, so FMA or not gives the
-# same bits), rounded to fp32 and then to the output dtype: the torch version's exact bits.
-# Arena addressing: format/layout.py, PageLayout.open_elements (bf16 element of role r, slot s,
-# head h, channel c).
-# ------------------------------------------------------------------------------------------
+# Program (t, head): heads 0..Hq-1 rotate q; heads Hq.. rotate k and store k and v of KV head h
+# into token t's open page, with RotaryEmbedding's arithmetic (fp64 products: the torch bits).
 @triton.jit
 def _rotate(src, cos, sin, c, HALF: tl.constexpr):
     x1 = tl.load(src + c).to(tl.float64)
@@ -38,8 +26,7 @@ def _rotate(src, cos, sin, c, HALF: tl.constexpr):
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
-    """fp32 -> ``dtype``. bf16: round to nearest even by integer ops, torch's rounding on every
-    backend (the Triton interpreter's own cast truncates); NaN -> the canonical bf16 NaN."""
+    """fp32 -> ``dtype`` (bf16: rounded to nearest even by integer ops)."""
     if dtype == tl.bfloat16:
         return bf16_rne(x)
     return x.to(dtype)
@@ -71,8 +58,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_p
         v2 = _round(tl.load(vsrc + HALF + c).to(tl.float32), tl.bfloat16)
         page = tl.load(page_ids_ptr + t)
         slot = tl.load(slots_ptr + t)
-        loc = tl.load(page_loc_ptr + page)                          # an open page
-        if FP8:         # E4M3 bytes (fp8_kv.py); k_out, v_out: the values as stored
+        loc = tl.load(page_loc_ptr + page)
+        if FP8:  # E4M3 bytes; k_out, v_out: the values as stored
             base = _loc_offset(loc)
             k1, k2 = e4m3_quant(k1, k_scale), e4m3_quant(k2, k_scale)
             v1, v2 = e4m3_quant(v1, v_scale), e4m3_quant(v2, v_scale)
@@ -98,14 +85,9 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_p
 
 def rope_and_store(q, k, v, cos, sin, arena, page_loc_layer, page_ids, slots, want_k: bool = False,
                    fp8_scales: tuple[float, float] | None = None):
-    """q [T, Hq, D], k, v [T, H, D] (views with unit channel stride), cos/sin [T, D/2] fp32 ->
-    (rotated q [T, Hq, D], rotated k [T, H, D] if ``want_k`` else None); rotated k and v are
-    written as bf16 into the open pages ``page_ids[t]`` at slot ``slots[t]`` of this layer.
-
-    ``fp8_scales`` = (k_scale, v_scale): the pages are FP8 (format.fp8.Fp8PageLayout) and k, v are
-    written as E4M3 bytes of bf16(k)/k_scale, bf16(v)/v_scale (format.fp8.quantize_e4m3's bits);
-    returns (q, k', v') with k', v' the values as
-    stored (dequantized; None unless ``want_k``)."""
+    """Rotate q and k, write k and v into the open pages ``page_ids[t]`` at ``slots[t]``; returns
+    (q, k) rotated (k None unless ``want_k``). ``fp8_scales``: FP8 pages, returning (q, k', v')
+    as stored."""
     import torch
     T, HQ, D = q.shape
     H = k.shape[1]

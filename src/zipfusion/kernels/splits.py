@@ -1,19 +1,5 @@
-"""Split-KV planning shared by the Triton and CUDA launchers (flash decoding).
-
-A request's pages are cut into ``S`` splits of ``pages`` pages each: split ``s`` covers pages
-``s·pages .. (s+1)·pages - 1`` of every request. Each split writes a partial output ``o_s``
-(fp32) and its log-sum-exp ``lse_s`` (base 2); a merge kernel combines the splits that hold
-pages of the request (``out = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M)``, ``M = max_s lse_s``).
-With one split the attention kernel writes ``out`` directly and no partial buffers are used.
-
-``split_pages`` fixes the split size, so that a request's result depends only on its own query,
-pages and context length: its splits, and the order in which they are summed, are the same in
-any batch. Without it the split count comes from the caller's heuristic (``default``) or
-``num_splits``, and depends on the batch; each request's own pages are then spread over the S
-splits (*balanced*: ``split_size``, in whole tiles), so that the longest request of a batch of
-mixed lengths is cut as finely as the others (the block table's width, as wide as
-``max_model_len`` allows, would leave a realistic request in one split). The kernels receive a
-balanced plan as ``pages = -tile``.
+"""Split-KV planning shared by the Triton and CUDA launchers: fixed split sizes (``split_pages``,
+batch-invariant) or each request's pages balanced over the splits in whole tiles.
 """
 
 from __future__ import annotations
@@ -25,10 +11,8 @@ import torch
 
 
 def split_size(n_pages: int, pages: int, count: int) -> int:
-    """Pages per split of a request of ``n_pages`` pages under a plan of ``count`` splits of
-    ``pages`` pages (> 0: fixed; -T: balanced, the request's pages over the splits in whole
-    T-page tiles). The kernels' rule (``split_size`` in kernels/cuda/decode_attention.cu and
-    triton_attention.py), written once more for the host and tests."""
+    """Pages per split of a request (> 0: fixed; -T: balanced in whole T-page tiles), the
+    kernels' rule written once more for the host and tests."""
     if pages > 0:
         return pages
     even = -(-n_pages // count)
@@ -36,14 +20,13 @@ def split_size(n_pages: int, pages: int, count: int) -> int:
 
 
 class SplitPlan(NamedTuple):
-    count: int                 # S: splits per (request, KV head)
-    pages: int                 # pages per split (> 0), or -T: balanced in tiles of T pages
-    part_o: torch.Tensor       # [B·Hq·S·D] fp32 partial outputs (empty when S == 1)
-    part_lse: torch.Tensor     # [B·Hq·S] fp32 log2-sum-exp of each split (empty when S == 1)
+    count: int
+    pages: int  # or -T: balanced in tiles of T pages
+    part_o: torch.Tensor  # empty when S == 1
+    part_lse: torch.Tensor  # empty when S == 1
 
 
 def check_split_args(num_splits, split_pages) -> None:
-    """``num_splits`` and ``split_pages``: positive ints or None, at most one of them given."""
     for name, v in (("num_splits", num_splits), ("split_pages", split_pages)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be a positive int or None, got {v!r}")
@@ -55,19 +38,14 @@ def check_split_args(num_splits, split_pages) -> None:
 def plan_splits(out: torch.Tensor, max_pages: int, num_splits: int | None,
                 split_pages: int | None, default: Callable[[], int],
                 tile_pages: int = 1) -> SplitPlan:
-    """The splits of a launch over a block table ``max_pages`` wide, and their buffers.
-
-    ``split_pages`` given: ``S = ceil(max_pages / split_pages)`` splits of exactly that size.
-    Otherwise ``S = num_splits or default()`` (at most one a tile of the table), balanced: each
-    request's pages spread over them in whole tiles of ``tile_pages`` (``split_size``).
-    """
+    """The splits of a launch over a block table ``max_pages`` wide, and their buffers."""
     if split_pages is not None:
         pages = split_pages
         S = max(1, -(-max_pages // pages))
     else:
         pages = -tile_pages
         S = max(1, min(num_splits or default(), -(-max_pages // tile_pages)))
-    if S == 1:        # unused fp32 stand-ins: the kernels see the same argument types either way
+    if S == 1:  # unused stand-ins: the kernels see the same argument types
         unused = out.new_empty(0, dtype=torch.float32)
         return SplitPlan(1, pages, unused, unused)
     B, Hq, D = out.shape
@@ -90,12 +68,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, tile_pages
 
 def tile_plan(out: torch.Tensor, batch: int, num_kv_heads: int, max_pages: int, num_splits, split_pages,
               tile_pages, interpreted: bool) -> tuple[int, SplitPlan | None]:
-    """A Triton decode launch's tile of TP pages and its :class:`SplitPlan` (None for an empty
-    batch). ``tile_pages`` (a power of 2; default 2 compiled, 1 interpreted, and a divisor of
-    ``split_pages``); ``split_pages`` must be a multiple of TP."""
+    """A Triton launch's tile of TP pages and its :class:`SplitPlan` (None for an empty batch)."""
     TP = tile_pages or (1 if interpreted else 2)
     if tile_pages is None and split_pages is not None:
-        TP = math.gcd(TP, split_pages)              # a default tile that divides the split
+        TP = math.gcd(TP, split_pages)
     if isinstance(TP, bool) or not isinstance(TP, int) or TP < 1 or TP & (TP - 1):
         raise ValueError(f"tile_pages must be a power of 2, got {tile_pages!r}")
     if split_pages is not None and split_pages % TP:

@@ -1,12 +1,6 @@
-"""Run a module's Triton kernels on CPU tensors through the Triton interpreter.
-
-Whether ``triton.jit`` interprets is fixed when a kernel is decorated (``TRITON_INTERPRET`` at
-import time). A module imported for the GPU therefore loads a second copy of itself with
-``TRITON_INTERPRET=1`` when it is handed CPU tensors; this is that copy, made once per module.
-
-Importing this module also mends one incompatibility of Triton 3.6's interpreter with NumPy >=
-2.4 (:func:`mend_scalar_index`), so that kernels can loop ``for i in range(a, b)`` over runtime
-scalars on the CPU as they do on the GPU.
+"""Run a module's Triton kernels on CPU tensors through the Triton interpreter: a module imported
+for the GPU loads an interpreted copy of itself (once) when handed CPU tensors. Also mends Triton
+3.6's interpreter for NumPy >= 2.4 (:func:`mend_scalar_index`).
 """
 
 from __future__ import annotations
@@ -23,9 +17,8 @@ _COPIES: dict[str, ModuleType] = {}
 
 def kernel_module(device: torch.device, module_name: str, module_file: str,
                   interpreting: bool) -> ModuleType:
-    """The module whose Triton kernels serve tensors on ``device``: the module itself (imported
-    as ``module_name``; ``interpreting``: its kernels were made by the interpreter) where its
-    kernels fit, and its interpreted copy for CPU tensors in a compiled import."""
+    """The module whose kernels serve tensors on ``device``: itself, or its interpreted copy for
+    CPU tensors in a compiled import."""
     if device.type == "cuda":
         if interpreting:
             raise RuntimeError(f"{module_name} was imported with TRITON_INTERPRET=1 (the Triton "
@@ -39,18 +32,11 @@ def kernel_module(device: torch.device, module_name: str, module_file: str,
 
 
 def mend_scalar_index() -> None:
-    """Let ``range()`` take kernel scalars under the interpreter with NumPy >= 2.4.
-
-    The interpreter holds a scalar as a 1-element array and converts it with
-    ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to
-    Python scalars", triton-lang/triton#9171, fixed upstream by squeezing the array first).
-    This wraps the interpreter's tensor patching to convert ``int(array.squeeze())``, as the
-    upstream fix does; it changes nothing for compiled kernels, and nothing where the
-    interpreter is not built this way.
-    """
+    """Let ``range()`` take kernel scalars under the interpreter with NumPy >= 2.4
+    (triton-lang/triton#9171): ``int(array.squeeze())`` as the upstream fix does."""
     try:
         from triton.runtime import interpreter
-    except ImportError:          # no interpreter in this Triton build
+    except ImportError:
         return
     patch = getattr(interpreter, "_patch_lang_tensor", None)
     if patch is None or getattr(patch, "mends_scalar_index", False):
@@ -68,9 +54,8 @@ mend_scalar_index()
 
 
 def same_mode(module: ModuleType) -> ModuleType:
-    """``module`` (whose ``_interpreting()`` says whether its @jit functions were made by the
-    interpreter) or its interpreted copy: the one whose @jit helpers a kernel module being
-    imported now can call (an interpreted kernel cannot call compiled helpers)."""
+    """``module`` or its interpreted copy: the one whose @jit helpers a kernel module being
+    imported now can call."""
     import triton
     if triton.knobs.runtime.interpret and not module._interpreting():
         return interpreted_copy(module.__name__, module.__file__)
@@ -78,9 +63,8 @@ def same_mode(module: ModuleType) -> ModuleType:
 
 
 def interpreted_copy(module_name: str, module_file: str) -> ModuleType:
-    """The module at ``module_file`` loaded again with TRITON_INTERPRET=1 (cached; registered in
-    ``sys.modules`` as ``<module_name>_interpreted`` while and after it loads, as an import
-    would, so that e.g. its dataclasses resolve their annotations)."""
+    """The module at ``module_file`` loaded again with TRITON_INTERPRET=1 (cached, registered in
+    ``sys.modules`` as ``<module_name>_interpreted``)."""
     if module_name not in _COPIES:
         spec = importlib.util.spec_from_file_location(module_name + "_interpreted", module_file)
         module = importlib.util.module_from_spec(spec)

@@ -1,15 +1,9 @@
 """Linear layers over weights in the lossless BF16 weight format (docs/format.md, "Weights").
 
-* :func:`fused_linear`: ``x Wᵀ (+ bias)`` in one Triton kernel that restores W in registers
-  before the tensor-core dot (tiles of (M, N), K split; split partials summed in a fixed order:
-  deterministic); x and the planes come in by tensor descriptors (bulk copies) where aligned.
-  Escapes come out of the planes as +0 and are added by K split 0 as one more small dot. The
-  sums run in another order than cuBLAS's: close to ``F.linear``, not bit-equal.
-* :func:`restore_into` / :func:`gather_rows`: W, or its rows ``ids``, restored bit for bit.
-* :func:`weight_linear`: the fused kernel for small M, restore + cuBLAS for large M; on the CPU
-  the torch restore + ``F.linear`` (bit for bit the uncompressed result).
-
-CPU tensors run the kernels through the Triton interpreter (tests).
+:func:`fused_linear` restores W in registers before the tensor-core dot (split-K partials summed
+in a fixed order; escapes added as one more small dot): close to ``F.linear``, not bit-equal.
+:func:`restore_into` / :func:`gather_rows` restore W or its rows bit for bit; :func:`weight_linear`
+dispatches. CPU tensors run the kernels through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ from .triton_interpreter import kernel_module, same_mode
 from . import triton_attention
 
 FUSED_MAX_M = 128          # above this M, weight_linear restores and calls cuBLAS (measured faster)
+RESTORE_MAX_VALUES = 1 << 28   # larger weights (vocabulary-sized) run fused in blocks of FUSED_MAX_M rows
 _interleave = same_mode(triton_restore)._interleave      # prmt on the GPU, shifts under the interpreter
 _dot = same_mode(triton_attention)._dot                  # fp32 operands under the interpreter
 
@@ -39,10 +34,6 @@ def _interpreting() -> bool:
 def _module(device: torch.device):
     return kernel_module(device, __name__, __file__, _interpreting())
 
-
-# ------------------------------------------------------------------------------------------
-# The restore of a tile: [BN, BK] bf16 from the planes
-# ------------------------------------------------------------------------------------------
 
 @triton.jit
 def _hi_bytes(code, bh):
@@ -59,13 +50,9 @@ def _hi_bytes(code, bh):
 def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexpr,
                 NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr,
                 TMA: tl.constexpr = False):
-    """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0 (a multiple of BK).
-    NATURAL: word k of a group = values (2k, 2k+1); else values (0, 2), (1, 3), (4, 6), (5, 7)
-    (cheaper without ``prmt``; the caller permutes x's columns to match). Measurements only (wrong
-    values): MODE 1 skips the restore, MODE 3 skips its d = 0 test; MODE 2 reads plain BF16;
-    MODE 4 (in the fused kernel) skips the escapes.
-    TMA: lo_ptr and code_ptr are tensor descriptors of the planes as int32 [N, Kp/4], [N, Kp/8]
-    (bulk copies; rows from rows[0])."""
+    """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0. NATURAL: word k
+    holds values (2k, 2k+1), else (0, 2), (1, 3), ... (x's columns permuted to match). MODE 1-3:
+    measurements only (see fused_linear). TMA: lo_ptr / code_ptr are tensor descriptors."""
     BN: tl.constexpr = rows.shape[0]
     NB: tl.constexpr = BK // 128
     Kp = tl.multiple_of(Kp, 128)                       # the format pads K: 16-byte plane loads
@@ -128,10 +115,6 @@ def _to_out(acc, INTERPRET: tl.constexpr):
         return acc.to(tl.bfloat16)
 
 
-# ------------------------------------------------------------------------------------------
-# The fused kernel
-# ------------------------------------------------------------------------------------------
-
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
                   bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, Kp, stride_xm, tiles_per_split,
@@ -139,11 +122,8 @@ def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr,
                   BN: tl.constexpr, BK: tl.constexpr, NATURAL: tl.constexpr,
                   SWAP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
                   TMA: tl.constexpr, ECH: tl.constexpr, INTERPRET: tl.constexpr):
-    """x [M, K] times the restored W [N, Kp]ᵀ over this program's K tiles (escapes added by K
-    split 0) -> out[M, N] (REDUCE 0: no split), or fp32 partials ws[split, M, N] summed by
-    _reduce_kernel (REDUCE 1) or here by the tile's last program to finish (REDUCE 2: a counter
-    per (M, N) tile, reset to 0 by that program). SWAP: the accumulator is [BN, BM]. EVEN_K: K
-    is a multiple of BK (x's columns unmasked). ECH: escapes a dot."""
+    """x [M, K] @ restored W [N, Kp]ᵀ over this program's K tiles -> out (REDUCE 0), or fp32
+    partials summed by _reduce_kernel (1) or by the tile's last program (2: a per-tile counter)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -230,10 +210,6 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr,
     tl.store(out_ptr + i, _to_out(acc, INTERPRET), mask=mask)
 
 
-# ------------------------------------------------------------------------------------------
-# The restore kernel (whole matrix or gathered rows)
-# ------------------------------------------------------------------------------------------
-
 @triton.jit(do_not_specialize=["T"])
 def _restore_kernel(lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr, ids_ptr,
                     out_ptr, T, N, K, Kp, GATHER: tl.constexpr, BN: tl.constexpr,
@@ -270,10 +246,6 @@ def _restore_kernel(lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, ev
         tl.store(dst + ec[None, :], tl.broadcast_to(ev[None, :], (BN, 16)), mask=hit)
 
 
-# ------------------------------------------------------------------------------------------
-# Launch configuration
-# ------------------------------------------------------------------------------------------
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -283,10 +255,8 @@ def _bucket(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
-# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and the K split's target of
-# programs per SM; the best of sweeps on the GPU (docs/benchmarks.md, scripts/gpu/weights_tune.py).
-# ``tma=True`` (bulk tensor copies of x and the planes) is an option, not a default: it was faster
-# in a sweep but its shipped configs have not passed the exact GPU tests yet.
+# (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and programs per SM, from
+# sweeps (scripts/gpu/weights_tune.py); ``tma=True`` is an option until its configs pass the GPU tests.
 _NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
 _SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
 CONFIGS = {
@@ -315,10 +285,6 @@ def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
     return cfg
 
 
-# ------------------------------------------------------------------------------------------
-# Python entry points
-# ------------------------------------------------------------------------------------------
-
 def _check(x: torch.Tensor, cw: CompressedWeight, bias):
     if not isinstance(cw, CompressedWeight):
         raise TypeError(f"cw must be a zipfusion.format.weights.CompressedWeight, got {type(cw).__name__}")
@@ -333,12 +299,10 @@ def _check(x: torch.Tensor, cw: CompressedWeight, bias):
 
 
 def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | None = None,
-                 *, mode: int = 0, plain: torch.Tensor | None = None, **override) -> torch.Tensor:
-    """``x [..., K] @ Wᵀ (+ bias)`` -> bf16 [..., N], W restored in registers (module docstring).
-
-    Not bit-equal to ``F.linear`` (another summation order); deterministic for a given M.
-    ``mode`` 1 and 3 (restore skipped or cut: wrong values) and 2 (``plain`` BF16 W read by the
-    same kernel) are measurements only; ``override`` sets launch parameters (:func:`plan`)."""
+                 *, mode: int = 0, plain: torch.Tensor | None = None, compile_only: bool = False,
+                 **override) -> torch.Tensor:
+    """``x @ Wᵀ (+ bias)`` -> bf16, deterministic for a given M. ``mode`` 1-3: measurements only (1, 3
+    cut the restore; 2 reads ``plain`` BF16); ``override``: launch parameters (:func:`plan`)."""
     _check(x, cw, bias)
     lead, (N, K), Kp = x.shape[:-1], cw.shape, cw.padded_k
     x2 = x.reshape(-1, K)
@@ -369,14 +333,17 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     reduce = 0 if split == 1 else cfg["reduce"] if grid[0] * grid[1] <= COUNTERS else 1
     ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else out
-    m._fused_kernel[grid](x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
+    kernel = m._fused_kernel[grid]
+    if compile_only:
+        kernel = functools.partial(m._fused_kernel.warmup, grid=grid)
+    kernel(x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
                           cw.esc_col, cw.esc_val, b, out, ws, _counters(x.device), M, N, K, Kp,
                           x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
                           REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                           NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode,
                           EVEN_K=K % cfg["BK"] == 0, TMA=tma, ECH=cfg.get("ech", 16), INTERPRET=interp,
                           num_warps=cfg["warps"], num_stages=cfg["stages"])
-    if reduce == 1:
+    if reduce == 1 and not compile_only:
         total, block = M * N, 1024
         m._reduce_kernel[(triton.cdiv(total, block),)](ws, b, out, total, N, HAS_BIAS=bias is not None,
                                                       SPLIT=split, BLOCK=block, INTERPRET=interp)
@@ -411,9 +378,7 @@ def restore_into(cw: CompressedWeight, out: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(cw: CompressedWeight, ids: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
-    """Rows ``ids`` (int tensor [T], values in [0, N)) of W, restored bit for bit: bf16 [T, K]. The
-    Triton kernel on CUDA, the torch reference elsewhere (``kernel=True``: the kernel anyway,
-    through the interpreter on the CPU)."""
+    """Rows ``ids`` of W restored bit for bit (bf16 [T, K]): the kernel on CUDA or with ``kernel=True``."""
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {list(ids.shape)}")
     ids = ids.to(cw.device)
@@ -429,8 +394,7 @@ COUNTERS = 1 << 16       # split-K tiles one launch can count (more: the separat
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The split-K tile counters of ``device`` (zeros; each launch leaves them zero). Launches on
-    one device must not overlap in time (one stream, as the engine runs)."""
+    """The split-K tile counters of ``device``, left zero by each launch (one stream at a time)."""
     c = _COUNTERS.get(device)
     if c is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -441,8 +405,7 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def restore_buffer(cw: CompressedWeight) -> torch.Tensor:
-    """W restored into the module's reused buffer of cw's device (grown as needed, never while a
-    CUDA graph is being captured: call :func:`warmup` first)."""
+    """W restored into the device's reused buffer (grown by :func:`warmup`, never during capture)."""
     n = cw.shape[0] * cw.shape[1]
     buf = _BUFFERS.get(cw.device)
     if buf is None or buf.numel() < n:
@@ -463,24 +426,37 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
     M = x.numel() // max(1, x.shape[-1])
     if M <= FUSED_MAX_M:
         return fused_linear(x, cw, bias)
+    if cw.shape[0] * cw.shape[1] > RESTORE_MAX_VALUES:     # LM head, tied embedding: no buffer that large
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.cat([fused_linear(x2[i:i + FUSED_MAX_M], cw, bias) for i in range(0, M, FUSED_MAX_M)])
+        return out.view(*x.shape[:-1], cw.shape[0])
     return torch.nn.functional.linear(x, restore_buffer(cw), bias)
 
 
-def warmup(cw_list, max_m: int) -> None:
-    """Compile the fused kernel's variants (every M bucket up to ``max_m``, split or not, with and
-    without bias) for each weight shape, and size the restore buffer and the split-K counters, so
-    that CUDA graph capture finds everything built."""
-    seen = set()
-    for cw in cw_list:
-        if cw.device.type != "cuda" or (cw.shape, cw.device) in seen:
+def warmup(layers, max_m: int) -> None:
+    """Build, in parallel threads, every fused-kernel variant for ``(weight, bias)`` pairs up to
+    ``max_m`` rows, with the restore buffer and counters, so CUDA graph capture builds nothing."""
+    calls, seen = [], set()
+    top = max(1, min(max_m, FUSED_MAX_M))
+    for cw, bias in layers:
+        key = (cw.shape, cw.device, bias is not None)
+        if cw.device.type != "cuda" or key in seen:
             continue
-        seen.add((cw.shape, cw.device))
-        N, K = cw.shape
-        bias = torch.zeros(N, dtype=torch.bfloat16, device=cw.device)
-        for m in sorted({_bucket(m) for m in (1, 32, 64, 128, FUSED_MAX_M) if m <= max(1, min(max_m, FUSED_MAX_M))}):
-            x = torch.zeros(m, K, dtype=torch.bfloat16, device=cw.device)
-            for split in (1, 2):
-                for b in (None, bias):
-                    fused_linear(x, cw, b, split=min(split, cw.padded_k // WEIGHT_BLOCK))
-        if max_m > FUSED_MAX_M:
-            restore_buffer(cw)
+        seen.add(key)
+        b = None if bias is None else torch.zeros_like(bias)
+        for m in sorted({_bucket(m) for m in (1, 32, 64, 128) if m <= top}):
+            calls.append((torch.zeros(m, cw.shape[1], dtype=torch.bfloat16, device=cw.device), cw, b))
+    if not calls:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    from triton.runtime._async_compile import AsyncCompileMode
+    with ThreadPoolExecutor(max_workers=min(16, len(calls))) as pool, AsyncCompileMode(pool):
+        for x, cw, b in calls:
+            fused_linear(x, cw, b, compile_only=True)
+    for x, cw, b in calls:
+        fused_linear(x, cw, b)
+    if max_m > FUSED_MAX_M:
+        for cw in {id(cw): cw for _, cw, _ in calls}.values():
+            if cw.shape[0] * cw.shape[1] <= RESTORE_MAX_VALUES:
+                restore_buffer(cw)
+    torch.cuda.empty_cache()             # the build's scratch back: the KV budget is sized from what is free

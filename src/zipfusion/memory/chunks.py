@@ -1,21 +1,5 @@
-"""The chunk pool: free fixed-size chunks of the arena that any layer may take.
-
-The arena is cut into ``num_chunks`` chunks of ``chunk_bytes``. A chunk is either in a pool
-(free), *pending* (freed by a layer while kernels enqueued before the free may still read it),
-or owned by a layer (an open-page group chunk or a packed chunk of compressed pages).
-
-Shared mode: one pool for all layers (a chunk freed by layer 3 can serve layer 17).
-Static mode (``shared=False``, the "no pool" baseline): chunk ``c`` belongs for ever to layer
-``c // (num_chunks // num_layers)``; leftover chunks are never used.
-
-Reads in flight: on CUDA, ``release`` records an event on the current stream; the chunk
-re-enters its pool once that event has completed (``event.query()``), so a kernel that was
-enqueued before the free and still reads the chunk cannot see another layer's bytes. When a
-pool is empty and chunks are pending, ``take`` hands out the oldest pending one and makes the
-current stream wait for its event (``Stream.wait_event``): the device, not the host, waits, so a
-seal or an allocation placed while a forward runs never stalls the host (every write into an
-arena chunk is a kernel queued on the current stream after ``take``). On CPU (and for the
-accounting-only ``meta`` device) chunks return at once.
+"""The chunk pool: fixed-size arena chunks any layer may take. A chunk freed on CUDA is pending until
+the kernels queued before the free ran; ``take`` may hand it out after making the stream wait.
 """
 
 from __future__ import annotations
@@ -38,17 +22,16 @@ class ChunkPool:
         else:
             per = num_chunks // num_layers
             ranges = [range(layer * per, (layer + 1) * per) for layer in range(num_layers)]
-        # stacks: pop() gives the lowest chunk index first (keeps the arena's low end busy)
+# stacks: pop() gives the lowest chunk index first
         self._free = [list(reversed(r)) for r in ranges]
         self.chunks_per_pool = [len(r) for r in ranges]
-        self._pending: deque = deque()          # (chunk, pool, event)
+        self._pending: deque = deque()
         self._pending_count = [0] * self.num_pools
 
     def pool_of(self, layer: int) -> int:
         return 0 if self.shared else layer
 
     def available(self, pool: int) -> int:
-        """Chunks this pool can hand out (free now or once pending reads finish)."""
         return len(self._free[pool]) + self._pending_count[pool]
 
     def pending(self) -> int:
@@ -65,16 +48,14 @@ class ChunkPool:
             self._free[pool].append(chunk)
 
     def take(self, pool: int) -> int:
-        """A free chunk of ``pool``. The caller checked ``available(pool) > 0``. With none free,
-        the oldest pending chunk of the pool, the current stream made to wait for the reads
-        enqueued before its release (no host wait)."""
+        """A free chunk of ``pool`` (else the oldest pending one, the stream made to wait)."""
         if not self._free[pool]:
             self._collect()
         if not self._free[pool]:
             for i, (chunk, p, event) in enumerate(self._pending):
                 if p == pool:
                     if event is not None:
-                        event.wait()                # the current stream waits, the host goes on
+                        event.wait()
                     del self._pending[i]
                     self._pending_count[pool] -= 1
                     return chunk
@@ -82,8 +63,7 @@ class ChunkPool:
         return self._free[pool].pop()
 
     def release(self, chunks: list[tuple[int, int]]) -> None:
-        """Give fully free chunks back, as (chunk, pool) pairs; on CUDA they wait (one event)
-        for the reads already enqueued."""
+        """Give fully free chunks back, as (chunk, pool) pairs."""
         if not chunks:
             return
         event = self._reads_done()
@@ -97,9 +77,8 @@ class ChunkPool:
         self._collect()
 
     def _reads_done(self):
-        """An event that completes once the work enqueued so far has run (CUDA: recorded on the
-        current stream), or None where work runs as it is called (the CPU). Tests stand in a
-        late one on the CPU (tests/test_engine.py) to take the pending path."""
+        """An event completing once the work enqueued so far ran, or None on the CPU (tests stand
+        in a late one)."""
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event()
@@ -108,13 +87,8 @@ class ChunkPool:
 
 
 def groups_available(free_chunks: list[int], num_layers: int, reserve: int) -> int:
-    """How many open groups (one chunk in every layer) the pools can give, keeping ``reserve``
-    chunks per layer.
-
-    ``free_chunks`` has one entry for a shared pool (any chunk serves any layer: a group takes
-    ``num_layers`` of them) or one entry per layer (static ownership: a group takes one chunk
-    of each layer, so the tightest layer decides).
-    """
+    """How many open groups (a chunk in every layer) the pools can give, keeping ``reserve``
+    chunks per layer (one entry of ``free_chunks`` for a shared pool, else one per layer)."""
     if len(free_chunks) == 1 and num_layers > 1 or num_layers == 1:
         return max(0, (sum(free_chunks) - reserve * num_layers) // num_layers)
     if len(free_chunks) != num_layers:
@@ -123,15 +97,12 @@ def groups_available(free_chunks: list[int], num_layers: int, reserve: int) -> i
     return max(0, min(free_chunks) - reserve)
 
 
-MAX_CHUNK_BYTES = 2 << 20          # largest chunk: 2 MiB (one Llama-8B group of 32 open pages)
+MAX_CHUNK_BYTES = 2 << 20  # largest chunk: one Llama-8B group of 32 open pages
 
 
 def default_chunk_bytes(budget_bytes: int, num_layers: int, layout, reserve_chunks: int = 2) -> int:
-    """Chunks of S open pages, S a power of two. Two costs pull S apart: next fit leaves on
-    average half a compressed page unused at the end of each packed chunk (a share ~1/(2S) of
-    the arena), and the compression reserve keeps ``reserve_chunks`` chunks per layer (a share
-    ~reserve·S/N, N open pages per layer). Their sum is smallest near S = sqrt(N / (2·reserve)):
-    small arenas get small chunks, large ones 2 MiB."""
+    """Chunks of S open pages, S a power of two near sqrt(N / (2·reserve)): the size that
+    balances next fit's waste against the reserve's."""
     open_bytes = layout.open_page_bytes
     n = max(1, int(budget_bytes) // num_layers // open_bytes)
     best = math.sqrt(n / (2 * max(1, reserve_chunks)))

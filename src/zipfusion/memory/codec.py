@@ -1,25 +1,5 @@
-"""Which codec compresses full open pages in the arena, and decodes stored ones: the one
-dispatch point.
-
-On CUDA, ``zipfusion.format.triton_codec`` (``analyze_open_pages`` / ``compress_open_pages``)
-if it imports; otherwise (CPU, or no Triton codec) the torch reference: gather the open pages
-as ``[P, 2, 16, H, D]`` bf16, ``page_sizes`` and ``encode_pages_into``. Both write identical
-bytes (the format's contract), so the rest of the manager does not care which one ran.
-
-Two steps, because the manager must know the sizes before it can choose destinations:
-``analyze(...) -> (state, sizes)`` (sizes: a ``copy.HostArray`` on their way to the host, so the
-caller decides when to wait: the engine launches the analysis behind one step's sampling and
-reads the sizes while the next step's forward runs) then
-``encode(..., state, keep, dst_offsets)`` for any subset of the analysis (on CUDA: one launch,
-indices and destinations in one asynchronous copy, no gather, no sync). ``decode`` reads
-compressed pages back (prefill over earlier chunks, the CPU attention path): the Triton
-``decompress_pages`` on CUDA, the reference elsewhere; both check the metadata first unless the
-bytes are trusted (the host tier's own).
-
-FP8 pages (``Fp8PageLayout``: ``kv_cache_dtype="fp8_lossless"``) go through the
-torch codec of :mod:`zipfusion.format.fp8_blocks` on every device, ``FP8_SLICE`` page-layers at a
-time: the analysis sizes the pages, ``encode`` reads the (unchanged, full) open pages again,
-encodes them and copies each page's bytes to its destination (sizes known on the host: no sync).
+"""Which codec compresses open pages and decodes stored ones (Triton on CUDA, else the torch
+reference: the same bytes). ``analyze`` hands back sizes on their way to the host.
 """
 
 from __future__ import annotations
@@ -32,13 +12,13 @@ from ..format.fp8 import Fp8PageLayout
 from ..format.fp8_blocks import decode_fp8_pages, encode_fp8_pages, fp8_page_sizes
 from .copy import HostArray, copy_ranges, to_device
 
-try:                                          # needs Triton; optional on CPU
+try:
     from ..format.triton_codec import analyze_open_pages, compress_open_pages, decompress_pages
-except ImportError:                           # pragma: no cover - depends on the install
+except ImportError:
     analyze_open_pages = compress_open_pages = decompress_pages = None
 
 
-FP8_SLICE = 128                               # FP8 page-layers per torch pass (~0.4 GB of int64 temporaries at H=8, D=128)
+FP8_SLICE = 128  # per torch pass (bounds int64 temporaries)
 
 
 def uses_triton(arena: torch.Tensor) -> bool:
@@ -51,11 +31,9 @@ def _fp8(layout: PageLayout) -> bool:
 
 
 def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: PageLayout) -> torch.Tensor:
-    """Copies of the open pages at byte ``src_offsets`` -> [P, 2, 16, H, D] of the layout's
-    ``element_dtype`` (bf16; uint8 E4M3 codes for FP8 pages)."""
+    """Copies of the open pages at byte ``src_offsets`` -> [P, 2, 16, H, D]."""
     nbytes = layout.open_page_bytes
-    if src_offsets.numel() <= 64 and not src_offsets.is_cuda:   # few pages: slices beat an index
-                                                                  # tensor of P*nbytes (no sync on CUDA)
+    if src_offsets.numel() <= 64 and not src_offsets.is_cuda:   # few pages: slices beat an index tensor
         locs = src_offsets.tolist()
         pages = torch.cat([arena[s:s + nbytes] for s in locs]) if locs else arena[:0]
     else:
@@ -66,10 +44,9 @@ def gather_open_pages(arena: torch.Tensor, src_offsets: torch.Tensor, layout: Pa
 
 
 def analyze(arena: torch.Tensor, src_offsets: np.ndarray, layout: PageLayout) -> tuple[tuple, HostArray]:
-    """Encoded size of each open page at ``src_offsets`` -> (codec state, sizes: int64 [P] on
-    their way to the host, ``.get()``)."""
+    """Encoded size of each open page -> (codec state, sizes on their way to the host)."""
     src = to_device(src_offsets, arena.device)
-    if _fp8(layout):                          # torch, a slice of pages at a time (encode re-reads them)
+    if _fp8(layout):
         sizes = [fp8_page_sizes(gather_open_pages(arena, src[i:i + FP8_SLICE], layout))
                  for i in range(0, src.numel(), FP8_SLICE)]
         sizes = HostArray(torch.cat(sizes) if sizes else src.new_zeros(0))
@@ -86,11 +63,11 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
     if len(keep) == 0:
         return
     kind, src, payload = state
-    if kind == "stored":                      # encoded already (:func:`stored`): the bytes are copied
+    if kind == "stored":
         start, size = payload
         copy_ranges(src, arena, start[keep], np.asarray(dst_offsets, dtype=np.int64), size[keep])
         return
-    if kind == "fp8":                         # encoded a slice at a time, then copied (sizes known)
+    if kind == "fp8":
         sizes, keep = payload.get(), np.asarray(keep, dtype=np.int64)
         dst_offsets = np.asarray(dst_offsets, dtype=np.int64)
         for i in range(0, keep.size, FP8_SLICE):
@@ -107,17 +84,14 @@ def encode(arena: torch.Tensor, state, keep: np.ndarray, dst_offsets: np.ndarray
 
 
 def stored(buf: torch.Tensor, start: np.ndarray, nbytes: np.ndarray):
-    """The state of pages encoded already, their bytes in ``buf`` (the host tier's swap-in):
-    page ``i`` of the batch at ``start[i]``, ``nbytes[i]`` bytes (layer-major, as ``analyze``'s
-    sizes). ``encode`` copies them."""
+    """The state of pages encoded already, in ``buf`` (the host tier's swap-in)."""
     return "stored", buf, (np.asarray(start, dtype=np.int64).reshape(-1), np.asarray(nbytes, dtype=np.int64).reshape(-1))
 
 
 def staged(state, keep: np.ndarray, offsets: np.ndarray, device):
-    """The state of an analysis whose pages ``keep`` have been copied, open, to ``offsets`` of a
-    staging tensor: ``encode(stage, staged(...), keep, ...)`` then reads them there."""
+    """The state of an analysis whose pages ``keep`` were copied, open, to a staging tensor."""
     kind, src, payload = state
-    if kind in ("torch", "stored"):           # the state holds copies of the pages already (fp8, triton: offsets)
+    if kind in ("torch", "stored"):
         return state
     src = src.clone()
     src[to_device(keep, device)] = to_device(offsets, device)
@@ -126,9 +100,8 @@ def staged(state, keep: np.ndarray, offsets: np.ndarray, device):
 
 def decode(arena: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, layout: PageLayout,
            trusted: bool = False) -> torch.Tensor:
-    """Decoded compressed pages at byte ``offsets`` (sizes in bytes) -> [P, 2, 16, H, D] bf16.
-    The metadata is checked first, unless ``trusted`` (bytes this process's encoder wrote, such
-    as the host tier's: then no check and, on CUDA, no host sync)."""
+    """Decoded compressed pages at byte ``offsets`` -> [P, 2, 16, H, D] bf16; metadata checked
+    unless ``trusted`` (this process's own bytes: no check, no sync)."""
     off = to_device(offsets, arena.device)
     if _fp8(layout):
         return decode_fp8_pages(arena, off, None if trusted else np.asarray(sizes, dtype=np.int64),

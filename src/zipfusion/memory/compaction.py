@@ -1,12 +1,6 @@
-"""Compaction: repacking a layer's emptiest packed chunks so that chunks with holes return to
-the pool. Functions of a :class:`~zipfusion.memory.manager.KVCacheManager` (``m``), which calls
-them when an allocation or a seal needs chunks the pool does not have.
-
-Incremental: just enough chunks to free what is asked for. The pages a repack would move are
-first offered to the caller's ``reclaim`` policy (the page store evicts cached pages nobody holds
-there: dropping costs a possible prefix hit, moving costs the bytes); those it frees are dropped
-instead of moved. Bytes move bit-exactly (copy.move_ranges) and only the pages' ``page_loc``
-entries change.
+"""Compaction: repacking a layer's emptiest packed chunks so that chunks with holes return to the
+pool, just enough to free what is asked for. Pages a repack would move are first offered to the
+caller's ``reclaim`` policy, which may drop them instead; bytes move bit-exactly.
 """
 
 from __future__ import annotations
@@ -24,15 +18,14 @@ if TYPE_CHECKING:
 
 
 def make_room_for_groups(m: KVCacheManager, g: int, reserve: int, reclaim: Reclaim) -> None:
-    """Compact until the pool(s) hold ``g`` groups beyond ``reserve`` chunks per layer, the
-    emptiest chunks first. Shared pool: in rounds, each layer gives at most twice its share
-    (one layer asked for all would repack denser chunks while others hold near-empty ones)."""
+    """Compact until the pools hold ``g`` groups beyond ``reserve`` chunks per layer (shared pool:
+    in rounds, each layer giving at most twice its share)."""
     L = m.num_layers
     if m.pool.shared:
         missing = (g + reserve) * L - m.pool.available(0)
         share = max(1, -(-2 * missing // L))
-        for last in (False, True):                 # rounds of shares, then whatever is left
-            while missing > 0:                     # (the bound promised it)
+        for last in (False, True):  # rounds of shares, then whatever is left
+            while missing > 0:
                 before = missing
                 for layer in np.argsort(-m.packed.reclaimable_bound(), kind="stable").tolist():
                     if missing <= 0:
@@ -45,15 +38,13 @@ def make_room_for_groups(m: KVCacheManager, g: int, reserve: int, reclaim: Recla
             missing = g + reserve - m.pool.available(layer)
             if missing > 0:
                 compact_layer(m, layer, missing, reclaim)
-    if m._groups_available(False, reserve == m.reserve) < g:   # capacity bound was checked
+    if m._groups_available(False, reserve == m.reserve) < g:
         raise AssertionError("compaction freed fewer chunks than its bound promised")
 
 
 def make_room_for_packing(m: KVCacheManager, stored: np.ndarray, reclaim: Reclaim):
-    """The placement split for ``packed.place`` once every layer can take the fresh chunks
-    that placing ``stored`` [L, k] needs (the reserve may be used), compacting if it must;
-    None if even compaction cannot make the room. Compaction moves fill pointers, so the
-    need is recomputed after it."""
+    """The placement split for ``packed.place`` once every layer can take its fresh chunks,
+    compacting if it must; None if even compaction cannot make the room."""
     split = m.packed.placement(stored)
     need = m.packed.chunks_needed(stored, split)
     if m.pool.shared:
@@ -76,10 +67,8 @@ def make_room_for_packing(m: KVCacheManager, stored: np.ndarray, reclaim: Reclai
 
 
 def compact_layer(m: KVCacheManager, layer: int, want: int | None, reclaim: Reclaim) -> int:
-    """Repack the layer's emptiest packed chunks, enough to free ``want`` chunks (all of
-    them when None); returns the chunks freed. The pages it would move are first offered to
-    ``reclaim`` (the caller's policy: the page store evicts cached pages nobody holds);
-    those it frees are dropped instead of moved."""
+    """Repack the layer's emptiest packed chunks, enough to free ``want`` (None: all); returns
+    the chunks freed."""
     if m.packed.held[layer] < 2:
         return 0
     plan = repack_plan(m, layer, want)
@@ -89,9 +78,9 @@ def compact_layer(m: KVCacheManager, layer: int, want: int | None, reclaim: Recl
         ids, locs, _, (order, new_locs, *_) = plan
         before = m._counts[STORED]
         reclaim(ids[order[new_locs[order] != locs[order]]])
-        if m._counts[STORED] < before:                    # pages freed: plan again
+        if m._counts[STORED] < before:
             m.pages_reclaimed += before - m._counts[STORED]
-            gone = held - int(m.packed.held[layer])       # chunks emptied by the frees
+            gone = held - int(m.packed.held[layer])
             if want is not None and gone >= want:
                 return gone
             plan = (repack_plan(m, layer, None if want is None else want - gone)
@@ -100,8 +89,7 @@ def compact_layer(m: KVCacheManager, layer: int, want: int | None, reclaim: Recl
 
 
 def repack_plan(m: KVCacheManager, layer: int, want: int | None):
-    """(stored page ids, their offsets and sizes in the layer, packed.plan_repack's plan),
-    or None when repacking would free nothing."""
+    """(stored page ids, offsets, sizes, plan), or None when repacking would free nothing."""
     t = m.table
     ids = np.nonzero(t.state == STORED)[0]
     locs = loc_offset(t.loc[layer, ids])

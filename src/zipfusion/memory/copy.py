@@ -1,18 +1,5 @@
-"""Bit-exact byte moves inside the arena (compaction, pages stored in open form).
-
-Pages start at 16-byte aligned offsets and their sizes are multiples of 16. Moves are done in
-batches of at most ``batch_bytes``: every range of a batch is first copied into a temporary
-buffer, then from it to its destination (``copy_ranges`` twice; ``copy_ranges`` alone also
-copies between two tensors), so a page may slide onto its own old bytes or onto
-another's already-read bytes (compaction relies on the order argument in packed.py for bytes of
-later batches).
-
-On CUDA one Triton kernel does each half (a program per range, 16-byte words); elsewhere a
-gather/scatter over 16-byte rows (the reference the GPU test compares with).
-
-``to_device`` is how host index arrays reach the GPU on the copy and encode paths (and the
-runner's step inputs): through pinned memory, without a stream sync (a plain ``.to("cuda")`` of
-pageable memory waits for the stream); ``HostArray`` is the way back (seal sizes, sampled tokens).
+"""Bit-exact byte moves inside the arena, through a temporary buffer in batches; ``to_device`` and
+``HostArray`` move arrays to and from the GPU through pinned memory without a stream sync.
 """
 
 from __future__ import annotations
@@ -25,7 +12,7 @@ ROW = 16
 try:
     import triton
     import triton.language as tl
-except ImportError:                            # pragma: no cover - depends on the install
+except ImportError:
     triton = None
 
 
@@ -34,7 +21,7 @@ if triton is not None:
     def _copy_ranges_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, n_ptr, BLOCK: tl.constexpr):
         """Program i copies n[i] int32 words from src + src_off[i] to dst + dst_off[i]."""
         i = tl.program_id(0)
-        s = tl.multiple_of(tl.load(src_off_ptr + i), 4)          # 16-byte aligned: 4 words
+        s = tl.multiple_of(tl.load(src_off_ptr + i), 4)
         d = tl.multiple_of(tl.load(dst_off_ptr + i), 4)
         n = tl.load(n_ptr + i)
         for start in range(0, n, BLOCK):
@@ -44,9 +31,7 @@ if triton is not None:
 
 
 def to_device(a, device: torch.device) -> torch.Tensor:
-    """A host array (as int64) or host tensor (its dtype) on ``device``: on CUDA a pinned staging
-    copy, copied asynchronously (the caching host allocator keeps the staging buffer until the
-    copy has run), so the host never waits for kernels already queued; elsewhere the array itself."""
+    """A host array or tensor on ``device``: on CUDA through a pinned copy, asynchronously."""
     t = a.contiguous() if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     if torch.device(device).type != "cuda":
         return t.to(device)
@@ -54,8 +39,7 @@ def to_device(a, device: torch.device) -> torch.Tensor:
 
 
 class HostArray:
-    """A device tensor on its way to the host: copied into pinned memory without a host wait,
-    with an event; :meth:`get` waits for that copy alone (not for work queued after it)."""
+    """A device tensor on its way to the host (pinned, with an event); :meth:`get` waits for it."""
 
     def __init__(self, t: torch.Tensor):
         if t.is_cuda:
@@ -73,7 +57,6 @@ class HostArray:
 
 
 def _row_index(starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """Row numbers of every 16-byte row of every range, concatenated."""
     rows = nbytes // ROW
     total = int(rows.sum())
     first = np.repeat(starts // ROW - np.concatenate([[0], np.cumsum(rows)[:-1]]), rows)
@@ -86,20 +69,18 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def copy_ranges(src: torch.Tensor, dst: torch.Tensor, src_off: np.ndarray, dst_off: np.ndarray,
                 nbytes: np.ndarray) -> None:
-    """Copy ``nbytes[i]`` bytes from ``src`` at ``src_off[i]`` to ``dst`` at ``dst_off[i]`` (uint8
-    tensors on one device, ranges 16-byte aligned; ``src`` and ``dst`` may be one tensor only if
-    no destination overlaps a source: ``move_ranges`` is for that). On the meta device (no bytes):
-    nothing."""
+    """Copy ``nbytes[i]`` bytes from ``src`` at ``src_off[i]`` to ``dst`` at ``dst_off[i]``
+    (16-byte aligned; one tensor only if no destination overlaps a source)."""
     if len(src_off) == 0 or dst.device.type == "meta":
         return
     src_off, dst_off, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src_off, dst_off, nbytes))
     if src.is_cuda and triton is not None:
-        s, d, n = to_device(np.stack([src_off, dst_off, nbytes]) // 4, src.device)    # words, one copy
+        s, d, n = to_device(np.stack([src_off, dst_off, nbytes]) // 4, src.device)
         _copy_ranges_kernel[(len(src_off),)](_words(src), _words(dst), s, d, n, BLOCK=1024)
         return
     s_rows = torch.from_numpy(_row_index(src_off, nbytes)).to(src.device)
     d_rows = torch.from_numpy(_row_index(dst_off, nbytes)).to(dst.device)
-    dst.view(-1, ROW)[d_rows] = src.view(-1, ROW)[s_rows]      # advanced indexing: a gather first
+    dst.view(-1, ROW)[d_rows] = src.view(-1, ROW)[s_rows]  # advanced indexing: a gather first
 
 
 def batches(sizes: np.ndarray, limit: int):
@@ -120,10 +101,10 @@ def move_ranges(arena: torch.Tensor, src: np.ndarray, dst: np.ndarray, nbytes: n
     src, dst, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src, dst, nbytes))
     csum = np.concatenate([[0], np.cumsum(nbytes)])
     for i, j in batches(nbytes, batch_bytes):
-        if arena.is_cuda and triton is not None:    # through a temporary: sources first, then dests
+        if arena.is_cuda and triton is not None:
             temp = torch.empty(int(csum[j] - csum[i]), dtype=torch.uint8, device=arena.device)
             packed = csum[i:j] - csum[i]
             copy_ranges(arena, temp, src[i:j], packed, nbytes[i:j])
             copy_ranges(temp, arena, packed, dst[i:j], nbytes[i:j])
-        else:                                       # the CPU gathers into a temporary first itself
+        else:
             copy_ranges(arena, arena, src[i:j], dst[i:j], nbytes[i:j])

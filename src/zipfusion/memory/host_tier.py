@@ -1,33 +1,7 @@
-"""The host tier: full pages kept in (pinned) host memory, as stored, instead of thrown away.
-
-When the prefix cache evicts a page nobody holds (memory is needed: often the pages of a
-preempted request), the page's bytes go here as they lie in the arena -- compressed pages
-compressed, so fewer bytes cross PCIe -- and the page id is freed. A later request whose tokens
-match the page takes it back: a new open page is allocated and the bytes come back to the
-device; a compressed page is placed in packed space as its bytes are (without encoding:
-``KVCacheManager.encoded_pages``), or, with no room for it there, decoded into the open page (bit
-for bit) and sealed again later like any full page. Nothing is recomputed. When the tier is
-full its least recently stored pages are dropped (then they are recomputed, as without a tier).
-
-Transfers (``put`` / ``take``) need no host sync. Out: the pages' bytes are gathered into a
-device staging buffer on the current stream (after the kernels that wrote them, before any that
-reuse their memory: the page ids are freed at once), and that buffer crosses PCIe on the tier's
-own stream, beside the compute that follows; two staging buffers of ``stage_out_bytes`` take turns
-(the current stream waits for a buffer's last copy out before it fills it again), and each copy
-first waits for everything queued on the current stream, so a swap-in still reading a ring slot
-is never overwritten. In: the current stream waits for the records' own copies out (their
-event), then copies them to the device and places (or decodes) them before the step that reads
-them, ``stage_in_bytes`` at a time (:class:`~zipfusion.config.Tuning`). So an eviction or
-swap-in of thousands of pages never holds more than that on the device. On the CPU the same code
-copies between tensors.
-
-Layout: one pinned buffer of the tier's budget (no host allocation per transfer: allocating pinned
-memory can stall the device). On CUDA a background thread pins it once the engine has started
-(``start``; tens of GiB take seconds); until it is ready ``put`` keeps nothing, as without a tier. It is used as a ring: each page's
-layers' byte ranges lie one after another (``Record``) at the head; space comes back from the
-tail, so when the tier is full it drops its oldest pages first (``take_dropped``: their owners) and
-a page taken back leaves a hole that is reused once the tail passes it.
-"""
+"""The host tier: pages the prefix cache evicts kept in (pinned) host memory as stored, in a ring
+that drops its oldest pages when full. A later match brings a page back into a new page, placed
+compressed where there is room (no re-encode) or decoded into it. Copies run on the tier's own
+stream through two bounded staging buffers and need no host sync."""
 
 from __future__ import annotations
 
@@ -41,21 +15,17 @@ import numpy as np
 import torch
 
 from ..config import Tuning
-from ..format.layout import loc_is_open, loc_offset
 from . import codec
 from .copy import batches, copy_ranges
-from .page_table import OPEN, STORED
 
 
 @dataclass
 class Record:
-    """One page on the host: its layers' bytes at ``start`` of the ring (``size`` in all), per
-    layer the byte count and whether the bytes are the page's open form; ``owner``: who to tell
-    if it is dropped."""
+    """One page on the host."""
     start: int
-    size: int                     # nbytes.sum()
-    nbytes: np.ndarray            # [L] int64
-    open_form: np.ndarray         # [L] bool
+    size: int
+    nbytes: np.ndarray            # [L] bytes of each layer
+    open_form: np.ndarray         # [L] whether a layer's bytes are its open form
     owner: object = None
     live: bool = True
     copied: object = None         # CUDA: the event after its copy out (the tier's stream)
@@ -68,10 +38,10 @@ class HostTierStats:
     bytes_out: int = 0
     bytes_in: int = 0
     dropped: int = 0
-    host_s_out: float = 0.0       # the host's seconds in put / take
+    host_s_out: float = 0.0
     host_s_in: float = 0.0
-    device_s_out: float = 0.0     # the work they queue on the compute stream (the gather out; the copy,
-    device_s_in: float = 0.0      # decode and scatter in), from CUDA events (the CPU: host seconds again)
+    device_s_out: float = 0.0     # compute-stream work from CUDA events (the CPU: host seconds)
+    device_s_in: float = 0.0
 
 
 
@@ -80,37 +50,26 @@ class HostTier:
     def __init__(self, manager, budget_bytes: int, tuning: Tuning = Tuning()):
         self.manager, self.budget, self.tuning = manager, int(budget_bytes) // 16 * 16, tuning
         self.pin = manager.device.type == "cuda"
-        self.stream = torch.cuda.Stream(manager.device) if self.pin else None    # copies out, beside compute
-        self._dropped: list = []                # owners of the records dropped for room, not taken yet
+        self.stream = torch.cuda.Stream(manager.device) if self.pin else None
+        self._dropped: list = []                # owners of records dropped for room, not taken yet
         self.buf: torch.Tensor | None = None
         self._pinning: threading.Thread | None = None
-        self.ring: deque[Record] = deque()       # allocation order: the tail first
+        self.ring: deque[Record] = deque()
         self.head = 0
-        self.used = 0                            # bytes of live records
+        self.used = 0
         self.stats = HostTierStats()
-        self._timings: list[tuple[str, object, object]] = []     # (direction, start, end) CUDA events not read yet
-        self._stage: list[torch.Tensor | None] = [None, None]     # copy out: the two staging buffers
-        self._stage_free: list = [None, None]    # CUDA: each one's event after the last copy out of it
+        self._timings: list[tuple[str, object, object]] = []
+        self._stage: list[torch.Tensor | None] = [None, None]
+        self._stage_free: list = [None, None]
         self._turn = 0
 
     def start(self, wait: bool = False) -> None:
-        """Begin pinning the buffer in the background (CUDA; the engine calls this once its CUDA
-        graphs are captured: no host allocation may run beside a capture); ``wait``: until it is
-        done. The CPU allocates at the first ``put``."""
+        """Begin pinning the buffer in the background (CUDA: after graph capture); ``wait``: until done."""
         if self.pin and self.budget and self._pinning is None and self.buf is None:
             self._pinning = threading.Thread(target=self._allocate, name="zipfusion-host-tier", daemon=True)
             self._pinning.start()
         if wait and self._pinning is not None:
             self._pinning.join()
-
-    def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
-        ids = np.asarray(ids, dtype=np.int64)
-        t = self.manager.table
-        loc = t.loc[:, ids]
-        stored = (t.state[ids] == STORED)[None, :]
-        nbytes = np.where(stored, t.size[:, ids], self.manager.layout.open_page_bytes)
-        return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
 
     def _allocate(self) -> None:
         self.buf = torch.empty(self.budget, dtype=torch.uint8, pin_memory=self.pin)
@@ -120,13 +79,11 @@ class HostTier:
         """Whether the buffer exists (on CUDA: pinned by the background thread)."""
         return self.buf is not None
 
-    # -- the ring --------------------------------------------------------------------------------
     def _tail(self) -> int:
         return self.ring[0].start if self.ring else self.head
 
     def _alloc(self, n: int) -> int | None:
-        """Start of ``n`` contiguous bytes at the head, dropping the oldest records for room;
-        None when ``n`` is more than the whole budget."""
+        """Start of ``n`` contiguous bytes at the head, dropping the oldest records for room."""
         if n > self.budget:
             return None
         while True:
@@ -137,7 +94,7 @@ class HostTier:
             if self.head > tail or (self.head == tail and not self.ring):
                 if self.budget - self.head >= n:
                     return self.head
-                if tail >= n:                        # wrap to the front
+                if tail >= n:
                     return 0
             elif tail - self.head >= n:
                 return self.head
@@ -150,14 +107,11 @@ class HostTier:
             self.used -= rec.size
             self.stats.dropped += 1
             self._dropped.append(rec.owner)
-        while self.ring and not self.ring[0].live:       # holes the tail now passes
+        while self.ring and not self.ring[0].live:
             self.ring.popleft()
 
-    # -- transfers -------------------------------------------------------------------------------
     def put(self, ids, owners) -> list[Record | None]:
-        """Copy pages (open or stored) to the host as they lie, one record per page (None: a
-        page larger than the whole tier); the caller then frees them. The oldest records make
-        room (their owners: ``take_dropped``)."""
+        """Copy pages to the host as they lie, a record per page (None: larger than the tier); then free them."""
         with self._timed("out"):
             return self._put(np.asarray(ids, dtype=np.int64), owners)
 
@@ -168,11 +122,11 @@ class HostTier:
 
     def _put(self, ids: np.ndarray, owners) -> list[Record | None]:
         if self.buf is None and not self.pin:
-            self._allocate()                                  # the CPU: at once
-        if self.buf is None:                                  # still being pinned: nothing kept
+            self._allocate()
+        if self.buf is None:
             return [None] * ids.size
-        off, nbytes, open_form = self.page_bytes(ids)
-        per_page, open_t = np.ascontiguousarray(nbytes.T), np.ascontiguousarray(open_form.T)   # [n, L]
+        off, nbytes, open_form = self.manager.page_bytes(ids)
+        per_page, open_t = np.ascontiguousarray(nbytes.T), np.ascontiguousarray(open_form.T)
         out = []
         for i, size in enumerate(per_page.sum(1).tolist()):
             start = self._alloc(size)
@@ -191,27 +145,23 @@ class HostTier:
         return [r if r is not None and r.live else None for r in out]
 
     def _copy_out(self, off: np.ndarray, nbytes: np.ndarray, records: list[Record]) -> None:
-        """The bytes of pages at arena offsets ``off`` [L, n] (``nbytes`` each) into their records,
-        in batches of at most ``tuning.stage_out_bytes``: each gathered into a staging buffer (the two take
-        turns; the current stream first waits for the last copy out of the one it fills), then
-        copied to the ring on the tier's stream."""
-        sizes = nbytes.T.reshape(-1)                                 # page-major: a page's layers together
+        """The pages' bytes (arena offsets ``off`` [L, n]) into their records, in bounded staged batches."""
+        sizes = nbytes.T.reshape(-1)
         src = off.T.reshape(-1)
         ring = np.repeat([r.start for r in records], nbytes.shape[0]) + np.concatenate(
-            [np.concatenate([[0], np.cumsum(r.nbytes)[:-1]]) for r in records])   # each range's ring offset
+            [np.concatenate([[0], np.cumsum(r.nbytes)[:-1]]) for r in records])
         done = None
         for i, j in batches(sizes, self.tuning.stage_out_bytes):
             done = self._stage_batch(src[i:j], ring[i:j], sizes[i:j])
         for r in records:
-            r.copied = done                     # the tier's stream runs its copies in order
+            r.copied = done
 
     def _stage_batch(self, src: np.ndarray, ring: np.ndarray, sizes: np.ndarray):
-        """One batch of ranges (arena offsets ``src``, ring offsets ``ring``, ``sizes``) through the
-        next staging buffer; the event after its copy to the ring (None on the CPU)."""
+        """One batch of ranges through the next staging buffer; the event after its copy (None on the CPU)."""
         k, self._turn = self._turn, 1 - self._turn
         compute, side = torch.cuda.current_stream(self.manager.device) if self.pin else None, self.stream
-        if self._stage_free[k] is not None:     # its last copy out has left it (before a larger one
-            compute.wait_event(self._stage_free[k])      # replaces it: nothing reuses it before that)
+        if self._stage_free[k] is not None:     # its last copy out has left it: nothing reuses it before
+            compute.wait_event(self._stage_free[k])
         total = int(sizes.sum())
         if self._stage[k] is None or self._stage[k].numel() < total:
             self._stage[k] = torch.empty(max(total, min(self.tuning.stage_out_bytes, 2 * total)), dtype=torch.uint8,
@@ -223,7 +173,7 @@ class HostTier:
             side.wait_stream(compute)
         with torch.cuda.stream(side) if side is not None else nullcontext():
             pos = 0
-            for a, n in _runs(list(zip(ring.tolist(), sizes.tolist()))):    # one copy per run
+            for a, n in _runs(list(zip(ring.tolist(), sizes.tolist()))):
                 self.buf[a:a + n].copy_(staged[pos:pos + n], non_blocking=self.pin)
                 pos += n
         if side is None:
@@ -234,27 +184,22 @@ class HostTier:
         return done
 
     def take(self, records: list[Record], ids, stream: int = 0, min_capacity: int = 0, reclaim=None) -> list[int]:
-        """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit; returns
-        the ids left open. A page that was stored compressed goes back into packed space as its
-        bytes are (``KVCacheManager.encoded_pages``: no decode, nothing to seal again; fill stream
-        ``stream``, keeping ``min_capacity`` new pages as a seal does); one that finds no room, or
-        was open when it left, is an open page again (decoded), to be sealed later like any full
-        page."""
+        """Restore ``records`` into the open pages ``ids`` (just allocated), bit for bit."""
         m, ids = self.manager, np.asarray(ids, dtype=np.int64)
         if not ids.size:
             return []
-        if (m.table.state[ids] != OPEN).any():
-            raise ValueError("HostTier.take: the destination pages must be open")
+        dst = m.open_offsets(ids, "HostTier.take")
         left = []
         with self._timed("in"):
-            for i, j in batches(np.array([r.size for r in records]), self.tuning.stage_in_bytes):   # bounded staging
+            for i, j in batches(np.array([r.size for r in records]), self.tuning.stage_in_bytes):
                 batch, to = records[i:j], ids[i:j]
                 staged = self._stage_in(batch)
                 self.drop(batch)       # a copy out into their space is queued after the staging copy
-                nbytes = np.stack([r.nbytes for r in batch], axis=1)          # [L, n]
+                nbytes = np.stack([r.nbytes for r in batch], axis=1)
                 open_form = np.stack([r.open_form for r in batch], axis=1)
-                start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(to.size, -1).T   # [L, n]
-                left += self._restore(to, staged, start, nbytes, open_form, stream, min_capacity, reclaim)
+                start = np.concatenate([[0], np.cumsum(nbytes.T.reshape(-1))[:-1]]).reshape(to.size, -1).T
+                left += self._restore(to, dst[:, i:j], staged, start, nbytes, open_form, stream, min_capacity,
+                                      reclaim)
                 self.stats.bytes_in += int(nbytes.sum())
         self.stats.pages_in += ids.size
         return left
@@ -262,7 +207,7 @@ class HostTier:
     def _stage_in(self, records: list[Record]) -> torch.Tensor:
         """The records' bytes on the device, one after another (after their copies out)."""
         m = self.manager
-        if self.stream is not None:             # their copies out are done first
+        if self.stream is not None:
             compute = torch.cuda.current_stream(m.device)
             for done in {id(r.copied): r.copied for r in records if r.copied is not None}.values():
                 compute.wait_event(done)
@@ -273,14 +218,11 @@ class HostTier:
             at += n
         return staged
 
-    def _restore(self, ids: np.ndarray, staged: torch.Tensor, start: np.ndarray, nbytes: np.ndarray,
-                 open_form: np.ndarray, stream: int, min_capacity: int, reclaim=None) -> list[int]:
-        """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``:
-        open forms copied into their slots, pages that were stored placed from their bytes
-        (``encoded_pages``), the compressed layers of those left open decoded into their slots."""
+    def _restore(self, ids: np.ndarray, dst: np.ndarray, staged: torch.Tensor, start: np.ndarray,
+                 nbytes: np.ndarray, open_form: np.ndarray, stream: int, min_capacity: int, reclaim=None) -> list[int]:
+        """Staged bytes (``start``/``nbytes``/``open_form`` [L, n]) into the open pages ``ids``."""
         m = self.manager
         page = m.layout.open_page_bytes
-        dst = loc_offset(m.table.loc[:, ids])
         copy_ranges(staged, m.arena, start[open_form], dst[open_form], np.full(int(open_form.sum()), page))
         sealable = ~open_form.all(0) if m.kv_compression else np.zeros(ids.size, dtype=bool)
         left = ids[~sealable].tolist()
@@ -290,13 +232,12 @@ class HostTier:
             still = set(m.place_pages(job, min_capacity, reclaim))
             left += sorted(still)
             sealable &= ~np.isin(ids, list(still))
-        if staged.device.type == "meta":                     # no bytes (an accounting run): nothing to decode
+        if staged.device.type == "meta":
             return left
-        # pages left open: their compressed layers decoded (trusted: this process encoded them) into
-        # their slots, all layers together (few launches, no host sync)
+        # pages left open: their compressed layers decoded into their slots (trusted: our own encoding)
         comp = ~open_form & ~sealable[None, :]
         src, size, to = start[comp], nbytes[comp], dst[comp]
-        step = max(1, self.tuning.decode_batch_bytes // page)              # bounded scratch for the decoded pages
+        step = max(1, self.tuning.decode_batch_bytes // page)
         for i in range(0, src.size, step):
             pages = codec.decode(staged, src[i:i + step], size[i:i + step], m.layout, trusted=True)
             k = pages.shape[0]
@@ -304,12 +245,9 @@ class HostTier:
                         np.full(k, page))
         return left
 
-    # -- what the transfers cost ------------------------------------------------------------------
     @contextmanager
     def _timed(self, direction: str):
-        """Host seconds of the block into ``stats.host_s_<direction>``, and the compute-stream
-        work it queues into ``device_s_<direction>`` (CUDA: a pair of timing events, read by
-        :meth:`collect_timings` once done; no sync here)."""
+        """Host and device seconds of the block into ``stats`` (CUDA: events read later, no sync)."""
         t0 = time.perf_counter()
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.stream is not None else None
@@ -320,12 +258,12 @@ class HostTier:
         finally:
             host = time.perf_counter() - t0
             self._add(f"host_s_{direction}", host)
-            if not events:                     # the CPU copies in the host's own thread
+            if not events:
                 self._add(f"device_s_{direction}", host)
             else:
                 events[1].record(torch.cuda.current_stream(self.manager.device))
                 self._timings.append((direction, *events))
-                if len(self._timings) > 64:          # those done so far (no wait)
+                if len(self._timings) > 64:
                     self.collect_timings()
 
     def _add(self, key: str, seconds: float) -> None:
@@ -344,8 +282,7 @@ class HostTier:
         self._timings = pending
 
     def drop(self, records: list[Record]) -> None:
-        """Let go of records (taken back, or forgotten by their owner); their space returns when
-        the ring's tail passes it."""
+        """Let go of records (taken back, or forgotten by their owner)."""
         for r in records:
             if r.live:
                 r.live = False

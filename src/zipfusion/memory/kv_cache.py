@@ -1,15 +1,6 @@
-"""The engine's view of the KV cache: pages to allocate, K/V to store, pages to attend over.
-
-* :class:`ArenaKVCache` -- BF16 pages in the memory manager's arena (docs/design.md). Full pages
-  are compressed when ``kv_compression=True``. On CUDA, rope + store is one Triton kernel.
-* :class:`DenseKVCache` -- pages of any dtype (float32 for exactness tests) in one tensor,
-  never compressed.
-
-Both address K/V by page id and slot (token % 16) and offer the same methods, so the
-scheduler, the runner and the attention backend (attention/backend.py) do not care which. Attention
-itself (which kernel reads the pages) lives in attention/. Compressing full pages is the page
-store's (memory/page_store.py), on the arena cache's ``manager``; a dense cache has nothing to
-compress.
+"""The engine's view of the KV cache: :class:`ArenaKVCache` (BF16 pages in the memory manager's
+arena, compressed when full) and :class:`DenseKVCache` (any dtype, never compressed), with the
+same methods, so the scheduler, runner and attention backend do not care which.
 """
 
 from __future__ import annotations
@@ -30,12 +21,12 @@ class KVCache:
     dtype: torch.dtype
     device: torch.device
     kv_compression: bool = False
-    kv_dtype: str = "bf16"        # how K/V values are stored: "bf16" (exact), "fp8" (E4M3, fp8_kv_cache.py)
+    kv_dtype: str = "bf16"  # "bf16" (exact) or "fp8" (E4M3)
 
     def read_tokens(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [n_tokens, H, D] of a request's first ``n_tokens`` tokens (its prefix)."""
         n_pages = -(-n_tokens // PAGE_TOKENS)
-        kv = self.read_pages(layer, pages[:n_pages])                        # [n, 2, 16, H, D]
+        kv = self.read_pages(layer, pages[:n_pages])
         kv = kv.transpose(0, 1).reshape(2, n_pages * PAGE_TOKENS, self.num_kv_heads, self.head_dim)
         return kv[0, :n_tokens], kv[1, :n_tokens]
 
@@ -44,22 +35,19 @@ class KVCache:
         return 1.0
 
     def flush_table(self) -> None:
-        """Bring the kernels' page table up to date (the runner calls it before each forward)."""
+        """Bring the kernels' page table up to date (before each forward)."""
 
 
 class ArenaKVCache(KVCache):
     """BF16 pages in the arena of :class:`zipfusion.memory.KVCacheManager`."""
 
-    layout_class = PageLayout     # a page's geometry (Fp8KVCache: one byte a value)
+    layout_class = PageLayout
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
                  device, kv_compression: bool = True, merged_store: bool | None = None,
                  defer_table_sync: bool = False, **manager_kwargs):
-        """``kv_compression``: full pages are compressed (passed on to the memory manager).
-        ``merged_store``: rope + K/V store merged into one Triton kernel (default: on CUDA).
-        ``defer_table_sync``: page-table changes reach the device table in one copy at
-        :meth:`flush_table` (the engine's runner calls it before each forward) instead of one
-        copy per change."""
+        """``merged_store``: rope + store in one Triton kernel (default: on CUDA);
+        ``defer_table_sync``: page-table changes reach the device in one copy at :meth:`flush_table`."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layout = self.layout_class(num_kv_heads, head_dim)
         self.dtype, self.device = torch.bfloat16, torch.device(device)
@@ -89,24 +77,22 @@ class ArenaKVCache(KVCache):
         self.manager.table.flush()
 
     def capacity_new_pages(self, keep_reserve: bool = True):
-        """New pages that fit now; ``keep_reserve=False`` counts the compression reserve too
-        (the last resort before preempting a running request)."""
+        """New pages that fit now (``keep_reserve=False``: the compression reserve too)."""
         return int(self.manager.capacity_new_pages(keep_reserve=keep_reserve))
 
     def stored_ratio(self):
         return self.manager.stored_ratio()
 
     def store(self, layer, q, k, v, cos, sin, page_ids, slots, want_kv: bool):
-        """Rotate q, k (models.layers.RotaryEmbedding's arithmetic) and write k, v as bf16 into
-        the open pages at (page_ids[t], slots[t]); returns (q, k, v) rotated (k, v None unless
-        ``want_kv``: decode rows read everything from the pages)."""
+        """Rotate q, k and write k, v into the open pages; returns (q, k, v), k, v None unless
+        ``want_kv``."""
         if self.merged_store:
             from ..kernels.rope_store import rope_and_store
             q, k = rope_and_store(q, k, v, cos, sin, self.arena, self.page_loc[layer], page_ids, slots,
                                   want_k=want_kv)
             return q, k, (v if want_kv else None)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        idx = self.layout.open_elements(self.page_loc[layer, page_ids], slots)        # [T, 2, H, D]
+        idx = self.layout.open_elements(self.page_loc[layer, page_ids], slots)
         vals = torch.stack([k, v], dim=1).to(torch.bfloat16)
         self.arena.view(torch.bfloat16).index_copy_(0, idx.reshape(-1), vals.reshape(-1))
         return q, k, v

@@ -1,34 +1,9 @@
-"""KVCacheManager: the arena, compression as pages fill, compaction, capacity.
+"""KVCacheManager: the arena, compression as pages fill, compaction, capacity (docs/design.md).
 
-Memory map (docs/design.md, "The arena and page locations"):
-
-* one 1-D uint8 arena of ``num_chunks * chunk_bytes`` bytes, cut into chunks (chunks.py);
-* open pages live in *open groups*: one chunk per layer, ``S = chunk_bytes // open_page_bytes``
-  slots each, allocated in lock step across layers (open_pages.py);
-* full pages, once compressed, live in each layer's *packed* chunks, bump-allocated, variable
-  size, movable by compaction (packed.py). A page whose encoding would not be smaller than its
-  open form (every block raw) is copied there in open form and ``page_loc`` keeps bit 0 set:
-  the kernels read it as an open page, and no stored page is ever larger than an open one;
-* the page table (page_table.py) maps page id -> location in every layer.
-
-Capacity: ``capacity_new_pages()`` is the number of new open pages that fit in every layer at
-once: free slots of the open groups plus ``S`` per group of ``L`` chunks the pool can give
-(shared pool: any chunk serves any layer; static: each layer's own chunks, the "no pool"
-baseline), counting chunks that compaction is sure to free, and keeping ``reserve`` chunks per
-layer for compression (compressed space is taken before the open slots are freed).
-
-``alloc_pages`` raises :class:`MemoryExhausted` (state unchanged) when that capacity is short
-(the scheduler asks first, so the engine never meets it).
-
-Compression's mechanics (when, which pages, in which order is memory/page_store.py's policy):
-``analyze_pages`` (sizes launched) or ``encoded_pages`` (encoded already: the host tier's), then
-``place_pages`` (placed, encoded); ``compress_pages`` is both. Placement never fails nor lowers
-the capacity below what was promised (``min_capacity``): a page with no room it may take stays
-open (valid) and is returned. Compaction (compaction.py) is incremental. Device: "cuda" (Triton),
-"cpu" (torch reference codec), or "meta" (no bytes; sizes given: ``testing.place_with_sizes``).
-Every copy runs on the current stream; a chunk freed while queued kernels may read it is reused
-only behind their event (chunks.py).
-"""
+Open pages live in open groups, one chunk per layer cut into slots (open_pages.py); sealed pages in
+each layer's packed chunks, movable by compaction (packed.py), in open form where encoding would not
+make them smaller. Capacity is the new open pages that fit in every layer at once, ``reserve``
+chunks per layer kept for the seal; placement never lowers it below what was promised."""
 
 from __future__ import annotations
 
@@ -54,11 +29,10 @@ Reclaim = Callable[[np.ndarray], object] | None     # offered the pages compacti
 
 
 class Analysis(NamedTuple):
-    """Open pages and their encoded sizes, on their way to placement (``analyze_pages``,
-    ``encoded_pages``; ``place_pages`` takes it)."""
+    """Open pages and their encoded sizes, on their way to placement."""
     ids: np.ndarray
-    state: object                    # the codec's state (memory/codec.py)
-    sizes: object                    # [L * n] or [L, n]: np.ndarray or copy.HostArray
+    state: object
+    sizes: object
 
 
 class KVCacheManager:
@@ -106,18 +80,15 @@ class KVCacheManager:
         self.table = PageTable(L, self.max_pages, self.device, mirror_table)
         self.page_stream = np.zeros(self.max_pages, dtype=np.int64)   # fill stream of a page's seal
         self.page_loc = self.table.page_loc
-        self._comp_blocks = np.zeros(L, dtype=np.int64)    # compressible blocks of stored pages
-        self._stored_bytes = 0                             # all layers, stored pages
+        self._comp_blocks = np.zeros(L, dtype=np.int64)
+        self._stored_bytes = 0
         self._counts = {OPEN: 0, STORED: 0}
         self.pages_compressed = self.pages_moved = self.bytes_moved = self.compactions = 0
         self.pages_reclaimed = 0
 
-    # ================================================================== capacity
     def _groups_available(self, include_compaction: bool = True, keep_reserve: bool = True,
                           gained: np.ndarray | int = 0, reclaim: np.ndarray | None = None) -> int:
-        """New open groups the pool(s) can give now (compaction included), the compression
-        reserve kept unless ``keep_reserve`` is False. ``gained`` [L] chunks each layer's pool
-        would gain (negative: lose) and ``reclaim`` [L] a compaction bound: for a state to come."""
+        """New open groups the pool(s) can give now (compaction included)."""
         L = self.num_layers
         if reclaim is None:
             reclaim = self.packed.reclaimable_bound() if include_compaction else np.zeros(L, np.int64)
@@ -128,22 +99,12 @@ class KVCacheManager:
         return groups_available([self.pool.available(l) + int(free[l]) for l in range(L)], L, reserve)
 
     def capacity_new_pages(self, include_compaction: bool = True, keep_reserve: bool = True) -> int:
-        """New open pages that fit in every layer at once (pool and compaction included).
-
-        ``keep_reserve=False`` also counts the compression reserve: for the scheduler's last
-        resort before preempting a running request (pages then sealed may stay open for a while:
-        no loss, only no compression until memory frees)."""
+        """New open pages that fit in every layer at once (pool and compaction included)."""
         return self.open.num_free_slots + self.slots_per_chunk * self._groups_available(include_compaction,
                                                                                           keep_reserve)
 
-    # ================================================================== allocation
     def alloc_pages(self, n: int, keep_reserve: bool = True, reclaim: Reclaim = None) -> list[int]:
-        """``n`` new open pages (one in every layer); their page ids.
-
-        Raises MemoryExhausted, with nothing changed, when they do not fit (with the reserve
-        kept, or counting it too when ``keep_reserve`` is False). ``reclaim``: the caller's
-        policy for pages compaction would move (memory/compaction.py).
-        """
+        """``n`` new open pages (one in every layer)."""
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
             raise ValueError(f"alloc_pages(n) needs a non-negative int, got {n!r}")
         n = int(n)
@@ -171,9 +132,8 @@ class KVCacheManager:
         self._counts[OPEN] += n
         return ids.tolist()
 
-    # ================================================================== free
     def free_pages(self, ids: Iterable[int]) -> None:
-        """Free pages (open or compressed) in every layer. Unknown ids / double frees: ValueError."""
+        """Free pages (open or compressed) in every layer."""
         t = self.table
         ids = t.check(ids, None, "free_pages")
         if ids.size == 0:
@@ -198,13 +158,8 @@ class KVCacheManager:
         self.pool.release([(c, self.pool.pool_of(layer)) for chunks in groups
                            for layer, c in enumerate(chunks.tolist())])
 
-    # ================================================================== compression
     def analyze_pages(self, ids: Iterable[int]) -> Analysis:
-        """The first half of :meth:`compress_pages`: check the full open pages ``ids`` and launch
-        the analysis of their encoded sizes (the codec's), without waiting for it (on CUDA). The
-        pages must stay allocated and unwritten until :meth:`place_pages` takes the analysis (the
-        page store launches it behind a step's sampling and places the pages while the next
-        step's forward runs)."""
+        """The first half of :meth:`compress_pages`."""
         ids = self._compressible(ids, "analyze_pages")
         if ids.size == 0:
             return Analysis(ids, None, np.zeros((self.num_layers, 0), np.int64))
@@ -212,12 +167,7 @@ class KVCacheManager:
         return Analysis(ids, state, sizes)
 
     def encoded_pages(self, ids: Iterable[int], buf: torch.Tensor, start: np.ndarray, nbytes: np.ndarray) -> Analysis:
-        """Open pages whose encoding exists already (the host tier's swap-in), for
-        :meth:`place_pages`: layer ``l`` of page ``ids[i]`` is ``nbytes[l, i]`` bytes at
-        ``start[l, i]`` of ``buf``, or its open form where that is a whole open page (then it is in
-        the open slot already). Placed as analysed pages are, the bytes copied instead of encoded
-        (on the meta device: no bytes, the sizes alone); pages left open have their compressed
-        layers elsewhere than their open slots: the caller decodes them there."""
+        """Open pages whose encoding exists already (the host tier's swap-in), for :meth:`place_pages`."""
         ids = self._compressible(ids, "encoded_pages")
         nbytes = np.asarray(nbytes, dtype=np.int64).reshape(self.num_layers, ids.size)
         return Analysis(ids, codec.stored(buf, start, nbytes), nbytes)
@@ -229,43 +179,16 @@ class KVCacheManager:
         return ids
 
     def compress_pages(self, ids: Iterable[int], min_capacity: int = 0, reclaim: Reclaim = None) -> list[int]:
-        """Full open pages -> compressed pages in every layer, now; returns the ids left open
-        (``analyze_pages`` then ``place_pages``).
-
-        ``min_capacity``: new pages promised to running requests (admission's reservation). A
-        batch is compressed only if ``capacity_new_pages()`` stays at least that high (or, if it
-        is lower already, does not drop): a page sealed into fresh chunks costs a whole group of
-        slots' worth of pool chunks until enough pages fill them, and must not take back room
-        that was promised. Such pages stay open (valid) and are offered again later.
-
-        All pages are analyzed at once (encoded sizes; one wait for them), then placed in the
-        order given, batch by batch of S pages in effect: each batch's open slots are freed (a
-        group emptied returns its chunks to the pool) before the next batch takes compressed
-        space. The scheduler gives each request's pages together and in order, so that they
-        share packed chunks and leave them together: in the mix (benchmarks/schedule_sim.py) that
-        moves a third less in compaction than placing by open slot. When memory is short (a batch
-        would cut into promised room), the rest go in open-slot order instead, where a batch of S
-        frees a whole group's chunks and so pays for itself. Batches that all fit in the pool's chunks as they are now form one
-        *wave*: placed by one vectorised next fit and encoded by one launch, their slots freed
-        after it (the same placement as batch by batch: no batch of a wave needs the chunks an
-        earlier one frees). A batch that does not fit is a wave alone and may compact; if even
-        that finds no room it stays open, with every later one: valid open pages, to be
-        compressed again later.
-        """
+        """Full open pages -> compressed pages in every layer, now."""
         return self.place_pages(self.analyze_pages(ids), min_capacity, reclaim)
 
     def set_streams(self, ids: Iterable[int], streams: Iterable[int]) -> None:
-        """The fill stream each page is sealed into (packed.py: pages expected to be freed together
-        share chunks); 0 until set."""
+        """The fill stream each page is sealed into (packed.py)."""
         self.page_stream[np.asarray(list(ids), dtype=np.int64)] = np.asarray(list(streams), dtype=np.int64)
 
     def place_pages(self, job: Analysis, min_capacity: int = 0, reclaim: Reclaim = None,
                     keep: Iterable[int] | None = None) -> list[int]:
-        """The second half of :meth:`compress_pages`: wait for the analysis' sizes, place and
-        encode, stream by stream (``set_streams``), each in the order given; returns the ids left
-        open. ``keep``: the analysed pages still to place (default: all of them); the others were
-        freed since the analysis (their ids may even be open pages again, other ones) and are
-        left alone."""
+        """The second half of :meth:`compress_pages`."""
         t = self.table
         ids = np.asarray(job.ids, dtype=np.int64)
         alive = np.ones(ids.size, bool) if keep is None else np.isin(ids, np.asarray(list(keep), dtype=np.int64))
@@ -276,29 +199,22 @@ class KVCacheManager:
         sizes = (job.sizes if isinstance(job.sizes, np.ndarray) else job.sizes.get()).reshape(self.num_layers, n)
         stored = np.minimum(sizes, self.layout.open_page_bytes)   # not smaller: stored in open form
         streams = self.page_stream[ids]
-        groups = [(stream, np.nonzero((streams == stream) & alive)[0])    # as given (a request's pages
-                  for stream in dict.fromkeys(streams[alive].tolist())]  # together), streams in order
-        left = []                                                           # of first appearance
+        groups = [(stream, np.nonzero((streams == stream) & alive)[0])    # in the order given
+                  for stream in dict.fromkeys(streams[alive].tolist())]
+        left = []
         if not self._place_streams(ids, groups, sizes, stored, job.state, min_capacity):
             for stream, order in groups:
                 self.packed.use_stream(stream)
                 left += self._place_in_order(ids, order, sizes, stored, job.state, min_capacity, reclaim)
-        t.sync(ids[alive])                 # one copy of the touched page_loc columns to the device
+        t.sync(ids[alive])
         return left
 
     def _place_streams(self, ids: np.ndarray, groups: list, sizes: np.ndarray, stored: np.ndarray, state,
                        min_capacity: int) -> bool:
-        """Every stream's pages of a seal placed in one go, the common case: every stream's next fit
-        from its own fill pointers in one vectorised pass (``PackedSpace.placement`` over rows of
-        (stream, layer)), then one check that the pool holds them
-        all and that the seal is ``_affordable`` as a whole, one encode launch and one release of
-        the open slots (a seal's pages span several streams; each paying the checks, a launch
-        and the bookkeeping would cost host time). False (nothing changed): the pool or the promised room
-        is tight; then stream by stream, wave by wave (``_place_in_order``). The pool gives fresh
-        chunks in the order stream by stream would take them, so both place alike."""
+        """Every stream's pages of a seal placed in one go, the common case."""
         L, streams = self.num_layers, [stream for stream, _ in groups]
         stacked = np.zeros((len(groups) * L, max(order.size for _, order in groups)), dtype=np.int64)
-        for i, (_, order) in enumerate(groups):           # row i·L + l: stream i's pages in layer l
+        for i, (_, order) in enumerate(groups):
             stacked[i * L:(i + 1) * L, :order.size] = stored[:, order]
         split = self.packed.placement(stacked, streams)
         need = split.need.reshape(-1, L).sum(0)
@@ -313,7 +229,7 @@ class KVCacheManager:
 
     def _place_in_order(self, ids: np.ndarray, order: np.ndarray, sizes: np.ndarray, stored: np.ndarray, state,
                         min_capacity: int, reclaim: Reclaim) -> list[int]:
-        """Place and encode the pages ``ids[order]`` wave by wave (``compress_pages``); the ids left open."""
+        """Place and encode the pages ``ids[order]`` wave by wave (``compress_pages``)."""
         t, S, n = self.table, self.slots_per_chunk, order.size
         by_slot = False
         left, i = [], 0
@@ -336,26 +252,19 @@ class KVCacheManager:
         return left
 
     def _wave(self, stored: np.ndarray):
-        """The next wave of pages ``stored`` [L, m] (open-slot order): (pages, placement) for the
-        most whole batches of S whose next fit the pool's chunks hold as they are now (the
-        reserve may be used, as ``compaction.make_room_for_packing`` allows), or (one batch, None) when
-        not even one fits: that batch goes through ``compaction.make_room_for_packing``.
-
-        A prefix's fresh chunks per layer are the placement's chunk ordinal at its last page.
-        """
+        """The next wave of pages ``stored`` [L, m] (open-slot order)."""
         S, m = self.slots_per_chunk, stored.shape[1]
         plan = self.packed.placement(stored)
         ends = np.minimum(np.arange(S, m + S, S), m) - 1
-        fits = self._pool_holds(plan.ordinal[:, ends])                 # need [L, batches]
-        b = int(fits.sum())                # needs grow with the prefix: fits is True, then False
+        fits = self._pool_holds(plan.ordinal[:, ends])
+        b = int(fits.sum())
         if b == 0:
             return min(S, m), None
         k = min(b * S, m)
         return k, plan.prefix(k)
 
     def _pool_holds(self, need: np.ndarray, more: int = 0) -> np.ndarray:
-        """Whether the pool's free chunks, ``more`` per layer added, hold ``need`` [L, B] fresh
-        chunks per layer: one bool per column (a shared pool: the columns' sums)."""
+        """Whether the pool's free chunks (``more`` per layer added) hold ``need`` [L, B] fresh chunks."""
         if self.pool.shared:
             return need.sum(0) <= self.pool.available(0) + more * self.num_layers
         avail = np.array([self.pool.available(self.pool.pool_of(l)) for l in range(self.num_layers)])
@@ -363,10 +272,7 @@ class KVCacheManager:
 
     def _compress_batch(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, state,
                         split=None, min_capacity: int = 0, reclaim: Reclaim = None) -> bool:
-        """Place, encode (one launch) and account the pages ``ids[part]`` (encoded ``sizes``
-        [L, k]); then free their open slots. ``split``: their placement when the caller knows
-        it fits, else ``compaction.make_room_for_packing`` makes room. False (nothing changed): no room,
-        or not ``_affordable``."""
+        """Place, encode (one launch) and account the pages ``ids[part]`` (encoded ``sizes`` [L, k])."""
         open_bytes = self.layout.open_page_bytes
         batch = ids[part]
         as_open = sizes >= open_bytes                   # not smaller: store in open form
@@ -374,7 +280,7 @@ class KVCacheManager:
         if split is None:
             split = compaction.make_room_for_packing(self, stored, reclaim)
             if split is None:
-                flat = np.arange(self.num_layers)[:, None] * ids.size + part[None, :]   # [L, k] into the analysis
+                flat = np.arange(self.num_layers)[:, None] * ids.size + part[None, :]
                 return self._compress_staged(batch, flat, stored, as_open, state, min_capacity)
         if not self._affordable(batch, stored, self.packed.chunks_needed(stored, split), min_capacity):
             return False
@@ -383,13 +289,12 @@ class KVCacheManager:
         return True
 
     def _write(self, ids: np.ndarray, part: np.ndarray, sizes: np.ndarray, dst: np.ndarray, state) -> None:
-        """The pages ``ids[part]`` (encoded ``sizes`` [L, k]), placed at ``dst``: encoded there (one
-        launch; those not smaller copied in open form), accounted, their open slots freed."""
+        """The pages ``ids[part]`` (encoded ``sizes`` [L, k]), placed at ``dst``."""
         t, open_bytes = self.table, self.layout.open_page_bytes
         batch = ids[part]
-        as_open = sizes >= open_bytes                   # not smaller: store in open form
+        as_open = sizes >= open_bytes
         stored = np.where(as_open, open_bytes, sizes)
-        flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])       # [L, k] into the analysis
+        flat = (np.arange(self.num_layers)[:, None] * ids.size + part[None, :])
         enc = ~as_open
         codec.encode(self.arena, state, flat[enc], dst[enc], self.layout)
         if as_open.any():
@@ -400,20 +305,16 @@ class KVCacheManager:
 
     def _compress_staged(self, batch: np.ndarray, flat: np.ndarray, stored: np.ndarray, as_open: np.ndarray,
                          state, min_capacity: int) -> bool:
-        """A batch no chunk can take now, though its pages fill whole open groups (memory full
-        of open pages): compressed into a staging tensor first, its groups freed, then copied
-        into packed chunks -- the freed ones among them. So a seal of whole groups never needs a
-        spare chunk, and memory full of open pages can always be compressed. False (nothing
-        changed) when even the freed groups would not hold it, or not ``_affordable``."""
+        """A batch no chunk can take now, though its pages fill whole open groups (memory full of open pages)."""
         t, L = self.table, self.num_layers
         split = self.packed.placement(stored)
         need = self.packed.chunks_needed(stored, split)
-        released = self._groups_emptied(batch)          # each gives every layer's pool a chunk
+        released = self._groups_emptied(batch)
         fits = bool(self._pool_holds(need[:, None], more=released)[0])
         if not released or not fits or not self._affordable(batch, stored, need, min_capacity):
             return False
         open_bytes, k = self.layout.open_page_bytes, batch.size
-        src = loc_offset(t.loc[:, batch])               # stage: [open copies | compressed pages]
+        src = loc_offset(t.loc[:, batch])
         at_open = np.arange(L * k, dtype=np.int64).reshape(L, k) * open_bytes
         at_enc = L * k * open_bytes + (np.cumsum(stored) - stored.ravel()).reshape(L, k)
         stage = torch.empty(L * k * open_bytes + int(stored.sum()), dtype=torch.uint8, device=self.arena.device)
@@ -428,8 +329,7 @@ class KVCacheManager:
         return True
 
     def _now_stored(self, batch: np.ndarray, stored: np.ndarray, as_open: np.ndarray, dst: np.ndarray) -> None:
-        """The page table and counters after ``batch`` was written at ``dst`` (``stored`` bytes;
-        in open form where ``as_open``)."""
+        """The page table and counters after ``batch`` was written at ``dst``."""
         t = self.table
         t.loc[:, batch] = np.where(as_open, open_loc(dst), dst)
         t.size[:, batch] = stored
@@ -447,38 +347,24 @@ class KVCacheManager:
         return int((counts == live).sum())
 
     def _affordable(self, batch: np.ndarray, stored: np.ndarray, need: np.ndarray, min_capacity: int) -> bool:
-        """Whether placing ``batch`` (stored sizes [L, k], taking ``need`` [L] fresh chunks) and
-        freeing its open slots leaves ``capacity_new_pages()`` at least ``min(now, min_capacity)``.
-
-        A page sealed into fresh chunks costs a group of ``S`` slots' worth of pool chunks (and
-        may shrink what compaction is sure to reclaim) while freeing only its own slot, until
-        enough pages fill those chunks; when that would cut into promised room the batch waits,
-        open, until it pays for itself (at most about ``S`` pages wait at a time). Closed form
-        of the state after ``place`` + ``open.free``; no state changed."""
+        """Whether placing ``batch`` (stored sizes [L, k], taking ``need`` [L] fresh chunks) and freeing its
+        open slots leaves ``capacity_new_pages()`` at least ``min(now, min_capacity)``."""
         S = self.slots_per_chunk
         released = self._groups_emptied(batch)
-        free_slots = self.open.num_free_slots + batch.size - S * released     # a released group: a chunk a layer
+        free_slots = self.open.num_free_slots + batch.size - S * released
         groups = self._groups_available(gained=released - need,
                                         reclaim=self.packed.reclaimable_bound(need, stored.sum(1)))
         return free_slots + S * groups >= min(self.capacity_new_pages(), min_capacity)
 
-    # ================================================================== compaction
     def compact(self, layers: Iterable[int] | None = None, reclaim: Reclaim = None) -> int:
-        """Repack every layer's compressed pages so that chunks with holes return to the pool.
-
-        Moves page bytes bit-exactly and updates ``page_loc``; returns the chunks freed. Only
-        chunks with at least a page's worth of free bytes are repacked, and only in layers
-        where that frees a chunk. Default: every layer.
-        """
+        """Repack every layer's compressed pages so that chunks with holes return to the pool."""
         layers = range(self.num_layers) if layers is None else list(layers)
         for layer in layers:
             self._check_layer(layer)
         return sum(compaction.compact_layer(self, int(layer), None, reclaim) for layer in layers)
 
-    # ================================================================== page data
     def open_page(self, layer: int, page_id: int) -> torch.Tensor:
-        """View [2, 16, H, D] of an open page in the arena (bf16, or the layout's
-        ``element_dtype``; write new tokens through it)."""
+        """View [2, 16, H, D] of an open page in the arena (write new tokens through it)."""
         self._check_layer(layer)
         pid = int(self.table.check([page_id], OPEN, "open_page")[0])
         loc = loc_offset(int(self.table.loc[layer, pid]))
@@ -487,9 +373,13 @@ class KVCacheManager:
                                                                             self.layout.head_dim)
 
     def read_pages(self, layer: int, ids: Iterable[int]) -> torch.Tensor:
-        """Contents [n, 2, 16, H, D] of pages, open or compressed (decoded): bf16, or the
-        layout's ``element_dtype`` (E4M3 codes of FP8 pages)."""
+        """Contents [n, 2, 16, H, D] of pages, open or compressed (decoded)."""
         self._check_layer(layer)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        once = list(dict.fromkeys(ids))
+        if len(once) < len(ids):
+            at = {p: i for i, p in enumerate(once)}
+            return self.read_pages(layer, once)[torch.tensor([at[p] for p in ids], device=self.device)]
         t = self.table
         ids = t.check(ids, None, "read_pages")
         H, D = self.layout.num_kv_heads, self.layout.head_dim
@@ -506,11 +396,23 @@ class KVCacheManager:
                 self.arena, loc[sel], t.size[layer, ids[sel]], self.layout)
         return out
 
+    def page_bytes(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Offsets, byte counts and open-form flags [L, n] of the pages ``ids`` in the arena."""
+        t = self.table
+        ids = t.check(ids, None, "page_bytes")
+        loc = t.loc[:, ids]
+        stored = (t.state[ids] == STORED)[None, :]
+        nbytes = np.where(stored, t.size[:, ids], self.layout.open_page_bytes)
+        return loc_offset(loc), nbytes, loc_is_open(loc) | ~stored
+
+    def open_offsets(self, ids, what: str = "open_offsets") -> np.ndarray:
+        """Arena offsets [L, n] of the open pages ``ids`` (ValueError naming ``what`` if one is not)."""
+        return loc_offset(self.table.loc[:, self.table.check(ids, OPEN, what)])
+
     def _check_layer(self, layer) -> None:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer!r} does not exist (0..{self.num_layers - 1})")
 
-    # ================================================================== numbers
     def page_state(self, page_id: int) -> str:
         """"free", "open" or "stored" (sealed: compressed, or in open form where that is not larger)."""
         return STATE_NAMES[int(self.table.state[int(page_id)])]

@@ -1,15 +1,6 @@
-"""Open (uncompressed) pages, allocated in lock step across layers.
-
-Every page id exists in every layer, and a page is open in all layers or in none (it is
-allocated in every layer at once and compressed in every layer at once). So open pages are
-kept in *groups*: a group is one chunk in every layer, cut into ``slots_per_chunk`` slots of
-``open_page_bytes``; a page's slot ``s`` of group ``g`` is at byte
-
-    group_chunks[g, layer] * chunk_bytes + s * open_page_bytes
-
-in layer ``layer``. One slot pop serves all layers, and the offsets of ``n`` pages in ``L``
-layers are one vectorised expression instead of ``n * L`` Python steps. When every slot of a
-group is free its ``L`` chunks go back to the pool.
+"""Open pages, allocated in lock step across layers: a page is open in every layer or in none,
+so open pages live in *groups* (one chunk in every layer, cut into slots), and one slot serves
+all layers. An empty group's chunks go back to the pool.
 """
 
 from __future__ import annotations
@@ -23,8 +14,8 @@ class OpenGroups:
         self.chunk_bytes = chunk_bytes
         self.open_page_bytes = open_page_bytes
         self.slots_per_chunk = chunk_bytes // open_page_bytes
-        self.chunks: list[np.ndarray | None] = []    # group -> [L] chunk ids (None: unused id)
-        self.free_slots: list[list[int]] = []        # group -> free slot stack
+        self.chunks: list[np.ndarray | None] = []  # group -> [L] chunk ids (None: unused id)
+        self.free_slots: list[list[int]] = []
         self._unused_ids: list[int] = []
         self.num_free_slots = 0
         self.num_groups = 0
@@ -47,11 +38,7 @@ class OpenGroups:
         self.num_groups += 1
 
     def alloc(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` slots (the caller added enough groups): (groups [n], slots [n]).
-
-        Slots come from the fullest groups first so that emptier groups can drain and return
-        their chunks.
-        """
+        """``n`` slots: (groups [n], slots [n]), fullest groups first so emptier ones drain."""
         order = sorted((len(f), g) for g, f in enumerate(self.free_slots) if f)
         groups, slots = [], []
         for _, g in order:
@@ -87,5 +74,5 @@ class OpenGroups:
         """Byte offsets [L, n] of the slots in every layer."""
         if len(groups) == 0:
             return np.zeros((self.num_layers, 0), dtype=np.int64)
-        table = np.stack([self.chunks[g] for g in groups.tolist()], axis=1)   # [L, n]
+        table = np.stack([self.chunks[g] for g in groups.tolist()], axis=1)
         return table * self.chunk_bytes + slots[None, :] * self.open_page_bytes

@@ -1,27 +1,6 @@
-"""Per-layer packed space: where full pages go once compressed.
-
-Each layer owns a set of *packed* chunks. New compressed pages are bump-allocated at the
-layer's fill pointer (``fill_chunk``, ``fill_ptr``); a page that does not fit in the fill
-chunk's tail starts a new chunk (next fit). Freed pages leave holes: a chunk whose last page is
-freed goes back to the pool at once, holes inside live chunks come back through compaction.
-
-Every stored page is at most ``open_page_bytes`` long (a page whose encoding would not be
-smaller is stored in open form, see manager.py), so a packed chunk holds at least
-``chunk_bytes // open_page_bytes`` pages and next fit needs at most
-``ceil(live_bytes / (chunk_bytes - open_page_bytes))`` chunks: that bound is what capacity
-counts as reclaimable before compaction actually runs.
-
-Fill streams: pages that will be freed together should share chunks, so that a chunk empties
-by itself instead of being compacted. The seal places each page at the fill pointer of its
-*stream* (``use_stream``; the scheduler gives a request's pages the stream of the window in which
-it is expected to finish): each stream has its own fill chunk per layer. Any chunk may still be
-repacked (a stream whose fill chunk was repacked or emptied starts a fresh one), so compaction's
-next-fit bound below holds as with one stream.
-
-Compaction of a layer (``plan_repack``): order the layer's packed chunks densest first, its
-pages by (chunk rank, offset), and lay them out again by next fit over the same chunk list.
-No page moves to a later position in that order, so copying pages in order (through a bounded
-temporary buffer, batch by batch) never overwrites a page not yet copied.
+"""Per-layer packed space for compressed pages: next fit at a fill pointer per layer and stream
+(pages expected to leave together share chunks), and compaction (``plan_repack``) that relays
+pages densest chunk first, so an in-order copy never overwrites an uncopied page.
 """
 
 from __future__ import annotations
@@ -32,21 +11,19 @@ import numpy as np
 
 
 class Placement(NamedTuple):
-    """Next fit of pages [L, n]: page i of layer l goes to chunk ``ordinal[l, i]`` of the
-    layer (0: its fill chunk, k >= 1: the k-th fresh chunk) at ``offset[l, i]`` in it."""
+    """Next fit of pages [L, n]: page i of layer l goes to chunk ``ordinal[l, i]`` (0: the fill
+    chunk, k: the k-th fresh one) at ``offset[l, i]``."""
 
     ordinal: np.ndarray
     offset: np.ndarray
 
     @property
     def need(self) -> np.ndarray:
-        """Fresh chunks each layer takes, [L]."""
         if self.ordinal.shape[1] == 0:
             return np.zeros(self.ordinal.shape[0], dtype=np.int64)
         return self.ordinal[:, -1].copy()
 
     def prefix(self, n: int) -> "Placement":
-        """The placement of the first ``n`` pages alone (next fit is sequential)."""
         return Placement(self.ordinal[:, :n], self.offset[:, :n])
 
 
@@ -59,15 +36,15 @@ class PackedSpace:
         self.live_pages = np.zeros(num_chunks, dtype=np.int64)
         self.chunks: list[set[int]] = [set() for _ in range(num_layers)]
         self.layer_live = np.zeros(num_layers, dtype=np.int64)
-        self.held = np.zeros(num_layers, dtype=np.int64)        # len(self.chunks[layer])
+        self.held = np.zeros(num_layers, dtype=np.int64)
         self.fill_chunk = np.full(num_layers, -1, dtype=np.int64)      # the current stream's
         self.fill_ptr = np.zeros(num_layers, dtype=np.int64)
         self.stream = 0
         self._parked: dict[int, tuple[np.ndarray, np.ndarray]] = {}      # other streams' fill pointers
-        self._bound: np.ndarray | None = None     # reclaimable_bound() of the state now (None: changed since)
+        self._bound: np.ndarray | None = None     # cached reclaimable_bound()
 
     def use_stream(self, stream: int) -> None:
-        """Place the next pages at ``stream``'s fill pointers (a stream not used yet: fresh chunks)."""
+        """Place the next pages at ``stream``'s fill pointers."""
         if stream == self.stream:
             return
         self._parked[self.stream] = (self.fill_chunk, self.fill_ptr)
@@ -78,7 +55,6 @@ class PackedSpace:
         return np.full(self.num_layers, -1, dtype=np.int64), np.zeros(self.num_layers, dtype=np.int64)
 
     def _fills(self, streams) -> tuple[np.ndarray, np.ndarray]:
-        """Fill chunks and pointers of ``streams`` (None: the current one), stacked [m·L]."""
         if streams is None:
             return self.fill_chunk, self.fill_ptr
         fills = [(self.fill_chunk, self.fill_ptr) if s == self.stream else self._parked.get(s) or self._fresh()
@@ -95,26 +71,15 @@ class PackedSpace:
                 self._parked[s] = (c, p)
 
     def _drop_fill(self, layer: int, chunks) -> None:
-        """Parked streams whose fill chunk in ``layer`` is among ``chunks`` (emptied or repacked)
-        start a fresh one."""
+        """Parked streams whose fill chunk in ``layer`` is among ``chunks`` start a fresh one."""
         for fill, ptr in self._parked.values():
             if fill[layer] in chunks:
                 fill[layer], ptr[layer] = -1, 0
 
-    # ---------------------------------------------------------------- placement
     def placement(self, sizes: np.ndarray, streams=None) -> "Placement":
-        """Next fit of pages ``sizes`` [L, n] (in order) from each layer's fill pointer, vectorised
-        over layers, one round per destination chunk (no state change). With ``streams`` (m
-        stream ids): ``sizes`` [m·L, n], row s·L + l the pages of layer l of stream
-        ``streams[s]``, from that stream's fill pointer (a whole seal's streams at once; rows
-        padded at their end with zero sizes, which are not pages).
-
-        With c the cumulative sizes and chunk r of a layer beginning at cumulative byte
-        ``base_r`` (``base_0 = -fill_ptr``, or ``-C`` when the layer has no fill chunk; then
-        ``base_r = c[b_r] - size[b_r]`` for the first page ``b_r`` of chunk r), chunk r ends
-        before the first page with ``c[i] > base_r + C``: one ``searchsorted`` for all layers
-        at once (rows made disjoint by adding ``row·span``). Rounds = chunks per layer + 1.
-        """
+        """Next fit of pages ``sizes`` [L, n] from each layer's fill pointer (no state change),
+        all layers at once with one ``searchsorted`` per destination chunk. With ``streams``:
+        ``sizes`` [m·L, n], row s·L + l for layer l of ``streams[s]`` (zero sizes pad rows)."""
         L, n = sizes.shape
         C = self.chunk_bytes
         if n == 0:
@@ -133,7 +98,7 @@ class PackedSpace:
             more = np.nonzero(e < n)[0]
             if more.size == 0:
                 break
-            marks[more, e[more]] = 1                  # page e opens the layer's next chunk
+            marks[more, e[more]] = 1
             base = base.copy()
             base[more] = excl[more, e[more]]
             bases.append(base)
@@ -142,28 +107,19 @@ class PackedSpace:
         return Placement(ordinal, offset)
 
     def chunks_needed(self, sizes: np.ndarray, split=None) -> np.ndarray:
-        """New chunks each layer needs to place ``sizes`` [L, n] (no state change).
-
-        ``split``: ``placement(sizes)`` if the caller already has it (then pass it to ``place``).
-        """
+        """New chunks each layer needs to place ``sizes`` [L, n] (no state change)."""
         return (self.placement(sizes) if split is None else split).need
 
     def place(self, sizes: np.ndarray, take_chunk, split=None, streams=None) -> np.ndarray:
-        """Bump-allocate pages of ``sizes`` [L, n] (with ``streams``: [m·L, n], as ``placement``);
-        returns byte offsets, the same shape.
-
-        ``take_chunk(layer)`` gives a fresh chunk (the caller checked ``chunks_needed``).
-        Vectorised: the next fit of ``placement``, then per (row, chunk) sums for the chunks'
-        live bytes and pages; Python only loops over the fresh chunks taken (stream by stream,
-        layers in order).
-        """
+        """Bump-allocate pages ``sizes`` [L, n] (or [m·L, n] with ``streams``) -> byte offsets;
+        ``take_chunk(layer)`` gives a fresh chunk."""
         R, n = sizes.shape
         L, C = self.num_layers, self.chunk_bytes
         if n == 0:
             return np.empty((R, 0), dtype=np.int64)
         plan = self.placement(sizes, streams) if split is None else split
         need = plan.need
-        table = np.full((R, int(need.max()) + 1), -1, dtype=np.int64)    # [row, ordinal] -> chunk
+        table = np.full((R, int(need.max()) + 1), -1, dtype=np.int64)
         table[:, 0] = self._fills(streams)[0]
         for r in np.nonzero(need)[0].tolist():
             layer = r % L
@@ -173,14 +129,14 @@ class PackedSpace:
             self.held[layer] += need[r]
         rows = np.arange(R)
         out = table[rows[:, None], plan.ordinal] * C + plan.offset
-        real = sizes > 0                                                  # not padding
-        seg = (rows[:, None] * table.shape[1] + plan.ordinal)[real]       # (row, ordinal) of each page
+        real = sizes > 0
+        seg = (rows[:, None] * table.shape[1] + plan.ordinal)[real]
         seg_bytes = np.bincount(seg, weights=sizes[real], minlength=table.size).astype(np.int64)
         seg_pages = np.bincount(seg, minlength=table.size)
-        used = seg_pages > 0                                              # chunks are distinct
+        used = seg_pages > 0
         self.live_bytes[table.ravel()[used]] += seg_bytes[used]
         self.live_pages[table.ravel()[used]] += seg_pages[used]
-        last = real.sum(1) - 1                                            # each row's last page
+        last = real.sum(1) - 1
         self._set_fills(streams, table[rows, plan.ordinal[rows, last]], plan.offset[rows, last] + sizes[rows, last])
         self.layer_live += sizes.sum(1).reshape(-1, L).sum(0)
         self._bound = None
@@ -191,15 +147,13 @@ class PackedSpace:
         if offsets.size == 0:
             return []
         chunks = (offsets // self.chunk_bytes).ravel()
-        # per distinct chunk (a chunk belongs to one layer): its pages' bytes and count
         touched, first, inv = np.unique(chunks, return_index=True, return_inverse=True)
         self.live_bytes[touched] -= np.bincount(inv, weights=sizes.ravel()).astype(np.int64)
         self.live_pages[touched] -= np.bincount(inv)
         self.layer_live -= sizes.sum(1)
         self._bound = None
         emptied = []
-        dead = np.nonzero(self.live_pages[touched] == 0)[0][::-1]    # highest first: the pool's stack then
-                                                                       # hands out the lowest first
+        dead = np.nonzero(self.live_pages[touched] == 0)[0][::-1]    # highest first: the pool hands out the lowest first
         for layer, c in zip((first[dead] // offsets.shape[1]).tolist(), touched[dead].tolist()):
             self.chunks[layer].discard(c)
             self.held[layer] -= 1
@@ -209,15 +163,14 @@ class PackedSpace:
             emptied.append((layer, c))
         return emptied
 
-    # ---------------------------------------------------------------- compaction
     def reclaimable_bound(self, more_held=None, more_live=None) -> np.ndarray:
-        """Chunks per layer that compaction is sure to free (next-fit bound), [L]; with
-        ``more_held`` chunks and ``more_live`` bytes per layer: the bound after a placement."""
-        now = more_held is None and more_live is None          # the state as it is: kept until it changes
+        """Chunks per layer compaction is sure to free (next-fit bound), [L]; ``more_held`` /
+        ``more_live``: the bound after a placement."""
+        now = more_held is None and more_live is None
         if now and self._bound is not None:
             return self._bound.copy()
         per_chunk = self.chunk_bytes - self.max_page_bytes
-        if per_chunk <= 0:           # one page per chunk: nothing to gain from packing
+        if per_chunk <= 0:
             return np.zeros(self.num_layers, dtype=np.int64)
         needed = -(-(self.layer_live + (0 if more_live is None else more_live)) // per_chunk)
         bound = np.maximum(self.held + (0 if more_held is None else more_held) - needed, 0)
@@ -226,36 +179,23 @@ class PackedSpace:
         return bound
 
     def victims(self, layer: int) -> np.ndarray:
-        """The layer's chunks with at least one page's worth of free bytes (holes or tail).
-
-        Only these are repacked; every other chunk is more than ``chunk - max_page`` full, so
-        the next-fit bound of ``reclaimable_bound`` still holds for the whole layer.
-        """
+        """The layer's chunks with at least a page's worth of free bytes (the only ones repacked)."""
         ch = np.fromiter(self.chunks[layer], dtype=np.int64, count=len(self.chunks[layer]))
         return ch[self.chunk_bytes - self.live_bytes[ch] >= self.max_page_bytes]
 
     def plan_repack(self, layer: int, locs: np.ndarray, sizes: np.ndarray, want: int | None = None):
-        """Next-fit layout of the pages in (some of) the layer's victim chunks.
-
-        ``locs``/``sizes``: byte offsets and sizes of all the layer's stored pages. ``want``:
-        free at least this many chunks if possible, repacking only the emptiest victims needed
-        (fewest bytes moved per chunk freed); None repacks every victim. Returns None when
-        nothing would be freed, else (order, new_locs, kept, freed, fill_chunk, fill_ptr):
-        ``order`` is the copy order (indices into ``locs``, pages that may move), ``new_locs``
-        every page's new offset, ``kept``/``freed`` the victim chunks still used / now empty,
-        and the new fill pointer.
-        """
+        """Next-fit layout of the pages in the layer's victim chunks (``want``: free that many, emptiest
+        first), or None: (copy order, new_locs, kept, freed, fill_chunk, fill_ptr)."""
         C = self.chunk_bytes
         vic = self.victims(layer)
         if len(vic) < 2:
             return None
         if want is not None:
             vic = vic[np.lexsort((vic, self.live_bytes[vic]))]                # emptiest first
-            # next fit needs at most ceil(live / (C - max_page)) chunks for the chosen pages
             need = -(-np.cumsum(self.live_bytes[vic]) // max(1, C - self.max_page_bytes))
             enough = np.nonzero(np.arange(1, len(vic) + 1) - need >= want)[0]
             vic = vic[:max(2, int(enough[0]) + 1)] if enough.size else vic
-        ranked = vic[np.lexsort((vic, -self.live_bytes[vic]))]           # densest first
+        ranked = vic[np.lexsort((vic, -self.live_bytes[vic]))]
         rank_of = np.full(len(self.live_bytes), -1, dtype=np.int64)
         rank_of[ranked] = np.arange(len(ranked))
         page_rank = rank_of[locs // C]
@@ -263,7 +203,6 @@ class PackedSpace:
         order = sel[np.lexsort((locs[sel], page_rank[sel]))]
         s = sizes[order]
         new = np.empty(len(order), dtype=np.int64)
-        # next fit, one destination chunk per iteration: pages i..j-1 fill chunk ranked[r]
         csum = np.concatenate([[0], np.cumsum(s)])
         i, r = 0, 0
         while i < len(order):
@@ -272,7 +211,7 @@ class PackedSpace:
             new[i:j] = ranked[r] * C + (csum[i:j] - csum[i])
             i, r = j, r + 1
         if r == len(ranked):
-            return None                                                # no chunk would empty
+            return None
         new_locs = locs.copy()
         new_locs[order] = new
         kept, freed = ranked[:r].tolist(), ranked[r:].tolist()

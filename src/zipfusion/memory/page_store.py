@@ -1,35 +1,7 @@
-"""PageStore: one owner for a page's life, from allocation to free.
-
-A page is allocated open (``alloc``), written by the forwards, becomes *full*, is offered to the
-prefix cache and queued for the seal, is sealed (compressed and placed in its layer's packed
-space), may be moved by compaction or evicted to the host tier, and is freed (``free``, or the
-prefix cache letting go of it). Every one of those steps goes through this object, so the seal
-queue always knows which pages still exist.
-
-The engine calls it once a step, :meth:`after_forward`, once the step's forward and sampling
-are launched: the analysis launched in the *previous* step is placed and encoded (queued on the
-device right behind that step's sampling, it has run by now, so reading its sizes does not wait
-for this step's forward), the pages the step filled are collected, and when a seal is due the
-encoded sizes of the pages waiting are analysed on the device (launched behind this step's
-sampling, not waited for).
-
-So compression costs the decode path no device-to-host sync and no host time between two
-forwards: all of it runs while the forward runs on the device, and capacity lags the seal by
-one step (pages count as open until placed), never promising room that is not there.
-:meth:`seal_now` is the scheduler's last resort before a preemption: everything waiting sealed at
-once (this one may wait for the device).
-
-The scheduler asks it for capacity (``capacity``, ``make_room``: evicting cached pages nobody
-holds until n new pages fit), allocation and release. Policies from above are given at
-construction: ``fill_stream_of`` (which fill stream each owner's pages join: memory/packed.py)
-and ``promised`` (the new pages admission promised to running requests, which a seal must not
-take). Compaction's moves are offered to the prefix cache first: cached pages nobody holds are
-evicted (to the host tier, if any) rather than moved.
-
-The seal's flow and policy are all here; the mechanics are the memory manager's (``cache.manager``,
-memory/manager.py): ``set_streams``, ``analyze_pages`` (sizes launched) and ``place_pages``
-(placed and encoded, for the pages still alive). Under tensor parallelism ``cache.manager`` is
-rank 0's manager behind the log the workers replay (distributed/lockstep.py), the same seam.
+"""PageStore: one owner for a page's life (allocation, prefix cache, seal, eviction, free) and the
+only writer of a request's pages. The seal runs behind each step's forward: the analysis launched
+one step is placed the next, so compression never makes decode wait for the device. The mechanics
+are the memory manager's (``cache.manager``); the policy (when, which pages, in which order) is here.
 """
 
 from __future__ import annotations
@@ -37,73 +9,171 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..format.layout import PAGE_TOKENS
-from .prefix_cache import PrefixCache
+from .prefix_cache import ROOT, PrefixCache
 
-UNOWNED = 1 << 62       # seal order of a page no request collected (swapped in): after the others
+UNOWNED = 1 << 62
 # When a seal is due: one call's fixed cost (analysis, placement) should serve many pages, yet
 # pages should not stay open while admission waits for room (docs/tuning.md, "Seal timing").
-SEAL_MAX_WAIT = 8       # steps after the last seal, while admission waits for room
-SEAL_BUSY_ROWS = 16     # a step of at least this many requests waits SEAL_BUSY_WAIT steps instead
-SEAL_BUSY_WAIT = 16     # (each request still fills at most one page in between)
-SEAL_IDLE_WAIT = 64     # steps when nothing waits for room ...
-SEAL_IDLE_BATCHES = 2   # ... or this many compress batches (busy steps: twice the batch and the wait)
-SEAL_FIRST_PAGES = 4    # a request's prompt pages and its first this many keep the short wait
-SEAL_BACKOFF = 4        # a seal that left pages open waits up to 2**SEAL_BACKOFF times longer
+SEAL_MAX_WAIT = 8
+SEAL_BUSY_ROWS = 16
+SEAL_BUSY_WAIT = 16
+SEAL_IDLE_WAIT = 64
+SEAL_IDLE_BATCHES = 2
+SEAL_FIRST_PAGES = 4
+SEAL_BACKOFF = 4
+
+
+def cacheable_pages(req) -> int:
+    return (req.num_tokens - 1) // PAGE_TOKENS
 
 
 class PageStore:
     def __init__(self, cache, *, prefix_caching: bool = True, host_tier=None,
                  fill_stream_of: Callable[[list[int]], list[int]] | None = None,
-                 promised: Callable[[], int] | None = None):
-        """``cache``: the engine's KV cache (memory/kv_cache.py; under tensor parallelism rank 0's
-        lock-step view). ``fill_stream_of(owners)``: each owner's fill stream (default 0);
-        ``promised()``: new pages the seal must leave room for (default 0)."""
+                 promised: Callable[[], int] | None = None, window: int | None = None):
+        """``fill_stream_of(owners)``: each owner's fill stream; ``promised()``: new pages a seal must leave."""
         self.cache = cache
         self.kv_compression = bool(getattr(cache, "kv_compression", False))
-        self._manager = cache.manager if self.kv_compression else None    # the seal's mechanics
+        self._manager = cache.manager if self.kv_compression else None
         self.prefix = PrefixCache(self._freed, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
                                   enabled=prefix_caching, host=host_tier)
         self._fill_stream_of = fill_stream_of or (lambda owners: [0] * len(owners))
         self._promised = promised or (lambda: 0)
-        # a compress batch: a group of open slots (the manager places a group's worth at a time)
         self.seal_min_pages = self._manager.slots_per_chunk if self.kv_compression else 1
-        # full pages not sealed yet (or left open: no room), each with its place in the seal
-        # order: (owner, page index), so that a request's pages are placed together, share
-        # packed chunks and free them together
+        # full pages waiting for the seal -> (owner, page index): a request's pages packed together
         self._queue: dict[int, tuple[int, int]] = {}
-        self._job = None                       # the manager's analysis: launched, placed at the next step
-        self._job_ids: list[int] = []          # its pages, in seal order
-        self._in_flight: set[int] = set()      # its pages not freed since
-        self._wait = 0                         # steps since the last seal's analysis
-        self._rows = 0                         # requests in the last step
-        self._stuck = 0                        # seals in a row that left pages open (no room)
-        self._stuck_at = 0                     # the capacity after the last of them
-        self._room_wanted = False              # admission refused a request for room since the last seal
-        self._first_waiting = False            # a prompt's page or a request's first, since the last seal
+        self._job = None                       # the analysis launched, placed at the next step
+        self._job_ids: list[int] = []
+        self._in_flight: set[int] = set()
+        self._wait = 0
+        self._rows = 0
+        self._stuck = 0
+        self._stuck_at = 0
+        self._room_wanted = False
+        self._first_waiting = False
+        # sliding window on every layer: dropped pages' places hold the zeroed null page
+        self.window = window
+        self.null_page = self._zeroed(self.alloc(1)[0]) if window is not None else None
+        self.pages_dropped = 0
 
-    # -- capacity, allocation, release: what the scheduler asks --------------------------------
     def capacity(self, keep_reserve: bool = True) -> int:
         """New pages that fit now (``keep_reserve=False``: the compression reserve counted too)."""
         return int(self.cache.capacity_new_pages(keep_reserve=keep_reserve))
 
     def make_room(self, n: int, keep_reserve: bool = True) -> int:
-        """Evict cached pages nobody holds (least recently used first) until ``n`` new pages fit
-        or none is left; the capacity then."""
+        """Evict cached pages nobody holds (LRU first) until ``n`` new pages fit; the capacity then."""
         return self.prefix.make_room(n, keep_reserve)[0]
 
     def alloc(self, n: int, keep_reserve: bool = True) -> list[int]:
         return self.cache.alloc(n, keep_reserve=keep_reserve, reclaim=self._reclaim) if n > 0 else []
 
     def release(self, pages: Sequence[int]) -> None:
-        """A request lets go of its pages: cached ones stay (evictable), the others are freed."""
         self.prefix.release(pages)
 
+    def grow(self, req, upto_tokens: int, keep_reserve: bool = True) -> int:
+        n = req.pages_needed(upto_tokens)
+        req.pages += self.alloc(n, keep_reserve)
+        return n
+
+    def grow_each(self, reqs: Sequence, keep_reserve: bool = False) -> None:
+        for r, page in zip(reqs, self.alloc(len(reqs), keep_reserve)):
+            r.pages.append(page)
+
+    def release_request(self, req) -> None:
+        """A request lets go of every page it holds (finished, preempted or not admitted)."""
+        self.release(req.pages[req.dropped_pages:])
+        req.pages, req.dropped_pages, req.num_sealed_pages, req.prefix_node = [], 0, 0, ROOT
+
+    def match(self, req) -> list:
+        return self.prefix.match(req.tokens, cacheable_pages(req)) if not req.pages else []
+
+    def hold(self, chain: list) -> int:
+        """Hold the chain's pages on the device; how many count as the request's own (``own_pages``)."""
+        resident = [n for n in chain if n.page is not None]
+        self.prefix.acquire(resident)
+        return len(resident) if self.window is None else sum(n.refs == 1 for n in resident)
+
+    def own_pages(self, req) -> int:
+        """Pages held; under a window only those nobody else holds (dropping a shared one frees nothing)."""
+        live = req.pages[req.dropped_pages:]
+        if self.window is None or not self.prefix.num_shared:
+            return len(live)
+        return sum(self.prefix.holders(p) <= 1 for p in live)
+
+    def unhold(self, chain: list) -> None:
+        """Let go of what :meth:`hold` held (a refused admission)."""
+        self.prefix.release([n.page for n in chain if n.page is not None])
+
+    def take_prefix(self, req, chain: list) -> None:
+        if chain:
+            req.pages = [n.page for n in chain]
+            req.num_sealed_pages, req.prefix_node = len(chain), chain[-1].node_id
+
+    def note_lookup(self, queried: int, hit: int) -> None:
+        self.prefix.note_lookup(queried, hit)
+
+    @property
+    def num_evictable(self) -> int:
+        return self.prefix.num_evictable_pages
+
+    def bring_back(self, chain: list, wait: bool, stream: int) -> list | None:
+        """Bring the chain's host-tier pages back into new pages (fill stream ``stream``)."""
+        away = [n for n in chain if n.page is None]
+        if not away:
+            return chain
+        could = self.capacity() + self.num_evictable >= len(away)
+        room = self.make_room(len(away)) if could else 0
+        keep = len(chain)
+        if room < len(away):
+            if wait:
+                return None
+            keep = chain.index(away[0])
+        chain, away = self._cut_at_lost(chain, keep)
+        if away:
+            pages = self.alloc(len(away))
+            chain, still = self._cut_at_lost(chain, len(chain))
+            self.release(pages[len(still):])
+            if still:
+                self.swap_in(still, pages[:len(still)], stream)
+        return chain
+
+    def _cut_at_lost(self, chain: list, keep: int) -> tuple[list, list]:
+        """The chain cut at ``keep`` and at its first page the tier dropped; its pages still on the host."""
+        lost = [n for n in chain if n.page is None and n.host is None]
+        if lost:
+            keep = min(keep, chain.index(lost[0]))
+        if keep < len(chain):
+            self.release([n.page for n in chain[keep:] if n.page is not None])
+            chain = chain[:keep]
+        return chain, [n for n in chain if n.page is None]
+
+    def drop_behind(self, reqs: Sequence) -> int:
+        """Give back each request's pages wholly before the window of its next query token (cached: released)."""
+        if self.window is None:
+            return 0
+        n = 0
+        for r in reqs:
+            dead = min((r.num_computed + 1 - self.window) // PAGE_TOKENS, r.num_sealed_pages)
+            if dead > r.dropped_pages:
+                gone = r.pages[r.dropped_pages:dead]
+                r.pages[r.dropped_pages:dead] = [self.null_page] * len(gone)
+                r.dropped_pages = dead
+                self.release(gone)
+                n += len(gone)
+        self.pages_dropped += n
+        return n
+
+    def _zeroed(self, page: int) -> int:
+        manager = getattr(self.cache, "manager", None)
+        for layer in range(manager.num_layers if manager is not None else 0):
+            manager.open_page(layer, page).zero_()
+        return page
+
     def evict_all(self) -> int:
-        """Evict every cached page nobody holds; how many were freed."""
         return len(self.prefix.clear())
 
     def _freed(self, ids: list[int]) -> None:
-        """Free pages in the cache (the prefix cache's one way to free): they leave the seal queue."""
+        """Free pages in the cache (the prefix cache's one way to free)."""
         self.cache.free(ids)
         for p in ids:
             self._queue.pop(p, None)
@@ -114,22 +184,14 @@ class PageStore:
         self.prefix.evict_pages(pages)
 
     def swap_in(self, nodes: list, pages: list[int], stream: int) -> None:
-        """Bring cached pages back from the host tier into the new pages ``pages``; compressed ones
-        are placed compressed where there is room, the others wait open for the next seal."""
+        """Bring cached pages back from the host tier into the new pages ``pages``."""
         left = self.prefix.swap_in(nodes, pages, stream, self._promised(), self._reclaim)
         if self.kv_compression:
             self._queue.update((p, (UNOWNED, p)) for p in left)
 
-    # -- the seal: once a step, behind the forward ----------------------------------------------
     def after_forward(self, filled: Sequence = ()) -> int:
-        """The step's forward and sampling are launched: place and encode the seal analysed in the
-        previous step; collect the pages the requests ``filled`` have filled (offered to the prefix
-        cache, queued for a seal); when a seal is due (while admission waits for room: a compress
-        batch waiting, or SEAL_MAX_WAIT steps since the last, SEAL_BUSY_WAIT in a step of
-        SEAL_BUSY_ROWS requests or more; when nothing waits for room and no prompt's page or
-        request's first (SEAL_FIRST_PAGES) waits, SEAL_IDLE_WAIT steps, or in a busy step twice the batch and the
-        wait; longer after seals that found no room), launch the size analysis of every page
-        waiting. Returns how many pages were handed to the placement."""
+        """Behind a step's forward: place the seal analysed last step, collect the pages ``filled``, launch
+        the next analysis when due (``_due``); returns the pages handed to placement."""
         sealed = self._finish() if self._job is not None else 0
         self._rows = len(filled)
         self._collect(filled)
@@ -138,13 +200,11 @@ class PageStore:
         return sealed
 
     def want_room(self) -> None:
-        """Admission refused a request for want of room: the pages waiting are sealed at the short
-        waits (SEAL_MAX_WAIT, SEAL_BUSY_WAIT) instead of SEAL_IDLE_WAIT, so that they make room soon."""
+        """Admission refused a request for want of room."""
         self._room_wanted = True
 
     def seal_now(self) -> bool:
-        """Seal every waiting page now (the scheduler's last resort before preempting a running
-        request: compressed pages make room); whether the capacity grew."""
+        """Seal every waiting page now (the last resort before a preemption); whether capacity grew."""
         before = self.cache.capacity_new_pages(keep_reserve=False)
         if self._job is not None:
             self._finish()
@@ -189,15 +249,12 @@ class PageStore:
         return len(alive)
 
     def _collect(self, reqs: Sequence) -> None:
-        """The pages that filled up: offered to the prefix cache (such a page never changes
-        again; the open last page is never shared) and queued for the seal (a cache that does
-        not compress has nothing to seal)."""
         for r in reqs:
             full = r.num_computed // PAGE_TOKENS
-            if full <= r.num_sealed_pages:           # most steps: no page filled (a page is 16 tokens)
+            if full <= r.num_sealed_pages:
                 continue
             if r.num_sealed_pages < max(SEAL_FIRST_PAGES, len(r.prompt_ids) // PAGE_TOKENS):
-                self._first_waiting = True      # a prompt's page, or one of a request's first
+                self._first_waiting = True
             for i in range(r.num_sealed_pages, full):
                 r.prefix_node = self.prefix.insert(r.prefix_node, r.token_block(i), r.pages[i])
                 if self.kv_compression:
@@ -206,5 +263,4 @@ class PageStore:
         self._wait += 1
 
     def to_seal(self) -> list[int]:
-        """The pages waiting for a seal (in flight included), in seal order."""
         return sorted(self._queue, key=self._queue.__getitem__)

@@ -1,15 +1,5 @@
-"""The page table: page id -> where the page lives in every layer.
-
-Host arrays are the truth; ``page_loc`` ([num_layers, max_pages] int64) is what the kernels read:
-``offset | 1`` for a page in open form (being filled, or full but stored uncompressed),
-``offset`` for a compressed page, ``-1`` for no page. Offsets are multiples of 16, so bit 0 is
-free. On the CPU (and the accounting-only ``meta`` device) ``page_loc`` shares memory with the
-host array; on CUDA (or where ``mirrored`` is asked for: tests) it is a copy, and the touched
-columns are copied after each change, on the current stream -- or, with ``deferred`` (the engine,
-which calls :meth:`flush` before each forward), all of a step's changes in one copy.
-
-A page id is the same in every layer and never changes while the request lives; only its
-location does (compression, compaction).
+"""The page table: page id -> where the page lives in every layer. Host arrays are the truth;
+``page_loc`` is the kernels' copy, mirrored on CUDA per change or, ``deferred``, at :meth:`flush`.
 """
 
 from __future__ import annotations
@@ -28,14 +18,14 @@ class PageTable:
         L = num_layers
         self.num_layers, self.max_pages, self.device = L, max_pages, torch.device(device)
         self.loc = np.full((L, max_pages), -1, dtype=np.int64)
-        self.size = np.zeros((L, max_pages), dtype=np.int64)      # stored bytes (STORED pages)
+        self.size = np.zeros((L, max_pages), dtype=np.int64)  # stored bytes (STORED pages)
         self.state = np.zeros(max_pages, dtype=np.int8)
-        self.group = np.zeros(max_pages, dtype=np.int64)          # open pages: group and slot
+        self.group = np.zeros(max_pages, dtype=np.int64)  # open pages: group and slot
         self.slot = np.zeros(max_pages, dtype=np.int64)
         self._free_ids = list(range(max_pages - 1, -1, -1))
         self.mirrored = self.device.type not in ("cpu", "meta") if mirrored is None else mirrored
         self.page_loc = torch.from_numpy(self.loc.copy()).to(self.device) if self.mirrored else torch.from_numpy(self.loc)
-        self.deferred = False                    # sync() only notes the columns; flush() copies them
+        self.deferred = False  # sync() only notes the columns; flush() copies them
         self._dirty: list[np.ndarray] = []
         self._dirty_layers: set[int] = set()
 
@@ -60,8 +50,7 @@ class PageTable:
         if self.deferred:
             self._dirty.append(np.array(ids, dtype=np.int64))
             return
-        # pinned staging + non_blocking: no host stall behind queued kernels (the caching host
-        # allocator keeps each staging buffer alive until its copy has run)
+        # pinned staging + non_blocking: no host stall behind queued kernels
         self.page_loc[:, to_device(ids, self.device)] = to_device(torch.from_numpy(self.loc[:, ids]), self.device)
 
     def sync_layer(self, layer: int) -> None:
@@ -74,8 +63,7 @@ class PageTable:
         self.page_loc[layer].copy_(to_device(torch.from_numpy(self.loc[layer]), self.device))
 
     def flush(self) -> None:
-        """The deferred changes to the device table: whole rows of the layers compacted, then
-        every other touched column in one copy (both from the host arrays as they are now)."""
+        """The deferred changes to the device table, in one copy."""
         rows, cols = sorted(self._dirty_layers), self._dirty
         self._dirty, self._dirty_layers = [], set()
         if rows:
@@ -86,8 +74,7 @@ class PageTable:
             self.page_loc[:, to_device(ids, self.device)] = to_device(torch.from_numpy(self.loc[:, ids]), self.device)
 
     def check(self, ids, want_state: int | None, what: str) -> np.ndarray:
-        """``ids`` as an int64 array of distinct allocated page ids (in ``want_state`` if given),
-        or ValueError/TypeError saying what is wrong."""
+        """``ids`` as an int64 array of distinct allocated page ids (ValueError/TypeError if not)."""
         if isinstance(ids, torch.Tensor):
             ids = ids.detach().cpu().tolist()
         if isinstance(ids, (int, np.integer)):

@@ -76,8 +76,10 @@ def set_weight(module: nn.Module, weight: CompressedWeight) -> None:
     module.weight = weight
 
 
-def compressed_weights(model: nn.Module) -> list[CompressedWeight]:
-    return [m.weight for _, m in weight_modules(model) if isinstance(m.weight, CompressedWeight)]
+def compressed_weights(model: nn.Module) -> list[tuple[CompressedWeight, torch.Tensor | None]]:
+    """The compressed layers' (weight, bias or None) pairs."""
+    return [(m.weight, getattr(m, "bias", None)) for _, m in weight_modules(model)
+            if isinstance(m.weight, CompressedWeight)]
 
 
 def other_matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -113,6 +115,9 @@ def compress_model(model: nn.Module, note: str = "") -> WeightSizes:
     kept = [f"{n} (not a linear layer's: MoE router or stacked experts)" for n, _ in other_matrices(model)]
     modules = [(n, m) for n, m in weight_modules(model) if not isinstance(m.weight, CompressedWeight)]
     on_cuda = any(m.weight.is_cuda for _, m in modules)
+    # the planes go to a pool of their own: the freed BF16 copies leave whole segments that
+    # empty_cache gives back, not holes between planes that the KV arena could not use
+    pool = torch.cuda.MemPool() if on_cuda else None
     for name, module in tqdm(modules, desc="compressing weights", unit="tensor", mininterval=2.0, leave=False):
         w = module.weight
         why = why_not_compressible(w)
@@ -122,9 +127,13 @@ def compress_model(model: nn.Module, note: str = "") -> WeightSizes:
         if why:
             kept.append(f"{name}.weight ({why})")
             continue
+        if pool is not None and cw.device.type == "cuda":
+            with torch.cuda.use_mem_pool(pool, device=cw.device):
+                cw = dataclasses.replace(cw, **{f: getattr(cw, f).clone() for f in PLANES})
         set_weight(module, cw)
-        del w
+        del w, cw
     if on_cuda:
+        model._weight_pool = pool                 # lives as long as the planes
         torch.cuda.empty_cache()                  # the freed BF16 copies: free for the KV budget
     sizes = weight_sizes(model)
     sizes.kept = kept

@@ -1,8 +1,5 @@
-"""Reading a Hugging Face ``config.json`` into the few numbers the engine needs.
-
-Rope settings come in two spellings: ``rope_theta`` + ``rope_scaling`` (Hub checkpoints,
-transformers 4) and ``rope_parameters`` (what transformers 5 writes). Both end up in
-:class:`RopeConfig`. Anything the engine cannot run raises ``ValueError`` naming the field.
+"""Reading a Hugging Face ``config.json`` (either rope spelling) into the few numbers the engine
+needs; anything it cannot run raises ``ValueError`` naming the field.
 """
 
 from __future__ import annotations

@@ -1,25 +1,5 @@
-"""GGUF checkpoints (llama.cpp's single-file format): config, weights and tokenizer from one file.
-
-Read with the ``gguf`` package (``GGUFReader``; ``gguf.quants.dequantize`` for quantized
-tensors) and turned into what a Hugging Face checkpoint would give:
-
-* config: the ``{arch}.*`` metadata -> a config.json-shaped dict -> :func:`config_from_dict`
-  (so the same checks apply). ``rope_freqs.weight`` (how llama.cpp stores Llama-3.1 rope
-  scaling) is matched against llama3 scaling; anything else it cannot express is refused.
-* weights: GGUF tensor names -> Hugging Face names; every tensor is dequantized to fp32 and cast
-  to the model's dtype. llama.cpp's converter reorders the rows of the Llama q and k projections
-  within each head (it rotates interleaved pairs, Hugging Face rotates the two halves):
-  :func:`unpermute_qk` undoes that. Qwen2/3 and Phi-3 files are not reordered (llama.cpp uses
-  the same half-split rope for them). Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate|up) fill our
-  stacked parameters whole; stacked experts (``ffn_*_exps`` [E, ...]: Qwen3-MoE, and Mixtral,
-  which llama.cpp writes as ``llama`` with ``expert_count``) are handed to the loader per expert.
-  Gemma 2/3: norms stored as 1 + w (loaded back as w), ``ffn_norm`` is the pre-MLP norm, and
-  the settings llama.cpp keeps in its code are restored by :func:`_gemma_config`.
-* tokenizer: transformers builds a fast tokenizer from the file's ``tokenizer.ggml.*`` metadata,
-  chat template included (see :mod:`zipfusion.models.tokenizer`).
-
-Parsing the metadata of a file with a large vocabulary takes seconds, so the reader of the last
-files opened is kept (keyed by path, size and modification time).
+"""GGUF checkpoints: config, weights and tokenizer from one file, turned into what a Hugging Face
+checkpoint would give (llama.cpp's q/k row order undone, Gemma's 1 + w norms loaded as w).
 """
 
 from __future__ import annotations
@@ -32,15 +12,14 @@ import numpy as np
 import torch
 
 GGUF_MAGIC = b"GGUF"
-# general.architecture -> architecture name in config.json
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM"}
-GEMMA = ("gemma2", "gemma3")          # llama.cpp stores their (1 + w) norms as 1 + w: loaded back as w
-MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}   # with expert_count > 0
+GEMMA = ("gemma2", "gemma3")  # stored as 1 + w: loaded back as w
+MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}  # with expert_count > 0
 PIP_HINT = "pip install gguf  (or, from the zipfusion checkout: pip install -e '.[models]')"
 
-# GGUF tensor name (with N for the layer) -> Hugging Face name
+# GGUF tensor name (N: the layer) -> Hugging Face name
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -57,14 +36,14 @@ _PER_LAYER = {
 _GEMMA_LAYER = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER}
-# stacked experts [E, rows, cols] -> expert e's Hugging Face tensor
+# stacked experts [E, rows, cols] -> expert e's tensor
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
 
 
 class MissingDependencyError(ImportError, ValueError):
-    """An optional package is missing (a ValueError too, so the CLI prints it as one line)."""
+    """An optional package is missing (a ValueError too: the CLI prints it as one line)."""
 
 
 def _gguf():
@@ -92,13 +71,12 @@ class GGUFFile:
             raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
         try:
             self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:      # truncated or corrupt: numpy/struct errors of many kinds
+        except Exception as e:  # truncated or corrupt
             raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt?): "
                              f"{type(e).__name__}: {e}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         self._types = gguf.GGMLQuantizationType
 
-    # -- metadata ----------------------------------------------------------------------------
     def has(self, key: str) -> bool:
         return key in self.reader.fields
 
@@ -119,7 +97,6 @@ class GGUFFile:
             raise ValueError(f"{self.path}: no general.architecture in the GGUF metadata")
         return arch
 
-    # -- tensors -----------------------------------------------------------------------------
     def tensor_type(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
 
@@ -140,7 +117,7 @@ class GGUFFile:
         """Tensor ``name`` as fp32, in torch's [rows, columns] order."""
         import gguf.quants as q
         t = self.tensors[name]
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # GGUF lists the fastest dimension first
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
         try:
             arr = q.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -168,13 +145,12 @@ def open_gguf(path: str | Path) -> GGUFFile:
     return _open_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
-# -- config ------------------------------------------------------------------------------------
 
 def _int(f: GGUFFile, key: str, default=None, required: bool = True):
     v = f.get(key, default)
     if isinstance(v, list):
         if v and all(x == v[0] for x in v):
-            v = v[0]                          # per-layer array with one value
+            v = v[0]
         else:
             raise ValueError(f"{f.path}: {key} differs between layers ({v[:8]}...); not supported")
     if v is None:
@@ -185,7 +161,7 @@ def _int(f: GGUFFile, key: str, default=None, required: bool = True):
 
 
 def _llama3_rope(f: GGUFFile, arch: str, theta: float, head_dim: int) -> dict:
-    """``rope_freqs.weight`` holds per-frequency divisors; find the llama3 scaling that gives them."""
+    """Find the llama3 rope scaling that gives ``rope_freqs.weight``'s per-frequency divisors."""
     from .config import RopeConfig
     from .layers import rope_inv_freq
     got = f.dequantize(ROPE_FREQS).flatten()
@@ -243,7 +219,7 @@ def raw_config(f: GGUFFile) -> dict:
     elif scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(f.get(f"{arch}.rope.scaling.factor", 1.0))}
     elif scaling_type != "none":
-        rope_scaling = {"rope_type": scaling_type}           # config_from_dict names it as unsupported
+        rope_scaling = {"rope_type": scaling_type}
     elif f.has(f"{arch}.rope.scale_linear"):
         rope_scaling = {"rope_type": "linear", "factor": float(f.get(f"{arch}.rope.scale_linear"))}
     gemma = _gemma_config(f, arch, hidden, heads, head_dim) if arch in GEMMA else {}
@@ -268,10 +244,8 @@ def raw_config(f: GGUFFile) -> dict:
 
 
 def _gemma_config(f: GGUFFile, arch: str, hidden: int, heads: int, head_dim: int) -> dict:
-    """Gemma 2/3 settings llama.cpp keeps in metadata or in its code: soft-capping, the local
-    layers (Gemma 2 every other one, Gemma 3 five of six or the file's per-layer pattern; local
-    rope base 10000), and the query scale (head_dim ** -0.5; hidden / heads for the 27B models,
-    46 or 62 layers, as llama.cpp decides it)."""
+    """Gemma 2/3 settings llama.cpp keeps in metadata or its code: soft-capping, local layers,
+    local rope base and query scale."""
     layers = _int(f, f"{arch}.block_count")
     out = {"model_type": "gemma3_text" if arch == "gemma3" else arch, "hidden_activation": "gelu_pytorch_tanh",
            "query_pre_attn_scalar": hidden // heads if layers in (46, 62) else head_dim,
@@ -303,11 +277,9 @@ def has_tokenizer(path: str | Path) -> bool:
     return f.has("tokenizer.ggml.model") and f.has("tokenizer.ggml.tokens")
 
 
-# -- weights -----------------------------------------------------------------------------------
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
-    """GGUF tensor name -> Hugging Face name (None for ``rope_freqs``, which is no parameter;
-    stacked experts: the name with ``{e}`` for the expert)."""
+    """GGUF tensor name -> Hugging Face name (None for ``rope_freqs``; experts: with ``{e}``)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     if name == ROPE_FREQS:
@@ -322,11 +294,8 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: within each head, rows (0, D/2, 1, D/2+1, ...) -> (0, 1, ..., D-1).
-
-    llama.cpp stores the pairs it rotates together next to each other; Hugging Face's rotate_half
-    pairs row i with row i + D/2. Works for weights [n_heads*D, in] and biases [n_heads*D].
-    """
+    """Undo llama.cpp's q/k row order (pairs rotated together stored side by side) into Hugging
+    Face's half-split order, for weights [n_heads*D, in] and biases [n_heads*D]."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
         raise ValueError(f"cannot un-permute {rows} rows over {n_heads} heads")
@@ -341,7 +310,7 @@ def iter_weights(path: str | Path, cfg):
     permute = f.architecture == "llama"
     for name in f.tensors:
         if name == ROPE_FREQS:
-            continue                                  # read into the config's rope scaling
+            continue  # read into the config's rope scaling
         try:
             target = hf_name(name, f.architecture)
         except ValueError:
@@ -349,7 +318,7 @@ def iter_weights(path: str | Path, cfg):
         w = f.dequantize(name)
         if f.architecture in GEMMA and name.endswith("norm.weight"):
             w = w - 1.0
-        if "{e}" in target:                           # stacked experts: one tensor per expert
+        if "{e}" in target:
             for e in range(w.shape[0]):
                 yield target.format(e=e), w[e]
             continue

@@ -1,11 +1,6 @@
-"""Building blocks: RMSNorm, rotary embedding, tensor-parallel-ready linear layers.
-
-Linear layers follow the Megatron split. A *column-parallel* layer keeps rows
-``rank·n/tp .. (rank+1)·n/tp`` of every stacked output part (q|k|v, gate|up) and needs no
-communication; a *row-parallel* layer keeps the matching input columns and all-reduces its
-partial sums. Each such layer has a ``weight_loader(param, loaded, shard)`` that cuts the full
-checkpoint tensor down to this rank's part of its parameter (``weight_loaders``: by parameter
-name), so the loader stays the same at any TP size.
+"""Building blocks: RMSNorm, rotary embedding, tensor-parallel linear layers (Megatron split:
+column-parallel keeps output rows, row-parallel input columns and all-reduces). Each layer's
+``weight_loader`` cuts the checkpoint tensor to this rank's part.
 """
 
 from __future__ import annotations
@@ -22,31 +17,18 @@ from .config import RopeConfig
 from .parallel import tp
 
 
-# deterministic mode: on CUDA, GEMMs run on blocks of exactly this many rows (see ``linear``)
+# deterministic mode on CUDA: GEMMs run on blocks of exactly this many rows
 DETERMINISTIC_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None,
            deterministic: bool = False) -> torch.Tensor:
-    """y = x Wᵀ + b; W a tensor or a :class:`CompressedWeight` (the fused kernels read it).
-
-    ``deterministic``: each row's result must not depend on the other rows (how many, which).
-    A GEMM library picks its algorithm -- tiling, split-K, instruction -- from the shape, so the
-    same row can come out with other bits in a batch of 7 than in one of 70. On CUDA the rows
-    are therefore cut into blocks of exactly DETERMINISTIC_ROWS (the last one padded): cuBLAS
-    always sees one shape and runs one algorithm, whose arithmetic for a row is fixed. (A decode
-    batch up to that size is one call; a long prefill re-reads the weights once per block.)
-    Elsewhere (CPU) the products and sums are done in fp64, where bf16 and fp32 products are
-    exact and the order of the sum moves a result by ~1e-16 relative, far below the rounding to
-    the output dtype that follows.
-
-    A compressed W in deterministic mode is restored (bit for bit) into one reused buffer and
-    takes the same path: the outputs are those of the uncompressed weights by construction.
-    """
+    """y = x Wᵀ + b; W a tensor or a :class:`CompressedWeight`. ``deterministic``: a row's bits must not
+    depend on the batch, so on CUDA rows go in blocks of exactly DETERMINISTIC_ROWS (one cuBLAS
+    shape), on the CPU in fp64; a compressed W is then restored into a reused buffer."""
     if isinstance(weight, CompressedWeight):
         if not deterministic:
             return wl.weight_linear(x, weight, bias)
-        # bit for bit: into the kernels' reused buffer on CUDA (graph-safe), the torch reference elsewhere
         weight = wl.restore_buffer(weight) if weight.device.type == "cuda" else restore_weight(weight)
     if not deterministic:
         return F.linear(x, weight, bias)
@@ -68,21 +50,17 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor | CompressedWeight) -> tor
 
 
 class RMSNorm(nn.Module):
-    """y = w · x / sqrt(mean(x²) + eps), statistics in fp32 (as in transformers).
-    ``offset`` (Gemma): y = (x / rms in fp32) · (offset + w in fp32), rounded once.
-
-    ``norm(x, residual)`` adds first and returns ``(norm(x + residual), x + residual)``: the
-    decoder's residual stream, one kernel on CUDA.
-    """
+    """y = w · x / rms(x), statistics in fp32 (``offset``: Gemma's (offset + w)).
+    ``norm(x, residual)`` returns ``(norm(x + residual), x + residual)``, one kernel on CUDA."""
 
     def __init__(self, dim: int, eps: float, deterministic: bool = False, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.offset = eps, offset
-        self.deterministic = deterministic   # CPU: statistics in fp64 (the CUDA kernel is one program per row)
+        self.deterministic = deterministic   # CPU: statistics in fp64
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and not self.offset:   # the Triton kernel (models/merged_ops.py)
+        if x.is_cuda and not self.offset:   # models/merged_ops.py
             from .merged_ops import rmsnorm
             return rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -107,21 +85,19 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 def weight_loaders(model: nn.Module) -> dict:
-    """Parameter name -> the ``weight_loader`` of the layer that holds it (the tensor-parallel
-    layers'; other parameters are copied whole)."""
+    """Parameter name -> its layer's ``weight_loader``."""
     return {f"{mn}.{pn}" if mn else pn: mod.weight_loader
             for mn, mod in model.named_modules() if hasattr(mod, "weight_loader")
             for pn, _ in mod.named_parameters(recurse=False)}
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x Wᵀ (+ b) with W's output rows split over ranks; ``output_sizes`` fuses several
-    projections (q|k|v or gate|up) into one GEMM, each part split separately."""
+    """y = x Wᵀ (+ b), W's output rows split over ranks; ``output_sizes`` fuses projections."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, deterministic: bool = False):
         super().__init__()
         self._tp = t = tp()
-        self.deterministic = deterministic           # see ``linear``
+        self.deterministic = deterministic
         self.output_sizes = list(output_sizes)
         self.local_sizes = [_divide(n, t.size, "output size") for n in output_sizes]
         self.in_features = in_features
@@ -149,7 +125,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class ReplicatedLinear(nn.Module):
-    """y = x Wᵀ with the whole W on every rank (a router: small, and every rank needs all of y)."""
+    """y = x Wᵀ, the whole W on every rank (a router)."""
 
     def __init__(self, in_features: int, out_features: int, deterministic: bool = False):
         super().__init__()
@@ -161,12 +137,12 @@ class ReplicatedLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = Σ_ranks x_r W_rᵀ (+ b): W's input columns split over ranks, partial sums all-reduced."""
+    """y = Σ_ranks x_r W_rᵀ (+ b): input columns split over ranks, partial sums all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, deterministic: bool = False):
         super().__init__()
         self._tp = t = tp()
-        self.deterministic = deterministic           # see ``linear``; the all-reduce adds in rank order
+        self.deterministic = deterministic           # the all-reduce adds in rank order
         self.in_features, self.out_features = in_features, out_features
         self.local_in = _divide(in_features, t.size, "input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
@@ -191,10 +167,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embeddings with the vocabulary split over ranks: rank r holds rows
-    ``r·n .. (r+1)·n - 1`` (n = ceil(V / tp); rows past V are zero padding). A token outside
-    this rank's rows gives zeros here; the all-reduce sums the one rank that holds it with
-    zeros, so the result is exact. The same rows serve as the (tied) LM head's shard."""
+    """Token embeddings, the vocabulary split over ranks (zeros for tokens of other ranks, so
+    the all-reduce is exact); its rows also serve as the tied LM head's shard."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
@@ -223,28 +197,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """An untied LM head: the rows of :class:`VocabParallelEmbedding`, the same split (weights
-    only: ``CausalLM.compute_logits`` multiplies by them and gathers the ranks' logits)."""
+    """An untied LM head: :class:`VocabParallelEmbedding`'s rows and split, weights only."""
 
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__(vocab_size, hidden_size)
 
 
 def _full(param: nn.Parameter, shape: tuple, parts: list[int] | None = None) -> None:
-    """Note on a sharded parameter what the whole tensor (all ranks) looks like: random
-    initialisation draws the whole one and hands it to ``weight_loader``, so a random model is
-    the same at every TP size (``parts``: the stacked parts' row counts, loader shard order)."""
+    """Note a sharded parameter's whole shape, so a random model is the same at every TP size."""
     param.full_shape = tuple(shape)
     param.part_sizes = list(parts) if parts else None
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies θ^(-2i/D), i < D/2, with llama3 / linear scaling (fp32).
-
-    llama3: wavelengths λ = 2π/f longer than L/low are divided by ``factor``, shorter than
-    L/high are kept, and in between f is blended: (1-s)·f/factor + s·f with
-    s = (L/λ - low)/(high - low), L = original_max_position_embeddings.
-    """
+    """Inverse frequencies θ^(-2i/D) with llama3 / linear scaling (fp32)."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         return inv / rope.factor
@@ -261,30 +227,21 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate q and k by position, half-split (Llama/Qwen) layout: for the two halves x1, x2 of
-    a head and angle f·pos per channel pair,
-
-        out1 = x1·cos - x2·sin,   out2 = x2·cos + x1·sin.
-
-    One arithmetic on every path (this torch version, the merged Triton kernel, CPU and GPU,
-    prefill and decode): cos/sin in fp32, the products and the sum in fp64 -- where the products
-    of fp32 (or bf16) numbers are exact, so it does not matter whether a compiler fuses them
-    into an FMA -- then rounded to fp32 and to the model's dtype. A key is thus the same bits
-    whether it was computed in a prompt or as a generated token.
-    """
+    """Rotate q and k by position (half-split layout). One arithmetic on every path: cos/sin in
+    fp32, products and sum in fp64 (exact, FMA or not), so a key has the same bits whether
+    computed in a prompt or as a generated token."""
 
     def __init__(self, head_dim: int, rope: RopeConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D/2] fp32."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D/2] fp32 (RotaryEmbedding's arithmetic, in torch)."""
+    """x [T, heads, D]; cos/sin [T, D/2] fp32."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].double(), x[..., half:].double()
     c, s = cos.double()[:, None, :], sin.double()[:, None, :]

@@ -1,14 +1,5 @@
-"""One decoder for every family (Llama 3.x, Qwen2/2.5/3, Mistral, Phi-3, Gemma 2/3, and the
-mixture-of-experts Qwen3-MoE and Mixtral), the families differing only by ModelConfig options:
-q/k/v bias, per-head q/k RMSNorm, sliding-window layers and their rope, GeGLU, Gemma's (1 + w)
-norms around attention and the MLP and scaled embeddings, soft-capped logits, and sparse MLPs
-(:class:`SparseMoE`).
-
-The model knows the KV cache only through :class:`KVCacheStep`: each layer hands its q, k, v
-to ``kv.store`` (which rotates q and k by position and writes k, v into the cache) and then
-asks ``kv.attend`` for the attention output. Tokens of all requests in a step are flattened into one ``[T]`` batch.
-Parameter names match the Hugging Face checkpoints, except that q|k|v and gate|up are stacked
-(:data:`STACKED` says how the loader fills them).
+"""One decoder for every family, differing only by ModelConfig options; it knows the KV cache only
+through :class:`KVCacheStep`. Parameter names are Hugging Face's, q|k|v and gate|up stacked.
 """
 
 from __future__ import annotations
@@ -32,15 +23,11 @@ STACKED = {
 }
 
 class KVCacheStep(Protocol):
-    """What a model needs from the KV cache during one forward step (the engine's
-    ``attention.backend.PagedKVCacheStep`` on its pages; the analyzer's capture; tests' references;
-    each subclasses this protocol)."""
+    """What a model needs from the KV cache during one forward step."""
 
     def store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, H, D] by position (cos/sin [T, D/2] fp32, see
-        :class:`RotaryEmbedding`), write k and v [T, H, D] into the cache at each token's
-        place; return the rotated q, k and v."""
+        """Rotate q and k by position, write k and v into the cache; return the rotated q, k and v."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the step's queries over their requests' cached K/V -> [T, Hq, D]."""
@@ -54,7 +41,7 @@ class Attention(nn.Module):
             raise ValueError(f"tensor_parallel_size={t} does not divide the model's {cfg.num_key_value_heads} KV heads")
         self.layer = layer
         self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads // t       # this rank's heads (KV heads split by rank)
+        self.num_heads = cfg.num_attention_heads // t  # this rank's heads
         self.num_kv_heads = cfg.num_key_value_heads // t
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
                                              bias=cfg.attention_bias or cfg.qkv_bias, deterministic=deterministic)
@@ -76,14 +63,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = kv.store(self.layer, q, k, v, cos, sin)
-        o = kv.attend(self.layer, q, k, v)                    # [T, heads, D]
+        o = kv.attend(self.layer, q, k, v)
         return self.o_proj(o.reshape(T, qs))
 
 
 def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) · up of a stacked [.., 2I] gate|up: SiLU (one Triton kernel on CUDA) or GELU's
-    tanh approximation (GeGLU)."""
-    if act == "silu" and gate_up.is_cuda:     # the Triton kernel (models/merged_ops.py)
+    """act(gate) · up of a stacked gate|up: SiLU or GELU's tanh approximation (GeGLU)."""
+    if act == "silu" and gate_up.is_cuda:  # models/merged_ops.py
         from .merged_ops import silu_and_mul
         return silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -115,8 +101,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x, residual, cos, sin, kv: KVCacheStep):
-        """x: the last layer's output (or the embeddings, with ``residual`` None); returns this
-        layer's output and the residual stream before it (summed by the next norm)."""
+        """Returns this layer's output and the residual stream before it (summed by the next norm)."""
         if self.sandwich:                   # Gemma: h += norm(attn(norm(h))); h += norm(mlp(norm(h)))
             h = x if residual is None else x + residual
             h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv))
@@ -139,19 +124,16 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The causal LM of every family. ``forward(input_ids [T], positions [T], kv) -> hidden [T, h]``.
-
-    ``deterministic``: batch-invariant arithmetic -- every GEMM and norm computes a row the same
-    way whatever else is in the batch (models.layers.linear). Fixed at construction: each layer
-    that changes its arithmetic for it is given it when built."""
+    """The causal LM of every family: ``forward(input_ids [T], positions [T], kv) -> hidden [T, h]``;
+    ``deterministic`` (fixed at construction): batch-invariant arithmetic."""
 
     def __init__(self, cfg: ModelConfig, deterministic: bool = False):
         super().__init__()
         self.config = cfg
-        self.deterministic = deterministic          # read by compute_logits (the LM head's GEMM)
+        self.deterministic = deterministic  # read by compute_logits
         self.model = Backbone(cfg, deterministic)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
-        # sliding layers' own rope (Gemma 3's local base), else the one rope
+# sliding layers' own rope (Gemma 3), else the one rope
         self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.local_rope) if cfg.local_rope else None
         self._tp = tp()
         if cfg.tie_word_embeddings:
@@ -176,8 +158,7 @@ class CausalLM(nn.Module):
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, h] -> logits [n, vocab] in fp32 (tensor parallel: every rank's vocabulary
-        shard computed there, gathered on every rank)."""
+        """hidden [n, h] -> logits [n, vocab] fp32 (tensor parallel: gathered on every rank)."""
         logits = linear(hidden, self.lm_head_weight, None, self.deterministic).float()
         if self._tp.size > 1:
             logits = self._tp.all_gather_last(logits)[:, :self.config.vocab_size]

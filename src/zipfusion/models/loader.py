@@ -1,10 +1,5 @@
-"""Finding, loading and randomly initialising models.
-
-A model is named by a Hugging Face Hub id (``ORG/NAME``: :func:`hub_snapshot`), a checkpoint folder (config.json + *.safetensors, sharded with
-``model.safetensors.index.json`` or not), by a llama.cpp ``.gguf`` file (or a folder holding
-exactly one and no config.json; see :mod:`zipfusion.models.gguf`), by ``"demo"`` (the tiny model shipped in
-``zipfusion/models/demo``) or by a shipped config with random weights
-(``"llama-3.1-8b-random"``, ``"qwen3-8b-random"``, ``"qwen3-32b-random"``; see :data:`RANDOM_MODELS`).
+"""Finding, loading and randomly initialising models: a Hub id, a checkpoint folder, a ``.gguf``
+file, ``"demo"`` or a shipped config with random weights (:data:`RANDOM_MODELS`).
 """
 
 from __future__ import annotations
@@ -31,22 +26,18 @@ from .parallel import tp
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEMO_DIR = PACKAGE_DIR / "demo"
 CONFIG_DIR = PACKAGE_DIR / "configs"
-# shipped configs of real models, run with random weights (benchmarks, capacity). Sizes in bf16:
-# qwen3-30b-a3b 61 GB and qwen3-32b 65.5 GB fit one 80 GB GPU; mixtral-8x7b (46.7B parameters, 93 GB) needs
-# tensor_parallel_size >= 2, or its first 16 layers (mixtral-8x7b-16l: 24B, 48 GB) fit one GPU.
+# shipped configs of real models, run with random weights (benchmarks, capacity)
 RANDOM_MODELS = {f"{name}-random": CONFIG_DIR / f"{name}.json" for name in (
     "llama-3.1-8b", "qwen3-8b", "qwen3-32b", "qwen2.5-7b", "mistral-7b", "phi-3-mini", "gemma-3-12b", "qwen3-30b-a3b",
     "mixtral-8x7b", "mixtral-8x7b-16l")}
 INIT_STD = 0.02
-PROGRESS_EVERY_S = 10.0          # a long build logs where it is this often
+PROGRESS_EVERY_S = 10.0
 
 log = logging.getLogger("zipfusion.models")
 
 
 class BuildProgress:
-    """Logs (INFO, ``zipfusion.models``) that a model build starts, where it is every ``every``
-    seconds (an 8B model on the CPU takes minutes; a GGUF file is dequantized on load) and how
-    long it took, so a command loading a model never sits silent."""
+    """Logs that a model build starts, where it is every ``every`` seconds and how long it took."""
 
     def __init__(self, name: str, every: float | None = None, what: str = ""):
         self.name, self.what, self.t0 = name, what, time.perf_counter()
@@ -80,23 +71,22 @@ class BuildProgress:
 class ModelSource:
     """Where config, weights and tokenizer are. For a GGUF checkpoint all three are the .gguf file."""
     name: str
-    config_path: Path               # config.json, a shipped config, or a .gguf file
-    weights_dir: Path | None        # checkpoint folder or .gguf file; None: random weights
-    tokenizer_dir: Path | None      # folder with tokenizer files, or a .gguf file
-    compressed: bool = False        # a compressed checkpoint (models/compressed_weights.py)
+    config_path: Path
+    weights_dir: Path | None  # None: random weights
+    tokenizer_dir: Path | None
+    compressed: bool = False
 
 
 def _resolve_gguf(name: str, path: Path, load_format: str) -> ModelSource:
     from .gguf import has_tokenizer, open_gguf
     if load_format == "safetensors":
         raise ValueError(f"model {name!r} is a GGUF file; pass load_format='auto' or 'gguf'")
-    open_gguf(path)                  # not a GGUF file / gguf not installed: say so now
+    open_gguf(path)  # not a GGUF file / gguf not installed: say so now
     tok = path if has_tokenizer(path) else None
     return ModelSource(name, path, None if load_format == "random" else path, tok)
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# what a checkpoint's Hub snapshot needs: config, weights, tokenizer, templates
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 TOKENIZER_PATTERNS = ["*.json", "tokenizer.model", "*.jinja", "*.txt"]
 
@@ -107,9 +97,8 @@ def is_hub_id(name: str) -> bool:
 
 
 def hub_snapshot(repo_id: str, revision: str | None = None, patterns: list[str] = HUB_PATTERNS) -> Path:
-    """The local folder of a Hub repository's snapshot at ``revision``, downloaded into the Hub
-    cache (huggingface_hub's: the token from HF_TOKEN or ``hf auth login``) unless it is there;
-    with HF_HUB_OFFLINE=1 only the cache is read."""
+    """The local folder of a Hub snapshot at ``revision``, downloaded into the Hub cache unless
+    there (HF_HUB_OFFLINE=1: the cache only)."""
     from ..config import environment
     try:
         from huggingface_hub import snapshot_download
@@ -120,7 +109,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None, patterns: list[str] 
     try:
         folder = snapshot_download(repo_id, revision=revision, cache_dir=env.hf_cache,
                                    local_files_only=env.hf_offline, allow_patterns=patterns)
-    except Exception as e:        # noqa: BLE001 - network, auth, missing repo or revision: one line
+    except Exception as e:  # one line for network, auth, missing repo or revision
         where = "in the Hub cache " + str(env.hf_cache) + " (HF_HUB_OFFLINE=1)" if env.hf_offline else "on the Hub"
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise FileNotFoundError(f"model {repo_id!r}{f' revision {revision!r}' if revision else ''}: not found "
@@ -130,7 +119,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None, patterns: list[str] 
 
 
 def resolve_tokenizer(name: str | None) -> Path | None:
-    """``--tokenizer``: a Hub id (its tokenizer files only, from its main branch) or a folder / .gguf file."""
+    """``--tokenizer``: a Hub id (its tokenizer files only) or a folder / .gguf file."""
     if name is None:
         return None
     if is_hub_id(name):
@@ -142,8 +131,7 @@ def resolve_tokenizer(name: str | None) -> Path | None:
 
 
 def resolve_model(model: str | Path, load_format: str = "auto", revision: str | None = None) -> ModelSource:
-    """Name or path -> where config, weights and tokenizer are. ``load_format="random"``
-    ignores any weights and initialises randomly from the config; ``revision``: of a Hub id."""
+    """Name or path -> where config, weights and tokenizer are."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     name = str(model)
@@ -189,7 +177,6 @@ def resolve_model(model: str | Path, load_format: str = "auto", revision: str | 
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's weight files: those the index names, else every *.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")
@@ -206,8 +193,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-# checkpoint spellings of the same tensors: an image-text checkpoint's text model (Gemma 3's two
-# spellings), Mixtral's expert names -> Qwen3-MoE's (ours); and the image parts, not loaded
+# checkpoint spellings of the same tensors (Gemma 3's, Mixtral's experts); image parts not loaded
 IMAGE_PARTS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 RENAMES = [(re.compile(r"^(language_model\.model|model\.language_model)\."), "model."),
            (re.compile(r"^language_model\.lm_head\."), "lm_head."),(re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
@@ -232,7 +218,6 @@ def stacked_name(name: str) -> tuple[str, int]:
 
 
 def _safetensors_tensors(folder: Path):
-    """(file name, tensor name, tensor) over the checkpoint's safetensors files."""
     from safetensors import safe_open
 
     for file in safetensors_files(folder):
@@ -250,14 +235,12 @@ def _gguf_tensors(file: Path, cfg: ModelConfig):
 
 
 def checkpoint_tensors(folder: Path, cfg: ModelConfig):
-    """(file name, tensor name, tensor) of every tensor of the safetensors in ``folder`` (or of a
-    .gguf file, dequantized)."""
+    """(file name, tensor name, tensor) of every tensor in ``folder`` or a .gguf file."""
     return _gguf_tensors(folder, cfg) if is_gguf_path(folder) else _safetensors_tensors(folder)
 
 
 def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None = None) -> set[torch.dtype]:
-    """Fill ``model`` from the safetensors in ``folder`` (or from a .gguf file, dequantized);
-    every parameter must be found. Returns the dtypes the checkpoint's tensors came in."""
+    """Fill ``model`` from a checkpoint; every parameter must be found. Returns the checkpoint's dtypes."""
     tensors = checkpoint_tensors(folder, model.config)
     params = dict(model.named_parameters())
     loaders = weight_loaders(model)
@@ -270,7 +253,7 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
             progress.step(f"loading weights from {file}", min(loaded_numel, total), total)
         target, part = stacked_name(name)
         if target == "lm_head.weight" and model.lm_head is None:
-            continue                                   # tied: embed_tokens is the head
+            continue
         if target not in params:
             raise ValueError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
         param = params[target]
@@ -279,7 +262,7 @@ def load_weights(model: CausalLM, folder: Path, progress: BuildProgress | None =
         loader = loaders.get(target)
         sizes = getattr(param, "part_sizes", None)
         if loader is not None and sizes and target == name and loaded.shape[0] == sum(sizes):
-            for i, piece in enumerate(loaded.to(param.device).split(sizes)):   # fused in the checkpoint (Phi-3)
+            for i, piece in enumerate(loaded.to(param.device).split(sizes)):  # fused in the checkpoint (Phi-3)
                 loader(param, piece, i)
                 done.add((target, i))
             continue
@@ -312,11 +295,11 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
                 progress.step("random weights", done, total)
                 done += p.numel()
             if name.endswith("norm.weight"):
-                p.fill_(1.0 - model.config.norm_offset)           # a norm's scale of 1
+                p.fill_(1.0 - model.config.norm_offset)
             elif name.endswith("bias"):
                 p.zero_()
             elif getattr(p, "full_shape", None) is not None and tuple(p.full_shape) != tuple(p.shape):
-                # a tensor-parallel shard: draw the whole tensor as at TP=1 and keep this rank's part
+# a tensor-parallel shard: the whole tensor as at TP=1, this rank's part kept
                 full = torch.empty(p.full_shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=gen)
                 parts = full.split(p.part_sizes) if p.part_sizes else [full]
                 for i, part in enumerate(parts):
@@ -327,7 +310,6 @@ def random_init(model: CausalLM, seed: int = 0, std: float = INIT_STD, progress:
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
-    """Parameters created inside are ``dtype`` (a model built in BF16 directly: no FP32 copy)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -338,10 +320,8 @@ def default_dtype(dtype: torch.dtype):
 
 def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                 seed: int = 0, deterministic: bool = False, weight_compression: bool = False) -> CausalLM:
-    """Construct the model on ``device`` in ``dtype`` (batch-invariant arithmetic if
-    ``deterministic``, see :class:`CausalLM`) and load or randomly initialise its weights;
-    ``weight_compression``: then compress its weight matrices (a compressed checkpoint is
-    loaded as it is, compressed)."""
+    """Construct the model on ``device`` in ``dtype`` and load or randomly initialise its weights
+    (``weight_compression``: then compress them)."""
     if isinstance(source, str):
         source = resolve_model(source)
     cfg = load_config(source.config_path)
@@ -355,7 +335,7 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
                        what=f"{what}, on {device}") as progress:
         with torch.device(device), default_dtype(dtype):
             model = CausalLM(cfg, deterministic=deterministic)
-        model.to(dtype=dtype)                      # what was made in another dtype (no copy of the rest)
+        model.to(dtype=dtype)
         _set_rope(model, cfg)
         dtypes = set()
         if source.weights_dir is None:
@@ -369,14 +349,13 @@ def build_model(source: ModelSource | str, dtype: torch.dtype = torch.bfloat16, 
 
 
 def _set_rope(model: CausalLM, cfg: ModelConfig) -> None:
-    """Rope frequencies in fp32, computed afresh (a dtype conversion would have rounded them)."""
+    """Rope frequencies in fp32, computed afresh (a dtype conversion would round them)."""
     model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(model.rotary.inv_freq.device)
     if model.local_rotary is not None:
         model.local_rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.local_rope).to(model.rotary.inv_freq.device)
 
 
 def compression_note(gguf: bool, dtypes: set[torch.dtype]) -> str:
-    """What the compress log line says of a checkpoint not stored as BF16."""
     if gguf:
         return " (GGUF: its tensors dequantized to bfloat16 first)"
     cast = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes - {torch.bfloat16}))
@@ -397,12 +376,6 @@ def _build_compressed(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
         load_compressed(model, source.weights_dir, torch.device(device), progress=progress)
         _set_rope(model, cfg)
     return model.eval().requires_grad_(False)
-
-
-def weight_bytes(cfg: ModelConfig) -> int:
-    """The model's parameters in BF16 bytes (all ranks), counted on the meta device."""
-    with torch.device("meta"):
-        return 2 * sum(p.numel() for p in CausalLM(cfg).parameters())
 
 
 def model_config(source: ModelSource | str) -> ModelConfig:

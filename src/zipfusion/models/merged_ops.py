@@ -1,13 +1,6 @@
 """Merged small ops for the decode step on CUDA (Triton): residual add + RMSNorm and SiLU-and-mul,
-each several torch ops merged into one kernel ("fused" is kept for the attention kernel that
-restores compressed pages; rope + K/V store into the arena, which writes the cache, is
-kernels/rope_store.py).
-
-In a decode step the weight GEMMs and the attention kernel move the bytes; everything else is
-tiny elementwise work whose cost is the number of kernels. Written as torch ops, RMSNorm is ~6
-kernels; these kernels do each in one. The torch
-versions stay the reference (CPU, float32 exactness against transformers) and the tests
-compare both under the Triton interpreter.
+each one kernel instead of several torch ops, whose cost in a decode step is their count. The
+torch versions stay the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -16,12 +9,8 @@ import triton
 import triton.language as tl
 
 
-# ------------------------------------------------------------------------------------------
-# RMSNorm:  y = w * (x / sqrt(mean(x^2) + eps)), statistics in fp32, one row per program.
-# With a residual the add comes first, in the same kernel:  s = x + r (rounded to bf16, as the
-# torch add rounds),  y = RMSNorm(s);  s is the next residual. A decoder layer does this twice,
-# so the residual adds cost no kernels of their own.
-# ------------------------------------------------------------------------------------------
+# RMSNorm, statistics in fp32, one row per program; with a residual the add (rounded as torch
+# rounds) comes first in the same kernel.
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, eps, HAS_RESIDUAL: tl.constexpr,
                     BLOCK: tl.constexpr):
@@ -34,10 +23,10 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, eps, HAS_RESIDUAL: tl.
         s = (x + r).to(s_ptr.dtype.element_ty)                  # the residual stream, rounded
         tl.store(s_ptr + row * N + cols, s, mask=mask)
         x = s.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / N                          # mean of squares over the row
-    xn = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)  # normalise, round like torch does
+    var = tl.sum(x * x, axis=0) / N
+    xn = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)  # round like torch does
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # w * xn in fp32, rounded once (= torch's bf16 multiply; also the interpreter's bf16 math is unreliable)
+# w * xn in fp32, rounded once (= torch's bf16 multiply)
     tl.store(y_ptr + row * N + cols, (w * xn.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -59,9 +48,7 @@ def rmsnorm(x, weight, eps, residual=None):
     return y.view(x.shape), s.view(x.shape)
 
 
-# ------------------------------------------------------------------------------------------
-# SiLU and mul:  gate_up = [gate | up] per row  ->  silu(gate) * up = gate * sigmoid(gate) * up
-# ------------------------------------------------------------------------------------------
+# SiLU and mul: [gate | up] per row -> silu(gate) * up
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr):
     row = tl.program_id(0)

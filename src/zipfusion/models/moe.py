@@ -1,9 +1,6 @@
 """Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a replicated router picks each token's
-top-k experts; the experts' weights are stacked, gate|up ``[E, 2I, h]`` and down ``[E, h, I]``,
-so that all experts run as one grouped GEMM over the tokens sorted by expert
-(:func:`grouped_mm`). Tensor parallelism splits every expert's intermediate dimension I (as
-vLLM does): each rank computes a partial sum of every token's output, all-reduced like a
-row-parallel layer's.
+top-k experts, run as one grouped GEMM over the tokens sorted by expert. Tensor parallelism
+splits every expert's intermediate dimension, partial sums all-reduced.
 """
 
 from __future__ import annotations
@@ -17,9 +14,7 @@ from .parallel import tp
 
 
 def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]): softmax over all
-    experts in fp32, the k largest, divided by their sum when ``renormalise`` (Mixtral always,
-    Qwen3-MoE when ``norm_topk_prob``), as transformers does."""
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]), as transformers does."""
     weights, ids = logits.float().softmax(-1).topk(k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(-1, keepdim=True)
@@ -27,10 +22,8 @@ def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-    """Rows x [M, K] sorted by group, group e = rows ends[e-1]..ends[e]-1 -> [M, N], group e
-    times w[e]ᵀ (w [E, N, K]). torch's grouped GEMM (``torch._grouped_mm``: one launch for every
-    expert; bf16 on CUDA, any float on the CPU) where it takes the shapes, else a loop over the
-    groups through :func:`~.layers.linear` (and always so in deterministic mode: batch-invariant)."""
+    """Rows x [M, K] sorted by group -> [M, N], group e times w[e]ᵀ: ``torch._grouped_mm`` where
+    it takes the shapes, else (and in deterministic mode) a loop through :func:`~.layers.linear`."""
     E, N, K = w.shape
     grouped = (hasattr(torch, "_grouped_mm") and not deterministic and x.shape[0] > 0
                and (x.dtype == torch.bfloat16 or not x.is_cuda) and (K * x.element_size()) % 16 == 0
@@ -41,7 +34,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, determinist
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, deterministic: bool = False):
-    """:func:`grouped_mm` one group at a time (the CPU-checkable twin; host syncs: not for the GPU path)."""
+    """:func:`grouped_mm` one group at a time (host syncs: not for the GPU path)."""
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(ends.tolist()):
@@ -62,7 +55,7 @@ class Experts(nn.Module):
         self.local_i = _divide(intermediate, t.size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local_i, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, self.local_i))
-        # loader shards: gate_up part 2e (gate) and 2e+1 (up) of expert e; down part e
+# loader shards: gate_up parts 2e (gate), 2e+1 (up); down part e
         self.gate_up_proj.num_parts, self.down_proj.num_parts = 2 * num_experts, num_experts
         _full(self.gate_up_proj, (2 * num_experts * intermediate, hidden), [intermediate] * 2 * num_experts)
         _full(self.down_proj, (num_experts * hidden, intermediate), [hidden] * num_experts)
@@ -80,12 +73,12 @@ class Experts(nn.Module):
             param.data[shard].copy_(loaded[:, r * n:(r + 1) * n])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, h], weights / ids [T, k] -> Σ_k weights · expert_ids(x) [T, h] (this rank's partial sum)."""
+        """x [T, h] -> this rank's partial Σ_k weights · expert(x) [T, h]."""
         from .llama import act_and_mul
         T, k = ids.shape
         flat = ids.flatten()
-        order = flat.argsort(stable=True)                           # (token, slot) pairs by expert
-        # tokens per expert by scatter_add (bincount reads its input's max on the host: no CUDA graph)
+        order = flat.argsort(stable=True)
+# tokens per expert by scatter_add (bincount syncs the host: no CUDA graph)
         ends = torch.zeros(self.E, dtype=torch.int64, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat)).cumsum(0)
         xs = x[order // k]
@@ -93,7 +86,7 @@ class Experts(nn.Module):
                        self.down_proj, ends, self.deterministic)
         out = torch.empty_like(y)
         out[order] = y
-        w = weights.to(x.dtype)                                      # transformers' rounding of the weights
+        w = weights.to(x.dtype)  # transformers' rounding of the weights
         return (out.view(T, k, -1) * w[..., None]).sum(1) if k > 1 else out * w
 
 

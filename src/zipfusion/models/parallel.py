@@ -1,10 +1,5 @@
-"""The one place that owns the tensor-parallel process group.
-
-World size 1 (the default): no group, every collective is the identity. Tensor parallelism
-(:mod:`zipfusion.distributed`) builds a model inside ``with use(TensorParallel(size, rank,
-group)):``; each layer keeps the :class:`TensorParallel` it was built with, so two models of
-different TP sizes can live in one process and nothing else in the model touches
-``torch.distributed``.
+"""The one place that owns the tensor-parallel process group: a model is built inside
+``with use(TensorParallel(...)):`` and each layer keeps its setting (world size 1: no group).
 """
 
 from __future__ import annotations
@@ -22,13 +17,8 @@ class TensorParallel:
     group: object = None
 
     def all_reduce(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place.
-
-        ``ordered`` (deterministic mode): gather every rank's part and add them in rank order
-        in fp32. A ring or tree all-reduce over 3+ ranks adds an element's parts in an order
-        that depends on where the element falls in the chunks the tensor is cut into -- on
-        the batch's size -- so a row's bits would depend on the batch (2 ranks: a + b either
-        way)."""
+        """Sum ``x`` over the ranks, in place. ``ordered`` (deterministic mode): gather and add in
+        rank order in fp32, since a ring all-reduce's order depends on the batch size."""
         if self.size == 1:
             return x
         if not ordered or self.size == 2:

@@ -1,7 +1,5 @@
-"""Tokenizer loading: transformers' AutoTokenizer when the folder has a tokenizer_config.json
-(chat template included), else a bare tokenizer.json through the ``tokenizers`` library. A .gguf
-file: transformers builds a fast tokenizer from the file's ``tokenizer.ggml.*`` metadata, with
-the chat template and the special tokens the file names."""
+"""Tokenizer loading: transformers' AutoTokenizer (a folder with tokenizer_config.json, or a
+.gguf file's metadata), else a bare tokenizer.json through ``tokenizers``."""
 
 from __future__ import annotations
 
@@ -72,10 +70,8 @@ class Tokenizer:
         return [list(e.ids) for e in self._tok.encode_batch(list(texts))]
 
     def longest_token_bytes(self) -> int:
-        """The most UTF-8 bytes of text one token stands for (special tokens included), plus a
-        margin of 4 for a leading space a tokenizer's decode strips. A text of more than
-        ``n`` x this many bytes has more than ``n`` tokens (for a tokenizer that does not drop
-        characters: byte-level BPE, SentencePiece)."""
+        """The most UTF-8 bytes one token stands for, plus a margin of 4: a text of more than
+        ``n`` x this many bytes has more than ``n`` tokens."""
         if self._hf is not None:
             n = len(self._hf)
             texts = self._hf.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
@@ -89,8 +85,7 @@ class Tokenizer:
         return len(self._hf) if self._hf is not None else self._tok.get_vocab_size(with_added_tokens=True)
 
     def to_json(self) -> str:
-        """The Rust tokenizer as tokenizer.json text (padding and truncation off): what llguidance
-        builds its token table from."""
+        """The Rust tokenizer as tokenizer.json text: what llguidance builds its token table from."""
         from copy import copy
         tok = copy(self._hf.backend_tokenizer) if self._hf is not None else copy(self._tok)
         tok.no_padding()
@@ -126,7 +121,7 @@ def _gguf_tokenizer(file: Path):
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()          # no "converting tokenizer" chatter
     try:
-        # the tokenizer class alone: AutoTokenizer would first parse the whole file again for a config
+# the tokenizer class alone: AutoTokenizer would parse the file again for a config
         return PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"{file}: cannot build a tokenizer from the GGUF metadata: {e}") from None

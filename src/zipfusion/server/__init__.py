@@ -1,7 +1,5 @@
-"""OpenAI-compatible serving: ``zipfusion serve --model PATH`` (needs the ``server`` extra: from
-the zipfusion checkout, ``pip install -e '.[server]'``).
-
-Importing this package imports neither fastapi nor torch; :func:`serve` does.
+"""OpenAI-compatible serving: ``zipfusion serve --model PATH`` (the ``server`` extra). Importing
+this package imports neither fastapi nor torch; :func:`serve` does.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ log = logging.getLogger("zipfusion.server")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port), to hand to uvicorn: a busy port fails here, in one line,
-    before anything slow (the model) is loaded."""
+    """A socket bound to (host, port) for uvicorn: a busy port fails here, before the model loads."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     try:
@@ -24,7 +21,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host!r}: {exc.strerror}") from None
     family, kind, proto, _, addr = info[0]
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn: not blocked by TIME_WAIT
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: not blocked by TIME_WAIT
     try:
         sock.bind(addr)
     except OSError as exc:
@@ -51,7 +48,7 @@ def configure_logging(level: str = "info") -> None:
     """Show the engine's ``zipfusion`` log lines (the start-up line) beside uvicorn's."""
     logger = logging.getLogger("zipfusion")
     logger.setLevel(level.upper())
-    if not logger.handlers and not logging.getLogger().handlers:     # logging not set up by the host program
+    if not logger.handlers and not logging.getLogger().handlers:  # logging not set up by the host program
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
@@ -63,11 +60,8 @@ SERVER_EXTRA_HINT = "from the zipfusion checkout: pip install -e '.[server]'"
 def serve(model="demo", host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None,
           api_key: str | None = None, served_model_name: str | list[str] | None = None, log_level: str = "info",
           default_max_tokens: int = 256, limits=None, metrics_prefix: str = "zipfusion", **engine_kwargs) -> None:
-    """Load ``model`` (a name or an :class:`~zipfusion.config.EngineConfig`) into an engine and
-    serve it over HTTP until interrupted. ``sock``: an already bound socket (see :func:`bind_socket`);
-    ``limits``: a :class:`~.limits.ServerLimits`. Given a name, ``max_num_batched_tokens`` defaults
-    to the serving budget for the device (:func:`~zipfusion.config.serving_max_num_batched_tokens`);
-    an EngineConfig is used as it is."""
+    """Load ``model`` (a name or an :class:`~zipfusion.config.EngineConfig`) and serve it over HTTP
+    until interrupted; a name gets the device's serving chunk budget."""
     try:
         import uvicorn
     except ImportError:
@@ -85,7 +79,7 @@ def serve(model="demo", host: str = "127.0.0.1", port: int = 8000, *, sock: sock
             engine_kwargs["max_num_batched_tokens"] = serving_max_num_batched_tokens(device)
         engine = LLMEngine(model) if isinstance(model, EngineConfig) else LLMEngine(model, **engine_kwargs)
         if engine.device.type == "cuda":
-            engine.warm_up()           # the largest step's memory taken now, not under load
+            engine.warm_up()  # the largest step's memory taken now, not under load
         app = create_app(engine, served_model_name, default_max_tokens=default_max_tokens, api_key=api_key,
                          limits=limits, metrics_prefix=metrics_prefix)
         bound = sock.getsockname()

@@ -1,15 +1,6 @@
 """Drive one LLMEngine from a background thread and stream each request's tokens to asyncio.
-
-Only the engine thread touches the engine. The event loop hands it work as commands (a
-function and a future), run between two steps: :meth:`EngineLoop.submit` adds the requests of
-one HTTP request (its prompts x n) as a :class:`Group` and raises the engine's ValueError (a
-400) before anything enters the batch; :meth:`EngineLoop.abort` drops a group whose client
-left (its pages are freed at the next step boundary); :meth:`EngineLoop.call` runs anything
-else there (the KV numbers for /metrics). No lock is held while a step runs, so the event loop
-never waits for the engine.
-
-After each step the thread hands every group the tokens its requests gained (one
-:class:`Update` per request that moved) and feeds the metrics.
+Only the engine thread touches the engine; the event loop hands it commands run between two
+steps, so it never waits for a step.
 """
 
 from __future__ import annotations
@@ -26,21 +17,19 @@ from ..engine import LLMEngine, SamplingParams
 from ..engine.request import Request, Status
 
 log = logging.getLogger("zipfusion.server")
-# The loop that drives each engine, by the engine's id: one server per engine (a second one
-# would step it from another thread). A loop keeps its engine alive, so an id here is not
-# reused; a loop that is gone leaves no entry.
+# The loop that drives each engine, by engine id: one server per engine.
 _DRIVERS: "weakref.WeakValueDictionary[int, EngineLoop]" = weakref.WeakValueDictionary()
 _DRIVERS_LOCK = threading.Lock()
 
 
 @dataclass
 class Update:
-    index: int                      # which request of the group (prompt i, sample j: i * n + j)
+    index: int  # prompt i, sample j: i * n + j
     new_ids: list[int]
     finished: bool
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list | None = None    # one {token id: Logprob} per new id, when the request asked
+    logprobs: list | None = None
     error: str | None = None
 
 
@@ -48,8 +37,7 @@ _CLOSED = object()
 
 
 class Group:
-    """The engine requests of one HTTP request; ``async for update in group`` until all are
-    finished (or the group is closed because its client left)."""
+    """The engine requests of one HTTP request; ``async for update in group`` until all finish."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, size: int, name: str = ""):
         self.loop, self.size, self.name = loop, size, name
@@ -62,13 +50,13 @@ class Group:
     def done(self) -> bool:
         return len(self.finished) == self.size
 
-    def push(self, update) -> None:                  # from the engine thread
+    def push(self, update) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
-        except RuntimeError:                         # the event loop is gone (shutdown)
+        except RuntimeError:  # the event loop is gone
             pass
 
-    def close(self) -> None:                         # from the event loop: stop the iteration
+    def close(self) -> None:
         self.closed = True
         self.queue.put_nowait(_CLOSED)
 
@@ -91,7 +79,7 @@ class _Tracked:
     group: Group
     index: int
     request: Request
-    sent: int = 0                   # output tokens already handed over
+    sent: int = 0
 
 
 class EngineLoop:
@@ -111,9 +99,7 @@ class EngineLoop:
             _DRIVERS[id(engine)] = self
             self.thread.start()
 
-    # -- called from the event loop (or any thread) -----------------------------------------
     def call(self, fn) -> concurrent.futures.Future:
-        """Run ``fn()`` on the engine thread between two steps; its result or exception in the future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.stopping:
             fut.set_exception(RuntimeError("the engine loop is shut down"))
@@ -124,15 +110,13 @@ class EngineLoop:
 
     async def submit(self, items: list[tuple[list[int], SamplingParams]], name: str = "",
                      matchers: list | None = None) -> Group:
-        """Queue one group of requests, all or none; raises ValueError/TypeError (nothing queued)
-        when one is invalid or could never fit. ``matchers``: the requests' grammar matchers, built
-        off the engine thread (structured output)."""
+        """Queue one group of requests, all or none (ValueError/TypeError when one is invalid)."""
         group = Group(asyncio.get_running_loop(), len(items), name)
         await asyncio.wrap_future(self.call(lambda: self._add(group, items, matchers or [None] * len(items))))
         return group
 
     def abort(self, group: Group, why: str = "client disconnected") -> None:
-        """Stop the group's unfinished requests (non-blocking; done at the next step boundary)."""
+        """Stop the group's unfinished requests at the next step boundary."""
         if not group.done:
             self.call(lambda: self._abort(group, why))
 
@@ -144,10 +128,8 @@ class EngineLoop:
             if _DRIVERS.get(id(self.engine)) is self:
                 del _DRIVERS[id(self.engine)]
 
-    # -- the engine thread ------------------------------------------------------------------
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse a request that could never finish: prompt + max_tokens beyond max_model_len
-        (the engine checked at start-up that one max_model_len request fits in the KV memory)."""
+        """Refuse a request that could never finish (prompt + max_tokens beyond max_model_len)."""
         limit = self.engine.max_model_len
         need = len(prompt_ids) + (params.max_tokens or 0)
         if len(prompt_ids) >= limit or need > limit:
@@ -181,7 +163,7 @@ class EngineLoop:
             log.info("request %s[%d] aborted (%s) after %d generated tokens", group.name, group.requests.index(r),
                      why, tokens)
         if self.metrics is not None:
-            self.metrics.on_step(self.engine)     # the running / waiting gauges drop now, not at the next step
+            self.metrics.on_step(self.engine)
 
     def _run_commands(self) -> None:
         while self.commands:
@@ -200,13 +182,13 @@ class EngineLoop:
             if self.engine.has_work():
                 try:
                     self.engine.step()
-                except Exception as exc:   # keep serving: fail only the requests in flight
+                except Exception as exc:  # keep serving: fail only the requests in flight
                     log.exception("engine step failed")
                     self._fail_all(f"engine error: {exc}")
                 self._publish()
             elif not self.commands:
                 self.wake.wait(timeout=1.0)
-        for _, fut in self.commands:       # never leave a caller waiting
+        for _, fut in self.commands:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the engine loop is shut down"))
 
@@ -233,7 +215,7 @@ class EngineLoop:
         for rid, t in list(self.tracked.items()):
             try:
                 self.engine.abort(t.request)
-            except Exception:              # the engine may be in a bad state: the error is what matters
+            except Exception:
                 log.exception("abort after a failed step")
             t.group.push(Update(t.index, [], True, "abort", error=message))
             del self.tracked[rid]

@@ -1,9 +1,5 @@
-"""Every error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
-
-404 and 405 included (FastAPI's own ``{"detail"}`` never reaches a client); a request refused
-before it reaches the engine counts in ``zipfusion:requests_rejected``. As in OpenAI's API,
-``code`` is a string naming the error where OpenAI has one (``invalid_api_key``,
-``model_not_found``) and null otherwise; the HTTP status is the response's.
+"""Every error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, 404 and 405
+included; refusals count in ``zipfusion:requests_rejected``.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 class ErrorJSONResponse(JSONResponse):
-    """ASCII JSON: an error message that quotes the client's text (a lone surrogate included)
-    always encodes, so an error never becomes a crash that drops the connection."""
+    """ASCII JSON, so a message quoting the client's text (a lone surrogate) always encodes."""
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
@@ -84,7 +79,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, exc: StarletteHTTPException):
         message = str(exc.detail)
-        if exc.status_code == 400 and "parsing the body" in message:     # FastAPI's: not UTF-8, not JSON
+        if exc.status_code == 400 and "parsing the body" in message:  # FastAPI's: not UTF-8, not JSON
             metrics.rejected.inc()
             message = "the body could not be read as JSON text (it must be UTF-8 encoded JSON)"
         return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))

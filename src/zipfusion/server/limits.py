@@ -1,20 +1,5 @@
-"""What one request may ask of the server: every limit is an option of ``zipfusion serve`` and a
-field here, and every refusal is a 4xx in OpenAI's error shape sent before any work is done.
-
-- ``max_request_bytes``: the request body (413 beyond it, read no further).
-- ``max_sequences``: prompts x n of one request (each is one engine request; default: a quarter
-  of the engine's ``max_num_seqs``, so one request leaves most of the batch to the others: one of
-  ``max_num_seqs`` sequences would take every slot, and a small request would wait for all of
-  them; behind one of 64 a small request took at most 0.21 s on the CPU demo server,
-  docs/benchmarks.md).
-- prompt length: a prompt of more than ``max_model_len`` tokens cannot run. Text is refused
-  before it is tokenized when its UTF-8 size exceeds ``max_model_len`` x the longest token's
-  size in bytes (then it cannot be shorter than ``max_model_len`` tokens); what is tokenized is
-  tokenized on the tokenizer thread, not on the event loop.
-- ``max_stop`` stop strings of at most ``max_stop_chars`` characters; ``max_stop_token_ids``.
-- JSON values in a body: what the server can use (:func:`max_body_items`), counted before parsing.
-
-This module imports neither fastapi nor torch (the CLI reads its defaults for ``--help``).
+"""What one request may ask of the server: each limit a ``zipfusion serve`` option and a field here,
+each refusal a 4xx before any work. Imports neither fastapi nor torch (the CLI reads it).
 """
 
 from __future__ import annotations
@@ -56,12 +41,11 @@ class ServerLimits:
                                "max_sequences": max(1, max_num_seqs // 4)})
 
 
-ITEM_SLACK = 65536     # JSON values beyond the token ids and biases: fields, messages, tools' schemas
+ITEM_SLACK = 65536  # JSON values beyond token ids and biases: fields, messages, schemas
 
 
 def max_body_items(limits: ServerLimits, max_model_len: int, vocab: int) -> int:
-    """The most JSON values a useful request body holds: every prompt of max_model_len token ids,
-    a bias for every vocabulary token, the stop token ids, and ITEM_SLACK for the rest."""
+    """The most JSON values a useful request body holds."""
     return limits.max_sequences * max_model_len + vocab + limits.max_stop_token_ids + ITEM_SLACK
 
 
@@ -77,12 +61,8 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 
 
 class BodyLimitMiddleware:
-    """Pure ASGI: a request body beyond ``limit`` bytes gets a 413 in OpenAI's error shape, at
-    once when its Content-Length says so, else as soon as that many bytes have come; the rest is
-    not read. A body of more than ``max_items`` JSON values (counted by its commas, one pass in C,
-    before any parsing) gets a 413 too: more token ids or logit_bias entries than the server can
-    use, which would otherwise take long to parse. A body within the limits is handed to the app
-    unchanged (streaming and disconnects pass through)."""
+    """Pure ASGI: a 413 in OpenAI's shape for a body beyond ``limit`` bytes or ``max_items`` JSON
+    values (counted by its commas before parsing), the rest unread; other bodies pass unchanged."""
 
     def __init__(self, app, limit: int, on_reject=None, max_items: int | None = None):
         self.app, self.limit, self.on_reject, self.max_items = app, limit, on_reject, max_items
@@ -112,7 +92,7 @@ class BodyLimitMiddleware:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":       # the client left before sending the body
+            if message["type"] != "http.request":  # the client left before sending the body
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])

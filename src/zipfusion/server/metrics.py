@@ -1,12 +1,6 @@
-"""Prometheus metrics of a serving engine, named as vLLM's with a ``zipfusion:`` prefix
-(``prefix="vllm"``, ``zipfusion serve --metrics-prefix vllm``: vLLM's own names, for its dashboards).
-
-Request and token metrics are fed by the engine thread after every step (so
-``zipfusion:generation_tokens_total`` moves while requests run); the KV memory numbers
-(``zipfusion:kv_<field>``: gauges, and counters ending in ``_total`` for what only grows) are read
-from the cache when /metrics is scraped. ``kv_cache_usage_perc`` is the share of the KV memory
-held by requests (vLLM's meaning); ``kv_cache_cached_perc`` the share held by evictable
-prefix-cache pages, free to reuse. Every series has vLLM's ``model_name`` label.
+"""Prometheus metrics of a serving engine, named as vLLM's with a ``zipfusion:`` prefix (or
+vLLM's own with ``--metrics-prefix vllm``). Request and token metrics are fed after every step;
+the KV numbers (``zipfusion:kv_<field>``) are read when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -118,7 +112,6 @@ class Metrics:
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)
 
-    # -- from the engine thread -------------------------------------------------------------
     def on_tokens(self, req, sent: int, new: int) -> None:
         """``new`` tokens after the ``sent`` already counted."""
         if not new:
@@ -153,13 +146,12 @@ class Metrics:
             self.prefix_hits.inc(now[1] - seen[1])
             self._prefix_seen = now
 
-    # -- scrape -----------------------------------------------------------------------------
     def set_kv(self, stats: dict) -> None:
         self.kv.stats = stats
         used, arena = stats.get("bytes_in_use"), stats.get("arena_bytes")
         pages, idle = stats.get("pages_in_use") or 0, stats.get("prefix_cache_evictable_pages") or 0
         if isinstance(used, (int, float)) and isinstance(arena, (int, float)) and arena:
-            cached = used * min(idle, pages) / pages if pages else 0.0     # at the average page's size
+            cached = used * min(idle, pages) / pages if pages else 0.0  # at the average page's size
             self.kv_usage.set((used - cached) / arena)
             self.kv_cached.set(cached / arena)
         for i, layer in enumerate(stats.get("layers") or []):

@@ -1,32 +1,6 @@
-"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-and vLLM's /tokenize, /detokenize and /version.
-
-Same request and response shapes as vLLM (non-OpenAI options such as ``top_k`` and
-``ignore_eos`` arrive as extra body fields; see :mod:`.protocol` for what is accepted).
-``"stream": true`` sends ``data: {json}`` events and ends with ``data: [DONE]`` (:mod:`.streaming`).
-Every error, 404 and 405 included, comes back as ``{"error": {"message", "type", "param", "code"}}``
-(:mod:`.errors`); a refused request never disturbs the requests already running.
-
-- Limits (:mod:`.limits`): body size (413), prompts x n, prompt length, stop strings; each is
-  checked before the work it guards (a text that cannot fit is refused before it is tokenized).
-- Values are checked at the edge (:mod:`.protocol`): strict types, finite numbers, ranges, valid
-  Unicode; an unknown field is ignored with a warning in the log (vLLM's behaviour).
-- A request that can never fit (prompt + max_tokens beyond max_model_len) is refused with a
-  400 before it enters the batch; the engine checked at start-up that one max_model_len request
-  fits in the KV memory, so an accepted request does not fail for lack of memory.
-- /openapi.json describes what the server sends: every status (400, 401 with a key, 404, 413,
-  500; no 422), both content types of a generation route and /metrics as Prometheus text.
-- A client that disconnects, streaming or not, has its requests aborted and their pages freed
-  at the next step boundary.
-- Tokenization, chat templates and the final detokenization run on a tokenizer thread, never
-  on the event loop; streamed text is detokenized incrementally (a window of a few tokens).
-- Structured output (``response_format``, ``guided_*``) and tool calling (``tools``,
-  ``tool_choice``; :mod:`.tools`): grammars compiled on the tokenizer thread.
-- ``api_key``: every /v1 route needs ``Authorization: Bearer KEY`` (401 otherwise); /health
-  and /metrics stay open, as in vLLM (:mod:`.auth`).
-
-:class:`OpenAIServer` holds the state of one app and has one method per route;
-:func:`create_app` registers them.
+"""OpenAI-compatible HTTP API with vLLM's shapes and extra routes. Errors come in OpenAI's shape, limits
+and values are checked before the work they guard, tokenization runs off the event loop, and a
+client that leaves has its requests aborted.
 """
 
 from __future__ import annotations
@@ -56,9 +30,7 @@ log = logging.getLogger("zipfusion.server")
 
 
 def kv_cache_metadata(engine) -> dict:
-    """What /v1/models says of the KV cache: how values are stored and whether that is lossy
-    (fp8: E4M3, outputs differ from bf16) or not (bf16, compressed or not: every bit kept), and
-    its memory, and the weights' sizes (a benchmark client labels its results with these)."""
+    """What /v1/models says of the KV cache (storage, lossy or not, memory) and the weights."""
     c, w = engine.config, engine.weights
     return {"kv_cache_dtype": c.kv_cache_dtype, "kv_compression": c.kv_compression, "lossy": c.kv_lossy,
             "kv_memory_gb": round(engine.kv_memory_gb, 4), "max_num_seqs": c.max_num_seqs,
@@ -67,8 +39,8 @@ def kv_cache_metadata(engine) -> dict:
 
 
 def default_model_name(source) -> str:
-    """The name a model is served under when --served-model-name is not given: a checkpoint
-    folder's name or a .gguf file's stem, never the absolute path the server was given."""
+    """The name served when --served-model-name is not given: the folder's name or the .gguf's
+    stem, never the absolute path."""
     name = str(source.name)
     if name == "demo" or "/" not in name and "\\" not in name and not name.lower().endswith(".gguf"):
         return name
@@ -80,18 +52,17 @@ from .tools import guided_fields as tool_guided, renders_tools, tool_format, wit
 
 
 class OpenAIServer:
-    """The engine, its loop (started on first use), the metrics, the served model names and the
-    tokenizer thread of one app. The route methods carry no return annotation: FastAPI would
-    take it for a response model."""
+    """One app's engine, loop, metrics, names and tokenizer thread. Route methods carry no return
+    annotation: FastAPI would take it for a response model."""
 
     def __init__(self, engine: LLMEngine, names: list[str], default_max_tokens: int, limits: ServerLimits,
                  metrics_prefix: str = "zipfusion"):
         self.engine, self.names, self.name = engine, names, names[0]
         self.default_max_tokens = default_max_tokens
         self.limits = limits.resolved(engine.config.max_num_seqs)
-        self.max_token_bytes: int | None = None      # the tokenizer's longest token in bytes (at start-up)
+        self.max_token_bytes: int | None = None
         self.metrics = Metrics(self.name, metrics_prefix)
-        self.created = int(time.time())             # /v1/models' "created": when this server started
+        self.created = int(time.time())  # /v1/models' "created"
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zipfusion-tokenizer")
         self._loop: EngineLoop | None = None
 
@@ -113,7 +84,6 @@ class OpenAIServer:
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
-    # -- routes ---------------------------------------------------------------------------------
     async def health(self):
         return {"status": "ok"}
 
@@ -170,11 +140,10 @@ class OpenAIServer:
             stats = await asyncio.wait_for(asyncio.wrap_future(self.engine_loop().call(self.engine.kv_stats)), 10)
             self.metrics.set_kv(stats)
         except (asyncio.TimeoutError, RuntimeError):
-            pass                           # a busy or stopped engine: the other numbers still come
+            pass
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def parse(self, http: Request, model):
-        """The body as ``model``, parsed and validated on a worker thread (:func:`.protocol.parse_body`)."""
         return await run_in_threadpool(parse_body, model, await http.body())
 
     async def completions(self, http: Request):
@@ -200,7 +169,7 @@ class OpenAIServer:
         conversation, tools = body.conversation(), body.tool_list()
         template = self.engine.tokenizer.chat_template
         fmt = tool_format(template) if tools else None
-        if tools and not renders_tools(template):      # the tools described in a system message
+        if tools and not renders_tools(template):
             conversation = with_tools_prompt(conversation, tools)
         if tools and body.tool_choice not in (None, "auto"):
             body.force_tool_calls(tool_guided(tools, body.tool_choice, fmt, body.parallel_tool_calls is not False))
@@ -213,7 +182,6 @@ class OpenAIServer:
         reply = ChatReply(self.engine, self.name, self.off_loop, body, [prompt_ids], fmt)
         return await self.generate(http, body, [prompt_ids], reply)
 
-    # -- a generation request, from the body to the reply ------------------------------------------
     @staticmethod
     def warn_unknown(body: _Body, route: str) -> None:
         unknown = body.unknown_fields()
@@ -222,12 +190,11 @@ class OpenAIServer:
                         ", ".join(repr(n)[:64] for n in unknown[:8]) + (" ..." if len(unknown) > 8 else ""))
 
     def check_text_fits(self, texts: list[str], param: str) -> None:
-        """Refuse, before tokenizing it, text that cannot be shorter than max_model_len tokens:
-        more UTF-8 bytes than max_model_len x the longest token (``texts``: one prompt's parts)."""
+        """Refuse, before tokenizing, text longer than max_model_len x the longest token in bytes."""
         if self.max_token_bytes is None:
             return
         limit = self.engine.max_model_len * self.max_token_bytes
-        size = sum(len(t.encode("utf-8")) for t in texts)        # the body limit bounds this work
+        size = sum(len(t.encode("utf-8")) for t in texts)
         if size > limit:
             raise BadRequest(f"{param} is {size} bytes of text, more than this model's maximum context length "
                              f"(max_model_len) of {self.engine.max_model_len} tokens can hold (a token is at most "
@@ -239,7 +206,6 @@ class OpenAIServer:
                              "(see /v1/models)", 404, "model", code="model_not_found")
 
     async def completion_prompts(self, prompt) -> tuple[list[str | None], list[list[int]]]:
-        """The prompts as token ids, and as the client's text where it sent text (for echo)."""
         if isinstance(prompt, str):
             return [prompt], await self.tokenize([prompt])
         if all(isinstance(x, str) for x in prompt):
@@ -266,7 +232,7 @@ class OpenAIServer:
                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         items = body.engine_requests(prompts, self.default_max_tokens, e.max_model_len)
         matchers = None
-        if items[0][1].guided:             # the grammar compiled on the tokenizer thread, not the engine's
+        if items[0][1].guided:  # compiled on the tokenizer thread
             try:
                 matchers = await self.off_loop(lambda: [self.engine.grammars.matcher(p) for _, p in items])
             except ValueError as exc:
@@ -288,7 +254,7 @@ class OpenAIServer:
         if err:
             return error_response(err, 500)
         if group.closed:
-            return Response(status_code=499)            # the client is gone: nobody reads this
+            return Response(status_code=499)  # the client is gone
         return JSONResponse(await reply.body(group.requests))
 
 
@@ -299,7 +265,6 @@ ERROR_SCHEMA = {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
-# one server-sent event (``data: {json chunk}`` or ``data: [DONE]``), as schemathesis reads a stream
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"},
                                                                      "event": {"type": "string"}}}
 
@@ -317,7 +282,6 @@ def _responses(api_key: bool, *codes: int) -> dict:
 
 
 def _walk(schema, fn) -> None:
-    """Call ``fn`` on ``schema`` and every schema nested in it."""
     if isinstance(schema, dict):
         fn(schema)
         for v in schema.values():
@@ -328,9 +292,7 @@ def _walk(schema, fn) -> None:
 
 
 def _document_limits(schemas: dict, server: "OpenAIServer") -> None:
-    """The limits of this server and model as JSON-schema bounds (what a request may not
-    exceed); rules across fields (prompt + max_tokens <= max_model_len, best_of == n,
-    top_logprobs needs logprobs) stay 400s, described in the 400's text."""
+    """This server's limits as JSON-schema bounds; rules across fields stay 400s."""
     engine, lim = server.engine, server.limits
     vocab, mml = engine.model_config.vocab_size, engine.max_model_len
 
@@ -371,8 +333,7 @@ BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatComp
 
 
 def _document_bodies(doc: dict) -> None:
-    """The request bodies, which the routes parse themselves (off the event loop), described as
-    FastAPI would describe a body parameter: a required JSON body, its schema in the components."""
+    """The request bodies (parsed by the routes off the event loop) as FastAPI describes a body."""
     from pydantic.json_schema import models_json_schema
     _, top = models_json_schema([(m, "validation") for m in BODIES.values()],
                                 ref_template="#/components/schemas/{model}")
@@ -384,8 +345,7 @@ def _document_bodies(doc: dict) -> None:
 
 
 def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
-    """FastAPI's document, made to say what the server does: no 422 (a bad body is a 400),
-    no validation-error schemas, /metrics as Prometheus text, the served limits as maxima."""
+    """FastAPI's document, made to say what the server does: no 422, /metrics as text, limits."""
     def build() -> dict:
         if app.openapi_schema:
             return app.openapi_schema
@@ -413,9 +373,7 @@ def _openapi(app: FastAPI, server: OpenAIServer, api_key: bool):
 def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, default_max_tokens: int = 256,
                api_key: str | None = None, limits: ServerLimits | None = None,
                metrics_prefix: str = "zipfusion") -> FastAPI:
-    """The app serving ``engine``. ``model_name``: the name(s) it answers to (default: the
-    checkpoint folder's name or the .gguf file's stem); ``limits``: see :mod:`.limits`;
-    ``metrics_prefix``: of the /metrics names (:mod:`.metrics`)."""
+    """The app serving ``engine``; ``model_name``: the name(s) it answers to."""
     names = ([model_name] if isinstance(model_name, str) else list(model_name or [])) or [
         default_model_name(engine.source)]
     server = OpenAIServer(engine, names, default_max_tokens, limits or ServerLimits(), metrics_prefix)
@@ -425,7 +383,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
                        on_reject=server.metrics.rejected.inc,
                        max_items=max_body_items(server.limits, engine.max_model_len, engine.model_config.vocab_size))
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)     # outermost: no body is read without the key
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: no body is read without the key
     install_error_handlers(app, server.metrics)
     app.state.engine_loop = server.engine_loop
     app.state.metrics = server.metrics

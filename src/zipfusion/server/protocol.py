@@ -1,22 +1,5 @@
-"""Request bodies of the OpenAI-compatible API and their translation into SamplingParams.
-
-Every value is checked here, at the edge, before any work: types are strict (a string is not a
-number or a boolean: ``"max_tokens": "5"`` and ``"stream": "yes"`` are 400s), numbers are finite
-(no NaN or Infinity) and within their ranges, text is valid Unicode (a lone surrogate such as
-``"\ud800"`` is a 400). A field OpenAI defines that this server does not implement (``suffix``,
-``audio``) is refused with a 400 that names it. A field nobody here knows is
-accepted and ignored with a warning in the log, as vLLM does (clients send fields newer than
-any server); ``store``, ``metadata``, ``user``, ``service_tier`` and ``reasoning_effort`` are
-accepted and have no effect. vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids`` and ``ignore_eos`` are implemented, and its structured output: ``response_format``
-``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``,
-or one of ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``
-(:mod:`zipfusion.engine.structured`).
-
-``seed`` (sample i uses seed + i) gives the same tokens again only on a server started with
-``--deterministic``: otherwise the logits can differ slightly with the batch a request runs in and
-with how much of its prompt the prefix cache holds, as in vLLM without batch invariance
-(:data:`SEED_DOC`, which /openapi.json carries).
+"""Request bodies of the OpenAI-compatible API, checked at the edge (strict types, finite numbers in
+range, valid Unicode; unknown fields ignored with a warning as vLLM does), into SamplingParams.
 """
 
 from __future__ import annotations
@@ -31,8 +14,8 @@ from typing_extensions import Annotated
 from ..engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 from ..engine.structured import GUIDED_FIELDS
 
-MAX_N = 128                   # most samples one request may ask for
-SEED_MIN, SEED_MAX = -2**63, 2**63 - 1      # a 64-bit signed seed (vLLM's range)
+MAX_N = 128
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # vLLM's range
 Annotated_bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 Annotated_token = Annotated[int, Field(ge=0)]
 SEED_DOC = ("Sample i of the request uses seed + i. A seeded request gives the same tokens again only on a server "
@@ -42,8 +25,7 @@ SEED_DOC = ("Sample i of the request uses seed + i. A seeded request gives the s
 
 
 class BadRequest(Exception):
-    """A request the server refuses (400) before it reaches the engine; ``code``: OpenAI's name
-    for the error, where it has one (see :mod:`.errors`)."""
+    """A request refused (400) before it reaches the engine; ``code``: OpenAI's error name."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -51,7 +33,6 @@ class BadRequest(Exception):
 
 
 def _invalid(message: str) -> PydanticCustomError:
-    """A value's error in our words (the handler prints it as ``field: message``)."""
     return PydanticCustomError("invalid_value", "{message}", {"message": message})
 
 
@@ -60,15 +41,13 @@ def _is_int(x) -> bool:
 
 
 def bad_text(value, where: str = "") -> str | None:
-    """Where in ``value`` (a parsed JSON body) a string is not valid Unicode (a lone surrogate,
-    which JSON's \\uXXXX escapes can carry and UTF-8 cannot): its path, else None. The common
-    case (none) is one pass in C; only a body that has one is walked to name the place."""
+    """Where in a parsed body a string is not valid Unicode (a lone surrogate): its path, else None."""
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
         return None
     except UnicodeEncodeError:
         pass
-    except (TypeError, ValueError):     # not JSON data (a caller's object): walk it
+    except (TypeError, ValueError):
         pass
     stack = [(where, value)]
     while stack:
@@ -89,7 +68,6 @@ def bad_text(value, where: str = "") -> str | None:
 
 
 class _Strict(BaseModel):
-    """Strict types, finite numbers, valid Unicode."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
@@ -107,9 +85,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-# accepted, no effect on the output (OpenAI bookkeeping and reasoning-model knobs)
+# accepted, no effect (OpenAI bookkeeping, reasoning knobs)
 ACCEPTED_NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort")
-# not declared, yet refused rather than ignored: ignoring them would change what the client gets
+# refused rather than ignored: ignoring them would change what the client gets
 REFUSED_EXTRAS = {"functions": "functions (the deprecated function calling) is not supported: send tools",
                   "function_call": "function_call (the deprecated function calling) is not supported: send "
                                    "tool_choice",
@@ -130,7 +108,6 @@ class _Body(_Strict):
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, Annotated_bias] | None = None
-    # accepted, no effect (see ACCEPTED_NO_EFFECT)
     user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -157,7 +134,6 @@ class _Body(_Strict):
         raise _invalid("expected a string, a list of strings, or null")
 
     def stop_strings(self) -> list[str]:
-        """The stop strings; an empty one stops nothing and is dropped."""
         return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
 
     def unknown_fields(self) -> list[str]:
@@ -169,7 +145,7 @@ class _Body(_Strict):
             if name in REFUSED_EXTRAS:
                 raise BadRequest(REFUSED_EXTRAS[name], param=name)
         self.guided()
-        # the chat route's refusals, when a client sends them to /v1/completions
+# the chat route's refusals
         if extra.get("tools") or extra.get("tool_choice") not in (None, "none"):
             raise BadRequest("tools are taken on /v1/chat/completions only", param="tools")
         if self.stream_options is not None and not self.stream:
@@ -183,7 +159,6 @@ class _Body(_Strict):
                              param="seed")
 
     def check_limits(self, limits, prompts: int = 1) -> None:
-        """The server's per-request limits (:class:`~.limits.ServerLimits`) that need no tokenizer."""
         if prompts * self.n > limits.max_sequences:
             raise BadRequest(f"{prompts} prompt(s) x n={self.n} = {prompts * self.n} sequences; this server takes "
                              f"at most {limits.max_sequences} per request (--max-sequences-per-request): "
@@ -200,8 +175,7 @@ class _Body(_Strict):
                              "are allowed", param="stop_token_ids")
 
     def guided(self) -> dict:
-        """The SamplingParams guided_* fields this body asks for (from response_format or a
-        guided_* field; 400 for a malformed one or for more than one)."""
+        """The guided_* fields this body asks for (400 for a malformed one or more than one)."""
         given = {k: v for k in GUIDED_FIELDS if (v := getattr(self, k)) is not None}
         fmt = self.response_format
         if fmt is not None:
@@ -228,7 +202,6 @@ class _Body(_Strict):
         return {key: value}
 
     def guided_param(self) -> str | None:
-        """The field that asked for structured output (an error's ``param``)."""
         return next((k for k in ("response_format",) + GUIDED_FIELDS if getattr(self, k) is not None), None)
 
     def requested_max_tokens(self) -> int | None:
@@ -238,7 +211,6 @@ class _Body(_Strict):
         return None
 
     def sampling_params(self, sample: int, max_tokens: int) -> SamplingParams:
-        """The params of sample ``sample`` (0..n-1); with a seed, sample i uses seed + i."""
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p,
@@ -252,7 +224,7 @@ class _Body(_Strict):
 
     def engine_requests(self, prompts: list[list[int]], default_max_tokens: int,
                         max_model_len: int) -> list[tuple[list[int], SamplingParams]]:
-        """One (prompt ids, params) per sample, prompt-major: choice ``i * n + j`` is prompt i, sample j."""
+        """One (prompt ids, params) per sample, prompt-major."""
         out = []
         for ids in prompts:
             mt = self.max_tokens_for(ids, default_max_tokens, max_model_len)
@@ -265,7 +237,6 @@ class _Body(_Strict):
 
     def check_engine(self, prompts: list[list[int]], vocab: int, max_logprobs: int, max_model_len: int,
                      prompt_param: str = "prompt") -> None:
-        """What the engine would refuse, refused first with the field named (``param``)."""
         for i, ids in enumerate(prompts):
             if not ids:
                 raise BadRequest("the prompt is empty (no tokens); give some text or token ids", param=prompt_param)
@@ -299,7 +270,7 @@ class _Body(_Strict):
         return "logprobs"
 
     def max_tokens_for(self, prompt_ids: list[int], default_max_tokens: int, max_model_len: int) -> int:
-        """What was asked; else what max_model_len leaves after the prompt, at most the server's default."""
+        """max_tokens, else what max_model_len leaves after the prompt, at most the default."""
         asked = self.requested_max_tokens()
         if asked is not None:
             return asked
@@ -312,13 +283,12 @@ class CompletionRequest(_Body):
     logprobs: int | None = Field(default=None, ge=0)
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
-    return_token_ids: bool = False        # vLLM's: each choice (and each streamed chunk) carries its token ids
+    return_token_ids: bool = False  # vLLM's: each choice carries its token ids
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, p):
-        """One clear complaint for a prompt of none of its four shapes (pydantic's would list
-        every shape's failure, each under its own made-up param)."""
+        """One clear complaint for a prompt of none of its four shapes."""
         if isinstance(p, str) or isinstance(p, list) and all(isinstance(x, str) for x in p):
             return p
         nested = isinstance(p, list) and bool(p) and all(isinstance(row, list) for row in p)
@@ -364,7 +334,6 @@ class ChatMessage(_Strict):
         raise _invalid("expected a string, a list of content parts ({'type': 'text', 'text': ...}), or null")
 
     def text(self, where: str) -> str:
-        """The content as one string: text parts joined by newlines; any other part: 400."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -408,13 +377,11 @@ class ChatCompletionRequest(_Body):
         return "top_logprobs"
 
     def tool_list(self) -> list[dict]:
-        """The tools in play (none under tool_choice "none"), checked (400 naming the field)."""
         from .tools import check_tools
         tools = check_tools(self.tools, self.tool_choice)
         return [] if self.tool_choice == "none" else tools
 
     def force_tool_calls(self, fields: dict) -> None:
-        """tool_choice required / a named function: the output is held to the calls' grammar."""
         if super().guided():
             raise BadRequest("tool_choice 'required' or a named function cannot be combined with response_format "
                              "or guided_*", param="tool_choice")
@@ -443,7 +410,6 @@ class ChatCompletionRequest(_Body):
 
 
 def _template_call(call: dict, where: str) -> dict:
-    """An earlier tool call as chat templates read it: arguments as an object, not JSON text."""
     f = call.get("function")
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):
         raise BadRequest(f"{where} must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': "
@@ -475,9 +441,8 @@ class DetokenizeRequest(_Strict):
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
-    """A request body (bytes) parsed and validated as ``model``; what goes wrong is raised as
-    FastAPI's RequestValidationError (the error handler's one message). Called on a worker
-    thread: a large body does not hold up the event loop, so running streams keep flowing."""
+    """A body parsed and validated as ``model`` on a worker thread (errors as FastAPI's
+    RequestValidationError)."""
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
     try:

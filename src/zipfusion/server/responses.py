@@ -1,9 +1,5 @@
-"""What the two generation routes send back, in OpenAI's shapes: the whole body, the streamed
-chunks, their logprobs and the usage.
-
-One :class:`Reply` per HTTP request (:class:`CompletionReply` or :class:`ChatReply`). The engine's
-final text and an echoed prompt are detokenized on the tokenizer thread (``run``), never on the
-event loop.
+"""What the two generation routes send back, in OpenAI's shapes: the body, the streamed chunks,
+logprobs and usage. Detokenization runs on the tokenizer thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ def top_entries(entry: dict, k: int) -> list[tuple[int, float]]:
 
 
 class Reply:
-    """The replies of one generation request: its id, the envelope of its body and chunks, and
-    ``k``, the top logprobs asked per token (None: no logprobs)."""
+    """The replies of one generation request (``k``: top logprobs per token, None: none)."""
 
     id_prefix = body_object = chunk_object = ""
 
@@ -55,7 +50,6 @@ class Reply:
     def usage_chunk(self, requests: list) -> dict:
         return self.envelope(self.chunk_object, [], usage=usage(self.prompts, requests))
 
-    # -- one per route --------------------------------------------------------------------------
     async def head(self) -> list[dict]:
         """The chunks streamed before the first token."""
         raise NotImplementedError
@@ -77,7 +71,7 @@ class CompletionReply(Reply):
         super().__init__(engine, model, run, body, prompts)
         self.texts, self.echo, self.n = texts, body.echo, body.n
         self.return_ids = body.return_token_ids
-        self.offsets = [0] * self.size     # characters streamed per choice (logprobs' text_offset)
+        self.offsets = [0] * self.size  # characters streamed per choice
 
     async def echo_texts(self) -> list[str]:
         """Each prompt as text when echo was asked, else ""; a prompt of token ids is decoded."""
@@ -137,7 +131,7 @@ class CompletionReply(Reply):
 
 
 class ChatReply(Reply):
-    """``fmt``: the tool-call format to parse the output in (:mod:`.tools`), None without tools."""
+    """``fmt``: the tool-call format of the output (:mod:`.tools`), None without tools."""
     id_prefix, body_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, engine, model: str, run, body, prompts: list[list[int]], fmt: str | None = None):
@@ -161,7 +155,6 @@ class ChatReply(Reply):
                             for tid, entry in zip(ids, entries)]}
 
     async def head(self) -> list[dict]:
-        # the role, once per choice, in its first delta only
         return [self.envelope(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}])
                 for i in range(self.size)]

@@ -1,9 +1,5 @@
 """From a :class:`~.engine_loop.Group` to the client: server-sent events for ``"stream": true``,
 the whole group for a plain body, and the abort of a client that leaves.
-
-``"stream": true`` sends ``data: {json}`` events and ends with ``data: [DONE]``. Streamed text is
-detokenized incrementally (a window of a few tokens, :class:`TextDelta`); a request's last chunk
-carries the rest of the engine's own final text, so a stop string is cut there as in a plain body.
 """
 
 from __future__ import annotations
@@ -27,15 +23,15 @@ def sse(obj: dict) -> str:
 
 
 class TextDelta:
-    """Incremental detokenization of one output: each call decodes a window of a few tokens
-    (vLLM's prefix/read offsets), and never sends text a stop string could still remove."""
+    """Incremental detokenization of one output (vLLM's prefix/read offsets); never sends text a
+    stop string could still remove."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix = self.read = 0
-        self.text = ""                     # text decoded so far
-        self.sent = 0                      # characters of it already sent
+        self.text = ""
+        self.sent = 0  # characters already sent
         self.hold = max((len(s) for s in stop), default=1) - 1
 
     def add(self, ids: list[int]) -> str:
@@ -44,7 +40,7 @@ class TextDelta:
             return ""
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         window = self.tokenizer.decode(self.ids[self.prefix:])
-        if len(window) > len(before) and not window.endswith("\ufffd"):   # else: an incomplete UTF-8 sequence
+        if len(window) > len(before) and not window.endswith("\ufffd"):  # else: an incomplete UTF-8 sequence
             self.text += window[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
         upto = len(self.text) - self.hold
@@ -70,8 +66,7 @@ async def wait_for_disconnect(http: Request) -> None:
 
 @contextlib.asynccontextmanager
 async def abort_on_disconnect(http: Request, loop: EngineLoop, group: Group):
-    """While inside: a client that leaves gets its requests aborted at once. On the way out
-    (also on an error or a cancellation) whatever is unfinished is aborted."""
+    """A client that leaves gets its requests aborted; on the way out, whatever is unfinished."""
     async def watch():
         await wait_for_disconnect(http)
         if not group.done:
@@ -105,7 +100,7 @@ async def event_stream(http: Request, loop: EngineLoop, group: Group, reply: Rep
             if u.error:
                 yield sse(error_body(u.error, 500))
                 break
-            if u.finished:                # the engine's final text: a stop string already cut
+            if u.finished:  # the engine's final text: a stop string already cut
                 text = deltas[u.index].finish(await reply.final_text(group.requests[u.index]))
             else:
                 text = deltas[u.index].add(u.new_ids)

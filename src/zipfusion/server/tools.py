@@ -1,18 +1,5 @@
-"""Tool calling on /v1/chat/completions: ``tools`` and ``tool_choice`` (``auto``, ``none``,
-``required``, or ``{"type": "function", "function": {"name": ...}}``), as vLLM's parsers.
-
-Two output formats, chosen from the model's chat template:
-
-- ``hermes`` (Qwen2.5 / Qwen3, and the fallback): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-  one block per call, text around them being the message's content;
-- ``llama3_json`` (Llama 3.x): the whole output one JSON object ``{"name": ..., "parameters": {...}}``
-  (``<|python_tag|>`` before it allowed; several separated by ``;``).
-
-A template that renders ``tools`` gets them as they are; one that does not (the demo model's,
-SmolLM2's) gets them described in a system message asking for the hermes format. ``required``
-and a named function constrain the output with a grammar (:mod:`zipfusion.engine.structured`):
-the calls then parse and their arguments match the functions' parameter schemas. ``auto``
-parses what the model wrote; text that is not a well-formed call stays content.
+"""Tool calling on /v1/chat/completions as vLLM's parsers (``hermes`` or ``llama3_json``, from the
+chat template); ``required`` and a named function hold the output to the calls' grammar.
 """
 
 from __future__ import annotations
@@ -52,7 +39,7 @@ def system_prompt(tools: list[dict]) -> str:
 
 def with_tools_prompt(conversation: list[dict], tools: list[dict]) -> list[dict]:
     """The conversation for a template that does not render tools: :func:`system_prompt` in
-    front of (or into) its system message, earlier calls written out in the hermes format."""
+    front, earlier calls written in the hermes format."""
     msgs = []
     for m in conversation:
         calls = m.get("tool_calls")
@@ -69,8 +56,7 @@ def with_tools_prompt(conversation: list[dict], tools: list[dict]) -> list[dict]
 
 
 def check_tools(tools, tool_choice) -> list[dict]:
-    """The tools as OpenAI's shape requires (400 naming the place otherwise); the names the
-    choice allows are checked against them."""
+    """The tools as OpenAI's shape requires (400 naming the place otherwise)."""
     out = []
     for i, t in enumerate(tools or []):
         f = t.get("function") if isinstance(t, dict) else None
@@ -173,16 +159,15 @@ def _split_calls(body: str, fmt: str) -> list:
 
 
 class ToolStream:
-    """The streamed form of :func:`parse` for one choice: ``feed`` text as it comes, get back
-    (content to send, calls complete so far); ``finish`` flushes. Content is held back while it
-    could still be the start of a call."""
+    """The streamed form of :func:`parse` for one choice; content that could still start a call
+    is held back."""
 
     def __init__(self, fmt: str):
         self.fmt, self.buf, self.count, self.json_mode = fmt, "", 0, None
-        self.blank = ""                            # whitespace held until content follows it
+        self.blank = ""
 
     def _number(self, calls: list[dict]) -> list[dict]:
-        """The calls as streamed deltas: each with its ``index`` among the choice's calls."""
+        """The calls as streamed deltas."""
         out = [{"index": self.count + k, **c} for k, c in enumerate(calls)]
         self.count += len(calls)
         return out
@@ -190,7 +175,7 @@ class ToolStream:
     def feed(self, text: str) -> tuple[str, list[dict]]:
         out, calls = self._feed(text)
         calls = self._number(calls)
-        if not out.strip():                        # no content of only the whitespace between calls
+        if not out.strip():
             self.blank += out
             return "", calls
         out, self.blank = self.blank + out, ""
@@ -204,7 +189,7 @@ class ToolStream:
             if self.json_mode is False:
                 out, self.buf = self.buf, ""
                 return out, []
-            return "", []                          # a JSON call (or not yet known): parsed at the end
+            return "", []  # a JSON call (or not yet known): parsed at the end
         out, calls = "", []
         while True:
             start = self.buf.find(OPEN)
