@@ -383,6 +383,7 @@ def worker(job: dict) -> None:
     """Cases from ``job["first_case"]`` until ``job["deadline"]`` (time.time()) or ``job["cases"]``
     cases: ``START``/``RUN`` lines on stdout, one JSON each."""
     import torch
+    faulthandler.enable()                   # a fatal error (a segfault) leaves the stacks too
     t0 = time.perf_counter()
     eng, max_len = build(job)
     fault = {}
