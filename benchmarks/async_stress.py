@@ -639,6 +639,9 @@ def rarity(result: dict) -> str:
     st = [r for r in result["records"] if r["variant"]]
     n, k = len(st), sum(r["verdict"] == "hang" for r in st)
     steps = sum(r.get("steps") or 0 for r in st)
+    plain = sum(r["verdict"] == "hang" and not r["variant"] for r in result["records"])
+    if plain:
+        return f"{plain} hang(s) in the plain order (reference runs) and {k} in {n} stressed runs"
     if not n:
         return "no stressed run finished"
     if k:
