@@ -137,7 +137,6 @@ def simulate(name: str, mode: str, fraction: float, admission: str, seed: int = 
     tier = AccountingHostTier(eng.cache.manager.accounts, int(host_gb * 2**30)) if host_gb else None
     eng.scheduler = Scheduler(eng.cache, 256, max_num_batched_tokens, longest, admission=admission, host_tier=tier)
     eng.runner.run = lambda out: torch.zeros(len(out.decode) + sum(c.completes for c in out.prefill), V)
-    eng.runner.forget = lambda rid: None
     eng.async_scheduling = async_scheduling         # as the engine does with async_scheduling=True
     t0 = time.perf_counter()
     arena, loop, done = eng.cache.stats()["arena_bytes"], [], [0]  # per step: (requests sent, running, shares)

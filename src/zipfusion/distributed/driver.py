@@ -126,7 +126,7 @@ def _shutdown(state: dict) -> None:
     graceful = not state.get("broken")
     if graceful:
         try:
-            comm.send({"kind": "exit", "ops": [], "forget": []})
+            comm.send({"kind": "exit", "ops": []})
         except Exception:
             graceful = False
     comm.close()
@@ -142,7 +142,6 @@ class TPDriver:
         self.parallel = TensorParallel(self.size, 0, comm.tp_group)
         self.broken: TPWorkerError | None = None
         self.cache: LockstepCache | None = None
-        self.forgets: list[int] = []
         self._state = {"comm": comm, "procs": procs, "store": store}
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
         log.info("tensor parallel: %d ranks (%s), %s", self.size, "torchrun" if not procs else
@@ -195,11 +194,10 @@ class TPDriver:
         return self._finalizer.alive
 
     def send(self, kind: str | None, **payload) -> None:
-        """Broadcast the cache log (and forgets) with a message; every rank reports after it."""
+        """Broadcast the cache log with a message; every rank reports after it."""
         ops = self.cache.take_log() if self.cache is not None else []
-        forgets, self.forgets = self.forgets, []
         with self.guard():
-            self.comm.send({"kind": kind, "ops": ops, "forget": forgets, **payload})
+            self.comm.send({"kind": kind, "ops": ops, **payload})
 
     def send_ops(self) -> None:
         self.send(None)

@@ -231,7 +231,6 @@ class LLMEngine:
         """Stop a request wherever it is (waiting or running)."""
         if req.status != Status.FINISHED:
             self.scheduler.finish(req, "abort")
-            self.runner.forget(req.request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -255,7 +254,8 @@ class LLMEngine:
 
     def _step(self) -> StepResult:
         clock = PhaseClock()
-        out = self._take_ahead() or self._forget_preempted(self.scheduler.schedule())
+        out = self._take_ahead() or self.scheduler.schedule()
+        out.ended = self.scheduler.take_ended()
         running = len(self.scheduler.running)
         clock.mark("schedule")
         logits = self.runner.run(out)
@@ -268,7 +268,7 @@ class LLMEngine:
         placed = self.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
         clock.mark("seal")
         if self.async_scheduling:
-            self._ahead = self._schedule_ahead(sampled)
+            self._ahead = self.scheduler.schedule_ahead(sampled)
             clock.mark("ahead")
         finished = self._postprocess(sampled, logits, tokens, placed)
         clock.mark("finish")
@@ -285,21 +285,7 @@ class LLMEngine:
     def _postprocess(self, sampled: list[Request], logits, tokens, placed: int) -> list[Request]:
         """The sampled tokens back (the step's one wait) and into the scheduler's postprocess."""
         self._note_kv_stats(placed)
-        finished = self._finish_sample(sampled, logits, tokens) if sampled else []
-        for r in finished:
-            self.runner.forget(r.request_id)
-        return finished
-
-    def _forget_preempted(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The runner lets go of what it staged for the requests this schedule preempted."""
-        for r in out.preempted:
-            self.runner.forget(r.request_id)
-        return out
-
-    def _schedule_ahead(self, sampled: list[Request]) -> SchedulerOutput | None:
-        """The next step's schedule, made while this step runs on the GPU (``Scheduler.schedule_ahead``)."""
-        out = self.scheduler.schedule_ahead(sampled)
-        return out and self._forget_preempted(out)
+        return self._finish_sample(sampled, logits, tokens) if sampled else []
 
     def _take_ahead(self) -> SchedulerOutput | None:
         """The schedule made ahead, without the requests that finished (or were aborted) since."""

@@ -39,6 +39,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [n, V] fp32."""
+        if out.ended:                                 # their staged table rows are not to be trusted
+            gone = set(out.ended)
+            self._row_owner = [None if isinstance(o, tuple) and o[0] in gone else o for o in self._row_owner]
         if not out.prefill:
             return self.decode(out.decode)
         self.cache.flush_table()                      # the step's page-table changes, one copy
@@ -119,10 +122,6 @@ class ModelRunner:
         b.update(vec=bufs["vec"][:, :bs], block_table=bufs["block_table"][:bs],
                  context_lens=bufs["context_lens"][:bs])
         return b
-
-    def forget(self, request_id: int) -> None:
-        """A request finished or was preempted: its staged table row is not to be trusted."""
-        self._row_owner = [None if o is not None and o[0] == request_id else o for o in self._row_owner]
 
     def _decode_forward(self, b: dict) -> torch.Tensor:
         kv = self.attention.plan(b["page_ids"], b["slots"], num_decode=b["input_ids"].shape[0],

@@ -53,6 +53,7 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    ended: list[int] = field(default_factory=list)   # ids ended since the last forward: the runner drops their state
 
     @property
     def empty(self) -> bool:
@@ -84,6 +85,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._steps = 0
+        self._ended: list[int] = []
+
+    def take_ended(self) -> list[int]:
+        """Ids of the requests finished, aborted or preempted since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def add(self, req: Request) -> None:
         """Queue a request (LLMEngine.add_request has checked it: a prompt of 1 .. max_model_len - 1 tokens)."""
@@ -229,6 +236,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self._ended.append(req.request_id)
         self.admission.on_preempt()
         self.waiting.appendleft(req)
         return req
@@ -333,6 +341,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self._ended.append(req.request_id)
         self.pages.release_request(req)
 
     def reset_prefix_cache(self) -> int:

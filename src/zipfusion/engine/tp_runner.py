@@ -45,11 +45,6 @@ class TPRunner:
         return self._call("capture", lambda: self._runner.capture_cuda_graphs(*args, **kwargs),
                           args=args, kwargs=kwargs)
 
-    def forget(self, request_id: int) -> None:
-        self._runner.forget(request_id)
-        self._writer.forget(request_id)
-        self._driver.forgets.append(request_id)
-
 
 def serve(cfg, comm) -> None:
     """A worker (rank > 0): build this rank's model and cache, then follow rank 0's messages
@@ -67,10 +62,6 @@ def serve(cfg, comm) -> None:
     while True:
         msg = comm.recv()
         apply_ops(cache, msg["ops"], left_open)
-        for rid in msg["forget"]:
-            reader.forget(rid)
-            if runner is not None:
-                runner.forget(rid)
         kind = msg["kind"]
         if kind == "exit":
             break
@@ -94,12 +85,9 @@ class PlanWriter:
     def __init__(self):
         self.sent: dict[int, list[int]] = {}  # request id -> [pages sent, tokens sent]
 
-    def forget(self, rid: int) -> None:
-        self.sent.pop(rid, None)
-
     def _entry(self, r) -> tuple:
         s = self.sent.setdefault(r.request_id, [0, 0])
-        if len(r.pages) < s[0]:  # pages shrank without a forget: resend all
+        if len(r.pages) < s[0]:  # pages shrank (an end not seen): resend all
             s[0] = 0
         pages_from, pages = s[0], list(r.pages[s[0]:])
         n = r.num_tokens
@@ -108,7 +96,9 @@ class PlanWriter:
         return (r.request_id, r.num_computed, pages_from, pages, tokens)
 
     def plan(self, out) -> dict:
-        return {"decode": [self._entry(r) for r in out.decode],
+        for rid in out.ended:
+            self.sent.pop(rid, None)
+        return {"ended": out.ended, "decode": [self._entry(r) for r in out.decode],
                 "prefill": [(self._entry(ch.request), ch.start, ch.length) for ch in out.prefill]}
 
 
@@ -120,9 +110,6 @@ class PlanReader:
 
     def __init__(self):
         self.shadows: dict[int, Request] = {}
-
-    def forget(self, rid: int) -> None:
-        self.shadows.pop(rid, None)
 
     def _shadow(self, entry) -> Request:
         rid, num_computed, pages_from, pages, tokens = entry
@@ -136,6 +123,8 @@ class PlanReader:
         return r
 
     def output(self, plan: dict) -> SchedulerOutput:
-        return SchedulerOutput(decode=[self._shadow(e) for e in plan["decode"]],
+        for rid in plan["ended"]:
+            self.shadows.pop(rid, None)
+        return SchedulerOutput(ended=plan["ended"], decode=[self._shadow(e) for e in plan["decode"]],
                                prefill=[PrefillChunk(self._shadow(e), start, length)
                                         for e, start, length in plan["prefill"]])
