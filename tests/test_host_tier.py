@@ -8,6 +8,7 @@ end all memory is free. Last, through the engine: the same tokens with the tier 
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
@@ -237,7 +238,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.m = manager(16)
         self.cap0 = self.m.capacity_new_pages()
         self.host = HostTier(self.m, 6 * L * OPEN)
-        self.pc = PrefixCache(self.m.free_pages, lambda keep: self.m.capacity_new_pages(keep_reserve=keep),
+        self.pc = PrefixCache(SimpleNamespace(free=self.m.free_pages, capacity_new_pages=self.m.capacity_new_pages),
                               host=self.host)
         self.reqs: list[tuple[list[int], list[int]]] = []          # (token blocks, pages)
         self.to_seal: set[int] = set()

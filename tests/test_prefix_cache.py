@@ -27,7 +27,7 @@ class FakeCache:
         self.free_ids.update(ids)
         self.freed += list(ids)
 
-    def capacity(self, keep_reserve=True):
+    def capacity_new_pages(self, keep_reserve=True):
         return len(self.free_ids)
 
 
@@ -38,7 +38,7 @@ def blocks(*tags):
 
 def cache_of(n=64, enabled=True):
     fake = FakeCache(n)
-    return fake, PrefixCache(fake.free, fake.capacity, enabled=enabled)
+    return fake, PrefixCache(fake, enabled=enabled)
 
 
 def insert_all(pc, tokens, pages):
@@ -91,11 +91,11 @@ def test_make_room_evicts_just_enough_and_disabled_caches_nothing():
     pc.release(a)
     cap, evicted = pc.make_room(3)
     assert cap == 3 and evicted == a[::-1][:3]
-    assert pc.clear() == a[::-1][3:] and fake.capacity() == 8
+    assert pc.clear() == a[::-1][3:] and fake.capacity_new_pages() == 8
     fake, off = cache_of(8, enabled=False)
     ids = fake.alloc(2)
     assert off.insert(ROOT, blocks(1), ids[0]) == ROOT and off.match(blocks(1, 2), 5) == []
-    assert off.release(ids) == ids[::-1] and fake.capacity() == 8
+    assert off.release(ids) == ids[::-1] and fake.capacity_new_pages() == 8
 
 
 def test_make_room_learns_how_much_room_an_evicted_page_frees():

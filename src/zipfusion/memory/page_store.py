@@ -35,8 +35,7 @@ class PageStore:
         self.cache = cache
         self.kv_compression = bool(getattr(cache, "kv_compression", False))
         self._manager = cache.manager if self.kv_compression else None
-        self.prefix = PrefixCache(self._freed, lambda keep: cache.capacity_new_pages(keep_reserve=keep),
-                                  enabled=prefix_caching, host=host_tier)
+        self.prefix = PrefixCache(cache, enabled=prefix_caching, host=host_tier)
         self._fill_stream_of = fill_stream_of or (lambda owners: [0] * len(owners))
         self._promised = promised or (lambda: 0)
         self.seal_min_pages = self._manager.slots_per_chunk if self.kv_compression else 1
@@ -62,13 +61,15 @@ class PageStore:
 
     def make_room(self, n: int, keep_reserve: bool = True) -> int:
         """Evict cached pages nobody holds (LRU first) until ``n`` new pages fit; the capacity then."""
-        return self.prefix.make_room(n, keep_reserve)[0]
+        cap, evicted = self.prefix.make_room(n, keep_reserve)
+        self._unqueue(evicted)
+        return cap
 
     def alloc(self, n: int, keep_reserve: bool = True) -> list[int]:
         return self.cache.alloc(n, keep_reserve=keep_reserve, reclaim=self._reclaim) if n > 0 else []
 
     def release(self, pages: Sequence[int]) -> None:
-        self.prefix.release(pages)
+        self._unqueue(self.prefix.release(pages))
 
     def grow(self, req, upto_tokens: int, keep_reserve: bool = True) -> int:
         n = req.pages_needed(upto_tokens)
@@ -102,7 +103,7 @@ class PageStore:
 
     def unhold(self, chain: list) -> None:
         """Let go of what :meth:`hold` held (a refused admission)."""
-        self.prefix.release([n.page for n in chain if n.page is not None])
+        self.release([n.page for n in chain if n.page is not None])
 
     def take_prefix(self, req, chain: list) -> None:
         if chain:
@@ -170,18 +171,19 @@ class PageStore:
         return page
 
     def evict_all(self) -> int:
-        return len(self.prefix.clear())
+        gone = self.prefix.clear()
+        self._unqueue(gone)
+        return len(gone)
 
-    def _freed(self, ids: list[int]) -> None:
-        """Free pages in the cache (the prefix cache's one way to free)."""
-        self.cache.free(ids)
-        for p in ids:
+    def _unqueue(self, freed: list[int]) -> None:
+        """Pages the prefix cache freed leave the seal."""
+        for p in freed:
             self._queue.pop(p, None)
             self._in_flight.discard(p)
 
     def _reclaim(self, pages) -> None:
         """Compaction would move these pages: cached ones nobody holds are evicted instead."""
-        self.prefix.evict_pages(pages)
+        self._unqueue(self.prefix.evict_pages(pages))
 
     def swap_in(self, nodes: list, pages: list[int], stream: int) -> None:
         """Bring cached pages back from the host tier into the new pages ``pages``."""

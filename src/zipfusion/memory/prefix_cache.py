@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..format import PAGE_TOKENS
@@ -38,10 +38,10 @@ class PrefixCacheStats:
 class PrefixCache:
     """Page reference counts, the prefix index and the LRU list of evictable pages."""
 
-    def __init__(self, free: Callable[[list[int]], None], capacity: Callable[[bool], int], enabled: bool = True,
-                 host=None):
+    def __init__(self, cache, enabled: bool = True, host=None):
+        """``cache``: where pages are freed (``free``) and room is read (``capacity_new_pages``)."""
         self.enabled = enabled
-        self._free, self._capacity = free, capacity
+        self.cache = cache
         self.host = host if enabled else None
         self._on_host: dict[int, Node] = {}
         self._by_key: dict[tuple, Node] = {}
@@ -125,7 +125,7 @@ class PrefixCache:
             if node.refs == 0:
                 self._evictable[page] = node
         if freed:
-            self._free(freed)
+            self.cache.free(freed)
         return freed
 
     def evict(self, n: int, to_host: bool = True) -> list[int]:
@@ -151,7 +151,7 @@ class PrefixCache:
         pages = [node.page for node in nodes]
         for node in nodes:
             node.page = None
-        self._free(pages)
+        self.cache.free(pages)
         self.stats.evicted_pages += len(pages)
         return pages
 
@@ -180,13 +180,13 @@ class PrefixCache:
     def make_room(self, n: int, keep_reserve: bool = True) -> tuple[int, list[int]]:
         """Evict until the cache has room for ``n`` new pages or nothing is evictable."""
         evicted = []
-        cap = start = self._capacity(keep_reserve)
+        cap = start = self.cache.capacity_new_pages(keep_reserve=keep_reserve)
         ask = 0
         while cap < n and self._evictable:
             # what is missing at the room per evicted page seen last time (a stored page frees less)
             ask = max(math.ceil((n - cap) / self._room_per_page), ask)
             evicted += self.evict(ask)
-            cap = self._capacity(keep_reserve)
+            cap = self.cache.capacity_new_pages(keep_reserve=keep_reserve)
         if evicted and cap > start:
             self._room_per_page = min(1.0, max(0.5, (cap - start) / len(evicted)))
         return cap, evicted
