@@ -33,9 +33,9 @@ from zipfusion.memory import codec, compaction, host_tier, manager, page_store, 
 
 TIMED = {
     scheduler.Scheduler: ("schedule", "_schedule_prefill", "_schedule_decode", "_admit", "_running_needs", "finish",
-                          "postprocess", "_fill_streams"),
-    page_store.PageStore: ("after_forward", "seal_now", "make_room", "alloc", "bring_back", "_start", "_finish",
-                           "_collect", "_reclaim", "_freed"),
+                          "postprocess", "_fill_streams", "_promised", "after_forward", "seal_now"),
+    page_store.PageStore: ("after_forward", "make_room", "alloc", "bring_back", "swap_in", "start_seal", "place",
+                           "_collect", "_reclaim", "_unqueue"),
     manager.KVCacheManager: ("alloc_pages", "analyze_pages", "place_pages", "_compress_batch", "_wave",
                              "_affordable", "free_pages", "capacity_new_pages"),
     compaction: ("make_room_for_groups", "make_room_for_packing", "compact_layer", "repack", "repack_plan"),

@@ -40,7 +40,7 @@ def engine(request, ckpt):
     reqs = [eng.add_request(torch.randint(3, 256, (n,), generator=g).tolist(),
                             SamplingParams(temperature=0, max_tokens=3)) for n in LENGTHS]
     eng.step()
-    eng.pages.seal_now()
+    eng.scheduler.seal_now()
     assert (eng.cache.manager.page_state(reqs[0].pages[0]) == "stored") == request.param
     return eng, [r.pages for r in reqs]
 

@@ -32,7 +32,7 @@ def test_kernel_attention_matches_reference_on_engine_pages(ckpt):
     eng = llm.engine
     reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in prompts()]
     eng.step()                                                      # prefill
-    eng.pages.seal_now()                   # full pages compressed now
+    eng.scheduler.seal_now()                   # full pages compressed now
     assert eng.cache.manager.page_state(reqs[0].pages[0]) == "stored"
     b = eng.runner.decode_inputs(reqs, 4)                          # one padding row
     q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
@@ -183,11 +183,11 @@ def test_deterministic_rows_over_an_open_copy_are_the_fused_kernels_bits(ckpt):
         run_to_completion(eng, reqs, keep_logits=True)
         res[name] = reqs
         if name == "compressed":                          # the copy against the pages themselves
-            eng.pages.seal_now()
+            eng.scheduler.seal_now()
             r = eng.add_request(ps[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             eng.step()
             eng.step()                                    # 48 prompt tokens, sealed
-            eng.pages.seal_now()
+            eng.scheduler.seal_now()
             assert eng.cache.manager.page_state(r.pages[0]) == "stored"
             q = torch.randn(20, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
             pages = torch.tensor(r.pages[:2], dtype=torch.int32, device=DEVICE)
@@ -373,7 +373,7 @@ def test_packed_decode_matches_the_plain_kernel_and_keeps_fused_twin_bits(ckpt):
         eng = llm.engine
         reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=3)) for p in ps]
         eng.step()
-        eng.pages.seal_now()
+        eng.scheduler.seal_now()
         lens, table = _shared_prefix_rows(eng, reqs)
         be = eng.attention
         assert be.packed and be.prepare_decode(lens, table) == "eager"    # no packed graph buffers here

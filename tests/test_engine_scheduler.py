@@ -74,7 +74,7 @@ def advance(sched, out):
     for r in out.decode:
         r.num_computed += 1
         r.output_ids.append(7)
-    sched.pages.after_forward([c.request for c in out.prefill] + out.decode)
+    sched.after_forward([c.request for c in out.prefill] + out.decode)
 
 
 def test_chunked_prefill_respects_the_token_budget():
@@ -296,7 +296,7 @@ def test_pages_left_open_wait_before_the_next_seal_try():
     tries = len(cache.calls)
     s.finish(b, "stop")                                             # pages let go of: try now
     for _ in range(2):                                              # analysed, then placed
-        s.pages.after_forward([])
+        s.after_forward([])
     assert len(cache.calls) == tries + 1
 
 

@@ -8,7 +8,7 @@ import torch
 
 from zipfusion.memory.kv_cache import ArenaKVCache
 from zipfusion.format import PAGE_TOKENS
-from zipfusion.memory.page_store import PageStore
+from zipfusion.engine.scheduler import Scheduler
 from helpers import SMALL_LAYOUT, assert_contents, fill
 
 OPEN = SMALL_LAYOUT.open_page_bytes
@@ -27,22 +27,24 @@ class Req:
 
 
 def store(prefix_caching: bool = False):
+    """The cache, its page store and the scheduler that drives the seal (nothing running: nothing promised)."""
     cache = ArenaKVCache(2, SMALL_LAYOUT.num_kv_heads, SMALL_LAYOUT.head_dim, 64 * OPEN, "cpu", chunk_bytes=4 * OPEN)
-    return cache, PageStore(cache, prefix_caching=prefix_caching)
+    sched = Scheduler(cache, prefix_caching=prefix_caching)
+    return cache, sched.pages, sched
 
 
 def test_a_seal_is_placed_a_step_after_its_analysis():
     """Pages filled in step 0 are analysed behind its forward and placed behind step 1's: until
     then they are open pages (the capacity lags, it never runs ahead), and they read the same bits."""
-    cache, ps = store()
+    cache, ps, sched = store()
     m = cache.manager
     a = Req(0, ps.alloc(4), 4 * PAGE_TOKENS)
     written = fill(m, a.pages, [1.0, 0.9], seed=1)
     before = ps.capacity()
-    assert ps.after_forward([a]) == 0                       # step 0: filled, analysed (a compress batch waits)
+    assert sched.after_forward([a]) == 0                       # step 0: filled, analysed (a compress batch waits)
     assert ps.to_seal() == a.pages and {m.page_state(p) for p in a.pages} == {"open"}
     assert ps.capacity() == before
-    assert ps.after_forward([]) == 4                        # step 1: placed
+    assert sched.after_forward([]) == 4                        # step 1: placed
     assert {m.page_state(p) for p in a.pages} == {"stored"} and not ps.to_seal()
     assert m.stored_ratio() < 0.8
     assert_contents(m, written)
@@ -58,7 +60,7 @@ def test_how_long_full_pages_wait_for_their_seal():
                                              SEAL_IDLE_BATCHES, SEAL_IDLE_WAIT, SEAL_MAX_WAIT)
 
     def steps_to_seal(rows: int, room_wanted: bool, prompt: int = 0, first: bool = False) -> int:
-        cache, ps = store()
+        cache, ps, sched = store()
         m = cache.manager
         k = SEAL_FIRST_PAGES                                         # one full page to seal: no compress batch,
         a = Req(0, ps.alloc(k + 1), (k + 1) * PAGE_TOKENS, prompt)   # page k (pages 0..k-1 handed to a seal
@@ -68,7 +70,7 @@ def test_how_long_full_pages_wait_for_their_seal():
         for step in range(2 * SEAL_IDLE_WAIT):
             if room_wanted:
                 ps.want_room()                                       # the scheduler, before each forward
-            ps.after_forward([a] + idle)
+            sched.after_forward([a] + idle)
             if m.page_state(a.pages[-1]) == "stored":
                 return step                                          # analysed a step before
         raise AssertionError("never sealed")
@@ -89,7 +91,7 @@ def test_a_busy_step_with_room_to_spare_seals_two_compress_batches_at_once():
     from zipfusion.memory.page_store import SEAL_BUSY_ROWS, SEAL_IDLE_BATCHES
 
     def sealed_after_one_step(rows: int, batches: int, room_wanted: bool = False) -> bool:
-        cache, ps = store()
+        cache, ps, sched = store()
         m = cache.manager
         n = batches * ps.seal_min_pages
         a = Req(0, ps.alloc(n), n * PAGE_TOKENS)
@@ -97,8 +99,8 @@ def test_a_busy_step_with_room_to_spare_seals_two_compress_batches_at_once():
         idle = [Req(i, [], 0) for i in range(1, rows)]
         if room_wanted:
             ps.want_room()
-        ps.after_forward([a] + idle)                                 # analysed if due ...
-        ps.after_forward([a] + idle)                                 # ... placed
+        sched.after_forward([a] + idle)                                 # analysed if due ...
+        sched.after_forward([a] + idle)                                 # ... placed
         return {m.page_state(p) for p in a.pages} == {"stored"}
 
     assert SEAL_IDLE_BATCHES == 2
@@ -112,12 +114,12 @@ def test_pages_freed_between_analysis_and_placement_are_left_alone():
     """A request finishes after its pages' analysis: they are freed, and their ids may serve new
     open pages before the placement. The placement seals only the pages still alive; the new pages
     under the old ids stay open with their own bits."""
-    cache, ps = store()
+    cache, ps, sched = store()
     m = cache.manager
     a = Req(0, ps.alloc(4), 4 * PAGE_TOKENS)
     b = Req(1, ps.alloc(4), 4 * PAGE_TOKENS)
     written = fill(m, a.pages + b.pages, [1.0, 1.0], seed=2)
-    assert ps.after_forward([a, b]) == 0                    # step 0: all eight analysed
+    assert sched.after_forward([a, b]) == 0                    # step 0: all eight analysed
     ps.release(a.pages)                                     # a finishes: its pages freed
     for layer in range(2):
         for p in a.pages:
@@ -125,7 +127,7 @@ def test_pages_freed_between_analysis_and_placement_are_left_alone():
     again = ps.alloc(4)                                     # last freed, first taken: a's ids again
     assert sorted(again) == sorted(a.pages)
     written.update(fill(m, again, [0.0, 0.0], seed=3))      # other bits (incompressible)
-    assert ps.after_forward([]) == 4                        # step 1: only b's pages handed to the seal
+    assert sched.after_forward([]) == 4                        # step 1: only b's pages handed to the seal
     assert {m.page_state(p) for p in b.pages} == {"stored"}
     assert {m.page_state(p) for p in again} == {"open"}
     assert not ps.to_seal()
@@ -136,21 +138,21 @@ def test_seal_now_places_the_analysed_pages_and_the_rest():
     """The scheduler's last resort before a preemption: whatever waits is sealed at once, the
     seal in flight (analysed, not placed) and pages too few for a seal of their own alike; it
     says whether the capacity grew."""
-    cache, ps = store()
+    cache, ps, sched = store()
     m = cache.manager
     a = Req(0, ps.alloc(16), 16 * PAGE_TOKENS)
     written = fill(m, a.pages, [1.0, 1.0], seed=4)
     a.num_computed = 8 * PAGE_TOKENS
-    ps.after_forward([a])                                   # the first eight analysed: in flight
+    sched.after_forward([a])                                   # the first eight analysed: in flight
     assert len(ps.to_seal()) == 8
     before = ps.capacity(keep_reserve=False)
-    grew = ps.seal_now()
+    grew = sched.seal_now()
     assert grew == (ps.capacity(keep_reserve=False) > before) and not ps.to_seal()
     assert {m.page_state(p) for p in a.pages[:8]} == {"stored"}
     a.num_computed = 11 * PAGE_TOKENS
-    assert ps.after_forward([a]) == 0                       # three more: too few to be due
+    assert sched.after_forward([a]) == 0                       # three more: too few to be due
     assert ps.to_seal() == a.pages[8:11]
-    ps.seal_now()
+    sched.seal_now()
     assert not ps.to_seal() and {m.page_state(p) for p in a.pages[:11]} == {"stored"}
     assert_contents(m, written)
 
@@ -158,9 +160,9 @@ def test_seal_now_places_the_analysed_pages_and_the_rest():
 def test_full_pages_join_the_prefix_cache_and_eviction_leaves_the_seal_queue():
     """With prefix caching, a full page is cached as it is collected; released by its request it
     stays (evictable); evicted for room it is freed, and leaves the seal queue with it."""
-    cache, ps = store(prefix_caching=True)
+    cache, ps, sched = store(prefix_caching=True)
     a = Req(0, ps.alloc(2), 2 * PAGE_TOKENS)
-    ps.after_forward([a])
+    sched.after_forward([a])
     assert ps.prefix.num_cached_pages == 2 and len(ps.to_seal()) == 2
     ps.release(a.pages)
     assert ps.prefix.num_evictable_pages == 2 and len(ps.to_seal()) == 2     # cached, still to seal

@@ -211,7 +211,7 @@ def test_conservative_admission_never_preempts_under_a_window(window, pages, bud
         assert s.prefix.num_shared == sum(n.refs >= 2 for n in s.prefix._by_page.values())
         s.computed(out)
         sampled = out.decode + [ch.request for ch in out.prefill if ch.completes]
-        s.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
+        s.after_forward(out.decode + [ch.request for ch in out.prefill])
         s.postprocess(sampled, [7] * len(sampled), {})
     assert not s.has_work() and s.num_preemptions == 0
     assert all(len(r.output_ids) == r.params.max_tokens for r in all_reqs)

@@ -265,7 +265,7 @@ class LLMEngine:
         tokens = self._launch_sample(sampled, logits) if sampled else None
         clock.mark("forward")
         # the pages this step fills hold K/V of tokens known already (a step writes its inputs')
-        placed = self.pages.after_forward(out.decode + [ch.request for ch in out.prefill])
+        placed = self.scheduler.after_forward(out.decode + [ch.request for ch in out.prefill])
         clock.mark("seal")
         if self.async_scheduling:
             self._ahead = self.scheduler.schedule_ahead(sampled)

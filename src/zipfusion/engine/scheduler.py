@@ -76,10 +76,7 @@ class Scheduler:
         # the stop rule: end-of-sequence ids, the tokenizer (stop strings), the grammars (guided output)
         self.eos_token_ids, self.tokenizer, self.grammars = set(eos_token_ids), tokenizer, grammars
         self.admission = Admission(cache, admission, step_tokens=max_num_batched_tokens, window=window)
-        self.pages = PageStore(cache, prefix_caching=prefix_caching, host_tier=host_tier,
-                               fill_stream_of=self._fill_streams,
-                               promised=lambda: self.admission.promised_pages(self._running_needs()),
-                               window=window)
+        self.pages = PageStore(cache, prefix_caching=prefix_caching, host_tier=host_tier, window=window)
         self.prefix = self.pages.prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -107,7 +104,7 @@ class Scheduler:
             self._schedule_prefill(out, self.max_num_batched_tokens - len(out.decode))
             if not out.empty:
                 break
-            if self.pages.seal_now():                     # pages waiting to be sealed may make room
+            if self.seal_now():                           # pages waiting to be sealed may make room
                 continue
             if len(self.running) < 2:
                 break
@@ -129,7 +126,7 @@ class Scheduler:
             need = sum(1 for r in batch if r.pages_needed(r.num_computed + 1))
             if not batch or need <= self.pages.make_room(need):
                 break
-            if self.pages.seal_now():
+            if self.seal_now():
                 continue
             if need <= self.pages.make_room(need, keep_reserve=False):
                 break
@@ -205,11 +202,14 @@ class Scheduler:
                 self.pages.unhold(chain)
                 self.pages.want_room()
                 return False
-        held = self.pages.bring_back(chain, wait=bool(self.running), stream=self._fill_stream_now())
-        if held is None:                           # its pages on the host do not fit yet: wait
+        got = self.pages.bring_back(chain, wait=bool(self.running))
+        if got is None:                            # its pages on the host do not fit yet: wait
             self.pages.unhold(chain)
             self.pages.want_room()
             return False
+        held, still, pages = got
+        if still:
+            self.pages.swap_in(still, pages, self._fill_stream_now(), self._promised())
         self.pages.take_prefix(req, held)
         req.num_computed = req.num_sealed_pages * PAGE_TOKENS
         self.pages.drop_behind([req])
@@ -227,6 +227,28 @@ class Scheduler:
     def _running_needs(self) -> RunningBatch:
         return RunningBatch([(self.pages.own_pages(r), r.num_tokens, self._max_total_tokens(r),
                               r.params.fixed_length, len(r.prompt_ids)) for r in self.running])
+
+    def _promised(self) -> int:
+        """New pages a placement must leave free for the running requests."""
+        return self.admission.promised_pages(self._running_needs())
+
+    def after_forward(self, filled: list[Request]) -> int:
+        """Behind the forward: the page store places last step's seal and collects the pages ``filled``,
+        then launches the next seal when due; returns the pages handed to placement."""
+        placed = self.pages.after_forward(filled, self._promised() if self.pages.placing else 0)
+        if self.pages.seal_due():
+            self.pages.start_seal(self._fill_streams(self.pages.seal_owners()))
+        return placed
+
+    def seal_now(self) -> bool:
+        """Seal every waiting page now (the last resort before a preemption); whether capacity grew."""
+        before = self.pages.capacity(keep_reserve=False)
+        if self.pages.placing:
+            self.pages.place(self._promised())
+        if self.pages.to_seal():
+            self.pages.start_seal(self._fill_streams(self.pages.seal_owners()))
+            self.pages.place(self._promised())
+        return self.pages.capacity(keep_reserve=False) > before
 
     def _preempt(self, req: Request) -> Request:
         """Free the request's pages; it restarts by recompute when readmitted."""

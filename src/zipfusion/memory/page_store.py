@@ -6,7 +6,7 @@ are the memory manager's (``cache.manager``); the policy (when, which pages, in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..format.layout import PAGE_TOKENS
 from .prefix_cache import ROOT, PrefixCache
@@ -28,16 +28,11 @@ def cacheable_pages(req) -> int:
 
 
 class PageStore:
-    def __init__(self, cache, *, prefix_caching: bool = True, host_tier=None,
-                 fill_stream_of: Callable[[list[int]], list[int]] | None = None,
-                 promised: Callable[[], int] | None = None, window: int | None = None):
-        """``fill_stream_of(owners)``: each owner's fill stream; ``promised()``: new pages a seal must leave."""
+    def __init__(self, cache, *, prefix_caching: bool = True, host_tier=None, window: int | None = None):
         self.cache = cache
         self.kv_compression = bool(getattr(cache, "kv_compression", False))
         self._manager = cache.manager if self.kv_compression else None
         self.prefix = PrefixCache(cache, enabled=prefix_caching, host=host_tier)
-        self._fill_stream_of = fill_stream_of or (lambda owners: [0] * len(owners))
-        self._promised = promised or (lambda: 0)
         self.seal_min_pages = self._manager.slots_per_chunk if self.kv_compression else 1
         # full pages waiting for the seal -> (owner, page index): a request's pages packed together
         self._queue: dict[int, tuple[int, int]] = {}
@@ -117,11 +112,12 @@ class PageStore:
     def num_evictable(self) -> int:
         return self.prefix.num_evictable_pages
 
-    def bring_back(self, chain: list, wait: bool, stream: int) -> list | None:
-        """Bring the chain's host-tier pages back into new pages (fill stream ``stream``)."""
+    def bring_back(self, chain: list, wait: bool) -> tuple[list, list, list[int]] | None:
+        """Room for the chain's host-tier pages: the chain (cut where room or the tier ends), its nodes
+        still on the host and the new pages for them (``swap_in``); None: no room and ``wait``."""
         away = [n for n in chain if n.page is None]
         if not away:
-            return chain
+            return chain, [], []
         could = self.capacity() + self.num_evictable >= len(away)
         room = self.make_room(len(away)) if could else 0
         keep = len(chain)
@@ -130,13 +126,12 @@ class PageStore:
                 return None
             keep = chain.index(away[0])
         chain, away = self._cut_at_lost(chain, keep)
-        if away:
-            pages = self.alloc(len(away))
-            chain, still = self._cut_at_lost(chain, len(chain))
-            self.release(pages[len(still):])
-            if still:
-                self.swap_in(still, pages[:len(still)], stream)
-        return chain
+        if not away:
+            return chain, [], []
+        pages = self.alloc(len(away))
+        chain, still = self._cut_at_lost(chain, len(chain))
+        self.release(pages[len(still):])
+        return chain, still, pages[:len(still)]
 
     def _cut_at_lost(self, chain: list, keep: int) -> tuple[list, list]:
         """The chain cut at ``keep`` and at its first page the tier dropped; its pages still on the host."""
@@ -185,37 +180,31 @@ class PageStore:
         """Compaction would move these pages: cached ones nobody holds are evicted instead."""
         self._unqueue(self.prefix.evict_pages(pages))
 
-    def swap_in(self, nodes: list, pages: list[int], stream: int) -> None:
-        """Bring cached pages back from the host tier into the new pages ``pages``."""
-        left = self.prefix.swap_in(nodes, pages, stream, self._promised(), self._reclaim)
+    def swap_in(self, nodes: list, pages: list[int], stream: int, promised: int) -> None:
+        """Bring cached pages back from the host tier into the new pages ``pages``, leaving ``promised`` new pages."""
+        left = self.prefix.swap_in(nodes, pages, stream, promised, self._reclaim)
         if self.kv_compression:
             self._queue.update((p, (UNOWNED, p)) for p in left)
 
-    def after_forward(self, filled: Sequence = ()) -> int:
-        """Behind a step's forward: place the seal analysed last step, collect the pages ``filled``, launch
-        the next analysis when due (``_due``); returns the pages handed to placement."""
-        sealed = self._finish() if self._job is not None else 0
+    @property
+    def placing(self) -> bool:
+        """An analysis waits to be placed (``place``)."""
+        return self._job is not None
+
+    def after_forward(self, filled: Sequence = (), promised: int = 0) -> int:
+        """Behind a step's forward: place the seal analysed last step, collect the pages ``filled``;
+        returns the pages handed to placement. ``seal_due`` then says whether to ``start_seal``."""
+        sealed = self.place(promised)
         self._rows = len(filled)
         self._collect(filled)
-        if self._due():
-            self._start()
         return sealed
 
     def want_room(self) -> None:
         """Admission refused a request for want of room."""
         self._room_wanted = True
 
-    def seal_now(self) -> bool:
-        """Seal every waiting page now (the last resort before a preemption); whether capacity grew."""
-        before = self.cache.capacity_new_pages(keep_reserve=False)
-        if self._job is not None:
-            self._finish()
-        if self._queue:
-            self._start()
-            self._finish()
-        return self.cache.capacity_new_pages(keep_reserve=False) > before
-
-    def _due(self) -> bool:
+    def seal_due(self) -> bool:
+        """Whether to launch a seal now (``start_seal``)."""
         if not self._queue:
             return False
         stuck = self._stuck > 0 and self.cache.capacity_new_pages(keep_reserve=False) <= self._stuck_at
@@ -231,18 +220,26 @@ class PageStore:
         return (len(self._queue) >= self.seal_min_pages
                 or self._wait >= (base if self._first_waiting else SEAL_IDLE_WAIT))
 
-    def _start(self) -> None:
-        ids = sorted(self._queue, key=self._queue.__getitem__)
-        self._manager.set_streams(ids, self._fill_stream_of([self._queue[p][0] for p in ids]))
+    def seal_owners(self) -> list[int]:
+        """The request owning each page to seal, in ``to_seal`` order."""
+        return [self._queue[p][0] for p in self.to_seal()]
+
+    def start_seal(self, streams: Sequence[int] | None = None) -> None:
+        """Launch the analysis of every page to seal (fill stream of each, in ``to_seal`` order)."""
+        ids = self.to_seal()
+        self._manager.set_streams(ids, list(streams) if streams is not None else [0] * len(ids))
         self._job, self._job_ids = self._manager.analyze_pages(ids), ids
         self._in_flight = set(ids)
         self._wait = 0
         self._room_wanted = self._first_waiting = False
 
-    def _finish(self) -> int:
+    def place(self, promised: int = 0) -> int:
+        """Place the analysis launched (leaving ``promised`` new pages); the pages handed to placement."""
+        if self._job is None:
+            return 0
         job, alive = self._job, [p for p in self._job_ids if p in self._in_flight]
         self._job, self._job_ids, self._in_flight = None, [], set()
-        left = self._manager.place_pages(job, min_capacity=self._promised(), reclaim=self._reclaim,
+        left = self._manager.place_pages(job, min_capacity=promised, reclaim=self._reclaim,
                                          keep=alive) if alive else []
         for p in set(alive).difference(left):
             self._queue.pop(p, None)
