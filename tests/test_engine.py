@@ -2,6 +2,7 @@
 (token ids and logits), chunked prefill, preemption by recompute, stop conditions, errors."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -89,6 +90,31 @@ def test_preemption_by_recompute_gives_same_tokens(ckpts):
         assert preempted > 0 if admission == "optimistic" else preempted == 0
         assert sum(o.num_preemptions for o in outs) == preempted
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_the_runner_hears_of_every_request_that_ended_in_the_steps_output(ckpts):
+    """Preempted and finished requests reach the runner with a forward (``SchedulerOutput.ended``): a
+    preemption with the step that schedules without it, each end once; the runner drops their staged rows."""
+    path, _ = ckpts["llama"]
+    page_bytes = 2 * 2 * 16 * 2 * 64 * 4
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_compression=False, admission="optimistic",
+              kv_memory_gb=10 * page_bytes / 2**30)
+    eng, ended = llm.engine, []
+    run = eng.runner.run
+
+    def spy(out):
+        assert {r.request_id for r in out.preempted} <= set(out.ended)
+        eng.runner._row_owner = [(rid, 1, 0, 0) for rid in out.ended] + [(-1, 1, 0, 0)]
+        logits = run(out)
+        assert eng.runner._row_owner == [None] * len(out.ended) + [(-1, 1, 0, 0)]
+        ended.extend(out.ended)
+        return logits
+    eng.runner.run = spy
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(2, [30, 30, 30, 30])],
+                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert eng.scheduler.num_preemptions > 0
+    ended += eng.scheduler.take_ended()                 # those that finished behind the last forward
+    assert Counter(ended) == {o.request_id: o.num_preemptions + 1 for o in outs}
 
 
 def test_arena_preemption_completes(ckpts):
