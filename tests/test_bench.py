@@ -329,6 +329,64 @@ def test_throughput_compares_the_lossy_fp8_kv_cache(tmp_path):
     assert "compressed/fp8" in result["ratios"]
 
 
+# benchmarks/workloads.py's scenarios as `bench throughput` runs: (dataset, --num-prompts, other flags)
+WORKLOADS = {"burst": ("burst", 72, {}), "mix": ("mix", 600, {}), "long": ("long32k", 16, {}),
+             "deterministic": ("burst", 24, {"output_len": 128}), "long_generation": ("long_generation", 64, {}),
+             "shared_prefix": ("shared_prefix", 512, {}), "multi_turn": ("multi_turn", 64, {}),
+             "long_swap": ("long32k", 16, {}), "long_recompute": ("long32k", 16, {})}
+
+
+def test_the_workload_scenarios_are_datasets_drawing_the_committed_runs_requests():
+    """Each committed workloads.py record's prompt and output tokens are what `bench throughput
+    --dataset` draws for its mapping (seed 0; a conversation's turn prompts hold what came before)."""
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "benchmarks/results/workloads_h200/workloads.json"
+    records = {r["scenario"]: r for r in json.loads(path.read_text())["records"] if "prompt_tokens" in r}
+    assert set(WORKLOADS) <= set(records)
+    for scenario, (name, n, flags) in WORKLOADS.items():
+        dist = datasets.resolve(name, **{"input_len": None, "output_len": None, **flags})
+        plens, olens, clipped = datasets.lengths(dist, n, seed=0, max_len=33792)
+        turns = range(dist.turns)
+        prompt = sum(dist.shared_prefix + p + t * (dist.turn_prompt + o) for p, o in zip(plens, olens) for t in turns)
+        r = records[scenario]
+        assert (r["requests"], r["prompt_tokens"], r["output_tokens"], clipped) == (
+            n * dist.turns, prompt, sum(olens) * dist.turns, 0), scenario
+
+
+@pytest.mark.parametrize("name,extra", [("burst", []), ("mix", []), ("long32k", []), ("long_generation", []),
+                                        ("shared_prefix", ["--shared-prefix", "32", "--prefix-group", "2",
+                                                           "--max-num-batched-tokens", "64"]),  # a prompt a step
+                                        ("multi_turn", [])])
+def test_throughput_runs_each_workload_dataset_on_the_demo_model(name, extra, tmp_path, monkeypatch):
+    """`bench throughput --dataset NAME` end to end, tiny (the worker in this process, the JSON it
+    would send back): every request and turn finishes; shared prompts hit the prefix cache."""
+    import torch
+
+    from zipfusion.bench import offline, throughput
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(offline, "run_job", lambda kind, job, timeout, threads=0: {"process_s": 0.0, **json.loads(
+        json.dumps(throughput.worker(json.loads(json.dumps(job))), default=float))})
+    try:
+        assert main(["bench", "throughput", "--model", "demo", "--device", "cpu", "--dataset", name, "--input-len",
+                     "24", "--output-len", "3", "--num-prompts", "4", "--kv-memory-gb", "0.002", "--cpu-threads",
+                     "1", "--mode", "compressed", *extra, "--out", str(tmp_path / "tp")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (r,) = json.loads((tmp_path / "tp.json").read_text())["records"]
+    turns = datasets.DATASETS[name].turns
+    assert "error" not in r, r.get("error")
+    assert r["requests"] == r["finished"] == 4 * turns and r["output_tokens"] == r["expected_output_tokens"]
+    assert r["expected_output_tokens"] == 12 * turns or datasets.DATASETS[name].output_cap     # mix: drawn
+    assert (r["prefix_hit_tokens"] > 0) == (name in ("shared_prefix", "multi_turn"))
+
+
+def test_conversations_refuse_text_prompts_and_a_context_they_overrun():
+    with pytest.raises(ValueError, match="--prompt-format ids"):
+        datasets.build(datasets.DATASETS["multi_turn"], "multi_turn", 2, text=True)
+    with pytest.raises(ValueError, match="8 turns of 256 \\+ 256 tokens .* --max-model-len"):
+        datasets.lengths(datasets.DATASETS["multi_turn"], 2, max_len=4096)
+
+
 def test_latency_on_the_demo_model(tmp_path):
     assert main(["bench", "latency", "--model", "demo", "--device", "cpu", "--batch-size", "3", "--input-len", "20",
                  "--output-len", "4", "--num-iters", "2", "--kv-memory-gb", "0.002", "--out", str(tmp_path / "lat")]) == 0
