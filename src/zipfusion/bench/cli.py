@@ -12,8 +12,8 @@ from . import DEFAULT_COMPARE, KERNEL_MODES, MODES
 
 DATASET_HELP = ("chat (prompt ~300 / output ~250 tokens), reasoning (decode-heavy: ~200 / ~1,500), long "
                 "(~12,000 / ~250), agent (prefill-heavy: ~1,000 / ~120 behind a 2,048-token prefix shared by "
-                "groups of 8), random (fixed --input-len / --output-len); lognormal lengths; or benchmarks/workloads.py's "
-                "scenarios: burst (8,192 / 256), mix (~1,200 / ~300), long32k (32,768 / 512), long_generation "
+                "groups of 8), random (fixed --input-len / --output-len); lognormal lengths; or the recorded "
+                "workloads: burst (8,192 / 256), mix (~1,200 / ~300), long32k (32,768 / 512), long_generation "
                 "(1,024 / 8,192), shared_prefix (256 / 256 behind 4,096 shared by 16), multi_turn (8 turns of "
                 "256 new / 256 out after a 1,024 first prompt; throughput only) (default: %(default)s)")
 
