@@ -238,7 +238,7 @@ def test_bad_input_is_one_error_line(argv, words, capsys):
     assert err.startswith("error: ") and words in err and "\n" not in err, err
 
 
-@pytest.mark.parametrize("command", ["serve", "throughput", "latency", "kernel"])
+@pytest.mark.parametrize("command", ["serve", "throughput", "latency", "kernel", "steps"])
 def test_every_bench_subcommand_has_help_with_an_example(command, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", command, "--help"])
@@ -334,6 +334,26 @@ WORKLOADS = {"burst": ("burst", 72, {}), "mix": ("mix", 600, {}), "long": ("long
              "deterministic": ("burst", 24, {"output_len": 128}), "long_generation": ("long_generation", 64, {}),
              "shared_prefix": ("shared_prefix", 512, {}), "multi_turn": ("multi_turn", 64, {}),
              "long_swap": ("long32k", 16, {}), "long_recompute": ("long32k", 16, {})}
+
+
+def test_steps_tables_decode_steps_at_equal_rows(tmp_path, capsys):
+    """`bench steps`: prefill steps left out; per (rows, mode) the wall-time percentiles in ms, the
+    seal's mean, the context a row (nan where the log has no context column); bad files: one line."""
+    fields = ["decode_rows", "prefill_tokens", "seconds", "seal_s", "context_tokens"]
+    rows = [[2, 0, 0.001, 0.0001, 100], [2, 0, 0.003, 0.0003, 300], [2, 64, 9.0, 0.0, 0], [1, 0, 0.002, 0.0, 50]]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"compressed": {"fields": fields, "rows": rows},
+                                "old": {"fields": fields[:4], "rows": [r[:4] for r in rows]}}))
+    assert main(["bench", "steps", str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2:] == ["| 1 | compressed | 1 | 2.00 | 2.00 | 2.00 | 0.000 | 50 |",
+                         "| 1 | old | 1 | 2.00 | 2.00 | 2.00 | 0.000 | nan |",
+                         "| 2 | compressed | 2 | 2.00 | 2.80 | 2.98 | 0.200 | 100 |",
+                         "| 2 | old | 2 | 2.00 | 2.80 | 2.98 | 0.200 | nan |"]
+    path.write_text('{"records": []}')
+    for bad, words in ((path, "is not a step log"), (tmp_path / "none.json", "No such file")):
+        assert main(["bench", "steps", str(bad)]) == 2
+        assert words in capsys.readouterr().err
 
 
 def test_the_workload_scenarios_are_datasets_drawing_the_committed_runs_requests():

@@ -54,6 +54,9 @@ EXAMPLES = {
   zipfusion bench kernel --device cpu                             # a smoke run (Triton interpreter)
   zipfusion bench kernel --linear --out weights_kernel_h100       # linear layers over compressed weights
   zipfusion bench kernel --linear --models llama-3.1-8b --ms 1,64,2048""",
+    "steps": """zipfusion bench steps, examples:
+  zipfusion bench throughput --compare --dataset reasoning --out tp   # writes tp_steps.json
+  zipfusion bench steps tp_steps.json""",
 }
 
 
@@ -115,12 +118,12 @@ def _dataset(p: argparse.ArgumentParser, num_prompts: int | None, default_help: 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """``zipfusion bench`` and its four subcommands, on the ``zipfusion`` parser's subparsers."""
-    b = sub.add_parser("bench", help="benchmarks: serve, throughput, latency, kernel (as vllm bench)",
+    b = sub.add_parser("bench", help="benchmarks: serve, throughput, latency, kernel (as vllm bench); steps",
                        formatter_class=Formatter,
                        description="Benchmarks a user runs, each printing a table and writing JSON + PNG; "
                                    "--compare compressed,uncompressed[,flashinfer] on each.",
                        epilog="\n\n".join(EXAMPLES.values()))
-    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{serve,throughput,latency,kernel}")
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{serve,throughput,latency,kernel,steps}")
 
     s = _subcommand(bsub, "serve", "the serving benchmark: rates, TTFT/TPOT/ITL, goodput, compressed vs uncompressed",
                     "Requests to zipfusion serve (one started per mode on 127.0.0.1, or --url) at a sweep of Poisson "
@@ -212,6 +215,13 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    "shapes")
     k.add_argument("--models", default="llama-3.1-8b,qwen3-32b", help="--linear: model shapes (default: %(default)s)")
     k.add_argument("--ms", default="1,8,32,64,128,256,2048,8192", help="--linear: rows of x (default: %(default)s)")
+
+    st = bsub.add_parser("steps", formatter_class=Formatter, epilog=EXAMPLES["steps"],
+                         help="decode steps at equal rows, by mode, from a throughput run's step log",
+                         description="Per mode and decode-row count, the steps without prefill: wall time p50 / "
+                                     "p90 / p99 (ms), the seal's mean host time and the rows' mean context.")
+    st.add_argument("path", metavar="STEPS_JSON", help="bench throughput's OUT_steps.json")
+    st.set_defaults(func=cmd_bench)
     return b
 
 
@@ -270,6 +280,9 @@ def cmd_bench(args) -> int:
 def _cmd_bench(args) -> int:
     from . import KERNEL_MODES, parse_modes
     kind = args.bench_command
+    if kind == "steps":
+        from .steps import run
+        return run(args.path)
     modes = parse_modes(args.compare if args.compare is not None else args.mode or args.default_modes,
                         **({"known": KERNEL_MODES} if kind == "kernel" else {}))
     args.argv = getattr(args, "argv", None)
