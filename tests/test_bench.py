@@ -400,7 +400,12 @@ def test_throughput_runs_each_workload_dataset_on_the_demo_model(name, extra, tm
     assert (r["prefix_hit_tokens"] > 0) == (name in ("shared_prefix", "multi_turn"))
 
 
-def test_conversations_refuse_text_prompts_and_a_context_they_overrun():
+def test_conversations_scale_their_turns_and_refuse_text_prompts_and_a_context_they_overrun():
+    d = datasets.resolve("multi_turn", input_len=24, output_len=3)
+    assert (d.prompt, d.output, d.turns, d.turn_prompt) == (24, 3, 8, 6)      # 256 of 1,024 a turn: 6 of 24
+    ds = datasets.build(d, "multi_turn", 3, seed=2)
+    assert [len(t) for t in ds.turns] == [7] * 3 and all(len(m) == 6 for t in ds.turns for m in t)
+    assert ds.turns[0] != ds.turns[1] and datasets.build(d, "multi_turn", 3, seed=2).turns == ds.turns
     with pytest.raises(ValueError, match="--prompt-format ids"):
         datasets.build(datasets.DATASETS["multi_turn"], "multi_turn", 2, text=True)
     with pytest.raises(ValueError, match="8 turns of 256 \\+ 256 tokens .* --max-model-len"):

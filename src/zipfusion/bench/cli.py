@@ -105,7 +105,8 @@ def _dataset(p: argparse.ArgumentParser, num_prompts: int | None, default_help: 
     p.add_argument("--dataset", default="chat", help=DATASET_HELP)
     p.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests (default: {default_help})")
     p.add_argument("--input-len", type=int, default=None,
-                   help="median prompt tokens (random: every prompt's); the dataset's caps scale along")
+                   help="median prompt tokens (random: every prompt's); the dataset's caps (and multi_turn's "
+                        "tokens a turn) scale along")
     p.add_argument("--output-len", type=int, default=None, help="median output tokens (random: every request's)")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in [len x (1 - r), len x (1 + r)] (default: %(default)s)")
