@@ -147,7 +147,7 @@ def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int], list[li
         return random_prompts(job["prompt"], vocab, job["seed"]), [job["output"]] * n, [[]] * n
     dist = LengthDist(job["prompt"], job["output"], job["prompt_cap"], job["output_cap"], job.get("shared_prefix", 0),
                       job.get("group", 1), job.get("turns", 1), job.get("turn_prompt", 0))
-    ds = build(dist, job["scenario"], job["requests"], seed=job["seed"], vocab=vocab)
+    ds = build(dist, job.get("scenario", ""), job["requests"], seed=job["seed"], vocab=vocab)
     return ds.prompts, ds.output_lens, ds.turns
 
 
