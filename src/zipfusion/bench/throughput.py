@@ -64,13 +64,14 @@ def worker(job: dict) -> dict:
     warm_up(eng, eng.max_model_len)
     warm_s = time.perf_counter() - t0
     base = eng.cache.stats()
-    expected = sum(o * (1 + len(t)) for o, t in zip(ds.output_lens, ds.turns))  # every turn's answer
+    turns = ds.turns or [[]] * len(prompts)
+    expected = sum(o * (1 + len(t)) for o, t in zip(ds.output_lens, turns))  # every turn's answer
     log(f"  [{job['mode']}] {len(prompts)} requests ({sum(map(len, prompts)):,} prompt tokens, "
         f"{expected:,} to generate) at once")
     trace = (StepTrace(job["profile_steps"], job["trace_path"].format(mode=job["mode"]))
              if job.get("profile_steps") else None)
     reqs, steps, wall = run_requests(eng, prompts, ds.output_lens, label=f"[{job['mode']}]",
-                                     progress_s=job.get("progress_s", 20.0), on_step=trace, turns=ds.turns)
+                                     progress_s=job.get("progress_s", 20.0), on_step=trace, turns=turns)
     extra = trace.finish() if trace else {}
     return {"mode": job["mode"], **summarize(eng, reqs, steps, wall, base), **extra,
             "step_fields": list(STEP_FIELDS), "step_log": step_rows(steps),
