@@ -189,7 +189,8 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
     datasets.resolve(args.dataset)
     size_defaults(args, device)
     dist = datasets.resolve(args.dataset, args.input_len, args.output_len, args.shared_prefix, args.prefix_group)
-    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)  # bad sizes: now
+    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio,
+                   text=args.prompt_format == "text")  # bad sizes: now
     job = {"model": args.model, "device": device, "kv_memory_gb": args.kv_memory_gb,
            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
            "max_model_len": args.max_model_len, "deterministic": args.deterministic, "engine": engine,
