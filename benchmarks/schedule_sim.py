@@ -37,7 +37,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from workloads import DEFAULT_SCENARIOS, SCENARIOS, lengths, run_requests, workload  # noqa: E402
+from workloads import DEFAULT_SCENARIOS, SCENARIOS, run_requests, workload  # noqa: E402
+from zipfusion.bench.datasets import lognormal as lengths  # noqa: E402
 from zipfusion.bench.serve_results import steady_start  # noqa: E402
 from zipfusion.config import memory_options  # noqa: E402
 from zipfusion.memory.kv_cache import ArenaKVCache  # noqa: E402

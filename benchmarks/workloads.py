@@ -1,5 +1,13 @@
 #!/usr/bin/env python3
-"""The workload benchmark (issue 20): whole runs the way a user measures them, one harness.
+"""The workload benchmark: the runs of the committed workload results (docs/benchmarks.md), kept to
+reproduce them. Users run the same workloads with ``zipfusion bench throughput --dataset NAME``:
+each scenario below is one of its datasets (the same prompts for the same seed) at a request count
+and KV size, e.g. burst = ``--dataset burst --num-prompts 72 --kv-memory-gb 52``, long = ``--dataset
+long32k --num-prompts 16 --kv-memory-gb 24 --max-model-len 33792``, deterministic = ``--dataset
+burst --num-prompts 24 --output-len 128 --deterministic``, long_swap = long with ``--engine-args
+'{"admission": "optimistic", "kv_host_memory_gb": 48}'``; prefill is ``zipfusion bench latency
+--batch-size 1``'s kind of run. What this script adds: several scenarios and modes in one call, the
+packed/sync modes, --prefix-cache on,off, --scale, --merge and the prefill MFU.
 
 Each (scenario, mode) runs in its own process: ``LLM(model, kv_compression=..., kv_memory_gb=GB,
 max_num_seqs=256, max_num_batched_tokens=8192)``, a warm-up that builds every step shape, then
@@ -46,7 +54,6 @@ import datetime
 import faulthandler
 import json
 import os
-import random
 import signal
 import sys
 import threading
@@ -56,7 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from zipfusion.bench import MODES as USER_MODES, flashinfer_skip_reason  # noqa: E402
-from zipfusion.bench.datasets import SIGMA, lognormal as lengths, random_prompts  # noqa: E402
+from zipfusion.bench.datasets import DATASETS, SIGMA, LengthDist, build, random_prompts  # noqa: E402
 from zipfusion.bench.offline import (STEP_FIELDS, log, run_requests, run_worker, step_rows,  # noqa: E402
                                      summarize, warm_up)
 from zipfusion.bench.report import fmt as _f, pyplot, versions, write_json  # noqa: E402
@@ -86,20 +93,29 @@ class Scenario:
     host_gb: float | None = None   # kv_host_memory_gb (None: the engine's default)
 
 
+def scenario(dataset: str, requests: int, kv_gb: float, **more) -> Scenario:
+    """A scenario over one of ``zipfusion bench throughput``'s datasets: its lengths and sharing."""
+    d = DATASETS[dataset]
+    return dataclasses.replace(Scenario(requests, d.prompt, d.output, kv_gb, d.prompt_cap, d.output_cap,
+                                        shared_prefix=d.shared_prefix, group=d.group, turns=d.turns,
+                                        turn_prompt=d.turn_prompt), **more)
+
+
+# each scenario is `zipfusion bench throughput --dataset DATASET --num-prompts REQUESTS --kv-memory-gb
+# KV` (plus what ``more`` says: --output-len, --deterministic, --engine-args), but for prefill
 SCENARIOS = {
-    "burst": Scenario(72, 8192, 256, 52.0),
-    "mix": Scenario(600, 1200, 300, 12.0, prompt_cap=7000, output_cap=2000),
-    "long": Scenario(16, 32768, 512, 24.0),
-    "deterministic": Scenario(24, 8192, 128, 16.0, deterministic=True),
-    "long_generation": Scenario(64, 1024, 8192, 52.0),
+    "burst": scenario("burst", 72, 52.0),
+    "mix": scenario("mix", 600, 12.0),
+    "long": scenario("long32k", 16, 24.0),
+    "deterministic": scenario("burst", 24, 16.0, output=128, deterministic=True),
+    "long_generation": scenario("long_generation", 64, 52.0),
     "prefill": Scenario(3, (8192, 8192, 32768), 1, 24.0, sequential=True),
-    "shared_prefix": Scenario(512, 256, 256, 16.0, shared_prefix=4096, group=16),
-    "multi_turn": Scenario(64, 1024, 256, 24.0, turns=8, turn_prompt=256),
-    "long_swap": Scenario(16, 32768, 512, 24.0, admission="optimistic", host_gb=48.0),
-    "long_recompute": Scenario(16, 32768, 512, 24.0, admission="optimistic", host_gb=0.0),
-    # `zipfusion bench throughput --dataset reasoning --num-prompts 128 --output-len 500
-    # --kv-memory-gb 4`'s lengths (benchmarks/results/balanced_h100): decode-heavy, small KV
-    "reasoning": Scenario(128, 200, 500, 4.0, prompt_cap=2048, output_cap=2000),
+    "shared_prefix": scenario("shared_prefix", 512, 16.0),
+    "multi_turn": scenario("multi_turn", 64, 24.0),
+    "long_swap": scenario("long32k", 16, 24.0, admission="optimistic", host_gb=48.0),
+    "long_recompute": scenario("long32k", 16, 24.0, admission="optimistic", host_gb=0.0),
+    # balanced_h100's run: --dataset reasoning --num-prompts 128 --output-len 500 --kv-memory-gb 4
+    "reasoning": scenario("reasoning", 128, 4.0, output=500, output_cap=2000),
 }
 DEFAULT_SCENARIOS = ("burst", "mix", "long", "deterministic", "long_generation")
 # --smoke: the demo model on the CPU (3 layers, 2 KV heads x 64: 1.5 KiB of KV per token), each
@@ -124,20 +140,15 @@ SMOKE = {name: dataclasses.replace(SCENARIOS[name], requests=r, prompt=p, output
 
 # ============================================================================ the harness
 def workload(job: dict, vocab: int) -> tuple[list[list[int]], list[int], list[list[list[int]]]]:
-    """The job's prompts (token ids), output lengths and each request's later turns (the user's
-    next messages): a function of the job and the seed alone, so that every mode gets the same."""
-    rng = random.Random(job["seed"])
-    n = job["requests"]
-    explicit = isinstance(job["prompt"], list)
-    plens = list(job["prompt"]) if explicit else lengths(job["prompt"], job["prompt_cap"], n, rng)
-    prompts = random_prompts(plens, vocab, job["seed"])
-    if job.get("shared_prefix"):               # each group's requests behind one system prompt
-        groups = -(-n // job["group"])
-        system = random_prompts([job["shared_prefix"]] * groups, vocab, job["seed"] + 1)
-        prompts = [system[i // job["group"]] + p for i, p in enumerate(prompts)]
-    later = random_prompts([job["turn_prompt"]] * (n * (job.get("turns", 1) - 1)), vocab, job["seed"] + 2)
-    turns = [later[i::n] for i in range(n)]
-    return prompts, lengths(job["output"], job["output_cap"], n, rng), turns
+    """The job's prompts (token ids), output lengths and each request's later turns: the dataset
+    ``zipfusion bench throughput`` draws for the same lengths and seed (prefill: the lengths given)."""
+    if isinstance(job["prompt"], list):
+        n = len(job["prompt"])
+        return random_prompts(job["prompt"], vocab, job["seed"]), [job["output"]] * n, [[]] * n
+    dist = LengthDist(job["prompt"], job["output"], job["prompt_cap"], job["output_cap"], job.get("shared_prefix", 0),
+                      job.get("group", 1), job.get("turns", 1), job.get("turn_prompt", 0))
+    ds = build(dist, job.get("scenario", ""), job["requests"], seed=job["seed"], vocab=vocab)
+    return ds.prompts, ds.output_lens, ds.turns
 
 
 def model_flops(cfg, tokens: int, context: float) -> float:

@@ -225,6 +225,9 @@ def test_metrics_text_and_memory_flatness():
     (["serve", "--url", "http://127.0.0.1:1", "--compare"], "one mode"),
     (["serve", "--url", "http://127.0.0.1:1", "--endpoint", "chat"], "--prompt-format text"),
     (["throughput", "--dataset", "nope", "--device", "cpu"], "unknown dataset"),
+    (["serve", "--dataset", "multi_turn", "--device", "cpu"], "conversations run in zipfusion bench throughput"),
+    (["throughput", "--dataset", "multi_turn", "--prompt-format", "text", "--device", "cpu", "--num-prompts", "2",
+      "--input-len", "8", "--output-len", "2"], "--prompt-format ids"),
     (["throughput", "--num-prompts", "0", "--device", "cpu"], "--num-prompts"),
     (["throughput", "--engine-args", '{"kv_compression": false}', "--device", "cpu"], "--engine-args sets"),
     (["latency", "--batch-size", "0", "--device", "cpu"], "--batch-size"),
@@ -238,7 +241,7 @@ def test_bad_input_is_one_error_line(argv, words, capsys):
     assert err.startswith("error: ") and words in err and "\n" not in err, err
 
 
-@pytest.mark.parametrize("command", ["serve", "throughput", "latency", "kernel"])
+@pytest.mark.parametrize("command", ["serve", "throughput", "latency", "kernel", "steps"])
 def test_every_bench_subcommand_has_help_with_an_example(command, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", command, "--help"])
@@ -327,6 +330,89 @@ def test_throughput_compares_the_lossy_fp8_kv_cache(tmp_path):
         assert "error" not in r, r.get("error")
         assert r["requests"] == r["finished"] == 6 and r["output_tokens"] == 36
     assert "compressed/fp8" in result["ratios"]
+
+
+# benchmarks/workloads.py's scenarios as `bench throughput` runs: (dataset, --num-prompts, other flags)
+WORKLOADS = {"burst": ("burst", 72, {}), "mix": ("mix", 600, {}), "long": ("long32k", 16, {}),
+             "deterministic": ("burst", 24, {"output_len": 128}), "long_generation": ("long_generation", 64, {}),
+             "shared_prefix": ("shared_prefix", 512, {}), "multi_turn": ("multi_turn", 64, {}),
+             "long_swap": ("long32k", 16, {}), "long_recompute": ("long32k", 16, {})}
+
+
+def test_steps_tables_decode_steps_at_equal_rows(tmp_path, capsys):
+    """`bench steps`: prefill steps left out; per (rows, mode) the wall-time percentiles in ms, the
+    seal's mean, the context a row (nan where the log has no context column); bad files: one line."""
+    fields = ["decode_rows", "prefill_tokens", "seconds", "seal_s", "context_tokens"]
+    rows = [[2, 0, 0.001, 0.0001, 100], [2, 0, 0.003, 0.0003, 300], [2, 64, 9.0, 0.0, 0], [1, 0, 0.002, 0.0, 50]]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"compressed": {"fields": fields, "rows": rows},
+                                "old": {"fields": fields[:4], "rows": [r[:4] for r in rows]}}))
+    assert main(["bench", "steps", str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2:] == ["| 1 | compressed | 1 | 2.00 | 2.00 | 2.00 | 0.000 | 50 |",
+                         "| 1 | old | 1 | 2.00 | 2.00 | 2.00 | 0.000 | nan |",
+                         "| 2 | compressed | 2 | 2.00 | 2.80 | 2.98 | 0.200 | 100 |",
+                         "| 2 | old | 2 | 2.00 | 2.80 | 2.98 | 0.200 | nan |"]
+    path.write_text('{"records": []}')
+    for bad, words in ((path, "is not a step log"), (tmp_path / "none.json", "No such file")):
+        assert main(["bench", "steps", str(bad)]) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_the_workload_scenarios_are_datasets_drawing_the_committed_runs_requests():
+    """Each committed workloads.py record's prompt and output tokens are what `bench throughput
+    --dataset` draws for its mapping (seed 0; a conversation's turn prompts hold what came before)."""
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "benchmarks/results/workloads_h200/workloads.json"
+    records = {r["scenario"]: r for r in json.loads(path.read_text())["records"] if "prompt_tokens" in r}
+    assert set(WORKLOADS) <= set(records)
+    for scenario, (name, n, flags) in WORKLOADS.items():
+        dist = datasets.resolve(name, **{"input_len": None, "output_len": None, **flags})
+        plens, olens, clipped = datasets.lengths(dist, n, seed=0, max_len=33792)
+        turns = range(dist.turns)
+        prompt = sum(dist.shared_prefix + p + t * (dist.turn_prompt + o) for p, o in zip(plens, olens) for t in turns)
+        r = records[scenario]
+        assert (r["requests"], r["prompt_tokens"], r["output_tokens"], clipped) == (
+            n * dist.turns, prompt, sum(olens) * dist.turns, 0), scenario
+
+
+@pytest.mark.parametrize("name,extra", [("burst", []), ("mix", []), ("long32k", []), ("long_generation", []),
+                                        ("shared_prefix", ["--shared-prefix", "32", "--prefix-group", "2",
+                                                           "--max-num-batched-tokens", "64"]),  # a prompt a step
+                                        ("multi_turn", [])])
+def test_throughput_runs_each_workload_dataset_on_the_demo_model(name, extra, tmp_path, monkeypatch):
+    """`bench throughput --dataset NAME` end to end, tiny (the worker in this process, the JSON it
+    would send back): every request and turn finishes; shared prompts hit the prefix cache."""
+    import torch
+
+    from zipfusion.bench import offline, throughput
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(offline, "run_job", lambda kind, job, timeout, threads=0: {"process_s": 0.0, **json.loads(
+        json.dumps(throughput.worker(json.loads(json.dumps(job))), default=float))})
+    try:
+        assert main(["bench", "throughput", "--model", "demo", "--device", "cpu", "--dataset", name, "--input-len",
+                     "24", "--output-len", "3", "--num-prompts", "4", "--kv-memory-gb", "0.002", "--cpu-threads",
+                     "1", "--mode", "compressed", *extra, "--out", str(tmp_path / "tp")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (r,) = json.loads((tmp_path / "tp.json").read_text())["records"]
+    turns = datasets.DATASETS[name].turns
+    assert "error" not in r, r.get("error")
+    assert r["requests"] == r["finished"] == 4 * turns and r["output_tokens"] == r["expected_output_tokens"]
+    assert r["expected_output_tokens"] == 12 * turns or datasets.DATASETS[name].output_cap     # mix: drawn
+    assert (r["prefix_hit_tokens"] > 0) == (name in ("shared_prefix", "multi_turn"))
+
+
+def test_conversations_scale_their_turns_and_refuse_text_prompts_and_a_context_they_overrun():
+    d = datasets.resolve("multi_turn", input_len=24, output_len=3)
+    assert (d.prompt, d.output, d.turns, d.turn_prompt) == (24, 3, 8, 6)      # 256 of 1,024 a turn: 6 of 24
+    ds = datasets.build(d, "multi_turn", 3, seed=2)
+    assert [len(t) for t in ds.turns] == [7] * 3 and all(len(m) == 6 for t in ds.turns for m in t)
+    assert ds.turns[0] != ds.turns[1] and datasets.build(d, "multi_turn", 3, seed=2).turns == ds.turns
+    with pytest.raises(ValueError, match="--prompt-format ids"):
+        datasets.build(datasets.DATASETS["multi_turn"], "multi_turn", 2, text=True)
+    with pytest.raises(ValueError, match="8 turns of 256 \\+ 256 tokens .* --max-model-len"):
+        datasets.lengths(datasets.DATASETS["multi_turn"], 2, max_len=4096)
 
 
 def test_latency_on_the_demo_model(tmp_path):

@@ -12,7 +12,10 @@ from . import DEFAULT_COMPARE, KERNEL_MODES, MODES
 
 DATASET_HELP = ("chat (prompt ~300 / output ~250 tokens), reasoning (decode-heavy: ~200 / ~1,500), long "
                 "(~12,000 / ~250), agent (prefill-heavy: ~1,000 / ~120 behind a 2,048-token prefix shared by "
-                "groups of 8) or random (fixed --input-len / --output-len); lognormal lengths (default: %(default)s)")
+                "groups of 8), random (fixed --input-len / --output-len); lognormal lengths; or the recorded "
+                "workloads: burst (8,192 / 256), mix (~1,200 / ~300), long32k (32,768 / 512), long_generation "
+                "(1,024 / 8,192), shared_prefix (256 / 256 behind 4,096 shared by 16), multi_turn (8 turns of "
+                "256 new / 256 out after a 1,024 first prompt; throughput only) (default: %(default)s)")
 
 EXAMPLES = {
     "serve": """zipfusion bench serve, examples:
@@ -51,6 +54,9 @@ EXAMPLES = {
   zipfusion bench kernel --device cpu                             # a smoke run (Triton interpreter)
   zipfusion bench kernel --linear --out weights_kernel_h100       # linear layers over compressed weights
   zipfusion bench kernel --linear --models llama-3.1-8b --ms 1,64,2048""",
+    "steps": """zipfusion bench steps, examples:
+  zipfusion bench throughput --compare --dataset reasoning --out tp   # writes tp_steps.json
+  zipfusion bench steps tp_steps.json""",
 }
 
 
@@ -99,7 +105,8 @@ def _dataset(p: argparse.ArgumentParser, num_prompts: int | None, default_help: 
     p.add_argument("--dataset", default="chat", help=DATASET_HELP)
     p.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests (default: {default_help})")
     p.add_argument("--input-len", type=int, default=None,
-                   help="median prompt tokens (random: every prompt's); the dataset's caps scale along")
+                   help="median prompt tokens (random: every prompt's); the dataset's caps (and multi_turn's "
+                        "tokens a turn) scale along")
     p.add_argument("--output-len", type=int, default=None, help="median output tokens (random: every request's)")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in [len x (1 - r), len x (1 + r)] (default: %(default)s)")
@@ -112,12 +119,12 @@ def _dataset(p: argparse.ArgumentParser, num_prompts: int | None, default_help: 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """``zipfusion bench`` and its four subcommands, on the ``zipfusion`` parser's subparsers."""
-    b = sub.add_parser("bench", help="benchmarks: serve, throughput, latency, kernel (as vllm bench)",
+    b = sub.add_parser("bench", help="benchmarks: serve, throughput, latency, kernel (as vllm bench); steps",
                        formatter_class=Formatter,
                        description="Benchmarks a user runs, each printing a table and writing JSON + PNG; "
                                    "--compare compressed,uncompressed[,flashinfer] on each.",
                        epilog="\n\n".join(EXAMPLES.values()))
-    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{serve,throughput,latency,kernel}")
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{serve,throughput,latency,kernel,steps}")
 
     s = _subcommand(bsub, "serve", "the serving benchmark: rates, TTFT/TPOT/ITL, goodput, compressed vs uncompressed",
                     "Requests to zipfusion serve (one started per mode on 127.0.0.1, or --url) at a sweep of Poisson "
@@ -209,6 +216,13 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    "shapes")
     k.add_argument("--models", default="llama-3.1-8b,qwen3-32b", help="--linear: model shapes (default: %(default)s)")
     k.add_argument("--ms", default="1,8,32,64,128,256,2048,8192", help="--linear: rows of x (default: %(default)s)")
+
+    st = bsub.add_parser("steps", formatter_class=Formatter, epilog=EXAMPLES["steps"],
+                         help="decode steps at equal rows, by mode, from a throughput run's step log",
+                         description="Per mode and decode-row count, the steps without prefill: wall time p50 / "
+                                     "p90 / p99 (ms), the seal's mean host time and the rows' mean context.")
+    st.add_argument("path", metavar="STEPS_JSON", help="bench throughput's OUT_steps.json")
+    st.set_defaults(func=cmd_bench)
     return b
 
 
@@ -267,6 +281,9 @@ def cmd_bench(args) -> int:
 def _cmd_bench(args) -> int:
     from . import KERNEL_MODES, parse_modes
     kind = args.bench_command
+    if kind == "steps":
+        from .steps import run
+        return run(args.path)
     modes = parse_modes(args.compare if args.compare is not None else args.mode or args.default_modes,
                         **({"known": KERNEL_MODES} if kind == "kernel" else {}))
     args.argv = getattr(args, "argv", None)

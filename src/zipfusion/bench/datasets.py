@@ -21,6 +21,8 @@ class LengthDist:
     output_cap: int = 0
     shared_prefix: int = 0  # > 0: requests in groups of ``group`` share one such prefix
     group: int = 1
+    turns: int = 1  # > 1: conversations; turn t + 1's prompt = turn t's prompt + answer + ``turn_prompt`` new
+    turn_prompt: int = 0
     about: str = ""
 
 
@@ -31,6 +33,15 @@ DATASETS = {
     "agent": LengthDist(1000, 120, 8000, 500, shared_prefix=2048, group=8,
                         about="prefill-heavy, a shared system prompt + tools per group of 8"),
     "random": LengthDist(1024, 128, about="fixed lengths (--input-len, --output-len, --range-ratio)"),
+    # benchmarks/workloads.py's scenarios, the same lengths and sharing (docs/benchmarks.md maps them)
+    "burst": LengthDist(8192, 256, about="fixed 8,192-token prompts, 256 out"),
+    "mix": LengthDist(1200, 300, 7000, 2000, about="mixed lengths, prompts up to 7,000 tokens"),
+    "long32k": LengthDist(32768, 512, about="fixed 32,768-token prompts, 512 out (--max-model-len 33792)"),
+    "long_generation": LengthDist(1024, 8192, about="fixed 1,024-token prompts, 8,192 out"),
+    "shared_prefix": LengthDist(256, 256, shared_prefix=4096, group=16,
+                                about="256-token questions behind a 4,096-token prompt shared by groups of 16"),
+    "multi_turn": LengthDist(1024, 256, turns=8, turn_prompt=256,
+                             about="conversations of 8 turns, 256 new tokens and 256 out a turn"),
 }
 
 # common words: text prompts are random sequences of them (about one token each)
@@ -78,6 +89,7 @@ class Dataset:
     prompt_lens: list[int]  # tokens asked for (text: words)
     output_lens: list[int]
     clipped: int
+    turns: list = dataclasses.field(default_factory=list)  # per request, its later turns' new tokens
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -106,6 +118,7 @@ def resolve(name: str, input_len: int | None = None, output_len: int | None = No
     p, o = input_len or d.prompt, output_len or d.output
     return dataclasses.replace(d, prompt=p, output=o, prompt_cap=scale(d.prompt_cap, p, d.prompt),
                                output_cap=scale(d.output_cap, o, d.output),
+                               turn_prompt=max(1, round(d.turn_prompt * p / d.prompt)) if d.turn_prompt else 0,
                                shared_prefix=d.shared_prefix if shared_prefix is None else shared_prefix,
                                group=group or d.group)
 
@@ -136,7 +149,11 @@ def lengths(dist: LengthDist, n: int, *, seed: int = 0, max_len: int | None = No
     if dist.shared_prefix >= max_len // 2:
         raise ValueError(f"a shared prefix of {dist.shared_prefix} tokens leaves too little of max_model_len={max_len}: "
                          f"pass --shared-prefix below {max_len // 2} (or a model with a longer context)")
-    fitted = [fit(p, o, max_len - dist.shared_prefix) for p, o in zip(plens, olens)]
+    later = (dist.turns - 1) * (dist.turn_prompt + max(olens))  # what a conversation's later turns add
+    if dist.shared_prefix + later >= max_len // 2:
+        raise ValueError(f"{dist.turns} turns of {dist.turn_prompt} + {max(olens)} tokens leave too little of "
+                         f"max_model_len={max_len}: pass a smaller --output-len or --input-len, or --max-model-len")
+    fitted = [fit(p, o, max_len - dist.shared_prefix - later) for p, o in zip(plens, olens)]
     clipped = sum(f != po for f, po in zip(fitted, zip(plens, olens)))
     return [p for p, _ in fitted], [o for _, o in fitted], clipped
 
@@ -145,6 +162,8 @@ def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | 
           max_len: int | None = None, range_ratio: float = 0.0, text: bool = False) -> Dataset:
     """``n`` requests of ``dist``: ``seed`` draws the lengths, ``id_seed`` (default ``seed``) the
     tokens, so one set of lengths can be sent with fresh tokens."""
+    if text and dist.turns > 1:
+        raise ValueError(f"dataset {name!r} is conversations of token ids: pass --prompt-format ids")
     if text and max_len is not None:
         max_len = int(max_len / TEXT_TOKENS_PER_WORD)
     plens, olens, clipped = lengths(dist, n, seed=seed, max_len=max_len, range_ratio=range_ratio)
@@ -161,7 +180,8 @@ def build(dist: LengthDist, name: str, n: int, *, seed: int = 0, id_seed: int | 
         if prefix:
             system = random_prompts([prefix] * groups, vocab, id_seed + 1)
             prompts = [system[i // dist.group] + p for i, p in enumerate(prompts)]
-    return Dataset(name, prompts, [p + prefix for p in plens], olens, clipped)
+    later = random_prompts([dist.turn_prompt] * (n * (dist.turns - 1)), vocab, id_seed + 2)
+    return Dataset(name, prompts, [p + prefix for p in plens], olens, clipped, [later[i::n] for i in range(n)])
 
 
 def sharegpt(path: str, n: int, *, seed: int = 0, count=None, max_len: int | None = None) -> Dataset:

@@ -247,6 +247,8 @@ def run(args, modes: list[str], device: str, slo: dict) -> int:
         args.dataset = "sharegpt"
     dist = datasets.resolve("chat" if args.dataset_path else args.dataset, args.input_len, args.output_len,
                             args.shared_prefix, args.prefix_group)
+    if dist.turns > 1:
+        raise ValueError(f"--dataset {args.dataset}: conversations run in zipfusion bench throughput, not serve")
     datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)  # bad sizes: now
     meta = report.run_meta("serve", redact_key(args.argv), device)
     config = {"model": args.model, "device": device, "url": args.url, "modes": modes, "dataset": args.dataset,

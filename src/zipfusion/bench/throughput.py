@@ -64,17 +64,19 @@ def worker(job: dict) -> dict:
     warm_up(eng, eng.max_model_len)
     warm_s = time.perf_counter() - t0
     base = eng.cache.stats()
+    turns = ds.turns or [[]] * len(prompts)
+    expected = sum(o * (1 + len(t)) for o, t in zip(ds.output_lens, turns))  # every turn's answer
     log(f"  [{job['mode']}] {len(prompts)} requests ({sum(map(len, prompts)):,} prompt tokens, "
-        f"{sum(ds.output_lens):,} to generate) at once")
+        f"{expected:,} to generate) at once")
     trace = (StepTrace(job["profile_steps"], job["trace_path"].format(mode=job["mode"]))
              if job.get("profile_steps") else None)
     reqs, steps, wall = run_requests(eng, prompts, ds.output_lens, label=f"[{job['mode']}]",
-                                     progress_s=job.get("progress_s", 20.0), on_step=trace)
+                                     progress_s=job.get("progress_s", 20.0), on_step=trace, turns=turns)
     extra = trace.finish() if trace else {}
     return {"mode": job["mode"], **summarize(eng, reqs, steps, wall, base), **extra,
             "step_fields": list(STEP_FIELDS), "step_log": step_rows(steps),
             "finished": sum(r.finish_reason is not None for r in reqs),
-            "expected_output_tokens": sum(ds.output_lens), "dataset": ds.summary(),
+            "expected_output_tokens": expected, "dataset": ds.summary(),
             "kv_memory_gb": eng.kv_memory_gb, "kv_memory_gb_asked": job.get("kv_memory_gb"),
             **weight_numbers(eng), "max_model_len": eng.max_model_len,
             "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
@@ -187,7 +189,8 @@ def run(args, modes: list[str], device: str, engine: dict) -> int:
     datasets.resolve(args.dataset)
     size_defaults(args, device)
     dist = datasets.resolve(args.dataset, args.input_len, args.output_len, args.shared_prefix, args.prefix_group)
-    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio)  # bad sizes: now
+    datasets.build(dist, args.dataset, args.num_prompts, range_ratio=args.range_ratio,
+                   text=args.prompt_format == "text")  # bad sizes: now
     job = {"model": args.model, "device": device, "kv_memory_gb": args.kv_memory_gb,
            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
            "max_model_len": args.max_model_len, "deterministic": args.deterministic, "engine": engine,
