@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
@@ -144,7 +143,8 @@ class OpenAIServer:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def parse(self, http: Request, model):
-        return await run_in_threadpool(parse_body, model, await http.body())
+        # on the one tokenizer thread: parses in parallel threads would contend for the GIL with the loop
+        return await self.off_loop(parse_body, model, await http.body())
 
     async def completions(self, http: Request):
         body = await self.parse(http, CompletionRequest)
@@ -228,8 +228,8 @@ class OpenAIServer:
 
     async def submit(self, loop: EngineLoop, body: _Body, prompts: list[list[int]], rid: str) -> Group:
         e = self.engine
-        body.check_engine(prompts, e.model_config.vocab_size, e.config.max_logprobs, e.max_model_len,
-                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        await self.off_loop(body.check_engine, prompts, e.model_config.vocab_size, e.config.max_logprobs,
+                            e.max_model_len, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         items = body.engine_requests(prompts, self.default_max_tokens, e.max_model_len)
         matchers = None
         if items[0][1].guided:  # compiled on the tokenizer thread
