@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,10 @@ from .protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, Det
                        parse_body)
 
 log = logging.getLogger("zipfusion.server")
+# How long a thread waiting for the GIL waits before the holder must hand it over (Python's default:
+# 5 ms). The engine thread releases the GIL around every kernel call and takes it back dozens of
+# times a step; behind a thread parsing a large body, each take-back waited the full interval.
+GIL_SWITCH_S = 0.001
 
 
 def kv_cache_metadata(engine) -> dict:
@@ -72,6 +77,8 @@ class OpenAIServer:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
+        previous_switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(previous_switch, GIL_SWITCH_S))
         self.engine_loop()
         if self.engine.tokenizer is not None:
             self.max_token_bytes = await self.off_loop(self.engine.tokenizer.longest_token_bytes)
@@ -79,6 +86,7 @@ class OpenAIServer:
         self._loop.shutdown()
         self._loop = None
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        sys.setswitchinterval(previous_switch)
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)

@@ -294,18 +294,23 @@ class _Body(_Strict):
         return max(1, min(default_max_tokens, max_model_len - len(prompt_ids)))
 
 
+Prompt = Union[str, list[str], list[Annotated_token], list[list[Annotated_token]]]
+
+
 class CompletionRequest(_Body):
-    prompt: Union[str, list[str], list[Annotated_token], list[list[Annotated_token]]]
+    prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
     return_token_ids: bool = False  # vLLM's: each choice carries its token ids
 
-    @field_validator("prompt", mode="before")
+    @field_validator("prompt", mode="plain", json_schema_input_type=Prompt)
     @classmethod
     def _prompt_shape(cls, p):
-        """One clear complaint for a prompt of none of its four shapes."""
+        """The prompt's whole check, in Python: the event loop's thread can take the GIL between two
+        ids (the core validator would hold it for the whole list); one clear complaint for a prompt
+        of none of its four shapes."""
         if isinstance(p, str) or isinstance(p, list) and all(isinstance(x, str) for x in p):
             return p
         nested = isinstance(p, list) and bool(p) and all(isinstance(row, list) for row in p)
