@@ -30,7 +30,7 @@ log = logging.getLogger("zipfusion.server")
 # How long a thread waiting for the GIL waits before the holder must hand it over (Python's default:
 # 5 ms). The engine thread releases the GIL around every kernel call and takes it back dozens of
 # times a step; behind a thread parsing a large body, each take-back waited the full interval.
-GIL_SWITCH_S = 0.001
+GIL_SWITCH_S = 0.0005
 
 
 def kv_cache_metadata(engine) -> dict:
