@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import json
 import logging
 import sys
@@ -82,7 +83,9 @@ class OpenAIServer:
         self.engine_loop()
         if self.engine.tokenizer is not None:
             self.max_token_bytes = await self.off_loop(self.engine.tokenizer.longest_token_bytes)
+        gc.freeze()  # what startup built (model, libraries) out of the full collections that hold the GIL
         yield
+        gc.unfreeze()
         self._loop.shutdown()
         self._loop = None
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -263,7 +266,7 @@ class OpenAIServer:
             return error_response(err, 500)
         if group.closed:
             return Response(status_code=499)  # the client is gone
-        return JSONResponse(await reply.body(group.requests))
+        return await self.off_loop(JSONResponse, await reply.body(group.requests))  # rendered off the loop
 
 
 ERROR_SCHEMA = {

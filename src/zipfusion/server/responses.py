@@ -124,7 +124,7 @@ class CompletionReply(Reply):
         echo, choices = await self.echo_texts(), []
         for i, r in enumerate(requests):
             prefix = echo[i // self.n]
-            lp = self.logprobs(r.output_ids, r.logprobs, len(prefix))
+            lp = await self.run(self.logprobs, r.output_ids, r.logprobs, len(prefix))
             choices.append(self.choice(i, prefix + await self.final_text(r), r.finish_reason, r.stop_reason, lp,
                                        list(r.output_ids)))
         return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))
@@ -190,6 +190,7 @@ class ChatReply(Reply):
         choices = []
         for i, r in enumerate(requests):
             message, calls = await self.message(r)
-            choices.append({"index": i, "message": message, "logprobs": self.logprobs(r.output_ids, r.logprobs),
+            lp = await self.run(self.logprobs, r.output_ids, r.logprobs)
+            choices.append({"index": i, "message": message, "logprobs": lp,
                             "finish_reason": self.finish_reason(r.finish_reason, calls), "stop_reason": r.stop_reason})
         return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))
