@@ -299,3 +299,13 @@ def test_deterministic_under_concurrent_load_and_compression_on_vs_off():
         runs[compression] = (alone, crowd)
     (alone, crowd), (alone_open, crowd_open) = runs[True], runs[False]
     assert len(alone[0]) == 12 and alone == crowd == alone_open == crowd_open
+
+
+def test_a_reply_rendered_choice_by_choice_is_the_same_json():
+    from zipfusion.server.responses import render
+    body = {"id": "cmpl-1", "object": "text_completion", "model": 'a "model"', "usage": {"prompt_tokens": 3},
+            "choices": [{"index": i, "text": "é\"\\\n" * i, "logprobs": {"top_logprobs": [{"x": -1.5}]}}
+                        for i in range(3)]}
+    assert json.loads(render(body)) == body and json.loads(render({**body, "choices": []}))["choices"] == []
+    with pytest.raises(ValueError):
+        render({**body, "choices": [{"logprob": float("nan")}]})

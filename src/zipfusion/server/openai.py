@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
 from .auth import APIKeyMiddleware
@@ -51,7 +51,7 @@ def default_model_name(source) -> str:
         return name
     path = Path(name)
     return (path.stem if path.suffix.lower() == ".gguf" else path.name) or name
-from .responses import ChatReply, CompletionReply, Reply
+from .responses import ChatReply, CompletionReply, Reply, render
 from .streaming import abort_on_disconnect, collect, event_stream
 from .tools import guided_fields as tool_guided, renders_tools, tool_format, with_tools_prompt
 
@@ -266,7 +266,7 @@ class OpenAIServer:
             return error_response(err, 500)
         if group.closed:
             return Response(status_code=499)  # the client is gone
-        return await self.off_loop(JSONResponse, await reply.body(group.requests))  # rendered off the loop
+        return Response(await self.off_loop(render, await reply.body(group.requests)), media_type="application/json")
 
 
 ERROR_SCHEMA = {

@@ -4,6 +4,7 @@ logprobs and usage. Detokenization runs on the tokenizer thread, never on the ev
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -19,6 +20,15 @@ def usage(prompts: list[list[int]], requests: list) -> dict:
     cached = sum(r.num_cached_tokens or 0 for r in requests if r is not None)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def render(body: dict) -> bytes:
+    """A whole reply as JSON, its choices last, one json.dumps per choice: each call holds the GIL
+    throughout, so a reply of many choices is rendered in pieces other threads run between."""
+    def dumps(obj) -> str:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    head = dumps({k: v for k, v in body.items() if k != "choices"})
+    return f'{head[:-1]},"choices":[{",".join(dumps(c) for c in body["choices"])}]}}'.encode()
 
 
 def top_entries(entry: dict, k: int) -> list[tuple[int, float]]:
