@@ -5,6 +5,7 @@ under concurrent load."""
 
 import asyncio
 import json
+import random
 import threading
 import time
 
@@ -16,18 +17,22 @@ from test_server import live_server  # noqa: E402
 
 from zipfusion.engine import LLMEngine  # noqa: E402
 from zipfusion.server import openai as server_openai  # noqa: E402
+from zipfusion.server.limits import ServerLimits  # noqa: E402
 from zipfusion.server.openai import create_app  # noqa: E402
+from zipfusion.server.protocol import LARGE_BODY, CompletionRequest, may_hold_surrogates, parse_body  # noqa: E402
 
 T = 60
 
 
-def stream_gaps(url: str, body: dict, out: list, started: threading.Event) -> None:
-    """Stream a completion; append each chunk's arrival time to ``out``."""
+def stream_gaps(url: str, body: dict, out: list, started: threading.Event, stop: threading.Event | None = None) -> None:
+    """Stream a completion; append each chunk's arrival time to ``out``; leave once ``stop`` is set."""
     with httpx.Client(timeout=T) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 out.append(time.perf_counter())
                 started.set()
+            if stop is not None and stop.is_set():
+                return
 
 
 def test_huge_bodies_are_refused_before_parsing_and_do_not_stall_a_stream(monkeypatch):
@@ -76,6 +81,100 @@ def test_huge_bodies_are_refused_before_parsing_and_do_not_stall_a_stream(monkey
     assert during <= before + 0.5, (before, during)      # a generous margin on a loaded 2-core CPU
     assert all(size < 100_000 for _, size in parsed_on)  # the huge bodies never reached the parser
     assert parsed_on and not any(on_loop for on_loop, _ in parsed_on)
+
+
+class LagProbe:
+    """ASGI wrapper: a task on the server's event loop that sleeps 10 ms again and again and records
+    (time, how late it woke)."""
+
+    def __init__(self, app):
+        self.app, self.lags = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            asyncio.get_running_loop().create_task(self.tick())
+        await self.app(scope, receive, send)
+
+    async def tick(self):
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            self.lags.append((now, now - t0 - 0.01))
+
+
+def test_near_limit_bodies_stall_neither_the_event_loop_nor_a_stream():
+    """Two bodies of a million prompt token ids each (6 MB, within every limit: parsed whole, then
+    refused by max_model_len) while a stream runs: the event loop's lateness stays within 0.1 s of
+    its own baseline, the stream's gaps within 0.3 s. Before: parsed by parallel threads each
+    holding the GIL for 0.1-0.2 s at a time (json.loads, a whole-body json.dumps, the core
+    validator), the check on the loop, the engine thread waiting 5 ms per GIL take-back."""
+    engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.05, max_model_len=1024)
+    rows, rng = 1000, random.Random(0)
+    bodies = [json.dumps({"prompt": [[rng.randrange(3, 2048) for _ in range(1000)] for _ in range(rows)],
+                          "max_tokens": 100}).encode() for _ in range(2)]
+    assert all(len(b) > 4 * LARGE_BODY for b in bodies)
+    app = LagProbe(create_app(engine, limits=ServerLimits(max_sequences=rows)))
+    with live_server(app) as url:
+        times, started, stop = [], threading.Event(), threading.Event()
+        streamer = threading.Thread(target=stream_gaps, args=(url, {"prompt": "In the beginning", "max_tokens": 1000,
+                                                                    "ignore_eos": True, "stream": True},
+                                                              times, started, stop))
+        streamer.start()
+        assert started.wait(T)
+        time.sleep(0.5)                          # the baselines
+        during_from = time.perf_counter()
+
+        async def send():
+            async with httpx.AsyncClient(timeout=T) as c:
+                return await asyncio.gather(*[c.post(url + "/v1/completions", content=b, headers={
+                    "content-type": "application/json"}) for b in bodies])
+        replies = asyncio.run(send())
+        during_to = time.perf_counter()
+        time.sleep(0.1)
+        stop.set()
+        streamer.join(T)
+    assert all(r.status_code == 400 and "max_model_len" in r.json()["error"]["message"] for r in replies)
+    assert times[-1] > during_to, "the stream ended before the bodies were handled: lengthen it"
+
+    def split(samples):
+        before = max(v for t, v in samples if t < during_from)
+        during = max(v for t, v in samples if during_from <= t <= during_to)
+        return before, during
+    lag_before, lag_during = split(app.lags)
+    gap_before, gap_during = split([(b, b - a) for a, b in zip(times, times[1:])])
+    assert lag_during <= lag_before + 0.1, (lag_before, lag_during)
+    # the stream also waits for the engine thread, which takes the GIL back from the parsing thread
+    # dozens of times a step: a looser bound on a loaded 2-core machine
+    assert gap_during <= gap_before + 0.3, (gap_before, gap_during)
+
+
+@pytest.mark.parametrize("raw, may", [
+    (rb'{"prompt": "plain ascii"}', False),
+    ('{"prompt": "\\u00e9 \ud55c\uae00"}'.encode(), False),       # a BMP escape, Hangul (raw bytes \xed\x95..)
+    (rb'{"prompt": "\ud800"}', True),
+    (rb'{"prompt": "\uDFFF"}', True),
+    (rb'{"prompt": "\ud83d\ude00"}', True),                       # a valid pair: left to the full check
+    (b'{"prompt": "\xed\xa0\x80"}', True),                          # a surrogate encoded raw
+    ('{"prompt": "x"}'.encode("utf-16-le"), True),                 # not UTF-8: never skipped
+])
+def test_may_hold_surrogates(raw, may):
+    assert may_hold_surrogates(raw) is may
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16-le"])
+def test_a_large_body_parses_as_json_loads_and_still_refuses_a_lone_surrogate(encoding):
+    data = {"prompt": [[i % 2048 for i in range(1000)] for _ in range(300)], "max_tokens": 7, "temperature": 0.25,
+            "top_p": 1e-300, "seed": -2**63, "logit_bias": {"5": -100.0, "6": 2.5e-3}, "n": 1}
+    raw = json.dumps(data).encode(encoding)
+    assert len(raw) >= LARGE_BODY
+    body = parse_body(CompletionRequest, raw)
+    assert body.prompt == data["prompt"] and body.seed == -2**63 and body.top_p == 1e-300
+    assert body.logit_bias == data["logit_bias"] and body.max_tokens == 7 and body.temperature == 0.25
+    bad = json.dumps({**data, "stop": ["ok", "\ud800"]}).encode(encoding)
+    from fastapi.exceptions import RequestValidationError
+    with pytest.raises(RequestValidationError, match="surrogate"):
+        parse_body(CompletionRequest, bad)
 
 
 def prompt(i: int, n: int = 30) -> list[int]:
@@ -202,3 +301,13 @@ def test_deterministic_under_concurrent_load_and_compression_on_vs_off():
         runs[compression] = (alone, crowd)
     (alone, crowd), (alone_open, crowd_open) = runs[True], runs[False]
     assert len(alone[0]) == 12 and alone == crowd == alone_open == crowd_open
+
+
+def test_a_reply_rendered_choice_by_choice_is_the_same_json():
+    from zipfusion.server.responses import render
+    body = {"id": "cmpl-1", "object": "text_completion", "model": 'a "model"', "usage": {"prompt_tokens": 3},
+            "choices": [{"index": i, "text": "é\"\\\n" * i, "logprobs": {"top_logprobs": [{"x": -1.5}]}}
+                        for i in range(3)]}
+    assert json.loads(render(body)) == body and json.loads(render({**body, "choices": []}))["choices"] == []
+    with pytest.raises(ValueError):
+        render({**body, "choices": [{"logprob": float("nan")}]})

@@ -8,14 +8,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
 from .auth import APIKeyMiddleware
@@ -27,6 +28,10 @@ from .protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, Det
                        parse_body)
 
 log = logging.getLogger("zipfusion.server")
+# How long a thread waiting for the GIL waits before the holder must hand it over (Python's default:
+# 5 ms). The engine thread releases the GIL around every kernel call and takes it back dozens of
+# times a step; behind a thread parsing a large body, each take-back waited the full interval.
+GIL_SWITCH_S = 0.0005
 
 
 def kv_cache_metadata(engine) -> dict:
@@ -46,7 +51,7 @@ def default_model_name(source) -> str:
         return name
     path = Path(name)
     return (path.stem if path.suffix.lower() == ".gguf" else path.name) or name
-from .responses import ChatReply, CompletionReply, Reply
+from .responses import ChatReply, CompletionReply, Reply, render
 from .streaming import abort_on_disconnect, collect, event_stream
 from .tools import guided_fields as tool_guided, renders_tools, tool_format, with_tools_prompt
 
@@ -73,13 +78,18 @@ class OpenAIServer:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
+        previous_switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(previous_switch, GIL_SWITCH_S))
         self.engine_loop()
         if self.engine.tokenizer is not None:
             self.max_token_bytes = await self.off_loop(self.engine.tokenizer.longest_token_bytes)
+        gc.freeze()  # what startup built (model, libraries) out of the full collections that hold the GIL
         yield
+        gc.unfreeze()
         self._loop.shutdown()
         self._loop = None
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        sys.setswitchinterval(previous_switch)
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
@@ -144,7 +154,8 @@ class OpenAIServer:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def parse(self, http: Request, model):
-        return await run_in_threadpool(parse_body, model, await http.body())
+        # on the one tokenizer thread: parses in parallel threads would contend for the GIL with the loop
+        return await self.off_loop(parse_body, model, await http.body())
 
     async def completions(self, http: Request):
         body = await self.parse(http, CompletionRequest)
@@ -228,8 +239,8 @@ class OpenAIServer:
 
     async def submit(self, loop: EngineLoop, body: _Body, prompts: list[list[int]], rid: str) -> Group:
         e = self.engine
-        body.check_engine(prompts, e.model_config.vocab_size, e.config.max_logprobs, e.max_model_len,
-                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        await self.off_loop(body.check_engine, prompts, e.model_config.vocab_size, e.config.max_logprobs,
+                            e.max_model_len, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         items = body.engine_requests(prompts, self.default_max_tokens, e.max_model_len)
         matchers = None
         if items[0][1].guided:  # compiled on the tokenizer thread
@@ -255,7 +266,7 @@ class OpenAIServer:
             return error_response(err, 500)
         if group.closed:
             return Response(status_code=499)  # the client is gone
-        return JSONResponse(await reply.body(group.requests))
+        return Response(await self.off_loop(render, await reply.body(group.requests)), media_type="application/json")
 
 
 ERROR_SCHEMA = {

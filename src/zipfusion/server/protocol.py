@@ -5,9 +5,10 @@ range, valid Unicode; unknown fields ignored with a warning as vLLM does), into 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
@@ -38,6 +39,20 @@ def _invalid(message: str) -> PydanticCustomError:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+NO_SURROGATES = "no_surrogates"  # validation context: the raw body cannot hold a lone surrogate
+LARGE_BODY = 2**20  # bytes from which a body is parsed in steps the event loop can run between
+
+
+def may_hold_surrogates(raw: bytes) -> bool:
+    """Whether JSON bytes can decode to a surrogate: a \\uD800-\\uDFFF escape, one encoded raw
+    (json.loads decodes with surrogatepass), or any UTF-16/32 body. Fast scans, a regex where they hit."""
+    if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):
+        return True
+    if b"\\u" not in raw and b"\xed" not in raw:
+        return False
+    return re.search(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]", raw) is not None
 
 
 def bad_text(value, where: str = "") -> str | None:
@@ -72,7 +87,9 @@ class _Strict(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data):
+    def _valid_unicode(cls, data, info: ValidationInfo):
+        if info.context and info.context.get(NO_SURROGATES):
+            return data
         where = bad_text(data)
         if where is not None:
             raise PydanticCustomError(
@@ -277,18 +294,23 @@ class _Body(_Strict):
         return max(1, min(default_max_tokens, max_model_len - len(prompt_ids)))
 
 
+Prompt = Union[str, list[str], list[Annotated_token], list[list[Annotated_token]]]
+
+
 class CompletionRequest(_Body):
-    prompt: Union[str, list[str], list[Annotated_token], list[list[Annotated_token]]]
+    prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
     return_token_ids: bool = False  # vLLM's: each choice carries its token ids
 
-    @field_validator("prompt", mode="before")
+    @field_validator("prompt", mode="plain", json_schema_input_type=Prompt)
     @classmethod
     def _prompt_shape(cls, p):
-        """One clear complaint for a prompt of none of its four shapes."""
+        """The prompt's whole check, in Python: the event loop's thread can take the GIL between two
+        ids (the core validator would hold it for the whole list); one clear complaint for a prompt
+        of none of its four shapes."""
         if isinstance(p, str) or isinstance(p, list) and all(isinstance(x, str) for x in p):
             return p
         nested = isinstance(p, list) and bool(p) and all(isinstance(row, list) for row in p)
@@ -440,19 +462,29 @@ class DetokenizeRequest(_Strict):
     tokens: list[Annotated_token]
 
 
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
     """A body parsed and validated as ``model`` on a worker thread (errors as FastAPI's
     RequestValidationError)."""
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
     try:
-        data = json.loads(raw)
+        # Numbers through Python calls in a large body: json.loads then holds the GIL for one
+        # number at a time, not for the whole body, so the event loop keeps running.
+        data = json.loads(raw, parse_int=_int, parse_float=_float) if len(raw) >= LARGE_BODY else json.loads(raw)
     except UnicodeDecodeError:
         raise BadRequest("the body could not be read as JSON text (it must be UTF-8 encoded JSON)") from None
     except json.JSONDecodeError as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": exc.msg}}]) from None
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={NO_SURROGATES: not may_hold_surrogates(raw)})
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None

@@ -4,6 +4,7 @@ logprobs and usage. Detokenization runs on the tokenizer thread, never on the ev
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -19,6 +20,15 @@ def usage(prompts: list[list[int]], requests: list) -> dict:
     cached = sum(r.num_cached_tokens or 0 for r in requests if r is not None)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def render(body: dict) -> bytes:
+    """A whole reply as JSON, its choices last, one json.dumps per choice: each call holds the GIL
+    throughout, so a reply of many choices is rendered in pieces other threads run between."""
+    def dumps(obj) -> str:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    head = dumps({k: v for k, v in body.items() if k != "choices"})
+    return f'{head[:-1]},"choices":[{",".join(dumps(c) for c in body["choices"])}]}}'.encode()
 
 
 def top_entries(entry: dict, k: int) -> list[tuple[int, float]]:
@@ -124,7 +134,7 @@ class CompletionReply(Reply):
         echo, choices = await self.echo_texts(), []
         for i, r in enumerate(requests):
             prefix = echo[i // self.n]
-            lp = self.logprobs(r.output_ids, r.logprobs, len(prefix))
+            lp = await self.run(self.logprobs, r.output_ids, r.logprobs, len(prefix))
             choices.append(self.choice(i, prefix + await self.final_text(r), r.finish_reason, r.stop_reason, lp,
                                        list(r.output_ids)))
         return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))
@@ -190,6 +200,7 @@ class ChatReply(Reply):
         choices = []
         for i, r in enumerate(requests):
             message, calls = await self.message(r)
-            choices.append({"index": i, "message": message, "logprobs": self.logprobs(r.output_ids, r.logprobs),
+            lp = await self.run(self.logprobs, r.output_ids, r.logprobs)
+            choices.append({"index": i, "message": message, "logprobs": lp,
                             "finish_reason": self.finish_reason(r.finish_reason, calls), "stop_reason": r.stop_reason})
         return self.envelope(self.body_object, choices, usage=usage(self.prompts, requests))
