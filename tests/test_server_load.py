@@ -145,8 +145,8 @@ def test_near_limit_bodies_stall_neither_the_event_loop_nor_a_stream():
     gap_before, gap_during = split([(b, b - a) for a, b in zip(times, times[1:])])
     assert lag_during <= lag_before + 0.1, (lag_before, lag_during)
     # the stream also waits for the engine thread, which takes the GIL back from the parsing thread
-    # dozens of times a step: a looser bound on a loaded 2-core machine
-    assert gap_during <= gap_before + 0.3, (gap_before, gap_during)
+    # dozens of times a step (0.2-0.3 s pauses remain, design.md): only a stall is refused here
+    assert gap_during <= gap_before + 1.0, (gap_before, gap_during)
 
 
 @pytest.mark.parametrize("raw, may", [
