@@ -148,7 +148,8 @@ def test_hypothesis_random_shapes(n, k, m, share, seed):
 
 
 # ---------------------------------------------------------------------------------------- GPU
-SHAPES = [(6144, 4096), (4096, 14336), (1000, 4100)]
+SHAPES = [(6144, 4096), (4096, 14336), (1000, 4100), (1000, 4104)]
+SM90 = dict(sm90=True, BK=128, BN=64, warps=4, stages=3)          # the Hopper kernel (Gluon)
 
 
 @GPU
@@ -175,10 +176,13 @@ def _gpu_weights(n, k):
 @GPU
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 256, 600])
-@pytest.mark.parametrize("kw", [{}, dict(tma=False)])
+@pytest.mark.parametrize("kw", [{}, dict(tma=False), SM90, dict(SM90, split=1), dict(SM90, BN=128, warps=8)])
 def test_gpu_fused_exact_and_close(n, k, m, kw):
     wi, cwi, w, cw = _gpu_weights(n, k)
     x = _int_x(m, k, seed=m + 1, device="cuda")
+    if kw.get("sm90") and torch.cuda.get_device_capability()[0] == 9:
+        from zipfusion.kernels import weight_gemm_sm90
+        assert weight_gemm_sm90.supported(x, cwi) == (k % 8 == 0)
     a = fused_linear(x, cwi, **kw)
     assert torch.equal(_bits(a), _bits(_exact(x, wi)))
     assert torch.equal(_bits(a), _bits(fused_linear(x, cwi, **kw)))

@@ -1,4 +1,4 @@
-"""Round 2 of the fused weight-format linear kernel (kernels/weight_linear.py): the plan's configs
+"""Rounds 2-3 of the fused weight-format linear kernel (kernels/weight_linear.py): the plan's configs
 (CONFIGS) against candidate tile configs on Llama-3.1-8B shapes at M = 1, 8, 32, 64, 128, beside
 cuBLAS in the same process. Writes $OUT/weights_round2.json; prints the table last.
 
@@ -23,16 +23,15 @@ if DEV == "cpu":                                          # a dry run of this sc
     SHAPES, MS = {"gate_up": (48, 256), "o": (32, 128)}, (1, 32)
 BUDGET_S = float(os.environ.get("BUDGET_S", 170))          # timing stops here (the table still prints)
 MS = (1, 8, 32, 64, 128)
-SW = dict(natural=True, swap=True)
-W128 = dict(SW, BN=128, BK=128, warps=8, stages=3, per_sm=2)
-# candidates per M bucket: name -> override of plan()'s config (per_sm: programs per SM of the K
-# split; tma: bulk tensor copies of x and the planes; ech: escapes per dot). mode 4 skips the
-# escapes (wrong values where escapes exist): what the escapes cost. The first round-2 call
-# (benchmarks/results/kernel_h100/weights/README.md) timed the list of commit 497360c.
+# candidates per M bucket: name -> override of plan()'s config. Round 3: the Hopper kernel in Gluon
+# (kernels/weight_gemm_sm90.py; BK 128; per_sm: programs per SM of the K split; split=1: none).
+# Round 2 (bulk tensor copies, escapes per dot, 128-row tiles) timed the list of commit 497360c.
+G = dict(sm90=True, BK=128, BN=64, warps=4, stages=3, per_sm=2)
 CANDIDATES = {
-    16: {"no_tma": dict(tma=False), "e64": dict(ech=64), "e128": dict(ech=128), "m4": dict(mode=4)},
-    64: {"no_tma": dict(tma=False), "e64": dict(ech=64), "m4": dict(mode=4),
-         "sw128w8": dict(W128), "sw128w8_no_tma": dict(W128, tma=False)},
+    16: {"g64s4": dict(G, stages=4), "g64s4p4": dict(G, stages=4, per_sm=4), "g64s1": dict(G, split=1),
+         "g128w8": dict(G, BN=128, warps=8, per_sm=1)},
+    64: {"g64s3": dict(G), "g64s3p1": dict(G, per_sm=1), "g64s1": dict(G, split=1),
+         "g128w8": dict(G, BN=128, warps=8, per_sm=1), "g128w4": dict(G, BN=128, per_sm=1)},
 }
 CANDIDATES[32] = CANDIDATES[128] = CANDIDATES[64]
 
@@ -102,15 +101,15 @@ def main():
         del case
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    print("\nshape      M  cublas  default x_cub | best candidate (exact)   ms     x_cub rel_err | no_tma  m4 (no escapes)")
+    print("\nshape      M  cublas  default x_cub | best candidate (exact)   ms     x_cub rel_err | g64s1   g128w8")
     for name in SHAPES:
         for M in MS:
             rs = {r["kernel"]: r for r in recs if r["shape"] == name and r["M"] == M and r["ms"]}
             d = rs.get("default")
             if d is None:
                 continue
-            b = min((r for k, r in rs.items() if k != "m4"), key=lambda r: r["ms"])
-            m4 = [rs[k]["ms"] if k in rs else float("nan") for k in ("no_tma", "m4")]
+            b = min(rs.values(), key=lambda r: r["ms"])
+            m4 = [rs[k]["ms"] if k in rs else float("nan") for k in ("g64s1", "g128w8")]
             print(f"{name:8s} {M:4d} {d['cublas_ms']:.4f}  {d['ms']:.4f}  {d['cublas_ms'] / d['ms']:.2f} | "
                   f"{b['kernel']:18s} {b['ms']:.4f}  {b['cublas_ms'] / b['ms']:.2f}  {b['rel_err']:.1e} | "
                   f"{m4[0]:.4f} {m4[1]:.4f}")

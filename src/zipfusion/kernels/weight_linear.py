@@ -285,6 +285,13 @@ def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90():
+    """The Hopper kernel's module (Gluon), imported on first use."""
+    from . import weight_gemm_sm90
+    return weight_gemm_sm90
+
+
 def _check(x: torch.Tensor, cw: CompressedWeight, bias):
     if not isinstance(cw, CompressedWeight):
         raise TypeError(f"cw must be a zipfusion.format.weights.CompressedWeight, got {type(cw).__name__}")
@@ -333,16 +340,19 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     reduce = 0 if split == 1 else cfg["reduce"] if grid[0] * grid[1] <= COUNTERS else 1
     ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else out
-    kernel = m._fused_kernel[grid]
-    if compile_only:
-        kernel = functools.partial(m._fused_kernel.warmup, grid=grid)
-    kernel(x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
-                          cw.esc_col, cw.esc_val, b, out, ws, _counters(x.device), M, N, K, Kp,
-                          x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
-                          REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                          NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode,
-                          EVEN_K=K % cfg["BK"] == 0, TMA=tma, ECH=cfg.get("ech", 16), INTERPRET=interp,
-                          num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if cfg.get("sm90") and mode == 0 and not interp and _sm90().supported(x2, cw):
+        _sm90().launch(x2, cw, bias, out, ws, _counters(x.device), cfg, reduce, compile_only)
+    else:
+        kernel = m._fused_kernel[grid]
+        if compile_only:
+            kernel = functools.partial(m._fused_kernel.warmup, grid=grid)
+        kernel(x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
+               cw.esc_col, cw.esc_val, b, out, ws, _counters(x.device), M, N, K, Kp,
+               x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
+               REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+               NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode,
+               EVEN_K=K % cfg["BK"] == 0, TMA=tma, ECH=cfg.get("ech", 16), INTERPRET=interp,
+               num_warps=cfg["warps"], num_stages=cfg["stages"])
     if reduce == 1 and not compile_only:
         total, block = M * N, 1024
         m._reduce_kernel[(triton.cdiv(total, block),)](ws, b, out, total, N, HAS_BIAS=bias is not None,
