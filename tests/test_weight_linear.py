@@ -176,7 +176,7 @@ def _gpu_weights(n, k):
 @GPU
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 256, 600])
-@pytest.mark.parametrize("kw", [{}, dict(tma=False), SM90, dict(SM90, split=1), dict(SM90, BN=128, warps=8)])
+@pytest.mark.parametrize("kw", [{}, dict(tma=False), SM90, dict(SM90, split=1), dict(SM90, BN=128, warps=8, stages=2)])
 def test_gpu_fused_exact_and_close(n, k, m, kw):
     wi, cwi, w, cw = _gpu_weights(n, k)
     x = _int_x(m, k, seed=m + 1, device="cuda")

@@ -29,11 +29,12 @@ MS = (1, 8, 32, 64, 128)
 G = dict(sm90=True, BK=128, BN=64, warps=4, stages=3, per_sm=2)
 CANDIDATES = {
     16: {"g64s4": dict(G, stages=4), "g64s4p4": dict(G, stages=4, per_sm=4), "g64s1": dict(G, split=1),
+         "g64s2": dict(G, stages=2), "g128w8": dict(G, BN=128, warps=8, per_sm=1)},
+    64: {"g64s3": dict(G), "g64s2": dict(G, stages=2), "g64s3p1": dict(G, per_sm=1), "g64s1": dict(G, split=1),
          "g128w8": dict(G, BN=128, warps=8, per_sm=1)},
-    64: {"g64s3": dict(G), "g64s3p1": dict(G, per_sm=1), "g64s1": dict(G, split=1),
-         "g128w8": dict(G, BN=128, warps=8, per_sm=1), "g128w4": dict(G, BN=128, per_sm=1)},
 }
-CANDIDATES[32] = CANDIDATES[128] = CANDIDATES[64]
+CANDIDATES[32] = CANDIDATES[64]
+CANDIDATES[128] = {k: v for k, v in CANDIDATES[64].items() if k != "g128w8"}   # over the shared memory
 
 
 def _compile(jobs):

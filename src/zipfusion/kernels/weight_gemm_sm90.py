@@ -116,7 +116,7 @@ def _kernel(x_desc, lo_desc, code_desc, x_ptr, base_ptr, eptr_ptr, erow_ptr, eco
     e1 = gl.load(eptr_ptr + gl.minimum(g0 + BN // 16, (N + 15) // 16))
     n_e = gl.where(pid_k == 0, gl.cdiv(e1 - e0, TK), 0)
     acc = gl.zeros([BN, BM], gl.float32, ACC)
-    for i in range(n_t + n_e):                       # n_t >= 1: plan() leaves no split empty
+    for i in range(gl.maximum(n_t + n_e, 1)):        # n_t >= 1 (plan leaves no split empty): no zero-trip path
         s = i % STAGES
         wb = w_s.index(i % 2)
         if i < n_t:
