@@ -103,6 +103,17 @@ def test_fused_inf_nan_weights_propagate():
     assert torch.equal(y[torch.isinf(y)], ref[torch.isinf(ref)])
 
 
+def test_fused_into_given_rows(seed):
+    """``out=``: the result lands in the given rows (a block of a larger output), bit for bit."""
+    w = _integer_weight(24, 256, seed)
+    cw = compress_weight(w)
+    x = _int_x(9, 256, seed + 1)
+    full = torch.full((20, 24), 7.0, dtype=torch.bfloat16)
+    assert fused_linear(x, cw, out=full[5:14]).data_ptr() == full[5:14].data_ptr()
+    assert torch.equal(_bits(full[5:14]), _bits(_exact(x, w)))
+    assert (full[:5] == 7).all() and (full[14:] == 7).all()
+
+
 def test_fused_empty_and_leading_dims():
     cw = compress_weight(torch.randn(20, 130).bfloat16())
     assert fused_linear(torch.zeros(0, 130, dtype=torch.bfloat16), cw).shape == (0, 20)

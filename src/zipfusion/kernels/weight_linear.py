@@ -307,16 +307,18 @@ def _check(x: torch.Tensor, cw: CompressedWeight, bias):
 
 def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | None = None,
                  *, mode: int = 0, plain: torch.Tensor | None = None, compile_only: bool = False,
-                 **override) -> torch.Tensor:
-    """``x @ Wᵀ (+ bias)`` -> bf16, deterministic for a given M. ``mode`` 1-3: measurements only (1, 3
-    cut the restore; 2 reads ``plain`` BF16); ``override``: launch parameters (:func:`plan`)."""
+                 out: torch.Tensor | None = None, **override) -> torch.Tensor:
+    """``x @ Wᵀ (+ bias)`` -> bf16, deterministic for a given M; into ``out`` (contiguous [M, N]) if
+    given. ``mode`` 1-3: measurements only (1, 3 cut the restore; 2 reads ``plain`` BF16);
+    ``override``: launch parameters (:func:`plan`)."""
     _check(x, cw, bias)
     lead, (N, K), Kp = x.shape[:-1], cw.shape, cw.padded_k
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0 or N == 0:
         return out.view(*lead, N)
     interp = x.device.type == "cpu"
@@ -438,7 +440,9 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
         return fused_linear(x, cw, bias)
     if cw.shape[0] * cw.shape[1] > RESTORE_MAX_VALUES:     # LM head, tied embedding: no buffer that large
         x2 = x.reshape(-1, x.shape[-1])
-        out = torch.cat([fused_linear(x2[i:i + FUSED_MAX_M], cw, bias) for i in range(0, M, FUSED_MAX_M)])
+        out = torch.empty(M, cw.shape[0], dtype=torch.bfloat16, device=x.device)
+        for i in range(0, M, FUSED_MAX_M):
+            fused_linear(x2[i:i + FUSED_MAX_M], cw, bias, out=out[i:i + FUSED_MAX_M])
         return out.view(*x.shape[:-1], cw.shape[0])
     return torch.nn.functional.linear(x, restore_buffer(cw), bias)
 
