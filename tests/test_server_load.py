@@ -106,9 +106,10 @@ class LagProbe:
 def test_near_limit_bodies_stall_neither_the_event_loop_nor_a_stream():
     """Two bodies of a million prompt token ids each (6 MB, within every limit: parsed whole, then
     refused by max_model_len) while a stream runs: the event loop's lateness stays within 0.1 s of
-    its own baseline, the stream's gaps within 0.3 s. Before: parsed by parallel threads each
-    holding the GIL for 0.1-0.2 s at a time (json.loads, a whole-body json.dumps, the core
-    validator), the check on the loop, the engine thread waiting 5 ms per GIL take-back."""
+    its own baseline, the stream's gaps within 0.2 s of theirs. The bodies are parsed in the body
+    worker process; the server still builds their ids as Python ints (in short GIL holds), which
+    slows the engine thread's steps while it runs. Before: a 0.2-0.3 s pause with the parse on a
+    thread of the server (the engine thread taking the GIL back from it dozens of times a step)."""
     engine = LLMEngine("demo", device="cpu", kv_memory_gb=0.05, max_model_len=1024)
     rows, rng = 1000, random.Random(0)
     bodies = [json.dumps({"prompt": [[rng.randrange(3, 2048) for _ in range(1000)] for _ in range(rows)],
@@ -144,9 +145,7 @@ def test_near_limit_bodies_stall_neither_the_event_loop_nor_a_stream():
     lag_before, lag_during = split(app.lags)
     gap_before, gap_during = split([(b, b - a) for a, b in zip(times, times[1:])])
     assert lag_during <= lag_before + 0.1, (lag_before, lag_during)
-    # the stream also waits for the engine thread, which takes the GIL back from the parsing thread
-    # dozens of times a step (0.2-0.3 s pauses remain, design.md): only a stall is refused here
-    assert gap_during <= gap_before + 1.0, (gap_before, gap_during)
+    assert gap_during <= gap_before + 0.2, (gap_before, gap_during)
 
 
 @pytest.mark.parametrize("raw, may", [
