@@ -2,6 +2,7 @@
 in-process parse, replies unpickled in pieces of bounded size, a worker that dies fails only the
 body it was parsing, and no worker outlives the server."""
 
+import io
 import json
 import os
 import pickle
@@ -91,6 +92,8 @@ def test_each_piece_of_a_reply_builds_at_most_piece_objects():
             pieces.extend(pid[1])
 
     def count(x) -> int:
+        if isinstance(x, BaseException):
+            return 1 + count(x.args)
         if isinstance(x, dict):
             return 1 + sum(1 + count(v) for v in x.values())
         if isinstance(x, (list, tuple)):
@@ -98,10 +101,12 @@ def test_each_piece_of_a_reply_builds_at_most_piece_objects():
         return 1
     value = {"rows": [[i] * 700 for i in range(40)], "flat": list(range(20_000)), "deep": nested(5, 8),
              "bias": {str(i): 0.5 for i in range(9000)}, "mixed": [{"a": list(range(i))} for i in range(300)]}
-    pieces, sizes = [dumps(value)], []
+    error = BodyErrors([{"type": "x", "loc": ("body", "logit_bias", str(i)), "msg": "m"} for i in range(3000)])
+    pieces, sizes = [dumps((value, error))], []
     while pieces:
-        sizes.append(count(Outline(__import__("io").BytesIO(pieces.pop())).load()))
-    assert loads(dumps(value)) == value
+        sizes.append(count(Outline(io.BytesIO(pieces.pop())).load()))
+    back, error_back = loads(dumps((value, error)))
+    assert back == value and type(error_back) is BodyErrors and error_back.errors == error.errors
     assert len(sizes) > 20 and max(sizes) <= PIECE + 2, max(sizes)   # + the piece's own list and a tuple
 
 

@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -21,6 +22,9 @@ from pydantic import BaseModel
 from .protocol import BadRequest, load_body
 
 PIECE = 4096  # most objects one unpickle call builds
+# a sleep between pieces: a thread waiting for the GIL (the engine's) takes it then, rather than
+# after the switch interval
+PAUSE_S = 1e-4
 _LEN = struct.Struct("<Q")
 _LEAVES = (int, float, str, bool, type(None))
 
@@ -32,6 +36,8 @@ def _children(obj) -> list | None:
         return list(obj.values())
     if isinstance(obj, BaseModel):
         return [obj.__dict__] + ([obj.__pydantic_extra__] if obj.__pydantic_extra__ else [])
+    if isinstance(obj, BaseException):
+        return [obj.args, obj.__dict__]
     return None
 
 
@@ -94,6 +100,7 @@ class _Unpacker(pickle.Unpickler):
         for piece in pieces:
             part = _Unpacker(io.BytesIO(piece)).load()
             out.update(part) if is_dict else out.extend(part)
+            time.sleep(PAUSE_S)
         return out
 
 

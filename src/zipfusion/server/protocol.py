@@ -466,9 +466,9 @@ class BodyErrors(Exception):
     """pydantic's complaints about a body (located in it, without the input): FastAPI's
     RequestValidationError once back in the server process."""
 
-    def __init__(self, errors: list[dict]):
-        super().__init__(errors)
-        self.errors = errors
+    @property
+    def errors(self) -> list[dict]:
+        return self.args[0]
 
 
 def load_body(model: type[BaseModel], raw: bytes) -> BaseModel:
