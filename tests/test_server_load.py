@@ -106,7 +106,7 @@ class LagProbe:
 def test_near_limit_bodies_stall_neither_the_event_loop_nor_a_stream():
     """Two bodies of a million prompt token ids each (6 MB, within every limit: parsed whole, then
     refused by max_model_len) while a stream runs: the event loop's lateness stays within 0.1 s of
-    its own baseline, the stream's gaps within 0.2 s of theirs. The bodies are parsed in the body
+    its own baseline, the stream's gaps within 0.15 s of theirs. The bodies are parsed in the body
     worker process; the server still builds their ids as Python ints (in short GIL holds), which
     slows the engine thread's steps while it runs. Before: a 0.2-0.3 s pause with the parse on a
     thread of the server (the engine thread taking the GIL back from it dozens of times a step)."""
@@ -145,7 +145,7 @@ def test_near_limit_bodies_stall_neither_the_event_loop_nor_a_stream():
     lag_before, lag_during = split(app.lags)
     gap_before, gap_during = split([(b, b - a) for a, b in zip(times, times[1:])])
     assert lag_during <= lag_before + 0.1, (lag_before, lag_during)
-    assert gap_during <= gap_before + 0.2, (gap_before, gap_during)
+    assert gap_during <= gap_before + 0.15, (gap_before, gap_during)
 
 
 @pytest.mark.parametrize("raw, may", [

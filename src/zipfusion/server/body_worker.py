@@ -1,13 +1,14 @@
-"""Large request bodies parsed and validated in a worker process (``python -m
-zipfusion.server.body_worker``): the parse holds that process's GIL, not the one the engine thread
-shares with the event loop. The reply comes back pickled in pieces of at most ``PIECE`` objects, each
-unpickled in one short hold of the server's GIL. Imports neither torch nor fastapi.
+"""Large request bodies parsed and validated in a worker process (:func:`main`): the parse holds
+that process's GIL, not the one the engine thread shares with the event loop. The reply comes back
+pickled in pieces of at most ``PIECE`` objects, each unpickled in one short hold of the server's GIL.
+Imports neither torch nor fastapi.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import io
+import json
 import os
 import pickle
 import signal
@@ -15,7 +16,6 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -141,7 +141,9 @@ def main() -> None:
         _write(out, reply(*pickle.loads(request)))
 
 
-WORKER = [sys.executable, "-m", "zipfusion.server.body_worker"]
+# the worker imports from this process's sys.path (the zipfusion this one runs), as multiprocessing's spawn
+WORKER = [sys.executable, "-c", "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+          "from zipfusion.server.body_worker import main; main()"]
 
 
 class BodyWorker:
@@ -171,10 +173,8 @@ class BodyWorker:
 
     def _process(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            root = str(Path(__file__).resolve().parents[2])  # where this zipfusion is imported from
-            path = os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          env={**os.environ, "PYTHONPATH": path})
+            self._proc = subprocess.Popen(self.command + [json.dumps(sys.path)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE)
         return self._proc
 
     def parse(self, model: type[BaseModel], raw: bytes) -> BaseModel:
@@ -209,7 +209,3 @@ class BodyWorker:
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
-
-
-if __name__ == "__main__":
-    main()

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
 from ..config import GUIDED_FIELDS, MAX_LOGIT_BIAS, MAX_PENALTY
+
+if TYPE_CHECKING:  # torch: not imported by the body worker
+    from ..engine.sampling import SamplingParams
 
 MAX_N = 128
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # vLLM's range
@@ -226,7 +229,7 @@ class _Body(_Strict):
     def num_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, sample: int, max_tokens: int):
+    def sampling_params(self, sample: int, max_tokens: int) -> SamplingParams:
         from ..engine.sampling import SamplingParams
         try:
             return SamplingParams(
