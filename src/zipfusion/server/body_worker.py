@@ -22,9 +22,7 @@ from pydantic import BaseModel
 from .protocol import BadRequest, load_body
 
 PIECE = 4096  # most objects one unpickle call builds
-# a sleep between pieces: a thread waiting for the GIL (the engine's) takes it then, rather than
-# after the switch interval
-PAUSE_S = 1e-4
+PAUSE_S = 1e-4  # a sleep between pieces: a thread waiting for the GIL (the engine's) takes it then
 _LEN = struct.Struct("<Q")
 _LEAVES = (int, float, str, bool, type(None))
 
@@ -112,8 +110,9 @@ def _read(f) -> bytes | None:
     head = f.read(_LEN.size)
     if len(head) < _LEN.size:
         return None
-    data = f.read(_LEN.unpack(head)[0])
-    return data if len(data) == _LEN.unpack(head)[0] else None
+    (n,) = _LEN.unpack(head)
+    data = f.read(n)
+    return data if len(data) == n else None
 
 
 def _write(f, data: bytes) -> None:
@@ -126,7 +125,7 @@ def reply(model: type[BaseModel], raw: bytes) -> bytes:
     """What the worker sends back for one body: the request, or the exception load_body raised."""
     try:
         return dumps((True, load_body(model, raw)))
-    except Exception as exc:  # noqa: BLE001 (each goes back to be raised where the in-process parse would)
+    except Exception as exc:  # noqa: BLE001 (raised again in the server)
         try:
             return dumps((False, exc))
         except Exception:  # noqa: BLE001
@@ -141,7 +140,7 @@ def main() -> None:
         _write(out, reply(*pickle.loads(request)))
 
 
-# the worker imports from this process's sys.path (the zipfusion this one runs), as multiprocessing's spawn
+# imports from the server's sys.path (its zipfusion), as multiprocessing's spawn does
 WORKER = [sys.executable, "-c", "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
           "from zipfusion.server.body_worker import main; main()"]
 
@@ -161,7 +160,7 @@ class BodyWorker:
         return self._thread
 
     def start(self) -> concurrent.futures.Future:
-        """Start the worker now (it imports for a moment) rather than on the first large body."""
+        """Start the worker now rather than on the first large body."""
         return self._executor().submit(self._process)
 
     def submit(self, model: type[BaseModel], raw: bytes) -> concurrent.futures.Future:
