@@ -44,6 +44,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "random")
 # kv_cache_dtype names accepted and the canonical name each stands for
 KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_lossless")
 KV_CACHE_DTYPE_CANONICAL = {"auto": "bf16", "bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_lossless": "fp8"}
+# A request's value ranges (SamplingParams checks them; the server's torch-free parser too)
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _check_number(owner: str, name: str, value, kind: type, low: float, *, above: bool = False,

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import MAX_LOGIT_BIAS, MAX_PENALTY
 from .structured import check_guided, guide_of
-
-MAX_PENALTY = 2.0
-MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass

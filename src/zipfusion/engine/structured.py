@@ -11,9 +11,10 @@ import threading
 
 import torch
 
+from ..config import GUIDED_FIELDS
+
 # JSON defaults: no whitespace between tokens (a small model can emit it forever)
 JSON_DEFAULTS = {"whitespace_flexible": False}
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 INSTALL_HINT = "structured output needs llguidance: pip install llguidance (or the zipfusion 'server' extra)"
 
 

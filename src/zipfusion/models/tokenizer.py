@@ -50,13 +50,13 @@ class Tokenizer:
             raise TypeError(f"prompt must be a str, got {type(text).__name__}")
         if self._hf is not None:
             return list(self._hf.encode(text))
-        return list(self._tok.encode(text).ids)
+        return list(self._tok.encode_batch([text])[0].ids)  # the batch call tokenizes without the GIL
 
     def encode_plain(self, text: str) -> list[int]:
         """``encode`` without the special tokens the tokenizer adds (a BOS)."""
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=False))
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: list[int]) -> str:
         if self._hf is not None:

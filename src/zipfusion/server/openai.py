@@ -16,16 +16,18 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
 from .auth import APIKeyMiddleware
+from .body_worker import BodyWorker
 from .engine_loop import EngineLoop, Group
 from .errors import error_response, install_error_handlers
 from .limits import BodyLimitMiddleware, ServerLimits, max_body_items
 from .metrics import Metrics
-from .protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Body,
-                       parse_body)
+from .protocol import (LARGE_BODY, BadRequest, BodyErrors, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest, _Body, load_body)
 
 log = logging.getLogger("zipfusion.server")
 # How long a thread waiting for the GIL waits before the holder must hand it over (Python's default:
@@ -69,6 +71,7 @@ class OpenAIServer:
         self.metrics = Metrics(self.name, metrics_prefix)
         self.created = int(time.time())  # /v1/models' "created"
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zipfusion-tokenizer")
+        self.bodies = BodyWorker()
         self._loop: EngineLoop | None = None
 
     def engine_loop(self) -> EngineLoop:
@@ -80,6 +83,7 @@ class OpenAIServer:
     async def lifespan(self, _app):
         previous_switch = sys.getswitchinterval()
         sys.setswitchinterval(min(previous_switch, GIL_SWITCH_S))
+        self.bodies.start()
         self.engine_loop()
         if self.engine.tokenizer is not None:
             self.max_token_bytes = await self.off_loop(self.engine.tokenizer.longest_token_bytes)
@@ -89,6 +93,7 @@ class OpenAIServer:
         self._loop.shutdown()
         self._loop = None
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.bodies.close)
         sys.setswitchinterval(previous_switch)
 
     async def off_loop(self, fn, *args):
@@ -154,8 +159,14 @@ class OpenAIServer:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def parse(self, http: Request, model):
-        # on the one tokenizer thread: parses in parallel threads would contend for the GIL with the loop
-        return await self.off_loop(parse_body, model, await http.body())
+        """The body as ``model``: a large one in the body worker process, others on the tokenizer thread."""
+        raw = await http.body()
+        try:
+            if len(raw) >= LARGE_BODY:
+                return await asyncio.wrap_future(self.bodies.submit(model, raw))
+            return await self.off_loop(load_body, model, raw)
+        except BodyErrors as exc:
+            raise RequestValidationError(exc.errors) from None
 
     async def completions(self, http: Request):
         body = await self.parse(http, CompletionRequest)
@@ -398,6 +409,7 @@ def create_app(engine: LLMEngine, model_name: str | list[str] | None = None, def
     install_error_handlers(app, server.metrics)
     app.state.engine_loop = server.engine_loop
     app.state.metrics = server.metrics
+    app.state.bodies = server.bodies
     app.state.model_names = names
     app.state.limits = server.limits
     key = bool(api_key)

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
-from ..engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
-from ..engine.structured import GUIDED_FIELDS
+from ..config import GUIDED_FIELDS, MAX_LOGIT_BIAS, MAX_PENALTY
+
+if TYPE_CHECKING:  # torch: not imported by the body worker
+    from ..engine.sampling import SamplingParams
 
 MAX_N = 128
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # vLLM's range
@@ -42,7 +44,7 @@ def _is_int(x) -> bool:
 
 
 NO_SURROGATES = "no_surrogates"  # validation context: the raw body cannot hold a lone surrogate
-LARGE_BODY = 2**20  # bytes from which a body is parsed in steps the event loop can run between
+LARGE_BODY = 2**20  # bytes from which a body is parsed in the body worker process (server/body_worker.py)
 
 
 def may_hold_surrogates(raw: bytes) -> bool:
@@ -228,6 +230,7 @@ class _Body(_Strict):
         return None
 
     def sampling_params(self, sample: int, max_tokens: int) -> SamplingParams:
+        from ..engine.sampling import SamplingParams
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p,
@@ -462,29 +465,26 @@ class DetokenizeRequest(_Strict):
     tokens: list[Annotated_token]
 
 
-def _int(text: str) -> int:
-    return int(text)
+class BodyErrors(Exception):
+    """pydantic's complaints about a body (located in it, without the input): FastAPI's
+    RequestValidationError once back in the server process."""
+
+    @property
+    def errors(self) -> list[dict]:
+        return self.args[0]
 
 
-def _float(text: str) -> float:
-    return float(text)
-
-
-def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
-    """A body parsed and validated as ``model`` on a worker thread (errors as FastAPI's
-    RequestValidationError)."""
-    from fastapi.exceptions import RequestValidationError
+def load_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """``raw`` parsed and validated as ``model``; a BadRequest or BodyErrors otherwise."""
     from pydantic import ValidationError
     try:
-        # Numbers through Python calls in a large body: json.loads then holds the GIL for one
-        # number at a time, not for the whole body, so the event loop keeps running.
-        data = json.loads(raw, parse_int=_int, parse_float=_float) if len(raw) >= LARGE_BODY else json.loads(raw)
+        data = json.loads(raw)
     except UnicodeDecodeError:
         raise BadRequest("the body could not be read as JSON text (it must be UTF-8 encoded JSON)") from None
     except json.JSONDecodeError as exc:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": exc.msg}}]) from None
+        raise BodyErrors([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                           "ctx": {"error": exc.msg}}]) from None
     try:
         return model.model_validate(data, context={NO_SURROGATES: not may_hold_surrogates(raw)})
     except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        raise BodyErrors([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_input=False)]) from None
