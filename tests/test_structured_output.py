@@ -155,3 +155,24 @@ def test_through_the_server_streamed_and_not_with_n(llm):
             r = client.post("/v1/completions", json={"prompt": "x", **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert not eng.scheduler.has_work()
+
+
+@pytest.mark.parametrize("one_eos_only", [False, True])
+def test_several_eos_ids_compile_with_any_llguidance(llm, monkeypatch, one_eos_only):
+    """A model with several EOS ids (Llama 3, SmolLM2): llguidance 1.9+ takes them all; an older
+    llguidance, whose LLTokenizer takes one int, gets the first instead of a TypeError."""
+    import llguidance
+    from zipfusion.engine.structured import GrammarCompiler
+    real, seen = llguidance.LLTokenizer, []
+
+    def older(tok, n_vocab=None, eos_token=None):
+        seen.append(eos_token)
+        if one_eos_only and isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return real(tok, n_vocab=n_vocab, eos_token=eos_token)
+    monkeypatch.setattr(llguidance, "LLTokenizer", older)
+    tok = llm.engine.tokenizer
+    compiler = GrammarCompiler(tok, llm.engine.model_config.vocab_size, {2, 1})
+    m = compiler.matcher(SamplingParams(max_tokens=8, guided_choice=["yes", "no"]))
+    assert m is not None and not m.is_error()
+    assert seen[0] == [1, 2] and (seen[-1] == 1 if one_eos_only else len(seen) == 1)

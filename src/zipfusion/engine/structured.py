@@ -80,7 +80,11 @@ class GrammarCompiler:
                     raise ValueError("structured output needs the model's tokenizer; this model has none")
                 llg = self._llguidance()
                 n = max(self.vocab_size, self.tokenizer.vocab_size())
-                self._ll = llg.LLTokenizer(self.tokenizer.to_json(), n_vocab=n, eos_token=self.eos or None)
+                try:
+                    self._ll = llg.LLTokenizer(self.tokenizer.to_json(), n_vocab=n, eos_token=self.eos or None)
+                except TypeError:            # llguidance before 1.9 takes one EOS id
+                    self._ll = llg.LLTokenizer(self.tokenizer.to_json(), n_vocab=n,
+                                               eos_token=self.eos[0] if self.eos else None)
                 self._executor = llg.LLExecutor()
             return self._ll
 
