@@ -187,11 +187,12 @@ def _gpu_weights(n, k):
 @GPU
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 256, 600])
-@pytest.mark.parametrize("kw", [{}, dict(tma=False), SM90, dict(SM90, split=1), dict(SM90, BN=128, warps=8, stages=2)])
+@pytest.mark.parametrize("kw", [{}, dict(sm90=False), dict(sm90=False, tma=False), dict(SM90, split=1),
+                                dict(SM90, BN=128, warps=8, stages=2)])
 def test_gpu_fused_exact_and_close(n, k, m, kw):
     wi, cwi, w, cw = _gpu_weights(n, k)
     x = _int_x(m, k, seed=m + 1, device="cuda")
-    if kw.get("sm90") and torch.cuda.get_device_capability()[0] == 9:
+    if kw.get("sm90", True) and torch.cuda.get_device_capability()[0] == 9:
         from zipfusion.kernels import weight_gemm_sm90
         assert weight_gemm_sm90.supported(x, cwi) == (k % 8 == 0)
     a = fused_linear(x, cwi, **kw)

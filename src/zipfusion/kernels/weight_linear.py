@@ -265,13 +265,23 @@ CONFIGS = {
     (64, False): dict(_SWAPPED, per_sm=4), (64, True): dict(_SWAPPED, per_sm=2),
     (128, False): dict(_SWAPPED, per_sm=2), (128, True): dict(_SWAPPED, BN=128, warps=8, per_sm=1),
 }
+# the same for the Hopper kernel (weight_gemm_sm90, Gluon), from scripts/gpu/weights_round2.py's round 3
+_G = dict(sm90=True, BN=64, BK=128, warps=4, stages=3, per_sm=2, natural=True, swap=True)
+CONFIGS_SM90 = {
+    (16, False): dict(_G, stages=4), (16, True): dict(_G, stages=4),
+    (32, False): _G, (32, True): _G,
+    (64, False): dict(_G, per_sm=1), (64, True): dict(_G, BN=128, warps=8, per_sm=1),
+    (128, False): dict(_G, per_sm=1), (128, True): dict(_G, per_sm=1),
+}
 
 
-def plan(M: int, N: int, Kp: int, sms: int, **override) -> dict:
+def plan(M: int, N: int, Kp: int, sms: int, hopper: bool = False, **override) -> dict:
     """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the config of M's bucket and
-    N's width (CONFIGS; ``override`` wins) and a K split giving about ``per_sm`` programs per SM."""
+    N's width (CONFIGS, or CONFIGS_SM90 for the Hopper kernel; ``override`` wins) and a K split
+    giving about ``per_sm`` programs per SM."""
     bm = _bucket(override.get("BM", M))
-    cfg = dict(CONFIGS[bm, triton.cdiv(N, 64) >= 2 * sms], BM=bm, reduce=2)
+    table = CONFIGS_SM90 if hopper and override.get("sm90", True) else CONFIGS
+    cfg = dict(table[bm, triton.cdiv(N, 64) >= 2 * sms], BM=bm, reduce=2)
     cfg.update(override)
     if Kp % cfg["BK"]:
         cfg["BK"] = WEIGHT_BLOCK
@@ -325,7 +335,8 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     sms = 4 if interp else _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     if interp:                                       # tiny tiles: the interpreter is slow
         override = dict(dict(BN=16, BK=WEIGHT_BLOCK, BM=16), **override)
-    cfg = plan(M, N, Kp, sms, **override)
+    hopper = mode == 0 and not interp and _sm90().supported(x2, cw)
+    cfg = plan(M, N, Kp, sms, hopper, **override)
     m = _module(x.device)
     lo = plain.view(torch.int32) if mode == 2 else cw.lo.view(torch.int32)
     codes = cw.codes.view(torch.int32)
@@ -342,7 +353,7 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     reduce = 0 if split == 1 else cfg["reduce"] if grid[0] * grid[1] <= COUNTERS else 1
     ws = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else out
-    if cfg.get("sm90") and mode == 0 and not interp and _sm90().supported(x2, cw):
+    if hopper and cfg.get("sm90"):
         _sm90().launch(x2, cw, bias, out, ws, _counters(x.device), cfg, reduce, compile_only)
     else:
         kernel = m._fused_kernel[grid]
