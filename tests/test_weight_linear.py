@@ -68,11 +68,10 @@ def test_fused_split_k_exact_and_deterministic(split, reduce, seed):
     assert not _counters(x.device).any()
 
 
-@pytest.mark.parametrize("kw", [dict(tma=False), dict(tma=False, swap=True, BN=32, split=2),
-                                dict(tma=True, swap=True, BN=32, split=2, ech=64)])
+@pytest.mark.parametrize("kw", [dict(natural=False, swap=False), dict(swap=True, BN=32, split=2),
+                                dict(swap=True, BN=32, split=2, ech=64)])
 def test_fused_loads_exact(kw, seed):
-    """x and the planes by pointers (tma False) or by tensor descriptors (rows past N and columns
-    past K read as zeros); escapes 16 or 64 a dot."""
+    """Both word orders and dot orientations, K split; escapes 16 or 64 a dot."""
     w = _integer_weight(40, 300, seed)
     cw, x = compress_weight(w), _int_x(5, 300, seed + 1)
     assert torch.equal(_bits(fused_linear(x, cw, **kw)), _bits(_exact(x, w)))
@@ -187,8 +186,8 @@ def _gpu_weights(n, k):
 @GPU
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 256, 600])
-@pytest.mark.parametrize("kw", [{}, dict(sm90=False), dict(sm90=False, tma=False), dict(SM90, split=1),
-                                dict(SM90, BN=128, warps=8, stages=2)])
+@pytest.mark.parametrize("kw", [{}, dict(sm90=False), dict(sm90=False, natural=False, swap=False),
+                                dict(SM90, split=1), dict(SM90, BN=128, warps=8, stages=2)])
 def test_gpu_fused_exact_and_close(n, k, m, kw):
     wi, cwi, w, cw = _gpu_weights(n, k)
     x = _int_x(m, k, seed=m + 1, device="cuda")

@@ -13,7 +13,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..format import triton_restore
 from ..format.weights import ESC_ROWS, WEIGHT_BLOCK, CompressedWeight, restore_rows, restore_weight
@@ -48,11 +47,10 @@ def _hi_bytes(code, bh):
 
 @triton.jit
 def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexpr,
-                NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr,
-                TMA: tl.constexpr = False):
+                NATURAL: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr):
     """The [BN, BK/8, 4] words of bf16 pairs of rows ``rows`` at K offset k0. NATURAL: word k
     holds values (2k, 2k+1), else (0, 2), (1, 3), ... (x's columns permuted to match). MODE 1-3:
-    measurements only (see fused_linear). TMA: lo_ptr / code_ptr are tensor descriptors."""
+    measurements only (see fused_linear)."""
     BN: tl.constexpr = rows.shape[0]
     NB: tl.constexpr = BK // 128
     Kp = tl.multiple_of(Kp, 128)                       # the format pads K: 16-byte plane loads
@@ -64,14 +62,9 @@ def _tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK: tl.constexp
         return tl.reshape(w, (BN, BK // 8, 4))
     blk = tl.arange(0, NB)[None, :, None]
     gi = tl.arange(0, 16)[None, None, :]
-    if TMA:
-        row0 = tl.min(rows, 0)
-        code = tl.reshape(code_ptr.load([row0, k0 // 8]), (BN, NB, 16))
-        lo = tl.reshape(lo_ptr.load([row0, k0 // 4]), (BN, NB, 32))
-    else:
-        code = tl.load(code_ptr + r * (Kp // 8) + k0 // 8 + blk * 16 + gi, mask=m, other=0)
-        lo = tl.load(lo_ptr + r * (Kp // 4) + k0 // 4 + blk * 32 + tl.arange(0, 32)[None, None, :],
-                     mask=m, other=0)
+    code = tl.load(code_ptr + r * (Kp // 8) + k0 // 8 + blk * 16 + gi, mask=m, other=0)
+    lo = tl.load(lo_ptr + r * (Kp // 4) + k0 // 4 + blk * 32 + tl.arange(0, 32)[None, None, :],
+                 mask=m, other=0)
     lo0, lo1 = tl.split(tl.reshape(lo.to(tl.uint32, bitcast=True), (BN, NB, 16, 2)))
     code = code.to(tl.uint32, bitcast=True)
     if MODE == 1:
@@ -116,12 +109,12 @@ def _to_out(acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
-def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
+def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
                   bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, Kp, stride_xm, tiles_per_split,
                   HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, NATURAL: tl.constexpr,
                   SWAP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
-                  TMA: tl.constexpr, ECH: tl.constexpr, INTERPRET: tl.constexpr):
+                  ECH: tl.constexpr, INTERPRET: tl.constexpr):
     """x [M, K] @ restored W [N, Kp]ᵀ over this program's K tiles -> out (REDUCE 0), or fp32
     partials summed by _reduce_kernel (1) or by the tile's last program (2: a per-tile counter)."""
     pid_m = tl.program_id(0)
@@ -144,11 +137,9 @@ def _fused_kernel(x_ptr, x_desc, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr,
     for t in range(t0, t1):
         k0 = t * BK
         w = _to_bf16(_tile_words(lo_ptr, code_ptr, base_ptr, rows, rmask, k0, Kp, BK, NATURAL,
-                                 MODE, INTERPRET, TMA), BK)
+                                 MODE, INTERPRET), BK)
         cols = k0 + kk
-        if TMA:
-            xt = x_desc.load([pid_m * BM, k0])
-        elif EVEN_K:                                   # no column mask: 16-byte loads of x
+        if EVEN_K:                                   # no column mask: 16-byte loads of x
             xt = tl.load(x_row + cols[None, :], mask=mmask[:, None], other=0.0)
         else:
             xt = tl.load(x_row + cols[None, :], mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
@@ -256,7 +247,7 @@ def _bucket(M: int) -> int:
 
 
 # (M bucket, wide: at least 2 tiles of 64 rows per SM) -> tile config and programs per SM, from
-# sweeps (scripts/gpu/weights_tune.py); ``tma=True`` is an option until its configs pass the GPU tests.
+# sweeps (scripts/gpu/weights_tune.py).
 _NARROW16 = dict(BN=32, BK=256, warps=4, stages=4, natural=True, swap=False, per_sm=2)
 _SWAPPED = dict(BN=64, BK=128, warps=4, stages=3, natural=True, swap=True)
 CONFIGS = {
@@ -340,14 +331,6 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
     m = _module(x.device)
     lo = plain.view(torch.int32) if mode == 2 else cw.lo.view(torch.int32)
     codes = cw.codes.view(torch.int32)
-    tma = (cfg.get("tma", False) and cfg["natural"] and mode != 2 and x2.stride(0) % 8 == 0
-           and all(t.data_ptr() % 16 == 0 for t in (x2, lo, codes))
-           and (not interp or _interpreting()))          # descriptors fail in the interpreted copy
-    xd = x2
-    if tma:
-        xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg["BM"], cfg["BK"]])
-        lo = TensorDescriptor(lo, [N, Kp // 4], [Kp // 4, 1], [cfg["BN"], cfg["BK"] // 4])
-        codes = TensorDescriptor(codes, [N, Kp // 8], [Kp // 8, 1], [cfg["BN"], cfg["BK"] // 8])
     split = cfg["split"]
     grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
     reduce = 0 if split == 1 else cfg["reduce"] if grid[0] * grid[1] <= COUNTERS else 1
@@ -359,12 +342,12 @@ def fused_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | Non
         kernel = m._fused_kernel[grid]
         if compile_only:
             kernel = functools.partial(m._fused_kernel.warmup, grid=grid)
-        kernel(x2, xd, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
+        kernel(x2, lo, codes, cw.base, cw.esc_ptr, cw.esc_row,
                cw.esc_col, cw.esc_val, b, out, ws, _counters(x.device), M, N, K, Kp,
                x2.stride(0), cfg["tiles_per_split"], HAS_BIAS=bias is not None,
                REDUCE=reduce, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                NATURAL=cfg["natural"], SWAP=cfg["swap"], MODE=mode,
-               EVEN_K=K % cfg["BK"] == 0, TMA=tma, ECH=cfg.get("ech", 16), INTERPRET=interp,
+               EVEN_K=K % cfg["BK"] == 0, ECH=cfg.get("ech", 16), INTERPRET=interp,
                num_warps=cfg["warps"], num_stages=cfg["stages"])
     if reduce == 1 and not compile_only:
         total, block = M * N, 1024
