@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..format.triton_restore import _interleave
-from .weight_linear import _hi_bytes
+from .weight_linear import _hi_bytes, _sum_splits
 
 BK = 128        # values of a K tile: one base byte per row
 
@@ -154,15 +154,8 @@ def _kernel(x_desc, lo_desc, code_desc, x_ptr, base_ptr, eptr_ptr, erow_ptr, eco
         gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + off2, gl.convert_layout(acc, OL), mask=om2)
         if REDUCE == 2:
             gl.thread_barrier()                      # every thread's partial stored first
-            tile = cnt_ptr + pid_m * gl.num_programs(1) + pid_n
-            if gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == gl.num_programs(2) - 1:
-                tot = gl.load(ws_ptr + off2, mask=om2, other=0.0, cache_modifier=".cg")
-                for p in range(1, gl.num_programs(2)):          # the same order whoever is last
-                    tot += gl.load(ws_ptr + p * M * N + off2, mask=om2, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    tot += gl.load(bias_ptr + r2, mask=r2 < N, other=0.0).to(gl.float32)[:, None]
-                gl.store(out_ptr + off2, tot.to(gl.bfloat16), mask=om2)
-                gl.atomic_xchg(tile, 0)
+            _sum_splits(ws_ptr, cnt_ptr + pid_m * gl.num_programs(1) + pid_n, bias_ptr, out_ptr, off2, om2,
+                        r2[:, None], M * N, HAS_BIAS, False)
 
 
 def _layout(block, dtype):

@@ -176,15 +176,23 @@ def _fused_kernel(x_ptr, lo_ptr, code_ptr, base_ptr, eptr_ptr, erow_ptr, ecol_pt
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + off, acc, mask=om)
         if REDUCE == 2:
             tl.debug_barrier()                         # every thread's partial stored first
-            tile = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
-            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-                acc = tl.load(ws_ptr + off, mask=om, other=0.0, cache_modifier=".cg")
-                for s in range(1, tl.num_programs(2)):        # the same order whoever is last
-                    acc += tl.load(ws_ptr + s * M * N + off, mask=om, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-                tl.store(out_ptr + off, _to_out(acc, INTERPRET), mask=om)
-                tl.atomic_xchg(tile, 0)
+            _sum_splits(ws_ptr, cnt_ptr + pid_m * tl.num_programs(1) + pid_n, bias_ptr, out_ptr, off, om,
+                        rows[None, :], M * N, HAS_BIAS, INTERPRET)
+
+
+@triton.jit
+def _sum_splits(ws_ptr, tile, bias_ptr, out_ptr, off, om, brow, MN, HAS_BIAS: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """In the split-K tile's last program to count itself in (``tile``: its counter): out = the
+    partials summed in split order (+ bias at ``brow``), whoever is last; the counter back to 0."""
+    if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+        acc = tl.load(ws_ptr + off, mask=om, other=0.0, cache_modifier=".cg")
+        for s in range(1, tl.num_programs(2)):
+            acc += tl.load(ws_ptr + s * MN + off, mask=om, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + brow, mask=om, other=0.0).to(tl.float32)
+        tl.store(out_ptr + off, _to_out(acc, INTERPRET), mask=om)
+        tl.atomic_xchg(tile, 0)
 
 
 @triton.jit(do_not_specialize=["total"])
