@@ -48,7 +48,7 @@ open(out, "w").write(_build(int(BM), int(BN), int(warps), int(stages), int(reduc
 
 
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is missing")
-@pytest.mark.parametrize("BM,BN,warps,stages,reduce,bias", [(16, 64, 4, 4, 0, False), (64, 64, 4, 3, 2, True)])
+@pytest.mark.parametrize("BM,BN,warps,stages,reduce,bias", [(64, 64, 4, 3, 2, True)])   # split-K, bias, escapes
 def test_builds_pipelined_without_spills(tmp_path, BM, BN, warps, stages, reduce, bias):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
