@@ -401,7 +401,7 @@ def decode_attention_triton(q, arena, page_loc_layer, block_table, context_lens,
                             qk_scale, out, *, compressed, num_splits=None, split_pages=None,
                             tile_pages=None, num_warps=None, window=None, softcap=None):
     """Launch the kernel (and the merge for several splits); ``qk_scale`` is sm_scale·log2(e).
-    head_dim 256 takes 8 warps: on 4 the compressed build spills about 1 KB a thread."""
+    head_dim 256 takes 8 warps: on 4 the compressed build spills registers."""
     attn_kernel, merge_kernel, interp = _kernels(arena.device)
     B, Hq, D = q.shape
     H = num_kv_heads

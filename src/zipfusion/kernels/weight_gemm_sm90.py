@@ -12,6 +12,8 @@ in :func:`zipfusion.kernels.weight_linear.fused_linear`, whose Triton kernel is 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -158,14 +160,20 @@ def _kernel(x_desc, lo_desc, code_desc, x_ptr, base_ptr, eptr_ptr, erow_ptr, eco
                         r2[:, None], M * N, HAS_BIAS, False)
 
 
-def _layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+@functools.lru_cache(maxsize=None)
+def _layout(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def supported(x2: torch.Tensor, cw) -> bool:
     """Whether this kernel can take x [M, K] and W: a Hopper GPU and bulk-copy-aligned rows."""
     N, K = cw.shape
-    return (x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] == 9 and K % 8 == 0
+    return (x2.is_cuda and _hopper(x2.device) and K % 8 == 0
             and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and cw.padded_k % BK == 0
             and cw.lo.data_ptr() % 16 == 0 and cw.codes.data_ptr() % 16 == 0)
 
@@ -176,11 +184,11 @@ def launch(x2, cw, bias, out, ws, counters, cfg, reduce, compile_only=False):
     M, K = x2.shape
     N, Kp = cw.shape[0], cw.padded_k
     bm, bn, g = cfg["BM"], cfg["BN"], BK // 8
-    xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [bm, BK], _layout([bm, BK], gl.bfloat16))
+    xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [bm, BK], _layout((bm, BK), gl.bfloat16))
     lo = cw.lo.view(torch.int64)
     codes = cw.codes.view(torch.int32)
-    lod = TensorDescriptor(lo, [N, Kp // 8], [Kp // 8, 1], [bn, g], _layout([bn, g], gl.int64))
-    cd = TensorDescriptor(codes, [N, Kp // 8], [Kp // 8, 1], [bn, g], _layout([bn, g], gl.int32))
+    lod = TensorDescriptor(lo, [N, Kp // 8], [Kp // 8, 1], [bn, g], _layout((bn, g), gl.int64))
+    cd = TensorDescriptor(codes, [N, Kp // 8], [Kp // 8, 1], [bn, g], _layout((bn, g), gl.int32))
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), cfg["split"])
     args = (xd, lod, cd, x2, cw.base, cw.esc_ptr, cw.esc_row, cw.esc_col, cw.esc_val,
             bias if bias is not None else out, out, ws, counters, M, N, Kp, x2.stride(0), cfg["tiles_per_split"])

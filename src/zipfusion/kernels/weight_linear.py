@@ -450,8 +450,9 @@ def weight_linear(x: torch.Tensor, cw: CompressedWeight, bias: torch.Tensor | No
 
 
 def warmup(layers, max_m: int) -> None:
-    """Build, in parallel threads, every fused-kernel variant for ``(weight, bias)`` pairs up to
-    ``max_m`` rows, with the restore buffer and counters, so CUDA graph capture builds nothing."""
+    """Build every fused-kernel variant for ``(weight, bias)`` pairs up to ``max_m`` rows (the
+    Triton kernel's in parallel threads, then each launched once), with the restore buffer and
+    counters, so CUDA graph capture builds nothing."""
     calls, seen = [], set()
     top = max(1, min(max_m, FUSED_MAX_M))
     for cw, bias in layers:
