@@ -277,7 +277,7 @@ CONFIGS_SM90 = {
 def plan(M: int, N: int, Kp: int, sms: int, hopper: bool = False, **override) -> dict:
     """The launch of ``fused_linear`` for x [M, ·] and W [N, Kp]: the config of M's bucket and
     N's width (CONFIGS, or CONFIGS_SM90 for the Hopper kernel; ``override`` wins) and a K split
-    giving about ``per_sm`` programs per SM."""
+    giving at most ``per_sm`` programs per SM: one wave (a partial second one leaves SMs idle)."""
     bm = _bucket(override.get("BM", M))
     table = CONFIGS_SM90 if hopper and override.get("sm90", True) else CONFIGS
     cfg = dict(table[bm, triton.cdiv(N, 64) >= 2 * sms], BM=bm, reduce=2)
@@ -287,7 +287,7 @@ def plan(M: int, N: int, Kp: int, sms: int, hopper: bool = False, **override) ->
     k_tiles = Kp // cfg["BK"]
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     if "split" not in cfg:
-        cfg["split"] = max(1, min(k_tiles // 2, 16, round(cfg["per_sm"] * sms / tiles)))
+        cfg["split"] = max(1, min(k_tiles // 2, 16, (cfg["per_sm"] * sms) // tiles))
     per = triton.cdiv(k_tiles, cfg["split"])
     cfg["split"] = triton.cdiv(k_tiles, per)              # no empty splits
     cfg["tiles_per_split"] = per

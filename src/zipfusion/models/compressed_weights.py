@@ -132,6 +132,8 @@ def compress_model(model: nn.Module, note: str = "") -> WeightSizes:
                 cw = dataclasses.replace(cw, **{f: getattr(cw, f).clone() for f in PLANES})
         set_weight(module, cw)
         del w, cw
+        if pool is not None:
+            torch.cuda.empty_cache()              # the freed copy's segment, for the pool's next planes
     if on_cuda:
         model._weight_pool = pool                 # lives as long as the planes
         torch.cuda.empty_cache()                  # the freed BF16 copies: free for the KV budget
