@@ -1,4 +1,4 @@
-"""The K split of the Hopper weight kernel: cuBLAS / ours per split on Llama-8B shapes (wave quantization)."""
+"""The K split (run from the repository root: PYTHONPATH=src python3 scripts/gpu/weights_split.py) of the Hopper weight kernel: cuBLAS / ours per split on Llama-8B shapes (wave quantization)."""
 import json, os, sys, time
 import torch
 sys.path.insert(0, "scripts/gpu")
