@@ -2,13 +2,15 @@
 //
 // Same contract as the Triton kernel in ../triton_attention.py (which stays the CPU-checkable
 // reference): one query token per request, the GQA group of G <= 16 query heads of one KV head
-// served together, head_dim 128, pages of 16 tokens that are either *open* ([2, 16, H, D] bf16 at
+// served together, head_dim D = 64, 128 or 256 (ZF_HEAD_DIM: one library per D), pages of
+// 16 tokens that are either *open* ([2, 16, H, D] bf16 at
 // `page_loc & ~1`, low bit set) or *compressed* (docs/format.md, version 2: blocks raw,
 // compressed, or compressed with up to 4 escape records). Nothing decompressed is
 // written to global memory: compressed blocks are restored from shared memory into the
 // registers that feed the tensor cores.
 //
-// Work split. A CTA of 4 warps takes (split s, KV head h, request b); its warps take the
+// Work split. A CTA of 4 warps takes (split s, KV head h, request b) -- at D = 256 eight of the
+// group's query heads, the ceil(G / 8) CTAs side by side (`cta_heads`) -- and its warps take the
 // split's pages round-robin (warp w: pages w, w+4, ...) and run flash decoding independently;
 // at the end the four warp states are combined in shared memory, and the splits of a request
 // are combined by `merge_kernel` (out = Σ 2^(lse_s − M) o_s / Σ 2^(lse_s − M)). A split's size
@@ -24,9 +26,9 @@
 // Per warp, per page (16 tokens), with c = sm_scale·log2(e) and m16n8k16 bf16 MMAs whose M
 // dimension is the page's 16 tokens (then the head dims), N the query heads (8 per n-tile):
 //
-//   Sᵀ[16 tokens × 8 heads] = K[16 × 128] · Qᵀ                (8 MMAs per n-tile)
+//   Sᵀ[16 tokens × 8 heads] = K[16 × D] · Qᵀ                  (D/16 MMAs per n-tile)
 //   m' = max(m, colmax c·Sᵀ);  Pᵀ = 2^(c·Sᵀ − m');  l = l·2^(m − m') + colsum Pᵀ
-//   Oᵀ[128 dims × 8 heads] = Oᵀ · 2^(m − m') + Vᵀ · bf16(Pᵀ)     (8 MMAs per n-tile)
+//   Oᵀ[D dims × 8 heads] = Oᵀ · 2^(m − m') + Vᵀ · bf16(Pᵀ)       (D/16 MMAs per n-tile)
 //
 // Heads >= G are zero padding. Pᵀ leaves the first product as a C fragment (rows = tokens) and
 // enters the second as a B fragment (columns = heads): one `movmatrix.trans` per 8×8 tile.
@@ -39,13 +41,14 @@
 //     channels 32p+8t .. 32p+8t+7 of tokens σ(g) (A row g) and σ(g)+8 (row g+8): bf16 pairs
 //     w0..w3 of each; {w0, w1} feed chunk 2p and {w2, w3} chunk 2p+1. Q is loaded into B
 //     fragments with the same channel order.
-//   * Vᵀ·Pᵀ: the k slots (2t, 2t+1, 2t+8, 2t+9) of lane (g, t) are tokens (t, t+4, t+8, t+12),
-//     one in each V block (a V block holds 4 tokens), so each load of a V block is uniform
-//     across the warp (no divergence between raw and compressed blocks). The lane restores
-//     channel groups g and g+8 of those four tokens; m-tile i row g is dim 8g + i, row g+8 is
-//     64 + 8g + i, and one `prmt` per register pairs two tokens' values of one dim.
+//   * Vᵀ·Pᵀ: the k slots (2t, 2t+1, 2t+8, 2t+9) of lane (g, t) are tokens (t, t+4, t+8, t+12).
+//     A V block holds TPB = 512/D tokens; at D <= 128 each load of a V block is uniform across
+//     the warp (no divergence between raw and compressed blocks), at D = 256 lanes t < 2 and
+//     t >= 2 read two neighbouring blocks. The lane restores channel groups g + 8j (j < D/64)
+//     of those four tokens; at D = 128 m-tile i row g is dim 8g + i, row g+8 is 64 + 8g + i
+//     (in general `o_dim`), and one `prmt` per register pairs two tokens' values of one dim.
 //
-// Loads. Each warp stages half pages (its head's K bodies, then its V bodies, <= 4 KB each)
+// Loads. Each warp stages half pages (its head's K bodies, then its V bodies, <= 32·D bytes each)
 // into shared memory, STAGES halves deep, in one of two ways (template TMA):
 //   * bulk copies (Hopper's TMA; the fused kernel's default): one `cp.async.bulk` per compressed
 //     half page (its blocks are contiguous), 16 row copies per open one, completion counted on an
@@ -200,11 +203,15 @@ __device__ __forceinline__ int block_bytes(uint32_t mark) {
   return mark == RAW ? 1024 : (mark & ESCAPED) ? 768 + 16 : 768;
 }
 
-__device__ __forceinline__ int popc(uint32_t x) { return __popc(x); }
-__device__ __forceinline__ int popc(uint64_t x) { return __popcll(x); }
-__device__ __forceinline__ int raw_marks(uint32_t m) { return __popc(__vcmpeq4(m, 0xFFFFFFFFu)) >> 3; }
-__device__ __forceinline__ int raw_marks(uint64_t m) {
-  return raw_marks(static_cast<uint32_t>(m)) + raw_marks(static_cast<uint32_t>(m >> 32));
+// Set bits of a mark word, and its raw blocks (0xFF bytes).
+__device__ __forceinline__ int popc(Marks x) {
+  if constexpr (sizeof(Marks) == 8) return __popcll(x);
+  else return __popc(x);
+}
+__device__ __forceinline__ int raw_marks(Marks m) {
+  int n = __popc(__vcmpeq4(static_cast<uint32_t>(m), 0xFFFFFFFFu)) >> 3;
+  if constexpr (sizeof(Marks) == 8) n += __popc(__vcmpeq4(static_cast<uint32_t>(static_cast<uint64_t>(m) >> 32), 0xFFFFFFFFu)) >> 3;
+  return n;
 }
 
 // The bytes of a compressed page's K (or V) bodies from their NB marks: 768 a block, + 256 for
@@ -347,8 +354,8 @@ __device__ __forceinline__ void block_at(Marks marks, int p, int& off, uint32_t&
 }
 
 // MIXED: raw, compressed or compressed with escapes, by the block's mark (the same for the
-// whole warp: every lane reads the same block, so the branches are uniform); blocks without
-// escapes pay the flag test only.
+// whole warp where every lane reads the same block: uniform branches); blocks without escapes
+// pay the flag test only.
 template <int KIND>
 __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, const Lane& o,
                                            int raw, uint32_t (&w)[4]) {
@@ -369,7 +376,7 @@ __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, co
 // (compressed with escapes) or 1024 (raw) bytes each, in the order of docs/format.md (at most
 // STAGE_BYTES: a raw block has no escapes). Returns the NB block marks.
 
-// A page's location and flags, shared by what the warp staged: block marks, page is open (TMA).
+// What a warp staged in a stage: the half's block marks, whether the page is open (TMA).
 struct Info {
   Marks marks;
   uint32_t open;
@@ -953,8 +960,8 @@ attention_kernel(KERNEL_PARAMS) {
 // ---------------------------------------------------------------------------------------------
 // Warps 0..3 only compute; warp 4 copies. Page i of the split (i = 0, 1, ...) is computed by
 // warp i mod 4, as in attention_kernel (so both kernels sum the same values in the same order:
-// the same bits), and staged whole (K half at 0, V half at 4096) in that warp's ring of DEPTH
-// page slots: slot (i / 4) mod DEPTH. Each slot has two mbarriers: `full` (the producer arms it
+// the same bits), and staged whole (K half at 0, V half at STAGE_BYTES) in that warp's ring of
+// DEPTH page slots: slot (i / 4) mod DEPTH. Each slot has two mbarriers: `full` (the producer arms it
 // with the page's byte count; the bulk copies complete it) and `empty` (the computing warp's
 // lane 0 arrives when it is done with the slot). The producer works in rounds of 4·DEPTH pages,
 // one page a lane, so the metadata loads, byte counts and waits of a round run side by side;
@@ -967,13 +974,17 @@ struct PageInfo {            // what the producer staged in a slot: K and V mark
   uint32_t open, pad;
 };
 
-// Pages in flight per computing warp, and CTAs per SM: at D = 256 one page (64 KB a CTA), two
-// CTAs (more would cap the registers below what a warp's state needs).
+// Pages in flight per computing warp, and the register cap: at D = 256 one page (64 KB a CTA)
+// and 200 registers, two CTAs an SM (three would cap the registers below a warp's state).
 constexpr int PRODUCER_DEPTH = D == 256 ? 1 : 2;
-constexpr int producer_ctas(int depth) { return D == 256 ? 2 : ctas_per_sm(2 * depth); }
+#if ZF_HEAD_DIM == 256
+#define ZF_PRODUCER_BOUNDS __maxnreg__(200)
+#else
+#define ZF_PRODUCER_BOUNDS __launch_bounds__(PRODUCER_THREADS, ctas_per_sm(2 * DEPTH))
+#endif
 
 template <bool COMPRESSED, int NT, int DEPTH, bool PACKED>
-__global__ void __launch_bounds__(PRODUCER_THREADS, producer_ctas(DEPTH))
+__global__ void ZF_PRODUCER_BOUNDS
 producer_kernel(KERNEL_PARAMS) {
   static_assert(32 % (WARPS * DEPTH) == 0, "a round of pages must divide a metadata batch");
   extern __shared__ __align__(128) uint8_t smem[];
