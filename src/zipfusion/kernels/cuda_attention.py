@@ -110,6 +110,12 @@ def _library(arch: str, head_dim: int = 128) -> ctypes.CDLL:
     return got
 
 
+def nvcc_command(arch: str, flags: list[str], out: Path) -> list[str]:
+    """The nvcc command line that builds the kernel library for ``arch`` into ``out``."""
+    return [_nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags, "-o", str(out), str(SOURCE)]
+
+
 def _build(arch: str, flags: list[str]) -> ctypes.CDLL:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + arch.encode() + " ".join(flags).encode()).hexdigest()[:16]
@@ -120,9 +126,7 @@ def _build(arch: str, flags: list[str]) -> ctypes.CDLL:
         log.info("building the CUDA attention kernel for sm_%s (once, 10-20 s) into %s",
                  arch, cache)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [_nvcc(), "-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags, "-o", str(tmp), str(SOURCE)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(nvcc_command(arch, flags, tmp), capture_output=True, text=True)
         if res.returncode != 0:
             raise CudaKernelUnavailable(f"building {SOURCE.name} failed:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib)
