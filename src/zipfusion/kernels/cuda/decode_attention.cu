@@ -974,9 +974,13 @@ struct PageInfo {            // what the producer staged in a slot: K and V mark
   uint32_t open, pad;
 };
 
-// Pages in flight per computing warp, and the register cap: at D = 256 one page (64 KB a CTA)
-// and 200 registers, two CTAs an SM (three would cap the registers below a warp's state).
-constexpr int PRODUCER_DEPTH = D == 256 ? 1 : 2;
+// Pages in flight per computing warp (a build define, for tuning), and the register cap: at
+// D = 256 one page (64 KB a CTA) and 200 registers, two CTAs an SM (three would cap the
+// registers below a warp's state).
+#ifndef ZF_PRODUCER_DEPTH
+#define ZF_PRODUCER_DEPTH (ZF_HEAD_DIM == 256 ? 1 : 2)
+#endif
+constexpr int PRODUCER_DEPTH = ZF_PRODUCER_DEPTH;
 #if ZF_HEAD_DIM == 256
 #define ZF_PRODUCER_BOUNDS __maxnreg__(200)
 #else
