@@ -6,6 +6,8 @@ only where a CUDA GPU is present. Every random draw is seeded; a failing check n
 """
 
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -408,8 +410,9 @@ def test_cuda_producer_kernel(splits, G, kind, seed):
 
 
 @gpu
+@pytest.mark.parametrize("D", [128, 64, 256])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_escape_patterns_gpu(backend):
+def test_escape_patterns_gpu(backend, D):
     """Format v2 escapes in both decode kernels: blocks carrying every finite pattern of
     exponent <= 140 as an escape (4 per block, next to windows just above or below it), and
     the 4/5-outlier blocks made finite, compressed, against the same pages open (the uncompressed kernel).
@@ -418,7 +421,7 @@ def test_escape_patterns_gpu(backend):
     blocks = escape_pattern_blocks()
     blocks = blocks[((blocks >> 7) & 0xFF).amax(1) <= 140]
     blocks = torch.cat([blocks, adversarial_escape_blocks()[:8]])
-    pages = pages_from_block_bits(blocks, 8, 128).nan_to_num(0.0, 1.0, -1.0)
+    pages = pages_from_block_bits(blocks, 8, D).nan_to_num(0.0, 1.0, -1.0)
     P = pages.shape[0]
     gen = torch.Generator().manual_seed(6)
     arena_c, loc_c = build_arena(pages, torch.ones(P, dtype=torch.bool), seed=4, device=DEVICE)
@@ -427,8 +430,8 @@ def test_escape_patterns_gpu(backend):
     B = 8                                                    # requests of P / 8 pages each
     bt = order[:P // B * B].view(B, -1).to(DEVICE)
     lens = torch.full((B,), 16 * bt.shape[1], dtype=torch.int32, device=DEVICE)
-    q = (torch.randn(B, 32, 128, generator=gen) * 0.05).to(torch.bfloat16).to(DEVICE)
-    args = (bt, lens, PageLayout(8, 128), 128 ** -0.5)
+    q = (torch.randn(B, 32, D, generator=gen) * 0.05).to(torch.bfloat16).to(DEVICE)
+    args = (bt, lens, PageLayout(8, D), D ** -0.5)
     out_c = decode_attention(q, arena_c, loc_c, *args, backend=backend)
     out_t = decode_attention_uncompressed(q, arena_o, loc_o, *args, backend=backend)
     assert torch.isfinite(out_t.float()).all()
@@ -436,18 +439,52 @@ def test_escape_patterns_gpu(backend):
 
 
 @gpu
-@pytest.mark.parametrize("G", [1, 4, 8, 16])
-def test_cuda_kernel_group_sizes(G, seed):
-    check_case(make_case([700, 33, 16], 2, G, 128, "compressible", seed), unfused=False,
+@pytest.mark.parametrize("D", [128, 64, 256])
+@pytest.mark.parametrize("G", [1, 4, 8, 9, 16])
+def test_cuda_kernel_group_sizes(G, D, seed):
+    check_case(make_case([700, 33, 16], 2, G, D, "compressible", seed), unfused=False,
                backend="cuda")
 
 
+def cuda_variants():
+    """(producer, tma, stages) of every copy scheme of the CUDA kernel this GPU runs."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    per_warp = [(False, t, st) for t in ((False, True) if hopper else (False,)) for st in (3, 4, 6)]
+    return ([(True, None, None)] if hopper else []) + per_warp
+
+
 @gpu
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("kind", ["mixed", "escapes", "raw", "compressible"])
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_cuda_kernel_head_dims(D, kind, G, seed):
+    """The CUDA kernel at head_dim 64 and 256: vs the float64 reference, and compressed pages
+    (raw blocks, compressed ones, ones with escapes, open pages among them), open pages and the
+    uncompressed kernel the same bits; every copy scheme (producer warp, per-warp bulk copies,
+    cp.async; 3, 4, 6 stages) the same bits at 1, 7 and 64 splits (64: fewer pages than warps).
+    Requests of 1 page to 3000 tokens, ragged last pages."""
+    case = make_case([3000, 17, 1, 33, 130, 700], 2, G, D, kind, seed)
+    check_case(case, unfused=False, backend="cuda")
+    args = (case["bt"], case["lens"], case["layout"], case["scale"])
+    for splits in (1, 7, 64):
+        outs = [decode_attention(case["q"], case["arena_c"], case["loc_c"], *args, num_splits=splits,
+                                 producer=p, tma=t, stages=st, backend="cuda")
+                for p, t, st in cuda_variants()]
+        outs += [decode_attention_uncompressed(case["q"], case["arena_o"], case["loc_o"], *args,
+                                               num_splits=splits, producer=p, tma=t, stages=st,
+                                               backend="cuda")
+                 for p, t, st in cuda_variants()]
+        for o, v in zip(outs[1:], cuda_variants()[1:] + cuda_variants()):
+            assert same_bits(outs[0], o), f"copy scheme {v} differs (seed {seed}, splits {splits})"
+
+
+@gpu
+@pytest.mark.parametrize("D", [128, 64, 256])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_adversarial_values_and_garbage_past_the_end_gpu(backend):
+def test_adversarial_values_and_garbage_past_the_end_gpu(backend, D):
     """±0, subnormals, huge and tiny exponents in the same blocks, and NaN/inf bytes in the
     unused slots of each request's open last page: output finite, compressed == uncompressed bits."""
-    c = make_case([45, 16, 3], 2, 4, 128, "mixed", 11)
+    c = make_case([45, 16, 3], 2, 4, D, "mixed", 11)
     gen = torch.Generator().manual_seed(5)
     for arena, loc in ((c["arena_c"], c["loc_c"]), (c["arena_o"], c["loc_o"])):
         for b, L in enumerate(c["lens"].tolist()):
@@ -455,17 +492,17 @@ def test_adversarial_values_and_garbage_past_the_end_gpu(backend):
                 continue
             start = int(loc[int(c["bt"][b, (L - 1) // 16])]) & ~1
             page = arena[start:start + c["layout"].open_page_bytes].view(torch.bfloat16)
-            page = page.view(2, 16, 2, 128)
+            page = page.view(2, 16, 2, D)
             page[:, L % 16:] = float("nan")
             page[1, L % 16:, :, ::3] = float("inf")
     # adversarial values in the open pages' valid tokens: signed zeros, subnormals, wide range
     special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2 ** -126, 1.0, -2.5, 60.0],
                            dtype=torch.bfloat16)
-    vals = special[torch.randint(0, 8, (2, 3, 2, 128), generator=gen)].to(c["q"].device)
+    vals = special[torch.randint(0, 8, (2, 3, 2, D), generator=gen)].to(c["q"].device)
     for arena, loc in ((c["arena_c"], c["loc_c"]), (c["arena_o"], c["loc_o"])):
         start = int(loc[int(c["bt"][2, 0])]) & ~1                  # request 2: 3 tokens, open
         page = arena[start:start + c["layout"].open_page_bytes].view(torch.bfloat16)
-        page.view(2, 16, 2, 128)[:, :3] = vals
+        page.view(2, 16, 2, D)[:, :3] = vals
     args = (c["bt"], c["lens"], c["layout"], c["scale"])
     out_c = decode_attention(c["q"], c["arena_c"], c["loc_c"], *args, backend=backend)
     out_t = decode_attention_uncompressed(c["q"], c["arena_o"], c["loc_o"], *args, backend=backend)
@@ -567,7 +604,8 @@ def test_cuda_source_compiles(tmp_path):
         pytest.skip("nvcc not installed: the CUDA kernel is built on the GPU machine")
     builds = {}
     for i, (arch, flags) in enumerate((("80", []), ("90", []), ("90", ["-DZF_ESC_KIND"]),
-                                       ("90", ["-DZF_DIAG_COPY_ONLY"]), ("90", ["-DZF_DIAG_COMPUTE_ONLY"]))):
+                                       ("90", ["-DZF_DIAG_COPY_ONLY"]), ("90", ["-DZF_DIAG_COMPUTE_ONLY"]),
+                                       ("80", ["-DZF_HEAD_DIM=64"]), ("80", ["-DZF_HEAD_DIM=256"]))):
         cmd = [nvcc, "-O1", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags,
                "-c", "-o", str(tmp_path / f"k{i}.o"), str(SOURCE)]
         builds[" ".join([f"sm_{arch}", *flags])] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
@@ -575,6 +613,46 @@ def test_cuda_source_compiles(tmp_path):
     for name, proc in builds.items():
         err = proc.communicate()[1]
         assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+
+
+def ptxas_usage(log: str) -> dict[str, tuple[int, int]]:
+    """{kernel: (registers, spill bytes stored)} from nvcc -Xptxas -v output."""
+    usage, name, spill = {}, None, 0
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name, spill = m.group(1), 0
+        elif m := re.search(r"(\d+) bytes spill stores", line):
+            spill = int(m.group(1))
+        elif (m := re.search(r"Used (\d+) registers", line)) and name:
+            usage[name], name = (int(m.group(1)), spill), None
+    return usage
+
+
+def test_cuda_kernel_builds_for_head_dims_64_and_256(tmp_path):
+    """The CUDA kernel's head_dim 64 and 256 libraries build for sm_90 with the library's own
+    nvcc command, every kernel without register spills (ptxas -v), and at 256 the producer
+    kernel (160 threads) fits two CTAs an SM. (head_dim 128 and sm_80: test_cuda_source_compiles
+    on the GPU machine.) Two builds side by side, ~40 s of CPU."""
+    from zipfusion.kernels import cuda_attention as ca
+    try:
+        cmds = {D: ca.nvcc_command("90", [f"-DZF_HEAD_DIM={D}", "-Xptxas", "-v"], tmp_path / f"d{D}.so")
+                for D in (64, 256)}
+    except ca.CudaKernelUnavailable as e:
+        pytest.skip(f"{e}: the CUDA kernel is built on the GPU machine")
+    procs = {D: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for D, cmd in cmds.items()}
+    for D, proc in procs.items():
+        log = proc.communicate()[0]
+        assert proc.returncode == 0, f"head_dim {D}: {log[-3000:]}"
+        usage = ptxas_usage(log)
+        kernels = {k: v for k, v in usage.items() if "attention_kernel" in k or "producer_kernel" in k}
+        # compressed/uncompressed x NT x (10 per-warp variants + 2 producer); 256: one n-tile
+        assert len(kernels) == (2 if D == 256 else 4) * 12, f"head_dim {D}: {sorted(usage)}"
+        spills = {k: v for k, v in kernels.items() if v[1]}
+        assert not spills, f"head_dim {D}: kernels spill registers: {spills}"
+        if D == 256:
+            producer = [r for k, (r, _) in kernels.items() if "producer_kernel" in k]
+            assert max(producer) <= 200, f"the producer kernel takes {producer} registers (> 200)"
 
 
 def test_cuda_build_defines(monkeypatch):
@@ -589,7 +667,9 @@ def test_cuda_build_defines(monkeypatch):
     for defines in ((), ("ZF_ESC_KIND",), ("ZF_ESC_KIND",), ("ZF_ESC_KIND", "ZF_X=2"), ()):
         ca.set_build_defines(*defines)
         ca._library("90")
-    assert built == [[], ["-DZF_ESC_KIND"], ["-DZF_ESC_KIND", "-DZF_X=2"]]
+    ca._library("90", 256)                                     # one library per head dim
+    d128, d256 = "-DZF_HEAD_DIM=128", "-DZF_HEAD_DIM=256"
+    assert built == [[d128], [d128, "-DZF_ESC_KIND"], [d128, "-DZF_ESC_KIND", "-DZF_X=2"], [d256]]
     with pytest.raises(ValueError, match="NAME or NAME=VALUE"):
         ca.set_build_defines("-DZF_ESC_KIND")
 
@@ -626,6 +706,9 @@ def test_cuda_copy_choice(environ):
     assert choose_copy(True, True, 4, None, False, None) == (4, 0)         # cp.async asked for
     assert choose_copy(True, True, 4, 4, True, False) == (4, 1)
     assert choose_copy(False, True, 4, None, None, True) == (4, 2)         # the uncompressed producer kernel
+    assert choose_copy(False, True, 16, None, None, None, 256) == (3, 0)   # head_dim 256: 3 stages
+    assert choose_copy(True, False, 16, None, None, None, 256) == (3, 0)
+    assert choose_copy(True, True, 16, None, None, None, 256) == (4, 2)
     environ(ZIPFUSION_CUDA_PRODUCER="0")
     assert choose_copy(True, True, 4, None, None, None) == (4, 1)
     environ(ZIPFUSION_CUDA_PRODUCER="1")
@@ -654,6 +737,10 @@ def test_cuda_split_heuristic_packs_whole_waves(monkeypatch):
             S = ca.default_num_splits(B, 8, pages, "cuda")
             assert 1 <= S <= 64 and (S == 1 or -(-pages // S) >= 16)
     assert ca.ctas_per_sm(3) == 4 and ca.ctas_per_sm(4) == 3 and ca.ctas_per_sm(6) == 2
+    assert ca.ctas_per_sm(3, 256) == 2 and ca.ctas_per_sm(4, 256) == 1
+    # head_dim 256: 264 slots; a group of 16 is two CTAs per KV head (8 query heads each)
+    assert ca.head_passes(16, 256) == 2 and ca.head_passes(8, 256) == 1 and ca.head_passes(16, 128) == 1
+    assert ca.default_num_splits(32, 8, 513, "cuda", 256, 16) <= ca.default_num_splits(32, 8, 513, "cuda", 256, 8)
 
 
 # ------------------------------------------------------------------------------------------
@@ -671,13 +758,13 @@ class _Decode:
                        self.c["scale"], out=poisoned(q), **packed, **self.kw)
 
 
-def packed_case(groups, lone, G, kind, seed, H=2):
+def packed_case(groups, lone, G, kind, seed, H=2, D=128):
     """A case whose rows in each group of ``groups`` (shared pages, [context lengths]) begin
     with the first row's pages (full, compressed in arena_c unless 'mixed' left one open),
     then ``lone`` rows of their own. Each row's last page is open and holds NaN and inf past
     its context (in the middle of a packed request's table, where a slot's own pages end)."""
     contexts = [L for _, lens in groups for L in lens] + list(lone)
-    c = make_case(contexts, H, G, 128, kind, seed)
+    c = make_case(contexts, H, G, D, kind, seed)
     bt, row = c["bt"].cpu(), 0
     for shared, lens in groups:
         assert all(L > 16 * shared for L in lens)
@@ -690,7 +777,7 @@ def packed_case(groups, lone, G, kind, seed, H=2):
             if L % 16:
                 start = int(loc[int(bt[b, (L - 1) // 16])]) & ~1
                 page = arena[start:start + c["layout"].open_page_bytes].view(torch.bfloat16)
-                page = page.view(2, 16, H, 128)
+                page = page.view(2, 16, H, D)
                 page[:, L % 16:] = float("nan")
                 page[1, L % 16:, :, ::3] = float("inf")
     return c
@@ -705,12 +792,12 @@ PACKED = [
 ]
 
 
-def check_packed(groups, lone, G, kind, pack_heads, seed, **kw):
+def check_packed(groups, lone, G, kind, pack_heads, seed, D=128, **kw):
     """Packed requests vs the plain kernel row by row (close) and the float64 reference;
     compressed pages, open pages and the uncompressed kernel give the same bits."""
     from zipfusion.attention import packing
     from zipfusion.config import Tuning
-    c = packed_case(groups, lone, G, kind, seed)
+    c = packed_case(groups, lone, G, kind, seed, D=D)
     spared = sum((len(lens) - 1) * shared for shared, lens in groups)
     too_few = Tuning(min_shared_pages=2, min_spared_pages=spared + 1)     # too little to pack
     assert packing.plan_packed(c["lens"].cpu(), c["bt"].cpu(), c["q"].shape[1], 2, too_few, pack_heads) is None
@@ -802,6 +889,16 @@ def test_packed_request_arguments(small):
                                 dict(producer=True, num_splits=3)])
 def test_packed_requests_cuda_kernel(groups, lone, G, kind, pack_heads, kw, seed):
     check_packed(groups, lone, G, kind, pack_heads, seed, backend="cuda", **kw)
+
+
+@gpu
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("groups,lone,G,kind,pack_heads", PACKED)
+@pytest.mark.parametrize("kw", [dict(), dict(num_splits=5), dict(stages=3, tma=False), dict(producer=True)])
+def test_packed_requests_cuda_kernel_head_dims(groups, lone, G, kind, pack_heads, kw, D, seed):
+    """Packed requests at head_dim 64 and 256 (pack_heads 16 at 256: two CTAs of 8 query heads
+    per KV head, each with its own slots' spans)."""
+    check_packed(groups, lone, G, kind, pack_heads, seed, D=D, backend="cuda", **kw)
 
 
 def test_packed_launches_in_cuda_graphs_only_where_the_cuda_kernel_serves_them(monkeypatch, environ):

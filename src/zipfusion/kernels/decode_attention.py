@@ -134,8 +134,8 @@ def check_ids_async(arena, page_loc_layer, block_table, context_lens, layout, op
 
 
 def uses_cuda_kernel(backend, device, layout, group: int) -> bool:
-    """Whether the CUDA C++ kernel serves a call on ``device`` (CUDA, head_dim 128, group <= 16,
-    nvcc), else Triton; ``backend`` or $ZIPFUSION_DECODE_KERNEL forces one."""
+    """Whether the CUDA C++ kernel serves a call on ``device`` (CUDA, head_dim 64, 128 or 256,
+    group <= 16, nvcc), else Triton; ``backend`` or $ZIPFUSION_DECODE_KERNEL forces one."""
     backend = backend or environment().decode_kernel
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -2,13 +2,15 @@
 //
 // Same contract as the Triton kernel in ../triton_attention.py (which stays the CPU-checkable
 // reference): one query token per request, the GQA group of G <= 16 query heads of one KV head
-// served together, head_dim 128, pages of 16 tokens that are either *open* ([2, 16, H, D] bf16 at
+// served together, head_dim D = 64, 128 or 256 (ZF_HEAD_DIM: one library per D), pages of
+// 16 tokens that are either *open* ([2, 16, H, D] bf16 at
 // `page_loc & ~1`, low bit set) or *compressed* (docs/format.md, version 2: blocks raw,
 // compressed, or compressed with up to 4 escape records). Nothing decompressed is
 // written to global memory: compressed blocks are restored from shared memory into the
 // registers that feed the tensor cores.
 //
-// Work split. A CTA of 4 warps takes (split s, KV head h, request b); its warps take the
+// Work split. A CTA of 4 warps takes (split s, KV head h, request b) -- at D = 256 eight of the
+// group's query heads, the ceil(G / 8) CTAs side by side (`cta_heads`) -- and its warps take the
 // split's pages round-robin (warp w: pages w, w+4, ...) and run flash decoding independently;
 // at the end the four warp states are combined in shared memory, and the splits of a request
 // are combined by `merge_kernel` (out = Σ 2^(lse_s − M) o_s / Σ 2^(lse_s − M)). A split's size
@@ -24,9 +26,9 @@
 // Per warp, per page (16 tokens), with c = sm_scale·log2(e) and m16n8k16 bf16 MMAs whose M
 // dimension is the page's 16 tokens (then the head dims), N the query heads (8 per n-tile):
 //
-//   Sᵀ[16 tokens × 8 heads] = K[16 × 128] · Qᵀ                (8 MMAs per n-tile)
+//   Sᵀ[16 tokens × 8 heads] = K[16 × D] · Qᵀ                  (D/16 MMAs per n-tile)
 //   m' = max(m, colmax c·Sᵀ);  Pᵀ = 2^(c·Sᵀ − m');  l = l·2^(m − m') + colsum Pᵀ
-//   Oᵀ[128 dims × 8 heads] = Oᵀ · 2^(m − m') + Vᵀ · bf16(Pᵀ)     (8 MMAs per n-tile)
+//   Oᵀ[D dims × 8 heads] = Oᵀ · 2^(m − m') + Vᵀ · bf16(Pᵀ)       (D/16 MMAs per n-tile)
 //
 // Heads >= G are zero padding. Pᵀ leaves the first product as a C fragment (rows = tokens) and
 // enters the second as a B fragment (columns = heads): one `movmatrix.trans` per 8×8 tile.
@@ -39,13 +41,14 @@
 //     channels 32p+8t .. 32p+8t+7 of tokens σ(g) (A row g) and σ(g)+8 (row g+8): bf16 pairs
 //     w0..w3 of each; {w0, w1} feed chunk 2p and {w2, w3} chunk 2p+1. Q is loaded into B
 //     fragments with the same channel order.
-//   * Vᵀ·Pᵀ: the k slots (2t, 2t+1, 2t+8, 2t+9) of lane (g, t) are tokens (t, t+4, t+8, t+12),
-//     one in each V block (a V block holds 4 tokens), so each load of a V block is uniform
-//     across the warp (no divergence between raw and compressed blocks). The lane restores
-//     channel groups g and g+8 of those four tokens; m-tile i row g is dim 8g + i, row g+8 is
-//     64 + 8g + i, and one `prmt` per register pairs two tokens' values of one dim.
+//   * Vᵀ·Pᵀ: the k slots (2t, 2t+1, 2t+8, 2t+9) of lane (g, t) are tokens (t, t+4, t+8, t+12).
+//     A V block holds TPB = 512/D tokens; at D <= 128 each load of a V block is uniform across
+//     the warp (no divergence between raw and compressed blocks), at D = 256 lanes t < 2 and
+//     t >= 2 read two neighbouring blocks. The lane restores channel groups g + 8j (j < D/64)
+//     of those four tokens; at D = 128 m-tile i row g is dim 8g + i, row g+8 is 64 + 8g + i
+//     (in general `o_dim`), and one `prmt` per register pairs two tokens' values of one dim.
 //
-// Loads. Each warp stages half pages (its head's K bodies, then its V bodies, <= 4 KB each)
+// Loads. Each warp stages half pages (its head's K bodies, then its V bodies, <= 32·D bytes each)
 // into shared memory, STAGES halves deep, in one of two ways (template TMA):
 //   * bulk copies (Hopper's TMA; the fused kernel's default): one `cp.async.bulk` per compressed
 //     half page (its blocks are contiguous), 16 row copies per open one, completion counted on an
@@ -65,16 +68,33 @@
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <type_traits>
 
 namespace {
 
-constexpr int D = 128;            // head dim
+#ifndef ZF_HEAD_DIM
+#define ZF_HEAD_DIM 128
+#endif
+constexpr int D = ZF_HEAD_DIM;    // head dim: one library per value (cuda_attention.py)
+static_assert(D == 64 || D == 128 || D == 256, "ZF_HEAD_DIM must be 64, 128 or 256");
 constexpr int PAGE = 16;          // tokens per page
-constexpr int NB = 4;             // blocks per head and role (K or V)
+constexpr int NB = D / 32;        // blocks per head and role (K or V)
+constexpr int TPB = 512 / D;      // tokens per V block
+constexpr int ROW_BYTES = 2 * D;  // one token of one head in an open page
+constexpr int TILES = D / 16;     // Oᵀ m-tiles
+constexpr int VG = D / 64;        // V channel groups a lane restores per token: g + 8j
+constexpr int JC = VG < 2 ? VG : 2;   // ... per chunk of Oᵀ m-tiles (one gather each)
+constexpr int CHUNKS = VG / JC;
+constexpr int TPC = TILES / CHUNKS;   // m-tiles per chunk
+constexpr int NPOS = TPB > 4 ? 2 : 1; // lane offsets per V group: tokens t and t + 4 (D = 64)
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr int STAGE_BYTES = 4096; // one head's K (or V) bodies, all raw
-constexpr int RECORD = 8;         // metadata bytes per (head, role)
+constexpr int STAGE_BYTES = 32 * D;   // one head's K (or V) bodies, all raw
+constexpr int RECORD = D == 256 ? 16 : 8;   // metadata bytes per (head, role)
+// a role's block marks (one byte per block) and their masks: all raw, bit 7
+using Marks = std::conditional_t<(NB > 4), uint64_t, uint32_t>;
+constexpr Marks ALL_RAW_MARKS = static_cast<Marks>(~0ull >> (64 - 8 * NB));
+constexpr Marks BIT7_MARKS = static_cast<Marks>(0x8080808080808080ull) & ALL_RAW_MARKS;
 constexpr uint32_t RAW = 0xFF;
 constexpr uint32_t ESCAPED = 0x80;  // format v2: metadata byte 0x80 | b/2 = compressed with escapes
 constexpr int ESCAPE_AT = 768;      // the escape chunk's offset in such a block (784 bytes long)
@@ -183,20 +203,53 @@ __device__ __forceinline__ int block_bytes(uint32_t mark) {
   return mark == RAW ? 1024 : (mark & ESCAPED) ? 768 + 16 : 768;
 }
 
-// The bytes of a compressed page's K (or V) bodies from their 4 marks: 768 a block, + 256 for
-// each raw one (0xFF), + 16 for each with escapes (0x80..0xFE); bit 7 is set in both, so + 240
-// per raw block + 16 per mark with bit 7.
-__device__ __forceinline__ uint32_t half_bytes(uint32_t marks) {
-  return 3072 + 240 * (__popc(__vcmpeq4(marks, 0xFFFFFFFFu)) >> 3) + 16 * __popc(marks & 0x80808080u);
+// Set bits of a mark word, and its raw blocks (0xFF bytes).
+__device__ __forceinline__ int popc(Marks x) {
+  if constexpr (sizeof(Marks) == 8) return __popcll(x);
+  else return __popc(x);
+}
+__device__ __forceinline__ int raw_marks(Marks m) {
+  int n = __popc(__vcmpeq4(static_cast<uint32_t>(m), 0xFFFFFFFFu)) >> 3;
+  if constexpr (sizeof(Marks) == 8) n += __popc(__vcmpeq4(static_cast<uint32_t>(static_cast<uint64_t>(m) >> 32), 0xFFFFFFFFu)) >> 3;
+  return n;
 }
 
-// A page's location and, for a compressed one, the record of KV head h (K bodies' offset, K marks,
-// V bodies' offset, V marks).
+// The bytes of a compressed page's K (or V) bodies from their NB marks: 768 a block, + 256 for
+// each raw one (0xFF), + 16 for each with escapes (0x80..0xFE); bit 7 is set in both, so + 240
+// per raw block + 16 per mark with bit 7 (a record's padding bytes are zero).
+__device__ __forceinline__ uint32_t half_bytes(Marks marks) {
+  return 768 * NB + 240 * raw_marks(marks) + 16 * popc(marks & BIT7_MARKS);
+}
+
+// A page's metadata records of KV head h (docs/format.md: M = RECORD bytes each): r[0] = (K
+// offset, K marks, V offset, V marks) at M = 8; K and V records in r[0], r[1] at M = 16 (8 marks).
+struct Rec {
+  uint4 r[RECORD / 8];
+};
+
+// Role `role`'s block-0 offset and marks, from lane src's record.
+__device__ __forceinline__ void half_rec(const Rec& rec, int role, int src, uint32_t& off,
+                                         Marks& marks) {
+  if constexpr (RECORD == 8) {
+    off = __shfl_sync(FULL, role ? rec.r[0].z : rec.r[0].x, src);
+    marks = __shfl_sync(FULL, role ? rec.r[0].w : rec.r[0].y, src);
+  } else {
+    off = __shfl_sync(FULL, role ? rec.r[1].x : rec.r[0].x, src);
+    marks = __shfl_sync(FULL, role ? rec.r[1].y : rec.r[0].y, src) |
+            (uint64_t)__shfl_sync(FULL, role ? rec.r[1].z : rec.r[0].z, src) << 32;
+  }
+}
+
+// A page's location and, for a compressed one, the records of KV head h.
 template <bool COMPRESSED>
 __device__ __forceinline__ void page_meta(const uint8_t* arena, const long long* page_loc, int id,
-                                          int h, long long& loc, uint4& rec) {
+                                          int h, long long& loc, Rec& rec) {
   loc = page_loc[id];
-  if (COMPRESSED && !(loc & 1)) rec = *reinterpret_cast<const uint4*>(arena + loc + 2 * RECORD * h);
+  if (COMPRESSED && !(loc & 1)) {
+#pragma unroll
+    for (int i = 0; i < RECORD / 8; ++i)
+      rec.r[i] = *reinterpret_cast<const uint4*>(arena + loc + 2 * RECORD * h + 16 * i);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -291,18 +344,18 @@ enum Kind { MIXED, ALL_COMPRESSED, ALL_RAW, OPEN_ROWS, COMPRESSED_ESC };
 
 // Block p of a staged half: its mark (b/2 or RAW) and where it starts.
 template <int KIND>
-__device__ __forceinline__ void block_at(uint32_t marks, int p, int& off, uint32_t& mark) {
+__device__ __forceinline__ void block_at(Marks marks, int p, int& off, uint32_t& mark) {
   mark = KIND == ALL_RAW || KIND == OPEN_ROWS ? RAW : (marks >> (8 * p)) & 0xFF;
   if (KIND == ALL_COMPRESSED) off = 768 * p;
-  if (KIND == COMPRESSED_ESC) off = 768 * p + 16 * __popc(marks & 0x80808080u & ((1u << (8 * p)) - 1u));
+  if (KIND == COMPRESSED_ESC) off = 768 * p + 16 * popc(marks & BIT7_MARKS & ((Marks(1) << (8 * p)) - 1));
   if (KIND == ALL_RAW) off = 1024 * p;
   if (KIND == OPEN_ROWS) off = 64 * p;                      // K in token rows (V never is)
   // MIXED: the caller accumulates `off` block by block
 }
 
 // MIXED: raw, compressed or compressed with escapes, by the block's mark (the same for the
-// whole warp: every lane reads the same block, so the branches are uniform); blocks without
-// escapes pay the flag test only.
+// whole warp where every lane reads the same block: uniform branches); blocks without escapes
+// pay the flag test only.
 template <int KIND>
 __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, const Lane& o,
                                            int raw, uint32_t (&w)[4]) {
@@ -319,23 +372,29 @@ __device__ __forceinline__ void read_group(const uint8_t* blk, uint32_t mark, co
 // ---------------------------------------------------------------------------------------------
 // Staging half a page (this head's K or V) into shared memory
 // ---------------------------------------------------------------------------------------------
-// Stage layout for both page kinds: the role's 4 blocks back to back, 768 (compressed), 784
+// Stage layout for both page kinds: the role's NB blocks back to back, 768 (compressed), 784
 // (compressed with escapes) or 1024 (raw) bytes each, in the order of docs/format.md (at most
-// 4096 bytes: a raw block has no escapes). Returns the 4 block marks.
+// STAGE_BYTES: a raw block has no escapes). Returns the NB block marks.
+
+// What a warp staged in a stage: the half's block marks, whether the page is open (TMA).
+struct Info {
+  Marks marks;
+  uint32_t open;
+};
 
 template <bool COMPRESSED>
-__device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* arena,
-                                               long long loc, uint2 rec, int role, int h, int H,
-                                               int lane) {
+__device__ __forceinline__ Marks issue_half(uint8_t* stage, const uint8_t* arena, long long loc,
+                                            uint32_t rec_off, Marks marks, int role, int h,
+                                            int H, int lane) {
   if (COMPRESSED && !(loc & 1)) {
     // Block by block: chunk `lane` (and 32 + lane) of each block, to its swizzled place.
-    const uint8_t* src = arena + loc + rec.x;
+    const uint8_t* src = arena + loc + rec_off;
     const int lo0 = swz_lo(16 * lane), code1 = swz_code(512 + 16 * lane);
     const int raw0 = swz_raw(16 * lane), raw1 = swz_raw(512 + 16 * lane);
     int off = 0;
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
-      const uint32_t mark = (rec.y >> (8 * j)) & 0xFF;
+      const uint32_t mark = (marks >> (8 * j)) & 0xFF;
       if (mark == RAW) {
         cp_async16(stage + off + raw0, src + off + 16 * lane);
         cp_async16(stage + off + raw1, src + off + 512 + 16 * lane);
@@ -347,47 +406,50 @@ __device__ __forceinline__ uint32_t issue_half(uint8_t* stage, const uint8_t* ar
       }
       off += block_bytes(mark);
     }
-    return rec.y;
+    return marks;
   }
-  // Open page [2, 16, H, D]: token rows of 256 bytes. K row τ, chunk c (channels 8c..8c+7)
-  // belongs to raw K block c/4 at byte 64·τ + 16·(c%4); V row τ, chunk c to raw V block τ/4
-  // at byte 256·(τ%4) + 16·c.
+  // Open page [2, 16, H, D]: token rows of ROW_BYTES. K row τ, chunk c (channels 8c..8c+7)
+  // belongs to raw K block c/4 at byte 64·τ + 16·(c%4); V row τ, chunk c to raw V block τ/TPB
+  // at byte ROW_BYTES·(τ%TPB) + 16·c.
   const uint8_t* base = arena + (loc & ~1LL) + ((long long)role * PAGE * H + h) * D * 2;
-  const int c = lane & 15;
+  constexpr unsigned CPR = D / 8;                     // 16-byte chunks per row
+  const int c = lane % CPR;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int tok = 2 * i + (lane >> 4);
-    const int dst = role ? 1024 * (tok >> 2) + swz_raw(256 * (tok & 3) + 16 * c)
+  for (int i = 0; i < PAGE * CPR / 32; ++i) {
+    const unsigned tok = (32 / CPR) * i + unsigned(lane) / CPR;
+    const int dst = role ? 1024 * (tok / TPB) + swz_raw(ROW_BYTES * (tok % TPB) + 16 * c)
                          : 1024 * (c >> 2) + swz_raw(64 * tok + 16 * (c & 3));
     cp_async16(stage + dst, base + (long long)tok * H * D * 2 + 16 * c);
   }
-  return 0xFFFFFFFFu;
+  return ALL_RAW_MARKS;
 }
 
 // The same with bulk copies (no swizzle): a compressed page's K (or V) bodies are one contiguous
-// range, one copy; an open page's 16 token rows are 16 copies of 256 bytes, and its K stays in
-// token-row layout (row τ at 256·τ, block p at +64·p) -- V rows already are the raw V layout.
+// range, one copy; an open page's 16 token rows are 16 copies of ROW_BYTES, and its K stays in
+// token-row layout (row τ at ROW_BYTES·τ, block p at +64·p) -- V rows already are the raw V layout.
 // Lane 0 records the marks and whether the page is open in `info` before arming the barrier.
 template <bool COMPRESSED>
-__device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, uint32_t* info,
-                                               const uint8_t* arena, long long loc, uint2 rec,
-                                               int role, int h, int H, int lane) {
+__device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, Info* info,
+                                               const uint8_t* arena, long long loc,
+                                               uint32_t rec_off, Marks marks, int role, int h,
+                                               int H, int lane) {
   if (COMPRESSED && !(loc & 1)) {
     if (lane == 0) {
-      const uint32_t bytes = half_bytes(rec.y);
-      info[0] = rec.y; info[1] = 0;
+      const uint32_t bytes = half_bytes(marks);
+      info->marks = marks; info->open = 0;
       mbar_expect_tx(bar, bytes);
-      bulk_copy(stage, arena + loc + rec.x, bytes, bar);
+      bulk_copy(stage, arena + loc + rec_off, bytes, bar);
     }
     return;
   }
   if (lane == 0) {
-    info[0] = 0xFFFFFFFFu; info[1] = 1;
-    mbar_expect_tx(bar, 4096);
+    info->marks = ALL_RAW_MARKS; info->open = 1;
+    mbar_expect_tx(bar, STAGE_BYTES);
   }
   __syncwarp();
   const uint8_t* base = arena + (loc & ~1LL) + ((long long)role * PAGE * H + h) * D * 2;
-  if (lane < PAGE) bulk_copy(stage + 256 * lane, base + (long long)lane * H * D * 2, 256, bar);
+  if (lane < PAGE)
+    bulk_copy(stage + ROW_BYTES * lane, base + (long long)lane * H * D * 2, ROW_BYTES, bar);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -399,21 +461,21 @@ __device__ __forceinline__ void issue_half_tma(uint8_t* stage, uint64_t* bar, ui
 // ---------------------------------------------------------------------------------------------
 
 template <bool COMPRESSED, bool TMA>
-__device__ __forceinline__ int stage_kind(uint32_t marks, bool open_rows) {
+__device__ __forceinline__ int stage_kind(Marks marks, bool open_rows) {
   if (!COMPRESSED) return TMA ? OPEN_ROWS : ALL_RAW;      // the uncompressed kernel: open pages only
   if (open_rows) return OPEN_ROWS;
-  if (marks == 0xFFFFFFFFu) return ALL_RAW;
-  if ((marks & 0x80808080u) == 0) return ALL_COMPRESSED;        // no raw block, no escapes
+  if (marks == ALL_RAW_MARKS) return ALL_RAW;
+  if ((marks & BIT7_MARKS) == 0) return ALL_COMPRESSED;        // no raw block, no escapes
 #ifdef ZF_ESC_KIND
-  if (__vcmpeq4(marks, 0xFFFFFFFFu) == 0) return COMPRESSED_ESC;  // no raw block, escapes
+  if (raw_marks(marks) == 0) return COMPRESSED_ESC;            // no raw block, escapes
 #endif
   return MIXED;
 }
 
-// Sᵀ[16 tokens × 8 heads per n-tile] = K·Qᵀ over the 4 K blocks (chunk pair p = block p).
+// Sᵀ[16 tokens × 8 heads per n-tile] = K·Qᵀ over the NB K blocks (chunk pair p = block p).
 template <int KIND, int NT>
-__device__ __forceinline__ void qk_page(const uint8_t* st, uint32_t marks, const Lane (&ko)[2],
-                                        const int (&krow)[2], const uint32_t (&qb)[NT][8][2],
+__device__ __forceinline__ void qk_page(const uint8_t* st, Marks marks, const Lane (&ko)[2],
+                                        const int (&krow)[2], const uint32_t (&qb)[NT][2 * NB][2],
                                         float (&sc)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
@@ -434,25 +496,62 @@ __device__ __forceinline__ void qk_page(const uint8_t* st, uint32_t marks, const
   }
 }
 
-// V words of this lane: token 4k + t of block k, channel groups g and g+8.
-template <int KIND>
-__device__ __forceinline__ void gather_v(const uint8_t* st, uint32_t marks, const Lane (&vo)[2],
-                                         uint32_t (&vw)[NB][2][4]) {
+// V words of this lane for chunk CC of the m-tiles: tokens t + 4s (slot s), channel groups
+// g + 8(JC·CC + j). Slot s is in block (t + 4s) / TPB; with TPB = 2 (D = 256) lanes t < 2 and
+// t >= 2 read two different blocks (a MIXED page's branches may diverge there).
+template <int KIND, int CC>
+__device__ __forceinline__ void gather_v(const uint8_t* st, Marks marks,
+                                         const Lane (&vo)[NPOS][VG], int t,
+                                         uint32_t (&vw)[4][JC][4]) {
   int off = 0;
+  if constexpr (TPB >= 4) {
 #pragma unroll
-  for (int k = 0; k < NB; ++k) {
-    uint32_t mark;
-    block_at<KIND>(marks, k, off, mark);
+    for (int k = 0; k < NB; ++k) {
+      uint32_t mark;
+      block_at<KIND>(marks, k, off, mark);
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      read_group<KIND>(st + off, mark, vo[half], vo[half].raw, vw[k][half]);
-    if (KIND == MIXED) off += block_bytes(mark);
+      for (int u = 0; u < 4 / NB; ++u)
+#pragma unroll
+        for (int j = 0; j < JC; ++j) {
+          const Lane& o = vo[u % NPOS][JC * CC + j];
+          read_group<KIND>(st + off, mark, o, o.raw, vw[k * (4 / NB) + u][j]);
+        }
+      if (KIND == MIXED) off += block_bytes(mark);
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      int off0 = off, off1;
+      uint32_t mark0, mark1;
+      block_at<KIND>(marks, 2 * s, off0, mark0);
+      if (KIND == MIXED) off = off0 + block_bytes(mark0);
+      off1 = off;
+      block_at<KIND>(marks, 2 * s + 1, off1, mark1);
+      if (KIND == MIXED) off = off1 + block_bytes(mark1);
+      const int o_blk = t >= 2 ? off1 : off0;
+      const uint32_t mark = t >= 2 ? mark1 : mark0;
+#pragma unroll
+      for (int j = 0; j < JC; ++j) {
+        const Lane& o = vo[0][JC * CC + j];
+        read_group<KIND>(st + o_blk, mark, o, o.raw, vw[s][j]);
+      }
+    }
   }
 }
 
-// Occupancy is bounded by shared memory (4 warps x STAGES x 4 KB per CTA); the register cap
-// makes registers allow as many CTAs per SM.
-constexpr int ctas_per_sm(int stages) { return stages <= 3 ? 4 : stages <= 4 ? 3 : stages <= 6 ? 2 : 1; }
+// Oᵀ m-tile i, row g (hi = 0) or g + 8 (hi = 1): the head dim it holds for lane group g.
+// Chunk i / TPC, its local index x = i % TPC (+ TPC for row g + 8) picks group j = x / 8 of
+// the chunk and channel x % 8 of it.
+__device__ __forceinline__ constexpr int o_dim(int i, int hi, int g) {
+  return 64 * (JC * (i / TPC) + (i % TPC + hi * TPC) / 8) + 8 * g + (i % TPC + hi * TPC) % 8;
+}
+
+// Occupancy is bounded by shared memory (4 warps x STAGES x STAGE_BYTES per CTA); the register
+// cap makes registers allow as many CTAs per SM.
+constexpr int ctas_per_sm(int stages) {
+  if (D == 256) return stages <= 2 ? 3 : stages <= 3 ? 2 : 1;
+  return stages <= 3 ? 4 : stages <= 4 ? 3 : stages <= 6 ? 2 : 1;
+}
 
 // ---------------------------------------------------------------------------------------------
 // One warp's flash-decoding state over its pages, and the steps both kernels run per page
@@ -465,21 +564,22 @@ constexpr int ctas_per_sm(int stages) { return stages <= 3 ? 4 : stages <= 4 ? 3
 // another): its state stays (m = -inf, l = 0) and it is left out of every sum.
 template <bool COMPRESSED, int NT, bool TMA, bool PACKED>
 struct Flash {
-  uint32_t qb[NT][8][2];     // Qᵀ as B fragments: {slots 2t.., 2t+8..} of head 8nt + g, chunk kc
-  float acc[NT][8][4];       // Oᵀ m-tile i; e = 0,1: dim 8g+i, heads 8nt+2t, +1; e = 2,3: dim 64+8g+i
+  uint32_t qb[NT][2 * NB][2];  // Qᵀ as B fragments: {slots 2t.., 2t+8..} of head 8nt + g, chunk kc
+  float acc[NT][TILES][4];   // Oᵀ m-tile i; heads 8nt+2t+(e&1); dim o_dim(i, e >= 2, g)
   float m_run[NT][2], l_run[NT][2];   // heads 8nt + 2t + e (log2 domain; partial sums)
   uint32_t pb[NT][2];        // Pᵀ of the current page as B fragments
   int span_lo[NT][2], span_hi[NT][2], shared_end, slots;
   const int* span;
   int sig, lane_t;           // σ(g): token of A row g (K) for this lane; t
-  Lane ko[2], vo[2];
+  Lane ko[2], vo[NPOS][VG];
   int krow[2];
   float qk_scale;
   int ctx;
 
+  // row0: the CTA's first query row, head0 of the group's G; n: its heads (cta_heads)
   __device__ __forceinline__ void init(const __nv_bfloat16* q, long long row0, int b, int G,
-                                       const int* spans, int slot_heads, float scale, int ctx_,
-                                       int lane) {
+                                       int n, int head0, const int* spans, int slot_heads,
+                                       float scale, int ctx_, int lane) {
     const int g = lane >> 2, t = lane & 3;
     qk_scale = scale;
     ctx = ctx_;
@@ -493,7 +593,7 @@ struct Flash {
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int r = PACKED ? min((8 * nt + 2 * t + e) / slot_heads, slots - 1) : 0;
+        const int r = PACKED ? min((head0 + 8 * nt + 2 * t + e) / slot_heads, slots - 1) : 0;
         span_lo[nt][e] = PACKED ? span[2 * r] : 0;
         span_hi[nt][e] = PACKED ? span[2 * r + 1] : 0;
       }
@@ -503,7 +603,7 @@ struct Flash {
 #pragma unroll
       for (int p = 0; p < NB; ++p) {
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (head < G) v = *reinterpret_cast<const uint4*>(q + (row0 + head) * D + 32 * p + 8 * t);
+        if (head < n) v = *reinterpret_cast<const uint4*>(q + (row0 + head) * D + 32 * p + 8 * t);
         qb[nt][2 * p][0] = v.x;       // chunk 2p:   slots 2t.. = channels +0,+1; 2t+8.. = +2,+3
         qb[nt][2 * p][1] = v.y;
         qb[nt][2 * p + 1][0] = v.z;   // chunk 2p+1: channels +4,+5 and +6,+7
@@ -513,24 +613,26 @@ struct Flash {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[nt][i][0] = acc[nt][i][1] = acc[nt][i][2] = acc[nt][i][3] = 0.f;
+      for (int i = 0; i < TILES; ++i) acc[nt][i][0] = acc[nt][i][1] = acc[nt][i][2] = acc[nt][i][3] = 0.f;
       m_run[nt][0] = m_run[nt][1] = -INFINITY;
       l_run[nt][0] = l_run[nt][1] = 0.f;
     }
-    // this lane's groups: K rows σ(g), σ(g)+8 at channels 8t.. of each block; V token t of
-    // each block at channel groups g and g+8
+    // this lane's groups: K rows σ(g), σ(g)+8 at channels 8t.. of each block; V tokens t + 4s
+    // (row (t + 4s) % TPB of their block) at channel groups g + 8j
     sig = (g >> 1) + 4 * (g & 1);
     ko[0] = lane_offsets<TMA>(4 * sig + t);
     ko[1] = lane_offsets<TMA>(4 * (sig + 8) + t);
-    vo[0] = lane_offsets<TMA>(16 * t + g);
-    vo[1] = lane_offsets<TMA>(16 * t + 8 + g);
-    krow[0] = 256 * sig + 16 * t;            // open K, TMA layout
-    krow[1] = 256 * (sig + 8) + 16 * t;
+#pragma unroll
+    for (int u = 0; u < NPOS; ++u)
+#pragma unroll
+      for (int j = 0; j < VG; ++j) vo[u][j] = lane_offsets<TMA>((t + 4 * u) % TPB * (D / 8) + 8 * j + g);
+    krow[0] = ROW_BYTES * sig + 16 * t;      // open K, TMA layout
+    krow[1] = ROW_BYTES * (sig + 8) + 16 * t;
   }
 
   // ---- Sᵀ = K·Qᵀ over a staged K half (A rows g, g+8 = tokens σ(g), σ(g)+8), then the online
   // softmax over its tokens ----
-  __device__ __forceinline__ void keys(const uint8_t* st, uint32_t marks, bool open_rows, int page) {
+  __device__ __forceinline__ void keys(const uint8_t* st, Marks marks, bool open_rows, int page) {
     float sc[NT][4];
     const int kind = stage_kind<COMPRESSED, TMA>(marks, open_rows);
     if (kind == ALL_COMPRESSED) qk_page<ALL_COMPRESSED>(st, marks, ko, krow, qb, sc);
@@ -574,7 +676,7 @@ struct Flash {
       pb[nt][1] = transpose8x8(pack_bf16(sc[nt][2], sc[nt][3]));   // k slots 2t+8, 2t+9
       if (__any_sync(FULL, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < TILES; ++i) {
           acc[nt][i][0] *= alpha[0]; acc[nt][i][1] *= alpha[1];
           acc[nt][i][2] *= alpha[0]; acc[nt][i][3] *= alpha[1];
         }
@@ -582,18 +684,21 @@ struct Flash {
     }
   }
 
-  // ---- Oᵀ += Vᵀ·Pᵀ over a staged V half. V block k holds tokens 4k..4k+3; this lane reads
-  // token 4k + t ----
-  __device__ __forceinline__ void values(const uint8_t* st, uint32_t marks, int page) {
-    const int t = lane_t;
-    uint32_t vw[NB][2][4];   // [block k][half]: channels 64·half + 8g + 2·pair, +1 of token 4k+t
+  // ---- Oᵀ += Vᵀ·Pᵀ over a staged V half, in CHUNKS gathers of m-tiles; this lane reads
+  // tokens t + 4s (k slots 2t, 2t+1, 2t+8, 2t+9 = s 0..3) ----
+  __device__ __forceinline__ void values(const uint8_t* st, Marks marks, int page) {
     const int kind = stage_kind<COMPRESSED, false>(marks, false);   // V: never token rows
-    if (kind == ALL_COMPRESSED) gather_v<ALL_COMPRESSED>(st, marks, vo, vw);
-    else if (kind == ALL_RAW) gather_v<ALL_RAW>(st, marks, vo, vw);
-#ifdef ZF_ESC_KIND
-    else if (kind == COMPRESSED_ESC) gather_v<COMPRESSED_ESC>(st, marks, vo, vw);
-#endif
-    else gather_v<MIXED>(st, marks, vo, vw);
+#pragma unroll
+    for (int cc = 0; cc < CHUNKS; ++cc) values_chunk(cc, kind, st, marks, page);
+  }
+
+  __device__ __forceinline__ void values_chunk(int cc, int kind, const uint8_t* st, Marks marks,
+                                               int page) {
+    static_assert(CHUNKS <= 2, "one gather per chunk below");
+    const int t = lane_t;
+    uint32_t vw[4][JC][4];   // [slot s][j]: channels 64(JC·cc + j) + 8g + 2·pair, +1 of token t + 4s
+    if (cc == 0) gather_chunk<0>(kind, st, marks, vw);
+    else gather_chunk<CHUNKS - 1>(kind, st, marks, vw);
     int valid = min(PAGE, ctx - page * PAGE);
     if (PACKED) {   // the tokens some slot attends: a prefix of the page (ranges begin aligned)
       const int base = page * PAGE;
@@ -603,23 +708,34 @@ struct Flash {
     }
     if (valid < PAGE) {                              // the request's last, partial page
 #pragma unroll
-      for (int k = 0; k < NB; ++k)
-        if (4 * k + t >= valid)                      // past the end of the context
+      for (int s = 0; s < 4; ++s)
+        if (t + 4 * s >= valid)                      // past the end of the context
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
-            vw[k][half][0] = vw[k][half][1] = vw[k][half][2] = vw[k][half][3] = 0u;
+          for (int j = 0; j < JC; ++j) vw[s][j][0] = vw[s][j][1] = vw[s][j][2] = vw[s][j][3] = 0u;
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {                    // m-tile i: dims 8g+i and 64+8g+i
-      const int pair = i >> 1;
-      const uint32_t sel = (i & 1) ? 0x7632 : 0x5410;   // odd or even channel of the pair
-      const uint32_t a0 = __byte_perm(vw[0][0][pair], vw[1][0][pair], sel);  // tokens t, t+4
-      const uint32_t a1 = __byte_perm(vw[0][1][pair], vw[1][1][pair], sel);
-      const uint32_t a2 = __byte_perm(vw[2][0][pair], vw[3][0][pair], sel);  // t+8, t+12
-      const uint32_t a3 = __byte_perm(vw[2][1][pair], vw[3][1][pair], sel);
+    for (int x = 0; x < TPC; ++x) {                  // m-tile cc·TPC + x: dims o_dim(., 0/1, g)
+      const int j0 = x / 8, j1 = (x + TPC) / 8, pair0 = x % 8 / 2, pair1 = (x + TPC) % 8 / 2;
+      const uint32_t sel = (x & 1) ? 0x7632 : 0x5410;   // odd or even channel of the pair
+      const uint32_t a0 = __byte_perm(vw[0][j0][pair0], vw[1][j0][pair0], sel);  // tokens t, t+4
+      const uint32_t a1 = __byte_perm(vw[0][j1][pair1], vw[1][j1][pair1], sel);
+      const uint32_t a2 = __byte_perm(vw[2][j0][pair0], vw[3][j0][pair0], sel);  // t+8, t+12
+      const uint32_t a3 = __byte_perm(vw[2][j1][pair1], vw[3][j1][pair1], sel);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[nt][i], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
+      for (int nt = 0; nt < NT; ++nt)
+        mma_bf16(acc[nt][cc * TPC + x], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
     }
+  }
+
+  template <int CC>
+  __device__ __forceinline__ void gather_chunk(int kind, const uint8_t* st, Marks marks,
+                                               uint32_t (&vw)[4][JC][4]) {
+    if (kind == ALL_COMPRESSED) gather_v<ALL_COMPRESSED, CC>(st, marks, vo, lane_t, vw);
+    else if (kind == ALL_RAW) gather_v<ALL_RAW, CC>(st, marks, vo, lane_t, vw);
+#ifdef ZF_ESC_KIND
+    else if (kind == COMPRESSED_ESC) gather_v<COMPRESSED_ESC, CC>(st, marks, vo, lane_t, vw);
+#endif
+    else gather_v<MIXED, CC>(st, marks, vo, lane_t, vw);
   }
 };
 
@@ -650,11 +766,11 @@ __device__ __forceinline__ void combine(F& f, bool computes, uint8_t* smem, int 
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < TILES; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int head = 8 * nt + 2 * t + (e & 1);
-          const int dim = (e < 2 ? 0 : 64) + 8 * g + i;
+          const int dim = o_dim(i, e >= 2, g);
           so[(warp * ROWS + head) * SD + dim] = f.acc[nt][i][e];
         }
       if (g == 0) {
@@ -711,6 +827,22 @@ __device__ __forceinline__ void empty_split(long long row0, int G, int s, int nu
   }
 }
 
+// The CTA's KV head h and its query heads head0 .. head0 + n - 1 of the group's G: all of them,
+// or at D = 256 eight (one n-tile: sixteen heads' Oᵀ accumulators would spill), the group's
+// ceil(G / 8) passes being CTAs side by side in grid.y.
+constexpr int HEADS_PER_CTA = D == 256 ? 8 : 16;
+struct Heads {
+  int h, head0, n;
+};
+__device__ __forceinline__ Heads cta_heads(int G) {
+  if constexpr (HEADS_PER_CTA >= 16) {
+    return Heads{(int)blockIdx.y, 0, G};
+  } else {
+    const int passes = (G + HEADS_PER_CTA - 1) / HEADS_PER_CTA, pass = blockIdx.y % passes;
+    return Heads{(int)blockIdx.y / passes, HEADS_PER_CTA * pass, min(HEADS_PER_CTA, G - HEADS_PER_CTA * pass)};
+  }
+}
+
 // Both attention kernels take these (the launch: `Args`, below).
 #define KERNEL_PARAMS                                                                         \
   const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ arena,                     \
@@ -727,10 +859,12 @@ template <bool COMPRESSED, int NT, int STAGES, bool TMA, bool PACKED>
 __global__ void __launch_bounds__(THREADS, ctas_per_sm(STAGES))
 attention_kernel(KERNEL_PARAMS) {
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint32_t info_of[WARPS][STAGES][2];     // block marks, page is open (TMA)
+  __shared__ Info info_of[WARPS][STAGES];
   __shared__ uint64_t bars[WARPS][STAGES];            // TMA completion, one per stage
 
-  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int s = blockIdx.x, b = blockIdx.z;
+  const Heads hs = cta_heads(G);
+  const int h = hs.h;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   const int ctx = context_lens[b];
@@ -738,11 +872,11 @@ attention_kernel(KERNEL_PARAMS) {
   const int pps = split_size(n_pages, pages_per_split, num_splits);
   const int p_begin = s * pps;
   const int p_end = min(n_pages, p_begin + pps);
-  const long long row0 = (long long)b * H * G + (long long)h * G;   // first query row of the group
-  if (p_begin >= p_end) return empty_split(row0, G, s, num_splits, part_o, part_lse);
+  const long long row0 = (long long)b * H * G + (long long)h * G + hs.head0;   // first query row
+  if (p_begin >= p_end) return empty_split(row0, hs.n, s, num_splits, part_o, part_lse);
 
   Flash<COMPRESSED, NT, TMA, PACKED> f;
-  f.init(q, row0, b, G, spans, slot_heads, qk_scale, ctx, lane);
+  f.init(q, row0, b, G, hs.n, hs.head0, spans, slot_heads, qk_scale, ctx, lane);
 
   uint8_t* stages = smem + (size_t)warp * STAGES * STAGE_BYTES;
   if (TMA) {
@@ -761,8 +895,8 @@ attention_kernel(KERNEL_PARAMS) {
   // Metadata of 32 of this warp's pages at a time: lane j holds page 32·batch + j. `cur` serves
   // the copies being issued, `nxt` is the next batch, loaded one batch ahead.
   long long loc_cur = 0, loc_nxt = 0;
-  uint4 rec_cur = make_uint4(0, 0, 0, 0), rec_nxt = make_uint4(0, 0, 0, 0);
-  auto load_meta = [&](int batch, long long& loc, uint4& rec) {
+  Rec rec_cur{}, rec_nxt{};
+  auto load_meta = [&](int batch, long long& loc, Rec& rec) {
     int j = 32 * batch + lane;
     if (j < my_pages) page_meta<COMPRESSED>(arena, page_loc, bt[p_begin + warp + WARPS * j], h, loc, rec);
   };
@@ -777,16 +911,17 @@ attention_kernel(KERNEL_PARAMS) {
     }
     const int src = j & 31;
     long long loc = __shfl_sync(FULL, loc_cur, src);
-    uint2 rec;
-    rec.x = __shfl_sync(FULL, role ? rec_cur.z : rec_cur.x, src);
-    rec.y = __shfl_sync(FULL, role ? rec_cur.w : rec_cur.y, src);
+    uint32_t off;
+    Marks marks;
+    half_rec(rec_cur, role, src, off, marks);
     if (TMA) {
       issue_half_tma<COMPRESSED>(stages + issue_stage * STAGE_BYTES, &bars[warp][issue_stage],
-                                 info_of[warp][issue_stage], arena, loc, rec, role, h, H, lane);
+                                 &info_of[warp][issue_stage], arena, loc, off, marks, role, h,
+                                 H, lane);
     } else {
-      uint32_t mk = issue_half<COMPRESSED>(stages + issue_stage * STAGE_BYTES, arena, loc, rec,
-                                           role, h, H, lane);
-      if (lane == 0) info_of[warp][issue_stage][0] = mk, info_of[warp][issue_stage][1] = 0;
+      const Marks mk = issue_half<COMPRESSED>(stages + issue_stage * STAGE_BYTES, arena, loc,
+                                              off, marks, role, h, H, lane);
+      if (lane == 0) info_of[warp][issue_stage] = Info{mk, 0};
     }
     issue_stage = issue_stage + 1 == STAGES ? 0 : issue_stage + 1;
   };
@@ -809,14 +944,14 @@ attention_kernel(KERNEL_PARAMS) {
       __syncwarp();
     }
     const uint8_t* st = stages + stage * STAGE_BYTES;
-    const uint32_t marks = info_of[warp][stage][0];
+    const Marks marks = info_of[warp][stage].marks;
     const int page = p_begin + warp + WARPS * (u >> 1);
-    if ((u & 1) == 0) f.keys(st, marks, TMA && info_of[warp][stage][1], page);
+    if ((u & 1) == 0) f.keys(st, marks, TMA && info_of[warp][stage].open, page);
     else f.values(st, marks, page);
     __syncwarp();     // every lane is done with this stage before it is refilled
   }
   if (!TMA) cp_async_wait<0>();
-  combine<NT, PACKED, THREADS>(f, true, smem, warp, lane, row0, G, s, num_splits, out, part_o,
+  combine<NT, PACKED, THREADS>(f, true, smem, warp, lane, row0, hs.n, s, num_splits, out, part_o,
                                part_lse);
 }
 
@@ -825,8 +960,8 @@ attention_kernel(KERNEL_PARAMS) {
 // ---------------------------------------------------------------------------------------------
 // Warps 0..3 only compute; warp 4 copies. Page i of the split (i = 0, 1, ...) is computed by
 // warp i mod 4, as in attention_kernel (so both kernels sum the same values in the same order:
-// the same bits), and staged whole (K half at 0, V half at 4096) in that warp's ring of DEPTH
-// page slots: slot (i / 4) mod DEPTH. Each slot has two mbarriers: `full` (the producer arms it
+// the same bits), and staged whole (K half at 0, V half at STAGE_BYTES) in that warp's ring of
+// DEPTH page slots: slot (i / 4) mod DEPTH. Each slot has two mbarriers: `full` (the producer arms it
 // with the page's byte count; the bulk copies complete it) and `empty` (the computing warp's
 // lane 0 arrives when it is done with the slot). The producer works in rounds of 4·DEPTH pages,
 // one page a lane, so the metadata loads, byte counts and waits of a round run side by side;
@@ -834,23 +969,43 @@ attention_kernel(KERNEL_PARAMS) {
 constexpr int PRODUCER_THREADS = THREADS + 32;
 constexpr int SLOT_BYTES = 2 * STAGE_BYTES;
 
+struct PageInfo {            // what the producer staged in a slot: K and V marks, page is open
+  Marks k, v;
+  uint32_t open, pad;
+};
+
+// Pages in flight per computing warp (a build define, for tuning), and the register cap: at
+// D = 256 one page (64 KB a CTA) and 200 registers, two CTAs an SM (three would cap the
+// registers below a warp's state).
+#ifndef ZF_PRODUCER_DEPTH
+#define ZF_PRODUCER_DEPTH (ZF_HEAD_DIM == 256 ? 1 : 2)
+#endif
+constexpr int PRODUCER_DEPTH = ZF_PRODUCER_DEPTH;
+#if ZF_HEAD_DIM == 256
+#define ZF_PRODUCER_BOUNDS __maxnreg__(200)
+#else
+#define ZF_PRODUCER_BOUNDS __launch_bounds__(PRODUCER_THREADS, ctas_per_sm(2 * DEPTH))
+#endif
+
 template <bool COMPRESSED, int NT, int DEPTH, bool PACKED>
-__global__ void __launch_bounds__(PRODUCER_THREADS, ctas_per_sm(2 * DEPTH))
+__global__ void ZF_PRODUCER_BOUNDS
 producer_kernel(KERNEL_PARAMS) {
   static_assert(32 % (WARPS * DEPTH) == 0, "a round of pages must divide a metadata batch");
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint32_t info_of[WARPS][DEPTH][4];       // K marks, V marks, page is open
+  __shared__ PageInfo info_of[WARPS][DEPTH];
   __shared__ uint64_t full[WARPS][DEPTH], empty[WARPS][DEPTH];
 
-  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int s = blockIdx.x, b = blockIdx.z;
+  const Heads hs = cta_heads(G);
+  const int h = hs.h;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ctx = context_lens[b];
   const int n_pages = (ctx + PAGE - 1) / PAGE;
   const int pps = split_size(n_pages, pages_per_split, num_splits);
   const int p_begin = s * pps;
   const int n = min(n_pages, p_begin + pps) - p_begin;                // pages of this split
-  const long long row0 = (long long)b * H * G + (long long)h * G;
-  if (n <= 0) return empty_split(row0, G, s, num_splits, part_o, part_lse);
+  const long long row0 = (long long)b * H * G + (long long)h * G + hs.head0;
+  if (n <= 0) return empty_split(row0, hs.n, s, num_splits, part_o, part_lse);
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -867,8 +1022,8 @@ producer_kernel(KERNEL_PARAMS) {
     constexpr int R = WARPS * DEPTH;
     const int* bt = block_table + (long long)b * bt_stride + p_begin;
     long long loc_cur = 0, loc_nxt = 0;       // lane j: page 32·batch + j (cur), next batch (nxt)
-    uint4 rec_cur = make_uint4(0, 0, 0, 0), rec_nxt = make_uint4(0, 0, 0, 0);
-    auto load_meta = [&](int batch, long long& loc, uint4& rec) {
+    Rec rec_cur{}, rec_nxt{};
+    auto load_meta = [&](int batch, long long& loc, Rec& rec) {
       const int j = 32 * batch + lane;
       if (j < n) page_meta<COMPRESSED>(arena, page_loc, bt[j], h, loc, rec);
     };
@@ -882,36 +1037,38 @@ producer_kernel(KERNEL_PARAMS) {
       const int i = r0 + (lane & (R - 1));
       const int src = i & 31;
       const long long loc = __shfl_sync(FULL, loc_cur, src);
-      const uint4 rec = make_uint4(__shfl_sync(FULL, rec_cur.x, src), __shfl_sync(FULL, rec_cur.y, src),
-                                   __shfl_sync(FULL, rec_cur.z, src), __shfl_sync(FULL, rec_cur.w, src));
+      uint32_t koff, voff;
+      Marks kmarks, vmarks;
+      half_rec(rec_cur, 0, src, koff, kmarks);
+      half_rec(rec_cur, 1, src, voff, vmarks);
       if (lane < R && i < n) {
         const int c = i & (WARPS - 1), k = i / WARPS, d = k % DEPTH, use = k / DEPTH;
         if (use > 0) mbar_wait(&empty[c][d], (use - 1) & 1);      // its last page is done
         uint8_t* slot = smem + (size_t)(c * DEPTH + d) * SLOT_BYTES;
-        uint32_t* info = info_of[c][d];
+        PageInfo& info = info_of[c][d];
         if (COMPRESSED && !(loc & 1)) {
-          const uint32_t kb = half_bytes(rec.y), vb = half_bytes(rec.w);
-          info[0] = rec.y; info[1] = rec.w; info[2] = 0;
+          const uint32_t kb = half_bytes(kmarks), vb = half_bytes(vmarks);
+          info.k = kmarks; info.v = vmarks; info.open = 0;
 #ifdef ZF_DIAG_COMPUTE_ONLY   // diagnostic (wrong outputs): no bytes move, the slot's stale ones are used
           mbar_expect_tx(&full[c][d], 0);
 #else
           mbar_expect_tx(&full[c][d], kb + vb);
-          bulk_copy(slot, arena + loc + rec.x, kb, &full[c][d]);
-          bulk_copy(slot + STAGE_BYTES, arena + loc + rec.z, vb, &full[c][d]);
+          bulk_copy(slot, arena + loc + koff, kb, &full[c][d]);
+          bulk_copy(slot + STAGE_BYTES, arena + loc + voff, vb, &full[c][d]);
 #endif
         } else {
           // open page [2, 16, H, D]: 16 K rows (token-row layout), then 16 V rows (raw V layout)
-          info[0] = info[1] = 0xFFFFFFFFu; info[2] = 1;
+          info.k = info.v = ALL_RAW_MARKS; info.open = 1;
           mbar_expect_tx(&full[c][d], SLOT_BYTES);
           const uint8_t* base = arena + (loc & ~1LL) + (long long)h * D * 2;
           for (int row = 0; row < 2 * PAGE; ++row)
-            bulk_copy(slot + 256 * row, base + (long long)row * H * D * 2, 256, &full[c][d]);
+            bulk_copy(slot + ROW_BYTES * row, base + (long long)row * H * D * 2, ROW_BYTES, &full[c][d]);
         }
       }
     }
   } else {
     // ---- the computing warps: page warp + 4k, in slot k mod DEPTH ----
-    f.init(q, row0, b, G, spans, slot_heads, qk_scale, ctx, lane);
+    f.init(q, row0, b, G, hs.n, hs.head0, spans, slot_heads, qk_scale, ctx, lane);
     const int my_pages = (n - warp + WARPS - 1) / WARPS;
     for (int k = 0; k < my_pages; ++k) {
       const int d = k % DEPTH;
@@ -919,14 +1076,14 @@ producer_kernel(KERNEL_PARAMS) {
       const uint8_t* slot = smem + (size_t)(warp * DEPTH + d) * SLOT_BYTES;
       const int page = p_begin + warp + WARPS * k;
 #ifndef ZF_DIAG_COPY_ONLY     // diagnostic (wrong outputs): the pages arrive and are released unread
-      f.keys(slot, info_of[warp][d][0], info_of[warp][d][2], page);
-      f.values(slot + STAGE_BYTES, info_of[warp][d][1], page);
+      f.keys(slot, info_of[warp][d].k, info_of[warp][d].open, page);
+      f.values(slot + STAGE_BYTES, info_of[warp][d].v, page);
 #endif
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[warp][d]);
     }
   }
-  combine<NT, PACKED, PRODUCER_THREADS>(f, warp < WARPS, smem, warp, lane, row0, G, s,
+  combine<NT, PACKED, PRODUCER_THREADS>(f, warp < WARPS, smem, warp, lane, row0, hs.n, s,
                                         num_splits, out, part_o, part_lse);
 }
 
@@ -982,7 +1139,7 @@ cudaError_t launch(Kernel kernel, int threads, int stage_smem, int NT, const Arg
   const int smem = stage_smem > combine_smem ? stage_smem : combine_smem;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  dim3 grid(a.num_splits, a.H, a.B);
+  dim3 grid(a.num_splits, a.H * ((a.G + HEADS_PER_CTA - 1) / HEADS_PER_CTA), a.B);
   kernel<<<grid, threads, smem, a.stream>>>(
       static_cast<const __nv_bfloat16*>(a.q), static_cast<const uint8_t*>(a.arena),
       static_cast<const long long*>(a.page_loc), static_cast<const int*>(a.block_table),
@@ -999,13 +1156,14 @@ cudaError_t launch(Kernel kernel, int threads, int stage_smem, int NT, const Arg
 }
 
 // copy: 0 = each warp with cp.async, 1 = each warp with bulk copies, 2 = a producer warp with
-// bulk copies (depth = stages / 2 pages a computing warp; 4 stages only).
+// bulk copies (PRODUCER_DEPTH pages a computing warp; `stages` is ignored).
 template <bool COMPRESSED, int NT>
 cudaError_t launch_variant(int copy, int stages, const Args& a) {
 #define ZF_WARPS(S, T, P) \
   return launch(attention_kernel<COMPRESSED, NT, S, T, P>, THREADS, WARPS * S * STAGE_BYTES, NT, a)
 #define ZF_PRODUCER(P) \
-  return launch(producer_kernel<COMPRESSED, NT, 2, P>, PRODUCER_THREADS, WARPS * 2 * SLOT_BYTES, NT, a)
+  return launch(producer_kernel<COMPRESSED, NT, PRODUCER_DEPTH, P>, PRODUCER_THREADS,      \
+                WARPS * PRODUCER_DEPTH * SLOT_BYTES, NT, a)
   const bool packed = a.spans != nullptr;
   if (copy == 2) {
     if (packed) ZF_PRODUCER(true);
@@ -1029,21 +1187,26 @@ cudaError_t launch_variant(int copy, int stages, const Args& a) {
 // stages: copy depth in half pages (3, 4 or 6; others -> 4; packed: 3 or 4; producer: 4);
 // copy: 0 = cp.async, 1 = bulk copies (sm_90), 2 = bulk copies by a producer warp (sm_90).
 // spans: null, or the packed requests' slot ranges (int32 [B, G / slot_heads, 2], see Flash).
-extern "C" int zf_decode_attention(int compressed, int stages, int copy, const void* q,
+extern "C" int zf_decode_attention(int head_dim, int compressed, int stages, int copy, const void* q,
                                    const void* arena, const void* page_loc,
                                    const void* block_table, const void* context_lens, void* out,
                                    void* part_o, void* part_lse, float qk_scale, int bt_stride,
                                    int pages_per_split, int num_splits, int B, int H, int G,
                                    const void* spans, int slot_heads, void* stream) {
-  if (G < 1 || G > 16 || copy < 0 || copy > 2) return (int)cudaErrorInvalidValue;
+  if (head_dim != D || G < 1 || G > 16 || copy < 0 || copy > 2) return (int)cudaErrorInvalidValue;
   if (spans && (slot_heads < 1 || G % slot_heads != 0)) return (int)cudaErrorInvalidValue;
   const Args a{q, arena, page_loc, block_table, context_lens, out, part_o, part_lse, qk_scale,
                bt_stride, pages_per_split, num_splits, B, H, G, spans, slot_heads,
                static_cast<cudaStream_t>(stream)};
-  if (compressed) return (int)(G <= 8 ? launch_variant<true, 1>(copy, stages, a)
-                                      : launch_variant<true, 2>(copy, stages, a));
-  return (int)(G <= 8 ? launch_variant<false, 1>(copy, stages, a)
-                      : launch_variant<false, 2>(copy, stages, a));
+  if constexpr (HEADS_PER_CTA == 8) {
+    return (int)(compressed ? launch_variant<true, 1>(copy, stages, a)
+                            : launch_variant<false, 1>(copy, stages, a));
+  } else {
+    if (compressed) return (int)(G <= 8 ? launch_variant<true, 1>(copy, stages, a)
+                                        : launch_variant<true, 2>(copy, stages, a));
+    return (int)(G <= 8 ? launch_variant<false, 1>(copy, stages, a)
+                        : launch_variant<false, 2>(copy, stages, a));
+  }
 }
 
 extern "C" const char* zf_error_string(int err) {
