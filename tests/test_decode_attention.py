@@ -819,7 +819,10 @@ def check_packed(groups, lone, G, kind, pack_heads, seed, D=128, **kw):
     for b in range(got.shape[0]):
         rel = float((got[b].double() - ref[b]).norm() / ref[b].norm())
         assert rel < 1e-2, f"row {b}: relative error {rel:.3g} vs float64 {tag}"
-        assert float((got[b].double() - plain[b].double()).abs().max()) < 2e-2, f"row {b} vs plain {tag}"
+        # another summation order: within 2 bf16 ulps of the row's largest value (head_dim 256
+        # rows reach 13 on mixed data, where one ulp is 0.0625)
+        bound = max(2e-2, float(plain[b].double().abs().max()) / 64)
+        assert float((got[b].double() - plain[b].double()).abs().max()) <= bound, f"row {b} vs plain {tag}"
     assert same_bits(got, outs["open"]), f"compressed and open pages give different bits {tag}"
     assert same_bits(got, outs["uncompressed"]), f"fused and uncompressed kernels give different bits {tag}"
     # the same plan in a CUDA graph's buffers: more requests (padding, no keys), wider tables,
